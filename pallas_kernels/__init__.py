@@ -1,0 +1,13 @@
+"""Kernels for hybrid-attention models. Each op has a token-level reference, a chunked XLA path and
+a Pallas kernel behind one signature (`impl="auto"|"pallas"|"xla"|"reference"`).
+
+This package knows neither `cache` nor `hybrid_jax`: it takes arrays and returns arrays.
+"""
+from pallas_kernels import abi
+from pallas_kernels.gated_delta_rule import (
+    chunk_gated_delta_rule,
+    fused_recurrent_gated_delta_rule,
+    l2norm,
+)
+
+__all__ = ["abi", "chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule", "l2norm"]

@@ -1,0 +1,50 @@
+"""One registry of kernel ABI ids.
+
+An ABI id names what a kernel wrote and how it laid it out: the kernel's name, the layout of the
+cache object it writes, and a version that changes whenever either changes. The cache stores the
+id beside every object it holds, and refuses to let a kernel with another id read it.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelABI:
+    name: str      # the op, e.g. "gated_delta_rule"
+    layout: str    # the layout of the object it writes, e.g. "state[N,HV,K,V]:f32"
+    version: int
+
+    @property
+    def id(self) -> str:
+        return f"{self.name}/{self.layout}/v{self.version}"
+
+
+_REGISTRY: dict[str, KernelABI] = {}
+
+
+def register(abi: KernelABI) -> KernelABI:
+    """Adds an ABI to the registry; registering a different ABI under the same name is an error."""
+    old = _REGISTRY.get(abi.name)
+    if old is not None and old != abi:
+        raise ValueError(f"kernel ABI {abi.name!r} is already registered as {old.id}, not {abi.id}")
+    _REGISTRY[abi.name] = abi
+    return abi
+
+
+def get(name: str) -> KernelABI:
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise KeyError(f"no kernel ABI registered under {name!r}; known: {sorted(_REGISTRY)}") from None
+
+
+def all_abis() -> dict[str, KernelABI]:
+    return dict(_REGISTRY)
+
+
+# The objects the current kernels write. Every implementation of one op (reference, xla, pallas)
+# writes the same layout, so they share one id: a state written by one may be read by another.
+GATED_DELTA_RULE = register(KernelABI("gated_delta_rule", "state[N,HV,K,V]:f32", 1))
+CAUSAL_CONV1D = register(KernelABI("causal_conv1d", "conv_state[N,C,W-1]", 1))
+PAGED_ATTENTION = register(KernelABI("attention_kv", "kv[N,S,Hkv,D]", 1))

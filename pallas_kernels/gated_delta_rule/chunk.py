@@ -1,0 +1,129 @@
+"""Chunked gated delta rule in plain XLA (the WY / UT form) — the fast path on CPU.
+
+Inside a chunk of C tokens, with gc the cumulative log decay from the chunk start:
+    A   = (I + tril(beta_i k_i.k_j exp(gc_i - gc_j), -1))^-1          [C, C]
+    u   = A (beta v)        w = A (beta k exp(gc))
+Across chunks, with h the state entering the chunk:
+    v'  = u - w h
+    o   = (q exp(gc)) h + tril(q_i.k_j exp(gc_i - gc_j)) v'
+    h  <- exp(gc_last) h + (k exp(gc_last - gc))^T v'
+The unit-lower-triangular inverse is built from matmuls only:
+(I + N)^-1 = (I - N)(I + N^2)(I + N^4)...  since N is nilpotent (N^C = 0), so it needs log2(C)
+steps, no triangular solve (which can starve jaxlib's CPU thread pool) and lowers on every backend.
+Masks are applied to the exponent (a large negative) before the exp, never after.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.gated_delta_rule.common import check_inputs, default_scale, prepare
+
+_HI = jax.lax.Precision.HIGHEST
+
+
+def unit_lower_inverse(N: jax.Array) -> jax.Array:
+    """(I + N)^-1 for strictly lower-triangular N: [..., C, C] -> [..., C, C] by repeated squaring."""
+    C = N.shape[-1]
+    eye = jnp.eye(C, dtype=N.dtype)
+    P = -N
+    inv = eye + P
+    n = 2
+    while n < C:
+        P = jnp.matmul(P, P, precision=_HI)
+        inv = jnp.matmul(inv, eye + P, precision=_HI)
+        n *= 2
+    return inv
+
+
+def chunk_prepare(q, k, v, g, beta, C):
+    """Intra-chunk work, all chunks at once (no sequential dependency).
+
+    Inputs are fp32 and already scaled: q, k [B, T, H, K]; v [B, T, H, r, V]; g, beta [B, T, H, r]
+    with T a multiple of C. Returns per-chunk tensors with the chunk axis N leading:
+      qg    [N, B, H, r, C, K]  q * exp(gc)
+      kd    [N, B, H, r, C, K]  k * exp(gc_last - gc)
+      u     [N, B, H, r, C, V]
+      w     [N, B, H, r, C, K]
+      attn  [N, B, H, r, C, C]  tril(q k^T exp(gc_i - gc_j))
+      decay [N, B, H, r]        exp(gc_last)
+    """
+    B, T, H, K = q.shape
+    r, V = v.shape[3], v.shape[4]
+    N = T // C
+    qc = q.reshape(B, N, C, H, K).transpose(1, 0, 3, 2, 4)            # [N, B, H, C, K]
+    kc = k.reshape(B, N, C, H, K).transpose(1, 0, 3, 2, 4)
+    vc = v.reshape(B, N, C, H, r, V).transpose(1, 0, 3, 4, 2, 5)      # [N, B, H, r, C, V]
+    gc = jnp.cumsum(g.reshape(B, N, C, H, r), axis=2).transpose(1, 0, 3, 4, 2)   # [N, B, H, r, C]
+    bc = beta.reshape(B, N, C, H, r).transpose(1, 0, 3, 4, 2)          # [N, B, H, r, C]
+
+    diff = gc[..., :, None] - gc[..., None, :]                         # [N, B, H, r, C, C]
+    i = jnp.arange(C)
+    strict = i[:, None] > i[None, :]
+    causal = i[:, None] >= i[None, :]
+    gamma_strict = jnp.exp(jnp.where(strict, diff, -1e30))
+    gamma_causal = jnp.exp(jnp.where(causal, diff, -1e30))
+
+    kk = jnp.einsum("nbhck,nbhdk->nbhcd", kc, kc, precision=_HI)[:, :, :, None]   # [N, B, H, 1, C, C]
+    qk = jnp.einsum("nbhck,nbhdk->nbhcd", qc, kc, precision=_HI)[:, :, :, None]
+    A = unit_lower_inverse(bc[..., :, None] * kk * gamma_strict)
+    attn = qk * gamma_causal
+
+    eg = jnp.exp(gc)[..., None]                                         # [N, B, H, r, C, 1]
+    rhs = jnp.concatenate([bc[..., None] * vc, bc[..., None] * kc[:, :, :, None] * eg], axis=-1)
+    uw = jnp.matmul(A, rhs, precision=_HI)
+    u, w = uw[..., :V], uw[..., V:]
+    qg = qc[:, :, :, None] * eg
+    kd = kc[:, :, :, None] * jnp.exp(gc[..., -1:] - gc)[..., None]
+    return qg, kd, u, w, attn, jnp.exp(gc[..., -1])
+
+
+def chunk_scan(h0, qg, kd, u, w, attn, decay):
+    """The sequential part: carry the state h [B, H, r, K, V] across chunks.
+    Returns (o [N, B, H, r, C, V], final h)."""
+    def step(h, xs):
+        qg_n, kd_n, u_n, w_n, attn_n, decay_n = xs
+        v_new = u_n - jnp.matmul(w_n, h, precision=_HI)
+        o = jnp.matmul(qg_n, h, precision=_HI) + jnp.matmul(attn_n, v_new, precision=_HI)
+        h = decay_n[..., None, None] * h + jnp.matmul(jnp.swapaxes(kd_n, -1, -2), v_new, precision=_HI)
+        return h, o
+    h, o = jax.lax.scan(step, h0, (qg, kd, u, w, attn, decay))
+    return o, h
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "output_final_state", "use_qk_l2norm_in_kernel",
+                                             "chunk_size"))
+def chunk_gated_delta_rule_xla(
+    q: jax.Array,            # [B, T, H, K]
+    k: jax.Array,            # [B, T, H, K]
+    v: jax.Array,            # [B, T, HV, V]
+    g: jax.Array,            # [B, T, HV]
+    beta: jax.Array,         # [B, T, HV]
+    scale: float | None = None,
+    initial_state: jax.Array | None = None,  # [B, HV, K, V] fp32
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    chunk_size: int = 64,
+):
+    """Chunked form. Returns (o [B, T, HV, V] in v.dtype, final state [B, HV, K, V] fp32 or None).
+    T is padded up to a multiple of chunk_size with g = 0, beta = 0 (which leave the state unchanged)."""
+    B, T, H, K, HV, V = check_inputs(q, k, v, g, beta, initial_state)
+    r = HV // H
+    out_dtype = v.dtype
+    q, k, v, g, beta = prepare(q, k, v, g, beta, default_scale(scale, K), use_qk_l2norm_in_kernel)
+    C = chunk_size
+    pad = (-T) % C
+    if pad:
+        q, k, v, g, beta = (jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+                            for x in (q, k, v, g, beta))
+    Tp = T + pad
+    h0 = (jnp.zeros((B, HV, K, V), jnp.float32) if initial_state is None
+          else initial_state.astype(jnp.float32)).reshape(B, H, r, K, V)
+    parts = chunk_prepare(q, k, v.reshape(B, Tp, H, r, V), g.reshape(B, Tp, H, r),
+                          beta.reshape(B, Tp, H, r), C)
+    o, h = chunk_scan(h0, *parts)
+    # o: [N, B, H, r, C, V] -> [B, N, C, H, r, V]
+    o = o.transpose(1, 0, 4, 2, 3, 5).reshape(B, Tp, HV, V)[:, :T].astype(out_dtype)
+    return o, (h.reshape(B, HV, K, V) if output_final_state else None)

@@ -1,0 +1,67 @@
+"""Shared pieces of the gated delta rule implementations: input checks, l2norm, head grouping.
+
+Conventions (flash-linear-attention's):
+  q, k: [B, T, H, K]      v: [B, T, HV, V] with HV a multiple of H
+  g (log decay), beta:    [B, T, HV]
+  state:                  [N, HV, K, V] in fp32 (N = B, or the number of sequences with cu_seqlens)
+Value head `hv` reads key head `hv // (HV // H)`; keys are never repeated in memory.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+IMPLS = ("auto", "pallas", "xla", "reference")
+
+
+def l2norm(x: jax.Array, eps: float = 1e-6) -> jax.Array:
+    """x / sqrt(sum(x^2) + eps) over the last axis, in fp32 (matches fla and transformers)."""
+    x = x.astype(jnp.float32)
+    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
+
+
+def check_inputs(q, k, v, g, beta, initial_state, cu_seqlens=None):
+    """Validates shapes; returns (B, T, H, K, HV, V). Raises ValueError naming the problem."""
+    if q.ndim != 4 or k.shape != q.shape:
+        raise ValueError(f"q and k must both be [B, T, H, K]; got q {q.shape}, k {k.shape}")
+    B, T, H, K = q.shape
+    if v.ndim != 4 or v.shape[:2] != (B, T):
+        raise ValueError(f"v must be [B, T, HV, V] with B={B}, T={T}; got {v.shape}")
+    HV, V = v.shape[2], v.shape[3]
+    if HV % H:
+        raise ValueError(f"value heads HV={HV} must be a multiple of key heads H={H}")
+    if g.shape != (B, T, HV):
+        raise ValueError(f"g must be [B, T, HV] = {(B, T, HV)}; got {g.shape}")
+    if beta.shape != (B, T, HV):
+        raise ValueError(f"beta must be [B, T, HV] = {(B, T, HV)}; got {beta.shape}")
+    if cu_seqlens is not None:
+        if B != 1:
+            raise ValueError(f"cu_seqlens needs a packed batch with B == 1; got B={B}")
+        n = cu_seqlens.shape[0] - 1
+    else:
+        n = B
+    if initial_state is not None and initial_state.shape != (n, HV, K, V):
+        raise ValueError(f"initial_state must be [N, HV, K, V] = {(n, HV, K, V)}; got {initial_state.shape}")
+    return B, T, H, K, HV, V
+
+
+def prepare(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel):
+    """Casts to fp32, applies l2norm and the query scale. Returns fp32 (q, k, v, g, beta)."""
+    if use_qk_l2norm_in_kernel:
+        q, k = l2norm(q), l2norm(k)
+    q = q.astype(jnp.float32) * scale
+    return (q, k.astype(jnp.float32), v.astype(jnp.float32),
+            g.astype(jnp.float32), beta.astype(jnp.float32))
+
+
+def default_scale(scale, K):
+    return K ** -0.5 if scale is None else scale
+
+
+def resolve_impl(impl: str) -> str:
+    """`auto` picks the Pallas kernel on GPU/TPU and the chunked XLA path on CPU."""
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}; got {impl!r}")
+    if impl == "auto":
+        return "pallas" if jax.default_backend() in ("gpu", "cuda", "rocm", "tpu") else "xla"
+    return impl

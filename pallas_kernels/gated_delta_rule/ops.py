@@ -1,0 +1,96 @@
+"""Public gated delta rule ops: one signature, implementations chosen by `impl`.
+
+  impl="reference"  token-level `lax.scan` (naive.py)
+  impl="xla"        chunked WY/UT form in plain XLA (chunk.py); the recurrent op uses the
+                    token scan, which is what a decode step or a short verify window wants
+  impl="pallas"     Pallas kernels (interpret mode on CPU)
+  impl="auto"       Pallas on GPU/TPU, XLA on CPU
+"""
+from __future__ import annotations
+
+import jax
+
+from pallas_kernels.gated_delta_rule import chunk as _chunk
+from pallas_kernels.gated_delta_rule import naive as _naive
+from pallas_kernels.gated_delta_rule.common import check_inputs, resolve_impl
+
+
+def _pallas_chunk():
+    try:
+        from pallas_kernels.gated_delta_rule import pallas_chunk  # noqa: PLC0415
+    except ImportError:
+        return None
+    return pallas_chunk
+
+
+def _pallas_recurrent():
+    try:
+        from pallas_kernels.gated_delta_rule import pallas_recurrent  # noqa: PLC0415
+    except ImportError:
+        return None
+    return pallas_recurrent
+
+
+def chunk_gated_delta_rule(
+    q: jax.Array,            # [B, T, H, K]
+    k: jax.Array,            # [B, T, H, K]
+    v: jax.Array,            # [B, T, HV, V]
+    g: jax.Array,            # [B, T, HV]  log decay
+    beta: jax.Array,         # [B, T, HV]
+    *,
+    scale: float | None = None,
+    initial_state: jax.Array | None = None,  # [N, HV, K, V] fp32
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    cu_seqlens: jax.Array | None = None,     # [N + 1] int32, packed batch (B == 1)
+    chunk_size: int = 64,
+    impl: str = "auto",
+):
+    """Gated delta rule over a whole sequence (prefill). Returns (o [B, T, HV, V], final [N, HV, K, V] or None)."""
+    check_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
+    impl = resolve_impl(impl)
+    if cu_seqlens is not None:
+        raise NotImplementedError("cu_seqlens (packed variable-length batches) is not implemented yet")
+    if impl == "pallas" and _pallas_chunk() is not None:
+        return _pallas_chunk().chunk_gated_delta_rule_pallas(
+            q, k, v, g, beta, scale=scale, initial_state=initial_state,
+            output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+            chunk_size=chunk_size, interpret=jax.default_backend() == "cpu")
+    if impl == "reference":
+        return _naive.naive_recurrent_gated_delta_rule(
+            q, k, v, g, beta, scale=scale, initial_state=initial_state,
+            output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+    return _chunk.chunk_gated_delta_rule_xla(
+        q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, chunk_size=chunk_size)
+
+
+def fused_recurrent_gated_delta_rule(
+    q: jax.Array,            # [B, T, H, K]
+    k: jax.Array,            # [B, T, H, K]
+    v: jax.Array,            # [B, T, HV, V]
+    g: jax.Array,            # [B, T, HV]
+    beta: jax.Array,         # [B, T, HV]
+    *,
+    scale: float | None = None,
+    initial_state: jax.Array | None = None,  # [N, HV, K, V] fp32
+    output_final_state: bool = False,
+    output_all_states: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    cu_seqlens: jax.Array | None = None,
+    impl: str = "auto",
+):
+    """Token-by-token gated delta rule (decode, speculative verify).
+    Returns (o, final state or None) and, with output_all_states, the states [B, T, HV, K, V] too."""
+    check_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
+    impl = resolve_impl(impl)
+    if cu_seqlens is not None:
+        raise NotImplementedError("cu_seqlens (packed variable-length batches) is not implemented yet")
+    if impl == "pallas" and _pallas_recurrent() is not None:
+        return _pallas_recurrent().fused_recurrent_gated_delta_rule_pallas(
+            q, k, v, g, beta, scale=scale, initial_state=initial_state,
+            output_final_state=output_final_state, output_all_states=output_all_states,
+            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, interpret=jax.default_backend() == "cpu")
+    return _naive.naive_recurrent_gated_delta_rule(
+        q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+        output_all_states=output_all_states, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
