@@ -1,0 +1,14 @@
+"""Cache state for hybrid models: pytrees carried through jit-compiled steps.
+
+Imports point one way: hybrid_jax -> cache -> pallas_kernels. This package knows no model class.
+"""
+from cache.state import (
+    KVGroup,
+    ModelCache,
+    RecurrentGroup,
+    bytes_per_token,
+    init_cache,
+    nbytes_by_group,
+)
+
+__all__ = ["KVGroup", "ModelCache", "RecurrentGroup", "bytes_per_token", "init_cache", "nbytes_by_group"]

@@ -1,0 +1,108 @@
+"""Cache state as pure pytrees, one group per layer type, passed into and out of every jitted step.
+
+A group stacks the objects of all layers of its kind on a leading layer axis, so the whole cache
+is a handful of arrays: what a step reads and writes is explicit in its signature, and a snapshot
+is just a reference to the old pytree. Static facts (which kernel ABI wrote a group, which model
+layers it holds) live in the treedef, not in arrays, so they cost nothing at run time and a
+mismatch changes the compiled step rather than being read silently.
+
+  RecurrentGroup  (linear_attention)  conv  [L, B, W-1, C]     ssm [L, B, HV, K, V] fp32
+  KVGroup         (full_attention)    k, v  [L, B, S, Hkv, D]
+  ModelCache      groups by layer type, lengths [B] (tokens written per row), version [B]
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels import abi as kernel_abi
+
+
+@flax.struct.dataclass
+class RecurrentGroup:
+    """Gated DeltaNet state of every linear-attention layer: conv window and recurrent state."""
+    conv: jax.Array            # [L, B, W-1, C]  the last W-1 conv inputs of each row
+    ssm: jax.Array             # [L, B, HV, K, V] fp32
+    layer_ids: tuple[int, ...] = flax.struct.field(pytree_node=False, default=())
+    writer_abi: str = flax.struct.field(pytree_node=False, default=kernel_abi.GATED_DELTA_RULE.id)
+
+    kind = "recurrent_state"
+
+
+@flax.struct.dataclass
+class KVGroup:
+    """Full-attention keys and values of every full-attention layer, S slots per row."""
+    k: jax.Array               # [L, B, S, Hkv, D]
+    v: jax.Array               # [L, B, S, Hkv, D]
+    layer_ids: tuple[int, ...] = flax.struct.field(pytree_node=False, default=())
+    writer_abi: str = flax.struct.field(pytree_node=False, default=kernel_abi.PAGED_ATTENTION.id)
+
+    kind = "full_kv"
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[2]
+
+
+@flax.struct.dataclass
+class ModelCache:
+    """The whole cache of a batch of B rows. `lengths[b]` tokens of row b are in it."""
+    groups: dict[str, Any]     # layer type -> RecurrentGroup | KVGroup
+    lengths: jax.Array         # [B] int32
+    version: jax.Array         # [B] int32, bumped on every write of a row
+
+    @property
+    def batch_size(self) -> int:
+        return self.lengths.shape[0]
+
+    def slot(self, layer_type: str, layer_id: int) -> int:
+        """Index of model layer `layer_id` inside its group's stacked arrays."""
+        return self.groups[layer_type].layer_ids.index(layer_id)
+
+
+def init_cache(*, batch_size: int, capacity: int, layer_types: tuple[str, ...], dtype,
+               conv_dim: int = 0, conv_width: int = 0, linear_heads: tuple[int, int, int] = (0, 0, 0),
+               kv_heads: int = 0, head_dim: int = 0) -> ModelCache:
+    """Empty cache for `batch_size` rows of up to `capacity` tokens.
+
+    linear_heads = (HV, K, V) of the recurrent state. Only groups whose layer type occurs are made.
+    """
+    groups: dict[str, Any] = {}
+    lin = tuple(i for i, t in enumerate(layer_types) if t == "linear_attention")
+    full = tuple(i for i, t in enumerate(layer_types) if t == "full_attention")
+    if lin:
+        hv, kd, vd = linear_heads
+        groups["linear_attention"] = RecurrentGroup(
+            conv=jnp.zeros((len(lin), batch_size, conv_width - 1, conv_dim), dtype),
+            ssm=jnp.zeros((len(lin), batch_size, hv, kd, vd), jnp.float32),
+            layer_ids=lin)
+    if full:
+        shape = (len(full), batch_size, capacity, kv_heads, head_dim)
+        groups["full_attention"] = KVGroup(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), layer_ids=full)
+    return ModelCache(groups=groups, lengths=jnp.zeros((batch_size,), jnp.int32),
+                      version=jnp.zeros((batch_size,), jnp.int32))
+
+
+def nbytes_by_group(cache: ModelCache) -> dict[str, dict[str, int]]:
+    """Bytes held per group and per array, read off the pytree itself."""
+    out = {}
+    for name, g in cache.groups.items():
+        leaves = {f: getattr(g, f) for f in ("conv", "ssm", "k", "v") if hasattr(g, f)}
+        out[name] = {f: int(np.prod(a.shape)) * a.dtype.itemsize for f, a in leaves.items()}
+        out[name]["total"] = sum(out[name].values())
+    return out
+
+
+def bytes_per_token(cache: ModelCache) -> dict[str, float]:
+    """Per group: bytes that grow with each token (KV) vs fixed per row (recurrent state)."""
+    res = {}
+    for name, g in cache.groups.items():
+        if isinstance(g, KVGroup):
+            res[name] = 2 * g.k.shape[0] * g.k.shape[3] * g.k.shape[4] * g.k.dtype.itemsize
+        else:
+            res[name] = 0.0
+    return res

@@ -1,0 +1,1 @@
+"""hybrid-jax: serving hybrid-attention LLMs in JAX."""

@@ -1,0 +1,194 @@
+"""Model configuration: a frozen dataclass read from a Hugging Face `config.json`.
+
+`model_type` picks the mapping; `layer_types` names each layer's mixer. A model type or a layer
+type this project does not implement fails here, with its name, before any weight is read.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+from hybrid_jax.errors import ConfigError
+
+# Every mixer the architecture family knows; SUPPORTED_LAYER_TYPES is what runs today.
+KNOWN_LAYER_TYPES = ("linear_attention", "full_attention", "sliding_attention", "sparse_attention",
+                     "compressed_sparse_attention", "heavily_compressed_attention")
+SUPPORTED_LAYER_TYPES = ("linear_attention", "full_attention")
+SUPPORTED_MODEL_TYPES = ("qwen3_next",)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    layer_types: tuple[str, ...]
+    # full attention
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rope_theta: float = 10000.0
+    partial_rotary_factor: float = 0.25
+    attention_bias: bool = False
+    max_position_embeddings: int = 32768
+    # Gated DeltaNet
+    linear_conv_kernel_dim: int = 4
+    linear_key_head_dim: int = 128
+    linear_value_head_dim: int = 128
+    linear_num_key_heads: int = 16
+    linear_num_value_heads: int = 32
+    # feed-forward
+    intermediate_size: int = 0
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    hidden_act: str = "silu"
+    # misc
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    pad_token_id: int | None = None
+    dtype: str = "float32"
+
+    def __post_init__(self):
+        unknown = sorted({t for t in self.layer_types if t not in KNOWN_LAYER_TYPES})
+        if unknown:
+            raise ConfigError(f"unknown layer type(s) {unknown} in layer_types; known: {list(KNOWN_LAYER_TYPES)}")
+        unsupported = sorted({t for t in self.layer_types if t not in SUPPORTED_LAYER_TYPES})
+        if unsupported:
+            raise ConfigError(f"layer type(s) {unsupported} are not supported yet for model_type "
+                              f"{self.model_type!r}; supported: {list(SUPPORTED_LAYER_TYPES)}")
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ConfigError(f"layer_types has {len(self.layer_types)} entries but num_hidden_layers is "
+                              f"{self.num_hidden_layers}")
+        if self.hidden_act != "silu":
+            raise ConfigError(f"hidden_act {self.hidden_act!r} is not supported (only 'silu')")
+        for name in ("vocab_size", "hidden_size", "num_hidden_layers"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive; got {getattr(self, name)}")
+        if "full_attention" in self.layer_types and self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError(f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                              f"num_key_value_heads={self.num_key_value_heads}")
+        if "linear_attention" in self.layer_types and self.linear_num_value_heads % self.linear_num_key_heads:
+            raise ConfigError(f"linear_num_value_heads={self.linear_num_value_heads} is not a multiple of "
+                              f"linear_num_key_heads={self.linear_num_key_heads}")
+        if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ConfigError(f"num_experts_per_tok={self.num_experts_per_tok} must be in [1, num_experts="
+                              f"{self.num_experts}]")
+
+    # --- derived, static facts the model and the cache use ---------------------------------------
+    def is_moe_layer(self, i: int) -> bool:
+        return (i not in self.mlp_only_layers and self.num_experts > 0
+                and (i + 1) % self.decoder_sparse_step == 0)
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def linear_conv_dim(self) -> int:
+        return 2 * self.linear_num_key_heads * self.linear_key_head_dim + \
+            self.linear_num_value_heads * self.linear_value_head_dim
+
+    def layers_of(self, kind: str) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t == kind)
+
+    def to_json(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["layer_types"] = list(self.layer_types)
+        d["mlp_only_layers"] = list(self.mlp_only_layers)
+        d["eos_token_ids"] = list(self.eos_token_ids)
+        return d
+
+
+def _eos_ids(v) -> tuple[int, ...]:
+    if v is None:
+        return ()
+    if isinstance(v, int):
+        return (v,)
+    return tuple(int(x) for x in v)
+
+
+def config_from_hf_dict(d: dict[str, Any]) -> ModelConfig:
+    """Maps a Hugging Face config dict to ModelConfig. Raises ConfigError naming what is wrong."""
+    if not isinstance(d, dict):
+        raise ConfigError("config.json must hold a JSON object")
+    model_type = d.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ConfigError(f"unknown model_type {model_type!r}; supported: {list(SUPPORTED_MODEL_TYPES)}")
+    try:
+        n_layers = int(d["num_hidden_layers"])
+        layer_types = d.get("layer_types")
+        if layer_types is None:
+            interval = int(d.get("full_attention_interval", 4))
+            layer_types = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(n_layers)]
+        rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", None):
+            raise ConfigError(f"rope_type {rope_type!r} is not supported (only 'default')")
+        rope_theta = float(rope.get("rope_theta", d.get("rope_theta", 10000.0)))
+        prf = float(rope.get("partial_rotary_factor", d.get("partial_rotary_factor", 0.25)))
+        heads = int(d["num_attention_heads"])
+        hidden = int(d["hidden_size"])
+        dtype = d.get("dtype") or d.get("torch_dtype") or "float32"
+        return ModelConfig(
+            model_type=model_type,
+            vocab_size=int(d["vocab_size"]),
+            hidden_size=hidden,
+            num_hidden_layers=n_layers,
+            layer_types=tuple(layer_types),
+            num_attention_heads=heads,
+            num_key_value_heads=int(d.get("num_key_value_heads", heads)),
+            head_dim=int(d.get("head_dim") or hidden // heads),
+            rope_theta=rope_theta,
+            partial_rotary_factor=prf,
+            attention_bias=bool(d.get("attention_bias", False)),
+            max_position_embeddings=int(d.get("max_position_embeddings", 32768)),
+            linear_conv_kernel_dim=int(d.get("linear_conv_kernel_dim", 4)),
+            linear_key_head_dim=int(d.get("linear_key_head_dim", 128)),
+            linear_value_head_dim=int(d.get("linear_value_head_dim", 128)),
+            linear_num_key_heads=int(d.get("linear_num_key_heads", 16)),
+            linear_num_value_heads=int(d.get("linear_num_value_heads", 32)),
+            intermediate_size=int(d.get("intermediate_size") or 0),
+            num_experts=int(d.get("num_experts") or 0),
+            num_experts_per_tok=int(d.get("num_experts_per_tok") or 0),
+            moe_intermediate_size=int(d.get("moe_intermediate_size") or 0),
+            shared_expert_intermediate_size=int(d.get("shared_expert_intermediate_size") or 0),
+            norm_topk_prob=bool(d.get("norm_topk_prob", True)),
+            decoder_sparse_step=int(d.get("decoder_sparse_step", 1) or 1),
+            mlp_only_layers=tuple(int(i) for i in (d.get("mlp_only_layers") or ())),
+            hidden_act=str(d.get("hidden_act", "silu")),
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_ids=_eos_ids(d.get("eos_token_id")),
+            pad_token_id=d.get("pad_token_id"),
+            dtype=str(dtype),
+        )
+    except KeyError as e:
+        raise ConfigError(f"config.json lacks the required field {e.args[0]!r}") from None
+    except (TypeError, ValueError) as e:
+        if isinstance(e, ConfigError):
+            raise
+        raise ConfigError(f"config.json has a malformed value: {e}") from None
+
+
+def load_config(path: str) -> ModelConfig:
+    """Reads `<path>/config.json` (or the file itself)."""
+    f = os.path.join(path, "config.json") if os.path.isdir(path) else path
+    if not os.path.exists(f):
+        raise ConfigError(f"no config.json found at {f}")
+    try:
+        with open(f, encoding="utf-8") as fh:
+            d = json.load(fh)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{f} is not valid JSON: {e}") from None
+    return config_from_hf_dict(d)

@@ -1,0 +1,1 @@
+"""Functional building blocks of the models: pure functions of (params, arrays)."""

@@ -1,0 +1,61 @@
+"""Feed-forward layers: SwiGLU MLP, and the sparse MoE block with a gated shared expert.
+
+MoE routing: softmax over experts in fp32, Top-k, optional renormalisation. Few routed rows (decode)
+gather the k chosen experts' weights per token; many (prefill) sort rows by expert and run two
+grouped matmuls (`lax.ragged_dot`), so no expert computes a token it was not routed.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def swiglu(x: jax.Array, gate_up: jax.Array, down: jax.Array) -> jax.Array:
+    """x: [..., Hd]; gate_up: [Hd, 2I]; down: [I, Hd]."""
+    g, u = jnp.split(x @ gate_up, 2, axis=-1)
+    return (jax.nn.silu(g) * u) @ down
+
+
+def _routed_gather(x, idx, w, gate_up, down):
+    # x: [M, Hd]; idx, w: [M, k]; gate_up: [E, Hd, 2I]; down: [E, I, Hd]
+    h = jnp.einsum("mh,mkhi->mki", x, gate_up[idx])
+    g, u = jnp.split(h, 2, axis=-1)
+    y = jnp.einsum("mki,mkih->mkh", jax.nn.silu(g) * u, down[idx])
+    return jnp.einsum("mkh,mk->mh", y, w.astype(y.dtype))
+
+
+def _routed_sorted(x, idx, w, gate_up, down):
+    M, k = idx.shape
+    E = gate_up.shape[0]
+    flat_e = idx.reshape(-1)
+    order = jnp.argsort(flat_e, stable=True)
+    tok = order // k
+    sizes = jnp.bincount(flat_e, length=E).astype(jnp.int32)
+    xs = x[tok]
+    h = jax.lax.ragged_dot(xs, gate_up, sizes)
+    g, u = jnp.split(h, 2, axis=-1)
+    y = jax.lax.ragged_dot(jax.nn.silu(g) * u, down, sizes)
+    y = y * w.reshape(-1)[order][:, None].astype(y.dtype)
+    return jnp.zeros_like(x).at[tok].add(y)
+
+
+def sparse_moe(p: dict, x: jax.Array, *, num_experts: int, top_k: int, norm_topk_prob: bool) -> jax.Array:
+    """x: [B, T, Hd]. p: in_proj [Hd, E + 1 + 2Is] (router | shared gate | shared gate_up),
+    shared_down [Is, Hd], gate_up [E, Hd, 2I], down [E, I, Hd]."""
+    B, T, Hd = x.shape
+    x2 = x.reshape(B * T, Hd)
+    E = num_experts
+    proj = x2 @ p["in_proj"]
+    logits, sgate, shared_gu = proj[:, :E], proj[:, E:E + 1], proj[:, E + 1:]
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    w, idx = jax.lax.top_k(probs, top_k)
+    if norm_topk_prob:
+        w = w / jnp.sum(w, axis=-1, keepdims=True)
+    w = w.astype(logits.dtype)
+    if B * T * top_k <= E:
+        routed = _routed_gather(x2, idx, w, p["gate_up"], p["down"])
+    else:
+        routed = _routed_sorted(x2, idx, w, p["gate_up"], p["down"])
+    sg, su = jnp.split(shared_gu, 2, axis=-1)
+    shared = ((jax.nn.silu(sg) * su) @ p["shared_down"]) * jax.nn.sigmoid(sgate)
+    return (routed + shared).reshape(B, T, Hd)

@@ -1,0 +1,263 @@
+"""Qwen3-Next (hybrid Gated DeltaNet + gated full attention, MoE) as pure functions.
+
+`forward(params, cache, tokens, n_new)` runs T new tokens per row through every layer and returns
+logits and the updated cache; prefill, chunked prefill and decode are the same function at
+different T. Parameters use the layout below, produced once at load by `convert_hf_weights`:
+
+  embed [V, Hd]; lm_head [Hd, V] (absent when tied); final_norm [Hd]
+  layer: input_norm, post_norm [Hd]
+    linear_attention: in_proj [Hd, 2*H*K + 2*HV*V + 2*HV] (q|k|v|z|b|a), conv [W, C], A_log, dt_bias [HV],
+                      norm [V], out_proj [HV*V, Hd]
+    full_attention:   qkv [Hd, 2*Hq*D + 2*Hkv*D] (q|gate|k|v), q_norm, k_norm [D], o_proj [Hq*D, Hd]
+    dense MLP:        mlp.gate_up [Hd, 2I], mlp.down [I, Hd]
+    MoE:              moe.in_proj [Hd, E+1+2Is], moe.shared_down [Is, Hd], moe.gate_up [E, Hd, 2I],
+                      moe.down [E, I, Hd]
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from cache import ModelCache, init_cache
+from hybrid_jax.config import ModelConfig
+from hybrid_jax.errors import CheckpointError
+from hybrid_jax.layers.attention import gated_attention
+from hybrid_jax.layers.gated_deltanet import gated_deltanet
+from hybrid_jax.layers.mlp import sparse_moe, swiglu
+from hybrid_jax.layers.norms import rms_norm_zero_centered
+from hybrid_jax.layers.rope import rope_cos_sin
+
+
+def new_cache(cfg: ModelConfig, batch_size: int, capacity: int, dtype) -> ModelCache:
+    """An empty cache for this model: one group per layer type."""
+    return init_cache(
+        batch_size=batch_size, capacity=capacity, layer_types=cfg.layer_types, dtype=dtype,
+        conv_dim=cfg.linear_conv_dim, conv_width=cfg.linear_conv_kernel_dim,
+        linear_heads=(cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim),
+        kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim)
+
+
+def _ffn(cfg: ModelConfig, lp: dict, x: jax.Array) -> jax.Array:
+    if "moe" in lp:
+        return sparse_moe(lp["moe"], x, num_experts=cfg.num_experts, top_k=cfg.num_experts_per_tok,
+                          norm_topk_prob=cfg.norm_topk_prob)
+    return swiglu(x, lp["mlp"]["gate_up"], lp["mlp"]["down"])
+
+
+def forward(cfg: ModelConfig, params: dict, cache: ModelCache, tokens: jax.Array, n_new: jax.Array, *,
+            logits_at: str = "last", impl: str = "auto", return_hidden: bool = False):
+    """Runs tokens through the model.
+
+    tokens: [B, T] int32 (row b's first n_new[b] entries are real, the rest padding); n_new: [B] int32.
+    logits_at: "last" -> logits [B, V] at each row's last real token; "all" -> [B, T, V].
+    Returns (logits, new cache) and, with return_hidden, the residual stream after each layer
+    ([L + 1] arrays [B, T, Hd], the embeddings first), for the alignment tool.
+    """
+    B, T = tokens.shape
+    t = jnp.arange(T, dtype=jnp.int32)
+    positions = cache.lengths[:, None] + t[None, :]                       # [B, T]
+    valid = t[None, :] < n_new[:, None]                                   # [B, T]
+    x = params["embed"][tokens]
+    hidden = [x] if return_hidden else None
+    cos, sin = rope_cos_sin(positions, cfg.rotary_dim, cfg.rope_theta)
+    groups = dict(cache.groups)
+    rec = groups.get("linear_attention")
+    kv = groups.get("full_attention")
+    conv_out, ssm_out, k_out, v_out = [], [], [], []
+    for i, lp in enumerate(params["layers"]):
+        h = rms_norm_zero_centered(x, lp["input_norm"], cfg.rms_norm_eps)
+        if cfg.layer_types[i] == "linear_attention":
+            s = rec.layer_ids.index(i)
+            h, conv, ssm = gated_deltanet(
+                lp["gdn"], h, valid, n_new, rec.conv[s], rec.ssm[s],
+                num_k_heads=cfg.linear_num_key_heads, num_v_heads=cfg.linear_num_value_heads,
+                head_k_dim=cfg.linear_key_head_dim, head_v_dim=cfg.linear_value_head_dim,
+                eps=cfg.rms_norm_eps, impl=impl)
+            conv_out.append(conv)
+            ssm_out.append(ssm)
+        else:
+            s = kv.layer_ids.index(i)
+            h, kc, vc = gated_attention(
+                lp["attn"], h, cos, sin, positions, valid, kv.k[s], kv.v[s],
+                num_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads,
+                head_dim=cfg.head_dim, eps=cfg.rms_norm_eps)
+            k_out.append(kc)
+            v_out.append(vc)
+        x = x + h
+        x = x + _ffn(cfg, lp, rms_norm_zero_centered(x, lp["post_norm"], cfg.rms_norm_eps))
+        if return_hidden:
+            hidden.append(x)
+    if rec is not None:
+        groups["linear_attention"] = rec.replace(conv=jnp.stack(conv_out), ssm=jnp.stack(ssm_out))
+    if kv is not None:
+        groups["full_attention"] = kv.replace(k=jnp.stack(k_out), v=jnp.stack(v_out))
+    new = cache.replace(groups=groups, lengths=cache.lengths + n_new,
+                        version=cache.version + (n_new > 0).astype(jnp.int32))
+    if logits_at == "last":
+        x = jnp.take_along_axis(x, jnp.maximum(n_new - 1, 0)[:, None, None], axis=1)[:, 0]
+    x = rms_norm_zero_centered(x, params["final_norm"], cfg.rms_norm_eps)
+    head = params["lm_head"] if "lm_head" in params else params["embed"].T
+    logits = jnp.dot(x, head, preferred_element_type=jnp.float32)
+    if return_hidden:
+        return logits, new, hidden
+    return logits, new
+
+
+# ------------------------------------------------------------------------------------------------
+# Parameters: deterministic init (the embedded default) and the one-time HF re-layout.
+
+def _shapes(cfg: ModelConfig) -> dict:
+    Hd = cfg.hidden_size
+    H, HV, K, V = (cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                   cfg.linear_value_head_dim)
+    Hq, Hkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    return dict(Hd=Hd, H=H, HV=HV, K=K, V=V, Hq=Hq, Hkv=Hkv, D=D)
+
+
+def init_params(cfg: ModelConfig, seed: int = 0, dtype=jnp.float32) -> dict:
+    """Deterministic random parameters in the converted layout (std 0.02, like HF's init)."""
+    s = _shapes(cfg)
+    rng = np.random.default_rng(seed)
+
+    def n(*shape, std=0.02):
+        return jnp.asarray(rng.normal(0.0, std, shape), dtype)
+
+    params = {"embed": n(cfg.vocab_size, s["Hd"]), "final_norm": jnp.zeros((s["Hd"],), dtype), "layers": []}
+    if not cfg.tie_word_embeddings:
+        params["lm_head"] = n(s["Hd"], cfg.vocab_size)
+    for i, kind in enumerate(cfg.layer_types):
+        lp = {"input_norm": jnp.zeros((s["Hd"],), dtype), "post_norm": jnp.zeros((s["Hd"],), dtype)}
+        if kind == "linear_attention":
+            H, HV, K, V = s["H"], s["HV"], s["K"], s["V"]
+            lp["gdn"] = {
+                "in_proj": n(s["Hd"], 2 * H * K + 2 * HV * V + 2 * HV),
+                "conv": n(cfg.linear_conv_kernel_dim, cfg.linear_conv_dim, std=0.3),
+                "A_log": jnp.asarray(np.log(rng.uniform(0.01, 16, HV)), dtype),
+                "dt_bias": jnp.ones((HV,), dtype),
+                "norm": jnp.ones((V,), dtype),
+                "out_proj": n(HV * V, s["Hd"]),
+            }
+        else:
+            Hq, Hkv, D = s["Hq"], s["Hkv"], s["D"]
+            lp["attn"] = {"qkv": n(s["Hd"], 2 * Hq * D + 2 * Hkv * D), "q_norm": jnp.zeros((D,), dtype),
+                          "k_norm": jnp.zeros((D,), dtype), "o_proj": n(Hq * D, s["Hd"])}
+        if cfg.is_moe_layer(i):
+            E, I, Is = cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
+            lp["moe"] = {"in_proj": n(s["Hd"], E + 1 + 2 * Is), "shared_down": n(Is, s["Hd"]),
+                         "gate_up": n(E, s["Hd"], 2 * I), "down": n(E, I, s["Hd"])}
+        else:
+            I = cfg.intermediate_size
+            lp["mlp"] = {"gate_up": n(s["Hd"], 2 * I), "down": n(I, s["Hd"])}
+        params["layers"].append(lp)
+    return params
+
+
+def expected_hf_keys(cfg: ModelConfig) -> list[str]:
+    """The tensor names a checkpoint must hold (per-expert form for MoE experts)."""
+    keys = ["model.embed_tokens.weight", "model.norm.weight"]
+    if not cfg.tie_word_embeddings:
+        keys.append("lm_head.weight")
+    for i, kind in enumerate(cfg.layer_types):
+        p = f"model.layers.{i}."
+        keys += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
+        if kind == "linear_attention":
+            keys += [p + "linear_attn." + n for n in ("in_proj_qkvz.weight", "in_proj_ba.weight", "conv1d.weight",
+                                                       "A_log", "dt_bias", "norm.weight", "out_proj.weight")]
+        else:
+            keys += [p + "self_attn." + n for n in ("q_proj.weight", "k_proj.weight", "v_proj.weight",
+                                                     "o_proj.weight", "q_norm.weight", "k_norm.weight")]
+    return keys
+
+
+def convert_hf_weights(cfg: ModelConfig, get: Callable[[str], np.ndarray], has: Callable[[str], bool],
+                       dtype, progress: Callable[[], None] = lambda: None) -> dict:
+    """Re-lays a Hugging Face Qwen3-Next checkpoint into the layout above, once, at load.
+
+    get(name) -> numpy array; has(name) -> bool. Raises CheckpointError naming a missing or
+    misshapen tensor."""
+    s = _shapes(cfg)
+    Hd = s["Hd"]
+
+    def t(name, shape=None):
+        if not has(name):
+            raise CheckpointError(f"checkpoint lacks tensor {name!r}")
+        a = np.asarray(get(name))
+        if shape is not None and tuple(a.shape) != tuple(shape):
+            raise CheckpointError(f"tensor {name!r} has shape {tuple(a.shape)}, expected {tuple(shape)} "
+                                  f"from config.json")
+        progress()
+        return a
+
+    def dev(a):
+        return jnp.asarray(np.asarray(a, dtype=np.float32) if a.dtype.kind != "f" else a, dtype=dtype)
+
+    params = {"embed": dev(t("model.embed_tokens.weight", (cfg.vocab_size, Hd))),
+              "final_norm": dev(t("model.norm.weight", (Hd,))), "layers": []}
+    if not cfg.tie_word_embeddings:
+        params["lm_head"] = dev(t("lm_head.weight", (cfg.vocab_size, Hd)).T)
+    for i, kind in enumerate(cfg.layer_types):
+        p = f"model.layers.{i}."
+        lp = {"input_norm": dev(t(p + "input_layernorm.weight", (Hd,))),
+              "post_norm": dev(t(p + "post_attention_layernorm.weight", (Hd,)))}
+        if kind == "linear_attention":
+            H, HV, K, V = s["H"], s["HV"], s["K"], s["V"]
+            r = HV // H
+            a = p + "linear_attn."
+            # HF groups qkvz per key head: [H, (K | K | r*V | r*V)]; ba per key head: [H, (r | r)].
+            qkvz = t(a + "in_proj_qkvz.weight", (2 * H * K + 2 * HV * V, Hd)).reshape(H, 2 * K + 2 * r * V, Hd)
+            q, k, v, z = np.split(qkvz, [K, 2 * K, 2 * K + r * V], axis=1)
+            ba = t(a + "in_proj_ba.weight", (2 * HV, Hd)).reshape(H, 2 * r, Hd)
+            b, a_ = np.split(ba, [r], axis=1)
+            fused = np.concatenate([x.reshape(-1, Hd) for x in (q, k, v, z, b, a_)], axis=0)
+            conv = t(a + "conv1d.weight", (cfg.linear_conv_dim, 1, cfg.linear_conv_kernel_dim))
+            lp["gdn"] = {
+                "in_proj": dev(fused.T), "conv": dev(conv[:, 0, :].T),
+                "A_log": jnp.asarray(t(a + "A_log", (HV,)), jnp.float32),
+                "dt_bias": jnp.asarray(t(a + "dt_bias", (HV,)), jnp.float32),
+                "norm": dev(t(a + "norm.weight", (V,))),
+                "out_proj": dev(t(a + "out_proj.weight", (Hd, HV * V)).T),
+            }
+        else:
+            Hq, Hkv, D = s["Hq"], s["Hkv"], s["D"]
+            a = p + "self_attn."
+            # q_proj interleaves per head: [Hq, (query D | gate D)].
+            qg = t(a + "q_proj.weight", (2 * Hq * D, Hd)).reshape(Hq, 2 * D, Hd)
+            q, gate = qg[:, :D].reshape(-1, Hd), qg[:, D:].reshape(-1, Hd)
+            k = t(a + "k_proj.weight", (Hkv * D, Hd))
+            v = t(a + "v_proj.weight", (Hkv * D, Hd))
+            lp["attn"] = {"qkv": dev(np.concatenate([q, gate, k, v], axis=0).T),
+                          "q_norm": dev(t(a + "q_norm.weight", (D,))), "k_norm": dev(t(a + "k_norm.weight", (D,))),
+                          "o_proj": dev(t(a + "o_proj.weight", (Hd, Hq * D)).T)}
+            if cfg.attention_bias:
+                qb = t(a + "q_proj.bias", (2 * Hq * D,)).reshape(Hq, 2 * D)
+                lp["attn"]["qkv_bias"] = dev(np.concatenate([qb[:, :D].reshape(-1), qb[:, D:].reshape(-1),
+                                                             t(a + "k_proj.bias"), t(a + "v_proj.bias")]))
+                lp["attn"]["o_bias"] = dev(t(a + "o_proj.bias", (Hd,)))
+        m = p + "mlp."
+        if cfg.is_moe_layer(i):
+            E, I, Is = cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
+            router = t(m + "gate.weight", (E, Hd))
+            sgate = t(m + "shared_expert_gate.weight", (1, Hd))
+            sg = t(m + "shared_expert.gate_proj.weight", (Is, Hd))
+            su = t(m + "shared_expert.up_proj.weight", (Is, Hd))
+            if has(m + "experts.gate_up_proj"):          # fused 3-D layout
+                gate_up = np.swapaxes(t(m + "experts.gate_up_proj", (E, 2 * I, Hd)), 1, 2)
+                down = np.swapaxes(t(m + "experts.down_proj", (E, Hd, I)), 1, 2)
+            else:                                        # per-expert layout
+                gate_up = np.stack([np.concatenate([t(f"{m}experts.{e}.gate_proj.weight", (I, Hd)),
+                                                    t(f"{m}experts.{e}.up_proj.weight", (I, Hd))], 0).T
+                                    for e in range(E)])
+                down = np.stack([t(f"{m}experts.{e}.down_proj.weight", (Hd, I)).T for e in range(E)])
+            lp["moe"] = {"in_proj": dev(np.concatenate([router, sgate, sg, su], axis=0).T),
+                         "shared_down": dev(t(m + "shared_expert.down_proj.weight", (Hd, Is)).T),
+                         "gate_up": dev(gate_up), "down": dev(down)}
+        else:
+            I = cfg.intermediate_size
+            lp["mlp"] = {"gate_up": dev(np.concatenate([t(m + "gate_proj.weight", (I, Hd)),
+                                                        t(m + "up_proj.weight", (I, Hd))], 0).T),
+                         "down": dev(t(m + "down_proj.weight", (Hd, I)).T)}
+        params["layers"].append(lp)
+    return params
