@@ -11,6 +11,8 @@ The unit-lower-triangular inverse is built from matmuls only:
 (I + N)^-1 = (I - N)(I + N^2)(I + N^4)...  since N is nilpotent (N^C = 0), so it needs log2(C)
 steps, no triangular solve (which can starve jaxlib's CPU thread pool) and lowers on every backend.
 Masks are applied to the exponent (a large negative) before the exp, never after.
+With cu_seqlens every sequence is padded to a multiple of C (varlen.chunk_layout) and the scan
+resets the state at each sequence's first chunk and records it after each of its chunks.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.gated_delta_rule import varlen
 from pallas_kernels.gated_delta_rule.common import check_inputs, default_scale, prepare
 
 _HI = jax.lax.Precision.HIGHEST
@@ -93,6 +96,20 @@ def chunk_scan(h0, qg, kd, u, w, attn, decay):
     return o, h
 
 
+def chunk_scan_varlen(h0, qg, kd, u, w, attn, decay, seq, first):
+    """chunk_scan for a packed batch (B == 1): h0 [N, 1, H, r, K, V]; seq, first [NC].
+    Returns (o [NC, 1, H, r, C, V], final states [N, 1, H, r, K, V])."""
+    def step(carry, xs):
+        h, finals = carry
+        *parts, s, f = xs
+        h = jnp.where(f, h0[s], h)
+        o, h = chunk_scan(h, *(p[None] for p in parts))
+        finals = finals.at[s].set(h)
+        return (h, finals), o[0]
+    (_, finals), o = jax.lax.scan(step, (jnp.zeros_like(h0[0]), h0), (qg, kd, u, w, attn, decay, seq, first))
+    return o, finals
+
+
 @functools.partial(jax.jit, static_argnames=("scale", "output_final_state", "use_qk_l2norm_in_kernel",
                                              "chunk_size"))
 def chunk_gated_delta_rule_xla(
@@ -102,28 +119,39 @@ def chunk_gated_delta_rule_xla(
     g: jax.Array,            # [B, T, HV]
     beta: jax.Array,         # [B, T, HV]
     scale: float | None = None,
-    initial_state: jax.Array | None = None,  # [B, HV, K, V] fp32
+    initial_state: jax.Array | None = None,  # [N, HV, K, V] fp32
     output_final_state: bool = False,
     use_qk_l2norm_in_kernel: bool = False,
+    cu_seqlens: jax.Array | None = None,     # [N + 1] int32, packed batch (B == 1)
     chunk_size: int = 64,
 ):
-    """Chunked form. Returns (o [B, T, HV, V] in v.dtype, final state [B, HV, K, V] fp32 or None).
-    T is padded up to a multiple of chunk_size with g = 0, beta = 0 (which leave the state unchanged)."""
-    B, T, H, K, HV, V = check_inputs(q, k, v, g, beta, initial_state)
+    """Chunked form. Returns (o [B, T, HV, V] in v.dtype, final state [N, HV, K, V] fp32 or None).
+    T is padded up to a multiple of chunk_size with g = 0, beta = 0 (which leave the state unchanged);
+    with cu_seqlens each sequence is padded so, and N is the number of sequences."""
+    B, T, H, K, HV, V = check_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
+    N = B if cu_seqlens is None else varlen.check_cu_seqlens(cu_seqlens)
     r = HV // H
     out_dtype = v.dtype
     q, k, v, g, beta = prepare(q, k, v, g, beta, default_scale(scale, K), use_qk_l2norm_in_kernel)
     C = chunk_size
-    pad = (-T) % C
-    if pad:
-        q, k, v, g, beta = (jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
-                            for x in (q, k, v, g, beta))
-    Tp = T + pad
-    h0 = (jnp.zeros((B, HV, K, V), jnp.float32) if initial_state is None
-          else initial_state.astype(jnp.float32)).reshape(B, H, r, K, V)
+    if cu_seqlens is None:
+        pad = (-T) % C
+        if pad:
+            q, k, v, g, beta = (jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+                                for x in (q, k, v, g, beta))
+    else:
+        src, pos, seq, first = varlen.chunk_layout(cu_seqlens, T, C)
+        q, k, v, g, beta = (varlen.gather_tokens(x, src) for x in (q, k, v, g, beta))
+    Tp = q.shape[1]
+    h0 = (jnp.zeros((N, HV, K, V), jnp.float32) if initial_state is None
+          else initial_state.astype(jnp.float32)).reshape(N, H, r, K, V)
     parts = chunk_prepare(q, k, v.reshape(B, Tp, H, r, V), g.reshape(B, Tp, H, r),
                           beta.reshape(B, Tp, H, r), C)
-    o, h = chunk_scan(h0, *parts)
-    # o: [N, B, H, r, C, V] -> [B, N, C, H, r, V]
-    o = o.transpose(1, 0, 4, 2, 3, 5).reshape(B, Tp, HV, V)[:, :T].astype(out_dtype)
-    return o, (h.reshape(B, HV, K, V) if output_final_state else None)
+    if cu_seqlens is None:
+        o, h = chunk_scan(h0, *parts)
+    else:
+        o, h = chunk_scan_varlen(h0[:, None], *parts, seq, first)
+    # o: [NC, B, H, r, C, V] -> [B, NC, C, H, r, V]
+    o = o.transpose(1, 0, 4, 2, 3, 5).reshape(B, Tp, HV, V)
+    o = (o[:, :T] if cu_seqlens is None else varlen.scatter_back(o, pos)).astype(out_dtype)
+    return o, (h.reshape(N, HV, K, V) if output_final_state else None)

@@ -37,6 +37,10 @@ def check_inputs(q, k, v, g, beta, initial_state, cu_seqlens=None):
     if cu_seqlens is not None:
         if B != 1:
             raise ValueError(f"cu_seqlens needs a packed batch with B == 1; got B={B}")
+        if cu_seqlens.ndim != 1 or cu_seqlens.shape[0] < 2:
+            raise ValueError(f"cu_seqlens must be [N + 1] with N >= 1; got shape {cu_seqlens.shape}")
+        if not jnp.issubdtype(cu_seqlens.dtype, jnp.integer):
+            raise ValueError(f"cu_seqlens must be an integer array; got dtype {cu_seqlens.dtype}")
         n = cu_seqlens.shape[0] - 1
     else:
         n = B

@@ -5,6 +5,8 @@ For every token t and value head hv (key head h = hv // (HV // H)):
     S <- S + k_t (beta_t (v_t - S^T k_t))^T
     o_t = S^T q_t
 The slowest and simplest form; every other implementation is tested against it.
+With cu_seqlens (packed batch, B == 1) the state is reset to sequence n's initial state at the
+first token of sequence n, and the state after its last token is its final state.
 """
 from __future__ import annotations
 
@@ -13,18 +15,34 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.gated_delta_rule import varlen
 from pallas_kernels.gated_delta_rule.common import check_inputs, default_scale, prepare
 
 
-def _step(S, xs, keep_states: bool):
+def _update(S, q_t, k_t, v_t, g_t, b_t):
     # S: [B, H, r, K, V]; q_t, k_t: [B, H, K]; v_t: [B, H, r, V]; g_t, b_t: [B, H, r]
-    q_t, k_t, v_t, g_t, b_t = xs
     S = S * jnp.exp(g_t)[..., None, None]
     kv = jnp.einsum("bhk,bhrkv->bhrv", k_t, S, precision="highest")
     delta = (v_t - kv) * b_t[..., None]
     S = S + k_t[:, :, None, :, None] * delta[:, :, :, None, :]
     o_t = jnp.einsum("bhk,bhrkv->bhrv", q_t, S, precision="highest")
+    return S, o_t
+
+
+def _step(S, xs, keep_states: bool):
+    S, o_t = _update(S, *xs)
     return S, (o_t, S if keep_states else None)
+
+
+def _step_varlen(carry, xs, S0, keep_states: bool):
+    # carry: S [1, H, r, K, V], finals [N, H, r, K, V]; S0: [N, H, r, K, V]
+    S, finals = carry
+    q_t, k_t, v_t, g_t, b_t, seq, first, valid = xs
+    S = jnp.where(first, S0[seq][None], S)
+    S, o_t = _update(S, q_t, k_t, v_t, g_t, b_t)
+    finals = finals.at[seq].set(jnp.where(valid, S[0], finals[seq]))
+    o_t = jnp.where(valid, o_t, 0.0)
+    return (S, finals), (o_t, S if keep_states else None)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "output_final_state", "output_all_states",
@@ -36,26 +54,36 @@ def naive_recurrent_gated_delta_rule(
     g: jax.Array,            # [B, T, HV]  log decay, <= 0
     beta: jax.Array,         # [B, T, HV]
     scale: float | None = None,
-    initial_state: jax.Array | None = None,  # [B, HV, K, V] fp32
+    initial_state: jax.Array | None = None,  # [N, HV, K, V] fp32
     output_final_state: bool = False,
     output_all_states: bool = False,
     use_qk_l2norm_in_kernel: bool = False,
+    cu_seqlens: jax.Array | None = None,     # [N + 1] int32, packed batch (B == 1)
 ):
-    """Token-level scan. Returns (o [B, T, HV, V] in v.dtype, final state [B, HV, K, V] fp32 or None,
-    and, with output_all_states, the state after every token [B, T, HV, K, V] fp32)."""
-    B, T, H, K, HV, V = check_inputs(q, k, v, g, beta, initial_state)
+    """Token-level scan. Returns (o [B, T, HV, V] in v.dtype, final state [N, HV, K, V] fp32 or None,
+    and, with output_all_states, the state after every token [B, T, HV, K, V] fp32).
+    N = B, or the number of sequences with cu_seqlens."""
+    B, T, H, K, HV, V = check_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
+    N = B if cu_seqlens is None else varlen.check_cu_seqlens(cu_seqlens)
     r = HV // H
     out_dtype = v.dtype
     q, k, v, g, beta = prepare(q, k, v, g, beta, default_scale(scale, K), use_qk_l2norm_in_kernel)
-    S0 = (jnp.zeros((B, HV, K, V), jnp.float32) if initial_state is None
+    S0 = (jnp.zeros((N, HV, K, V), jnp.float32) if initial_state is None
           else initial_state.astype(jnp.float32))
-    S0 = S0.reshape(B, H, r, K, V)
+    S0 = S0.reshape(N, H, r, K, V)
     xs = (jnp.moveaxis(q, 1, 0), jnp.moveaxis(k, 1, 0),
           jnp.moveaxis(v.reshape(B, T, H, r, V), 1, 0),
           jnp.moveaxis(g.reshape(B, T, H, r), 1, 0), jnp.moveaxis(beta.reshape(B, T, H, r), 1, 0))
-    S, (o, states) = jax.lax.scan(functools.partial(_step, keep_states=output_all_states), S0, xs)
+    if cu_seqlens is None:
+        S, (o, states) = jax.lax.scan(functools.partial(_step, keep_states=output_all_states), S0, xs)
+        final = S
+    else:
+        seq, first, valid = varlen.token_layout(cu_seqlens, T)
+        step = functools.partial(_step_varlen, S0=S0, keep_states=output_all_states)
+        (_, final), (o, states) = jax.lax.scan(step, (jnp.zeros_like(S0[:1]), S0),
+                                              xs + (seq, first, valid))
     o = jnp.moveaxis(o, 0, 1).reshape(B, T, HV, V).astype(out_dtype)
-    final = S.reshape(B, HV, K, V) if output_final_state else None
+    final = final.reshape(N, HV, K, V) if output_final_state else None
     if output_all_states:
         return o, final, jnp.moveaxis(states, 0, 1).reshape(B, T, HV, K, V)
     return o, final

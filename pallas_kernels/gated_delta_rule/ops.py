@@ -49,20 +49,19 @@ def chunk_gated_delta_rule(
     """Gated delta rule over a whole sequence (prefill). Returns (o [B, T, HV, V], final [N, HV, K, V] or None)."""
     check_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
     impl = resolve_impl(impl)
-    if cu_seqlens is not None:
-        raise NotImplementedError("cu_seqlens (packed variable-length batches) is not implemented yet")
     if impl == "pallas" and _pallas_chunk() is not None:
         return _pallas_chunk().chunk_gated_delta_rule_pallas(
             q, k, v, g, beta, scale=scale, initial_state=initial_state,
             output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-            chunk_size=chunk_size, interpret=jax.default_backend() == "cpu")
+            cu_seqlens=cu_seqlens, chunk_size=chunk_size, interpret=jax.default_backend() == "cpu")
     if impl == "reference":
         return _naive.naive_recurrent_gated_delta_rule(
             q, k, v, g, beta, scale=scale, initial_state=initial_state,
-            output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+            output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+            cu_seqlens=cu_seqlens)
     return _chunk.chunk_gated_delta_rule_xla(
         q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
-        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, chunk_size=chunk_size)
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens, chunk_size=chunk_size)
 
 
 def fused_recurrent_gated_delta_rule(
@@ -84,13 +83,13 @@ def fused_recurrent_gated_delta_rule(
     Returns (o, final state or None) and, with output_all_states, the states [B, T, HV, K, V] too."""
     check_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
     impl = resolve_impl(impl)
-    if cu_seqlens is not None:
-        raise NotImplementedError("cu_seqlens (packed variable-length batches) is not implemented yet")
     if impl == "pallas" and _pallas_recurrent() is not None:
         return _pallas_recurrent().fused_recurrent_gated_delta_rule_pallas(
             q, k, v, g, beta, scale=scale, initial_state=initial_state,
             output_final_state=output_final_state, output_all_states=output_all_states,
-            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, interpret=jax.default_backend() == "cpu")
+            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens,
+            interpret=jax.default_backend() == "cpu")
     return _naive.naive_recurrent_gated_delta_rule(
         q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
-        output_all_states=output_all_states, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+        output_all_states=output_all_states, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+        cu_seqlens=cu_seqlens)
