@@ -1,0 +1,85 @@
+"""Layer-by-layer alignment against the Hugging Face transformers model of the same checkpoint.
+
+Runs one input through this project and through transformers (fp32, offline), and reports per
+layer the max abs and relative error of the residual stream, and the first layer whose error
+exceeds the tolerance. This is how a new architecture is brought up: the first diverging layer
+names the piece to look at.
+
+    hybrid-jax align --model PATH [--tokens 1,2,3 | --prompt TEXT] [--atol 1e-4]
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import jax.numpy as jnp
+import numpy as np
+
+from hybrid_jax.errors import InputError
+from hybrid_jax.layers.norms import rms_norm_zero_centered
+
+
+@dataclasses.dataclass
+class LayerDiff:
+    name: str
+    max_abs: float
+    rel: float          # ||a - b|| / ||b||
+
+    def ok(self, atol: float) -> bool:
+        return self.max_abs <= atol
+
+
+@dataclasses.dataclass
+class AlignmentReport:
+    rows: list[LayerDiff]
+    atol: float
+
+    @property
+    def first_divergent(self) -> str | None:
+        return next((r.name for r in self.rows if not r.ok(self.atol)), None)
+
+    def __str__(self) -> str:
+        lines = [f"{'stage':<24}{'max_abs':>14}{'rel':>14}  ok (atol={self.atol:g})"]
+        lines += [f"{r.name:<24}{r.max_abs:>14.3e}{r.rel:>14.3e}  {'yes' if r.ok(self.atol) else 'NO'}"
+                  for r in self.rows]
+        fd = self.first_divergent
+        lines.append("all stages agree" if fd is None else f"first divergent stage: {fd}")
+        return "\n".join(lines)
+
+
+def _diff(name: str, a: np.ndarray, b: np.ndarray) -> LayerDiff:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    if a.shape != b.shape:
+        raise InputError(f"stage {name}: shapes differ, {a.shape} vs {b.shape}")
+    return LayerDiff(name, float(np.max(np.abs(a - b))),
+                     float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)))
+
+
+def hf_hidden_states(path: str, token_ids: list[int]):
+    """Transformers' residual streams (embedding, each layer, the last one after the final norm)
+    and logits, in fp32, offline."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch  # noqa: PLC0415
+    from transformers import AutoModelForCausalLM  # noqa: PLC0415
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True).eval()
+    with torch.no_grad():
+        out = model(torch.tensor([token_ids]), output_hidden_states=True)
+    return [h[0].numpy() for h in out.hidden_states], out.logits[0].numpy()
+
+
+def align(llm, token_ids: list[int], atol: float = 1e-4) -> AlignmentReport:
+    """Compares `llm` (a hybrid_jax.LLM loaded from a checkpoint dir) with transformers on token_ids."""
+    if not token_ids:
+        raise InputError("align needs at least one token")
+    if not os.path.isdir(str(llm.model_name)):
+        raise InputError("align compares against a checkpoint directory; the embedded default has none")
+    ref_hidden, ref_logits = hf_hidden_states(llm.model_name, token_ids)
+    mine = llm.generator.hidden_states(np.asarray(token_ids, np.int32))
+    L = len(mine) - 1
+    cfg = llm.config
+    last = np.asarray(rms_norm_zero_centered(jnp.asarray(mine[-1]), llm.params["final_norm"], cfg.rms_norm_eps))
+    rows = [_diff("embedding", mine[0], ref_hidden[0])]
+    rows += [_diff(f"layer {i} ({cfg.layer_types[i]})", mine[i + 1], ref_hidden[i + 1]) for i in range(L - 1)]
+    rows.append(_diff(f"layer {L - 1} + final norm", last, ref_hidden[L]))
+    rows.append(_diff("logits", llm.logits(token_ids), ref_logits))
+    return AlignmentReport(rows, atol)
