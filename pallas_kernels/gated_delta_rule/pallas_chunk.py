@@ -1,0 +1,270 @@
+"""Chunked gated delta rule (prefill) in Pallas: the WY / UT form of chunk.py, one chunk per step.
+
+Per chunk of C tokens (gc: cumulative log decay inside the chunk, computed in the kernel):
+    A  = (I + tril(beta_i k_i.k_j exp(gc_i - gc_j), -1))^-1     by repeated squaring (matmuls only)
+    u  = A (beta v)     w = A (beta k exp(gc))     v' = u - w h
+    o  = (q exp(gc)) h + tril(q_i.k_j exp(gc_i - gc_j)) v'
+    h <- exp(gc_last) h + (k exp(gc_last - gc))^T v'
+Gating (cumsum of g, every exp, the masks), beta and the q/k l2norm are fused; all dots are fp32 at
+`precision=HIGHEST` (the TPU MXU would otherwise round fp32 operands to bf16). The state block
+[K, block_v] never leaves the chip between chunks. The update is independent per value column, so
+V is split into blocks for parallelism (`ChunkConfig.block_v`).
+
+Backends (both proven by `jax.export` on CPU in tests/pallas_kernels/test_export.py):
+  * TPU, Mosaic TPU (`backend="tpu"`): grid (B, HV, V / block_v, chunks); the chunk axis is
+    sequential ("arbitrary") and the state sits in a VMEM scratch buffer across it, so the pipeline
+    streams one [C, K] block of q/k/v per step. Blocks obey the (8, 128) rule: C is a multiple of
+    8 and K, block_v are full dims (or block_v a multiple of 128). Chunk metadata is in SMEM.
+  * GPU, Triton (`backend="gpu"`): Triton programs cannot carry scratch across grid steps, so the
+    grid is (B, HV, V / block_v) and each program walks the chunks with `lax.fori_loop`, the state in
+    registers. JAX 0.10's default Mosaic GPU lowering lacks dot_general in this form and the
+    reductions; Triton lowers both (export needs
+    `DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")`). C, K, block_v must be powers of two.
+The per-chunk math (`chunk_step`) is shared by both.
+
+Variable-length batches: every sequence is padded to a multiple of C (varlen.chunk_layout) so no
+chunk straddles two sequences; each chunk carries its sequence id and a reset flag.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels import abi
+from pallas_kernels.gated_delta_rule import varlen
+from pallas_kernels.gated_delta_rule.common import check_inputs, default_scale
+from pallas_kernels.gated_delta_rule.pallas_recurrent import (
+    compiler_params, copy_states, default_backend, smem_spec)
+
+ABI = abi.GATED_DELTA_RULE   # writes state[N, HV, K, V] f32, like every other implementation
+_HI = jax.lax.Precision.HIGHEST
+_NEG = -1e30
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkConfig:
+    """Block sizes. chunk_size: tokens per chunk; block_v: state columns per program (None: V)."""
+    chunk_size: int = 64
+    block_v: int | None = None
+    num_warps: int = 4          # Triton only
+    num_stages: int = 1         # Triton only
+
+
+def _dot(a, b):
+    return jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())), precision=_HI,
+                               preferred_element_type=jnp.float32)
+
+
+def _dot_nt(a, b):   # a @ b^T
+    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=_HI,
+                               preferred_element_type=jnp.float32)
+
+
+def _dot_tn(a, b):   # a^T @ b
+    return jax.lax.dot_general(a, b, (((0,), (0,)), ((), ())), precision=_HI,
+                               preferred_element_type=jnp.float32)
+
+
+def chunk_step(h, q, k, v, g, beta, *, scale: float, use_l2norm: bool):
+    """One chunk. h [K, bv] f32; q, k [C, K]; v [C, bv]; g, beta [C, 1] f32.
+    Returns (o [C, bv] f32, new h [K, bv] f32). Only 2-D elementwise ops, reductions and dots."""
+    q, k, v = q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32)
+    if use_l2norm:
+        q = q * jax.lax.rsqrt(jnp.sum(q * q, axis=1, keepdims=True) + 1e-6)
+        k = k * jax.lax.rsqrt(jnp.sum(k * k, axis=1, keepdims=True) + 1e-6)
+    q = q * scale
+    C = q.shape[0]
+    i = jax.lax.broadcasted_iota(jnp.int32, (C, C), 0)
+    j = jax.lax.broadcasted_iota(jnp.int32, (C, C), 1)
+    eye = (i == j).astype(jnp.float32)
+    g_row = jnp.sum(eye * g, axis=0, keepdims=True)                         # [1, C]
+    gc = jnp.sum(jnp.where(j <= i, g_row, 0.0), axis=1, keepdims=True)     # [C, 1] cumsum
+    gc_row = jnp.sum(eye * gc, axis=0, keepdims=True)                      # [1, C]
+    g_last = jnp.sum(g, axis=0, keepdims=True)                             # [1, 1]
+    diff = gc - gc_row                                                      # [C, C]
+    n_mat = beta * _dot_nt(k, k) * jnp.exp(jnp.where(j < i, diff, _NEG))
+    # (I + N)^-1 = (I - N)(I + N^2)(I + N^4)... (N strictly lower, so nilpotent)
+    p = -n_mat
+    a_inv = eye + p
+    n = 2
+    while n < C:
+        p = _dot(p, p)
+        a_inv = _dot(a_inv, eye + p)
+        n *= 2
+    eg = jnp.exp(gc)
+    u = _dot(a_inv, beta * v)                                               # [C, bv]
+    w = _dot(a_inv, beta * eg * k)                                          # [C, K]
+    v_new = u - _dot(w, h)
+    attn = _dot_nt(q, k) * jnp.exp(jnp.where(j <= i, diff, _NEG))
+    o = _dot(q * eg, h) + _dot(attn, v_new)
+    h = jnp.exp(g_last) * h + _dot_tn(k * jnp.exp(g_last - gc), v_new)
+    return o, h
+
+
+def _tpu_kernel(seq_ref, flag_ref,            # [B * NC] int32 in SMEM
+                q_ref, k_ref,                 # [C, K]
+                v_ref,                        # [C, bv]
+                g_ref, b_ref,                 # [C, 1] f32
+                h0_ref,                       # [NB, K, bv] f32
+                o_ref,                        # [C, bv]
+                hT_ref,                       # [NB, K, bv] f32 (aliases h0)
+                h_scr,                        # [K, bv] f32 VMEM scratch: the state across chunks
+                *, scale, use_l2norm, NC):
+    b, c = pl.program_id(0), pl.program_id(3)
+
+    @pl.when(c == 0)
+    def _():
+        copy_states(h0_ref, hT_ref)
+
+    s = seq_ref[b * NC + c]
+    h = jnp.where((flag_ref[b * NC + c] & 1) == 1, h0_ref[s], h_scr[...])
+    o, h = chunk_step(h, q_ref[...], k_ref[...], v_ref[...], g_ref[...], b_ref[...],
+                      scale=scale, use_l2norm=use_l2norm)
+    o_ref[...] = o.astype(o_ref.dtype)
+    h_scr[...] = h
+    hT_ref[s] = h
+
+
+def _gpu_kernel(seq_ref, flag_ref,            # [B * NC] int32
+                q_ref, k_ref,                 # [Tp, K]
+                v_ref,                        # [Tp, bv]
+                g_ref, b_ref,                 # [Tp, 1] f32
+                h0_ref,                       # [NB, K, bv] f32
+                o_ref,                        # [Tp, bv]
+                hT_ref,                       # [NB, K, bv] f32 (aliases h0)
+                *, scale, use_l2norm, NC, C):
+    b = pl.program_id(0)
+    copy_states(h0_ref, hT_ref)
+
+    def body(c, h):
+        s = seq_ref[b * NC + c]
+        h = jnp.where((flag_ref[b * NC + c] & 1) == 1, h0_ref[s], h)
+        rows = pl.ds(c * C, C)
+        o, h = chunk_step(h, q_ref[rows, :], k_ref[rows, :], v_ref[rows, :], g_ref[rows, :],
+                          b_ref[rows, :], scale=scale, use_l2norm=use_l2norm)
+        o_ref[rows, :] = o.astype(o_ref.dtype)
+        hT_ref[s] = h
+        return h
+
+    jax.lax.fori_loop(0, NC, body, jnp.zeros(h0_ref.shape[1:], jnp.float32))
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "output_final_state", "use_qk_l2norm_in_kernel",
+                                             "chunk_size", "config", "backend", "interpret"))
+def chunk_gated_delta_rule_pallas(
+    q: jax.Array,            # [B, T, H, K]
+    k: jax.Array,            # [B, T, H, K]
+    v: jax.Array,            # [B, T, HV, V]
+    g: jax.Array,            # [B, T, HV]  log decay
+    beta: jax.Array,         # [B, T, HV]
+    scale: float | None = None,
+    initial_state: jax.Array | None = None,  # [N, HV, K, V] fp32
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    cu_seqlens: jax.Array | None = None,     # [N + 1] int32, packed batch (B == 1)
+    chunk_size: int | None = None,
+    config: ChunkConfig | None = None,
+    backend: str | None = None,
+    interpret: bool = False,
+):
+    """Chunked Pallas kernel. Returns (o [B, T, HV, V] in v.dtype, final [N, HV, K, V] f32 or None).
+    chunk_size, when given, overrides config.chunk_size. The initial state buffer is aliased to the
+    final state (`input_output_aliases`), so a donated state is updated in place."""
+    B, T, H, K, HV, V = check_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
+    config = config or ChunkConfig()
+    C = chunk_size or config.chunk_size
+    backend = backend or default_backend()
+    bv = config.block_v or V
+    _check_blocks(backend, C, K, V, bv)
+    r = HV // H
+    scale = default_scale(scale, K)
+    if cu_seqlens is None:
+        N, NB = B, 1
+        pad = (-T) % C
+        if pad:
+            q, k, v, g, beta = (jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+                                for x in (q, k, v, g, beta))
+        NC = (T + pad) // C
+        seq = jnp.zeros((B * NC,), jnp.int32)
+        flag = jnp.tile((jnp.arange(NC) == 0).astype(jnp.int32), B)
+    else:
+        N = NB = varlen.check_cu_seqlens(cu_seqlens)
+        src, pos, seq, first = varlen.chunk_layout(cu_seqlens, T, C)
+        q, k, v, g, beta = (varlen.gather_tokens(x, src) for x in (q, k, v, g, beta))
+        NC = seq.shape[0]
+        flag = first.astype(jnp.int32)
+    Tp = NC * C
+    h0 = (jnp.zeros((N, HV, K, V), jnp.float32) if initial_state is None
+          else initial_state.astype(jnp.float32))
+    qt, kt = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3)          # [B, H, Tp, K]
+    vt = v.transpose(0, 2, 1, 3)                                        # [B, HV, Tp, V]
+    gt = g.astype(jnp.float32).transpose(0, 2, 1)[..., None]            # [B, HV, Tp, 1]
+    bt = beta.astype(jnp.float32).transpose(0, 2, 1)[..., None]
+    varl = cu_seqlens is not None
+    kw = dict(scale=scale, use_l2norm=use_qk_l2norm_in_kernel, NC=NC)
+    out_shape = [jax.ShapeDtypeStruct((B, HV, Tp, V), v.dtype), jax.ShapeDtypeStruct((N, HV, K, V), jnp.float32)]
+    b_sem = "arbitrary" if varl else "parallel"   # a packed batch revisits one state block
+    if backend == "tpu":
+        from jax.experimental.pallas import tpu as pltpu  # noqa: PLC0415
+        hmap = lambda b, h, j, c: (0 if varl else b, h, 0, j)  # noqa: E731
+        grid = (B, HV, V // bv, NC)
+        in_specs = [
+            smem_spec(backend, B * NC), smem_spec(backend, B * NC),
+            pl.BlockSpec((None, None, C, K), lambda b, h, j, c: (b, jax.lax.div(h, r), c, 0)),
+            pl.BlockSpec((None, None, C, K), lambda b, h, j, c: (b, jax.lax.div(h, r), c, 0)),
+            pl.BlockSpec((None, None, C, bv), lambda b, h, j, c: (b, h, c, j)),
+            pl.BlockSpec((None, None, C, 1), lambda b, h, j, c: (b, h, c, 0)),
+            pl.BlockSpec((None, None, C, 1), lambda b, h, j, c: (b, h, c, 0)),
+            pl.BlockSpec((NB, None, K, bv), hmap),
+        ]
+        out_specs = [pl.BlockSpec((None, None, C, bv), lambda b, h, j, c: (b, h, c, j)),
+                     pl.BlockSpec((NB, None, K, bv), hmap)]
+        kernel = functools.partial(_tpu_kernel, **kw)
+        scratch = [pltpu.VMEM((K, bv), jnp.float32)]
+        sem = (b_sem, "parallel", "parallel", "arbitrary")
+    else:
+        hmap = lambda b, h, j: (0 if varl else b, h, 0, j)  # noqa: E731
+        grid = (B, HV, V // bv)
+        in_specs = [
+            smem_spec(backend, B * NC), smem_spec(backend, B * NC),
+            pl.BlockSpec((None, None, Tp, K), lambda b, h, j: (b, jax.lax.div(h, r), 0, 0)),
+            pl.BlockSpec((None, None, Tp, K), lambda b, h, j: (b, jax.lax.div(h, r), 0, 0)),
+            pl.BlockSpec((None, None, Tp, bv), lambda b, h, j: (b, h, 0, j)),
+            pl.BlockSpec((None, None, Tp, 1), lambda b, h, j: (b, h, 0, 0)),
+            pl.BlockSpec((None, None, Tp, 1), lambda b, h, j: (b, h, 0, 0)),
+            pl.BlockSpec((NB, None, K, bv), hmap),
+        ]
+        out_specs = [pl.BlockSpec((None, None, Tp, bv), lambda b, h, j: (b, h, 0, j)),
+                     pl.BlockSpec((NB, None, K, bv), hmap)]
+        kernel = functools.partial(_gpu_kernel, C=C, **kw)
+        scratch = []
+        sem = (b_sem, "parallel", "parallel")
+    o, hT = pl.pallas_call(
+        kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+        scratch_shapes=scratch, input_output_aliases={7: 1},
+        compiler_params=compiler_params(backend, sem, config.num_warps, config.num_stages),
+        interpret=interpret, name="gdn_chunk",
+    )(seq, flag, qt, kt, vt, gt, bt, h0)
+    o = o.transpose(0, 2, 1, 3)                                         # [B, Tp, HV, V]
+    o = o[:, :T] if cu_seqlens is None else varlen.scatter_back(o, pos)
+    return o, (hT if output_final_state else None)
+
+
+def _check_blocks(backend: str, C: int, K: int, V: int, bv: int):
+    if backend not in ("tpu", "gpu"):
+        raise ValueError(f"backend must be 'tpu' or 'gpu'; got {backend!r}")
+    if V % bv:
+        raise ValueError(f"block_v={bv} must divide V={V}")
+    if backend == "tpu":
+        if C % 8:
+            raise ValueError(f"TPU blocks need chunk_size a multiple of 8; got {C}")
+        if bv != V and bv % 128:
+            raise ValueError(f"TPU blocks need block_v = V or a multiple of 128; got block_v={bv}, V={V}")
+    else:
+        for name, x in (("chunk_size", C), ("K", K), ("block_v", bv)):
+            if x & (x - 1) or x < 16:
+                raise ValueError(f"the Triton kernel needs {name} a power of two >= 16; got {name}={x}")
