@@ -1,0 +1,65 @@
+"""Shared fixtures: tiny random Qwen3-Next checkpoints written with transformers' save_pretrained.
+
+Nothing is downloaded: HF_HUB_OFFLINE=1 is set before transformers is imported.
+"""
+from __future__ import annotations
+
+import os
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+
+BASE = dict(vocab_size=211, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+            linear_key_head_dim=16, linear_value_head_dim=16, num_experts=4, num_experts_per_tok=2,
+            moe_intermediate_size=32, shared_expert_intermediate_size=32, max_position_embeddings=512,
+            eos_token_id=None, bos_token_id=None, pad_token_id=None)
+
+# Tiny configs covering the issue's axes: all-linear and mixed layer patterns, GQA ratios,
+# HV != H and HV == H, MoE and dense MLP layers, tied embeddings.
+CONFIGS = {
+    "mixed_moe_gqa2_hv2": dict(layer_types=["linear_attention", "linear_attention", "linear_attention",
+                                            "full_attention"], mlp_only_layers=[1]),
+    "all_linear_dense": dict(layer_types=["linear_attention"] * 3, num_hidden_layers=3, num_experts=0,
+                             linear_num_key_heads=2, linear_num_value_heads=2),
+    "attn_first_gqa4_tied": dict(layer_types=["full_attention", "linear_attention", "full_attention"],
+                                 num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=2,
+                                 linear_num_key_heads=1, linear_num_value_heads=4, decoder_sparse_step=2,
+                                 tie_word_embeddings=True),
+}
+
+
+def make_checkpoint(path, seed: int = 0, **overrides):
+    """Writes a random Qwen3-Next checkpoint with transformers; returns the path."""
+    import torch  # noqa: PLC0415
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM  # noqa: PLC0415
+    kw = {**BASE, **overrides}
+    torch.manual_seed(seed)
+    model = Qwen3NextForCausalLM(Qwen3NextConfig(**kw)).eval()
+    with torch.no_grad():   # HF zero-inits the norms; perturb them so a wrong norm formula shows up
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    model.save_pretrained(str(path))
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory):
+    """name -> checkpoint directory, for every config in CONFIGS."""
+    root = tmp_path_factory.mktemp("ckpt")
+    return {name: make_checkpoint(root / name, seed=i, **kw) for i, (name, kw) in enumerate(CONFIGS.items())}
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(checkpoints):
+    return checkpoints["mixed_moe_gqa2_hv2"]
+
+
+def hf_model(path):
+    import torch  # noqa: PLC0415
+    from transformers import AutoModelForCausalLM  # noqa: PLC0415
+    torch.set_num_threads(2)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True).eval()

@@ -1,0 +1,135 @@
+"""Bad input gets a clear error naming the problem, never a traceback from inside jax."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+
+from hybrid_jax import LLM, CheckpointError, ConfigError, InputError, SamplingParams
+from hybrid_jax.config import config_from_hf_dict
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_checkpoint):
+    return LLM(model=tiny_checkpoint, dtype="float32")
+
+
+def _copy(src, tmp_path, name="ckpt"):
+    dst = tmp_path / name
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_missing_directory(tmp_path):
+    with pytest.raises(CheckpointError, match="does not exist"):
+        LLM(model=str(tmp_path / "nope"))
+
+
+def test_missing_weights(tiny_checkpoint, tmp_path):
+    d = _copy(tiny_checkpoint, tmp_path)
+    os.remove(d / "model.safetensors")
+    with pytest.raises(CheckpointError, match="no weights"):
+        LLM(model=str(d))
+
+
+def test_missing_config(tiny_checkpoint, tmp_path):
+    d = _copy(tiny_checkpoint, tmp_path)
+    os.remove(d / "config.json")
+    with pytest.raises(ConfigError, match="config.json"):
+        LLM(model=str(d))
+
+
+def test_corrupt_weights(tiny_checkpoint, tmp_path):
+    d = _copy(tiny_checkpoint, tmp_path)
+    with open(d / "model.safetensors", "r+b") as f:
+        f.write(b"\xff" * 64)
+    with pytest.raises(CheckpointError, match="corrupt"):
+        LLM(model=str(d))
+
+
+def test_truncated_weights(tiny_checkpoint, tmp_path):
+    d = _copy(tiny_checkpoint, tmp_path)
+    size = os.path.getsize(d / "model.safetensors")
+    with open(d / "model.safetensors", "r+b") as f:
+        f.truncate(size // 2)
+    with pytest.raises(CheckpointError):
+        LLM(model=str(d))
+
+
+def test_corrupt_config_json(tiny_checkpoint, tmp_path):
+    d = _copy(tiny_checkpoint, tmp_path)
+    (d / "config.json").write_text("{not json")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        LLM(model=str(d))
+
+
+def test_config_disagreeing_with_weights(tiny_checkpoint, tmp_path):
+    d = _copy(tiny_checkpoint, tmp_path)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["hidden_size"] = 128
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="has shape"):
+        LLM(model=str(d))
+
+
+def test_unknown_model_type():
+    with pytest.raises(ConfigError, match="unknown model_type 'llama_x'"):
+        config_from_hf_dict({"model_type": "llama_x"})
+
+
+def test_unknown_layer_type(tiny_checkpoint):
+    cfg = json.loads(open(os.path.join(tiny_checkpoint, "config.json")).read())
+    cfg["num_hidden_layers"] = 2
+    cfg["layer_types"] = ["linear_attention", "banana_attention"]
+    with pytest.raises(ConfigError, match="banana_attention"):
+        config_from_hf_dict(cfg)
+    cfg["layer_types"] = ["linear_attention", "sliding_attention"]
+    with pytest.raises(ConfigError, match=r"\['sliding_attention'\] are not supported yet"):
+        config_from_hf_dict(cfg)
+
+
+def test_missing_config_field():
+    with pytest.raises(ConfigError, match="'hidden_size'"):
+        config_from_hf_dict({"model_type": "qwen3_next", "num_hidden_layers": 1, "vocab_size": 10,
+                             "num_attention_heads": 1})
+
+
+@pytest.mark.parametrize("ids", [[211], [-1], [3, 5000]])
+def test_token_ids_outside_vocabulary(llm, ids):
+    with pytest.raises(InputError, match="outside the vocabulary"):
+        llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=2))
+
+
+def test_empty_prompt(llm):
+    with pytest.raises(InputError, match="empty prompt"):
+        llm.generate({"prompt_token_ids": []}, SamplingParams(max_tokens=2))
+    with pytest.raises(InputError, match="no prompts"):
+        llm.generate([], SamplingParams(max_tokens=2))
+
+
+def test_empty_text_prompt_on_default_model_still_has_bos():
+    # The byte tokenizer adds BOS, so "" is a one-token prompt rather than an empty one.
+    out = LLM().generate("", SamplingParams(max_tokens=2, temperature=0))[0]
+    assert out.prompt_token_ids == [256]
+
+
+@pytest.mark.parametrize("kw,msg", [
+    (dict(max_tokens=0), "max_tokens"), (dict(max_tokens=-3), "max_tokens"), (dict(max_tokens=2.5), "max_tokens"),
+    (dict(temperature=-1.0), "temperature"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
+    (dict(top_k=-2), "top_k"), (dict(seed=-1), "seed"), (dict(stop_token_ids=[-4]), "stop_token_ids")])
+def test_bad_sampling_params(kw, msg):
+    with pytest.raises(InputError, match=msg):
+        SamplingParams(**kw)
+
+
+def test_prompt_longer_than_max_model_len(tiny_checkpoint):
+    llm = LLM(model=tiny_checkpoint, max_model_len=32)
+    with pytest.raises(InputError, match="max_model_len"):
+        llm.generate({"prompt_token_ids": [1] * 30}, SamplingParams(max_tokens=8))
+
+
+def test_bad_prompt_type(llm):
+    with pytest.raises(InputError, match="prompt must be"):
+        llm.generate([42], SamplingParams(max_tokens=2))

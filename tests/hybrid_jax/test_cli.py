@@ -1,0 +1,34 @@
+"""The command line: generate with the embedded default (subprocess, as a user runs it) and align."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from hybrid_jax.cli import main
+
+
+def test_generate_default_model_subprocess():
+    r = subprocess.run([sys.executable, "-m", "hybrid_jax.cli", "generate", "--prompt", "Hello", "--max-tokens", "5",
+                        "--ignore-eos"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "UNTRAINED" in r.stderr
+    assert "[5 tokens, finish_reason=length]" in r.stderr
+
+
+def test_generate_with_checkpoint_tokens(tiny_checkpoint, capsys):
+    assert main(["generate", "--model", tiny_checkpoint, "--tokens", "1,2,3", "--max-tokens", "4"]) == 0
+    assert "[4 tokens" in capsys.readouterr().err
+
+
+def test_generate_bad_input_is_an_error_not_a_traceback(tiny_checkpoint, capsys):
+    assert main(["generate", "--model", tiny_checkpoint, "--tokens", "1,99999", "--max-tokens", "4"]) == 2
+    err = capsys.readouterr().err
+    assert "outside the vocabulary" in err and "Traceback" not in err
+    assert main(["generate", "--prompt", "x", "--max-tokens", "0"]) == 2
+    assert "max_tokens" in capsys.readouterr().err
+
+
+def test_align_reports_every_layer_and_agrees(tiny_checkpoint, capsys):
+    assert main(["align", "--model", tiny_checkpoint, "--tokens", "1,2,3,4,5,6,7,8"]) == 0
+    out = capsys.readouterr().out
+    assert "layer 2 (linear_attention)" in out and "all stages agree" in out
