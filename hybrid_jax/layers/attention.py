@@ -22,6 +22,85 @@ def write_kv(cache_kv: jax.Array, new: jax.Array, positions: jax.Array, valid: j
     return cache_kv.at[b, idx].set(new.astype(cache_kv.dtype), mode="drop")
 
 
+def _scores(qg: jax.Array, k: jax.Array) -> jax.Array:
+    """qg: [B, G, R, T, D]; k: [B, S, G, D] -> [B, G, R, T, S] fp32, as one batched matmul per group."""
+    B, G, R, T, D = qg.shape
+    s = jnp.matmul(qg.reshape(B, G, R * T, D), k.transpose(0, 2, 3, 1), preferred_element_type=jnp.float32)
+    return s.reshape(B, G, R, T, k.shape[1])
+
+
+def _weighted(p: jax.Array, v: jax.Array) -> jax.Array:
+    """p: [B, G, R, T, S]; v: [B, S, G, D] -> [B, G, R, T, D] fp32."""
+    B, G, R, T, S = p.shape
+    o = jnp.matmul(p.reshape(B, G, R * T, S).astype(v.dtype), v.transpose(0, 2, 1, 3),
+                   preferred_element_type=jnp.float32)
+    return o.reshape(B, G, R, T, v.shape[-1])
+
+
+def _partial(scores: jax.Array, v: jax.Array):
+    """Unnormalised softmax pieces of one key block: (m, l, o) with m the row max, l the sum of
+    exp(s - m) and o the exp-weighted values. Rows with every key masked get m = -inf, l = o = 0."""
+    m = jnp.max(scores, axis=-1, keepdims=True)
+    m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
+    e = jnp.exp(scores - m_safe)
+    return m, jnp.sum(e, axis=-1, keepdims=True), _weighted(e, v)
+
+
+def _merge(parts):
+    """Combines (m, l, o) pieces of disjoint key sets into normalised attention output."""
+    m = parts[0][0]
+    for p in parts[1:]:
+        m = jnp.maximum(m, p[0])
+    m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
+    l = sum(jnp.exp(jnp.where(jnp.isfinite(pm), pm - m_safe, -jnp.inf)) * pl for pm, pl, _ in parts)
+    o = sum(jnp.exp(jnp.where(jnp.isfinite(pm), pm - m_safe, -jnp.inf)) * po for pm, _, po in parts)
+    return o / jnp.where(l > 0, l, 1.0)
+
+
+def _attend_cache(qg, k_cache, v_cache, limit, inclusive: bool):
+    """Dense attention over every cache slot whose position is <= (or <) `limit` [B, 1, 1, T, 1]."""
+    S = k_cache.shape[1]
+    kpos = jnp.arange(S)[None, None, None, None, :]
+    allowed = kpos <= limit if inclusive else kpos < limit
+    s = jnp.where(allowed, _scores(qg, k_cache), -jnp.inf)
+    return _merge([_partial(s, v_cache)])
+
+
+BLOCK_Q = 256
+
+
+def _prefill_attention(qg, k_new, v_new, k_cache, v_cache, positions):
+    """Attention of T > 1 new tokens: to the cached prefix (slots < lengths, skipped at run time
+    when no row has one) and causally among themselves, block by block, never computing a
+    query block against the key blocks after it. The pieces merge by log-sum-exp.
+    qg: [B, G, R, T, D]; k_new, v_new: [B, T, G, D]; positions: [B, T]."""
+    B, G, R, T, D = qg.shape
+    start = positions[:, 0]                                                   # = lengths
+    limit = start[:, None, None, None, None]
+
+    def with_prefix(qb):
+        s = jnp.where(jnp.arange(k_cache.shape[1])[None, None, None, None, :] < limit,
+                      _scores(qb, k_cache), -jnp.inf)
+        return _partial(s, v_cache)
+
+    def no_prefix(qb):
+        shape = qb.shape[:-1] + (1,)
+        return (jnp.full(shape, -jnp.inf, jnp.float32), jnp.zeros(shape, jnp.float32),
+                jnp.zeros(qb.shape, jnp.float32))
+
+    has_prefix = jnp.any(start > 0)
+    outs = []
+    for q0 in range(0, T, BLOCK_Q):
+        q1 = min(q0 + BLOCK_Q, T)
+        qb = qg[:, :, :, q0:q1]
+        prefix = jax.lax.cond(has_prefix, with_prefix, no_prefix, qb)
+        s = _scores(qb, k_new[:, :q1])                                        # keys 0 .. q1-1 only
+        causal = jnp.arange(q1)[None, :] <= jnp.arange(q0, q1)[:, None]
+        s = jnp.where(causal, s, -jnp.inf)
+        outs.append(_merge([prefix, _partial(s, v_new[:, :q1])]))
+    return jnp.concatenate(outs, axis=3) if len(outs) > 1 else outs[0]
+
+
 def gated_attention(p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, positions: jax.Array,
                     valid: jax.Array, k_cache: jax.Array, v_cache: jax.Array, *, num_heads: int,
                     num_kv_heads: int, head_dim: int, eps: float):
@@ -41,16 +120,13 @@ def gated_attention(p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, posit
     k_cache = write_kv(k_cache, k, positions, valid)
     v_cache = write_kv(v_cache, v, positions, valid)
 
-    S = k_cache.shape[1]
     rep = Hq // Hkv
-    qg = q.reshape(B, T, Hkv, rep, D)
-    scores = jnp.einsum("btgrd,bsgd->bgrts", qg, k_cache,
-                        preferred_element_type=jnp.float32) * (D ** -0.5)
-    key_pos = jnp.arange(S)
-    allowed = key_pos[None, None, :] <= positions[:, :, None]          # [B, T, S]
-    scores = jnp.where(allowed[:, None, None], scores, -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v_cache.dtype)
-    out = jnp.einsum("bgrts,bsgd->btgrd", probs, v_cache).reshape(B, T, Hq * D)
+    qg = q.reshape(B, T, Hkv, rep, D).transpose(0, 2, 3, 1, 4) * jnp.asarray(D ** -0.5, q.dtype)  # [B, G, R, T, D]
+    if T == 1:
+        out = _attend_cache(qg, k_cache, v_cache, positions[:, None, None, :, None], inclusive=True)
+    else:
+        out = _prefill_attention(qg, k, v, k_cache, v_cache, positions)
+    out = out.transpose(0, 3, 1, 2, 4).reshape(B, T, Hq * D).astype(x.dtype)
     out = out * jax.nn.sigmoid(gate)
     out = out @ p["o_proj"]
     if "o_bias" in p:

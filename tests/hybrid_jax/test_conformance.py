@@ -60,9 +60,33 @@ def test_incremental_decode_equals_full_recompute(pair):
     tok[0, :40] = ids[:40]
     logits, cache = gen._forward(gen.params, cache, jnp.asarray(tok), jnp.asarray([40], jnp.int32))
     np.testing.assert_allclose(np.asarray(logits[0]), full[39], atol=TOL, rtol=0)
-    for i in range(40, 90):
+    # a second prefill chunk on top of the cached prefix (chunked prefill), 30 tokens
+    tok = np.zeros((1, 32), np.int32)
+    tok[0, :30] = ids[40:70]
+    logits, cache = gen._forward(gen.params, cache, jnp.asarray(tok), jnp.asarray([30], jnp.int32), logits_at="all")
+    np.testing.assert_allclose(np.asarray(logits[0, :30]), full[40:70], atol=TOL, rtol=0)
+    for i in range(70, 90):
         logits, cache = gen._forward(gen.params, cache, jnp.asarray([[ids[i]]], jnp.int32),
                                      jnp.asarray([1], jnp.int32))
         np.testing.assert_allclose(np.asarray(logits[0]), full[i], atol=TOL, rtol=0,
                                    err_msg=f"decode step at position {i}")
     assert int(cache.lengths[0]) == 90
+
+
+@pytest.mark.parametrize("rows", [1, 6, 40])
+def test_moe_paths_agree(rows):
+    """The gather (decode), dense (few experts) and sorted ragged-dot (many experts) MoE paths
+    compute the same function."""
+    import jax  # noqa: PLC0415
+    import jax.numpy as jnp  # noqa: PLC0415
+    from hybrid_jax.layers import mlp  # noqa: PLC0415
+    rng = np.random.default_rng(rows)
+    E, k, Hd, I = 8, 2, 16, 12
+    x = jnp.asarray(rng.standard_normal((rows, Hd)), jnp.float32)
+    idx = jnp.asarray(np.stack([rng.choice(E, k, replace=False) for _ in range(rows)]), jnp.int32)
+    w = jnp.asarray(rng.random((rows, k)), jnp.float32)
+    gu = jnp.asarray(rng.standard_normal((E, Hd, 2 * I)), jnp.float32)
+    dn = jnp.asarray(rng.standard_normal((E, I, Hd)), jnp.float32)
+    ref = mlp._routed_gather(x, idx, w, gu, dn)
+    for f in (mlp._routed_dense, mlp._routed_sorted):
+        np.testing.assert_allclose(np.asarray(jax.jit(f)(x, idx, w, gu, dn)), np.asarray(ref), rtol=1e-4, atol=1e-4)
