@@ -91,7 +91,7 @@ class LLM:
         return self.tokenizer
 
     # --- prompts -----------------------------------------------------------------------------------
-    def _eos_ids(self) -> tuple[int, ...]:
+    def eos_token_ids(self) -> tuple[int, ...]:
         ids = set(self.config.eos_token_ids)
         tok_eos = getattr(self.tokenizer, "eos_token_id", None)
         if tok_eos is not None:
@@ -145,7 +145,7 @@ class LLM:
             if len(ids) + sp.max_tokens > self.max_model_len:
                 raise InputError(f"prompt ({len(ids)} tokens) + max_tokens ({sp.max_tokens}) exceeds "
                                  f"max_model_len {self.max_model_len}")
-        eos = self._eos_ids()
+        eos = self.eos_token_ids()
         results: list[RequestOutput] = []
         order = sorted(range(len(prompts)), key=lambda i: len(encoded[i][1]))   # similar lengths batch well
         done: dict[int, RequestOutput] = {}
