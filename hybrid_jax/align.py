@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hybrid_jax.errors import InputError
-from hybrid_jax.layers.norms import rms_norm_zero_centered
+from hybrid_jax.models import get_model
 
 
 @dataclasses.dataclass
@@ -77,7 +77,7 @@ def align(llm, token_ids: list[int], atol: float = 1e-4) -> AlignmentReport:
     mine = llm.generator.hidden_states(np.asarray(token_ids, np.int32))
     L = len(mine) - 1
     cfg = llm.config
-    last = np.asarray(rms_norm_zero_centered(jnp.asarray(mine[-1]), llm.params["final_norm"], cfg.rms_norm_eps))
+    last = np.asarray(get_model(cfg.model_type).final_norm(cfg, llm.params, jnp.asarray(mine[-1])))
     rows = [_diff("embedding", mine[0], ref_hidden[0])]
     rows += [_diff(f"layer {i} ({cfg.layer_types[i]})", mine[i + 1], ref_hidden[i + 1]) for i in range(L - 1)]
     rows.append(_diff(f"layer {L - 1} + final norm", last, ref_hidden[L]))

@@ -16,7 +16,6 @@ from hybrid_jax.errors import ConfigError
 KNOWN_LAYER_TYPES = ("linear_attention", "full_attention", "sliding_attention", "sparse_attention",
                      "compressed_sparse_attention", "heavily_compressed_attention")
 SUPPORTED_LAYER_TYPES = ("linear_attention", "full_attention")
-SUPPORTED_MODEL_TYPES = ("qwen3_next",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,68 +116,79 @@ def _eos_ids(v) -> tuple[int, ...]:
     return tuple(int(x) for x in v)
 
 
-def config_from_hf_dict(d: dict[str, Any]) -> ModelConfig:
-    """Maps a Hugging Face config dict to ModelConfig. Raises ConfigError naming what is wrong."""
+def config_from_hf_dict(d: dict[str, Any]):
+    """Maps a Hugging Face config dict to the config dataclass of its model family (by `model_type`).
+    Raises ConfigError naming what is wrong."""
     if not isinstance(d, dict):
         raise ConfigError("config.json must hold a JSON object")
     model_type = d.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ConfigError(f"unknown model_type {model_type!r}; supported: {list(SUPPORTED_MODEL_TYPES)}")
+    if model_type not in CONFIG_PARSERS:
+        raise ConfigError(f"unknown model_type {model_type!r}; supported: {sorted(CONFIG_PARSERS)}")
     try:
-        n_layers = int(d["num_hidden_layers"])
-        layer_types = d.get("layer_types")
-        if layer_types is None:
-            interval = int(d.get("full_attention_interval", 4))
-            layer_types = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(n_layers)]
-        rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", None):
-            raise ConfigError(f"rope_type {rope_type!r} is not supported (only 'default')")
-        rope_theta = float(rope.get("rope_theta", d.get("rope_theta", 10000.0)))
-        prf = float(rope.get("partial_rotary_factor", d.get("partial_rotary_factor", 0.25)))
-        heads = int(d["num_attention_heads"])
-        hidden = int(d["hidden_size"])
-        dtype = d.get("dtype") or d.get("torch_dtype") or "float32"
-        return ModelConfig(
-            model_type=model_type,
-            vocab_size=int(d["vocab_size"]),
-            hidden_size=hidden,
-            num_hidden_layers=n_layers,
-            layer_types=tuple(layer_types),
-            num_attention_heads=heads,
-            num_key_value_heads=int(d.get("num_key_value_heads", heads)),
-            head_dim=int(d.get("head_dim") or hidden // heads),
-            rope_theta=rope_theta,
-            partial_rotary_factor=prf,
-            attention_bias=bool(d.get("attention_bias", False)),
-            max_position_embeddings=int(d.get("max_position_embeddings", 32768)),
-            linear_conv_kernel_dim=int(d.get("linear_conv_kernel_dim", 4)),
-            linear_key_head_dim=int(d.get("linear_key_head_dim", 128)),
-            linear_value_head_dim=int(d.get("linear_value_head_dim", 128)),
-            linear_num_key_heads=int(d.get("linear_num_key_heads", 16)),
-            linear_num_value_heads=int(d.get("linear_num_value_heads", 32)),
-            intermediate_size=int(d.get("intermediate_size") or 0),
-            num_experts=int(d.get("num_experts") or 0),
-            num_experts_per_tok=int(d.get("num_experts_per_tok") or 0),
-            moe_intermediate_size=int(d.get("moe_intermediate_size") or 0),
-            shared_expert_intermediate_size=int(d.get("shared_expert_intermediate_size") or 0),
-            norm_topk_prob=bool(d.get("norm_topk_prob", True)),
-            decoder_sparse_step=int(d.get("decoder_sparse_step", 1) or 1),
-            mlp_only_layers=tuple(int(i) for i in (d.get("mlp_only_layers") or ())),
-            hidden_act=str(d.get("hidden_act", "silu")),
-            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            bos_token_id=d.get("bos_token_id"),
-            eos_token_ids=_eos_ids(d.get("eos_token_id")),
-            pad_token_id=d.get("pad_token_id"),
-            dtype=str(dtype),
-        )
+        return CONFIG_PARSERS[model_type](d)
     except KeyError as e:
         raise ConfigError(f"config.json lacks the required field {e.args[0]!r}") from None
+    except ConfigError:
+        raise
     except (TypeError, ValueError) as e:
-        if isinstance(e, ConfigError):
-            raise
         raise ConfigError(f"config.json has a malformed value: {e}") from None
+
+
+def qwen3_next_config(d: dict[str, Any]) -> ModelConfig:
+    """Qwen3-Next's config.json -> ModelConfig (KeyError / ValueError on bad fields)."""
+    model_type = d["model_type"]
+    n_layers = int(d["num_hidden_layers"])
+    layer_types = d.get("layer_types")
+    if layer_types is None:
+        interval = int(d.get("full_attention_interval", 4))
+        layer_types = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(n_layers)]
+    rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("default", None):
+        raise ConfigError(f"rope_type {rope_type!r} is not supported (only 'default')")
+    rope_theta = float(rope.get("rope_theta", d.get("rope_theta", 10000.0)))
+    prf = float(rope.get("partial_rotary_factor", d.get("partial_rotary_factor", 0.25)))
+    heads = int(d["num_attention_heads"])
+    hidden = int(d["hidden_size"])
+    dtype = d.get("dtype") or d.get("torch_dtype") or "float32"
+    return ModelConfig(
+        model_type=model_type,
+        vocab_size=int(d["vocab_size"]),
+        hidden_size=hidden,
+        num_hidden_layers=n_layers,
+        layer_types=tuple(layer_types),
+        num_attention_heads=heads,
+        num_key_value_heads=int(d.get("num_key_value_heads", heads)),
+        head_dim=int(d.get("head_dim") or hidden // heads),
+        rope_theta=rope_theta,
+        partial_rotary_factor=prf,
+        attention_bias=bool(d.get("attention_bias", False)),
+        max_position_embeddings=int(d.get("max_position_embeddings", 32768)),
+        linear_conv_kernel_dim=int(d.get("linear_conv_kernel_dim", 4)),
+        linear_key_head_dim=int(d.get("linear_key_head_dim", 128)),
+        linear_value_head_dim=int(d.get("linear_value_head_dim", 128)),
+        linear_num_key_heads=int(d.get("linear_num_key_heads", 16)),
+        linear_num_value_heads=int(d.get("linear_num_value_heads", 32)),
+        intermediate_size=int(d.get("intermediate_size") or 0),
+        num_experts=int(d.get("num_experts") or 0),
+        num_experts_per_tok=int(d.get("num_experts_per_tok") or 0),
+        moe_intermediate_size=int(d.get("moe_intermediate_size") or 0),
+        shared_expert_intermediate_size=int(d.get("shared_expert_intermediate_size") or 0),
+        norm_topk_prob=bool(d.get("norm_topk_prob", True)),
+        decoder_sparse_step=int(d.get("decoder_sparse_step", 1) or 1),
+        mlp_only_layers=tuple(int(i) for i in (d.get("mlp_only_layers") or ())),
+        hidden_act=str(d.get("hidden_act", "silu")),
+        rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+        tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+        bos_token_id=d.get("bos_token_id"),
+        eos_token_ids=_eos_ids(d.get("eos_token_id")),
+        pad_token_id=d.get("pad_token_id"),
+        dtype=str(dtype),
+    )
+
+
+# model_type -> parser of its config.json; each family registers its own.
+CONFIG_PARSERS = {"qwen3_next": qwen3_next_config}
 
 
 def load_config(path: str) -> ModelConfig:

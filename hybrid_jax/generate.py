@@ -16,7 +16,7 @@ import numpy as np
 
 from cache import ModelCache
 from hybrid_jax.config import ModelConfig
-from hybrid_jax.models import qwen3_next
+from hybrid_jax.models import get_model
 from hybrid_jax.sampling import SamplerFlags, SamplingParams, sample
 
 
@@ -78,13 +78,14 @@ class Generator:
 
     def __init__(self, cfg: ModelConfig, params: dict, dtype, impl: str = "auto"):
         self.cfg, self.params, self.dtype, self.impl = cfg, params, dtype, impl
+        self.model = get_model(cfg.model_type)
         self._prefill = jax.jit(self._prefill_fn, donate_argnums=(1,))
         self._decode = jax.jit(self._decode_fn, static_argnames=("steps", "flags"), donate_argnums=(1,))
         self._forward = jax.jit(self._forward_fn, static_argnames=("logits_at",), donate_argnums=(1,))
 
     # --- traced functions ------------------------------------------------------------------------
     def _forward_fn(self, params, cache, tokens, n_new, logits_at="last"):
-        return qwen3_next.forward(self.cfg, params, cache, tokens, n_new, logits_at=logits_at, impl=self.impl)
+        return self.model.forward(self.cfg, params, cache, tokens, n_new, logits_at=logits_at, impl=self.impl)
 
     def _prefill_fn(self, params, cache, tokens, n_new):
         return self._forward_fn(params, cache, tokens, n_new)
@@ -106,7 +107,7 @@ class Generator:
             new_done = done | stopped
             # Rows still running feed their token back; finished rows write nothing (n_new = 0).
             n_new = (~new_done).astype(jnp.int32)
-            logits, cache = qwen3_next.forward(self.cfg, params, cache, jnp.maximum(tok, 0)[:, None], n_new,
+            logits, cache = self.model.forward(self.cfg, params, cache, jnp.maximum(tok, 0)[:, None], n_new,
                                                impl=self.impl)
             return i + 1, logits, cache, out, new_done
 
@@ -120,7 +121,7 @@ class Generator:
 
     # --- host API --------------------------------------------------------------------------------
     def new_cache(self, batch_size: int, capacity: int) -> ModelCache:
-        return qwen3_next.new_cache(self.cfg, batch_size, capacity, self.dtype)
+        return self.model.new_cache(self.cfg, batch_size, capacity, self.dtype)
 
     def run(self, batch: Batch) -> tuple[np.ndarray, np.ndarray]:
         """Prefill then decode. Returns (tokens [B, steps] with -1 after each row's end, n_out [B])."""
@@ -147,7 +148,7 @@ class Generator:
         """Residual stream after the embedding and after each layer: L + 1 arrays [T, Hd]."""
         T = len(tokens)
         cache = self.new_cache(1, T)
-        fn = jax.jit(functools.partial(qwen3_next.forward, self.cfg, logits_at="all", impl=self.impl,
+        fn = jax.jit(functools.partial(self.model.forward, self.cfg, logits_at="all", impl=self.impl,
                                        return_hidden=True))
         _, _, hidden = fn(self.params, cache, jnp.asarray(np.asarray(tokens, np.int32)[None]),
                           jnp.asarray([T], jnp.int32))

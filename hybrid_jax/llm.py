@@ -15,7 +15,7 @@ from hybrid_jax.config import ModelConfig, load_config
 from hybrid_jax.default_model import DEFAULT_MODEL_NAME, DEFAULT_SEED, default_config
 from hybrid_jax.errors import ConfigError, InputError
 from hybrid_jax.generate import Generator, make_batch
-from hybrid_jax.models import qwen3_next
+from hybrid_jax.models import get_model
 from hybrid_jax.sampling import SamplingParams
 from hybrid_jax.tokenizer import ByteTokenizer, load_tokenizer
 from hybrid_jax.weights import LARGE_CHECKPOINT_BYTES, open_checkpoint
@@ -59,7 +59,7 @@ class LLM:
             self.config = default_config()
             self.model_name = DEFAULT_MODEL_NAME
             self.dtype = _resolve_dtype(dtype, self.config)
-            params = qwen3_next.init_params(self.config, seed=DEFAULT_SEED, dtype=self.dtype)
+            params = get_model(self.config.model_type).init_params(self.config, seed=DEFAULT_SEED, dtype=self.dtype)
             self.tokenizer = ByteTokenizer()
         else:
             model = os.fspath(model)
@@ -70,7 +70,7 @@ class LLM:
             n = len(reader.keys())
             show = reader.total_bytes >= LARGE_CHECKPOINT_BYTES if progress is None else progress
             with tqdm(total=n, desc="loading weights", unit="tensor", disable=not show, file=sys.stderr) as bar:
-                params = qwen3_next.convert_hf_weights(self.config, reader.get, reader.has, self.dtype,
+                params = get_model(self.config.model_type).convert_hf_weights(self.config, reader.get, reader.has, self.dtype,
                                                        progress=lambda: bar.update(1))
             if tokenizer == "byte":
                 self.tokenizer = ByteTokenizer()

@@ -98,12 +98,16 @@ def forward(cfg: ModelConfig, params: dict, cache: ModelCache, tokens: jax.Array
                         version=cache.version + (n_new > 0).astype(jnp.int32))
     if logits_at == "last":
         x = jnp.take_along_axis(x, jnp.maximum(n_new - 1, 0)[:, None, None], axis=1)[:, 0]
-    x = rms_norm_zero_centered(x, params["final_norm"], cfg.rms_norm_eps)
+    x = final_norm(cfg, params, x)
     head = params["lm_head"] if "lm_head" in params else params["embed"].T
     logits = jnp.dot(x, head, preferred_element_type=jnp.float32)
     if return_hidden:
         return logits, new, hidden
     return logits, new
+
+
+def final_norm(cfg: ModelConfig, params: dict, x: jax.Array) -> jax.Array:
+    return rms_norm_zero_centered(x, params["final_norm"], cfg.rms_norm_eps)
 
 
 # ------------------------------------------------------------------------------------------------
