@@ -7,9 +7,10 @@ Across chunks, with h the state entering the chunk:
     v'  = u - w h
     o   = (q exp(gc)) h + tril(q_i.k_j exp(gc_i - gc_j)) v'
     h  <- exp(gc_last) h + (k exp(gc_last - gc))^T v'
-The unit-lower-triangular inverse is built from matmuls only:
-(I + N)^-1 = (I - N)(I + N^2)(I + N^4)...  since N is nilpotent (N^C = 0), so it needs log2(C)
-steps, no triangular solve (which can starve jaxlib's CPU thread pool) and lowers on every backend.
+The unit-lower-triangular inverse is built from matmuls only (block recursion down to 16 x 16
+blocks, which are inverted by repeated squaring: (I + N)^-1 = (I - N)(I + N^2)(I + N^4)... since
+N is nilpotent): no triangular solve (which can starve jaxlib's CPU thread pool), and it lowers on
+every backend.
 Masks are applied to the exponent (a large negative) before the exp, never after.
 With cu_seqlens every sequence is padded to a multiple of C (varlen.chunk_layout) and the scan
 resets the state at each sequence's first chunk and records it after each of its chunks.
@@ -27,8 +28,9 @@ from pallas_kernels.gated_delta_rule.common import check_inputs, default_scale, 
 _HI = jax.lax.Precision.HIGHEST
 
 
-def unit_lower_inverse(N: jax.Array) -> jax.Array:
-    """(I + N)^-1 for strictly lower-triangular N: [..., C, C] -> [..., C, C] by repeated squaring."""
+def unit_lower_inverse_squaring(N: jax.Array) -> jax.Array:
+    """(I + N)^-1 for strictly lower-triangular N: [..., C, C] -> [..., C, C] by repeated squaring:
+    (I + N)^-1 = (I - N)(I + N^2)(I + N^4)... since N is nilpotent; 2 (log2(C) - 1) C^3 matmuls."""
     C = N.shape[-1]
     eye = jnp.eye(C, dtype=N.dtype)
     P = -N
@@ -41,15 +43,32 @@ def unit_lower_inverse(N: jax.Array) -> jax.Array:
     return inv
 
 
+def unit_lower_inverse(N: jax.Array, base: int = 16) -> jax.Array:
+    """(I + N)^-1 for strictly lower-triangular N: [..., C, C] -> [..., C, C].
+
+    Block recursion: with M = [[I + Na, 0], [B, I + Nd]],  M^-1 = [[Ia, 0], [-Id B Ia, Id]].
+    Both diagonal halves are inverted in one batched call; blocks of `base` rows by repeated
+    squaring. Costs ~C^3 / 2 multiply-adds in all, against 2 log2(C) C^3 for squaring the whole."""
+    C = N.shape[-1]
+    if C <= base or C % 2:
+        return unit_lower_inverse_squaring(N)
+    h = C // 2
+    diag = unit_lower_inverse(jnp.stack([N[..., :h, :h], N[..., h:, h:]]), base)
+    ia, id_ = diag[0], diag[1]
+    low = -jnp.matmul(id_, jnp.matmul(N[..., h:, :h], ia, precision=_HI), precision=_HI)
+    top = jnp.concatenate([ia, jnp.zeros_like(ia)], axis=-1)
+    bottom = jnp.concatenate([low, id_], axis=-1)
+    return jnp.concatenate([top, bottom], axis=-2)
+
+
 def chunk_prepare(q, k, v, g, beta, C):
     """Intra-chunk work, all chunks at once (no sequential dependency).
 
     Inputs are fp32 and already scaled: q, k [B, T, H, K]; v [B, T, H, r, V]; g, beta [B, T, H, r]
     with T a multiple of C. Returns per-chunk tensors with the chunk axis N leading:
-      qg    [N, B, H, r, C, K]  q * exp(gc)
+      qw    [N, B, H, r, 2C, K] q * exp(gc) stacked over w (one matmul with h in the scan)
       kd    [N, B, H, r, C, K]  k * exp(gc_last - gc)
       u     [N, B, H, r, C, V]
-      w     [N, B, H, r, C, K]
       attn  [N, B, H, r, C, C]  tril(q k^T exp(gc_i - gc_j))
       decay [N, B, H, r]        exp(gc_last)
     """
@@ -69,8 +88,9 @@ def chunk_prepare(q, k, v, g, beta, C):
     gamma_strict = jnp.exp(jnp.where(strict, diff, -1e30))
     gamma_causal = jnp.exp(jnp.where(causal, diff, -1e30))
 
-    kk = jnp.einsum("nbhck,nbhdk->nbhcd", kc, kc, precision=_HI)[:, :, :, None]   # [N, B, H, 1, C, C]
-    qk = jnp.einsum("nbhck,nbhdk->nbhcd", qc, kc, precision=_HI)[:, :, :, None]
+    # q k^T and k k^T in one batched matmul: [q; k] k^T
+    qkk = jnp.einsum("nbhck,nbhdk->nbhcd", jnp.concatenate([qc, kc], axis=3), kc, precision=_HI)
+    qk, kk = qkk[:, :, :, None, :C], qkk[:, :, :, None, C:]           # [N, B, H, 1, C, C]
     A = unit_lower_inverse(bc[..., :, None] * kk * gamma_strict)
     attn = qk * gamma_causal
 
@@ -78,25 +98,28 @@ def chunk_prepare(q, k, v, g, beta, C):
     rhs = jnp.concatenate([bc[..., None] * vc, bc[..., None] * kc[:, :, :, None] * eg], axis=-1)
     uw = jnp.matmul(A, rhs, precision=_HI)
     u, w = uw[..., :V], uw[..., V:]
-    qg = qc[:, :, :, None] * eg
+    qw = jnp.concatenate([qc[:, :, :, None] * eg, w], axis=-2)           # [N, B, H, r, 2C, K]
     kd = kc[:, :, :, None] * jnp.exp(gc[..., -1:] - gc)[..., None]
-    return qg, kd, u, w, attn, jnp.exp(gc[..., -1])
+    return qw, kd, u, attn, jnp.exp(gc[..., -1])
 
 
-def chunk_scan(h0, qg, kd, u, w, attn, decay):
+def chunk_scan(h0, qw, kd, u, attn, decay):
     """The sequential part: carry the state h [B, H, r, K, V] across chunks.
     Returns (o [N, B, H, r, C, V], final h)."""
+    C = u.shape[-2]
+
     def step(h, xs):
-        qg_n, kd_n, u_n, w_n, attn_n, decay_n = xs
-        v_new = u_n - jnp.matmul(w_n, h, precision=_HI)
-        o = jnp.matmul(qg_n, h, precision=_HI) + jnp.matmul(attn_n, v_new, precision=_HI)
+        qw_n, kd_n, u_n, attn_n, decay_n = xs
+        qh_wh = jnp.matmul(qw_n, h, precision=_HI)                       # [(q exp(gc)); w] h
+        v_new = u_n - qh_wh[..., C:, :]
+        o = qh_wh[..., :C, :] + jnp.matmul(attn_n, v_new, precision=_HI)
         h = decay_n[..., None, None] * h + jnp.matmul(jnp.swapaxes(kd_n, -1, -2), v_new, precision=_HI)
         return h, o
-    h, o = jax.lax.scan(step, h0, (qg, kd, u, w, attn, decay))
+    h, o = jax.lax.scan(step, h0, (qw, kd, u, attn, decay))
     return o, h
 
 
-def chunk_scan_varlen(h0, qg, kd, u, w, attn, decay, seq, first):
+def chunk_scan_varlen(h0, qw, kd, u, attn, decay, seq, first):
     """chunk_scan for a packed batch (B == 1): h0 [N, 1, H, r, K, V]; seq, first [NC].
     Returns (o [NC, 1, H, r, C, V], final states [N, 1, H, r, K, V])."""
     def step(carry, xs):
@@ -106,12 +129,15 @@ def chunk_scan_varlen(h0, qg, kd, u, w, attn, decay, seq, first):
         o, h = chunk_scan(h, *(p[None] for p in parts))
         finals = finals.at[s].set(h)
         return (h, finals), o[0]
-    (_, finals), o = jax.lax.scan(step, (jnp.zeros_like(h0[0]), h0), (qg, kd, u, w, attn, decay, seq, first))
+    (_, finals), o = jax.lax.scan(step, (jnp.zeros_like(h0[0]), h0), (qw, kd, u, attn, decay, seq, first))
     return o, finals
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "output_final_state", "use_qk_l2norm_in_kernel",
-                                             "chunk_size"))
+# Best chunk for XLA on CPU (measured by benchmarks/gdn.py, T = 8192, K = V = 128): the intra-chunk
+# work grows with C, the sequential scan shrinks; 32 wins on CPU, 64 on the accelerators.
+DEFAULT_CHUNK_SIZE = 32
+
+
 def chunk_gated_delta_rule_xla(
     q: jax.Array,            # [B, T, H, K]
     k: jax.Array,            # [B, T, H, K]
@@ -123,11 +149,36 @@ def chunk_gated_delta_rule_xla(
     output_final_state: bool = False,
     use_qk_l2norm_in_kernel: bool = False,
     cu_seqlens: jax.Array | None = None,     # [N + 1] int32, packed batch (B == 1)
-    chunk_size: int = 64,
+    chunk_size: int | None = None,
 ):
     """Chunked form. Returns (o [B, T, HV, V] in v.dtype, final state [N, HV, K, V] fp32 or None).
     T is padded up to a multiple of chunk_size with g = 0, beta = 0 (which leave the state unchanged);
-    with cu_seqlens each sequence is padded so, and N is the number of sequences."""
+    with cu_seqlens each sequence is padded so, and N is the number of sequences.
+    A missing initial state becomes zeros before the jit boundary: one compilation serves both."""
+    B, T, H, K, HV, V = check_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
+    if initial_state is None:
+        n = B if cu_seqlens is None else varlen.check_cu_seqlens(cu_seqlens)
+        initial_state = jnp.zeros((n, HV, K, V), jnp.float32)
+    return _chunk_xla(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                      output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                      cu_seqlens=cu_seqlens, chunk_size=chunk_size or DEFAULT_CHUNK_SIZE)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "output_final_state", "use_qk_l2norm_in_kernel",
+                                             "chunk_size"))
+def _chunk_xla(
+    q: jax.Array,            # [B, T, H, K]
+    k: jax.Array,            # [B, T, H, K]
+    v: jax.Array,            # [B, T, HV, V]
+    g: jax.Array,            # [B, T, HV]
+    beta: jax.Array,         # [B, T, HV]
+    scale: float | None = None,
+    initial_state: jax.Array | None = None,  # [N, HV, K, V] fp32
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    cu_seqlens: jax.Array | None = None,     # [N + 1] int32, packed batch (B == 1)
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+):
     B, T, H, K, HV, V = check_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
     N = B if cu_seqlens is None else varlen.check_cu_seqlens(cu_seqlens)
     r = HV // H

@@ -43,7 +43,7 @@ def chunk_gated_delta_rule(
     output_final_state: bool = False,
     use_qk_l2norm_in_kernel: bool = False,
     cu_seqlens: jax.Array | None = None,     # [N + 1] int32, packed batch (B == 1)
-    chunk_size: int = 64,
+    chunk_size: int | None = None,           # None: each implementation's best (XLA on CPU 32, Pallas 64)
     impl: str = "auto",
 ):
     """Gated delta rule over a whole sequence (prefill). Returns (o [B, T, HV, V], final [N, HV, K, V] or None)."""
