@@ -9,5 +9,8 @@ from pallas_kernels.gated_delta_rule import (
     fused_recurrent_gated_delta_rule,
     l2norm,
 )
+from pallas_kernels.sparse_attention import (  # noqa: F401
+    dense_mla_attention, indexer_topk, indexer_weights, quantize_fp8, sparse_hit_rate, sparse_mla_attention,
+)
 
 __all__ = ["abi", "chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule", "l2norm"]

@@ -48,3 +48,5 @@ def all_abis() -> dict[str, KernelABI]:
 GATED_DELTA_RULE = register(KernelABI("gated_delta_rule", "state[N,HV,K,V]:f32", 1))
 CAUSAL_CONV1D = register(KernelABI("causal_conv1d", "conv_state[N,C,W-1]", 1))
 PAGED_ATTENTION = register(KernelABI("attention_kv", "kv[N,S,Hkv,D]", 1))
+SPARSE_MLA_LATENT = register(KernelABI("sparse_mla", "latent[P,ps,R]+rope[P,ps,Dr]:paged", 1))
+INDEXER_KEYS = register(KernelABI("dsa_indexer", "keys[P,ps,D](+scale[P,ps]:f32):paged", 1))

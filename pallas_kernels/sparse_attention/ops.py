@@ -1,0 +1,155 @@
+"""Public DeepSeek sparse-attention ops: one signature each, implementations chosen by `impl`.
+
+  impl="reference"  dense scores + lax.top_k / gather + softmax (naive.py)
+  impl="xla"        blocked XLA: running Top-K over key blocks, selected-row gather (xla.py)
+  impl="pallas"     Pallas kernels (interpret mode on CPU)
+  impl="auto"       Pallas on GPU/TPU, XLA on CPU
+
+Shapes and the masking contract are in common.py. The Top-K order differs between
+implementations (reference/xla: best first; pallas: position order); the selected set is the same.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.sparse_attention import naive, xla
+from pallas_kernels.sparse_attention.common import (
+    check_lengths,
+    check_page_table,
+    check_pool,
+    physical_rows,
+    resolve_impl,
+)
+
+
+def _interpret() -> bool:
+    return jax.default_backend() == "cpu"
+
+
+def indexer_topk(
+    q: jax.Array,              # [B, T, H, D]
+    w: jax.Array,              # [B, T, H]  per-head weights, both scales folded in (common.indexer_weights)
+    k_pages: jax.Array,        # [P, ps, D] bf16 / f32, or float8_e4m3fn with k_scale
+    page_table: jax.Array,     # [B, NP] int32
+    q_positions: jax.Array,    # [B, T] int32, -1 for padding queries
+    kv_lengths: jax.Array,     # [B] int32
+    *,
+    topk: int,
+    k_scale: jax.Array | None = None,   # [P, ps] f32 per-token scale of fp8 keys
+    impl: str = "auto",
+) -> jax.Array:
+    """Indices [B, T, topk] int32 of the topk best keys per query by sum_h w_h relu(q_h . k), -1 padded."""
+    if q.ndim != 4:
+        raise ValueError(f"q must be [B, T, H, D]; got shape {q.shape}")
+    B, T, H, D = q.shape
+    if w.shape != (B, T, H):
+        raise ValueError(f"w must be [B, T, H] = {(B, T, H)}; got {w.shape}")
+    check_pool(k_pages, "k_pages", D)
+    P, ps, _ = k_pages.shape
+    _, NP = check_page_table(page_table, B)
+    check_lengths(kv_lengths, B)
+    if q_positions.shape != (B, T):
+        raise ValueError(f"q_positions must be [B, T] = {(B, T)}; got {q_positions.shape}")
+    if k_scale is not None and k_scale.shape != (P, ps):
+        raise ValueError(f"k_scale must be [P, ps] = {(P, ps)}; got {k_scale.shape}")
+    if k_pages.dtype == jnp.float8_e4m3fn and k_scale is None:
+        raise ValueError("fp8 indexer keys need their per-token k_scale [P, ps]")
+    if not 0 < topk <= NP * ps:
+        raise ValueError(f"topk={topk} must be in [1, context capacity {NP * ps}] (page_table has {NP} pages "
+                         f"of {ps}); clamp it to the context for short requests")
+    impl = resolve_impl(impl)
+    if impl == "reference":
+        return naive.indexer_topk_reference(q, w, k_pages, page_table, q_positions, kv_lengths,
+                                            topk=topk, k_scale=k_scale)
+    if impl == "pallas":
+        from pallas_kernels.sparse_attention import pallas_indexer  # noqa: PLC0415
+        scores, tau = pallas_indexer.index_scores_threshold_pallas(
+            q, w, k_pages, page_table, q_positions, kv_lengths, topk=topk, k_scale=k_scale,
+            interpret=_interpret())
+        return pallas_indexer.select_from_threshold(scores, tau, topk)
+    return xla.indexer_topk_xla(q, w, k_pages, page_table, q_positions, kv_lengths, topk=topk, k_scale=k_scale)
+
+
+def _check_mla(q_lat, q_rope, latent, rope, page_table, kv_lengths):
+    if q_lat.ndim != 4 or q_rope.ndim != 4 or q_lat.shape[:3] != q_rope.shape[:3]:
+        raise ValueError(f"q_lat [B, T, H, R] and q_rope [B, T, H, Dr] must agree; got {q_lat.shape}, {q_rope.shape}")
+    B = q_lat.shape[0]
+    check_pool(latent, "latent", q_lat.shape[-1])
+    check_pool(rope, "rope", q_rope.shape[-1])
+    if rope.shape[:2] != latent.shape[:2]:
+        raise ValueError(f"latent and rope pools must have the same pages; got {latent.shape}, {rope.shape}")
+    check_page_table(page_table, B)
+    check_lengths(kv_lengths, B)
+
+
+def sparse_mla_attention(
+    q_lat: jax.Array,          # [B, T, H, R]  q_nope absorbed through W_uk
+    q_rope: jax.Array,         # [B, T, H, Dr]
+    latent: jax.Array,         # [P, ps, R]    compressed KV (normed)
+    rope: jax.Array,           # [P, ps, Dr]   decoupled RoPE key
+    page_table: jax.Array,     # [B, NP] int32
+    indices: jax.Array,        # [B, T, K] int32 logical positions, -1 = padding
+    kv_lengths: jax.Array,     # [B] int32
+    *,
+    scale: float,
+    impl: str = "auto",
+) -> jax.Array:
+    """Absorbed-MLA attention over the selected positions -> o_lat [B, T, H, R] f32. Unreadable indices
+    (negative, >= kv_lengths[b], or on a page outside the pool) are masked, never read."""
+    _check_mla(q_lat, q_rope, latent, rope, page_table, kv_lengths)
+    if indices.ndim != 3 or indices.shape[:2] != q_lat.shape[:2]:
+        raise ValueError(f"indices must be [B, T, K] with B, T = {q_lat.shape[:2]}; got {indices.shape}")
+    if not jnp.issubdtype(indices.dtype, jnp.integer):
+        raise ValueError(f"indices must be integers; got dtype {indices.dtype}")
+    impl = resolve_impl(impl)
+    if impl == "reference":
+        return naive.sparse_mla_reference(q_lat, q_rope, latent, rope, page_table, indices, kv_lengths, scale=scale)
+    if impl == "pallas":
+        from pallas_kernels.sparse_attention import pallas_mla  # noqa: PLC0415
+        return pallas_mla.sparse_mla_pallas(q_lat, q_rope, latent, rope, page_table, indices, kv_lengths,
+                                            scale=scale, interpret=_interpret())
+    return xla.sparse_mla_xla(q_lat, q_rope, latent, rope, page_table, indices, kv_lengths, scale=scale)
+
+
+def dense_mla_attention(q_lat, q_rope, latent, rope, page_table, q_positions, kv_lengths, *, scale: float):
+    """Dense absorbed MLA over every readable position <= each query's (the baseline; XLA).
+    Shapes as sparse_mla_attention with q_positions [B, T] -> [B, T, H, R] f32."""
+    _check_mla(q_lat, q_rope, latent, rope, page_table, kv_lengths)
+    return _dense_mla(q_lat, q_rope, latent, rope, page_table, q_positions, kv_lengths, scale=scale)
+
+
+@jax.jit
+def _dense_core(q_lat, q_rope, lat, rp, allowed, scale):
+    hp = jax.lax.Precision.HIGHEST
+    s = (jnp.einsum("bthr,bsr->bths", q_lat.astype(jnp.float32), lat.astype(jnp.float32), precision=hp)
+         + jnp.einsum("bthr,bsr->bths", q_rope.astype(jnp.float32), rp.astype(jnp.float32), precision=hp)) * scale
+    s = jnp.where(allowed[:, :, None, :], s, -jnp.inf)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    e = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0))
+    l = jnp.sum(e, axis=-1, keepdims=True)
+    return jnp.einsum("bths,bsr->bthr", e, lat.astype(jnp.float32), precision=hp) / jnp.where(l > 0, l, 1.0)
+
+
+def _dense_mla(q_lat, q_rope, latent, rope, page_table, q_positions, kv_lengths, *, scale):
+    from pallas_kernels.sparse_attention.common import gather_pages, page_valid  # noqa: PLC0415
+    P, ps, _ = latent.shape
+    S = page_table.shape[1] * ps
+    j = jnp.arange(S, dtype=jnp.int32)
+    allowed = ((j[None, None, :] <= q_positions[:, :, None]) & (j[None, None, :] < kv_lengths[:, None, None])
+               & page_valid(page_table, P, ps)[:, None, :])
+    return _dense_core(q_lat, q_rope, gather_pages(latent, page_table), gather_pages(rope, page_table),
+                       allowed, jnp.float32(scale))
+
+
+def sparse_hit_rate(indices: jax.Array, page_table: jax.Array, page_resident: jax.Array, page_size: int,
+                    kv_lengths: jax.Array) -> jax.Array:
+    """Fraction of the step's selected positions whose page is resident on the device, per row.
+
+    indices [B, T, K] (-1 padded), page_table [B, NP], page_resident [P] bool -> [B] f32
+    (1.0 for a row that selected nothing). The rest would have to be fetched from host or disk."""
+    P = page_resident.shape[0]
+    rows, ok = physical_rows(indices, page_table, page_size, P, kv_lengths)
+    hit = ok & page_resident[rows // page_size]
+    n = jnp.sum(ok, axis=(1, 2))
+    return jnp.where(n > 0, jnp.sum(hit, axis=(1, 2)) / jnp.maximum(n, 1), 1.0).astype(jnp.float32)

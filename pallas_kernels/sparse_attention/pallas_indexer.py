@@ -1,0 +1,232 @@
+"""Pallas indexer: DeepSeek's index scores fused with the per-query Top-K selection over paged keys.
+
+score[b, t, j] = sum_h w[b, t, h] * relu(q[b, t, h] . k[j])   (scales folded into w, fp8 scale per key)
+
+Heads are reduced per key page on chip ([H, ps] tile -> [1, ps]); no [T, H, S] tensor exists.
+
+Selection without `top_k` (Pallas TPU has no lowering for it): an exact threshold search.
+  1. Each score is mapped to an int32 whose signed order is the float order (`ordered_int`).
+  2. The K-th largest key tau is built bit by bit, most significant first, in the unsigned view:
+     a bit is kept iff at least K scores are >= the candidate. 32 counting passes over the score
+     row that sits in VMEM, each a compare and a sum; no sort and no data-dependent shapes.
+  3. The selected set is {score > tau} plus the lowest-position keys with score == tau until K are
+     taken (ties resolved by position, as XLA's top_k does). With fewer than K readable keys tau
+     ends at -inf's key and every readable key is taken.
+  The compaction of the selection mask into an index list (a prefix sum and a scatter, O(S) int
+  work per query, ~1.5% of the bytes of the keys it replaces at D = 128) runs in XLA after the kernel.
+
+Backends (both proven by `jax.export` tests):
+  * TPU (Mosaic): grid (B, T/tq, NP); the page table, lengths and query positions are scalar-prefetched
+    into SMEM and the key BlockSpec's index_map reads the page table, so the pipeline DMAs page p+1
+    while page p is scored. The [tq, S] score block stays resident across the page axis; at the last
+    page the threshold search runs on it. ps must be a multiple of 128.
+  * GPU (Triton): a scoring kernel (grid (B, T/tq, NP), the page gathered in-kernel through the page
+    table) and a threshold kernel (grid (B, T)) reading the score rows back; Triton programs run
+    unordered, so no block can stay resident across pages. H is padded to 16 (zero weights) for
+    tl.dot; ps and D must be powers of two.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels.gated_delta_rule.pallas_recurrent import compiler_params, default_backend
+
+INT_MIN = -(2 ** 31)
+
+
+@dataclasses.dataclass(frozen=True)
+class IndexerConfig:
+    """block_q: queries per program (TPU: a multiple of 8 or all of T)."""
+    block_q: int = 8
+    num_warps: int = 4        # Triton only
+
+
+def _ordered(s):
+    i = jax.lax.bitcast_convert_type(s, jnp.int32)
+    return jnp.where(i >= 0, i, i ^ jnp.int32(0x7FFFFFFF))
+
+
+def _score_tile(q, w_col, k, scale_row):
+    """q [H, D], w_col [H, 1], k [ps, D] (f32), scale_row [1, ps] | None -> [1, ps]."""
+    s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=jax.lax.Precision.HIGHEST,
+                            preferred_element_type=jnp.float32)                  # [H, ps]
+    s = jnp.sum(jax.nn.relu(s) * w_col, axis=0, keepdims=True)                   # [1, ps]
+    return s if scale_row is None else s * scale_row
+
+
+def _mask(s, p, ps, qpos, length, page_ok):
+    pos = p * ps + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
+    return jnp.where((pos <= qpos) & (pos < length) & page_ok, s, -jnp.inf)
+
+
+def _kth_largest(load_row_block, n_blocks: int, topk: int):
+    """The ordered-int key [1, 1] of the K-th largest score of one row (see module docstring)."""
+    def count(thr):                                                               # [1, 1] int32
+        def body(p, acc):
+            return acc + jnp.sum((_ordered(load_row_block(p)) >= thr).astype(jnp.int32), axis=1, keepdims=True)
+        return jax.lax.fori_loop(0, n_blocks, body, jnp.zeros((1, 1), jnp.int32))
+
+    def bit_step(_, carry):
+        ans, bit = carry
+        cand = ans | bit
+        ans = jnp.where(count(cand ^ jnp.int32(INT_MIN)) >= topk, cand, ans)
+        return ans, jax.lax.shift_right_logical(bit, jnp.ones_like(bit))
+
+    ans, _ = jax.lax.fori_loop(0, 32, bit_step, (jnp.zeros((1, 1), jnp.int32),
+                                                 jnp.full((1, 1), INT_MIN, jnp.int32)))
+    return ans ^ jnp.int32(INT_MIN)
+
+
+def _tpu_kernel(pt_ref, len_ref, qpos_ref,             # SMEM: [B * NP], [B], [B * Tp]
+                q_ref,                                 # [tq, H, D]
+                w_ref,                                 # [tq, H, 1] f32
+                k_ref,                                 # [ps, D]
+                *rest, tq, ps, NP, P, Tp, topk, has_scale):
+    if has_scale:
+        sc_ref, s_ref, tau_ref = rest                  # [1, ps]; [tq, S] f32; [tq, 1] int32
+        scale_row = sc_ref[...].astype(jnp.float32)
+    else:
+        (s_ref, tau_ref), scale_row = rest, None
+    b, i, p = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    page = pt_ref[b * NP + p]
+    page_ok = (page >= 0) & (page < P)
+    k = k_ref[...].astype(jnp.float32)
+    for r in range(tq):
+        s = _score_tile(q_ref[r].astype(jnp.float32), w_ref[r], k, scale_row)
+        s = _mask(s, p, ps, qpos_ref[b * Tp + i * tq + r], len_ref[b], page_ok)
+        s_ref[pl.ds(r, 1), pl.ds(pl.multiple_of(p * ps, ps), ps)] = s
+
+    @pl.when(p == NP - 1)
+    def _():
+        for r in range(tq):
+            def load(j, r=r):
+                return s_ref[pl.ds(r, 1), pl.ds(pl.multiple_of(j * ps, ps), ps)]
+            tau_ref[pl.ds(r, 1), :] = _kth_largest(load, NP, topk)
+
+
+def _gpu_score_kernel(pt_ref, len_ref, qpos_ref,      # [B, NP], [B, 1], [B, Tp] int32
+                      q_ref, w_ref,                   # [tq, H, D], [tq, H, 1]
+                      k_ref,                          # [P * ps, D] (whole pool: in-kernel gather)
+                      *rest, tq, ps, P, topk, has_scale):
+    if has_scale:
+        sc_ref, s_ref = rest                          # [P, ps]; [tq, ps]
+    else:
+        (s_ref,), sc_ref = rest, None
+    b, i, p = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    page = pt_ref[b, p]
+    page_ok = (page >= 0) & (page < P)
+    safe = jnp.clip(page, 0, P - 1)
+    k = k_ref[pl.ds(safe * ps, ps), :].astype(jnp.float32)
+    scale_row = None if sc_ref is None else sc_ref[pl.ds(safe, 1), :].astype(jnp.float32)
+    for r in range(tq):
+        s = _score_tile(q_ref[r].astype(jnp.float32), w_ref[r], k, scale_row)
+        s_ref[pl.ds(r, 1), :] = _mask(s, p, ps, qpos_ref[b, i * tq + r], len_ref[b, 0], page_ok)
+
+
+def _gpu_threshold_kernel(s_ref, tau_ref, *, ps, NP, topk):     # [1, S] f32 -> [1, 1]
+    tau_ref[...] = _kth_largest(lambda j: s_ref[:, pl.ds(j * ps, ps)], NP, topk)
+
+
+@functools.partial(jax.jit, static_argnames=("topk", "config", "backend", "interpret"))
+def index_scores_threshold_pallas(q, w, k_pages, page_table, q_positions, kv_lengths, *, topk: int,
+                                  k_scale=None, config: IndexerConfig = IndexerConfig(),
+                                  backend: str | None = None, interpret: bool = False):
+    """q [B, T, H, D], w [B, T, H] f32 (scales folded), k_pages [P, ps, D] (bf16/f32/fp8),
+    k_scale [P, ps] | None, page_table [B, NP], q_positions [B, T], kv_lengths [B]
+    -> (scores [B, T, S] f32 (-inf = not selectable), tau [B, T] int32 ordered key of the K-th best)."""
+    backend = backend or default_backend()
+    B, T, H, D = q.shape
+    P, ps, _ = k_pages.shape
+    NP = page_table.shape[1]
+    S = NP * ps
+    tq = T if T <= config.block_q else config.block_q
+    Tp = -(-T // tq) * tq
+    padT = ((0, 0), (0, Tp - T))
+    q = jnp.pad(q, padT + ((0, 0), (0, 0)))
+    w = jnp.pad(w.astype(jnp.float32), padT + ((0, 0),))
+    qpos = jnp.pad(q_positions.astype(jnp.int32), padT, constant_values=-1)
+    pt = page_table.astype(jnp.int32)
+    lens = kv_lengths.astype(jnp.int32)
+    has_scale = k_scale is not None
+    if backend == "tpu":
+        from jax.experimental.pallas import tpu as pltpu  # noqa: PLC0415
+        if ps % 128 and not interpret:
+            raise ValueError(f"the TPU indexer kernel needs a page size that is a multiple of 128; got {ps}")
+        in_specs = [pl.BlockSpec((None, tq, H, D), lambda b, i, p, *_: (b, i, 0, 0)),
+                    pl.BlockSpec((None, tq, H, 1), lambda b, i, p, *_: (b, i, 0, 0)),
+                    pl.BlockSpec((None, ps, D), lambda b, i, p, pt_, *_: (
+                        jnp.clip(pt_[b * NP + p], 0, P - 1), 0, 0))]
+        args = [q, w[..., None], k_pages]
+        if has_scale:
+            in_specs.append(pl.BlockSpec((None, 1, ps), lambda b, i, p, pt_, *_: (
+                jnp.clip(pt_[b * NP + p], 0, P - 1), 0, 0)))
+            args.append(k_scale.astype(jnp.float32).reshape(P, 1, ps))
+        grid_spec = pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=3, grid=(B, Tp // tq, NP), in_specs=in_specs,
+            out_specs=[pl.BlockSpec((None, tq, S), lambda b, i, p, *_: (b, i, 0)),
+                       pl.BlockSpec((None, tq, 1), lambda b, i, p, *_: (b, i, 0))])
+        kernel = functools.partial(_tpu_kernel, tq=tq, ps=ps, NP=NP, P=P, Tp=Tp, topk=topk, has_scale=has_scale)
+        scores, tau = pl.pallas_call(
+            kernel, grid_spec=grid_spec,
+            out_shape=[jax.ShapeDtypeStruct((B, Tp, S), jnp.float32), jax.ShapeDtypeStruct((B, Tp, 1), jnp.int32)],
+            compiler_params=compiler_params("tpu", ("parallel", "parallel", "arbitrary")),
+            interpret=interpret, name="dsa_indexer_topk",
+        )(pt.reshape(-1), lens, qpos.reshape(-1), *args)
+        return scores[:, :T], tau[:, :T, 0]
+    # GPU: pad heads to a multiple of 16 (tl.dot) with zero weights; relu(q.k) * 0 adds nothing.
+    Hp = max(16, 1 << (H - 1).bit_length())
+    q = jnp.pad(q, ((0, 0), (0, 0), (0, Hp - H), (0, 0)))
+    w = jnp.pad(w, ((0, 0), (0, 0), (0, Hp - H)))
+    for name, x in (("page size", ps), ("D", D)):
+        if x & (x - 1):
+            raise ValueError(f"the Triton indexer kernel needs {name} a power of two; got {x}")
+    in_specs = [pl.BlockSpec((B, NP), lambda b, i, p: (0, 0)), pl.BlockSpec((B, 1), lambda b, i, p: (0, 0)),
+                pl.BlockSpec((B, Tp), lambda b, i, p: (0, 0)),
+                pl.BlockSpec((None, tq, Hp, D), lambda b, i, p: (b, i, 0, 0)),
+                pl.BlockSpec((None, tq, Hp, 1), lambda b, i, p: (b, i, 0, 0)),
+                pl.BlockSpec((P * ps, D), lambda b, i, p: (0, 0))]
+    args = [pt, lens[:, None], qpos, q, w[..., None], k_pages.reshape(P * ps, D)]
+    if has_scale:
+        in_specs.append(pl.BlockSpec((P, ps), lambda b, i, p: (0, 0)))
+        args.append(k_scale.astype(jnp.float32))
+    kernel = functools.partial(_gpu_score_kernel, tq=tq, ps=ps, P=P, topk=topk, has_scale=has_scale)
+    scores = pl.pallas_call(
+        kernel, grid=(B, Tp // tq, NP), in_specs=in_specs,
+        out_specs=pl.BlockSpec((None, tq, ps), lambda b, i, p: (b, i, p)),
+        out_shape=jax.ShapeDtypeStruct((B, Tp, S), jnp.float32),
+        compiler_params=compiler_params("gpu", (), config.num_warps), interpret=interpret,
+        name="dsa_indexer_scores")(*args)
+    tau = pl.pallas_call(
+        functools.partial(_gpu_threshold_kernel, ps=ps, NP=NP, topk=topk), grid=(B, Tp),
+        in_specs=[pl.BlockSpec((None, 1, S), lambda b, t: (b, t, 0))],
+        out_specs=pl.BlockSpec((None, 1, 1), lambda b, t: (b, t, 0)),
+        out_shape=jax.ShapeDtypeStruct((B, Tp, 1), jnp.int32),
+        compiler_params=compiler_params("gpu", (), config.num_warps), interpret=interpret,
+        name="dsa_indexer_threshold")(scores)
+    return scores[:, :T], tau[:, :T, 0]
+
+
+def select_from_threshold(scores, tau, topk: int):
+    """Compaction (XLA): scores [B, T, S] f32, tau [B, T] -> indices [B, T, topk] int32 in position
+    order, -1 padded. Takes score > tau, then score == tau by position until topk are taken."""
+    key = _ordered(scores)
+    t = tau[..., None]
+    finite = jnp.isfinite(scores)
+    n_gt = jnp.sum(key > t, axis=-1, keepdims=True)
+    eq = (key == t) & finite
+    eq_rank = jnp.cumsum(eq.astype(jnp.int32), axis=-1) - 1
+    sel = ((key > t) & finite) | (eq & (eq_rank < topk - n_gt))
+    rank = jnp.cumsum(sel.astype(jnp.int32), axis=-1) - 1
+    S = scores.shape[-1]
+    slot = jnp.where(sel, rank, topk)                                  # topk: out of range, dropped
+    B, T = tau.shape
+    out = jnp.full((B, T, topk), -1, jnp.int32)
+    bi = jnp.arange(B)[:, None, None]
+    ti = jnp.arange(T)[None, :, None]
+    pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), scores.shape)
+    return out.at[bi, ti, slot].set(pos, mode="drop")

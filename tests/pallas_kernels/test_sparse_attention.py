@@ -1,0 +1,231 @@
+"""DeepSeek sparse attention ops: every implementation against the token-level reference over awkward
+sizes, the dense-equivalence rule, fp8 keys, bad input, the hit rate, and export for TPU and CUDA."""
+from __future__ import annotations
+
+import jax
+import jax.experimental.pallas.mosaic_gpu  # noqa: F401  registers the Mosaic GPU lowering
+import jax.experimental.pallas.tpu  # noqa: F401  registers the Mosaic TPU lowering
+import jax.experimental.pallas.triton  # noqa: F401  registers the Triton lowering
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import sparse_attention as sa
+from pallas_kernels.sparse_attention import naive, pallas_indexer, pallas_mla
+
+TRITON_CALL = "__gpu$xla.gpu.triton"
+
+
+def rel_rms(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.sqrt(np.mean((a - b) ** 2)) / (np.sqrt(np.mean(b ** 2)) + 1e-30))
+
+
+def _paged(rng, B, NP, ps, extra_pages=1):
+    """A shuffled page assignment: row b owns NP distinct pages of a pool of B * NP + extra pages."""
+    P = B * NP + extra_pages
+    perm = rng.permutation(P)[:B * NP].reshape(B, NP)
+    return P, jnp.asarray(perm, jnp.int32)
+
+
+def _indexer_inputs(seed, B, T, H, D, ps, NP, lengths, start=None):
+    rng = np.random.default_rng(seed)
+    P, pt = _paged(rng, B, NP, ps)
+    q = jnp.asarray(rng.standard_normal((B, T, H, D)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((B, T, H)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((P, ps, D)), jnp.float32)
+    lens = jnp.asarray(lengths, jnp.int32)
+    start = lens - T if start is None else jnp.asarray(start, jnp.int32)
+    qpos = start[:, None] + jnp.arange(T, dtype=jnp.int32)[None]
+    return q, w, k, pt, qpos, lens
+
+
+def _sets(idx):
+    return [[sorted(int(x) for x in r if x >= 0) for r in row] for row in np.asarray(idx)]
+
+
+# B, T, H, D, ps, NP, lengths, topk
+INDEXER_CASES = [
+    (1, 1, 4, 16, 16, 5, [75], 8),             # decode, topk < context
+    (2, 7, 3, 8, 8, 4, [30, 9], 5),            # prefill rows of different lengths, odd heads
+    (1, 63, 2, 16, 32, 2, [63], 63),           # topk == context
+    (2, 1, 5, 16, 16, 3, [40, 1], 7),          # a row with fewer keys than topk
+]
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+@pytest.mark.parametrize("case", INDEXER_CASES, ids=lambda c: f"B{c[0]}T{c[1]}H{c[2]}K{c[7]}")
+def test_indexer_topk_matches_reference(case, impl):
+    B, T, H, D, ps, NP, lengths, topk = case
+    q, w, k, pt, qpos, lens = _indexer_inputs(sum(lengths) + T, B, T, H, D, ps, NP, lengths)
+    ref = sa.indexer_topk(q, w, k, pt, qpos, lens, topk=topk, impl="reference")
+    got = sa.indexer_topk(q, w, k, pt, qpos, lens, topk=topk, impl=impl)
+    assert got.shape == (B, T, topk) and got.dtype == jnp.int32
+    assert _sets(got) == _sets(ref)
+    # causality and readability: every selected key is <= the query's position and < the row length
+    g = np.asarray(got)
+    sel = g >= 0
+    assert np.all(g[sel] <= np.broadcast_to(np.asarray(qpos)[..., None], g.shape)[sel])
+
+
+def test_indexer_threshold_ties_resolved_by_position():
+    """Equal scores at the K-th place: the lowest positions win, like lax.top_k."""
+    B, T, H, D, ps, NP = 1, 1, 2, 8, 8, 2
+    q = jnp.ones((B, T, H, D))
+    w = jnp.ones((B, T, H))
+    k = jnp.ones((NP, ps, D))                   # every key scores the same
+    pt = jnp.arange(NP, dtype=jnp.int32)[None]
+    lens, qpos = jnp.asarray([16]), jnp.asarray([[15]])
+    got = sa.indexer_topk(q, w, k, pt, qpos, lens, topk=5, impl="pallas")
+    assert np.asarray(got).tolist() == [[[0, 1, 2, 3, 4]]]
+
+
+def _mla_inputs(seed, B, T, H, R, Dr, ps, NP, lengths, K):
+    rng = np.random.default_rng(seed)
+    P, pt = _paged(rng, B, NP, ps)
+    ql = jnp.asarray(rng.standard_normal((B, T, H, R)), jnp.float32)
+    qr = jnp.asarray(rng.standard_normal((B, T, H, Dr)), jnp.float32)
+    lat = jnp.asarray(rng.standard_normal((P, ps, R)), jnp.float32)
+    rp = jnp.asarray(rng.standard_normal((P, ps, Dr)), jnp.float32)
+    lens = jnp.asarray(lengths, jnp.int32)
+    idx = np.stack([np.stack([rng.choice(max(int(n), 1), K, replace=K > int(n)) for _ in range(T)])
+                    for n in lengths]).astype(np.int32)
+    idx[..., -1] = -1                                          # a padding slot in every query
+    return ql, qr, lat, rp, pt, jnp.asarray(idx), lens
+
+
+MLA_CASES = [(1, 1, 4, 16, 8, 8, 4, [30], 8), (2, 3, 3, 32, 16, 16, 3, [40, 7], 16),
+             (1, 5, 2, 8, 8, 4, 7, [25], 4)]
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+@pytest.mark.parametrize("case", MLA_CASES, ids=lambda c: f"B{c[0]}T{c[1]}H{c[2]}R{c[3]}K{c[8]}")
+def test_sparse_mla_matches_reference(case, impl):
+    B, T, H, R, Dr, ps, NP, lengths, K = case
+    ql, qr, lat, rp, pt, idx, lens = _mla_inputs(K + T, B, T, H, R, Dr, ps, NP, lengths, K)
+    ref = sa.sparse_mla_attention(ql, qr, lat, rp, pt, idx, lens, scale=0.3, impl="reference")
+    got = sa.sparse_mla_attention(ql, qr, lat, rp, pt, idx, lens, scale=0.3, impl=impl)
+    assert got.shape == (B, T, H, R)
+    assert rel_rms(got, ref) < 1e-5
+
+
+@pytest.mark.parametrize("impl", ["reference", "xla", "pallas"])
+def test_sparse_equals_dense_when_topk_covers_context(impl):
+    B, T, H, D, ps, NP = 2, 4, 3, 16, 8, 3
+    lengths = [20, 13]
+    q, w, k, pt, qpos, lens = _indexer_inputs(5, B, T, H, D, ps, NP, lengths)
+    idx = sa.indexer_topk(q, w, k, pt, qpos, lens, topk=NP * ps, impl=impl)
+    ql, qr, lat, rp, _, _, _ = _mla_inputs(6, B, T, H, 16, 8, ps, NP, lengths, 4)
+    P = lat.shape[0]
+    lat, rp = lat[:P], rp[:P]
+    sparse = sa.sparse_mla_attention(ql, qr, lat, rp, pt, idx, lens, scale=0.25, impl=impl)
+    dense = sa.dense_mla_attention(ql, qr, lat, rp, pt, qpos, lens, scale=0.25)
+    assert rel_rms(sparse, dense) < 1e-5
+
+
+@pytest.mark.parametrize("impl", ["reference", "xla", "pallas"])
+def test_bad_indices_are_masked_never_read(impl):
+    """Indices past a row's length, negative, or whose page lies outside the pool read nothing: the
+    output equals attention over the good indices only, even when the bad rows hold huge values."""
+    B, T, H, R, Dr, ps, NP = 2, 1, 2, 8, 8, 4, 3
+    ql, qr, lat, rp, pt, _, lens = _mla_inputs(1, B, T, H, R, Dr, ps, NP, [10, 12], 4)
+    lat = lat.at[pt[1]].set(1e4)                                         # row 1's pages: poison
+    good = jnp.asarray([[[0, 3, 9, -1]], [[1, 2, 5, 11]]], jnp.int32)
+    bad = jnp.asarray([[[0, 3, 9, 10]], [[1, 2, 5, 11]]], jnp.int32)    # 10 >= length of row 0
+    pt_bad = pt.at[0, 2].set(10_000)                                     # a page outside the pool
+    bad2 = jnp.asarray([[[0, 3, 9, -7]], [[1, 2, 5, 11]]], jnp.int32)
+    ref = sa.sparse_mla_attention(ql, qr, lat, rp, pt, good, lens, scale=0.5, impl="reference")
+    for idx, table in ((bad, pt), (bad2, pt)):
+        got = sa.sparse_mla_attention(ql, qr, lat, rp, table, idx, lens, scale=0.5, impl=impl)
+        np.testing.assert_allclose(np.asarray(got[0]), np.asarray(ref[0]), rtol=1e-5, atol=1e-5)
+    got = sa.sparse_mla_attention(ql, qr, lat, rp, pt_bad, good, lens, scale=0.5, impl=impl)
+    only = sa.sparse_mla_attention(ql, qr, lat, rp, pt, jnp.asarray([[[0, 3, -1, -1]], [[1, 2, 5, 11]]]),
+                                   lens, scale=0.5, impl="reference")
+    np.testing.assert_allclose(np.asarray(got[0]), np.asarray(only[0]), rtol=1e-5, atol=1e-5)
+    assert np.all(np.abs(np.asarray(got[0])) < 100)
+
+
+def test_bad_input_raises_value_errors():
+    q, w, k, pt, qpos, lens = _indexer_inputs(0, 1, 2, 2, 8, 8, 2, [10])
+    with pytest.raises(ValueError, match="topk"):
+        sa.indexer_topk(q, w, k, pt, qpos, lens, topk=17)
+    with pytest.raises(ValueError, match="page_table"):
+        sa.indexer_topk(q, w, k, jnp.zeros((3, 2), jnp.int32), qpos, lens, topk=4)
+    with pytest.raises(ValueError, match="w must be"):
+        sa.indexer_topk(q, w[..., :1], k, pt, qpos, lens, topk=4)
+    with pytest.raises(ValueError, match="impl"):
+        sa.indexer_topk(q, w, k, pt, qpos, lens, topk=4, impl="cuda")
+    with pytest.raises(ValueError, match="k_scale"):
+        sa.indexer_topk(q, w, k.astype(jnp.float8_e4m3fn), pt, qpos, lens, topk=4)
+    ql, qr, lat, rp, pt2, idx, lens2 = _mla_inputs(0, 1, 1, 2, 8, 8, 4, 2, [6], 4)
+    with pytest.raises(ValueError, match="indices"):
+        sa.sparse_mla_attention(ql, qr, lat, rp, pt2, idx[:, :, :, None], lens2, scale=1.0)
+    with pytest.raises(ValueError, match="pools"):
+        sa.sparse_mla_attention(ql, qr, lat, rp[:, :2], pt2, idx, lens2, scale=1.0)
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_fp8_keys_recall_against_bf16(impl):
+    B, T, H, D, ps, NP, topk = 1, 4, 8, 32, 16, 8, 32
+    q, w, k, pt, qpos, lens = _indexer_inputs(3, B, T, H, D, ps, NP, [128])
+    kb = k.astype(jnp.bfloat16)
+    k8, sc = sa.quantize_fp8(kb)
+    assert k8.dtype == jnp.float8_e4m3fn and sc.shape == k.shape[:2]
+    ref = _sets(sa.indexer_topk(q, w, kb, pt, qpos, lens, topk=topk, impl="reference"))
+    got = _sets(sa.indexer_topk(q, w, k8, pt, qpos, lens, topk=topk, k_scale=sc, impl=impl))
+    recall = np.mean([len(set(a) & set(b)) / len(b) for ra, rb in zip(got, ref) for a, b in zip(ra, rb)])
+    assert recall > 0.85
+
+
+def test_sparse_hit_rate():
+    pt = jnp.asarray([[0, 1], [2, 3]], jnp.int32)
+    resident = jnp.asarray([True, False, True, True])
+    idx = jnp.asarray([[[0, 1, 5, -1]], [[0, 7, 6, 3]]], jnp.int32)      # row 0: pages 0, 0, 1
+    hr = sa.sparse_hit_rate(idx, pt, resident, 4, jnp.asarray([8, 8]))
+    np.testing.assert_allclose(np.asarray(hr), [2 / 3, 1.0])
+
+
+def _export(fn, platform, args):
+    return jax.export.export(jax.jit(fn), platforms=[platform],
+                             disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON_CALL)])(*args).mlir_module()
+
+
+S = jax.ShapeDtypeStruct
+TARGETS = {"tpu": ("tpu", "tpu_custom_call"), "cuda": ("gpu", TRITON_CALL)}
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("platform", ["tpu", "cuda"])
+def test_indexer_exports(platform, fp8):
+    backend, call = TARGETS[platform]
+    B, T, H, D, ps, NP, P = 2, 3, 4, 128, 128, 4, 9
+    kdt = jnp.float8_e4m3fn if fp8 else jnp.bfloat16
+
+    def fn(q, w, k, pt, qpos, lens, *sc):
+        s, tau = pallas_indexer.index_scores_threshold_pallas(
+            q, w, k, pt, qpos, lens, topk=64, k_scale=sc[0] if sc else None, backend=backend)
+        return pallas_indexer.select_from_threshold(s, tau, 64)
+    args = [S((B, T, H, D), jnp.bfloat16), S((B, T, H), jnp.float32), S((P, ps, D), kdt),
+            S((B, NP), jnp.int32), S((B, T), jnp.int32), S((B,), jnp.int32)]
+    if fp8:
+        args.append(S((P, ps), jnp.float32))
+    assert call in _export(fn, platform, args)
+
+
+@pytest.mark.parametrize("platform", ["tpu", "cuda"])
+def test_sparse_mla_exports(platform):
+    backend, call = TARGETS[platform]
+    B, T, H, R, Dr, ps, NP, P, K = 2, 1, 16, 512, 64, 64, 4, 9, 64
+
+    def fn(ql, qr, lat, rp, pt, idx, lens):
+        return pallas_mla.sparse_mla_pallas(ql, qr, lat, rp, pt, idx, lens, scale=0.1, backend=backend)
+    args = [S((B, T, H, R), jnp.bfloat16), S((B, T, H, Dr), jnp.bfloat16), S((P, ps, R), jnp.bfloat16),
+            S((P, ps, Dr), jnp.bfloat16), S((B, NP), jnp.int32), S((B, T, K), jnp.int32), S((B,), jnp.int32)]
+    assert call in _export(fn, platform, args)
+
+
+def test_reference_scores_have_no_selectable_future():
+    q, w, k, pt, qpos, lens = _indexer_inputs(2, 1, 3, 2, 8, 8, 2, [12])
+    s = naive.index_scores_reference(q, w, k, pt, qpos, lens)
+    j = np.arange(16)
+    assert np.all(np.isinf(np.asarray(s[0]))[np.broadcast_to(j[None] > np.asarray(qpos[0])[:, None], (3, 16))])
