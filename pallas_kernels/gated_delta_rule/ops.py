@@ -5,6 +5,12 @@
                     token scan, which is what a decode step or a short verify window wants
   impl="pallas"     Pallas kernels (interpret mode on CPU)
   impl="auto"       Pallas on GPU/TPU, XLA on CPU
+
+Every implementation takes `cu_seqlens` (a packed batch, B == 1, sequence n spanning tokens
+cu_seqlens[n] .. cu_seqlens[n + 1] - 1, see varlen.py): the state is reset to initial_state[n] at
+each sequence's start and the final state is [N, HV, K, V]. Shapes stay static; the values of
+cu_seqlens may change without a retrace. Every implementation writes the same state layout, so all
+share one kernel ABI id (`pallas_kernels.abi.GATED_DELTA_RULE`).
 """
 from __future__ import annotations
 

@@ -19,7 +19,9 @@ Backends (both proven by `jax.export` on CPU in tests/pallas_kernels/test_export
     grid is (B, HV, V / block_v) and each program walks the chunks with `lax.fori_loop`, the state in
     registers. JAX 0.10's default Mosaic GPU lowering lacks dot_general in this form and the
     reductions; Triton lowers both (export needs
-    `DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")`). C, K, block_v must be powers of two.
+    `DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")`). Every tile the kernel loads or stores
+    ([C, K], [C, block_v], [K, block_v]) has power-of-two dims, so C, K, block_v must be powers of
+    two; the refs themselves may have any size (e.g. the padded T).
 The per-chunk math (`chunk_step`) is shared by both.
 
 Variable-length batches: every sequence is padded to a multiple of C (varlen.chunk_layout) so no

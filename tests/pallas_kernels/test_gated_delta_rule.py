@@ -331,3 +331,13 @@ def test_abi_registry_rejects_conflicting_registration():
     assert abi.get("gated_delta_rule") == gdn and gdn.id == "gated_delta_rule/state[N,HV,K,V]:f32/v1"
     with pytest.raises(KeyError, match="no kernel ABI"):
         abi.get("not_a_kernel")
+
+
+@pytest.mark.parametrize("impl", ["reference", "xla", "pallas"])
+def test_varlen_all_sequences_empty(impl):
+    """cu_seqlens = [0, 0, 0]: no token belongs to a sequence; outputs 0, states unchanged."""
+    a, h0 = make_inputs(5, 1, 32, init=True, N=2)
+    cu = jnp.zeros((3,), jnp.int32)
+    for fn in (chunk_gated_delta_rule, fused_recurrent_gated_delta_rule):
+        o, f = fn(*a, initial_state=h0, output_final_state=True, cu_seqlens=cu, impl=impl)
+        assert not np.any(np.asarray(o)) and np.array_equal(np.asarray(f), np.asarray(h0))
