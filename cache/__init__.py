@@ -2,6 +2,7 @@
 
 Imports point one way: hybrid_jax -> cache -> pallas_kernels. This package knows no model class.
 """
+from cache.mla import IndexerKeyGroup, MLALatentGroup, contiguous_page_table, init_mla_groups, write_paged
 from cache.state import (
     KVGroup,
     ModelCache,
@@ -11,4 +12,5 @@ from cache.state import (
     nbytes_by_group,
 )
 
-__all__ = ["KVGroup", "ModelCache", "RecurrentGroup", "bytes_per_token", "init_cache", "nbytes_by_group"]
+__all__ = ["IndexerKeyGroup", "MLALatentGroup", "contiguous_page_table", "init_mla_groups", "write_paged",
+           "KVGroup", "ModelCache", "RecurrentGroup", "bytes_per_token", "init_cache", "nbytes_by_group"]

@@ -18,6 +18,7 @@ from types import ModuleType
 from hybrid_jax.errors import ConfigError
 
 FAMILIES = {"qwen3_next": "hybrid_jax.models.qwen3_next"}
+FAMILIES["deepseek_v32"] = "hybrid_jax.models.deepseek_v32"
 
 
 def get_model(model_type: str) -> ModuleType:

@@ -1,0 +1,116 @@
+"""Paged cache groups of DeepSeek sparse attention (DSA): the MLA latent and the indexer keys.
+
+  MLALatentGroup  (sparse_attention)  latent [L, P, ps, R], rope [L, P, ps, Dr], page_table [B, NP],
+                                      page_resident [P] bool, hit_rate [B] f32 (last step)
+  IndexerKeyGroup (indexer)           keys [L, P2, ps2, D] (bf16/f32, or fp8 with scale [L, P2, ps2])
+                                      page_table [B, NP2]; its own block size ps2
+
+Each group records the kernel ABI id that wrote it (static, in the treedef). Pages are assigned
+contiguously per row at creation (row b owns pages b*NP .. b*NP + NP - 1); every reader and writer
+goes through the page table, so an allocator can hand out any pages later without touching a kernel.
+`page_resident` marks pages held on the device; `sparse_hit_rate` (pallas_kernels) turns a step's
+selected indices into the fraction that was resident, kept per row in `hit_rate` for the metrics.
+"""
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import abi as kernel_abi
+
+
+@flax.struct.dataclass
+class MLALatentGroup:
+    """Compressed KV (normed latent) and decoupled RoPE key of every sparse-attention layer."""
+    latent: jax.Array          # [L, P, ps, R]
+    rope: jax.Array            # [L, P, ps, Dr]
+    page_table: jax.Array      # [B, NP] int32
+    page_resident: jax.Array   # [P] bool
+    hit_rate: jax.Array        # [B] f32: resident fraction of the last step's selected positions
+    layer_ids: tuple[int, ...] = flax.struct.field(pytree_node=False, default=())
+    writer_abi: str = flax.struct.field(pytree_node=False, default=kernel_abi.SPARSE_MLA_LATENT.id)
+
+    kind = "mla_latent"
+
+    @property
+    def page_size(self) -> int:
+        return self.latent.shape[2]
+
+    @property
+    def capacity(self) -> int:
+        return self.page_table.shape[1] * self.page_size
+
+
+@flax.struct.dataclass
+class IndexerKeyGroup:
+    """The indexer's keys of every sparse-attention layer (fp8 keys carry a per-token scale)."""
+    keys: jax.Array            # [L, P, ps, D]
+    scale: jax.Array | None    # [L, P, ps] f32 when keys are fp8, else None
+    page_table: jax.Array      # [B, NP] int32
+    layer_ids: tuple[int, ...] = flax.struct.field(pytree_node=False, default=())
+    writer_abi: str = flax.struct.field(pytree_node=False, default=kernel_abi.INDEXER_KEYS.id)
+
+    kind = "indexer_keys"
+
+    @property
+    def page_size(self) -> int:
+        return self.keys.shape[2]
+
+
+def contiguous_page_table(batch_size: int, capacity: int, page_size: int):
+    """[B, NP] with row b owning pages b*NP .. b*NP + NP - 1, NP = ceil(capacity / page_size)."""
+    if page_size <= 0 or capacity <= 0:
+        raise ValueError(f"page_size and capacity must be positive; got {page_size}, {capacity}")
+    n = -(-capacity // page_size)
+    return jnp.arange(batch_size * n, dtype=jnp.int32).reshape(batch_size, n)
+
+
+def init_mla_groups(*, batch_size: int, capacity: int, layer_ids: tuple[int, ...], kv_lora_rank: int,
+                    rope_dim: int, index_dim: int, dtype, latent_page_size: int = 64,
+                    index_page_size: int = 128, index_dtype=None) -> dict:
+    """The two DSA groups for `batch_size` rows of up to `capacity` tokens.
+    index_dtype=jnp.float8_e4m3fn stores the indexer keys as fp8 with a per-token scale."""
+    ps = min(latent_page_size, capacity)
+    ips = min(index_page_size, capacity)
+    pt = contiguous_page_table(batch_size, capacity, ps)
+    ipt = contiguous_page_table(batch_size, capacity, ips)
+    L, P, P2 = len(layer_ids), pt.size, ipt.size
+    idt = index_dtype or dtype
+    fp8 = jnp.dtype(idt) == jnp.float8_e4m3fn
+    return {
+        "sparse_attention": MLALatentGroup(
+            latent=jnp.zeros((L, P, ps, kv_lora_rank), dtype), rope=jnp.zeros((L, P, ps, rope_dim), dtype),
+            page_table=pt, page_resident=jnp.ones((P,), bool), hit_rate=jnp.ones((batch_size,), jnp.float32),
+            layer_ids=tuple(layer_ids)),
+        "indexer": IndexerKeyGroup(
+            keys=jnp.zeros((L, P2, ips, index_dim), idt),
+            scale=jnp.ones((L, P2, ips), jnp.float32) if fp8 else None,
+            page_table=ipt, layer_ids=tuple(layer_ids)),
+    }
+
+
+def write_paged(pool: jax.Array, new: jax.Array, page_table: jax.Array, positions: jax.Array,
+                valid: jax.Array) -> jax.Array:
+    """Scatters new entries into their pages. pool [P, ps, X] (or [P, ps]); new [B, T, X] (or [B, T]);
+    page_table [B, NP]; positions, valid [B, T]. Padding tokens, positions past the row's table and
+    table entries outside the pool are dropped, never clamped onto a live slot."""
+    P, ps = pool.shape[:2]
+    NP = page_table.shape[1]
+    ok = valid & (positions >= 0) & (positions < NP * ps)
+    pos = jnp.where(ok, positions, 0)
+    page = jnp.take_along_axis(page_table, pos // ps, axis=1)
+    ok = ok & (page >= 0) & (page < P)
+    flat = pool.reshape((P * ps,) + pool.shape[2:])
+    row = jnp.where(ok, page * ps + pos % ps, P * ps)                 # P * ps: out of range, dropped
+    flat = flat.at[row].set(new.astype(pool.dtype), mode="drop")
+    return flat.reshape(pool.shape)
+
+
+def nbytes_mla(groups: dict) -> dict[str, int]:
+    """Bytes held by the DSA groups, per group."""
+    out = {}
+    for name, g in groups.items():
+        if isinstance(g, (MLALatentGroup, IndexerKeyGroup)):
+            out[name] = sum(int(x.size) * x.dtype.itemsize for x in jax.tree_util.tree_leaves(g))
+    return out

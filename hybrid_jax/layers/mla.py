@@ -1,0 +1,91 @@
+"""DeepSeek-V3.2 sparse attention layer: MLA (q/kv low-rank, decoupled RoPE key) + the DSA indexer.
+
+Per layer and step, for the T new tokens of each row (positions lengths[b] + t, t < n_new[b]):
+  q_resid = RMSNorm(x W_qa);   q = q_resid W_qb -> [H, nope | rope]      (interleaved RoPE on rope part)
+  c, k_rope = split(x W_kva);  c = RMSNorm(c)                             (latent [R] + RoPE key [Dr])
+  indexer: qi = q_resid W_iq -> [Hi, Di], ki = LayerNorm(x W_ik)          (half-split RoPE on first Dr)
+           w = x W_iw * Hi^-0.5 * Di^-0.5;  idx = Top-K_j sum_h w_h relu(qi_h . ki_j)   (causal)
+  attention in the absorbed form over idx: q_lat = q_nope W_uk,  o = softmax(...) c  then  o W_uv W_o.
+c, k_rope and ki are written into their paged pools (cache/mla.py) before the ops read them.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from cache.mla import write_paged
+from hybrid_jax.layers.rope import apply_rope
+from pallas_kernels.sparse_attention import (
+    indexer_topk,
+    indexer_weights,
+    quantize_fp8,
+    sparse_hit_rate,
+    sparse_mla_attention,
+)
+
+
+def rms_norm(x, w, eps):
+    """DeepSeek's RMSNorm: w * normalise(x) (weight stored around 1). x: [..., D]; w: [D]."""
+    xf = x.astype(jnp.float32)
+    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (w.astype(jnp.float32) * y).astype(x.dtype)
+
+
+def layer_norm(x, w, b, eps=1e-6):
+    xf = x.astype(jnp.float32)
+    mu = jnp.mean(xf, axis=-1, keepdims=True)
+    var = jnp.mean((xf - mu) ** 2, axis=-1, keepdims=True)
+    return ((xf - mu) * jax.lax.rsqrt(var + eps) * w + b).astype(x.dtype)
+
+
+def rope_interleaved(x, cos, sin):
+    """DeepSeek MLA RoPE on pairs (x0, x1), (x2, x3), ...; output de-interleaved [evens' | odds'] as in
+    transformers (q and k use the same layout, so dot products are those of the paired rotation).
+    x: [B, T, N, Dr]; cos, sin: [B, T, Dr] (cat(freqs, freqs))."""
+    half = x.shape[-1] // 2
+    c, s = cos[:, :, None, :half].astype(x.dtype), sin[:, :, None, :half].astype(x.dtype)
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
+
+
+def sparse_attention(p: dict, x, cos, sin, positions, valid, lengths, n_new, lat, rope, ikeys, iscale,
+                     page_table, index_table, page_resident, *, num_heads: int, nope: int, rope_dim: int,
+                     v_dim: int, kv_lora_rank: int, index_heads: int, index_dim: int, index_topk: int,
+                     eps: float, impl: str = "auto"):
+    """x [B, T, Hd]; cos, sin [B, T, Dr]; positions, valid [B, T]; lengths, n_new [B];
+    lat [P, ps, R], rope [P, ps, Dr] (one layer's latent pools), ikeys [P2, ps2, Di], iscale [P2, ps2] | None.
+    Returns (out [B, T, Hd], lat, rope, ikeys, iscale, hit_rate [B])."""
+    B, T, _ = x.shape
+    H, R = num_heads, kv_lora_rank
+    q_resid = rms_norm(x @ p["q_a"] + p.get("q_a_bias", 0.0), p["q_a_norm"], eps)
+    q = (q_resid @ p["q_b"]).reshape(B, T, H, nope + rope_dim)
+    q_nope, q_rot = q[..., :nope], rope_interleaved(q[..., nope:], cos, sin)
+    kv = x @ p["kv_a"] + p.get("kv_a_bias", 0.0)
+    c = rms_norm(kv[..., :R], p["kv_a_norm"], eps)                                     # [B, T, R]
+    k_rot = rope_interleaved(kv[..., None, R:], cos, sin)[:, :, 0]                      # [B, T, Dr]
+    lat = write_paged(lat, c, page_table, positions, valid)
+    rope = write_paged(rope, k_rot, page_table, positions, valid)
+
+    # indexer: keys written first, so a query sees its own key
+    qi = apply_rope((q_resid @ p["idx_q"]).reshape(B, T, index_heads, index_dim), cos, sin)
+    ki = layer_norm(x @ p["idx_k"], p["idx_k_norm"], p["idx_k_norm_bias"])
+    ki = apply_rope(ki[:, :, None], cos, sin)[:, :, 0]                                  # [B, T, Di]
+    if iscale is not None:
+        k8, sc = quantize_fp8(ki)
+        ikeys = write_paged(ikeys, k8, index_table, positions, valid)
+        iscale = write_paged(iscale, sc, index_table, positions, valid)
+    else:
+        ikeys = write_paged(ikeys, ki, index_table, positions, valid)
+    w = indexer_weights(x.astype(jnp.float32) @ p["idx_w"].astype(jnp.float32), index_heads, index_dim)
+    kv_len = lengths + n_new
+    qpos = jnp.where(valid, positions, -1)
+    topk = min(index_topk, index_table.shape[1] * ikeys.shape[1])     # Top-K >= context: all causal keys
+    idx = indexer_topk(qi, w, ikeys, index_table, qpos, kv_len, topk=topk, k_scale=iscale, impl=impl)
+
+    q_lat = jnp.einsum("bthn,hnr->bthr", q_nope, p["w_uk"])                            # [B, T, H, R]
+    o_lat = sparse_mla_attention(q_lat, q_rot, lat, rope, page_table, idx, kv_len,
+                                 scale=(nope + rope_dim) ** -0.5, impl=impl)           # [B, T, H, R] f32
+    o = jnp.einsum("bthr,hvr->bthv", o_lat.astype(x.dtype), p["w_uv"]).reshape(B, T, H * v_dim)
+    out = o @ p["o_proj"] + p.get("o_bias", 0.0)
+    hit = sparse_hit_rate(idx, page_table, page_resident, lat.shape[1], kv_len)
+    return out.astype(x.dtype), lat, rope, ikeys, iscale, hit

@@ -1,0 +1,230 @@
+"""DeepSeek-V3.2 (MLA + DSA sparse attention, DeepSeek MoE) as pure functions, like qwen3_next.py.
+
+Parameters (converted once at load by `convert_hf_weights`):
+  embed [V, Hd]; lm_head [Hd, V] (absent when tied); final_norm [Hd]
+  layer: input_norm, post_norm [Hd]
+    attn: q_a [Hd, Rq], q_a_norm [Rq], q_b [Rq, H*(nope+Dr)], kv_a [Hd, R+Dr], kv_a_norm [R],
+          w_uk [H, nope, R], w_uv [H, v, R] (kv_b split for the absorbed form), o_proj [H*v, Hd],
+          idx_q [Rq, Hi*Di], idx_k [Hd, Di], idx_k_norm(_bias) [Di], idx_w [Hd, Hi] f32
+    dense MLP: mlp.gate_up [Hd, 2I], mlp.down [I, Hd]
+    MoE:       moe.router [Hd, E] f32, moe.bias [E] f32, moe.gate_up [E, Hd, 2Im], moe.down [E, Im, Hd],
+               moe.shared_gate_up [Hd, 2*Im*n_shared], moe.shared_down [Im*n_shared, Hd]
+Cache: groups "sparse_attention" (paged latent + RoPE key) and "indexer" (paged indexer keys).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from cache import ModelCache
+from cache.mla import init_mla_groups
+from hybrid_jax.errors import CheckpointError
+from hybrid_jax.layers import mlp as mlp_lib
+from hybrid_jax.layers.mla import rms_norm, sparse_attention
+from hybrid_jax.layers.rope import rope_cos_sin
+from hybrid_jax.models.deepseek_v32_config import DeepseekV32Config
+
+
+def new_cache(cfg: DeepseekV32Config, batch_size: int, capacity: int, dtype, index_dtype=None) -> ModelCache:
+    """An empty cache: the paged latent group and the indexer-key group (index_dtype=fp8 for fp8 keys)."""
+    groups = init_mla_groups(batch_size=batch_size, capacity=capacity, layer_ids=cfg.layers_of("sparse_attention"),
+                             kv_lora_rank=cfg.kv_lora_rank, rope_dim=cfg.qk_rope_head_dim,
+                             index_dim=cfg.index_head_dim, dtype=dtype, latent_page_size=cfg.latent_page_size,
+                             index_page_size=cfg.index_page_size, index_dtype=index_dtype)
+    return ModelCache(groups=groups, lengths=jnp.zeros((batch_size,), jnp.int32),
+                      version=jnp.zeros((batch_size,), jnp.int32))
+
+
+def deepseek_moe(cfg: DeepseekV32Config, p: dict, x: jax.Array) -> jax.Array:
+    """x [B, T, Hd]. Sigmoid router + correction bias (choice only), group-limited Top-K (groups ranked by
+    the sum of their two best experts), weights from the raw sigmoid, renormalised, times
+    routed_scaling_factor; plus the shared experts."""
+    B, T, Hd = x.shape
+    x2 = x.reshape(B * T, Hd)
+    E, G, k = cfg.n_routed_experts, cfg.n_group, cfg.num_experts_per_tok
+    scores = jax.nn.sigmoid(x2.astype(jnp.float32) @ p["router"])                       # [M, E]
+    choice = scores + p["bias"]
+    top2 = jax.lax.top_k(choice.reshape(-1, G, E // G), 2)[0]
+    _, gidx = jax.lax.top_k(jnp.sum(top2, axis=-1), cfg.topk_group)                      # [M, tg]
+    gmask = jnp.sum(jax.nn.one_hot(gidx, G, dtype=jnp.int32), axis=1) > 0               # [M, G]
+    choice = jnp.where(jnp.repeat(gmask, E // G, axis=1), choice, -jnp.inf)
+    _, idx = jax.lax.top_k(choice, k)
+    w = jnp.take_along_axis(scores, idx, axis=1)
+    if cfg.norm_topk_prob:
+        w = w / (jnp.sum(w, axis=-1, keepdims=True) + 1e-20)
+    w = (w * cfg.routed_scaling_factor).astype(x.dtype)
+    if B * T * k <= E:
+        routed = mlp_lib._routed_gather(x2, idx, w, p["gate_up"], p["down"])
+    elif E <= 4 * k:
+        routed = mlp_lib._routed_dense(x2, idx, w, p["gate_up"], p["down"])
+    else:
+        routed = mlp_lib._routed_sorted(x2, idx, w, p["gate_up"], p["down"])
+    shared = mlp_lib.swiglu(x2, p["shared_gate_up"], p["shared_down"])
+    return (routed + shared).reshape(B, T, Hd)
+
+
+def forward(cfg: DeepseekV32Config, params: dict, cache: ModelCache, tokens: jax.Array, n_new: jax.Array, *,
+            logits_at: str = "last", impl: str = "auto", return_hidden: bool = False):
+    """tokens [B, T] int32 (right-padded), n_new [B]. Same contract as qwen3_next.forward. The latent
+    group's `hit_rate` [B] holds the step's resident fraction of selected positions (mean over layers)."""
+    B, T = tokens.shape
+    t = jnp.arange(T, dtype=jnp.int32)
+    positions = cache.lengths[:, None] + t[None, :]
+    valid = t[None, :] < n_new[:, None]
+    x = params["embed"][tokens]
+    hidden = [x] if return_hidden else None
+    cos, sin = rope_cos_sin(positions, cfg.qk_rope_head_dim, cfg.rope_theta)
+    lg, ig = cache.groups["sparse_attention"], cache.groups["indexer"]
+    lat_out, rope_out, key_out, sc_out, hits = [], [], [], [], []
+    for i, lp in enumerate(params["layers"]):
+        s = lg.layer_ids.index(i)
+        h = rms_norm(x, lp["input_norm"], cfg.rms_norm_eps)
+        h, lat, rp, ik, isc, hit = sparse_attention(
+            lp["attn"], h, cos, sin, positions, valid, cache.lengths, n_new, lg.latent[s], lg.rope[s], ig.keys[s],
+            None if ig.scale is None else ig.scale[s], lg.page_table, ig.page_table, lg.page_resident,
+            num_heads=cfg.num_attention_heads, nope=cfg.qk_nope_head_dim, rope_dim=cfg.qk_rope_head_dim,
+            v_dim=cfg.v_head_dim, kv_lora_rank=cfg.kv_lora_rank, index_heads=cfg.index_n_heads,
+            index_dim=cfg.index_head_dim, index_topk=cfg.index_topk, eps=cfg.rms_norm_eps, impl=impl)
+        lat_out.append(lat), rope_out.append(rp), key_out.append(ik), sc_out.append(isc), hits.append(hit)
+        x = x + h
+        y = rms_norm(x, lp["post_norm"], cfg.rms_norm_eps)
+        x = x + (deepseek_moe(cfg, lp["moe"], y) if "moe" in lp else mlp_lib.swiglu(y, lp["mlp"]["gate_up"],
+                                                                                      lp["mlp"]["down"]))
+        if return_hidden:
+            hidden.append(x)
+    groups = dict(cache.groups)
+    groups["sparse_attention"] = lg.replace(latent=jnp.stack(lat_out), rope=jnp.stack(rope_out),
+                                            hit_rate=jnp.mean(jnp.stack(hits), axis=0))
+    groups["indexer"] = ig.replace(keys=jnp.stack(key_out),
+                                   scale=None if ig.scale is None else jnp.stack(sc_out))
+    new = cache.replace(groups=groups, lengths=cache.lengths + n_new,
+                        version=cache.version + (n_new > 0).astype(jnp.int32))
+    if logits_at == "last":
+        x = jnp.take_along_axis(x, jnp.maximum(n_new - 1, 0)[:, None, None], axis=1)[:, 0]
+    x = final_norm(cfg, params, x)
+    head = params["lm_head"] if "lm_head" in params else params["embed"].T
+    logits = jnp.dot(x, head, preferred_element_type=jnp.float32)
+    if return_hidden:
+        return logits, new, hidden
+    return logits, new
+
+
+def final_norm(cfg: DeepseekV32Config, params: dict, x: jax.Array) -> jax.Array:
+    return rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+
+
+def _attn_shapes(cfg):
+    H, Hd = cfg.num_attention_heads, cfg.hidden_size
+    return dict(Hd=Hd, H=H, Rq=cfg.q_lora_rank, R=cfg.kv_lora_rank, Dr=cfg.qk_rope_head_dim,
+                nope=cfg.qk_nope_head_dim, v=cfg.v_head_dim, Hi=cfg.index_n_heads, Di=cfg.index_head_dim)
+
+
+def init_params(cfg: DeepseekV32Config, seed: int = 0, dtype=jnp.float32) -> dict:
+    """Deterministic random parameters in the converted layout (std 0.02; norms at 1)."""
+    s = _attn_shapes(cfg)
+    rng = np.random.default_rng(seed)
+
+    def n(*shape, std=0.02, dt=dtype):
+        return jnp.asarray(rng.normal(0.0, std, shape), dt)
+
+    Hd, H = s["Hd"], s["H"]
+    params = {"embed": n(cfg.vocab_size, Hd), "final_norm": jnp.ones((Hd,), dtype), "layers": []}
+    if not cfg.tie_word_embeddings:
+        params["lm_head"] = n(Hd, cfg.vocab_size)
+    for i in range(cfg.num_hidden_layers):
+        lp = {"input_norm": jnp.ones((Hd,), dtype), "post_norm": jnp.ones((Hd,), dtype)}
+        lp["attn"] = {"q_a": n(Hd, s["Rq"]), "q_a_norm": jnp.ones((s["Rq"],), dtype),
+                      "q_b": n(s["Rq"], H * (s["nope"] + s["Dr"])), "kv_a": n(Hd, s["R"] + s["Dr"]),
+                      "kv_a_norm": jnp.ones((s["R"],), dtype), "w_uk": n(H, s["nope"], s["R"]),
+                      "w_uv": n(H, s["v"], s["R"]), "o_proj": n(H * s["v"], Hd),
+                      "idx_q": n(s["Rq"], s["Hi"] * s["Di"]), "idx_k": n(Hd, s["Di"]),
+                      "idx_k_norm": jnp.ones((s["Di"],), dtype), "idx_k_norm_bias": jnp.zeros((s["Di"],), dtype),
+                      "idx_w": n(Hd, s["Hi"], dt=jnp.float32)}
+        if cfg.is_moe_layer(i):
+            E, I, Is = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.moe_intermediate_size * cfg.n_shared_experts
+            lp["moe"] = {"router": n(Hd, E, dt=jnp.float32), "bias": jnp.zeros((E,), jnp.float32),
+                         "gate_up": n(E, Hd, 2 * I), "down": n(E, I, Hd),
+                         "shared_gate_up": n(Hd, 2 * Is), "shared_down": n(Is, Hd)}
+        else:
+            I = cfg.intermediate_size
+            lp["mlp"] = {"gate_up": n(Hd, 2 * I), "down": n(I, Hd)}
+        params["layers"].append(lp)
+    return params
+
+
+def convert_hf_weights(cfg: DeepseekV32Config, get: Callable[[str], np.ndarray], has: Callable[[str], bool],
+                       dtype, progress: Callable[[], None] = lambda: None) -> dict:
+    """Re-lays a transformers DeepseekV32ForCausalLM checkpoint into the layout above, once.
+    Raises CheckpointError naming a missing or misshapen tensor."""
+    s = _attn_shapes(cfg)
+    Hd, H = s["Hd"], s["H"]
+
+    def t(name, shape=None):
+        if not has(name):
+            raise CheckpointError(f"checkpoint lacks tensor {name!r}")
+        a = np.asarray(get(name))
+        if shape is not None and tuple(a.shape) != tuple(shape):
+            raise CheckpointError(f"tensor {name!r} has shape {tuple(a.shape)}, expected {tuple(shape)} "
+                                  f"from config.json")
+        progress()
+        return a
+
+    def dev(a, dt=None):
+        return jnp.asarray(np.asarray(a, dtype=np.float32) if a.dtype.kind != "f" else a, dtype=dt or dtype)
+
+    params = {"embed": dev(t("model.embed_tokens.weight", (cfg.vocab_size, Hd))),
+              "final_norm": dev(t("model.norm.weight", (Hd,))), "layers": []}
+    if not cfg.tie_word_embeddings:
+        params["lm_head"] = dev(t("lm_head.weight", (cfg.vocab_size, Hd)).T)
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        a = p + "self_attn."
+        lp = {"input_norm": dev(t(p + "input_layernorm.weight", (Hd,))),
+              "post_norm": dev(t(p + "post_attention_layernorm.weight", (Hd,)))}
+        kvb = t(a + "kv_b_proj.weight", (H * (s["nope"] + s["v"]), s["R"])).reshape(H, s["nope"] + s["v"], s["R"])
+        at = {"q_a": dev(t(a + "q_a_proj.weight", (s["Rq"], Hd)).T),
+              "q_a_norm": dev(t(a + "q_a_layernorm.weight", (s["Rq"],))),
+              "q_b": dev(t(a + "q_b_proj.weight", (H * (s["nope"] + s["Dr"]), s["Rq"])).T),
+              "kv_a": dev(t(a + "kv_a_proj_with_mqa.weight", (s["R"] + s["Dr"], Hd)).T),
+              "kv_a_norm": dev(t(a + "kv_a_layernorm.weight", (s["R"],))),
+              "w_uk": dev(kvb[:, :s["nope"]]), "w_uv": dev(kvb[:, s["nope"]:]),
+              "o_proj": dev(t(a + "o_proj.weight", (Hd, H * s["v"])).T),
+              "idx_q": dev(t(a + "indexer.wq_b.weight", (s["Hi"] * s["Di"], s["Rq"])).T),
+              "idx_k": dev(t(a + "indexer.wk.weight", (s["Di"], Hd)).T),
+              "idx_k_norm": dev(t(a + "indexer.k_norm.weight", (s["Di"],))),
+              "idx_k_norm_bias": dev(t(a + "indexer.k_norm.bias", (s["Di"],))),
+              "idx_w": dev(t(a + "indexer.weights_proj.weight", (s["Hi"], Hd)).T, jnp.float32)}
+        if cfg.attention_bias:
+            at["q_a_bias"] = dev(t(a + "q_a_proj.bias", (s["Rq"],)))
+            at["kv_a_bias"] = dev(t(a + "kv_a_proj_with_mqa.bias", (s["R"] + s["Dr"],)))
+            at["o_bias"] = dev(t(a + "o_proj.bias", (Hd,)))
+        lp["attn"] = at
+        m = p + "mlp."
+        if cfg.is_moe_layer(i):
+            E, I = cfg.n_routed_experts, cfg.moe_intermediate_size
+            Is = I * cfg.n_shared_experts
+            if has(m + "experts.gate_up_proj"):
+                gate_up = np.swapaxes(t(m + "experts.gate_up_proj", (E, 2 * I, Hd)), 1, 2)
+                down = np.swapaxes(t(m + "experts.down_proj", (E, Hd, I)), 1, 2)
+            else:
+                gate_up = np.stack([np.concatenate([t(f"{m}experts.{e}.gate_proj.weight", (I, Hd)),
+                                                    t(f"{m}experts.{e}.up_proj.weight", (I, Hd))], 0).T
+                                    for e in range(E)])
+                down = np.stack([t(f"{m}experts.{e}.down_proj.weight", (Hd, I)).T for e in range(E)])
+            lp["moe"] = {
+                "router": dev(t(m + "gate.weight", (E, Hd)).T, jnp.float32),
+                "bias": dev(t(m + "gate.e_score_correction_bias", (E,)), jnp.float32),
+                "gate_up": dev(gate_up), "down": dev(down),
+                "shared_gate_up": dev(np.concatenate([t(m + "shared_experts.gate_proj.weight", (Is, Hd)),
+                                                      t(m + "shared_experts.up_proj.weight", (Is, Hd))], 0).T),
+                "shared_down": dev(t(m + "shared_experts.down_proj.weight", (Hd, Is)).T)}
+        else:
+            I = cfg.intermediate_size
+            lp["mlp"] = {"gate_up": dev(np.concatenate([t(m + "gate_proj.weight", (I, Hd)),
+                                                        t(m + "up_proj.weight", (I, Hd))], 0).T),
+                         "down": dev(t(m + "down_proj.weight", (Hd, I)).T)}
+        params["layers"].append(lp)
+    return params

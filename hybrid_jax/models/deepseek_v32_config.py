@@ -1,0 +1,150 @@
+"""DeepSeek-V3.2 (`model_type: deepseek_v32`) configuration: a frozen dataclass read from config.json.
+
+Every layer is `sparse_attention` (MLA + the DSA indexer; transformers calls it "indexed_attention").
+The first `first_k_dense_replace` layers (or `mlp_layer_types`) use a dense MLP, the rest DeepSeek's
+MoE (sigmoid router with correction bias, group-limited Top-K, routed scaling, shared experts).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from hybrid_jax.errors import ConfigError
+
+_HF_LAYER_TYPES = {"indexed_attention": "sparse_attention", "sparse_attention": "sparse_attention"}
+
+
+@dataclasses.dataclass(frozen=True)
+class DeepseekV32Config:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    layer_types: tuple[str, ...]
+    num_attention_heads: int
+    # MLA
+    q_lora_rank: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    # indexer
+    index_topk: int
+    index_n_heads: int
+    index_head_dim: int
+    # feed-forward
+    intermediate_size: int
+    moe_intermediate_size: int
+    n_routed_experts: int
+    n_shared_experts: int
+    num_experts_per_tok: int
+    n_group: int
+    topk_group: int
+    routed_scaling_factor: float
+    norm_topk_prob: bool
+    mlp_layer_types: tuple[str, ...]
+    rope_theta: float = 10000.0
+    attention_bias: bool = False
+    max_position_embeddings: int = 163840
+    rms_norm_eps: float = 1e-6
+    hidden_act: str = "silu"
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    pad_token_id: int | None = None
+    dtype: str = "float32"
+    # cache layout (this project's choice, not the checkpoint's)
+    latent_page_size: int = 64
+    index_page_size: int = 128
+
+    def __post_init__(self):
+        if any(t != "sparse_attention" for t in self.layer_types):
+            raise ConfigError(f"deepseek_v32 layers must all be 'sparse_attention'; got {sorted(set(self.layer_types))}")
+        if len(self.layer_types) != self.num_hidden_layers or len(self.mlp_layer_types) != self.num_hidden_layers:
+            raise ConfigError(f"layer_types / mlp_layer_types need {self.num_hidden_layers} entries; got "
+                              f"{len(self.layer_types)} / {len(self.mlp_layer_types)}")
+        bad = sorted(set(self.mlp_layer_types) - {"dense", "sparse"})
+        if bad:
+            raise ConfigError(f"unknown mlp_layer_types {bad}; known: ['dense', 'sparse']")
+        if self.hidden_act != "silu":
+            raise ConfigError(f"hidden_act {self.hidden_act!r} is not supported (only 'silu')")
+        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "kv_lora_rank",
+                     "q_lora_rank", "index_topk", "index_n_heads", "index_head_dim"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive; got {getattr(self, name)}")
+        if self.qk_rope_head_dim % 2 or self.qk_rope_head_dim > self.index_head_dim:
+            raise ConfigError(f"qk_rope_head_dim={self.qk_rope_head_dim} must be even and <= index_head_dim="
+                              f"{self.index_head_dim}")
+        if "sparse" in self.mlp_layer_types:
+            E = self.n_routed_experts
+            if E <= 0 or self.n_group <= 0 or E % self.n_group:
+                raise ConfigError(f"n_routed_experts={E} must be a positive multiple of n_group={self.n_group}")
+            if not 0 < self.topk_group <= self.n_group:
+                raise ConfigError(f"topk_group={self.topk_group} must be in [1, n_group={self.n_group}]")
+            if E // self.n_group < 2:
+                raise ConfigError(f"each expert group needs >= 2 experts (group score = top-2 sum); got "
+                                  f"{E // self.n_group}")
+            if not 0 < self.num_experts_per_tok <= self.topk_group * (E // self.n_group):
+                raise ConfigError(f"num_experts_per_tok={self.num_experts_per_tok} must be in [1, experts in the "
+                                  f"{self.topk_group} chosen groups]")
+
+    def is_moe_layer(self, i: int) -> bool:
+        return self.mlp_layer_types[i] == "sparse"
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    def layers_of(self, kind: str) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t == kind)
+
+    def to_json(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        for k in ("layer_types", "mlp_layer_types", "eos_token_ids"):
+            d[k] = list(d[k])
+        return d
+
+
+def _eos(v) -> tuple[int, ...]:
+    if v is None:
+        return ()
+    return (int(v),) if isinstance(v, int) else tuple(int(x) for x in v)
+
+
+def deepseek_v32_config(d: dict[str, Any]) -> DeepseekV32Config:
+    """config.json -> DeepseekV32Config (KeyError / ValueError / ConfigError on bad fields)."""
+    n = int(d["num_hidden_layers"])
+    raw = d.get("layer_types") or ["indexed_attention"] * n
+    unknown = sorted({t for t in raw if t not in _HF_LAYER_TYPES})
+    if unknown:
+        raise ConfigError(f"unknown layer type(s) {unknown} in layer_types for deepseek_v32")
+    mlp = d.get("mlp_layer_types")
+    if mlp is None:
+        k = min(int(d.get("first_k_dense_replace", 3)), n)
+        mlp = ["dense"] * k + ["sparse"] * (n - k)
+    rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("default", None):
+        raise ConfigError(f"rope_type {rope_type!r} is not supported for deepseek_v32 yet (only 'default')")
+    return DeepseekV32Config(
+        model_type=d["model_type"], vocab_size=int(d["vocab_size"]), hidden_size=int(d["hidden_size"]),
+        num_hidden_layers=n, layer_types=tuple(_HF_LAYER_TYPES[t] for t in raw),
+        num_attention_heads=int(d["num_attention_heads"]),
+        q_lora_rank=int(d["q_lora_rank"]), kv_lora_rank=int(d["kv_lora_rank"]),
+        qk_nope_head_dim=int(d["qk_nope_head_dim"]), qk_rope_head_dim=int(d["qk_rope_head_dim"]),
+        v_head_dim=int(d["v_head_dim"]), index_topk=int(d.get("index_topk", 2048)),
+        index_n_heads=int(d.get("index_n_heads", 64)), index_head_dim=int(d.get("index_head_dim", 128)),
+        intermediate_size=int(d["intermediate_size"]), moe_intermediate_size=int(d.get("moe_intermediate_size", 0)),
+        n_routed_experts=int(d.get("n_routed_experts", d.get("num_local_experts", 0)) or 0),
+        n_shared_experts=int(d.get("n_shared_experts", 1) or 0),
+        num_experts_per_tok=int(d.get("num_experts_per_tok", 0) or 0),
+        n_group=int(d.get("n_group", 1) or 1), topk_group=int(d.get("topk_group", 1) or 1),
+        routed_scaling_factor=float(d.get("routed_scaling_factor", 1.0)),
+        norm_topk_prob=bool(d.get("norm_topk_prob", True)), mlp_layer_types=tuple(mlp),
+        rope_theta=float(rope.get("rope_theta", d.get("rope_theta", 10000.0))),
+        attention_bias=bool(d.get("attention_bias", False)),
+        max_position_embeddings=int(d.get("max_position_embeddings", 163840)),
+        rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)), hidden_act=str(d.get("hidden_act", "silu")),
+        tie_word_embeddings=bool(d.get("tie_word_embeddings", False)), bos_token_id=d.get("bos_token_id"),
+        eos_token_ids=_eos(d.get("eos_token_id")), pad_token_id=d.get("pad_token_id"),
+        dtype=str(d.get("dtype") or d.get("torch_dtype") or "float32"))
