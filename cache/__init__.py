@@ -4,6 +4,8 @@ Imports point one way: hybrid_jax -> cache -> pallas_kernels. This package knows
 """
 from cache.mla import IndexerKeyGroup, MLALatentGroup, contiguous_page_table, init_mla_groups, write_paged
 from cache.state import (
+    put_rows,
+    take_rows,
     KVGroup,
     ModelCache,
     RecurrentGroup,
@@ -13,4 +15,4 @@ from cache.state import (
 )
 
 __all__ = ["IndexerKeyGroup", "MLALatentGroup", "contiguous_page_table", "init_mla_groups", "write_paged",
-           "KVGroup", "ModelCache", "RecurrentGroup", "bytes_per_token", "init_cache", "nbytes_by_group"]
+           "put_rows", "take_rows", "KVGroup", "ModelCache", "RecurrentGroup", "bytes_per_token", "init_cache", "nbytes_by_group"]

@@ -106,3 +106,45 @@ def bytes_per_token(cache: ModelCache) -> dict[str, float]:
         else:
             res[name] = 0.0
     return res
+
+
+def _rows_of(group):
+    """(field name, array) pairs of a group that carry a batch axis at position 1."""
+    return [(f, getattr(group, f)) for f in ("conv", "ssm", "k", "v") if hasattr(group, f)]
+
+
+def take_rows(cache: ModelCache, rows: jax.Array, reset: jax.Array | None = None) -> ModelCache:
+    """The sub-cache of `rows` [R] (slot ids, repeats allowed). Rows flagged in `reset` [R] come
+    back empty (length 0, zero recurrent state), which is how a slot is handed to a new request
+    inside the compiled step. Groups that manage their own rows (paged pools) implement
+    `take_rows(rows, reset)` themselves."""
+    groups = {}
+    for name, g in cache.groups.items():
+        if hasattr(g, "take_rows"):
+            groups[name] = g.take_rows(rows, reset)
+            continue
+        upd = {}
+        for f, a in _rows_of(g):
+            sub = a[:, rows]
+            if reset is not None and isinstance(g, RecurrentGroup):
+                mask = reset.reshape((1, -1) + (1,) * (sub.ndim - 2))
+                sub = jnp.where(mask, jnp.zeros_like(sub), sub)
+            upd[f] = sub
+        groups[name] = g.replace(**upd)
+    lengths = cache.lengths[rows]
+    if reset is not None:
+        lengths = jnp.where(reset, 0, lengths)
+    return ModelCache(groups=groups, lengths=lengths, version=cache.version[rows] + 1)
+
+
+def put_rows(cache: ModelCache, rows: jax.Array, sub: ModelCache) -> ModelCache:
+    """Writes the sub-cache of `rows` back into the full cache (inverse of take_rows)."""
+    groups = {}
+    for name, g in cache.groups.items():
+        sg = sub.groups[name]
+        if hasattr(g, "put_rows"):
+            groups[name] = g.put_rows(rows, sg)
+            continue
+        groups[name] = g.replace(**{f: a.at[:, rows].set(getattr(sg, f)) for f, a in _rows_of(g)})
+    return ModelCache(groups=groups, lengths=cache.lengths.at[rows].set(sub.lengths),
+                      version=cache.version.at[rows].set(sub.version))

@@ -1,8 +1,10 @@
-"""Command line: `hybrid-jax generate | align`.
+"""Command line: `hybrid-jax generate | align | serve | bench`.
 
     hybrid-jax generate --prompt "Hello"                 # the embedded default model (untrained)
     hybrid-jax generate --model PATH --prompt "Hello" --max-tokens 64 --temperature 0
     hybrid-jax align --model PATH --tokens 1,2,3
+    hybrid-jax serve --model PATH --port 8000
+    hybrid-jax bench --url http://127.0.0.1:8000 --num-requests 64 --concurrency 8
 """
 from __future__ import annotations
 
@@ -46,7 +48,66 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompt")
     src.add_argument("--tokens")
     a.add_argument("--atol", type=float, default=1e-4)
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    _add_model_args(s)
+    s.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    s.add_argument("--served-model-name", default=None)
+    s.add_argument("--max-request-bytes", type=int, default=1 << 20)
+    s.add_argument("--max-tokens-limit", type=int, default=4096, help="largest max_tokens a request may ask")
+    _add_engine_args(s)
+    b = sub.add_parser("bench", help="load generator: TTFT / ITL percentiles and throughput")
+    _add_model_args(b)
+    b.add_argument("--url", default=None, help="a running server (http://127.0.0.1:8000); default: offline engine")
+    b.add_argument("--api-key", default=None)
+    b.add_argument("--num-requests", type=int, default=64)
+    b.add_argument("--concurrency", type=int, default=8)
+    b.add_argument("--prompt-len", default="32:128", help="uniform range MIN:MAX of prompt tokens")
+    b.add_argument("--output-len", default="16:64", help="uniform range MIN:MAX of output tokens")
+    b.add_argument("--shared-prefix", type=float, default=0.0, help="fraction of each prompt shared by all")
+    b.add_argument("--seed", type=int, default=0)
+    _add_engine_args(b)
     return ap
+
+
+def _add_engine_args(p: argparse.ArgumentParser):
+    p.add_argument("--max-num-seqs", type=int, default=8)
+    p.add_argument("--max-num-batched-tokens", type=int, default=256)
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--decode-steps", type=int, default=4)
+    p.add_argument("--kv-cache-bytes", type=int, default=None)
+    p.add_argument("--warmup", default="minimal", choices=["none", "minimal", "all"])
+    p.add_argument("--compilation-cache-dir", default=None,
+                   help="JAX persistent compilation cache (default: a per-user cache dir; 'none' disables)")
+
+
+def _engine_config(args):
+    from hybrid_jax.engine import EngineConfig  # noqa: PLC0415
+    from hybrid_jax.engine.config import default_compilation_cache_dir  # noqa: PLC0415
+    ccd = args.compilation_cache_dir
+    ccd = None if ccd == "none" else (ccd or default_compilation_cache_dir())
+    return EngineConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                        max_model_len=args.max_model_len, decode_steps=args.decode_steps,
+                        kv_cache_bytes=args.kv_cache_bytes, warmup=args.warmup, compilation_cache_dir=ccd)
+
+
+def _serve(args) -> int:
+    from hybrid_jax.server.app import ServerConfig  # noqa: PLC0415
+    from hybrid_jax.server.main import serve  # noqa: PLC0415
+    if args.model is None:
+        print("hybrid-jax: serving the embedded default model (UNTRAINED: its output is noise).", file=sys.stderr)
+    name = args.served_model_name or (args.model or "hybrid-jax-default")
+    serve(model=args.model, host=args.host, port=args.port, dtype=args.dtype, engine_config=_engine_config(args),
+          server_config=ServerConfig(model_name=name, api_key=args.api_key,
+                                     max_request_bytes=args.max_request_bytes,
+                                     max_tokens_limit=args.max_tokens_limit))
+    return 0
+
+
+def _bench(args) -> int:
+    from hybrid_jax.bench import main as bench_main  # noqa: PLC0415
+    return bench_main(args, _engine_config(args))
 
 
 def _generate(args) -> int:
@@ -87,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     args = build_parser().parse_args(argv)
     try:
-        return {"generate": _generate, "align": _align}[args.command](args)
+        return {"generate": _generate, "align": _align, "serve": _serve, "bench": _bench}[args.command](args)
     except HybridJaxError as e:
         print(f"hybrid-jax: error: {e}", file=sys.stderr)
         return 2

@@ -16,6 +16,8 @@ from hybrid_jax.errors import InputError
 
 @dataclasses.dataclass
 class SamplingParams:
+    """vLLM's sampling parameters. `logprobs=n` returns the sampled token's log-probability and the
+    n most likely ones at each step (of the model's distribution, before temperature and filters)."""
     max_tokens: int = 16
     temperature: float = 1.0
     top_p: float = 1.0
@@ -23,6 +25,8 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: list[int] = dataclasses.field(default_factory=list)
     ignore_eos: bool = False
+    stop: list[str] = dataclasses.field(default_factory=list)
+    logprobs: int | None = None
 
     def __post_init__(self):
         self.validate()
@@ -38,6 +42,12 @@ class SamplingParams:
             raise InputError(f"top_k must be -1 (off), 0 (off) or a positive integer; got {self.top_k!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**63):
             raise InputError(f"seed must be a non-negative integer; got {self.seed!r}")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if not all(isinstance(x, str) and x for x in self.stop):
+            raise InputError(f"stop must be a list of non-empty strings; got {self.stop!r}")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
+            raise InputError(f"logprobs must be an integer in [0, 20]; got {self.logprobs!r}")
         bad = [t for t in self.stop_token_ids if not isinstance(t, int) or t < 0]
         if bad:
             raise InputError(f"stop_token_ids must be non-negative integers; got {bad}")
@@ -59,7 +69,8 @@ class SamplerFlags:
 
 def sample(logits: jax.Array, keys: jax.Array, step: jax.Array, temperature: jax.Array, top_k: jax.Array,
            top_p: jax.Array, flags: SamplerFlags) -> jax.Array:
-    """logits: [B, V] fp32; keys: [B] typed PRNG keys; step: scalar int; temperature, top_p: [B] f32;
+    """logits: [B, V] fp32; keys: [B] typed PRNG keys; step: int, scalar or [B] (the row's count of
+    generated tokens, so a row draws the same numbers however it is batched); temperature, top_p: [B] f32;
     top_k: [B] int32 (<= 0 means off). Returns token ids [B] int32."""
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     if not flags.any_random:
@@ -80,6 +91,19 @@ def sample(logits: jax.Array, keys: jax.Array, step: jax.Array, temperature: jax
             keep = before < top_p[:, None]                                  # always keeps the top entry
             cutoff = jnp.min(jnp.where(keep, sorted_x, jnp.inf), axis=-1, keepdims=True)
             x = jnp.where(x < cutoff, -jnp.inf, x)
-    step_keys = jax.vmap(lambda k: jax.random.fold_in(k, step))(keys)
+    steps = jnp.broadcast_to(jnp.asarray(step, jnp.int32), keys.shape)
+    step_keys = jax.vmap(jax.random.fold_in)(keys, steps)
     drawn = jax.vmap(jax.random.categorical)(step_keys, x).astype(jnp.int32)
     return jnp.where(temperature > 0, drawn, greedy)
+
+
+def token_logprobs(logits: jax.Array, tokens: jax.Array, top_n: int):
+    """Log-probabilities of the model's distribution. logits: [B, V]; tokens: [B].
+    Returns (sampled [B], top values [B, top_n], top ids [B, top_n])."""
+    lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    chosen = jnp.take_along_axis(lp, jnp.maximum(tokens, 0)[:, None], axis=-1)[:, 0]
+    if top_n == 0:
+        B = logits.shape[0]
+        return chosen, jnp.zeros((B, 0), jnp.float32), jnp.zeros((B, 0), jnp.int32)
+    vals, ids = jax.lax.top_k(lp, top_n)
+    return chosen, vals, ids.astype(jnp.int32)

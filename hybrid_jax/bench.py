@@ -1,0 +1,172 @@
+"""`hybrid-jax bench`: a bounded load generator against the in-process engine or a running server.
+
+Requests carry token ids (so any tokenizer works), prompt and output lengths drawn uniformly from
+the given ranges, and an optional shared prefix. Each request streams; TTFT is the time to its
+first token, ITL the gap between tokens. Prints percentiles and throughput.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import time
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from hybrid_jax.errors import InputError
+
+
+@dataclasses.dataclass
+class Workload:
+    prompts: list[list[int]]
+    output_lens: list[int]
+
+
+@dataclasses.dataclass
+class RequestResult:
+    ttft: float
+    itls: list[float]
+    tokens: list[int]
+    latency: float
+
+
+def _range(s: str) -> tuple[int, int]:
+    try:
+        a, b = (int(x) for x in s.split(":")) if ":" in s else (int(s), int(s))
+    except ValueError:
+        raise InputError(f"a length range is MIN:MAX; got {s!r}") from None
+    if not 0 < a <= b:
+        raise InputError(f"a length range needs 0 < MIN <= MAX; got {s!r}")
+    return a, b
+
+
+def make_workload(n: int, prompt_len: tuple[int, int], output_len: tuple[int, int], shared_prefix: float,
+                  vocab: int, seed: int) -> Workload:
+    if not 0.0 <= shared_prefix <= 1.0:
+        raise InputError(f"shared prefix fraction must be in [0, 1]; got {shared_prefix}")
+    rng = np.random.default_rng(seed)
+    prefix = rng.integers(0, vocab, prompt_len[1]).tolist()
+    prompts, outs = [], []
+    for _ in range(n):
+        L = int(rng.integers(prompt_len[0], prompt_len[1] + 1))
+        k = int(shared_prefix * L)
+        prompts.append(prefix[:k] + rng.integers(0, vocab, L - k).tolist())
+        outs.append(int(rng.integers(output_len[0], output_len[1] + 1)))
+    return Workload(prompts, outs)
+
+
+async def _one_engine(engine, i, prompt, n_out) -> RequestResult:
+    from hybrid_jax.sampling import SamplingParams  # noqa: PLC0415
+    t0 = time.perf_counter()
+    last, ttft, itls, toks = t0, None, [], []
+    sp = SamplingParams(max_tokens=n_out, temperature=0, ignore_eos=True)
+    async for out in engine.generate(f"bench-{i}-{time.monotonic_ns()}", {"prompt_token_ids": prompt}, sp):
+        now = time.perf_counter()
+        if out.new_token_ids:
+            if ttft is None:
+                ttft = now - t0
+            else:
+                itls += [(now - last) / len(out.new_token_ids)] * len(out.new_token_ids)
+            last = now
+            toks += out.new_token_ids
+    return RequestResult(ttft, itls, toks, time.perf_counter() - t0)
+
+
+async def _one_http(client, url, api_key, i, prompt, n_out) -> RequestResult:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    body = {"prompt": prompt, "max_tokens": n_out, "temperature": 0, "ignore_eos": True, "stream": True}
+    t0 = time.perf_counter()
+    last, ttft, itls, toks = t0, None, [], []
+    async with client.stream("POST", url + "/v1/completions", json=body, headers=headers) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"request {i}: HTTP {r.status_code}: {(await r.aread()).decode()[:200]}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            new = json.loads(line[6:])["choices"][0].get("token_ids") or []
+            now = time.perf_counter()
+            if new:
+                if ttft is None:
+                    ttft = now - t0
+                else:
+                    itls += [(now - last) / len(new)] * len(new)
+                last = now
+                toks += new
+    return RequestResult(ttft, itls, toks, time.perf_counter() - t0)
+
+
+async def run_load(workload: Workload, concurrency: int, *, engine=None, url: str | None = None,
+                   api_key: str | None = None, progress: bool = True) -> tuple[list[RequestResult], float]:
+    """Sends every request of the workload, at most `concurrency` at once. Returns (results, seconds)."""
+    sem = asyncio.Semaphore(concurrency)
+    bar = tqdm(total=len(workload.prompts), desc="requests", disable=not progress)
+    client = None
+    if url is not None:
+        import httpx  # noqa: PLC0415
+        client = httpx.AsyncClient(timeout=600)
+
+    async def one(i):
+        async with sem:
+            if client is not None:
+                r = await _one_http(client, url, api_key, i, workload.prompts[i], workload.output_lens[i])
+            else:
+                r = await _one_engine(engine, i, workload.prompts[i], workload.output_lens[i])
+            bar.update(1)
+            return r
+
+    t0 = time.perf_counter()
+    try:
+        results = await asyncio.gather(*(one(i) for i in range(len(workload.prompts))))
+    finally:
+        bar.close()
+        if client is not None:
+            await client.aclose()
+    return list(results), time.perf_counter() - t0
+
+
+def summarize(results: list[RequestResult], seconds: float) -> dict:
+    ttft = np.array([r.ttft for r in results]) * 1e3
+    itl = np.array([x for r in results for x in r.itls] or [0.0]) * 1e3
+    n_tok = sum(len(r.tokens) for r in results)
+    pct = lambda a: {f"p{p}": float(np.percentile(a, p)) for p in (50, 90, 99)}  # noqa: E731
+    return {"requests": len(results), "seconds": seconds, "output_tokens": n_tok,
+            "throughput_tok_s": n_tok / seconds, "requests_s": len(results) / seconds,
+            "ttft_ms": pct(ttft), "itl_ms": pct(itl)}
+
+
+def print_summary(s: dict):
+    print(f"requests {s['requests']} in {s['seconds']:.2f} s: {s['throughput_tok_s']:.1f} output tok/s, "
+          f"{s['requests_s']:.2f} req/s")
+    for k in ("ttft_ms", "itl_ms"):
+        v = s[k]
+        print(f"  {k[:-3].upper():5} ms  p50 {v['p50']:8.2f}  p90 {v['p90']:8.2f}  p99 {v['p99']:8.2f}")
+
+
+def main(args, engine_config) -> int:
+    wl_kw = dict(prompt_len=_range(args.prompt_len), output_len=_range(args.output_len),
+                 shared_prefix=args.shared_prefix, seed=args.seed)
+    if args.url:
+        import httpx  # noqa: PLC0415
+        vocab = 256
+        cfg = httpx.get(args.url + "/v1/models", timeout=30).json()
+        del cfg
+        wl = make_workload(args.num_requests, vocab=vocab, **wl_kw)
+        results, secs = asyncio.run(run_load(wl, args.concurrency, url=args.url.rstrip("/"), api_key=args.api_key))
+    else:
+        from hybrid_jax import LLM  # noqa: PLC0415
+        from hybrid_jax.engine import LLMEngine  # noqa: PLC0415
+        from hybrid_jax.engine.async_engine import AsyncEngine  # noqa: PLC0415
+        llm = LLM(model=args.model, dtype=args.dtype)
+        engine = LLMEngine(llm, engine_config)
+        engine.warmup()
+        ae = AsyncEngine(engine)
+        ae.start()
+        wl = make_workload(args.num_requests, vocab=llm.config.vocab_size, **wl_kw)
+        try:
+            results, secs = asyncio.run(run_load(wl, args.concurrency, engine=ae))
+        finally:
+            ae.shutdown()
+        print(f"compiled programs: {engine.runner.num_compiled()} (after warm-up: see warmup)")
+    print_summary(summarize(results, secs))
+    return 0

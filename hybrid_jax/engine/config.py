@@ -1,0 +1,34 @@
+"""Engine configuration: one frozen dataclass, every knob with its default."""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from hybrid_jax.errors import InputError
+
+
+def default_compilation_cache_dir() -> str:
+    """A per-user directory for JAX's persistent compilation cache."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "hybrid_jax", "jax_compilation_cache")
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    max_num_seqs: int = 8               # requests running at once (cache slots)
+    max_num_batched_tokens: int = 256   # tokens per step, prefill chunks and decodes together
+    max_model_len: int = 2048           # prompt + output tokens per request
+    decode_steps: int = 4               # decode iterations per device call when no prefill is pending
+    kv_cache_bytes: int | None = None   # cap on live cache bytes (None: what the slots hold)
+    max_stop_ids: int = 8               # stop token ids per request, as a static width
+    compilation_cache_dir: str | None = dataclasses.field(default_factory=default_compilation_cache_dir)
+    warmup: str = "minimal"             # "none" | "minimal" (decode buckets) | "all" (every bucket)
+
+    def __post_init__(self):
+        for f in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "decode_steps"):
+            if getattr(self, f) <= 0:
+                raise InputError(f"{f} must be positive; got {getattr(self, f)}")
+        if self.warmup not in ("none", "minimal", "all"):
+            raise InputError(f"warmup must be 'none', 'minimal' or 'all'; got {self.warmup!r}")
+        if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
+            raise InputError(f"kv_cache_bytes must be positive; got {self.kv_cache_bytes}")

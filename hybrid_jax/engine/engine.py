@@ -1,0 +1,188 @@
+"""LLMEngine: requests in, streamed outputs out, one scheduler step at a time.
+
+`step()` asks the scheduler for a plan, runs it as one compiled call (a mixed prefill/decode step,
+or `decode_steps` decode iterations when nothing is prefilling), then does the host-side work:
+append tokens, detokenize, check stop strings, finish and free slots, record metrics.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+
+from hybrid_jax.engine.config import EngineConfig
+from hybrid_jax.engine.metrics import EngineMetrics
+from hybrid_jax.engine.request import Request, RequestOutput, RequestStatus
+from hybrid_jax.engine.runner import ModelRunner, enable_persistent_compilation_cache
+from hybrid_jax.engine.scheduler import Scheduler
+from hybrid_jax.errors import InputError
+from hybrid_jax.sampling import SamplingParams
+
+
+def _cache_bytes_per_token_and_seq(cache, num_slots: int) -> tuple[int, int]:
+    """Bytes a token adds (KV groups) and bytes a sequence holds whatever its length (recurrent
+    state), read off the engine's cache pytree."""
+    per_tok = per_seq = 0
+    for g in cache.groups.values():
+        if hasattr(g, "k"):
+            L, _, _, H, D = g.k.shape
+            per_tok += 2 * L * H * D * g.k.dtype.itemsize
+        elif hasattr(g, "bytes_per_token"):
+            per_tok += g.bytes_per_token()
+        if hasattr(g, "ssm"):
+            per_seq += (g.ssm.nbytes + g.conv.nbytes) // num_slots
+    return per_tok, per_seq
+
+
+class LLMEngine:
+    def __init__(self, llm, config: EngineConfig | None = None):
+        self.llm = llm
+        self.config = config or EngineConfig()
+        if self.config.max_model_len > llm.max_model_len:
+            raise InputError(f"engine max_model_len {self.config.max_model_len} exceeds the model's "
+                             f"{llm.max_model_len}")
+        enable_persistent_compilation_cache(self.config.compilation_cache_dir)
+        self.runner = ModelRunner(llm.config, llm.params, llm.dtype, self.config, impl=llm.generator.impl)
+        per_tok, per_seq = _cache_bytes_per_token_and_seq(self.runner.cache, self.config.max_num_seqs + 1)
+        cap = self.config.kv_cache_bytes
+        if cap is None:
+            cap = self.config.max_num_seqs * (per_seq + per_tok * self.config.max_model_len)
+        self.scheduler = Scheduler(max_num_seqs=self.config.max_num_seqs,
+                                   max_num_batched_tokens=self.config.max_num_batched_tokens,
+                                   bytes_per_token=per_tok, bytes_per_seq=per_seq, byte_cap=cap)
+        self.metrics = EngineMetrics()
+        self.requests: dict[str, Request] = {}
+        self._eos = llm.eos_token_ids()
+        self._rng = np.random.default_rng(0)
+
+    # --- requests ----------------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: Any, params: SamplingParams | None = None) -> Request:
+        params = params or SamplingParams()
+        params.validate()
+        if request_id in self.requests:
+            raise InputError(f"request id {request_id!r} is already in use")
+        text, ids = self.llm._encode(prompt)
+        if len(ids) + params.max_tokens > self.config.max_model_len:
+            raise InputError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
+                             f"max_model_len {self.config.max_model_len}")
+        seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2**32))
+        req = Request(request_id=request_id, prompt_ids=ids, params=params, seed=seed, prompt_text=text)
+        self.requests[request_id] = req
+        self.scheduler.add(req)
+        self.metrics.queue_length.set(len(self.scheduler.waiting))
+        return req
+
+    def abort_request(self, request_id: str):
+        req = self.requests.pop(request_id, None)
+        if req is not None and not req.finished:
+            self.scheduler.release(req)
+            req.status, req.finish_reason = RequestStatus.ABORTED, "abort"
+            self.metrics.aborted.inc()
+            self.metrics.running.set(len(self.scheduler.running))
+
+    def has_unfinished(self) -> bool:
+        return bool(self.scheduler.waiting or self.scheduler.running)
+
+    def warmup(self, mode: str | None = None):
+        t0 = time.perf_counter()
+        self.runner.warmup(mode or self.config.warmup)
+        self.warmup_seconds = time.perf_counter() - t0
+
+    # --- one step ----------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        for r in plan.preempted:
+            self.metrics.preemptions.inc()
+        self.metrics.queue_length.set(len(self.scheduler.waiting))
+        self.metrics.running.set(len(self.scheduler.running))
+        if not plan.rows:
+            return []
+        t0 = time.perf_counter()
+        if plan.is_decode_only:
+            reqs = [p.request for p in plan.rows]
+            toks, lps = self.runner.run_decode(reqs, self._eos)
+            for q, row in zip(reqs, toks):
+                q.num_computed += int(np.sum(row >= 0))   # each iteration fed one token, then sampled one
+        else:
+            toks, lps = self.runner.run_mixed(plan.rows)
+            for p in plan.rows:
+                p.request.num_computed += p.num_tokens
+                if not p.request.output_ids:
+                    self.metrics.prompt_tokens.inc(p.num_tokens)
+            reqs = [p.request for p in plan.rows]
+        self.metrics.step_seconds.observe(time.perf_counter() - t0)
+        now = time.monotonic()
+        outs = []
+        for i, q in enumerate(reqs):
+            new = [int(t) for t in toks[i] if t >= 0]
+            if not new:
+                continue
+            out = self._append(q, new, tuple(a[i] for a in lps), now)
+            if out is not None:
+                outs.append(out)
+        self.metrics.compilations.set(self.runner.num_compiled())
+        self.metrics.queue_length.set(len(self.scheduler.waiting))
+        self.metrics.running.set(len(self.scheduler.running))
+        self.metrics.note_tokens(sum(len(o.new_token_ids) for o in outs))
+        return outs
+
+    def _append(self, q: Request, new: list[int], lps, now: float) -> RequestOutput | None:
+        """Adds sampled tokens to a request; applies stop ids, max tokens and stop strings."""
+        stops = set(q.params.stop_token_ids) | (set() if q.params.ignore_eos else set(self._eos))
+        accepted = []
+        for t in new:
+            accepted.append(t)
+            if t in stops:
+                q.finish_reason = "stop"
+                break
+            if len(q.output_ids) + len(accepted) >= q.params.max_tokens:
+                q.finish_reason = "length"
+                break
+        if q.first_token_time is None:
+            self.metrics.ttft.observe(now - q.arrival)
+        elif accepted:
+            self.metrics.itl.observe((now - q.last_token_time) / len(accepted))
+        q.first_token_time = q.first_token_time or now
+        q.last_token_time = now
+        new_lps = []
+        if q.params.logprobs is not None:
+            c, v, ids = lps
+            n = q.params.logprobs
+            new_lps = [{"token_id": t, "logprob": float(c[j]),
+                        "top": [(int(ids[j, m]), float(v[j, m])) for m in range(n)]}
+                       for j, t in enumerate(accepted)]
+            q.logprobs += new_lps
+        old_text = q.text
+        q.output_ids += accepted
+        self.metrics.generation_tokens.inc(len(accepted))
+        tok = self.llm.tokenizer
+        if tok is not None:
+            q.text = tok.decode(q.output_ids)
+            for s in q.params.stop:
+                at = q.text.find(s, max(0, len(old_text) - len(s)))
+                if at >= 0:
+                    q.text, q.finish_reason = q.text[:at], "stop"
+                    break
+        if q.finish_reason is not None:
+            q.status = RequestStatus.FINISHED
+            self.scheduler.release(q)
+            self.requests.pop(q.request_id, None)
+            self.metrics.finished.inc()
+        new_text = q.text[len(old_text):] if q.text.startswith(old_text) else q.text
+        return RequestOutput(q.request_id, accepted, new_text, list(q.output_ids), q.text, q.finished,
+                             q.finish_reason, q.prompt_ids, new_lps)
+
+    # --- offline convenience -----------------------------------------------------------------------
+    def generate(self, prompts: list, params: SamplingParams | list[SamplingParams]) -> list[RequestOutput]:
+        """Runs prompts to completion through the continuous-batching loop; outputs in prompt order."""
+        sps = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [f"gen-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
+        for rid, p, sp in zip(ids, prompts, sps):
+            self.add_request(rid, p, sp)
+        final: dict[str, RequestOutput] = {}
+        while any(rid not in final for rid in ids):
+            for o in self.step():
+                if o.finished:
+                    final[o.request_id] = o
+        return [final[rid] for rid in ids]

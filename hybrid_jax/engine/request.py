@@ -1,0 +1,66 @@
+"""A request's life on the host: tokens known, tokens already in the cache, what was streamed."""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import time
+
+from hybrid_jax.sampling import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"      # queued, or preempted and waiting to be recomputed
+    RUNNING = "running"      # holds a cache slot
+    FINISHED = "finished"
+    ABORTED = "aborted"
+
+
+@dataclasses.dataclass
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int
+    prompt_text: str | None = None
+    arrival: float = dataclasses.field(default_factory=time.monotonic)
+    output_ids: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[dict] = dataclasses.field(default_factory=list)
+    num_computed: int = 0                  # tokens of prompt + output already written to the cache
+    slot: int | None = None
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: str | None = None
+    text: str = ""
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    num_preemptions: int = 0
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_uncomputed(self) -> int:
+        """Known tokens not yet in the cache: the prompt (or its rest) at first, then the last sample."""
+        return len(self.prompt_ids) + len(self.output_ids) - self.num_computed
+
+    @property
+    def finished(self) -> bool:
+        return self.status in (RequestStatus.FINISHED, RequestStatus.ABORTED)
+
+    @property
+    def remaining_tokens(self) -> int:
+        return self.params.max_tokens - len(self.output_ids)
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    """What one engine step reports about one request: the new tokens since the last report."""
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: str | None
+    prompt_token_ids: list[int]
+    new_logprobs: list[dict]

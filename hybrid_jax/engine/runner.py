@@ -1,0 +1,212 @@
+"""Jit-compiled engine steps over bucketed static shapes, with the cache donated to each call.
+
+The engine's cache holds `max_num_seqs + 1` rows (slots); the last is a null slot that padding rows
+of a batch bucket point at. A step gathers its rows from the cache, runs the model, samples on
+device, and scatters the rows back:
+
+  mixed step   [Bb, T] tokens: prefill chunks and decodes together, one sample per row at most
+  decode step  [Bb] last tokens: `decode_steps` iterations in a `lax.while_loop`, with stop token
+               ids and max-token limits checked on device
+
+Bb is a power of two up to the slot count, T one of a few token buckets up to the token budget, so
+the set of programs is finite and `warmup` can compile all of them before the first request.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from cache import put_rows, take_rows
+from hybrid_jax.engine.config import EngineConfig
+from hybrid_jax.generate import bucket
+from hybrid_jax.models import get_model
+from hybrid_jax.sampling import SamplerFlags, sample, token_logprobs
+
+MIN_T = 8
+LOGPROBS_WIDTH = 20      # top log-probabilities computed when any request of a step asks for them
+# One sampler program serves every mix of greedy / temperature / top-k / top-p rows, so a request's
+# sampling parameters never cause a compile.
+FULL_SAMPLER = SamplerFlags(any_random=True, use_top_k=True, use_top_p=True)
+
+
+def enable_persistent_compilation_cache(path: str | None):
+    """Turns on JAX's persistent compilation cache (keyed by JAX on program, shapes and hardware)."""
+    if not path:
+        return
+    import os  # noqa: PLC0415
+    os.makedirs(path, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+@dataclasses.dataclass
+class RowArrays:
+    """Per-row host arrays of one step, padded to the batch bucket."""
+    rows: np.ndarray          # [Bb] slot ids
+    seeds: np.ndarray         # [Bb] uint32
+    steps: np.ndarray         # [Bb] int32, tokens generated so far (RNG stream position)
+    temperature: np.ndarray   # [Bb] f32
+    top_k: np.ndarray         # [Bb] int32
+    top_p: np.ndarray         # [Bb] f32
+
+
+class ModelRunner:
+    def __init__(self, cfg, params, dtype, ecfg: EngineConfig, impl: str = "auto"):
+        self.cfg, self.params, self.ecfg, self.impl = cfg, params, ecfg, impl
+        self.model = get_model(cfg.model_type)
+        self.null_slot = ecfg.max_num_seqs
+        self.cache = self.model.new_cache(cfg, ecfg.max_num_seqs + 1, ecfg.max_model_len, dtype)
+        self._mixed = jax.jit(self._mixed_fn, static_argnames=("flags", "top_n"), donate_argnames=("cache",))
+        self._decode = jax.jit(self._decode_fn, static_argnames=("steps", "flags", "top_n"),
+                               donate_argnames=("cache",))
+
+    # --- buckets -----------------------------------------------------------------------------------
+    def batch_buckets(self) -> list[int]:
+        top = bucket(self.ecfg.max_num_seqs)
+        return [1 << i for i in range(top.bit_length())]
+
+    def token_buckets(self) -> list[int]:
+        """MIN_T, 4 MIN_T, 16 MIN_T, ... up to the token budget: a step pads its tokens at most 4x,
+        and the number of programs to compile stays small."""
+        top = bucket(self.ecfg.max_num_batched_tokens, MIN_T)
+        out = [MIN_T]
+        while out[-1] < top:
+            out.append(min(out[-1] * 4, top))
+        return out
+
+    def token_bucket(self, n: int) -> int:
+        return next(b for b in self.token_buckets() if b >= n)
+
+    def num_compiled(self) -> int:
+        """Programs compiled so far by this runner (one per bucket and static option)."""
+        return self._mixed._cache_size() + self._decode._cache_size()
+
+    # --- traced step functions ---------------------------------------------------------------------
+    def _sample(self, logits, r, flags, top_n):
+        keys = jax.vmap(jax.random.key)(r["seeds"])
+        tok = sample(logits, keys, r["steps"], r["temperature"], r["top_k"], r["top_p"], flags)
+        return tok, token_logprobs(logits, tok, top_n)
+
+    def _mixed_fn(self, params, cache, r, reset, tokens, n_new, do_sample, *, flags, top_n):
+        sub = take_rows(cache, r["rows"], reset)
+        logits, sub = self.model.forward(self.cfg, params, sub, tokens, n_new, impl=self.impl)
+        tok, lps = self._sample(logits, r, flags, top_n)
+        tok = jnp.where(do_sample, tok, -1)
+        return tok, lps, put_rows(cache, r["rows"], sub)
+
+    def _decode_fn(self, params, cache, r, last_tok, active, stop_ids, remaining, *, steps, flags, top_n):
+        sub = take_rows(cache, r["rows"])
+        Bb = last_tok.shape[0]
+        out = jnp.full((Bb, steps), -1, jnp.int32)
+        lp_c = jnp.zeros((Bb, steps), jnp.float32)
+        lp_v = jnp.zeros((Bb, steps, top_n), jnp.float32)
+        lp_i = jnp.zeros((Bb, steps, top_n), jnp.int32)
+
+        def body(state):
+            j, tok, active, sub, out, lp_c, lp_v, lp_i = state
+            logits, sub = self.model.forward(self.cfg, params, sub, jnp.maximum(tok, 0)[:, None],
+                                             active.astype(jnp.int32), impl=self.impl)
+            rj = dict(r, steps=r["steps"] + j)
+            new, (c, v, i) = self._sample(logits, rj, flags, top_n)
+            new = jnp.where(active, new, -1)
+            out, lp_c = out.at[:, j].set(new), lp_c.at[:, j].set(c)
+            lp_v, lp_i = lp_v.at[:, j].set(v), lp_i.at[:, j].set(i)
+            stop = jnp.any(new[:, None] == stop_ids, axis=-1) | (j + 1 >= remaining)
+            return j + 1, new, active & ~stop, sub, out, lp_c, lp_v, lp_i
+
+        def cond(state):
+            return (state[0] < steps) & jnp.any(state[2])
+
+        state = (jnp.int32(0), last_tok, active & (remaining > 0), sub, out, lp_c, lp_v, lp_i)
+        _, _, _, sub, out, lp_c, lp_v, lp_i = jax.lax.while_loop(cond, body, state)
+        return out, (lp_c, lp_v, lp_i), put_rows(cache, r["rows"], sub)
+
+    # --- host calls --------------------------------------------------------------------------------
+    def _rows(self, reqs, Bb) -> dict:
+        n = len(reqs)
+        ra = {"rows": np.full((Bb,), self.null_slot, np.int32), "seeds": np.zeros((Bb,), np.uint32),
+              "steps": np.zeros((Bb,), np.int32), "temperature": np.zeros((Bb,), np.float32),
+              "top_k": np.full((Bb,), -1, np.int32), "top_p": np.ones((Bb,), np.float32)}
+        ra["rows"][:n] = [q.slot for q in reqs]
+        ra["seeds"][:n] = [q.seed % 2**32 for q in reqs]
+        ra["steps"][:n] = [len(q.output_ids) for q in reqs]
+        ra["temperature"][:n] = [q.params.temperature for q in reqs]
+        ra["top_k"][:n] = [q.params.top_k for q in reqs]
+        ra["top_p"][:n] = [q.params.top_p for q in reqs]
+        return ra
+
+    @staticmethod
+    def _flags(reqs):
+        return FULL_SAMPLER
+
+    @staticmethod
+    def _top_n(reqs):
+        return LOGPROBS_WIDTH if any(q.params.logprobs is not None for q in reqs) else 0
+
+    def run_mixed(self, plan_rows):
+        """plan_rows: scheduler rows. Returns (tokens [n], logprob triples) for those rows."""
+        reqs = [p.request for p in plan_rows]
+        n = len(reqs)
+        Bb = bucket(n)
+        T = self.token_bucket(max(p.num_tokens for p in plan_rows))
+        tokens = np.zeros((Bb, T), np.int32)
+        n_new = np.zeros((Bb,), np.int32)
+        reset = np.zeros((Bb,), bool)
+        do_sample = np.zeros((Bb,), bool)
+        for i, p in enumerate(plan_rows):
+            q = p.request
+            ids = q.all_ids[q.num_computed:q.num_computed + p.num_tokens]
+            tokens[i, :len(ids)] = ids
+            n_new[i], reset[i], do_sample[i] = p.num_tokens, p.reset, p.sample
+        top_n = self._top_n(reqs)
+        tok, lps, self.cache = self._mixed(self.params, self.cache, self._rows(reqs, Bb), jnp.asarray(reset),
+                                           jnp.asarray(tokens), jnp.asarray(n_new), jnp.asarray(do_sample),
+                                           flags=self._flags(reqs), top_n=top_n)
+        tok = np.asarray(tok)[:n]
+        c, v, i = (np.asarray(a)[:n] for a in lps)
+        return tok[:, None], (c[:, None], v[:, None], i[:, None])
+
+    def run_decode(self, reqs, eos_ids):
+        """Decodes up to `decode_steps` tokens for running requests. Returns (tokens [n, K], logprobs)."""
+        n = len(reqs)
+        Bb = bucket(n)
+        S = self.ecfg.max_stop_ids
+        last = np.zeros((Bb,), np.int32)
+        active = np.zeros((Bb,), bool)
+        remaining = np.zeros((Bb,), np.int32)
+        stop_ids = np.full((Bb, S), -1, np.int32)
+        for i, q in enumerate(reqs):
+            last[i], active[i], remaining[i] = q.output_ids[-1], True, q.remaining_tokens
+            ids = list(q.params.stop_token_ids) + ([] if q.params.ignore_eos else list(eos_ids))
+            stop_ids[i, :len(ids[:S])] = ids[:S]
+        out, lps, self.cache = self._decode(self.params, self.cache, self._rows(reqs, Bb), jnp.asarray(last),
+                                            jnp.asarray(active), jnp.asarray(stop_ids), jnp.asarray(remaining),
+                                            steps=self.ecfg.decode_steps, flags=self._flags(reqs),
+                                            top_n=self._top_n(reqs))
+        return np.asarray(out)[:n], tuple(np.asarray(a)[:n] for a in lps)
+
+    # --- warm-up -----------------------------------------------------------------------------------
+    def warmup(self, mode: str):
+        """Compiles the step programs ahead of serving: `minimal` = every decode bucket and the mixed
+        step at the smallest token bucket; `all` = every (batch, token) bucket. The cache comes back
+        untouched: every row points at the null slot."""
+        if mode == "none":
+            return
+        tbs = self.token_buckets() if mode == "all" else self.token_buckets()[:1]
+        widths = (0, LOGPROBS_WIDTH) if mode == "all" else (0,)
+        for Bb in self.batch_buckets():
+            r = self._rows([], Bb)
+            z = jnp.zeros((Bb,), bool)
+            for top_n in widths:
+                for T in tbs:
+                    _, _, self.cache = self._mixed(self.params, self.cache, r, z, jnp.zeros((Bb, T), jnp.int32),
+                                                   jnp.zeros((Bb,), jnp.int32), z, flags=FULL_SAMPLER, top_n=top_n)
+                _, _, self.cache = self._decode(self.params, self.cache, r, jnp.zeros((Bb,), jnp.int32), z,
+                                                jnp.full((Bb, self.ecfg.max_stop_ids), -1, jnp.int32),
+                                                jnp.zeros((Bb,), jnp.int32), steps=self.ecfg.decode_steps,
+                                                flags=FULL_SAMPLER, top_n=top_n)
+        jax.block_until_ready(self.cache)
