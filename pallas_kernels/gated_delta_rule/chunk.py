@@ -65,12 +65,16 @@ def chunk_prepare(q, k, v, g, beta, C):
     """Intra-chunk work, all chunks at once (no sequential dependency).
 
     Inputs are fp32 and already scaled: q, k [B, T, H, K]; v [B, T, H, r, V]; g, beta [B, T, H, r]
-    with T a multiple of C. Returns per-chunk tensors with the chunk axis N leading:
-      qw    [N, B, H, r, 2C, K] q * exp(gc) stacked over w (one matmul with h in the scan)
-      kd    [N, B, H, r, C, K]  k * exp(gc_last - gc)
-      u     [N, B, H, r, C, V]
-      attn  [N, B, H, r, C, C]  tril(q k^T exp(gc_i - gc_j))
-      decay [N, B, H, r]        exp(gc_last)
+    with T a multiple of C. Returns per-chunk tensors with the chunk axis N leading; q and k stay
+    per key head (never repeated over the r value heads that share them), and the per-token decay
+    factors are kept as vectors and applied to the small [C, V] / [C, C] operands instead of
+    materialising scaled copies of q and k:
+      qc, kc [N, B, H, C, K]
+      u      [N, B, H, r, C, V]  A (beta v)
+      w      [N, B, H, r, C, K]  A (beta exp(gc) k)
+      attn   [N, B, H, r, C, C]  tril(q k^T exp(gc_i - gc_j))
+      eg, dk [N, B, H, r, C]     exp(gc), exp(gc_last - gc)
+      decay  [N, B, H, r]        exp(gc_last)
     """
     B, T, H, K = q.shape
     r, V = v.shape[3], v.shape[4]
@@ -93,33 +97,28 @@ def chunk_prepare(q, k, v, g, beta, C):
     qk, kk = qkk[:, :, :, None, :C], qkk[:, :, :, None, C:]           # [N, B, H, 1, C, C]
     A = unit_lower_inverse(bc[..., :, None] * kk * gamma_strict)
     attn = qk * gamma_causal
-
-    eg = jnp.exp(gc)[..., None]                                         # [N, B, H, r, C, 1]
-    rhs = jnp.concatenate([bc[..., None] * vc, bc[..., None] * kc[:, :, :, None] * eg], axis=-1)
-    uw = jnp.matmul(A, rhs, precision=_HI)
-    u, w = uw[..., :V], uw[..., V:]
-    qw = jnp.concatenate([qc[:, :, :, None] * eg, w], axis=-2)           # [N, B, H, r, 2C, K]
-    kd = kc[:, :, :, None] * jnp.exp(gc[..., -1:] - gc)[..., None]
-    return qw, kd, u, attn, jnp.exp(gc[..., -1])
+    eg = jnp.exp(gc)
+    u = jnp.matmul(A * bc[..., None, :], vc, precision=_HI)            # column scaling of A, not of v
+    w = jnp.matmul(A * (bc * eg)[..., None, :], kc[:, :, :, None], precision=_HI)
+    return qc, kc, u, w, attn, eg, jnp.exp(gc[..., -1:] - gc), jnp.exp(gc[..., -1])
 
 
-def chunk_scan(h0, qw, kd, u, attn, decay):
+def chunk_scan(h0, qc, kc, u, w, attn, eg, dk, decay):
     """The sequential part: carry the state h [B, H, r, K, V] across chunks.
     Returns (o [N, B, H, r, C, V], final h)."""
-    C = u.shape[-2]
-
     def step(h, xs):
-        qw_n, kd_n, u_n, attn_n, decay_n = xs
-        qh_wh = jnp.matmul(qw_n, h, precision=_HI)                       # [(q exp(gc)); w] h
-        v_new = u_n - qh_wh[..., C:, :]
-        o = qh_wh[..., :C, :] + jnp.matmul(attn_n, v_new, precision=_HI)
-        h = decay_n[..., None, None] * h + jnp.matmul(jnp.swapaxes(kd_n, -1, -2), v_new, precision=_HI)
+        q_n, k_n, u_n, w_n, attn_n, eg_n, dk_n, decay_n = xs
+        qh = jnp.einsum("bhck,bhrkv->bhrcv", q_n, h, precision=_HI) * eg_n[..., None]
+        v_new = u_n - jnp.matmul(w_n, h, precision=_HI)
+        o = qh + jnp.matmul(attn_n, v_new, precision=_HI)
+        h = decay_n[..., None, None] * h + jnp.einsum("bhck,bhrcv->bhrkv", k_n, v_new * dk_n[..., None],
+                                                      precision=_HI)
         return h, o
-    h, o = jax.lax.scan(step, h0, (qw, kd, u, attn, decay))
+    h, o = jax.lax.scan(step, h0, (qc, kc, u, w, attn, eg, dk, decay))
     return o, h
 
 
-def chunk_scan_varlen(h0, qw, kd, u, attn, decay, seq, first):
+def chunk_scan_varlen(h0, *parts_and_meta):
     """chunk_scan for a packed batch (B == 1): h0 [N, 1, H, r, K, V]; seq, first [NC].
     Returns (o [NC, 1, H, r, C, V], final states [N, 1, H, r, K, V])."""
     def step(carry, xs):
@@ -129,7 +128,7 @@ def chunk_scan_varlen(h0, qw, kd, u, attn, decay, seq, first):
         o, h = chunk_scan(h, *(p[None] for p in parts))
         finals = finals.at[s].set(h)
         return (h, finals), o[0]
-    (_, finals), o = jax.lax.scan(step, (jnp.zeros_like(h0[0]), h0), (qw, kd, u, attn, decay, seq, first))
+    (_, finals), o = jax.lax.scan(step, (jnp.zeros_like(h0[0]), h0), parts_and_meta)
     return o, finals
 
 
