@@ -15,8 +15,11 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import abi
 from pallas_kernels.gated_delta_rule import varlen
 from pallas_kernels.gated_delta_rule.common import check_inputs, default_scale, prepare
+
+ABI = abi.GATED_DELTA_RULE   # writes state[N, HV, K, V] f32, like every other implementation
 
 
 def _update(S, q_t, k_t, v_t, g_t, b_t):
