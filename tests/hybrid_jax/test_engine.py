@@ -1,0 +1,143 @@
+"""The continuous-batching engine: chunked prefill mixed with decode, slot reuse, preemption under
+the byte cap, stop conditions, logprobs, fairness; all equal to the offline generate path."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hybrid_jax import LLM, SamplingParams
+from hybrid_jax.engine import EngineConfig, LLMEngine
+from hybrid_jax.engine.request import Request
+from hybrid_jax.engine.scheduler import Scheduler
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_checkpoint):
+    return LLM(model=tiny_checkpoint)
+
+
+@pytest.fixture(scope="module")
+def shared(llm):
+    """One engine for most tests: its compiled steps are reused, and it is idle between tests."""
+    return _engine(llm)
+
+
+def _engine(llm, **kw):
+    cfg = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=256, decode_steps=4,
+               compilation_cache_dir=None, warmup="none")
+    cfg.update(kw)
+    return LLMEngine(llm, EngineConfig(**cfg))
+
+
+def _prompts(n, seed=0, lo=2, hi=90):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 211, int(k)).tolist() for k in rng.integers(lo, hi, n)]
+
+
+def _offline(llm, prompts, sp):
+    return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], sp)]
+
+
+def test_engine_equals_offline_with_queueing_chunking_and_slot_reuse(llm, shared):
+    prompts = _prompts(9)
+    sp = SamplingParams(max_tokens=14, temperature=0, ignore_eos=True)
+    eng = shared
+    outs = eng.generate([{"prompt_token_ids": p} for p in prompts], sp)
+    assert [o.token_ids for o in outs] == _offline(llm, prompts, sp)
+
+
+def test_seeded_sampling_is_independent_of_batching(shared):
+    prompts = _prompts(5, seed=1)
+    sp = SamplingParams(max_tokens=10, temperature=0.9, top_p=0.9, seed=11)
+    together = [o.token_ids for o in shared.generate([{"prompt_token_ids": p} for p in prompts], sp)]
+    alone = [shared.generate([{"prompt_token_ids": p}], sp)[0].token_ids for p in prompts]
+    assert together == alone
+    other_seed = shared.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(
+        max_tokens=10, temperature=0.9, top_p=0.9, seed=12))[0].token_ids
+    assert other_seed != alone[0]
+
+
+def test_preemption_under_byte_cap_recomputes_and_stays_exact(llm, shared):
+    prompts = _prompts(4, seed=2, lo=40, hi=60)
+    sp = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    sched = shared.scheduler
+    # room for about two and a half requests at full length: the newest must be preempted
+    cap, sched.byte_cap = sched.byte_cap, int(2.5 * (sched.bytes_per_seq + 90 * sched.bytes_per_token))
+    before = shared.metrics.preemptions._value.get()
+    try:
+        outs = shared.generate([{"prompt_token_ids": p} for p in prompts], sp)
+    finally:
+        sched.byte_cap = cap
+    assert shared.metrics.preemptions._value.get() > before
+    assert [o.token_ids for o in outs] == _offline(llm, prompts, sp)
+
+
+def test_chunked_prefill_runs_beside_decodes(llm):
+    eng = _engine(llm, max_num_batched_tokens=16)   # the plan only: nothing is compiled here
+    sp = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    short, long_ = _prompts(1, seed=3, lo=3, hi=4)[0], _prompts(1, seed=4, lo=120, hi=121)[0]
+    eng.add_request("short", {"prompt_token_ids": short}, sp)
+    first = eng.scheduler.schedule()
+    assert [(p.request.request_id, p.num_tokens, p.sample) for p in first.rows] == [("short", len(short), True)]
+    eng.requests["short"].num_computed = len(short)
+    eng.requests["short"].output_ids.append(7)          # as if the step had sampled a token
+    eng.add_request("long", {"prompt_token_ids": long_}, sp)
+    plan = eng.scheduler.schedule()
+    kinds = {p.request.request_id: p.num_tokens for p in plan.rows}
+    assert kinds["short"] == 1 and 1 < kinds["long"] <= 15     # one decode + a prefill chunk, same step
+    eng.scheduler.waiting.clear()
+
+
+def test_stop_strings_and_stop_ids(shared):
+    eng = shared
+    p = _prompts(1, seed=5)[0]
+    free = eng.generate([{"prompt_token_ids": p}], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))[0]
+    stop_id = free.token_ids[6]
+    o = eng.generate([{"prompt_token_ids": p}], SamplingParams(max_tokens=20, temperature=0,
+                                                               stop_token_ids=[stop_id]))[0]
+    assert o.token_ids == free.token_ids[:free.token_ids.index(stop_id) + 1] and o.finish_reason == "stop"
+
+
+def test_stop_string_truncates_text(tiny_checkpoint):
+    from hybrid_jax.tokenizer import ByteTokenizer  # noqa: PLC0415
+    llm = LLM(model=tiny_checkpoint, tokenizer="byte")
+    eng = _engine(llm)
+    prompt = {"prompt_token_ids": [97, 98, 99]}
+    free = eng.generate([prompt], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))[0]
+    text = ByteTokenizer().decode(free.token_ids)
+    needle = text[5:7]
+    assert needle
+    o = eng.generate([prompt], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, stop=[needle]))[0]
+    assert o.finish_reason == "stop" and o.text == text[:text.index(needle)]
+
+
+def test_logprobs_match_the_model(llm, shared):
+    eng = shared
+    p = _prompts(1, seed=6)[0]
+    eng.add_request("x", {"prompt_token_ids": p}, SamplingParams(max_tokens=3, temperature=0, logprobs=3))
+    got, toks = [], []
+    while eng.has_unfinished():
+        for out in eng.step():
+            got += out.new_logprobs
+            toks = out.token_ids
+    assert len(got) == 3
+    logits = llm.logits(p + toks[:2]).astype(np.float64)
+    m = logits.max(-1, keepdims=True)
+    ref = logits - m - np.log(np.sum(np.exp(logits - m), -1, keepdims=True))
+    for j, e in enumerate(got):
+        row = ref[len(p) - 1 + j]
+        assert e["token_id"] == int(np.argmax(row))
+        assert abs(e["logprob"] - row[e["token_id"]]) < 1e-4
+        assert [t for t, _ in e["top"]] == list(np.argsort(-row)[:3])
+
+
+def test_fcfs_admission_order():
+    s = Scheduler(max_num_seqs=2, max_num_batched_tokens=64, bytes_per_token=1, bytes_per_seq=0, byte_cap=10**9)
+    reqs = [Request(str(i), [1] * 5, SamplingParams(max_tokens=4), seed=0) for i in range(4)]
+    for r in reqs:
+        s.add(r)
+    plan = s.schedule()
+    assert [p.request.request_id for p in plan.rows] == ["0", "1"]
+    s.release(reqs[0])
+    plan = s.schedule()
+    assert "2" in [p.request.request_id for p in plan.rows] and "3" not in [p.request.request_id for p in plan.rows]
