@@ -117,13 +117,16 @@ def run(Ts=(2048, 8192), H=16, HV=16, K=128, V=128, repeats=3, chunk_size=None, 
             gdn_chunk.chunk_gated_delta_rule_xla(*jx, chunk_size=C, **kw)), repeats)
         t_ref = bench(lambda: jax.block_until_ready(naive_recurrent_gated_delta_rule(*jx, **kw)), max(1, repeats - 1))
         with torch.no_grad():
+            t0 = time.perf_counter()
+            torch_chunk_gated_delta_rule(*tt, **kw)
+            t_torch_cold = time.perf_counter() - t0
             t_torch = bench(lambda: torch_chunk_gated_delta_rule(*tt, **kw), max(1, repeats - 1))
             o_torch, s_torch = torch_chunk_gated_delta_rule(*tt, **kw)
         o_chunk, s_chunk = gdn_chunk.chunk_gated_delta_rule_xla(*jx, chunk_size=C, **kw)
         o_ref, _ = naive_recurrent_gated_delta_rule(*jx, **kw)
         err = lambda a, b: float(np.linalg.norm(np.asarray(a) - np.asarray(b)) / np.linalg.norm(np.asarray(b)))  # noqa: E731
         flops = chunk_flops(T, H, HV, K, V, C)
-        rows.append(dict(T=T, chunk_s=t_chunk, reference_s=t_ref, torch_s=t_torch, gflop=flops / 1e9,
+        rows.append(dict(T=T, chunk_s=t_chunk, reference_s=t_ref, torch_s=t_torch, torch_cold_s=t_torch_cold, gflop=flops / 1e9,
                          chunk_gflops=flops / t_chunk / 1e9, peak_gflops=peak_jax,
                          err_vs_reference=err(o_chunk, o_ref), err_vs_torch=err(o_chunk, o_torch.numpy())))
     if verbose:
@@ -148,6 +151,8 @@ def report(rows, H, HV, K, V, C):
               f"{r['reference_s'] / r['chunk_s']:>10.2f}x | {r['gflop']:>11.2f} | {r['chunk_gflops']:>7.1f} | "
               f"{r['chunk_gflops'] / r['peak_gflops']:>6.0%} | {r['T'] / r['chunk_s']:>11.0f} | "
               f"{r['err_vs_reference']:>11.1e} | {r['err_vs_torch']:>13.1e}")
+    print("torch fallback, first call at each T (cold: allocator and page faults, excluded above): "
+          + ", ".join(f"T={r['T']}: {1e3 * r['torch_cold_s']:.0f} ms" for r in rows))
     last = rows[-1]
     if last["T"] < 8192:
         print("\n(targets are stated for the full sizes, T = 8192; run without --quick)")
