@@ -14,7 +14,7 @@ import pytest  # noqa: E402
 BASE = dict(vocab_size=211, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
             linear_key_head_dim=16, linear_value_head_dim=16, num_experts=4, num_experts_per_tok=2,
-            moe_intermediate_size=32, shared_expert_intermediate_size=32, max_position_embeddings=512,
+            moe_intermediate_size=32, shared_expert_intermediate_size=32, max_position_embeddings=1024,
             eos_token_id=None, bos_token_id=None, pad_token_id=None)
 
 # Tiny configs covering the axes: all-linear and mixed layer patterns, GQA ratios,

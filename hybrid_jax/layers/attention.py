@@ -69,18 +69,37 @@ def _attend_cache(qg, k_cache, v_cache, limit, inclusive: bool):
 BLOCK_Q = 256
 
 
+def _online_step(carry, s, v):
+    """Folds one key block's scores s [B, G, R, Q, K] and values v [B, K, G, D] into the running
+    softmax (m, l, o)."""
+    m, l, o = carry
+    m_new = jnp.maximum(m, jnp.max(s, axis=-1, keepdims=True))
+    alpha = jnp.exp(m - m_new)
+    e = jnp.exp(s - m_new)
+    return m_new, l * alpha + jnp.sum(e, axis=-1, keepdims=True), o * alpha + _weighted(e, v)
+
+
 def _prefill_attention(qg, k_new, v_new, k_cache, v_cache, positions):
-    """Attention of T > 1 new tokens: to the cached prefix (slots < lengths, skipped at run time
-    when no row has one) and causally among themselves, block by block, never computing a
-    query block against the key blocks after it. The pieces merge by log-sum-exp.
+    """Attention of T > 1 new tokens, flash style in plain XLA: per query block of BLOCK_Q, first
+    the cached prefix (slots < lengths; a lax.cond skips it at run time when no row has one), then
+    the earlier key blocks of the new tokens in a fori_loop (no mask needed), then the diagonal
+    block under the causal mask. Scores never exist beyond one [BLOCK_Q, BLOCK_Q] tile per head.
     qg: [B, G, R, T, D]; k_new, v_new: [B, T, G, D]; positions: [B, T]."""
     B, G, R, T, D = qg.shape
-    start = positions[:, 0]                                                   # = lengths
-    limit = start[:, None, None, None, None]
+    BQ = min(BLOCK_Q, T)
+    nq = -(-T // BQ)
+    pad = nq * BQ - T
+    if pad:   # padded keys sit after every real query: the causal mask hides them
+        qg = jnp.pad(qg, [(0, 0)] * 3 + [(0, pad), (0, 0)])
+        k_new = jnp.pad(k_new, [(0, 0), (0, pad), (0, 0), (0, 0)])
+        v_new = jnp.pad(v_new, [(0, 0), (0, pad), (0, 0), (0, 0)])
+    limit = positions[:, 0][:, None, None, None, None]                       # = lengths
+    has_prefix = jnp.any(positions[:, 0] > 0)
+    S = k_cache.shape[1]
+    causal = jnp.arange(BQ)[None, :] <= jnp.arange(BQ)[:, None]
 
     def with_prefix(qb):
-        s = jnp.where(jnp.arange(k_cache.shape[1])[None, None, None, None, :] < limit,
-                      _scores(qb, k_cache), -jnp.inf)
+        s = jnp.where(jnp.arange(S)[None, None, None, None, :] < limit, _scores(qb, k_cache), -jnp.inf)
         return _partial(s, v_cache)
 
     def no_prefix(qb):
@@ -88,17 +107,22 @@ def _prefill_attention(qg, k_new, v_new, k_cache, v_cache, positions):
         return (jnp.full(shape, -jnp.inf, jnp.float32), jnp.zeros(shape, jnp.float32),
                 jnp.zeros(qb.shape, jnp.float32))
 
-    has_prefix = jnp.any(start > 0)
     outs = []
-    for q0 in range(0, T, BLOCK_Q):
-        q1 = min(q0 + BLOCK_Q, T)
-        qb = qg[:, :, :, q0:q1]
-        prefix = jax.lax.cond(has_prefix, with_prefix, no_prefix, qb)
-        s = _scores(qb, k_new[:, :q1])                                        # keys 0 .. q1-1 only
-        causal = jnp.arange(q1)[None, :] <= jnp.arange(q0, q1)[:, None]
-        s = jnp.where(causal, s, -jnp.inf)
-        outs.append(_merge([prefix, _partial(s, v_new[:, :q1])]))
-    return jnp.concatenate(outs, axis=3) if len(outs) > 1 else outs[0]
+    for i in range(nq):
+        qb = qg[:, :, :, i * BQ:(i + 1) * BQ]
+        carry = jax.lax.cond(has_prefix, with_prefix, no_prefix, qb)
+
+        def body(j, carry, qb=qb):
+            kb = jax.lax.dynamic_slice_in_dim(k_new, j * BQ, BQ, axis=1)
+            vb = jax.lax.dynamic_slice_in_dim(v_new, j * BQ, BQ, axis=1)
+            return _online_step(carry, _scores(qb, kb), vb)
+
+        carry = jax.lax.fori_loop(0, i, body, carry)
+        kb, vb = k_new[:, i * BQ:(i + 1) * BQ], v_new[:, i * BQ:(i + 1) * BQ]
+        m, l, o = _online_step(carry, jnp.where(causal, _scores(qb, kb), -jnp.inf), vb)
+        outs.append(o / l)
+    out = jnp.concatenate(outs, axis=3) if nq > 1 else outs[0]
+    return out[:, :, :, :T]
 
 
 def gated_attention(p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, positions: jax.Array,
