@@ -38,16 +38,18 @@ F32_TOL, BF16_TOL = 1e-5, 1e-2
 
 
 def make_inputs(T, r, K, dtype=jnp.float32, B=1, init=False, N=None, seed=0, V=None):
-    """q, k [B, T, H, K]; v [B, T, H r, V]; g (log decay, mostly mild) and beta [B, T, H r]."""
+    """q, k [B, T, H, K]; v [B, T, H r, V]; g (log decay, mostly mild) and beta [B, T, H r].
+    Drawn with numpy: no compilation per shape."""
     V = V or K
     HV = H * r
-    ks = jax.random.split(jax.random.PRNGKey(seed), 6)
-    q = jax.random.normal(ks[0], (B, T, H, K)).astype(dtype)
-    k = jax.random.normal(ks[1], (B, T, H, K)).astype(dtype)
-    v = jax.random.normal(ks[2], (B, T, HV, V)).astype(dtype)
-    g = -jax.nn.softplus(jax.random.normal(ks[3], (B, T, HV)) - 2.0)
-    beta = jax.nn.sigmoid(jax.random.normal(ks[4], (B, T, HV)))
-    h0 = 0.1 * jax.random.normal(ks[5], (N or B, HV, K, V)) if init else None
+    rng = np.random.default_rng(seed)
+    normal = lambda *shape: rng.standard_normal(shape, np.float32)  # noqa: E731
+    q = jnp.asarray(normal(B, T, H, K)).astype(dtype)
+    k = jnp.asarray(normal(B, T, H, K)).astype(dtype)
+    v = jnp.asarray(normal(B, T, HV, V)).astype(dtype)
+    g = jnp.asarray(-np.logaddexp(0.0, normal(B, T, HV) - 2.0).astype(np.float32))    # -softplus
+    beta = jnp.asarray((1.0 / (1.0 + np.exp(-normal(B, T, HV)))).astype(np.float32))
+    h0 = jnp.asarray(0.1 * normal(N or B, HV, K, V)) if init else None
     return (q, k, v, g, beta), h0
 
 
