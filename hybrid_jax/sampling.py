@@ -67,33 +67,48 @@ class SamplerFlags:
                             use_top_p=any(p.top_p < 1.0 for p in rnd))
 
 
+def _filter(x: jax.Array, top_k: jax.Array, top_p: jax.Array, flags: SamplerFlags) -> jax.Array:
+    """Masks logits outside each row's top-k set and top-p nucleus to -inf. x: [B, V]."""
+    V = x.shape[-1]
+    sorted_x = -jnp.sort(-x, axis=-1)                                   # descending
+    if flags.use_top_k:
+        k = jnp.where(top_k > 0, jnp.minimum(top_k, V), V)
+        kth = jnp.take_along_axis(sorted_x, (k - 1)[:, None], axis=-1)
+        x = jnp.where(x < kth, -jnp.inf, x)
+        sorted_x = jnp.where(jnp.arange(V)[None] < k[:, None], sorted_x, -jnp.inf)
+    if flags.use_top_p:
+        probs = jax.nn.softmax(sorted_x, axis=-1)
+        before = jnp.cumsum(probs, axis=-1) - probs                    # mass strictly above each entry
+        keep = before < top_p[:, None]                                  # always keeps the top entry
+        cutoff = jnp.min(jnp.where(keep, sorted_x, jnp.inf), axis=-1, keepdims=True)
+        x = jnp.where(x < cutoff, -jnp.inf, x)
+    return x
+
+
 def sample(logits: jax.Array, keys: jax.Array, step: jax.Array, temperature: jax.Array, top_k: jax.Array,
            top_p: jax.Array, flags: SamplerFlags) -> jax.Array:
     """logits: [B, V] fp32; keys: [B] typed PRNG keys; step: int, scalar or [B] (the row's count of
     generated tokens, so a row draws the same numbers however it is batched); temperature, top_p: [B] f32;
-    top_k: [B] int32 (<= 0 means off). Returns token ids [B] int32."""
+    top_k: [B] int32 (<= 0 means off). Returns token ids [B] int32.
+
+    `flags` says which paths exist in the program; inside it, run-time conds skip the vocabulary
+    sort when no row filters and the draw when every row is greedy, so one compiled sampler serves
+    any mix of requests at the cost of what the batch actually asks for."""
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     if not flags.any_random:
         return greedy
-    V = logits.shape[-1]
-    t = jnp.where(temperature > 0, temperature, 1.0)
-    x = logits / t[:, None]
-    if flags.use_top_k or flags.use_top_p:
-        sorted_x = -jnp.sort(-x, axis=-1)                                   # descending
-        if flags.use_top_k:
-            k = jnp.where(top_k > 0, jnp.minimum(top_k, V), V)
-            kth = jnp.take_along_axis(sorted_x, (k - 1)[:, None], axis=-1)
-            x = jnp.where(x < kth, -jnp.inf, x)
-            sorted_x = jnp.where(jnp.arange(V)[None] < k[:, None], sorted_x, -jnp.inf)
-        if flags.use_top_p:
-            probs = jax.nn.softmax(sorted_x, axis=-1)
-            before = jnp.cumsum(probs, axis=-1) - probs                    # mass strictly above each entry
-            keep = before < top_p[:, None]                                  # always keeps the top entry
-            cutoff = jnp.min(jnp.where(keep, sorted_x, jnp.inf), axis=-1, keepdims=True)
-            x = jnp.where(x < cutoff, -jnp.inf, x)
-    steps = jnp.broadcast_to(jnp.asarray(step, jnp.int32), keys.shape)
-    step_keys = jax.vmap(jax.random.fold_in)(keys, steps)
-    drawn = jax.vmap(jax.random.categorical)(step_keys, x).astype(jnp.int32)
+
+    def draw(logits):
+        t = jnp.where(temperature > 0, temperature, 1.0)
+        x = logits / t[:, None]
+        if flags.use_top_k or flags.use_top_p:
+            filtering = jnp.any((temperature > 0) & ((top_k > 0) | (top_p < 1.0)))
+            x = jax.lax.cond(filtering, lambda x: _filter(x, top_k, top_p, flags), lambda x: x, x)
+        steps = jnp.broadcast_to(jnp.asarray(step, jnp.int32), keys.shape)
+        step_keys = jax.vmap(jax.random.fold_in)(keys, steps)
+        return jax.vmap(jax.random.categorical)(step_keys, x).astype(jnp.int32)
+
+    drawn = jax.lax.cond(jnp.any(temperature > 0), draw, lambda _: greedy, logits)
     return jnp.where(temperature > 0, drawn, greedy)
 
 
