@@ -17,20 +17,13 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from transformers import AutoModelForCausalLM, Qwen3NextConfig, Qwen3NextForCausalLM  # noqa: E402
+from tiny_qwen3_next import CONFIG, write_checkpoint  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
 
 from hybrid_jax import LLM  # noqa: E402
 from hybrid_jax.bench import Workload, run_load, summarize  # noqa: E402
 from hybrid_jax.engine import EngineConfig, LLMEngine  # noqa: E402
 from hybrid_jax.engine.async_engine import AsyncEngine  # noqa: E402
-
-CONFIG = dict(vocab_size=2048, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-              layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
-              num_attention_heads=4, num_key_value_heads=2, head_dim=32, linear_num_key_heads=2,
-              linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32, num_experts=4,
-              num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=64,
-              decoder_sparse_step=2, max_position_embeddings=4096, eos_token_id=None, bos_token_id=None,
-              pad_token_id=0)
 
 
 def hf_throughput(hf, prompts, out_len, batch):
@@ -57,8 +50,7 @@ def main():
     args = ap.parse_args()
     torch.set_num_threads(os.cpu_count() or 2)
     tmp = tempfile.mkdtemp()
-    torch.manual_seed(0)
-    Qwen3NextForCausalLM(Qwen3NextConfig(**CONFIG)).save_pretrained(tmp)
+    write_checkpoint(tmp)
     hf = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
     rng = np.random.default_rng(0)
     prompts = [rng.integers(1, CONFIG["vocab_size"], int(n)).tolist() for n in rng.integers(16, 65, args.requests)]

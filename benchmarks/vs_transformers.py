@@ -18,20 +18,12 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from transformers import AutoModelForCausalLM, Qwen3NextConfig, Qwen3NextForCausalLM  # noqa: E402
+from tiny_qwen3_next import CONFIG, write_checkpoint  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
 
 from hybrid_jax import LLM, SamplingParams  # noqa: E402
 
 # ~1.4M parameters: 3 Gated DeltaNet + 1 gated attention layer, MoE on odd layers.
-CONFIG = dict(vocab_size=2048, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-              layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
-              num_attention_heads=4, num_key_value_heads=2, head_dim=32, linear_num_key_heads=2,
-              linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32, num_experts=4,
-              num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=64,
-              decoder_sparse_step=2, max_position_embeddings=4096, eos_token_id=None, bos_token_id=None,
-              pad_token_id=None)
-
-
 def timed(fn, repeats):
     ts = []
     for _ in range(repeats):
@@ -49,9 +41,7 @@ def main():
     args = ap.parse_args()
     torch.set_num_threads(os.cpu_count() or 2)
     tmp = tempfile.mkdtemp()
-    torch.manual_seed(0)
-    hf = Qwen3NextForCausalLM(Qwen3NextConfig(**CONFIG)).eval()
-    hf.save_pretrained(tmp)
+    write_checkpoint(tmp)
     hf = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
     n_params = sum(p.numel() for p in hf.parameters())
     llm = LLM(model=tmp, dtype="float32")
