@@ -11,9 +11,18 @@ CONFIG = dict(vocab_size=2048, hidden_size=128, intermediate_size=256, num_hidde
               pad_token_id=0)
 
 
-def write_checkpoint(path: str, seed: int = 0) -> str:
+# The same layer pattern with head sizes closer to the real model's proportions (Qwen3-Next-80B
+# uses 256-dim attention heads and 128-dim linear heads; 32-dim heads are far below that).
+CONFIG_WIDE_HEADS = dict(CONFIG, num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+                         linear_num_key_heads=1, linear_num_value_heads=2, linear_key_head_dim=64,
+                         linear_value_head_dim=64)
+
+CONFIGS = {"heads32": CONFIG, "heads64": CONFIG_WIDE_HEADS}
+
+
+def write_checkpoint(path: str, seed: int = 0, config: dict | None = None) -> str:
     import torch  # noqa: PLC0415
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM  # noqa: PLC0415
     torch.manual_seed(seed)
-    Qwen3NextForCausalLM(Qwen3NextConfig(**CONFIG)).save_pretrained(path)
+    Qwen3NextForCausalLM(Qwen3NextConfig(**(config or CONFIG))).save_pretrained(path)
     return path

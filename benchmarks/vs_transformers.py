@@ -18,7 +18,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from tiny_qwen3_next import CONFIG, write_checkpoint  # noqa: E402
+from tiny_qwen3_next import CONFIGS, write_checkpoint  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from hybrid_jax import LLM, SamplingParams  # noqa: E402
@@ -38,10 +38,16 @@ def main():
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--prefill", type=int, default=2048)
+    ap.add_argument("--configs", default="heads32,heads64", help=f"comma-separated, from {sorted(CONFIGS)}")
     args = ap.parse_args()
+    for name in args.configs.split(","):
+        run(name, CONFIGS[name], args)
+
+
+def run(name, CONFIG, args):
     torch.set_num_threads(os.cpu_count() or 2)
     tmp = tempfile.mkdtemp()
-    write_checkpoint(tmp)
+    write_checkpoint(tmp, config=CONFIG)
     hf = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
     n_params = sum(p.numel() for p in hf.parameters())
     llm = LLM(model=tmp, dtype="float32")
@@ -49,7 +55,7 @@ def main():
     prompt = rng.integers(0, CONFIG["vocab_size"], 16).tolist()
     long_prompt = rng.integers(0, CONFIG["vocab_size"], args.prefill).tolist()
     N = args.new_tokens
-    print(f"model: {n_params / 1e6:.2f}M parameters, jax {jax.__version__} on {jax.default_backend()}, "
+    print(f"\n[{name}] model: {n_params / 1e6:.2f}M parameters, jax {jax.__version__} on {jax.default_backend()}, "
           f"torch {torch.__version__} with {torch.get_num_threads()} threads")
 
     # --- decode, batch 1, N new tokens (16-token prompt, prefill included on both sides) ----------
