@@ -50,7 +50,8 @@ class LLMEngine:
             cap = self.config.max_num_seqs * (per_seq + per_tok * self.config.max_model_len)
         self.scheduler = Scheduler(max_num_seqs=self.config.max_num_seqs,
                                    max_num_batched_tokens=self.config.max_num_batched_tokens,
-                                   bytes_per_token=per_tok, bytes_per_seq=per_seq, byte_cap=cap)
+                                   bytes_per_token=per_tok, bytes_per_seq=per_seq, byte_cap=cap,
+                                   chunk_cap=self.runner.chunk_cap)
         self.metrics = EngineMetrics()
         self.requests: dict[str, Request] = {}
         self._eos = llm.eos_token_ids()

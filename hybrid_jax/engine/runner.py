@@ -78,6 +78,13 @@ class ModelRunner:
             out.append(min(out[-1] * 4, top))
         return out
 
+    def chunk_cap(self, rows: int) -> int:
+        """Longest prefill chunk for a step of `rows` rows: the largest token bucket whose padded
+        step (batch bucket x tokens) stays within the token budget, so that a prefill beside many
+        decodes costs about one decode step instead of stalling them all."""
+        fit = self.ecfg.max_num_batched_tokens // bucket(rows)
+        return max([b for b in self.token_buckets() if b <= fit] or [MIN_T])
+
     def token_bucket(self, n: int) -> int:
         return next(b for b in self.token_buckets() if b >= n)
 

@@ -29,12 +29,12 @@ class StepPlan:
 
     @property
     def is_decode_only(self) -> bool:
-        return all(r.num_tokens == 1 and r.sample and not r.reset for r in self.rows)
+        return all(r.num_tokens == 1 and r.sample and not r.reset and r.request.output_ids for r in self.rows)
 
 
 class Scheduler:
     def __init__(self, *, max_num_seqs: int, max_num_batched_tokens: int, bytes_per_token: int,
-                 bytes_per_seq: int, byte_cap: int):
+                 bytes_per_seq: int, byte_cap: int, chunk_cap=None):
         self.max_num_seqs = max_num_seqs
         self.token_budget = max_num_batched_tokens
         self.bytes_per_token = bytes_per_token
@@ -44,6 +44,9 @@ class Scheduler:
         self.running: list[Request] = []           # in admission order
         self.free_slots = list(range(max_num_seqs - 1, -1, -1))
         self._fresh: set[str] = set()              # admitted, cache row not yet reset
+        # chunk_cap(rows) -> the largest prefill chunk worth scheduling beside `rows` rows: a step
+        # pads every row to its longest, so long chunks beside many decodes would waste the step.
+        self.chunk_cap = chunk_cap or (lambda rows: max_num_batched_tokens)
 
     # --- bookkeeping --------------------------------------------------------------------------------
     def add(self, req: Request):
@@ -71,6 +74,10 @@ class Scheduler:
         self._fresh.discard(req.request_id)
         self.waiting.appendleft(req)      # recompute first: it was admitted before anyone waiting
 
+    def _decoding(self, r: Request) -> bool:
+        """Only its last sample is missing from the cache (a prompt's last chunk of 1 is not that)."""
+        return r.num_uncomputed == 1 and bool(r.output_ids) and r.request_id not in self._fresh
+
     # --- one step ----------------------------------------------------------------------------------
     def schedule(self) -> StepPlan:
         preempted: list[Request] = []
@@ -84,7 +91,7 @@ class Scheduler:
             preempted.append(victim)
         # Admit waiting requests (FCFS) while a slot and the byte cap allow their first chunk.
         budget = self.token_budget
-        reserved = sum(1 for r in self.running if r.num_uncomputed == 1)
+        reserved = sum(1 for r in self.running if self._decoding(r))
         while self.waiting and self.free_slots and budget - reserved > 0:
             req = self.waiting[0]
             if req in preempted:
@@ -101,13 +108,13 @@ class Scheduler:
             reserved += 1
         rows = []
         for r in self.running:                      # decodes first
-            if r.num_uncomputed == 1 and r.request_id not in self._fresh:
+            if self._decoding(r):
                 rows.append(ScheduledRow(r, 1, True, False))
                 budget -= 1
-        for r in self.running:                      # then prefill chunks, oldest first
-            if r.num_uncomputed == 1 and r.request_id not in self._fresh:
-                continue
-            n = min(r.num_uncomputed, budget)
+        prefilling = [r for r in self.running if not self._decoding(r)]
+        cap = self.chunk_cap(len(rows) + len(prefilling)) if prefilling else 0
+        for r in prefilling:                        # then prefill chunks, oldest first
+            n = min(r.num_uncomputed, budget, cap)
             if n <= 0:
                 continue
             rows.append(ScheduledRow(r, n, n == r.num_uncomputed, r.request_id in self._fresh))

@@ -141,3 +141,17 @@ def test_fcfs_admission_order():
     s.release(reqs[0])
     plan = s.schedule()
     assert "2" in [p.request.request_id for p in plan.rows] and "3" not in [p.request.request_id for p in plan.rows]
+
+
+def test_prompt_whose_last_chunk_is_one_token(llm, shared):
+    # 33 tokens with a 32-token budget: the second chunk is a single prompt token, which must not
+    # be taken for a decode (nothing has been sampled yet)
+    p = _prompts(1, seed=9, lo=33, hi=34)[0]
+    sp = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    assert shared.generate([{"prompt_token_ids": p}], sp)[0].token_ids == _offline(llm, [p], sp)[0]
+
+
+def test_prefill_chunks_shrink_beside_many_rows(llm):
+    eng = _engine(llm, max_num_seqs=4, max_num_batched_tokens=32)
+    # token buckets are 8 and 32: one row may take 32-token chunks, four rows only 8
+    assert eng.runner.chunk_cap(1) == 32 and eng.runner.chunk_cap(4) == 8
