@@ -1,0 +1,230 @@
+"""Pure-functional heterogeneous cache allocator: segment records, a weighted byte cap, eviction by kind.
+
+The allocator's state is an immutable value (`AllocState`); every operation returns a new one and
+leaves the old untouched, so a caller can keep the state it checked a hit against and compare it
+with the state at use (see cache.validation). Nothing here touches device memory: the engine
+mirrors each record onto its pools.
+
+Admission: the *weighted* bytes of all device-resident segments (WRITING and DEVICE) never exceed
+`AllocConfig.cap_bytes`, where a segment weighs `weights[kind] * nbytes`. A request over the cap
+evicts unheld DEVICE segments in EVICTION_PRIORITY order (LRU within a kind) until it fits; if even
+evicting every candidate would not make room, it is refused with AdmissionRefused and nothing is
+evicted. Segments with ref_count > 0 and segments being written are never evicted.
+"""
+from __future__ import annotations
+
+import dataclasses
+import types
+from typing import Mapping
+
+from cache.segments import (DEVICE_STATES, IllegalTransition, Kind, SegState, Segment, bump_version,
+                            transition as seg_transition)
+
+# Eviction priority, lowest first: the cost of getting the object back, and how much a wrong or
+# missing one costs. ONE table; the allocator reads nothing else.
+EVICTION_PRIORITY: dict[Kind, tuple[int, str]] = {
+    Kind.FULL_KV: (0, "recomputed from the tokens by one prefill of its blocks; any prefix of it stays usable"),
+    Kind.SWA_WINDOW: (0, "only the last window is ever read; older blocks are dead weight, cheap to rebuild"),
+    Kind.COMPRESSED_KV: (1, "rebuilt by re-running prefill and compression over the history"),
+    Kind.UNCOMPRESSED_TAIL: (2, "small, and without it the whole compressed group is unusable"),
+    Kind.INDEXER_KEYS: (2, "small; a missing or stale indexer routes the sparse layer wrongly"),
+    Kind.RECURRENT_STATE: (3, "a checkpoint summarises the whole prefix: losing it means recomputing"
+                              " everything before it, not one block"),
+}
+
+DEFAULT_WEIGHTS: dict[Kind, float] = {k: 1.0 for k in Kind}
+
+
+class AdmissionRefused(ValueError):
+    """The weighted byte cap cannot be met even after evicting every evictable segment."""
+
+
+class UnknownSegment(KeyError):
+    """A segment id that the allocator does not hold (never allocated, or already freed)."""
+
+
+def _frozen(d: dict) -> Mapping:
+    return types.MappingProxyType(d)
+
+
+@dataclasses.dataclass(frozen=True)
+class AllocConfig:
+    """cap_bytes: limit on weighted device-resident bytes; weights: Kind -> weight (> 0)."""
+    cap_bytes: int
+    weights: Mapping[Kind, float] = dataclasses.field(default_factory=lambda: _frozen(dict(DEFAULT_WEIGHTS)))
+
+    def __post_init__(self):
+        if self.cap_bytes <= 0:
+            raise ValueError(f"cap_bytes must be positive, got {self.cap_bytes}")
+        missing = [k.value for k in Kind if k not in self.weights]
+        if missing:
+            raise ValueError(f"weights lack kinds {missing}")
+        bad = {k.value: w for k, w in self.weights.items() if not w > 0}
+        if bad:
+            raise ValueError(f"weights must be > 0, got {bad}")
+        object.__setattr__(self, "weights", _frozen(dict(self.weights)))
+
+    def weighted(self, seg: Segment) -> float:
+        return self.weights[seg.kind] * seg.nbytes
+
+
+@dataclasses.dataclass(frozen=True)
+class AllocState:
+    """segments: id -> Segment (live ones only; freed ids are gone); clock: logical time of the last op."""
+    config: AllocConfig
+    segments: Mapping[int, Segment] = dataclasses.field(default_factory=lambda: _frozen({}))
+    next_id: int = 1
+    clock: int = 0
+
+    def get(self, seg_id: int) -> Segment:
+        try:
+            return self.segments[seg_id]
+        except KeyError:
+            raise UnknownSegment(f"no live segment {seg_id} (never allocated, or freed)") from None
+
+    def state_of(self, seg_id: int) -> SegState:
+        """FREE for ids the allocator does not hold."""
+        seg = self.segments.get(seg_id)
+        return SegState.FREE if seg is None else seg.state
+
+    @property
+    def device_weighted_bytes(self) -> float:
+        return sum(self.config.weighted(s) for s in self.segments.values() if s.state in DEVICE_STATES)
+
+
+def init_state(config: AllocConfig) -> AllocState:
+    return AllocState(config=config)
+
+
+def _put(state: AllocState, *segs: Segment, drop: tuple[int, ...] = (), next_id: int | None = None) -> AllocState:
+    d = dict(state.segments)
+    for sid in drop:
+        d.pop(sid, None)
+    for s in segs:
+        if s.state is SegState.FREE:
+            d.pop(s.id, None)
+        else:
+            d[s.id] = s
+    return dataclasses.replace(state, segments=_frozen(d), clock=state.clock + 1,
+                               next_id=state.next_id if next_id is None else next_id)
+
+
+def eviction_order(state: AllocState) -> list[Segment]:
+    """Evictable segments (DEVICE, unheld), first victim first: by kind priority, then LRU, then id."""
+    cands = [s for s in state.segments.values() if s.state is SegState.DEVICE and s.ref_count == 0]
+    return sorted(cands, key=lambda s: (EVICTION_PRIORITY[s.kind][0], s.last_access, s.id))
+
+
+def _make_room(state: AllocState, extra: float, what: str, protect: frozenset[int] = frozenset()) -> AllocState:
+    """State after evicting just enough, in policy order, for `extra` more weighted device bytes."""
+    cap = state.config.cap_bytes
+    used = state.device_weighted_bytes
+    if used + extra <= cap:
+        return state
+    victims, freed = [], 0.0
+    for s in eviction_order(state):
+        if s.id in protect:
+            continue
+        victims.append(s)
+        freed += state.config.weighted(s)
+        if used - freed + extra <= cap:
+            break
+    else:
+        raise AdmissionRefused(
+            f"cannot admit {what}: needs {extra:.0f} weighted bytes, {used:.0f} of cap {cap} in use and only"
+            f" {freed:.0f} evictable (held or being written segments are never evicted)")
+    return _put(state, *(seg_transition(v, SegState.FREE) for v in victims))
+
+
+def allocate(state: AllocState, kind: Kind, group: str, nbytes: int, *, start: int, end: int,
+             writer_abi: str) -> tuple[AllocState, int]:
+    """(new state, id) of a new segment in WRITING, holding `nbytes` device bytes for tokens [start, end).
+
+    Evicts by policy when over the cap; raises AdmissionRefused when it cannot make room.
+    """
+    if not isinstance(kind, Kind):
+        raise TypeError(f"kind must be a Kind, got {kind!r}")
+    if nbytes < 0:
+        raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+    sid = state.next_id
+    extra = state.config.weights[kind] * nbytes
+    state = _make_room(state, extra, f"{kind.value} segment of {nbytes} bytes for group {group!r}")
+    seg = Segment(id=sid, kind=kind, group=group, state=SegState.FREE, start=start, end=end,
+                  last_access=state.clock + 1, writer_abi=writer_abi, nbytes=nbytes)
+    return _put(state, seg_transition(seg, SegState.WRITING), next_id=sid + 1), sid
+
+
+def transition(state: AllocState, seg_id: int, to: SegState) -> AllocState:
+    """Moves one segment along the transition table. A restore to DEVICE goes through admission
+    (and may evict others, never this one); moving to FREE drops the record."""
+    seg = state.get(seg_id)
+    if to is SegState.DEVICE and seg.state is SegState.HOST:
+        state = _make_room(state, state.config.weighted(seg), f"restore of {seg.describe()}",
+                           protect=frozenset({seg_id}))
+        seg = state.get(seg_id)
+    new = seg_transition(seg, to)
+    return _put(state, dataclasses.replace(new, last_access=state.clock + 1))
+
+
+def commit(state: AllocState, seg_id: int, *, end: int | None = None, nbytes: int | None = None) -> AllocState:
+    """WRITING -> DEVICE (version bump), optionally with the range's new end and the new size."""
+    seg = state.get(seg_id)
+    if seg.state is not SegState.WRITING:
+        raise IllegalTransition(f"illegal transition {seg.state.value} -> device (commit) for {seg.describe()}")
+    nb = seg.nbytes if nbytes is None else nbytes
+    grow = state.config.weights[seg.kind] * (nb - seg.nbytes)
+    if grow > 0:
+        state = _make_room(state, grow, f"growth of {seg.describe()} to {nb} bytes", protect=frozenset({seg_id}))
+    seg = dataclasses.replace(state.get(seg_id), end=seg.end if end is None else end, nbytes=nb)
+    new = seg_transition(seg, SegState.DEVICE)
+    return _put(state, dataclasses.replace(new, last_access=state.clock + 1))
+
+
+def rollback(state: AllocState, seg_id: int, end: int) -> AllocState:
+    """Shrinks a DEVICE segment's range to [start, end) (e.g. rejected draft tokens); bumps the version."""
+    return _put(state, bump_version(state.get(seg_id), end=end))
+
+
+def retain(state: AllocState, seg_id: int) -> AllocState:
+    """One more reader holds the segment (it can no longer be evicted or overwritten)."""
+    seg = state.get(seg_id)
+    if seg.state not in (SegState.DEVICE, SegState.HOST, SegState.DISK):
+        raise IllegalTransition(f"cannot retain {seg.describe()} in state {seg.state.value}")
+    return _put(state, dataclasses.replace(seg, ref_count=seg.ref_count + 1, last_access=state.clock + 1))
+
+
+def release(state: AllocState, seg_id: int) -> AllocState:
+    """One reader lets go. Raises ValueError when nobody held it (a ref count never goes negative)."""
+    seg = state.get(seg_id)
+    if seg.ref_count <= 0:
+        raise ValueError(f"release of {seg.describe()}: ref count would go negative")
+    return _put(state, dataclasses.replace(seg, ref_count=seg.ref_count - 1))
+
+
+def evict(state: AllocState, seg_id: int) -> AllocState:
+    """Frees one unheld segment (DEVICE, HOST or DISK). Raises IllegalTransition if held or WRITING."""
+    return _put(state, seg_transition(state.get(seg_id), SegState.FREE))
+
+
+def touch(state: AllocState, seg_id: int) -> AllocState:
+    """Marks a use of the segment for LRU."""
+    seg = state.get(seg_id)
+    return _put(state, dataclasses.replace(seg, last_access=state.clock + 1))
+
+
+def bytes_by_kind(state: AllocState, states: frozenset[SegState] = DEVICE_STATES) -> dict[Kind, int]:
+    """Unweighted bytes of segments in `states`, per kind (every kind present, 0 if none)."""
+    out = {k: 0 for k in Kind}
+    for s in state.segments.values():
+        if s.state in states:
+            out[s.kind] += s.nbytes
+    return out
+
+
+def bytes_by_group(state: AllocState, states: frozenset[SegState] = DEVICE_STATES) -> dict[str, int]:
+    """Unweighted bytes of segments in `states`, per group."""
+    out: dict[str, int] = {}
+    for s in state.segments.values():
+        if s.state in states:
+            out[s.group] = out.get(s.group, 0) + s.nbytes
+    return out
