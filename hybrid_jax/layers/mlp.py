@@ -54,6 +54,18 @@ def _routed_sorted(x, idx, w, gate_up, down):
     return jnp.zeros_like(x).at[tok].add(y)
 
 
+def routed_experts(x: jax.Array, idx: jax.Array, w: jax.Array, gate_up: jax.Array, down: jax.Array) -> jax.Array:
+    """The routed experts' output: x [M, Hd]; idx, w [M, k] (chosen experts, their weights);
+    gate_up [E, Hd, 2I]; down [E, I, Hd]. Picks the form by shape (see the module docstring)."""
+    M, k = idx.shape
+    E = gate_up.shape[0]
+    if M * k <= E:
+        return _routed_gather(x, idx, w, gate_up, down)
+    if E <= 4 * k:
+        return _routed_dense(x, idx, w, gate_up, down)
+    return _routed_sorted(x, idx, w, gate_up, down)
+
+
 def sparse_moe(p: dict, x: jax.Array, *, num_experts: int, top_k: int, norm_topk_prob: bool) -> jax.Array:
     """x: [B, T, Hd]. p: in_proj [Hd, E + 1 + 2Is] (router | shared gate | shared gate_up),
     shared_down [Is, Hd], gate_up [E, Hd, 2I], down [E, I, Hd]."""
@@ -67,12 +79,7 @@ def sparse_moe(p: dict, x: jax.Array, *, num_experts: int, top_k: int, norm_topk
     if norm_topk_prob:
         w = w / jnp.sum(w, axis=-1, keepdims=True)
     w = w.astype(logits.dtype)
-    if B * T * top_k <= E:
-        routed = _routed_gather(x2, idx, w, p["gate_up"], p["down"])
-    elif E <= 4 * top_k:
-        routed = _routed_dense(x2, idx, w, p["gate_up"], p["down"])
-    else:
-        routed = _routed_sorted(x2, idx, w, p["gate_up"], p["down"])
+    routed = routed_experts(x2, idx, w, p["gate_up"], p["down"])
     sg, su = jnp.split(shared_gu, 2, axis=-1)
     shared = ((jax.nn.silu(sg) * su) @ p["shared_down"]) * jax.nn.sigmoid(sgate)
     return (routed + shared).reshape(B, T, Hd)

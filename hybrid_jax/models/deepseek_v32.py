@@ -25,6 +25,7 @@ from hybrid_jax.errors import CheckpointError
 from hybrid_jax.layers import mlp as mlp_lib
 from hybrid_jax.layers.mla import rms_norm, sparse_attention
 from hybrid_jax.layers.rope import rope_cos_sin
+from hybrid_jax.models.common import finish_step, token_positions
 from hybrid_jax.models.deepseek_v32_config import DeepseekV32Config
 
 
@@ -56,12 +57,7 @@ def deepseek_moe(cfg: DeepseekV32Config, p: dict, x: jax.Array) -> jax.Array:
     if cfg.norm_topk_prob:
         w = w / (jnp.sum(w, axis=-1, keepdims=True) + 1e-20)
     w = (w * cfg.routed_scaling_factor).astype(x.dtype)
-    if B * T * k <= E:
-        routed = mlp_lib._routed_gather(x2, idx, w, p["gate_up"], p["down"])
-    elif E <= 4 * k:
-        routed = mlp_lib._routed_dense(x2, idx, w, p["gate_up"], p["down"])
-    else:
-        routed = mlp_lib._routed_sorted(x2, idx, w, p["gate_up"], p["down"])
+    routed = mlp_lib.routed_experts(x2, idx, w, p["gate_up"], p["down"])
     shared = mlp_lib.swiglu(x2, p["shared_gate_up"], p["shared_down"])
     return (routed + shared).reshape(B, T, Hd)
 
@@ -71,9 +67,7 @@ def forward(cfg: DeepseekV32Config, params: dict, cache: ModelCache, tokens: jax
     """tokens [B, T] int32 (right-padded), n_new [B]. Same contract as qwen3_next.forward. The latent
     group's `hit_rate` [B] holds the step's resident fraction of selected positions (mean over layers)."""
     B, T = tokens.shape
-    t = jnp.arange(T, dtype=jnp.int32)
-    positions = cache.lengths[:, None] + t[None, :]
-    valid = t[None, :] < n_new[:, None]
+    positions, valid = token_positions(cache, T, n_new)                  # [B, T] each
     x = params["embed"][tokens]
     hidden = [x] if return_hidden else None
     cos, sin = rope_cos_sin(positions, cfg.qk_rope_head_dim, cfg.rope_theta)
@@ -100,16 +94,8 @@ def forward(cfg: DeepseekV32Config, params: dict, cache: ModelCache, tokens: jax
                                             hit_rate=jnp.mean(jnp.stack(hits), axis=0))
     groups["indexer"] = ig.replace(keys=jnp.stack(key_out),
                                    scale=None if ig.scale is None else jnp.stack(sc_out))
-    new = cache.replace(groups=groups, lengths=cache.lengths + n_new,
-                        version=cache.version + (n_new > 0).astype(jnp.int32))
-    if logits_at == "last":
-        x = jnp.take_along_axis(x, jnp.maximum(n_new - 1, 0)[:, None, None], axis=1)[:, 0]
-    x = final_norm(cfg, params, x)
-    head = params["lm_head"] if "lm_head" in params else params["embed"].T
-    logits = jnp.dot(x, head, preferred_element_type=jnp.float32)
-    if return_hidden:
-        return logits, new, hidden
-    return logits, new
+    return finish_step(cfg, params, cache, groups, x, n_new, final_norm=final_norm, logits_at=logits_at,
+                       hidden=hidden if return_hidden else None)
 
 
 def final_norm(cfg: DeepseekV32Config, params: dict, x: jax.Array) -> jax.Array:

@@ -29,6 +29,7 @@ from hybrid_jax.layers.gated_deltanet import gated_deltanet
 from hybrid_jax.layers.mlp import sparse_moe, swiglu
 from hybrid_jax.layers.norms import rms_norm_zero_centered
 from hybrid_jax.layers.rope import rope_cos_sin
+from hybrid_jax.models.common import finish_step, token_positions
 
 
 def new_cache(cfg: ModelConfig, batch_size: int, capacity: int, dtype) -> ModelCache:
@@ -57,9 +58,7 @@ def forward(cfg: ModelConfig, params: dict, cache: ModelCache, tokens: jax.Array
     ([L + 1] arrays [B, T, Hd], the embeddings first), for the alignment tool.
     """
     B, T = tokens.shape
-    t = jnp.arange(T, dtype=jnp.int32)
-    positions = cache.lengths[:, None] + t[None, :]                       # [B, T]
-    valid = t[None, :] < n_new[:, None]                                   # [B, T]
+    positions, valid = token_positions(cache, T, n_new)                  # [B, T] each
     x = params["embed"][tokens]
     hidden = [x] if return_hidden else None
     cos, sin = rope_cos_sin(positions, cfg.rotary_dim, cfg.rope_theta)
@@ -94,16 +93,8 @@ def forward(cfg: ModelConfig, params: dict, cache: ModelCache, tokens: jax.Array
         groups["linear_attention"] = rec.replace(conv=jnp.stack(conv_out), ssm=jnp.stack(ssm_out))
     if kv is not None:
         groups["full_attention"] = kv.replace(k=jnp.stack(k_out), v=jnp.stack(v_out))
-    new = cache.replace(groups=groups, lengths=cache.lengths + n_new,
-                        version=cache.version + (n_new > 0).astype(jnp.int32))
-    if logits_at == "last":
-        x = jnp.take_along_axis(x, jnp.maximum(n_new - 1, 0)[:, None, None], axis=1)[:, 0]
-    x = final_norm(cfg, params, x)
-    head = params["lm_head"] if "lm_head" in params else params["embed"].T
-    logits = jnp.dot(x, head, preferred_element_type=jnp.float32)
-    if return_hidden:
-        return logits, new, hidden
-    return logits, new
+    return finish_step(cfg, params, cache, groups, x, n_new, final_norm=final_norm, logits_at=logits_at,
+                       hidden=hidden if return_hidden else None)
 
 
 def final_norm(cfg: ModelConfig, params: dict, x: jax.Array) -> jax.Array:

@@ -1,0 +1,29 @@
+"""Pieces every model family's forward shares: where the new tokens sit, and the LM head."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from cache import ModelCache
+
+
+def token_positions(cache: ModelCache, T: int, n_new: jax.Array):
+    """Row b's new tokens sit at cache.lengths[b] + t; only t < n_new[b] are real.
+    Returns (positions [B, T] int32, valid [B, T] bool)."""
+    t = jnp.arange(T, dtype=jnp.int32)
+    return cache.lengths[:, None] + t[None, :], t[None, :] < n_new[:, None]
+
+
+def finish_step(cfg, params: dict, cache: ModelCache, groups: dict, x: jax.Array, n_new: jax.Array, *,
+                final_norm, logits_at: str, hidden=None):
+    """The updated cache (lengths += n_new, version bumped where written) and the logits:
+    [B, V] at each row's last real token (logits_at="last") or [B, T, V] ("all").
+    x: [B, T, Hd] residual stream after the last layer."""
+    new = cache.replace(groups=groups, lengths=cache.lengths + n_new,
+                        version=cache.version + (n_new > 0).astype(jnp.int32))
+    if logits_at == "last":
+        x = jnp.take_along_axis(x, jnp.maximum(n_new - 1, 0)[:, None, None], axis=1)[:, 0]
+    x = final_norm(cfg, params, x)
+    head = params["lm_head"] if "lm_head" in params else params["embed"].T
+    logits = jnp.dot(x, head, preferred_element_type=jnp.float32)
+    return (logits, new, hidden) if hidden is not None else (logits, new)
