@@ -37,6 +37,21 @@ class MLALatentGroup:
     def page_size(self) -> int:
         return self.latent.shape[2]
 
+    def bytes_per_token(self) -> int:
+        """Bytes one token adds across all layers (latent + RoPE key)."""
+        L, _, _, R = self.latent.shape
+        return L * (R * self.latent.dtype.itemsize + self.rope.shape[-1] * self.rope.dtype.itemsize)
+
+    def take_rows(self, rows, reset=None):
+        """The engine's view of rows [R]: the pool is shared (pages are reached through the page
+        table), so only the per-row page table and hit rate are gathered."""
+        return self.replace(page_table=self.page_table[rows], hit_rate=self.hit_rate[rows])
+
+    def put_rows(self, rows, sub):
+        """Back from a step: the sub-cache's pool holds every write; per-row fields are scattered."""
+        return sub.replace(page_table=self.page_table.at[rows].set(sub.page_table),
+                           hit_rate=self.hit_rate.at[rows].set(sub.hit_rate))
+
     @property
     def capacity(self) -> int:
         return self.page_table.shape[1] * self.page_size
@@ -56,6 +71,18 @@ class IndexerKeyGroup:
     @property
     def page_size(self) -> int:
         return self.keys.shape[2]
+
+    def bytes_per_token(self) -> int:
+        """Bytes one token adds across all layers (key, plus its fp8 scale)."""
+        L, _, _, D = self.keys.shape
+        return L * (D * self.keys.dtype.itemsize + (4 if self.scale is not None else 0))
+
+    def take_rows(self, rows, reset=None):
+        """Shared pool, per-row page table (see MLALatentGroup.take_rows)."""
+        return self.replace(page_table=self.page_table[rows])
+
+    def put_rows(self, rows, sub):
+        return sub.replace(page_table=self.page_table.at[rows].set(sub.page_table))
 
 
 def contiguous_page_table(batch_size: int, capacity: int, page_size: int):

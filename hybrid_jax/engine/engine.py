@@ -123,10 +123,18 @@ class LLMEngine:
             if out is not None:
                 outs.append(out)
         self.metrics.compilations.set(self.runner.num_compiled())
+        self._sparse_hit_rate([p.request.slot for p in plan.rows if p.request.slot is not None])
         self.metrics.queue_length.set(len(self.scheduler.waiting))
         self.metrics.running.set(len(self.scheduler.running))
         self.metrics.note_tokens(sum(len(o.new_token_ids) for o in outs))
         return outs
+
+    def _sparse_hit_rate(self, slots: list[int]):
+        """Models with Top-K sparse attention record, per row, the resident share of the positions
+        their last step selected; the gauge shows its mean over the rows of this step."""
+        g = self.runner.cache.groups.get("sparse_attention")
+        if g is not None and hasattr(g, "hit_rate") and slots:
+            self.metrics.sparse_hit_rate.set(float(np.mean(np.asarray(g.hit_rate)[slots])))
 
     def _append(self, q: Request, new: list[int], lps, now: float) -> RequestOutput | None:
         """Adds sampled tokens to a request; applies stop ids, max tokens and stop strings."""

@@ -56,3 +56,12 @@ def test_write_paged_follows_the_table_and_drops_padding():
 def test_contiguous_table_rejects_bad_sizes():
     with pytest.raises(ValueError, match="page_size"):
         contiguous_page_table(2, 10, 0)
+
+
+def test_bytes_per_token_counts_every_layer():
+    import jax.numpy as jnp  # noqa: PLC0415
+    from cache.mla import init_mla_groups  # noqa: PLC0415
+    g = init_mla_groups(batch_size=2, capacity=64, layer_ids=(0, 1, 2), kv_lora_rank=16, rope_dim=8,
+                        index_dim=32, dtype=jnp.bfloat16)
+    assert g["sparse_attention"].bytes_per_token() == 3 * (16 + 8) * 2
+    assert g["indexer"].bytes_per_token() == 3 * 32 * 2
