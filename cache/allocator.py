@@ -9,7 +9,10 @@ Admission: the *weighted* bytes of all device-resident segments (WRITING and DEV
 `AllocConfig.cap_bytes`, where a segment weighs `weights[kind] * nbytes`. A request over the cap
 evicts unheld DEVICE segments in EVICTION_PRIORITY order (LRU within a kind) until it fits; if even
 evicting every candidate would not make room, it is refused with AdmissionRefused and nothing is
-evicted. Segments with ref_count > 0 and segments being written are never evicted.
+evicted. Segments with ref_count > 0 and segments being written are never evicted. Host and disk
+tiers are not capped here. Eviction only drops records: the caller frees the pages of
+`evicted_ids(before, after)` and prunes its prefix index (a dangling entry is harmless: validation
+treats a freed segment as absent, but pruning keeps the index small).
 """
 from __future__ import annotations
 
@@ -210,6 +213,11 @@ def touch(state: AllocState, seg_id: int) -> AllocState:
     """Marks a use of the segment for LRU."""
     seg = state.get(seg_id)
     return _put(state, dataclasses.replace(seg, last_access=state.clock + 1))
+
+
+def evicted_ids(before: AllocState, after: AllocState) -> tuple[int, ...]:
+    """Ids live in `before` and freed in `after` (by eviction, abort or pressure), ascending."""
+    return tuple(sorted(set(before.segments) - set(after.segments)))
 
 
 def bytes_by_kind(state: AllocState, states: frozenset[SegState] = DEVICE_STATES) -> dict[Kind, int]:

@@ -154,6 +154,11 @@ class PrefixIndex:
         d = {k: e for k, e in self.entries.items() if e.seg_id != seg_id}
         return PrefixIndex(types.MappingProxyType(d))
 
+    def prune(self, live_ids) -> "PrefixIndex":
+        """The index without entries whose segment id is not in `live_ids` (a container of ints)."""
+        d = {k: e for k, e in self.entries.items() if e.seg_id in live_ids}
+        return PrefixIndex(types.MappingProxyType(d))
+
     def remove(self, group: str, kind: Kind, key: str) -> "PrefixIndex":
         d = dict(self.entries)
         d.pop((group, kind, key), None)

@@ -34,6 +34,7 @@ def test_weighted_cap_and_refusal():
     assert s.device_weighted_bytes == 100
     s2, c = _live(s, Kind.FULL_KV, 30)                 # evicts b (a is held)
     assert s2.state_of(b) is S.FREE and s2.state_of(a) is S.DEVICE and s2.device_weighted_bytes == 90
+    assert A.evicted_ids(s, s2) == (b,)
     with pytest.raises(A.AdmissionRefused, match="cannot admit .* evictable"):
         A.allocate(s, Kind.FULL_KV, "g", 50, start=0, end=4, writer_abi="x")
     # refusal evicted nothing

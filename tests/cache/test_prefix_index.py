@@ -46,6 +46,7 @@ def test_index_insert_find_remove():
     idx2 = idx.insert(e)
     assert len(idx) == 0 and idx2.find("attn", Kind.FULL_KV, "k1") == e
     assert idx2.find("attn", Kind.RECURRENT_STATE, "k1") is None
+    assert len(idx2.prune({11})) == 1 and len(idx2.prune(set())) == 0
     assert len(idx2.remove_segment(11)) == 0 and len(idx2.remove("attn", Kind.FULL_KV, "k1")) == 0
 
 

@@ -39,6 +39,7 @@ class CacheMachine(RuleBasedStateMachine):
         self.held: list[tuple[int, ...]] = []          # segment ids of each served hit still in use
         self.stats = CacheStats()
         self.stored: list[int] = []                    # bases stored so far (lookups favour them)
+        self.written: dict[int, tuple[int, ...]] = {}  # segment id -> the token prefix it was written for
 
     # -- helpers ------------------------------------------------------------------------------------
     def _pick(self, i, pred):
@@ -72,6 +73,7 @@ class CacheMachine(RuleBasedStateMachine):
                 except A.AdmissionRefused:
                     return
                 self.alloc = A.commit(state, sid)
+                self.written[sid] = tokens[:end]
                 self.index = self.index.insert(IndexEntry(g.name, g.kind, key, end, sid))
 
     @rule(base=st.integers(0, len(BASES) - 1), length=st.integers(6, 40), race=st.booleans(), pick=st.integers(0, 99),
@@ -110,6 +112,14 @@ class CacheMachine(RuleBasedStateMachine):
             assert seg.version == hit.versions[sid], f"served stale segment {sid}"
             assert seg.version == checked.get(sid).version
             assert seg.writer_abi == {g.name: g.ctx.abi_id for g in GROUPS}[seg.group]
+            assert self.written[sid] == tokens[:seg.end], "served a segment written for other tokens"
+        # an oracle independent of validation: what each group must read to resume at the boundary
+        rng = {g.name: sorted((self.alloc.get(i).start, self.alloc.get(i).end) for i in hit.segments[g.name])
+               for g in GROUPS}
+        b = hit.boundary
+        assert rng["attn"] == [(e - 4, e) for e in range(4, b + 1, 4)]
+        assert rng["swa"] == [(e - 4, e) for e in range(4, b + 1, 4) if e > b - 8]
+        assert rng["lin"] == [(b, b)]
         state = self.alloc
         for sid in ids:
             state = A.retain(state, sid)
