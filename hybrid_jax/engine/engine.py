@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from hybrid_jax.engine.config import EngineConfig
+from hybrid_jax.engine.detokenize import IncrementalDetokenizer
 from hybrid_jax.engine.metrics import EngineMetrics
 from hybrid_jax.engine.request import Request, RequestOutput, RequestStatus
 from hybrid_jax.engine.runner import ModelRunner, enable_persistent_compilation_cache
@@ -54,6 +55,7 @@ class LLMEngine:
                                    chunk_cap=self.runner.chunk_cap)
         self.metrics = EngineMetrics()
         self.requests: dict[str, Request] = {}
+        self._detok: dict[str, IncrementalDetokenizer] = {}
         self._eos = llm.eos_token_ids()
         self._rng = np.random.default_rng(0)
 
@@ -70,6 +72,8 @@ class LLMEngine:
         seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2**32))
         req = Request(request_id=request_id, prompt_ids=ids, params=params, seed=seed, prompt_text=text)
         self.requests[request_id] = req
+        if self.llm.tokenizer is not None:
+            self._detok[request_id] = IncrementalDetokenizer(self.llm.tokenizer)
         self.scheduler.add(req)
         self.metrics.queue_length.set(len(self.scheduler.waiting))
         return req
@@ -79,6 +83,7 @@ class LLMEngine:
         if req is not None and not req.finished:
             self.scheduler.release(req)
             req.status, req.finish_reason = RequestStatus.ABORTED, "abort"
+            self._detok.pop(request_id, None)
             self.metrics.aborted.inc()
             self.metrics.running.set(len(self.scheduler.running))
 
@@ -165,15 +170,19 @@ class LLMEngine:
         old_text = q.text
         q.output_ids += accepted
         self.metrics.generation_tokens.inc(len(accepted))
-        tok = self.llm.tokenizer
-        if tok is not None:
-            q.text = tok.decode(q.output_ids)
+        detok = self._detok.get(q.request_id)
+        if detok is not None:
+            detok.add(accepted)
+            if q.finish_reason is not None:
+                detok.finish()
+            q.text = detok.text
             for s in q.params.stop:
                 at = q.text.find(s, max(0, len(old_text) - len(s)))
                 if at >= 0:
                     q.text, q.finish_reason = q.text[:at], "stop"
                     break
         if q.finish_reason is not None:
+            self._detok.pop(q.request_id, None)
             q.status = RequestStatus.FINISHED
             self.scheduler.release(q)
             self.requests.pop(q.request_id, None)

@@ -1,0 +1,40 @@
+"""Incremental detokenization: the text of a growing token list without decoding all of it at
+every step (which costs O(n^2) over a long generation).
+
+Each step decodes a short window of already-emitted tokens plus the new ones and emits what the
+new ones add. Tokens that end inside an unfinished UTF-8 sequence (the decode ends in U+FFFD) are
+held back until the next token completes them. `finish()` decodes the whole list once, so the final
+text is exactly `tokenizer.decode(all ids)`.
+"""
+from __future__ import annotations
+
+CONTEXT = 6          # tokens of left context: enough for merges and multi-byte characters
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer):
+        self.tok = tokenizer
+        self.ids: list[int] = []
+        self.text = ""
+        self._done = 0                 # tokens whose text is already in self.text
+
+    def add(self, new_ids: list[int]) -> str:
+        """Appends tokens; returns the text they add (possibly "" while a character is unfinished)."""
+        self.ids += new_ids
+        start = max(0, self._done - CONTEXT)
+        prefix = self.tok.decode(self.ids[start:self._done])
+        full = self.tok.decode(self.ids[start:])
+        if full.endswith("\ufffd") or not full.startswith(prefix):
+            return ""                  # wait: an unfinished character, or a merge across the window
+        delta = full[len(prefix):]
+        self.text += delta
+        self._done = len(self.ids)
+        return delta
+
+    def finish(self) -> str:
+        """Decodes everything once; returns what it adds to the text emitted so far."""
+        final = self.tok.decode(self.ids)
+        delta = final[len(self.text):] if final.startswith(self.text) else final
+        self.text = final
+        self._done = len(self.ids)
+        return delta
