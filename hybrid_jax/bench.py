@@ -148,9 +148,9 @@ def main(args, engine_config) -> int:
                  shared_prefix=args.shared_prefix, seed=args.seed)
     if args.url:
         import httpx  # noqa: PLC0415
-        vocab = 256
-        cfg = httpx.get(args.url + "/v1/models", timeout=30).json()
-        del cfg
+        headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+        card = httpx.get(args.url.rstrip("/") + "/v1/models", headers=headers, timeout=30).json()["data"][0]
+        vocab = int(card.get("vocab_size", 256))      # token ids the server's model accepts
         wl = make_workload(args.num_requests, vocab=vocab, **wl_kw)
         results, secs = asyncio.run(run_load(wl, args.concurrency, url=args.url.rstrip("/"), api_key=args.api_key))
     else:

@@ -87,8 +87,11 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": cfg.model_name, "object": "model", "created": 0,
-                                            "owned_by": "hybrid-jax"}]}
+        card = {"id": cfg.model_name, "object": "model", "created": 0, "owned_by": "hybrid-jax"}
+        if state.engine is not None:        # vLLM-style extensions: what a client may send
+            eng = state.engine.engine
+            card.update(max_model_len=eng.config.max_model_len, vocab_size=eng.llm.config.vocab_size)
+        return {"object": "list", "data": [card]}
 
     async def _body(request: Request) -> dict:
         body = await request.body()

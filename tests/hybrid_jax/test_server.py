@@ -84,6 +84,7 @@ def test_health_models_and_auth(server):
     assert httpx.get(server + "/health").status_code == 200
     r = httpx.get(server + "/v1/models", headers=H)
     assert r.status_code == 200 and r.json()["data"][0]["object"] == "model"
+    assert r.json()["data"][0]["vocab_size"] == 211 and r.json()["data"][0]["max_model_len"] == 256
     r = httpx.post(server + "/v1/completions", json={"prompt": [1, 2], "max_tokens": 2})
     assert r.status_code == 401
 
@@ -190,3 +191,11 @@ def test_metrics_exposes_the_promised_series(server):
                  "prefix_cache_hit_rate", "prefix_cache_validation_pass_rate", "prefix_cache_effective_reuse",
                  "sparse_attention_hit_rate", "spec_decode_acceptance_rate"):
         assert "hybrid_jax_" + name in text, name
+
+
+def test_bench_cli_against_the_server(server, capsys):
+    from hybrid_jax.cli import main  # noqa: PLC0415
+    assert main(["bench", "--url", server, "--api-key", KEY, "--num-requests", "6", "--concurrency", "3",
+                 "--prompt-len", "4:20", "--output-len", "2:6"]) == 0
+    out = capsys.readouterr().out
+    assert "requests 6 in" in out and "TTFT" in out and "ITL" in out
