@@ -74,3 +74,24 @@ class CheckpointReader:
 
 def open_checkpoint(path: str) -> CheckpointReader:
     return CheckpointReader(path)
+
+
+def checked_getter(get, has, progress=lambda: None):
+    """t(name, shape=None) -> numpy array, for a model's weight conversion: raises CheckpointError
+    naming a missing tensor, or one whose shape disagrees with config.json; ticks `progress`."""
+    def t(name: str, shape=None) -> np.ndarray:
+        if not has(name):
+            raise CheckpointError(f"checkpoint lacks tensor {name!r}")
+        a = np.asarray(get(name))
+        if shape is not None and tuple(a.shape) != tuple(shape):
+            raise CheckpointError(f"tensor {name!r} has shape {tuple(a.shape)}, expected {tuple(shape)} "
+                                  f"from config.json")
+        progress()
+        return a
+    return t
+
+
+def to_device(a: np.ndarray, dtype):
+    """A checkpoint array as a jax array of `dtype` (integer-typed tensors go through fp32)."""
+    import jax.numpy as jnp  # noqa: PLC0415
+    return jnp.asarray(np.asarray(a, dtype=np.float32) if a.dtype.kind != "f" else a, dtype=dtype)

@@ -21,11 +21,11 @@ import numpy as np
 
 from cache import ModelCache
 from cache.mla import init_mla_groups
-from hybrid_jax.errors import CheckpointError
 from hybrid_jax.layers import mlp as mlp_lib
 from hybrid_jax.layers.mla import rms_norm, sparse_attention
 from hybrid_jax.layers.rope import rope_cos_sin
 from hybrid_jax.models.common import finish_step, token_positions
+from hybrid_jax.weights import checked_getter, to_device
 from hybrid_jax.models.deepseek_v32_config import DeepseekV32Config
 
 
@@ -148,18 +148,10 @@ def convert_hf_weights(cfg: DeepseekV32Config, get: Callable[[str], np.ndarray],
     s = _attn_shapes(cfg)
     Hd, H = s["Hd"], s["H"]
 
-    def t(name, shape=None):
-        if not has(name):
-            raise CheckpointError(f"checkpoint lacks tensor {name!r}")
-        a = np.asarray(get(name))
-        if shape is not None and tuple(a.shape) != tuple(shape):
-            raise CheckpointError(f"tensor {name!r} has shape {tuple(a.shape)}, expected {tuple(shape)} "
-                                  f"from config.json")
-        progress()
-        return a
+    t = checked_getter(get, has, progress)
 
     def dev(a, dt=None):
-        return jnp.asarray(np.asarray(a, dtype=np.float32) if a.dtype.kind != "f" else a, dtype=dt or dtype)
+        return to_device(a, dt or dtype)
 
     params = {"embed": dev(t("model.embed_tokens.weight", (cfg.vocab_size, Hd))),
               "final_norm": dev(t("model.norm.weight", (Hd,))), "layers": []}

@@ -23,13 +23,13 @@ import numpy as np
 
 from cache import ModelCache, init_cache
 from hybrid_jax.config import ModelConfig
-from hybrid_jax.errors import CheckpointError
 from hybrid_jax.layers.attention import gated_attention
 from hybrid_jax.layers.gated_deltanet import gated_deltanet
 from hybrid_jax.layers.mlp import sparse_moe, swiglu
 from hybrid_jax.layers.norms import rms_norm_zero_centered
 from hybrid_jax.layers.rope import rope_cos_sin
 from hybrid_jax.models.common import finish_step, token_positions
+from hybrid_jax.weights import checked_getter, to_device
 
 
 def new_cache(cfg: ModelConfig, batch_size: int, capacity: int, dtype) -> ModelCache:
@@ -176,18 +176,10 @@ def convert_hf_weights(cfg: ModelConfig, get: Callable[[str], np.ndarray], has: 
     s = _shapes(cfg)
     Hd = s["Hd"]
 
-    def t(name, shape=None):
-        if not has(name):
-            raise CheckpointError(f"checkpoint lacks tensor {name!r}")
-        a = np.asarray(get(name))
-        if shape is not None and tuple(a.shape) != tuple(shape):
-            raise CheckpointError(f"tensor {name!r} has shape {tuple(a.shape)}, expected {tuple(shape)} "
-                                  f"from config.json")
-        progress()
-        return a
+    t = checked_getter(get, has, progress)
 
     def dev(a):
-        return jnp.asarray(np.asarray(a, dtype=np.float32) if a.dtype.kind != "f" else a, dtype=dtype)
+        return to_device(a, dtype)
 
     params = {"embed": dev(t("model.embed_tokens.weight", (cfg.vocab_size, Hd))),
               "final_norm": dev(t("model.norm.weight", (Hd,))), "layers": []}
