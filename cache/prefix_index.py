@@ -27,10 +27,13 @@ cache.validation against the allocator's state at check and at use.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import math
 import types
 from typing import Mapping, Sequence
+
+import numpy as np
 
 from cache.segments import Kind
 
@@ -65,16 +68,26 @@ class KeyContext:
     sharding: str = "replicated"
 
 
-def block_key(parent: str, tokens: Sequence[int], ctx: KeyContext) -> str:
-    """Key of one block given its parent's key. tokens: the block's token ids (ints)."""
+@functools.lru_cache(maxsize=256)
+def _ctx_hasher(ctx: KeyContext):
+    """A blake2b state that has absorbed the context fields (length-prefixed); copied per block."""
     h = hashlib.blake2b(digest_size=16)
-    for part in (parent, ctx.model_fingerprint, ctx.dtype, ctx.abi_id, ctx.sharding):
+    for part in (ctx.model_fingerprint, ctx.dtype, ctx.abi_id, ctx.sharding):
         b = part.encode()
         h.update(len(b).to_bytes(4, "little"))
         h.update(b)
-    h.update(len(tokens).to_bytes(4, "little"))
-    for t in tokens:
-        h.update(int(t).to_bytes(8, "little", signed=True))
+    return h
+
+
+def block_key(parent: str, tokens: Sequence[int], ctx: KeyContext) -> str:
+    """Key of one block given its parent's key. tokens: the block's token ids (ints)."""
+    h = _ctx_hasher(ctx).copy()
+    b = parent.encode()
+    h.update(len(b).to_bytes(4, "little"))
+    h.update(b)
+    tok = np.asarray(tokens, dtype="<i8")
+    h.update(len(tok).to_bytes(4, "little"))
+    h.update(tok.tobytes())
     return h.hexdigest()
 
 
@@ -84,6 +97,7 @@ def chain_keys(tokens: Sequence[int], block: int, ctx: KeyContext) -> tuple[str,
     if block <= 0:
         raise ValueError(f"block must be positive, got {block}")
     keys, parent = [], ROOT_KEY
+    tokens = np.asarray(tokens, dtype="<i8")          # one conversion; block_key then hashes slices
     for i in range(len(tokens) // block):
         parent = block_key(parent, tokens[i * block:(i + 1) * block], ctx)
         keys.append(parent)
