@@ -42,6 +42,12 @@ class GroupSpec:
     block_size: int
     ctx: KeyContext
     window: int = 0
+    tail: bool | None = None     # a COMPRESSED_KV group also needs its uncompressed tail (default:
+                                 # yes; an MLA latent, one entry per token, has none)
+
+    @property
+    def needs_tail(self) -> bool:
+        return self.kind is Kind.COMPRESSED_KV and self.tail is not False
 
     def __post_init__(self):
         if self.kind not in GROUP_KINDS:
@@ -78,7 +84,7 @@ def _miss(reason: str, detail: str, hashed: int, group: str | None = None) -> Hi
 def _entries(spec: GroupSpec, keys: Sequence[str], geo: BlockGeometry, index: PrefixIndex, limit: int):
     """{(kind, boundary): IndexEntry} found for the group at its boundaries <= limit."""
     out: dict[tuple[Kind, int], IndexEntry] = {}
-    kinds = [spec.kind] + ([Kind.UNCOMPRESSED_TAIL] if spec.kind is Kind.COMPRESSED_KV else [])
+    kinds = [spec.kind] + ([Kind.UNCOMPRESSED_TAIL] if spec.needs_tail else [])
     for kind in kinds:
         step = geo.lcm if kind in (Kind.RECURRENT_STATE, Kind.UNCOMPRESSED_TAIL) else spec.block_size
         for b in range(step, limit + 1, step):
@@ -107,7 +113,7 @@ def _needed(spec: GroupSpec, boundary: int, geo: BlockGeometry) -> list[tuple[Ki
     if spec.kind is Kind.SWA_WINDOW:
         return [(spec.kind, b) for b in range(bs, boundary + 1, bs) if b > boundary - spec.window]
     need = [(spec.kind, b) for b in range(bs, boundary + 1, bs)]
-    if spec.kind is Kind.COMPRESSED_KV:
+    if spec.needs_tail:
         need.append((Kind.UNCOMPRESSED_TAIL, boundary))
     return need
 

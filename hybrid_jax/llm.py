@@ -18,7 +18,7 @@ from hybrid_jax.generate import Generator, make_batch
 from hybrid_jax.models import get_model
 from hybrid_jax.sampling import SamplingParams
 from hybrid_jax.tokenizer import ByteTokenizer, load_tokenizer
-from hybrid_jax.weights import LARGE_CHECKPOINT_BYTES, open_checkpoint
+from hybrid_jax.weights import LARGE_CHECKPOINT_BYTES, fingerprint, open_checkpoint
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -54,7 +54,8 @@ class LLM:
 
     def __init__(self, model: str | None = None, *, dtype: str = "auto", tokenizer: str | None = None,
                  max_model_len: int | None = None, max_num_seqs: int = 16, seed: int = 0,
-                 impl: str = "auto", progress: bool | None = None):
+                 impl: str = "auto", progress: bool | None = None, enable_prefix_caching: bool = False,
+                 engine_config: dict | None = None):
         if model is None:
             self.config = default_config()
             self.model_name = DEFAULT_MODEL_NAME
@@ -82,10 +83,31 @@ class LLM:
         self.max_num_seqs = max_num_seqs
         self._rng = np.random.default_rng(seed)   # seeds for requests that bring none
         self.generator = Generator(self.config, params, self.dtype, impl=impl)
+        self._fingerprint: str | None = None
+        self._engine = None
+        if enable_prefix_caching:
+            # Prefix reuse lives in the continuous-batching engine: generate() runs through it.
+            from hybrid_jax.engine import EngineConfig, LLMEngine  # noqa: PLC0415
+            opts = dict(max_num_seqs=max_num_seqs, max_model_len=self.max_model_len, enable_prefix_caching=True)
+            opts.update(engine_config or {})
+            self._engine = LLMEngine(self, EngineConfig(**opts))
+        elif engine_config:
+            raise InputError("engine_config is only used with enable_prefix_caching=True")
 
     @property
     def params(self):
         return self.generator.params
+
+    def fingerprint(self) -> str:
+        """Hash of this model's config and weights (prefix-cache keys carry it)."""
+        if self._fingerprint is None:
+            self._fingerprint = fingerprint(self.config, self.params)
+        return self._fingerprint
+
+    def cache_stats(self) -> dict:
+        """Prefix-cache figures: hit_rate, validation_pass_rate, effective_reuse (their product),
+        misses_by_reason, bytes_by_kind, bytes_by_group, ...; {"enabled": False} when it is off."""
+        return self._engine.cache_stats() if self._engine is not None else {"enabled": False}
 
     def get_tokenizer(self):
         return self.tokenizer
@@ -145,6 +167,8 @@ class LLM:
             if len(ids) + sp.max_tokens > self.max_model_len:
                 raise InputError(f"prompt ({len(ids)} tokens) + max_tokens ({sp.max_tokens}) exceeds "
                                  f"max_model_len {self.max_model_len}")
+        if self._engine is not None:
+            return self._generate_with_engine(prompts, encoded, sps)
         eos = self.eos_token_ids()
         results: list[RequestOutput] = []
         order = sorted(range(len(prompts)), key=lambda i: len(encoded[i][1]))   # similar lengths batch well
@@ -163,6 +187,12 @@ class LLM:
                                         outputs=[CompletionOutput(0, text, toks, reason)])
         results = [done[i] for i in range(len(prompts))]
         return results
+
+    def _generate_with_engine(self, prompts, encoded, sps) -> list[RequestOutput]:
+        outs = self._engine.generate([{"prompt_token_ids": ids, "prompt": text} for text, ids in encoded], list(sps))
+        return [RequestOutput(request_id=str(i), prompt=encoded[i][0], prompt_token_ids=encoded[i][1],
+                              outputs=[CompletionOutput(0, o.text, list(o.token_ids), o.finish_reason)])
+                for i, o in enumerate(outs)]
 
     # --- inspection --------------------------------------------------------------------------------
     def logits(self, token_ids: Sequence[int]) -> np.ndarray:

@@ -95,3 +95,21 @@ def to_device(a: np.ndarray, dtype):
     """A checkpoint array as a jax array of `dtype` (integer-typed tensors go through fp32)."""
     import jax.numpy as jnp  # noqa: PLC0415
     return jnp.asarray(np.asarray(a, dtype=np.float32) if a.dtype.kind != "f" else a, dtype=dtype)
+
+
+def fingerprint(config, params, sample: int = 4096) -> str:
+    """A short hash identifying a model's weights: its config, every tensor's path, shape and dtype,
+    and up to `sample` evenly strided values of each tensor. Cached prefixes are keyed by it, so a
+    cache built with other weights (or the same weights in another dtype) can never hit."""
+    import hashlib  # noqa: PLC0415
+
+    import jax  # noqa: PLC0415
+    h = hashlib.blake2b(digest_size=16)
+    h.update(repr(config).encode())
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        h.update(jax.tree_util.keystr(path).encode())
+        h.update(repr((tuple(leaf.shape), str(leaf.dtype))).encode())
+        flat = leaf.reshape(-1)
+        step = max(1, flat.shape[0] // sample)
+        h.update(np.asarray(flat[::step][:sample]).tobytes())
+    return h.hexdigest()

@@ -23,12 +23,19 @@ class EngineConfig:
     max_stop_ids: int = 8               # stop token ids per request, as a static width
     compilation_cache_dir: str | None = dataclasses.field(default_factory=default_compilation_cache_dir)
     warmup: str = "minimal"             # "none" | "minimal" (decode buckets) | "all" (every bucket)
+    enable_prefix_caching: bool = False  # reuse validated cached prefixes across requests
+    prefix_block_size: int = 64          # tokens per full-KV block / recurrent checkpoint grid
+    prefix_checkpoint_interval: int = 8  # keep a recurrent checkpoint every interval x LCM tokens (+ the last)
+    prefix_cache_bytes: int | None = None  # store cap (None: as much as the running slots hold)
 
     def __post_init__(self):
-        for f in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "decode_steps"):
+        for f in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "decode_steps", "prefix_block_size",
+                  "prefix_checkpoint_interval"):
             if getattr(self, f) <= 0:
                 raise InputError(f"{f} must be positive; got {getattr(self, f)}")
         if self.warmup not in ("none", "minimal", "all"):
             raise InputError(f"warmup must be 'none', 'minimal' or 'all'; got {self.warmup!r}")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
             raise InputError(f"kv_cache_bytes must be positive; got {self.kv_cache_bytes}")
+        if self.prefix_cache_bytes is not None and self.prefix_cache_bytes <= 0:
+            raise InputError(f"prefix_cache_bytes must be positive; got {self.prefix_cache_bytes}")

@@ -9,8 +9,10 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import jax.numpy as jnp
 import numpy as np
 
+from cache.prefix_cache import PrefixCache, PrefixCacheConfig
 from hybrid_jax.engine.config import EngineConfig
 from hybrid_jax.engine.detokenize import IncrementalDetokenizer
 from hybrid_jax.engine.metrics import EngineMetrics
@@ -49,10 +51,19 @@ class LLMEngine:
         cap = self.config.kv_cache_bytes
         if cap is None:
             cap = self.config.max_num_seqs * (per_seq + per_tok * self.config.max_model_len)
+        self.prefix: PrefixCache | None = None
+        if self.config.enable_prefix_caching:
+            self.prefix = PrefixCache(self.runner.cache, PrefixCacheConfig(
+                cap_bytes=self.config.prefix_cache_bytes or cap, fingerprint=llm.fingerprint(),
+                dtype=jnp.dtype(llm.dtype).name, block_size=self.config.prefix_block_size,
+                checkpoint_interval=self.config.prefix_checkpoint_interval))
+        self._stops: dict[str, tuple[int, ...]] = {}
         self.scheduler = Scheduler(max_num_seqs=self.config.max_num_seqs,
                                    max_num_batched_tokens=self.config.max_num_batched_tokens,
                                    bytes_per_token=per_tok, bytes_per_seq=per_seq, byte_cap=cap,
-                                   chunk_cap=self.runner.chunk_cap)
+                                   chunk_cap=self.runner.chunk_cap,
+                                   on_admit=self._reuse_prefix if self.prefix else None,
+                                   next_stop=self._next_publish if self.prefix else None)
         self.metrics = EngineMetrics()
         self.requests: dict[str, Request] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
@@ -84,6 +95,7 @@ class LLMEngine:
             self.scheduler.release(req)
             req.status, req.finish_reason = RequestStatus.ABORTED, "abort"
             self._detok.pop(request_id, None)
+            self._stops.pop(request_id, None)
             self.metrics.aborted.inc()
             self.metrics.running.set(len(self.scheduler.running))
 
@@ -92,8 +104,49 @@ class LLMEngine:
 
     def warmup(self, mode: str | None = None):
         t0 = time.perf_counter()
-        self.runner.warmup(mode or self.config.warmup)
+        mode = mode or self.config.warmup
+        self.runner.warmup(mode)
+        if self.prefix is not None and mode != "none":
+            self.runner.cache = self.prefix.warmup(self.runner.cache, self.runner.null_slot)
         self.warmup_seconds = time.perf_counter() - t0
+
+    def num_compiled(self) -> int:
+        """Programs compiled so far: the step buckets plus the prefix cache's save and load."""
+        return self.runner.num_compiled() + (self.prefix.num_compiled() if self.prefix else 0)
+
+    # --- prefix cache ------------------------------------------------------------------------------
+    def _publish_points(self, q: Request) -> tuple[int, ...]:
+        pts = self._stops.get(q.request_id)
+        if pts is None:
+            pts = self._stops[q.request_id] = self.prefix.publish_boundaries(len(q.prompt_ids))
+        return pts
+
+    def _next_publish(self, q: Request) -> int | None:
+        return next((b for b in self._publish_points(q) if b > q.num_computed), None)
+
+    def _reuse_prefix(self, q: Request) -> int:
+        """Scheduler hook on admission: fill the new slot from the prefix cache when a hit validates."""
+        self.runner.cache, n = self.prefix.reuse(self.runner.cache, q.slot, q.all_ids)
+        q.num_cached_tokens = n
+        st = self.prefix.stats
+        self.metrics.prefix_hit_rate.set(st.hit_rate)
+        self.metrics.validation_pass_rate.set(st.validation_pass_rate)
+        self.metrics.effective_reuse.set(st.effective_reuse)
+        return n
+
+    def _publish(self, rows):
+        """After a prefill step: rows that just reached one of their publish boundaries store it."""
+        for p in rows:
+            q = p.request
+            if q.slot is not None and q.num_computed in self._publish_points(q):
+                self.prefix.publish(self.runner.cache, q.slot, q.prompt_ids, q.num_computed)
+
+    def cache_stats(self) -> dict:
+        """Prefix-cache figures (hit rate, validation pass rate, effective reuse, misses by reason,
+        bytes per kind and per group); {"enabled": False} when prefix caching is off."""
+        if self.prefix is None:
+            return {"enabled": False}
+        return {"enabled": True, **self.prefix.cache_stats()}
 
     # --- one step ----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -116,6 +169,8 @@ class LLMEngine:
                 p.request.num_computed += p.num_tokens
                 if not p.request.output_ids:
                     self.metrics.prompt_tokens.inc(p.num_tokens)
+            if self.prefix is not None:
+                self._publish(plan.rows)
             reqs = [p.request for p in plan.rows]
         self.metrics.step_seconds.observe(time.perf_counter() - t0)
         now = time.monotonic()
@@ -127,7 +182,7 @@ class LLMEngine:
             out = self._append(q, new, tuple(a[i] for a in lps), now)
             if out is not None:
                 outs.append(out)
-        self.metrics.compilations.set(self.runner.num_compiled())
+        self.metrics.compilations.set(self.num_compiled())
         self._sparse_hit_rate([p.request.slot for p in plan.rows if p.request.slot is not None])
         self.metrics.queue_length.set(len(self.scheduler.waiting))
         self.metrics.running.set(len(self.scheduler.running))
@@ -183,6 +238,7 @@ class LLMEngine:
                     break
         if q.finish_reason is not None:
             self._detok.pop(q.request_id, None)
+            self._stops.pop(q.request_id, None)
             q.status = RequestStatus.FINISHED
             self.scheduler.release(q)
             self.requests.pop(q.request_id, None)

@@ -33,6 +33,7 @@ class Request:
     first_token_time: float | None = None
     last_token_time: float | None = None
     num_preemptions: int = 0
+    num_cached_tokens: int = 0             # prompt tokens the last admission took from the prefix cache
 
     @property
     def all_ids(self) -> list[int]:

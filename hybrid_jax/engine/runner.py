@@ -59,7 +59,10 @@ class ModelRunner:
         self.cfg, self.params, self.ecfg, self.impl = cfg, params, ecfg, impl
         self.model = get_model(cfg.model_type)
         self.null_slot = ecfg.max_num_seqs
-        self.cache = self.model.new_cache(cfg, ecfg.max_num_seqs + 1, ecfg.max_model_len, dtype)
+        capacity = ecfg.max_model_len
+        if ecfg.enable_prefix_caching:       # whole blocks per row, so a row's KV splits into blocks
+            capacity = -(-capacity // ecfg.prefix_block_size) * ecfg.prefix_block_size
+        self.cache = self.model.new_cache(cfg, ecfg.max_num_seqs + 1, capacity, dtype)
         self._mixed = jax.jit(self._mixed_fn, static_argnames=("flags", "top_n"), donate_argnames=("cache",))
         self._decode = jax.jit(self._decode_fn, static_argnames=("steps", "flags", "top_n"),
                                donate_argnames=("cache",))

@@ -34,7 +34,7 @@ class StepPlan:
 
 class Scheduler:
     def __init__(self, *, max_num_seqs: int, max_num_batched_tokens: int, bytes_per_token: int,
-                 bytes_per_seq: int, byte_cap: int, chunk_cap=None):
+                 bytes_per_seq: int, byte_cap: int, chunk_cap=None, on_admit=None, next_stop=None):
         self.max_num_seqs = max_num_seqs
         self.token_budget = max_num_batched_tokens
         self.bytes_per_token = bytes_per_token
@@ -47,6 +47,10 @@ class Scheduler:
         # chunk_cap(rows) -> the largest prefill chunk worth scheduling beside `rows` rows: a step
         # pads every row to its longest, so long chunks beside many decodes would waste the step.
         self.chunk_cap = chunk_cap or (lambda rows: max_num_batched_tokens)
+        # on_admit(req) -> tokens of the request its new slot already holds (a reused prefix), and
+        # next_stop(req) -> the next token count a prefill chunk must end at (a publish boundary) or None.
+        self.on_admit = on_admit
+        self.next_stop = next_stop
 
     # --- bookkeeping --------------------------------------------------------------------------------
     def add(self, req: Request):
@@ -104,7 +108,11 @@ class Scheduler:
             req.slot = self.free_slots.pop()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            self._fresh.add(req.request_id)
+            cached = self.on_admit(req) if self.on_admit is not None else 0
+            if cached > 0:
+                req.num_computed = cached          # the row was filled from the prefix cache
+            else:
+                self._fresh.add(req.request_id)
             reserved += 1
         rows = []
         for r in self.running:                      # decodes first
@@ -115,6 +123,9 @@ class Scheduler:
         cap = self.chunk_cap(len(rows) + len(prefilling)) if prefilling else 0
         for r in prefilling:                        # then prefill chunks, oldest first
             n = min(r.num_uncomputed, budget, cap)
+            stop = self.next_stop(r) if self.next_stop is not None else None
+            if stop is not None and r.num_computed < stop < r.num_computed + n:
+                n = stop - r.num_computed
             if n <= 0:
                 continue
             rows.append(ScheduledRow(r, n, n == r.num_uncomputed, r.request_id in self._fresh))

@@ -1,0 +1,344 @@
+"""The prefix cache an engine uses: lookup, five-check validation, copy-in, publish, eviction, stats.
+
+One `PrefixCache` serves one engine cache (a ModelCache of slot rows). It owns, host side, the
+allocator state (segment records, weighted byte cap), the prefix index and the counters; device
+side, the store pools (cache.prefix_store) and two compiled copies (save, load), each compiled
+once: plans are fixed-width, so hits, misses, partial hits and evictions never retrace.
+
+Groups and their objects (the model is not known here, only its cache groups):
+  KVGroup         full_kv          blocks of `block_size` tokens
+  MLALatentGroup  compressed_kv    blocks of its page size (an MLA latent has no uncompressed tail)
+  IndexerKeyGroup indexer_keys     blocks of its page size
+  RecurrentGroup  recurrent_state  checkpoints at LCM boundaries (retention: prefix_index)
+
+A request's life with the cache:
+  reuse(cache, row, tokens)   lookup -> checks 1-4 (validation.check_hit) -> check 5 on the host
+                              (confirm_at_use) -> retain -> device copy with the slot versions
+                              re-checked inside the compiled load -> release. Returns the boundary
+                              the row now holds (0: compute from scratch).
+  publish_boundaries(n)       where a prompt of n tokens should stop its prefill chunks so its
+                              state can be published (the retained checkpoints, plus the last LCM
+                              boundary an identical prompt could resume from).
+  publish(cache, row, tokens, b)  the row holds exactly tokens[:b]: store the blocks not yet
+                              stored and the recurrent checkpoint at b.
+
+Copy-in keeps the engine's row layout (each running request owns a contiguous row) at the cost of
+one device copy of the reused blocks; it is a memory-bound copy, far cheaper than the prefill it
+replaces.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from cache import allocator as A
+from cache.mla import IndexerKeyGroup, MLALatentGroup
+from cache.prefix_index import IndexEntry, KeyContext, PrefixIndex, block_geometry, chain_keys, checkpoint_boundaries, key_at
+from cache.prefix_store import StorePool, group_block_size, init_pool, load_row, max_blocks_per_row, save_row
+from cache.segments import Kind, SegState
+from cache.state import KVGroup, ModelCache, RecurrentGroup
+from cache.validation import CacheStats, GroupSpec, HitResult, check_hit, confirm_at_use
+
+log = logging.getLogger("hybrid_jax.prefix_cache")
+
+KIND_OF = {KVGroup: Kind.FULL_KV, MLALatentGroup: Kind.COMPRESSED_KV, IndexerKeyGroup: Kind.INDEXER_KEYS,
+           RecurrentGroup: Kind.RECURRENT_STATE}
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefixCacheConfig:
+    """cap_bytes: weighted device bytes the store may hold; block_size: tokens per full-KV block and
+    grid of recurrent checkpoints (paged groups use their page size); checkpoint_interval: keep a
+    recurrent checkpoint every `interval x LCM` tokens, plus the last; fingerprint: the weights'."""
+    cap_bytes: int
+    fingerprint: str
+    dtype: str
+    block_size: int = 64
+    checkpoint_interval: int = 8
+    sharding: str = "replicated"
+
+    def __post_init__(self):
+        for f in ("cap_bytes", "block_size", "checkpoint_interval"):
+            if getattr(self, f) <= 0:
+                raise ValueError(f"prefix cache {f} must be positive; got {getattr(self, f)}")
+
+
+class PrefixCache:
+    def __init__(self, cache: ModelCache, config: PrefixCacheConfig):
+        self.config = config
+        groups = cache.groups
+        unknown = [n for n, g in groups.items() if type(g) not in KIND_OF]
+        if unknown:
+            raise ValueError(f"prefix caching has no object kind for cache groups {unknown}")
+        bs = {n: group_block_size(g, config.block_size) for n, g in groups.items()}
+        block_sizes = {n: (b or config.block_size) for n, b in bs.items()}
+        self.geometry = block_geometry(block_sizes)
+        self.specs = tuple(GroupSpec(name=n, kind=KIND_OF[type(g)], block_size=block_sizes[n], tail=False,
+                                     ctx=KeyContext(config.fingerprint, config.dtype, g.writer_abi, config.sharding))
+                           for n, g in groups.items())
+        self._kind = {s.name: s.kind for s in self.specs}
+        self._width = {n: max_blocks_per_row(g, config.block_size) for n, g in groups.items()}
+        self.store = self._init_store(cache)
+        self.alloc = A.init_state(A.AllocConfig(cap_bytes=config.cap_bytes))
+        self.index = PrefixIndex()
+        self.stats = CacheStats()
+        self._slots: dict[int, tuple[str, list[int]]] = {}              # seg id -> (group, slots by block)
+        self._free = {n: list(range(p.num_slots - 1, -1, -1)) for n, p in self.store.items()}
+        self._slot_version = {n: np.zeros((p.num_slots,), np.int64) for n, p in self.store.items()}
+        self._noted: set[str] = set()
+        self._save = jax.jit(save_row, donate_argnames=("store",))
+        self._load = jax.jit(load_row, donate_argnames=("cache",))
+        self.between_check_and_use: Callable[[], None] | None = None    # test hook (a concurrent writer)
+        self.lookup_seconds: list[float] = []
+
+    # --- set-up ------------------------------------------------------------------------------------
+    def _init_store(self, cache: ModelCache) -> dict[str, StorePool]:
+        """Pools sized by shares of the cap: each group's share follows the bytes it stores per cached
+        token (a recurrent group: one checkpoint per interval x LCM tokens, doubled for the "last"
+        ones), and every pool can hold at least one full row (a recurrent pool: 4 checkpoints)."""
+        cfg, geo = self.config, self.geometry
+        probes = {n: init_pool(g, 1, cfg.block_size) for n, g in cache.groups.items()}
+        per_tok = {}
+        for n, p in probes.items():
+            if p.block_size:
+                per_tok[n] = p.slot_nbytes() / p.block_size
+            else:
+                per_tok[n] = 2 * p.slot_nbytes() / (cfg.checkpoint_interval * geo.lcm)
+        total = sum(per_tok.values()) or 1.0
+        store = {}
+        for n, g in cache.groups.items():
+            slot = probes[n].slot_nbytes()
+            want = int(cfg.cap_bytes * per_tok[n] / total // max(slot, 1))
+            floor = 4 if isinstance(g, RecurrentGroup) else max_blocks_per_row(g, cfg.block_size)
+            store[n] = init_pool(g, max(want, floor), cfg.block_size)
+        return store
+
+    def publish_boundaries(self, num_tokens: int) -> tuple[int, ...]:
+        """Boundaries at which a prompt of `num_tokens` publishes its prefix (ascending)."""
+        lcm = self.geometry.lcm
+        out = set(checkpoint_boundaries(num_tokens, lcm, self.config.checkpoint_interval))
+        same = ((num_tokens - 1) // lcm) * lcm            # where an identical prompt resumes
+        if same > 0:
+            out.add(same)
+        return tuple(sorted(out))
+
+    def _note_once(self, key: str, msg: str):
+        if key not in self._noted:
+            self._noted.add(key)
+            log.warning("prefix caching: %s", msg)
+
+    # --- reuse -------------------------------------------------------------------------------------
+    def lookup(self, tokens: Sequence[int]) -> HitResult:
+        """Checks 1-4 against the current allocator state (no side effects)."""
+        return check_hit(tokens, self.specs, self.index, self.alloc)
+
+    def reuse(self, cache: ModelCache, row: int, tokens: Sequence[int]) -> tuple[ModelCache, int]:
+        """Loads the longest validated cached prefix of `tokens` into cache row `row`.
+        Returns (cache, boundary): the row now holds tokens[:boundary] (0 = nothing reused)."""
+        t0 = time.perf_counter()
+        if len(tokens) <= self.geometry.lcm:
+            self._note_once("short", f"prompts of at most {self.geometry.lcm} tokens cannot reuse a prefix: every"
+                                     f" group must resume at a multiple of {self.geometry.lcm} tokens (the LCM of"
+                                     f" block sizes {dict(self.geometry.sizes)}) and one token must be left to compute")
+        hit = self.lookup(tokens)
+        if self.between_check_and_use is not None:
+            self.between_check_and_use()
+        hit = confirm_at_use(hit, self.alloc)
+        self.lookup_seconds.append(time.perf_counter() - t0)
+        if not hit.ok:
+            return cache, self._miss(hit)
+        plan, held = self._load_plan(hit)
+        for sid in held:
+            self.alloc = A.retain(self.alloc, sid)
+        try:
+            cache, ok = self._load(cache, self.store, jnp.int32(row), plan, jnp.int32(hit.boundary))
+            ok = bool(ok)
+        finally:
+            for sid in held:
+                self.alloc = A.release(self.alloc, sid)
+        if not ok:   # a slot changed between the host's check and the device's read
+            return cache, self._miss(HitResult(ok=False, reason="version", hashed=hit.hashed,
+                                               detail="a store slot's version changed before the load read it"))
+        for sid in held:
+            self.alloc = A.touch(self.alloc, sid)
+        self.stats = self.stats.record(hit)
+        return cache, hit.boundary
+
+    def _miss(self, hit: HitResult) -> int:
+        self.stats = self.stats.record(hit)
+        if hit.reason != "no_hit":
+            self._note_once(f"miss:{hit.reason}", f"a cached prefix was refused ({hit.reason}): {hit.detail}")
+        return 0
+
+    def _load_plan(self, hit: HitResult):
+        """Fixed-width (src slot, dst block, expected version) arrays per group for a validated hit."""
+        plan, held = {}, []
+        for spec in self.specs:
+            W = self._width[spec.name]
+            src = np.full((W,), -1, np.int32)
+            dst = np.zeros((W,), np.int32)
+            exp = np.zeros((W,), np.int32)
+            for sid in hit.segments[spec.name]:
+                held.append(sid)
+                seg = self.alloc.get(sid)
+                group, slots = self._slots[sid]
+                if spec.kind is Kind.RECURRENT_STATE:
+                    src[0], dst[0] = slots[0], 0
+                    exp[0] = self._slot_version[group][slots[0]]
+                    continue
+                first = seg.start // spec.block_size
+                for j, slot in enumerate(slots):
+                    i = first + j
+                    if (i + 1) * spec.block_size <= hit.boundary:
+                        src[i], dst[i], exp[i] = slot, i, self._slot_version[group][slot]
+            plan[spec.name] = (jnp.asarray(src), jnp.asarray(dst), jnp.asarray(exp))
+        return plan, held
+
+    # --- publish -----------------------------------------------------------------------------------
+    def publish(self, cache: ModelCache, row: int, tokens: Sequence[int], boundary: int):
+        """Stores what row `row` holds of tokens[:boundary] (its state is exactly at `boundary`, a
+        multiple of the LCM) that the store does not hold yet. Admission refusals skip the group's
+        objects (counted by the allocator's cap, never an error)."""
+        geo = self.geometry
+        if boundary <= 0 or boundary % geo.lcm:
+            raise ValueError(f"publish boundary {boundary} is not a positive multiple of the LCM {geo.lcm}")
+        tokens = list(tokens[:boundary])
+        plan, new = {}, []       # new: (spec, seg id, [(block end, key)])
+        for spec in self.specs:
+            keys = chain_keys(tokens, geo.gcd, spec.ctx)
+            W = self._width[spec.name]
+            src = np.full((W,), -1, np.int32)
+            dst = np.full((W,), -1, np.int32)
+            plan[spec.name] = (src, dst)
+            if spec.kind is Kind.RECURRENT_STATE:
+                runs = [] if self._live(spec, keys, boundary) else [[boundary]]
+            else:
+                missing = [b for b in range(spec.block_size, boundary + 1, spec.block_size)
+                           if not self._live(spec, keys, b)]
+                runs = _contiguous(missing, spec.block_size)
+            for run in runs:
+                sid = self._allocate(spec, run)
+                if sid is None:
+                    break
+                _, slots = self._slots[sid]
+                for b, slot in zip(run, slots):
+                    i = 0 if spec.kind is Kind.RECURRENT_STATE else b // spec.block_size - 1   # row block
+                    src[i], dst[i] = i, slot
+                new.append((spec, sid, [(b, key_at(keys, geo.gcd, b)) for b in run]))
+        if not new:
+            return
+        self.store = self._save(cache, self.store, jnp.int32(row),
+                                {n: (jnp.asarray(s), jnp.asarray(d)) for n, (s, d) in plan.items()})
+        for spec, sid, ends in new:
+            group, slots = self._slots[sid]
+            self._slot_version[group][slots] += 1
+            self.alloc = A.commit(self.alloc, sid)
+            for b, key in ends:
+                self.index = self.index.insert(IndexEntry(spec.name, spec.kind, key, b, sid))
+        self._drop_superseded_checkpoints(tokens, boundary)
+
+    def _live(self, spec: GroupSpec, keys, b: int) -> bool:
+        e = self.index.find(spec.name, spec.kind, key_at(keys, self.geometry.gcd, b))
+        return e is not None and self.alloc.state_of(e.seg_id) is not SegState.FREE
+
+    def _allocate(self, spec: GroupSpec, run: list[int]) -> int | None:
+        """A WRITING segment for the blocks ending at `run` (or a checkpoint), with store slots."""
+        pool = self.store[spec.name]
+        n = len(run)
+        is_ckpt = spec.kind is Kind.RECURRENT_STATE
+        start = 0 if is_ckpt else run[0] - spec.block_size
+        before = self.alloc
+        try:
+            while len(self._free[spec.name]) < n:       # pool pressure: evict this group's LRU
+                victim = next((s for s in A.eviction_order(self.alloc) if s.group == spec.name), None)
+                if victim is None:
+                    return None
+                self.alloc = A.evict(self.alloc, victim.id)
+                self._reclaim(before)
+                before = self.alloc
+            self.alloc, sid = A.allocate(self.alloc, spec.kind, spec.name, n * pool.slot_nbytes(), start=start,
+                                         end=run[-1], writer_abi=spec.ctx.abi_id)
+        except A.AdmissionRefused as e:
+            self._note_once(f"refused:{spec.name}", f"store of group {spec.name!r} is full: {e}")
+            return None
+        self._reclaim(before)
+        if len(self._free[spec.name]) < n:     # the cap's evictions never take this group's slots away
+            self.alloc = A.transition(self.alloc, sid, SegState.FREE)
+            return None
+        self._slots[sid] = (spec.name, [self._free[spec.name].pop() for _ in range(n)])
+        return sid
+
+    def _reclaim(self, before: A.AllocState):
+        """Returns the slots of segments freed since `before` and drops their index entries."""
+        gone = A.evicted_ids(before, self.alloc)
+        for sid in gone:
+            group, slots = self._slots.pop(sid, (None, []))
+            if group is not None:
+                self._free[group].extend(slots)
+        if gone:
+            self.index = self.index.prune(self.alloc.segments)
+
+    def _drop_superseded_checkpoints(self, tokens: list[int], boundary: int):
+        """Retention: checkpoints on this chain below `boundary` that the policy no longer keeps
+        (an earlier, shorter prompt's "last" one) are evicted when nobody holds them."""
+        lcm = self.geometry.lcm
+        keep = set(checkpoint_boundaries(boundary, lcm, self.config.checkpoint_interval))
+        for spec in self.specs:
+            if spec.kind is not Kind.RECURRENT_STATE:
+                continue
+            keys = chain_keys(tokens, self.geometry.gcd, spec.ctx)
+            for b in range(lcm, boundary, lcm):
+                if b in keep:
+                    continue
+                e = self.index.find(spec.name, spec.kind, key_at(keys, self.geometry.gcd, b))
+                seg = None if e is None else self.alloc.segments.get(e.seg_id)
+                if seg is not None and seg.ref_count == 0 and seg.state is SegState.DEVICE and seg.end == b:
+                    before = self.alloc
+                    self.alloc = A.evict(self.alloc, seg.id)
+                    self._reclaim(before)
+
+    # --- figures -----------------------------------------------------------------------------------
+    def cache_stats(self) -> dict:
+        s = self.stats.with_bytes(self.alloc)
+        return {
+            "lookups": s.lookups, "hits": s.hits, "passes": s.passes, "tokens_reused": s.tokens_reused,
+            "hit_rate": s.hit_rate, "validation_pass_rate": s.validation_pass_rate,
+            "effective_reuse": s.effective_reuse,
+            "misses_by_reason": dict(s.misses_by_reason),
+            "misses_by_group": {f"{g}:{r}": n for (g, r), n in s.misses_by_group.items()},
+            "bytes_by_kind": {k.value: v for k, v in s.bytes_by_kind.items()},
+            "bytes_by_group": dict(s.bytes_by_group),
+            "segments": len(self.alloc.segments),
+            "cap_bytes": self.config.cap_bytes,
+            "block_sizes": dict(self.geometry.sizes), "lcm": self.geometry.lcm, "gcd": self.geometry.gcd,
+        }
+
+    def num_compiled(self) -> int:
+        return self._save._cache_size() + self._load._cache_size()
+
+    def warmup(self, cache: ModelCache, row: int) -> ModelCache:
+        """Compiles the save and load programs. Every plan entry is padding, so nothing is stored or
+        loaded; `row` (the engine's null slot) gets length 0 and a new version."""
+        save_plan = {n: (jnp.full((w,), -1, jnp.int32), jnp.full((w,), -1, jnp.int32)) for n, w in self._width.items()}
+        self.store = self._save(cache, self.store, jnp.int32(row), save_plan)
+        load_plan = {n: (jnp.full((w,), -1, jnp.int32), jnp.zeros((w,), jnp.int32), jnp.zeros((w,), jnp.int32))
+                     for n, w in self._width.items()}
+        cache, _ = self._load(cache, self.store, jnp.int32(row), load_plan, jnp.int32(0))
+        return cache
+
+
+def _contiguous(ends: list[int], bs: int) -> list[list[int]]:
+    """Splits ascending block ends into runs of consecutive blocks."""
+    runs: list[list[int]] = []
+    for b in ends:
+        if runs and runs[-1][-1] + bs == b:
+            runs[-1].append(b)
+        else:
+            runs.append([b])
+    return runs
