@@ -35,6 +35,7 @@ import collections
 import concurrent.futures as cf
 import contextlib
 import fcntl
+import math
 import os
 import shutil
 import threading
@@ -42,6 +43,7 @@ import time
 import uuid
 from typing import Mapping
 
+import ml_dtypes  # noqa: F401 - registers bfloat16 / float8 dtype names with numpy (zero-size arrays)
 import numpy as np
 
 from cache.tier_entry import (Arrays, EntryMeta, Outcome, PrefetchHandle, checksum, open_sealed_json, sealed_json,
@@ -221,8 +223,10 @@ class DiskTier:
         """Write the entry into `tmp` (Orbax checkpoint + sealed meta), fsync it; its size in bytes."""
         import orbax.checkpoint as ocp  # noqa: PLC0415 - keeps `import cache` light
         arrays_dir = os.path.join(tmp, ARRAYS)
-        ocp.PyTreeCheckpointer().save(arrays_dir, args=ocp.args.PyTreeSave(arrays))
-        files = _files(arrays_dir)
+        stored = {n: a for n, a in arrays.items() if a.size}   # Orbax cannot write zero-size arrays; the
+        if stored:                                             # meta alone rebuilds them
+            ocp.PyTreeCheckpointer().save(arrays_dir, args=ocp.args.PyTreeSave(stored))
+        files = _files(arrays_dir) if stored else {}
         body = {"meta": meta.to_json(), "checksums": {n: checksum(a) for n, a in arrays.items()}, "files": files}
         raw = sealed_json(body)
         with open(os.path.join(tmp, META), "wb") as f:
@@ -297,11 +301,15 @@ class DiskTier:
             if reason is not None:
                 raise _Reject(reason)
         import orbax.checkpoint as ocp  # noqa: PLC0415
-        restore = {n: ocp.RestoreArgs(restore_type=np.ndarray) for n in meta.dtypes}
-        out = ocp.PyTreeCheckpointer().restore(arrays_dir, args=ocp.args.PyTreeRestore(restore_args=restore))
-        if not isinstance(out, dict) or set(out) != set(meta.dtypes) or set(sums) != set(meta.dtypes):
+        names = [n for n, s in meta.shapes.items() if math.prod(s)]
+        out = {}
+        if names:
+            restore = {n: ocp.RestoreArgs(restore_type=np.ndarray) for n in names}
+            out = ocp.PyTreeCheckpointer().restore(arrays_dir, args=ocp.args.PyTreeRestore(restore_args=restore))
+        if not isinstance(out, dict) or set(out) != set(names) or set(sums) != set(meta.dtypes):
             raise _Reject("disk_corrupt")
-        arrays = {n: np.asarray(a) for n, a in out.items()}
+        arrays = {n: np.asarray(out[n]) if n in out else np.empty(meta.shapes[n], np.dtype(meta.dtypes[n]))
+                  for n in meta.dtypes}
         for n, a in arrays.items():
             if a.dtype.name != meta.dtypes[n] or a.shape != meta.shapes[n] or checksum(a) != sums[n]:
                 raise _Reject("disk_corrupt")

@@ -76,6 +76,19 @@ def test_round_trip_every_dtype(tier):
     assert s["bytes"] == disk_bytes(tier) > 0
 
 
+def test_zero_size_and_scalar_arrays(tier):
+    arrays = {"empty": np.zeros((0, 8), ml_dtypes.bfloat16), "scalar": np.array(7, np.int32),
+              "f": np.asfortranarray(np.arange(12.0).reshape(3, 4))}
+    meta = EntryMeta.of(arrays, fingerprint=FP, abi="a", start=0, end=1)
+    assert tier.put(make_key("z"), arrays, meta)
+    out, reason = tier.get(make_key("z"), meta)
+    assert reason is None and same(out, arrays)
+    only_empty = {"empty": arrays["empty"]}
+    assert tier.put(make_key("e"), only_empty, EntryMeta.of(only_empty, fingerprint=FP, abi="a", start=0, end=1))
+    out, reason = tier.get(make_key("e"))
+    assert reason is None and same(out, only_empty)
+
+
 def test_replacing_an_entry_serves_the_new_one(tier):
     key = make_key("x")
     a0, m0 = entry(0)
