@@ -197,7 +197,9 @@ class DiskTier:
     def stats(self) -> dict:
         """entries, bytes, cap_bytes, hits, misses, misses_by_reason, evictions, puts, rejected_puts,
         rejected_puts_by_reason, quarantined, prefetches, prefetch_hidden_s, prefetch_wait_s.
-        entries / bytes are what entries/ holds now (other processes publish and evict too)."""
+        entries / bytes are what entries/ holds now (other processes publish and evict too);
+        prefetch_hidden_s: load time that overlapped other work before `result` was called;
+        prefetch_wait_s: time callers blocked in `result`."""
         self._refresh()
         with self._lock:
             return {"entries": len(self._sizes), "bytes": sum(self._sizes.values()), "cap_bytes": self.cap_bytes,

@@ -165,8 +165,10 @@ class PrefetchHandle:
     Policies: "best_effort" returns at once ((None, prefix + "_not_ready") if the load is still
     running); "wait" blocks until it is done; "timeout" blocks up to timeout_s seconds, then returns
     (None, prefix + "_timeout"). The load keeps running after a not-ready / timeout answer, so a
-    later call may return the data. `record(outcome, hidden_s, wait_s)` is the tier's stats hook:
-    it is called once per `result` call; hidden_s is how long the load ran before the call.
+    later call may return the data. `record(outcome, hidden_s, wait_s)` is the tier's stats hook,
+    called once per `result` call: wait_s is how long the call blocked; hidden_s (0 unless the call
+    returns the load's outcome) is how long the load ran before it was asked for, i.e. overlapped
+    with the caller's other work.
     """
 
     def __init__(self, key: str, future: cf.Future, prefix: str, record: Callable[[Outcome, float, float], None]):
@@ -198,7 +200,7 @@ class PrefetchHandle:
         except cf.TimeoutError:
             reason = "_not_ready" if policy == "best_effort" else "_timeout"
             outcome = (None, self._prefix + reason)
-            self._record(outcome, called - self._started, time.perf_counter() - called)
+            self._record(outcome, 0.0, time.perf_counter() - called)
             return outcome
         with self._lock:
             finished = self._finished if self._finished is not None else time.perf_counter()

@@ -274,7 +274,7 @@ def test_prefetch_policies(tier, monkeypatch):
     assert h.result("best_effort") == (None, "disk_not_ready")
     t0 = time.perf_counter()
     assert h.result("timeout", timeout_s=0.05) == (None, "disk_timeout")
-    assert time.perf_counter() - t0 >= 0.05
+    assert time.perf_counter() - t0 >= 0.045
     threading.Timer(0.05, gate.set).start()
     out, reason = h.result("wait")
     assert reason is None and same(out, arrays)
