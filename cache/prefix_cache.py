@@ -95,7 +95,10 @@ class PrefixCache:
         self._save = jax.jit(save_row, donate_argnames=("store",))
         self._load = jax.jit(load_row, donate_argnames=("cache",))
         self.between_check_and_use: Callable[[], None] | None = None    # test hook (a concurrent writer)
-        self.lookup_seconds: list[float] = []
+        self.lookup_seconds: list[float] = []     # host time of each reuse's lookup + validation
+        self.evictions = 0                        # segments freed under cap or pool pressure
+        self.retired_checkpoints = 0              # checkpoints the retention policy let go
+        self.refused_publishes = 0                # publishes that did not fit under the cap
 
     # --- set-up ------------------------------------------------------------------------------------
     def _init_store(self, cache: ModelCache) -> dict[str, StorePool]:
@@ -165,7 +168,7 @@ class PrefixCache:
         if not ok:   # a slot changed between the host's check and the device's read
             return cache, self._miss(HitResult(ok=False, reason="version", hashed=hit.hashed,
                                                detail="a store slot's version changed before the load read it"))
-        for sid in held:
+        for sid in reversed(held):            # first blocks touched last: evicted last
             self.alloc = A.touch(self.alloc, sid)
         self.stats = self.stats.record(hit)
         return cache, hit.boundary
@@ -217,42 +220,41 @@ class PrefixCache:
             dst = np.full((W,), -1, np.int32)
             plan[spec.name] = (src, dst)
             if spec.kind is Kind.RECURRENT_STATE:
-                runs = [] if self._live(spec, keys, boundary) else [[boundary]]
+                ends = [] if self._live(spec, keys, boundary) else [boundary]
             else:
-                missing = [b for b in range(spec.block_size, boundary + 1, spec.block_size)
-                           if not self._live(spec, keys, b)]
-                runs = _contiguous(missing, spec.block_size)
-            for run in runs:
-                sid = self._allocate(spec, run)
-                if sid is None:
-                    break
-                _, slots = self._slots[sid]
-                for b, slot in zip(run, slots):
-                    i = 0 if spec.kind is Kind.RECURRENT_STATE else b // spec.block_size - 1   # row block
-                    src[i], dst[i] = i, slot
-                new.append((spec, sid, [(b, key_at(keys, geo.gcd, b)) for b in run]))
+                ends = [b for b in range(spec.block_size, boundary + 1, spec.block_size)
+                        if not self._live(spec, keys, b)]
+            for b in ends:            # one segment per block: eviction takes blocks, not whole prompts
+                sid = self._allocate(spec, b)
+                if sid is None:       # all or nothing: a chain missing a block or its checkpoint is dead weight
+                    self._abort([n[1] for n in new])
+                    self.refused_publishes += 1
+                    return
+                i = 0 if spec.kind is Kind.RECURRENT_STATE else b // spec.block_size - 1   # row block
+                src[i], dst[i] = i, self._slots[sid][1][0]
+                new.append((spec, sid, b, key_at(keys, geo.gcd, b)))
         if not new:
             return
         self.store = self._save(cache, self.store, jnp.int32(row),
                                 {n: (jnp.asarray(s), jnp.asarray(d)) for n, (s, d) in plan.items()})
-        for spec, sid, ends in new:
+        for spec, sid, b, key in new:
             group, slots = self._slots[sid]
             self._slot_version[group][slots] += 1
             self.alloc = A.commit(self.alloc, sid)
-            for b, key in ends:
-                self.index = self.index.insert(IndexEntry(spec.name, spec.kind, key, b, sid))
+            self.index = self.index.insert(IndexEntry(spec.name, spec.kind, key, b, sid))
+        for _, sid, _, _ in reversed(new):     # LRU: a chain's first blocks are the last to go
+            self.alloc = A.touch(self.alloc, sid)
         self._drop_superseded_checkpoints(tokens, boundary)
 
     def _live(self, spec: GroupSpec, keys, b: int) -> bool:
         e = self.index.find(spec.name, spec.kind, key_at(keys, self.geometry.gcd, b))
         return e is not None and self.alloc.state_of(e.seg_id) is not SegState.FREE
 
-    def _allocate(self, spec: GroupSpec, run: list[int]) -> int | None:
-        """A WRITING segment for the blocks ending at `run` (or a checkpoint), with store slots."""
+    def _allocate(self, spec: GroupSpec, end: int) -> int | None:
+        """A WRITING segment, with its store slot, for the block ending at `end` (or a checkpoint)."""
         pool = self.store[spec.name]
-        n = len(run)
-        is_ckpt = spec.kind is Kind.RECURRENT_STATE
-        start = 0 if is_ckpt else run[0] - spec.block_size
+        n = 1
+        start = 0 if spec.kind is Kind.RECURRENT_STATE else end - spec.block_size
         before = self.alloc
         try:
             while len(self._free[spec.name]) < n:       # pool pressure: evict this group's LRU
@@ -263,9 +265,9 @@ class PrefixCache:
                 self._reclaim(before)
                 before = self.alloc
             self.alloc, sid = A.allocate(self.alloc, spec.kind, spec.name, n * pool.slot_nbytes(), start=start,
-                                         end=run[-1], writer_abi=spec.ctx.abi_id)
+                                         end=end, writer_abi=spec.ctx.abi_id)
         except A.AdmissionRefused as e:
-            self._note_once(f"refused:{spec.name}", f"store of group {spec.name!r} is full: {e}")
+            self._note_once(f"refused:{spec.name}", f"a prefix was not stored, group {spec.name!r} is full: {e}")
             return None
         self._reclaim(before)
         if len(self._free[spec.name]) < n:     # the cap's evictions never take this group's slots away
@@ -274,9 +276,21 @@ class PrefixCache:
         self._slots[sid] = (spec.name, [self._free[spec.name].pop() for _ in range(n)])
         return sid
 
-    def _reclaim(self, before: A.AllocState):
-        """Returns the slots of segments freed since `before` and drops their index entries."""
+    def _abort(self, sids: list[int]):
+        """Frees segments allocated (WRITING) by a publish that cannot complete, with their slots."""
+        for sid in sids:
+            self.alloc = A.transition(self.alloc, sid, SegState.FREE)
+            group, slots = self._slots.pop(sid)
+            self._free[group].extend(slots)
+
+    def _reclaim(self, before: A.AllocState, retired: bool = False):
+        """Returns the slots of segments freed since `before` and drops their index entries.
+        retired: freed by the retention policy (counted apart from evictions under pressure)."""
         gone = A.evicted_ids(before, self.alloc)
+        if retired:
+            self.retired_checkpoints += len(gone)
+        else:
+            self.evictions += len(gone)
         for sid in gone:
             group, slots = self._slots.pop(sid, (None, []))
             if group is not None:
@@ -301,7 +315,7 @@ class PrefixCache:
                 if seg is not None and seg.ref_count == 0 and seg.state is SegState.DEVICE and seg.end == b:
                     before = self.alloc
                     self.alloc = A.evict(self.alloc, seg.id)
-                    self._reclaim(before)
+                    self._reclaim(before, retired=True)
 
     # --- figures -----------------------------------------------------------------------------------
     def cache_stats(self) -> dict:
@@ -314,7 +328,8 @@ class PrefixCache:
             "misses_by_group": {f"{g}:{r}": n for (g, r), n in s.misses_by_group.items()},
             "bytes_by_kind": {k.value: v for k, v in s.bytes_by_kind.items()},
             "bytes_by_group": dict(s.bytes_by_group),
-            "segments": len(self.alloc.segments),
+            "segments": len(self.alloc.segments), "evictions": self.evictions,
+            "retired_checkpoints": self.retired_checkpoints, "refused_publishes": self.refused_publishes,
             "cap_bytes": self.config.cap_bytes,
             "block_sizes": dict(self.geometry.sizes), "lcm": self.geometry.lcm, "gcd": self.geometry.gcd,
         }
@@ -331,14 +346,3 @@ class PrefixCache:
                      for n, w in self._width.items()}
         cache, _ = self._load(cache, self.store, jnp.int32(row), load_plan, jnp.int32(0))
         return cache
-
-
-def _contiguous(ends: list[int], bs: int) -> list[list[int]]:
-    """Splits ascending block ends into runs of consecutive blocks."""
-    runs: list[list[int]] = []
-    for b in ends:
-        if runs and runs[-1][-1] + bs == b:
-            runs[-1].append(b)
-        else:
-            runs.append([b])
-    return runs

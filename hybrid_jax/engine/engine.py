@@ -6,6 +6,7 @@ append tokens, detokenize, check stop strings, finish and free slots, record met
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
@@ -140,6 +141,16 @@ class LLMEngine:
             q = p.request
             if q.slot is not None and q.num_computed in self._publish_points(q):
                 self.prefix.publish(self.runner.cache, q.slot, q.prompt_ids, q.num_computed)
+
+    def reset_prefix_cache(self, prefix_cache_bytes: int | None = None):
+        """Drops every cached prefix and the counters (optionally with a new store cap); running
+        requests keep their rows. The store's programs compile again on next use."""
+        if self.prefix is None:
+            raise InputError("prefix caching is off: EngineConfig(enable_prefix_caching=True)")
+        cfg = self.prefix.config
+        if prefix_cache_bytes is not None:
+            cfg = dataclasses.replace(cfg, cap_bytes=prefix_cache_bytes)
+        self.prefix = PrefixCache(self.runner.cache, cfg)
 
     def cache_stats(self) -> dict:
         """Prefix-cache figures (hit rate, validation pass rate, effective reuse, misses by reason,
