@@ -63,9 +63,11 @@ def deepseek_moe(cfg: DeepseekV32Config, p: dict, x: jax.Array) -> jax.Array:
 
 
 def forward(cfg: DeepseekV32Config, params: dict, cache: ModelCache, tokens: jax.Array, n_new: jax.Array, *,
-            logits_at: str = "last", impl: str = "auto", return_hidden: bool = False):
+            logits_at: str = "last", impl: str = "auto", return_hidden: bool = False,
+            fused_recurrent: bool = False, per_token_states: bool = False):
     """tokens [B, T] int32 (right-padded), n_new [B]. Same contract as qwen3_next.forward. The latent
-    group's `hit_rate` [B] holds the step's resident fraction of selected positions (mean over layers)."""
+    group's `hit_rate` [B] holds the step's resident fraction of selected positions (mean over layers).
+    The family has no recurrent layers: fused_recurrent changes nothing and per_token_states appends {}."""
     B, T = tokens.shape
     positions, valid = token_positions(cache, T, n_new)                  # [B, T] each
     x = params["embed"][tokens]
@@ -94,8 +96,9 @@ def forward(cfg: DeepseekV32Config, params: dict, cache: ModelCache, tokens: jax
                                             hit_rate=jnp.mean(jnp.stack(hits), axis=0))
     groups["indexer"] = ig.replace(keys=jnp.stack(key_out),
                                    scale=None if ig.scale is None else jnp.stack(sc_out))
-    return finish_step(cfg, params, cache, groups, x, n_new, final_norm=final_norm, logits_at=logits_at,
-                       hidden=hidden if return_hidden else None)
+    out = finish_step(cfg, params, cache, groups, x, n_new, final_norm=final_norm, logits_at=logits_at,
+                      hidden=hidden if return_hidden else None)
+    return out + ({},) if per_token_states else out
 
 
 def final_norm(cfg: DeepseekV32Config, params: dict, x: jax.Array) -> jax.Array:

@@ -49,13 +49,17 @@ def _ffn(cfg: ModelConfig, lp: dict, x: jax.Array) -> jax.Array:
 
 
 def forward(cfg: ModelConfig, params: dict, cache: ModelCache, tokens: jax.Array, n_new: jax.Array, *,
-            logits_at: str = "last", impl: str = "auto", return_hidden: bool = False):
+            logits_at: str = "last", impl: str = "auto", return_hidden: bool = False,
+            fused_recurrent: bool = False, per_token_states: bool = False):
     """Runs tokens through the model.
 
     tokens: [B, T] int32 (row b's first n_new[b] entries are real, the rest padding); n_new: [B] int32.
     logits_at: "last" -> logits [B, V] at each row's last real token; "all" -> [B, T, V].
     Returns (logits, new cache) and, with return_hidden, the residual stream after each layer
     ([L + 1] arrays [B, T, Hd], the embeddings first), for the alignment tool.
+    Speculative decoding: fused_recurrent runs the linear-attention layers token by token whatever T;
+    per_token_states (implies it) appends a dict of the recurrent group's state after every position,
+    {"conv": [L, B, T, W-1, C], "ssm": [L, B, T, HV, K, V] fp32}, to the returned tuple (last).
     """
     B, T = tokens.shape
     positions, valid = token_positions(cache, T, n_new)                  # [B, T] each
@@ -65,16 +69,21 @@ def forward(cfg: ModelConfig, params: dict, cache: ModelCache, tokens: jax.Array
     groups = dict(cache.groups)
     rec = groups.get("linear_attention")
     kv = groups.get("full_attention")
-    conv_out, ssm_out, k_out, v_out = [], [], [], []
+    conv_out, ssm_out, k_out, v_out, conv_all, ssm_all = [], [], [], [], [], []
     for i, lp in enumerate(params["layers"]):
         h = rms_norm_zero_centered(x, lp["input_norm"], cfg.rms_norm_eps)
         if cfg.layer_types[i] == "linear_attention":
             s = rec.layer_ids.index(i)
-            h, conv, ssm = gated_deltanet(
+            res = gated_deltanet(
                 lp["gdn"], h, valid, n_new, rec.conv[s], rec.ssm[s],
                 num_k_heads=cfg.linear_num_key_heads, num_v_heads=cfg.linear_num_value_heads,
                 head_k_dim=cfg.linear_key_head_dim, head_v_dim=cfg.linear_value_head_dim,
-                eps=cfg.rms_norm_eps, impl=impl)
+                eps=cfg.rms_norm_eps, impl=impl, fused_recurrent=fused_recurrent,
+                per_token_states=per_token_states)
+            h, conv, ssm = res[:3]
+            if per_token_states:
+                conv_all.append(res[3])
+                ssm_all.append(res[4])
             conv_out.append(conv)
             ssm_out.append(ssm)
         else:
@@ -93,8 +102,12 @@ def forward(cfg: ModelConfig, params: dict, cache: ModelCache, tokens: jax.Array
         groups["linear_attention"] = rec.replace(conv=jnp.stack(conv_out), ssm=jnp.stack(ssm_out))
     if kv is not None:
         groups["full_attention"] = kv.replace(k=jnp.stack(k_out), v=jnp.stack(v_out))
-    return finish_step(cfg, params, cache, groups, x, n_new, final_norm=final_norm, logits_at=logits_at,
-                       hidden=hidden if return_hidden else None)
+    out = finish_step(cfg, params, cache, groups, x, n_new, final_norm=final_norm, logits_at=logits_at,
+                      hidden=hidden if return_hidden else None)
+    if per_token_states:
+        states = {"conv": jnp.stack(conv_all), "ssm": jnp.stack(ssm_all)} if conv_all else {}
+        out = out + (states,)
+    return out
 
 
 def final_norm(cfg: ModelConfig, params: dict, x: jax.Array) -> jax.Array:

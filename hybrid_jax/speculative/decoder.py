@@ -1,0 +1,259 @@
+"""Offline speculative generation: `SpeculativeDecoder(...).generate(prompts, params, eos_ids)`.
+
+The host loop per batch (rows padded to power-of-two buckets, every device step jitted):
+
+  prefill -> first token (sampled like plain decoding)
+  repeat until every row stopped:
+    choose k[b] per row (dynamic K from its acceptance rate, or K), draft up to k[b] tokens
+    if no row has a draft: one on-device chunk of plain decode steps (the K = 0 fallback); the
+        n-gram drafter's proposal is checked against what the chunk produced ("shadow" acceptance),
+        so a request whose text turns repetitive climbs back to K > 0
+    else: ONE target forward over [pending, drafts], acceptance (greedy / rejection sampling) and
+        rollback of the rejected tokens by selection or snapshot + replay
+
+Greedy rows produce exactly the tokens of plain greedy decoding; sampled rows follow the target
+distribution exactly (see acceptance.py). Stop tokens and max_tokens cut the emitted tokens on the host.
+"""
+from __future__ import annotations
+
+import time
+
+import jax.numpy as jnp
+import numpy as np
+
+from hybrid_jax.config import load_config
+from hybrid_jax.errors import InputError
+from hybrid_jax.generate import bucket, make_batch
+from hybrid_jax.models import get_model
+from hybrid_jax.sampling import SamplingParams
+from hybrid_jax.speculative.config import SpeculativeConfig, parse_speculative_config
+from hybrid_jax.speculative.drafters import DraftModelDrafter, NgramDrafter
+from hybrid_jax.speculative.dynamic_k import AcceptanceTracker, choose_k
+from hybrid_jax.speculative.metrics import SpecMetrics
+from hybrid_jax.speculative.verify import TargetSteps
+from hybrid_jax.weights import open_checkpoint
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+def load_draft_model(path: str, dtype: str = "auto"):
+    """Reads a draft checkpoint the loader accepts. Returns (cfg, params, jnp dtype)."""
+    reader = open_checkpoint(path)
+    cfg = load_config(path)
+    dt = _DTYPES[cfg.dtype if dtype == "auto" else dtype]
+    params = get_model(cfg.model_type).convert_hf_weights(cfg, reader.get, reader.has, dt)
+    return cfg, params, dt
+
+
+class SpeculativeDecoder:
+    """Speculative generation for one target model.
+
+    cfg, params, dtype: the target (as LLM holds them); spec_config: a SpeculativeConfig or its
+    vLLM-shaped dict; impl: kernel choice; draft: (cfg, params, dtype) of a draft model, or None to
+    load spec_config.model (method "draft_model"); max_num_seqs: rows per batch."""
+
+    def __init__(self, cfg, params, dtype, spec_config: SpeculativeConfig | dict, impl: str = "auto",
+                 draft=None, max_num_seqs: int = 16):
+        self.spec = parse_speculative_config(spec_config)
+        if self.spec is None:
+            raise InputError("SpeculativeDecoder needs a speculative_config")
+        self.cfg, self.params, self.dtype = cfg, params, dtype
+        self.model = get_model(cfg.model_type)
+        self.steps = TargetSteps(cfg, impl)
+        self.max_num_seqs = max_num_seqs
+        self.ngram = self.drafter = None
+        if self.spec.method == "ngram":
+            self.ngram = NgramDrafter(self.spec.prompt_lookup_min, self.spec.prompt_lookup_max)
+        else:
+            if draft is None:
+                draft = load_draft_model(self.spec.model, self.spec.draft_dtype)
+            dcfg, dparams, ddtype = draft
+            if dcfg.vocab_size != cfg.vocab_size:
+                raise InputError(f"draft model vocabulary ({dcfg.vocab_size}) differs from the target's "
+                                 f"({cfg.vocab_size}); a draft model must share the tokenizer")
+            self.drafter = DraftModelDrafter(dcfg, dparams, ddtype, impl)
+        self.metrics = SpecMetrics()
+
+    # --- public API --------------------------------------------------------------------------------
+    def stats(self) -> dict:
+        """Acceptance rate, mean accepted length (tokens per row-verify, bonus included), draft /
+        verify / fallback-decode / prefill time (s), counters, and the configuration."""
+        d = self.metrics.as_dict()
+        d.update(method=self.spec.method, num_speculative_tokens=self.spec.num_speculative_tokens,
+                 rollback=self.spec.rollback, dynamic_k=self.spec.dynamic_k)
+        return d
+
+    def step_log(self) -> list[tuple[int, int, int, int]]:
+        """(request index, tokens generated before the step, k drafted, k accepted) per row-verify."""
+        return list(self.metrics.log)
+
+    def reset_stats(self):
+        self.metrics = SpecMetrics()
+
+    def generate(self, prompts: list[list[int]], params: list[SamplingParams], eos_ids=(),
+                 seeds: list[int] | None = None) -> list[tuple[list[int], str]]:
+        """prompts: token id lists; params: one SamplingParams per prompt; eos_ids: stop ids added
+        unless ignore_eos; seeds: per-row default seeds for unseeded sampled rows (default 0..n-1).
+        Returns [(token_ids, finish_reason "stop" | "length")] in prompt order."""
+        if not prompts:
+            raise InputError("no prompts given")
+        if len(params) != len(prompts):
+            raise InputError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        for i, p in enumerate(prompts):
+            if len(p) == 0:
+                raise InputError(f"prompt {i} is empty")
+            bad = [t for t in p if not 0 <= int(t) < self.cfg.vocab_size]
+            if bad:
+                raise InputError(f"prompt {i} has token ids outside [0, {self.cfg.vocab_size}): {bad[:5]}")
+        seeds = list(range(len(prompts))) if seeds is None else list(seeds)
+        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+        results: dict[int, tuple[list[int], str]] = {}
+        for s in range(0, len(order), self.max_num_seqs):
+            idx = order[s:s + self.max_num_seqs]
+            res = self._run_batch([list(map(int, prompts[i])) for i in idx], [params[i] for i in idx],
+                                  tuple(eos_ids), [seeds[i] for i in idx], idx)
+            results.update(zip(idx, res))
+        return [results[i] for i in range(len(prompts))]
+
+    # --- one batch ---------------------------------------------------------------------------------
+    def _run_batch(self, prompts, sps, eos_ids, seeds, req_ids):
+        spec, st, m = self.spec, self.steps, self.metrics
+        b = make_batch(prompts, sps, eos_ids, seeds)
+        n, B = len(prompts), b.tokens.shape[0]
+        samp = tuple(jnp.asarray(x) for x in (b.seeds, b.temperature, b.top_k, b.top_p))
+        stop_dev = jnp.asarray(b.stop_ids)
+        t0 = time.perf_counter()
+        cache = self.model.new_cache(self.cfg, B, b.capacity, self.dtype)
+        first, cache = st.prefill(self.params, cache, jnp.asarray(b.tokens), jnp.asarray(b.n_prompt), *samp,
+                                  flags=b.flags)
+        dcache = None
+        if self.drafter is not None:
+            dcache = self.drafter.new_cache(B, b.capacity)
+            dcache = self.drafter.prefill(self.drafter.params, dcache, jnp.asarray(b.tokens), jnp.asarray(b.n_prompt))
+        first = np.asarray(first)
+        m.prefill_time_s += time.perf_counter() - t0
+
+        hist = np.zeros((B, b.capacity + spec.num_speculative_tokens + 1), np.int32)
+        hist[:, :b.tokens.shape[1]] = b.tokens
+        hlen = b.n_prompt.astype(np.int64).copy()
+        stops = [set(r[r >= 0].tolist()) for r in b.stop_ids]
+        out: list[list[int]] = [[] for _ in range(n)]
+        reason = ["length"] * n
+        running = np.zeros((B,), bool)
+        running[:n] = True
+        generated = np.zeros((B,), np.int32)
+        pending = np.zeros((B,), np.int32)
+        catch: list[list[int]] = [[] for _ in range(B)]     # emitted since the draft model's last call
+        tracker = AcceptanceTracker(B, spec.ewma_decay)
+        probe = np.zeros((B,), bool)
+
+        def emit(r, toks):
+            for t in toks:
+                t = int(t)
+                out[r].append(t)
+                hist[r, hlen[r]] = t
+                hlen[r] += 1
+                generated[r] += 1
+                if self.drafter is not None:
+                    catch[r].append(t)
+                pending[r] = t
+                if t in stops[r]:
+                    reason[r], running[r] = "stop", False
+                    return
+                if generated[r] >= b.max_new[r]:
+                    running[r] = False
+                    return
+
+        for r in range(n):
+            emit(r, [first[r]])
+        K = spec.num_speculative_tokens
+        while running.any():
+            rows = np.flatnonzero(running)
+            rem = b.max_new - generated
+            rates = tracker.rate()
+            k_rows = np.zeros((B,), np.int32)
+            proposals, shadow = {}, {}
+            t0 = time.perf_counter()
+            for r in rows:
+                want = choose_k(rates[r], K, spec.draft_cost) if spec.dynamic_k else K
+                if probe[r]:
+                    want, probe[r] = max(want, 1), False
+                want = min(want, int(rem[r]) - 1)
+                if self.ngram is not None:
+                    if want > 0:
+                        proposals[r] = self.ngram.propose(hist[r, :hlen[r]], want)
+                        k_rows[r] = len(proposals[r])
+                    elif spec.dynamic_k and rem[r] > 1:
+                        shadow[r] = self.ngram.propose(hist[r, :hlen[r]], min(K, int(rem[r]) - 1))
+                else:
+                    k_rows[r] = max(want, 0)
+            if self.ngram is not None:
+                m.draft_time_s += time.perf_counter() - t0
+
+            if k_rows.max() == 0:                                   # nobody speculates: plain decode
+                t0 = time.perf_counter()
+                toks, cache = st.decode_chunk(self.params, cache, jnp.asarray(pending), jnp.asarray(running),
+                                              jnp.asarray(generated), jnp.asarray(rem), stop_dev, *samp,
+                                              steps=spec.fallback_steps, flags=b.flags)
+                toks = np.asarray(toks)
+                m.decode_time_s += time.perf_counter() - t0
+                m.fallback_chunks += 1
+                for r in rows:
+                    row = toks[r][toks[r] >= 0]
+                    m.fallback_tokens += len(row)
+                    if r in shadow and len(shadow[r]) and len(row):
+                        p = shadow[r][:len(row)]
+                        tracker.update(r, len(p), int(np.cumprod(p == row[:len(p)]).sum()))
+                    emit(r, row)
+                    probe[r] = self.drafter is not None
+                continue
+
+            Kb = spec.k_bucket(int(k_rows.max()))
+            tokens = np.zeros((B, Kb + 1), np.int32)
+            tokens[:, 0] = pending
+            probs = None
+            if self.ngram is not None:
+                for r, p in proposals.items():
+                    tokens[r, 1:1 + len(p)] = p
+            else:
+                t0 = time.perf_counter()
+                width = bucket(max(len(catch[r]) for r in rows))
+                ct = np.zeros((B, width), np.int32)
+                nc = np.zeros((B,), np.int32)
+                for r in rows:
+                    ct[r, :len(catch[r])] = catch[r]
+                    nc[r] = len(catch[r])
+                    catch[r] = []
+                drafts, probs, dcache = self.drafter.draft(
+                    self.drafter.params, dcache, jnp.asarray(ct), jnp.asarray(nc), samp[0], jnp.asarray(generated),
+                    *samp[1:], k=Kb, flags=b.flags)
+                tokens[:, 1:] = np.asarray(drafts)
+                m.draft_time_s += time.perf_counter() - t0
+            n_fed = np.where(running, 1 + k_rows, 0).astype(np.int32)
+
+            t0 = time.perf_counter()
+            args = (self.params, cache, jnp.asarray(tokens), jnp.asarray(n_fed), jnp.asarray(k_rows), probs,
+                    samp[0], jnp.asarray(generated), *samp[1:])
+            if spec.rollback == "selection":
+                n_acc, out_tok, cache = st.verify_select(*args, flags=b.flags)
+                n_acc = np.asarray(n_acc)
+            else:
+                snapshot = cache                                      # a reference: nothing is copied
+                n_acc, out_tok, vcache, n_keep = st.verify_keep(*args, flags=b.flags)
+                n_acc = np.asarray(n_acc)
+                if np.any(np.asarray(n_keep) < n_fed):
+                    cache = st.replay(self.params, snapshot, args[2], args[3], n_keep, vcache.version)
+                    m.replays += 1
+                else:
+                    cache = vcache
+                del snapshot, vcache
+            out_tok = np.asarray(out_tok)
+            m.verify_time_s += time.perf_counter() - t0
+            m.verify_steps += 1
+            for r in rows:
+                a = int(n_acc[r])
+                if k_rows[r] > 0:
+                    m.record(req_ids[r], int(generated[r]), int(k_rows[r]), a)
+                    tracker.update(r, int(k_rows[r]), a)
+                emit(r, out_tok[r, :a + 1])
+        return [(out[r], reason[r]) for r in range(n)]

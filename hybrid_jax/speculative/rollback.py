@@ -1,0 +1,63 @@
+"""Undoing what a verify step wrote for rejected draft tokens, two ways.
+
+A verify step feeds n_fed[b] = 1 + k[b] tokens per row (the pending token and k drafts) and keeps
+n_keep[b] = 1 + n_accepted[b] of them. Afterwards the cache must be exactly the cache of the kept
+tokens, and nothing rejected may ever be read:
+
+* KV, MLA latent and indexer entries sit at positions >= lengths + n_keep. Resetting `lengths`
+  hides them from every reader (attention masks by position) and the next step overwrites them.
+  The row's `version` is bumped once more when anything was rejected, so a prefix-cache entry
+  recorded against the verify step's version can never validate against the rolled-back row.
+* Recurrent state (Gated DeltaNet state and conv window) is rewritten by every token, so it is
+  restored either by **selection** (`select_states`: the verify forward emitted the state after
+  every position; keep the one after the last kept token) or by **snapshot + replay**
+  (`finish_replay`: the pre-verify cache, kept by reference and never donated, is run again over
+  the kept tokens only).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from cache import ModelCache, RecurrentGroup
+
+
+def _select(per_pos: jax.Array, idx: jax.Array) -> jax.Array:
+    """per_pos [L, B, T, ...]; idx [B] -> [L, B, ...]: position idx[b] of each row."""
+    ix = idx.reshape((1, -1, 1) + (1,) * (per_pos.ndim - 3))
+    return jnp.take_along_axis(per_pos, ix, axis=2)[:, :, 0]
+
+
+def select_states(group: RecurrentGroup, states: dict, n_keep: jax.Array) -> RecurrentGroup:
+    """The recurrent group after the first n_keep[b] fed tokens of each row.
+    group: the verify step's output (its state is after all n_fed tokens); states: {"conv":
+    [L, B, T, W-1, C], "ssm": [L, B, T, HV, K, V]} after every position; n_keep [B] int32
+    (rows with n_keep = 0 fed nothing and keep the group's state as it is)."""
+    idx = jnp.maximum(n_keep - 1, 0)
+    fed = (n_keep > 0)
+    conv = _select(states["conv"], idx)
+    ssm = _select(states["ssm"], idx)
+    conv = jnp.where(fed.reshape(1, -1, 1, 1), conv, group.conv)
+    ssm = jnp.where(fed.reshape(1, -1, 1, 1, 1), ssm, group.ssm)
+    return group.replace(conv=conv.astype(group.conv.dtype), ssm=ssm)
+
+
+def rollback_by_selection(cache: ModelCache, states: dict, old_lengths: jax.Array, n_fed: jax.Array,
+                          n_keep: jax.Array) -> ModelCache:
+    """The verify step's cache cut back to the kept tokens. cache: after the verify forward;
+    states: the forward's per-position recurrent states ({} when the model has none);
+    old_lengths, n_fed, n_keep: [B] int32. Lengths become old_lengths + n_keep; rows that
+    rejected anything get a new version."""
+    groups = dict(cache.groups)
+    for name, g in cache.groups.items():
+        if isinstance(g, RecurrentGroup):
+            groups[name] = select_states(g, states, n_keep)
+    return cache.replace(groups=groups, lengths=old_lengths + n_keep,
+                         version=cache.version + (n_keep < n_fed).astype(jnp.int32))
+
+
+def finish_replay(replayed: ModelCache, verify_version: jax.Array, n_fed: jax.Array,
+                  n_keep: jax.Array) -> ModelCache:
+    """The replayed cache (snapshot + kept tokens) with the version the rollback must carry:
+    the verify step's version [B], plus one where a row rejected anything."""
+    return replayed.replace(version=verify_version + (n_keep < n_fed).astype(jnp.int32))

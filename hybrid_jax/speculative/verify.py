@@ -1,0 +1,129 @@
+"""The target model's jitted steps for speculative decoding, with static bucketed shapes.
+
+  prefill       prompt -> first sampled token + cache                         (cache donated)
+  verify_select [pending, drafts] in ONE forward, per-position recurrent states, acceptance and
+                rollback by selection, all on device                          (cache donated)
+  verify_keep   the same forward and acceptance, the input cache NOT donated: it stays alive as
+                the snapshot for rollback by replay
+  replay        snapshot + the kept tokens through the same token-level kernel (snapshot donated)
+  decode_chunk  up to `steps` plain decode steps in an on-device loop: what a batch runs when no
+                row speculates (dynamic K chose 0), so it costs what plain decoding costs
+
+Verify and replay run the linear-attention layers with the token-level (fused recurrent) kernel,
+numerically the same recurrence a decode step runs, so greedy output matches plain decoding.
+Shapes: B rows (bucketed), T = K + 1 fed positions (K a draft-length bucket), V vocabulary.
+The functions are jitted once at module level with the model config and kernel choice static, so
+every decoder of the same model shares their compiled programs.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from hybrid_jax.models import get_model
+from hybrid_jax.sampling import SamplerFlags, sample
+from hybrid_jax.speculative.acceptance import accept
+from hybrid_jax.speculative.rollback import finish_replay, rollback_by_selection
+
+
+STATIC = ("cfg", "impl", "flags")
+
+
+def _fwd(cfg, impl, params, cache, tokens, n_new, **kw):
+    return get_model(cfg.model_type).forward(cfg, params, cache, tokens, n_new, impl=impl, **kw)
+
+
+@functools.partial(jax.jit, static_argnames=STATIC, donate_argnums=(1,))
+def prefill(params, cache, tokens, n_prompt, seeds, temperature, top_k, top_p, *, cfg, impl, flags: SamplerFlags):
+    """tokens [B, Tp] int32; n_prompt [B]; seeds [B] uint32; temperature, top_p [B] f32; top_k [B] int32.
+    Returns (first token [B] int32, sampled at step 0 like plain decoding, cache)."""
+    logits, cache = _fwd(cfg, impl, params, cache, tokens, n_prompt)
+    keys = jax.vmap(jax.random.key)(seeds)
+    return sample(logits, keys, 0, temperature, top_k, top_p, flags), cache
+
+
+def _verify(params, cache, tokens, n_fed, n_draft, draft_probs, seeds, step, temperature, top_k, top_p, cfg, impl,
+            flags, per_token_states):
+    out = _fwd(cfg, impl, params, cache, tokens, n_fed, logits_at="all", fused_recurrent=True,
+               per_token_states=per_token_states)
+    logits, new = out[0], out[1]
+    keys = jax.vmap(jax.random.key)(seeds)
+    n_acc, out_tok = accept(logits, tokens[:, 1:], draft_probs, n_draft, keys, step, temperature, top_k, top_p, flags)
+    n_keep = jnp.where(n_fed > 0, 1 + n_acc, 0).astype(jnp.int32)
+    return n_acc, out_tok, n_keep, new, (out[2] if per_token_states else None)
+
+
+@functools.partial(jax.jit, static_argnames=STATIC, donate_argnums=(1,))
+def verify_select(params, cache, tokens, n_fed, n_draft, draft_probs, seeds, step, temperature, top_k, top_p, *,
+                  cfg, impl, flags: SamplerFlags):
+    """tokens [B, K+1] int32 = [pending, d_1 .. d_K] (drafts past n_draft[b] are padding);
+    n_fed [B] = 1 + n_draft for running rows, 0 for finished ones; n_draft [B] int32;
+    draft_probs [B, K, V] f32 or None; seeds [B] uint32; step [B] int32 (tokens generated so far);
+    temperature, top_p [B] f32; top_k [B] int32.
+    Returns (n_accepted [B], tokens [B, K+1] (the first n_accepted + 1 are emitted), cache holding
+    exactly the kept tokens)."""
+    old_lengths = cache.lengths
+    n_acc, out_tok, n_keep, new, states = _verify(params, cache, tokens, n_fed, n_draft, draft_probs, seeds, step,
+                                                  temperature, top_k, top_p, cfg, impl, flags, True)
+    return n_acc, out_tok, rollback_by_selection(new, states, old_lengths, n_fed, n_keep)
+
+
+@functools.partial(jax.jit, static_argnames=STATIC)
+def verify_keep(params, cache, tokens, n_fed, n_draft, draft_probs, seeds, step, temperature, top_k, top_p, *,
+                cfg, impl, flags: SamplerFlags):
+    """Same arguments as verify_select; the input cache is not donated (it is the snapshot).
+    Returns (n_accepted [B], tokens [B, K+1], cache after ALL fed tokens, n_keep [B])."""
+    n_acc, out_tok, n_keep, new, _ = _verify(params, cache, tokens, n_fed, n_draft, draft_probs, seeds, step,
+                                             temperature, top_k, top_p, cfg, impl, flags, False)
+    return n_acc, out_tok, new, n_keep
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "impl"), donate_argnums=(1,))
+def replay(params, snapshot, tokens, n_fed, n_keep, verify_version, *, cfg, impl):
+    """snapshot: the pre-verify cache; tokens [B, K+1] the verify step's input; n_fed, n_keep [B];
+    verify_version [B]. Returns the cache holding exactly the kept tokens."""
+    _, new = _fwd(cfg, impl, params, snapshot, tokens, n_keep, fused_recurrent=True)
+    return finish_replay(new, verify_version, n_fed, n_keep)
+
+
+@functools.partial(jax.jit, static_argnames=STATIC + ("steps",), donate_argnums=(1,))
+def decode_chunk(params, cache, pending, running, step, remaining, stop_ids, seeds, temperature, top_k, top_p, *,
+                 cfg, impl, steps: int, flags: SamplerFlags):
+    """Plain decoding, up to `steps` tokens per row, on device. pending [B] int32 (emitted, not yet
+    in the cache); running [B] bool; step [B] int32 (tokens generated so far); remaining [B] int32
+    (tokens the row may still emit); stop_ids [B, S] int32 (-1 padded); seeds, temperature, top_k,
+    top_p [B]. Returns (tokens [B, steps] with -1 once a row stopped, cache)."""
+    B = pending.shape[0]
+    keys = jax.vmap(jax.random.key)(seeds)
+    out = jnp.full((B, steps), -1, jnp.int32)
+    done = ~running | (remaining <= 0)
+
+    def body(state):
+        i, tok, cache, out, done = state
+        logits, cache = _fwd(cfg, impl, params, cache, tok[:, None], (~done).astype(jnp.int32))
+        new = sample(logits, keys, step + i, temperature, top_k, top_p, flags)
+        new = jnp.where(done, -1, new)
+        out = out.at[:, i].set(new)
+        stopped = jnp.any(new[:, None] == stop_ids, axis=-1) | (i + 1 >= remaining)
+        return i + 1, jnp.maximum(new, 0), cache, out, done | stopped
+
+    def cond(state):
+        i, _, _, _, done = state
+        return (i < steps) & ~jnp.all(done)
+
+    _, _, cache, out, _ = jax.lax.while_loop(cond, body, (jnp.int32(0), pending, cache, out, done))
+    return out, cache
+
+
+class TargetSteps:
+    """The steps above bound to one target model: `steps.verify_select(params, cache, ..., flags=...)`."""
+
+    def __init__(self, cfg, impl: str = "auto"):
+        kw = dict(cfg=cfg, impl=impl)
+        self.prefill = functools.partial(prefill, **kw)
+        self.verify_select = functools.partial(verify_select, **kw)
+        self.verify_keep = functools.partial(verify_keep, **kw)
+        self.replay = functools.partial(replay, **kw)
+        self.decode_chunk = functools.partial(decode_chunk, **kw)
