@@ -215,6 +215,16 @@ def touch(state: AllocState, seg_id: int) -> AllocState:
     return _put(state, dataclasses.replace(seg, last_access=state.clock + 1))
 
 
+def touch_many(state: AllocState, seg_ids) -> AllocState:
+    """Marks uses of several segments in the given order (the last one is the most recent)."""
+    d = dict(state.segments)
+    clock = state.clock
+    for sid in seg_ids:
+        clock += 1
+        d[sid] = dataclasses.replace(state.get(sid), last_access=clock)
+    return dataclasses.replace(state, segments=_frozen(d), clock=clock)
+
+
 def evicted_ids(before: AllocState, after: AllocState) -> tuple[int, ...]:
     """Ids live in `before` and freed in `after` (by eviction, abort or pressure), ascending."""
     return tuple(sorted(set(before.segments) - set(after.segments)))

@@ -17,8 +17,7 @@ A request's life with the cache:
                               re-checked inside the compiled load -> release. Returns the boundary
                               the row now holds (0: compute from scratch).
   publish_boundaries(n)       where a prompt of n tokens should stop its prefill chunks so its
-                              state can be published (the retained checkpoints, plus the last LCM
-                              boundary an identical prompt could resume from).
+                              state can be published (the retained checkpoints).
   publish(cache, row, tokens, b)  the row holds exactly tokens[:b]: store the blocks not yet
                               stored and the recurrent checkpoint at b.
 
@@ -96,6 +95,7 @@ class PrefixCache:
         self._load = jax.jit(load_row, donate_argnames=("cache",))
         self.between_check_and_use: Callable[[], None] | None = None    # test hook (a concurrent writer)
         self.lookup_seconds: list[float] = []     # host time of each reuse's lookup + validation
+        self._key_memo: dict = {}
         self.evictions = 0                        # segments freed under cap or pool pressure
         self.retired_checkpoints = 0              # checkpoints the retention policy let go
         self.refused_publishes = 0                # publishes that did not fit under the cap
@@ -123,13 +123,12 @@ class PrefixCache:
         return store
 
     def publish_boundaries(self, num_tokens: int) -> tuple[int, ...]:
-        """Boundaries at which a prompt of `num_tokens` publishes its prefix (ascending)."""
-        lcm = self.geometry.lcm
-        out = set(checkpoint_boundaries(num_tokens, lcm, self.config.checkpoint_interval))
-        same = ((num_tokens - 1) // lcm) * lcm            # where an identical prompt resumes
-        if same > 0:
-            out.add(same)
-        return tuple(sorted(out))
+        """Boundaries at which a prompt of `num_tokens` publishes its prefix (ascending): the retained
+        checkpoints (every interval x LCM, plus the last LCM boundary). A prompt whose length is a
+        multiple of the LCM is not also stopped one block earlier for an identical prompt to resume
+        at: that would cost every such prompt an extra step, and a repeat still resumes at the
+        previous retained boundary."""
+        return checkpoint_boundaries(num_tokens, self.geometry.lcm, self.config.checkpoint_interval)
 
     def _note_once(self, key: str, msg: str):
         if key not in self._noted:
@@ -168,8 +167,7 @@ class PrefixCache:
         if not ok:   # a slot changed between the host's check and the device's read
             return cache, self._miss(HitResult(ok=False, reason="version", hashed=hit.hashed,
                                                detail="a store slot's version changed before the load read it"))
-        for sid in reversed(held):            # first blocks touched last: evicted last
-            self.alloc = A.touch(self.alloc, sid)
+        self.alloc = A.touch_many(self.alloc, reversed(held))   # first blocks touched last: evicted last
         self.stats = self.stats.record(hit)
         return cache, hit.boundary
 
@@ -214,7 +212,7 @@ class PrefixCache:
         tokens = list(tokens[:boundary])
         plan, new = {}, []       # new: (spec, seg id, [(block end, key)])
         for spec in self.specs:
-            keys = chain_keys(tokens, geo.gcd, spec.ctx)
+            keys = self._keys(tokens, spec)
             W = self._width[spec.name]
             src = np.full((W,), -1, np.int32)
             dst = np.full((W,), -1, np.int32)
@@ -242,9 +240,31 @@ class PrefixCache:
             self._slot_version[group][slots] += 1
             self.alloc = A.commit(self.alloc, sid)
             self.index = self.index.insert(IndexEntry(spec.name, spec.kind, key, b, sid))
-        for _, sid, _, _ in reversed(new):     # LRU: a chain's first blocks are the last to go
-            self.alloc = A.touch(self.alloc, sid)
+        self._touch_chain(tokens, boundary)
         self._drop_superseded_checkpoints(tokens, boundary)
+
+    def _touch_chain(self, tokens: list[int], boundary: int):
+        """Marks every stored object of this chain used, tail first, so LRU eviction takes a chain's
+        last blocks before its first ones (without its first blocks a chain is unusable)."""
+        geo = self.geometry
+        ids = []
+        for spec in self.specs:
+            keys = self._keys(tokens, spec)
+            step = geo.lcm if spec.kind is Kind.RECURRENT_STATE else spec.block_size
+            for b in range(boundary - boundary % step, 0, -step):
+                e = self.index.find(spec.name, spec.kind, key_at(keys, geo.gcd, b))
+                if e is not None and e.seg_id in self.alloc.segments:
+                    ids.append(e.seg_id)
+        self.alloc = A.touch_many(self.alloc, ids)
+
+    def _keys(self, tokens: list[int], spec: GroupSpec) -> tuple[str, ...]:
+        """Chain keys of `tokens` for a group, memoised for the publish in progress."""
+        k = (spec.name, len(tokens))
+        if self._key_memo.get("tokens") is not tokens:
+            self._key_memo = {"tokens": tokens}
+        if k not in self._key_memo:
+            self._key_memo[k] = chain_keys(tokens, self.geometry.gcd, spec.ctx)
+        return self._key_memo[k]
 
     def _live(self, spec: GroupSpec, keys, b: int) -> bool:
         e = self.index.find(spec.name, spec.kind, key_at(keys, self.geometry.gcd, b))
@@ -306,7 +326,7 @@ class PrefixCache:
         for spec in self.specs:
             if spec.kind is not Kind.RECURRENT_STATE:
                 continue
-            keys = chain_keys(tokens, self.geometry.gcd, spec.ctx)
+            keys = self._keys(tokens, spec)
             for b in range(lcm, boundary, lcm):
                 if b in keep:
                     continue

@@ -59,6 +59,7 @@ class LLMEngine:
                 dtype=jnp.dtype(llm.dtype).name, block_size=self.config.prefix_block_size,
                 checkpoint_interval=self.config.prefix_checkpoint_interval))
         self._stops: dict[str, tuple[int, ...]] = {}
+        self._pending: list[tuple[int, list[int], int]] = []   # (slot, prompt ids, boundary) to publish
         self.scheduler = Scheduler(max_num_seqs=self.config.max_num_seqs,
                                    max_num_batched_tokens=self.config.max_num_batched_tokens,
                                    bytes_per_token=per_tok, bytes_per_seq=per_seq, byte_cap=cap,
@@ -136,17 +137,25 @@ class LLMEngine:
         return n
 
     def _publish(self, rows):
-        """After a prefill step: rows that just reached one of their publish boundaries store it."""
+        """After a prefill step: rows that just reached one of their publish boundaries queue it. The
+        copy runs at the start of the next step, before anything can change those rows, so the
+        sampled tokens stream out first (publishing never adds to a request's TTFT)."""
         for p in rows:
             q = p.request
             if q.slot is not None and q.num_computed in self._publish_points(q):
-                self.prefix.publish(self.runner.cache, q.slot, q.prompt_ids, q.num_computed)
+                self._pending.append((q.slot, q.prompt_ids, q.num_computed))
+
+    def _flush_publishes(self):
+        for slot, ids, boundary in self._pending:
+            self.prefix.publish(self.runner.cache, slot, ids, boundary)
+        self._pending.clear()
 
     def reset_prefix_cache(self, prefix_cache_bytes: int | None = None):
         """Drops every cached prefix and the counters (optionally with a new store cap); running
         requests keep their rows. The store's programs compile again on next use."""
         if self.prefix is None:
             raise InputError("prefix caching is off: EngineConfig(enable_prefix_caching=True)")
+        self._pending.clear()
         cfg = self.prefix.config
         if prefix_cache_bytes is not None:
             cfg = dataclasses.replace(cfg, cap_bytes=prefix_cache_bytes)
@@ -157,10 +166,13 @@ class LLMEngine:
         bytes per kind and per group); {"enabled": False} when prefix caching is off."""
         if self.prefix is None:
             return {"enabled": False}
+        self._flush_publishes()
         return {"enabled": True, **self.prefix.cache_stats()}
 
     # --- one step ----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        if self._pending:
+            self._flush_publishes()
         plan = self.scheduler.schedule()
         for r in plan.preempted:
             self.metrics.preemptions.inc()

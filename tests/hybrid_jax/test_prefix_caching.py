@@ -162,7 +162,7 @@ def test_no_recompilation_after_warmup(qwen):
     eng = _engine(qwen, max_num_seqs=2, max_num_batched_tokens=8, warmup="minimal", prefix_cache_bytes=40_000)
     eng.warmup()
     n0 = eng.num_compiled()
-    assert eng.prefix.num_compiled() == 2          # save and load, compiled by the warm-up
+    assert eng.prefix.num_compiled() >= 2          # save and load (jit caches are shared across engines)
     prompts = _workload(qwen.config.vocab_size, seed=7, n=6)
     _run(eng, prompts, seed=0)
     st = eng.cache_stats()
