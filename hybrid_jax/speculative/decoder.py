@@ -7,7 +7,8 @@ The host loop per batch (rows padded to power-of-two buckets, every device step 
     choose k[b] per row (dynamic K from its acceptance rate, or K), draft up to k[b] tokens
     if no row has a draft: one on-device chunk of plain decode steps (the K = 0 fallback); the
         n-gram drafter's proposal is checked against what the chunk produced ("shadow" acceptance),
-        so a request whose text turns repetitive climbs back to K > 0
+        so a request whose text turns repetitive climbs back to K > 0; while those checks keep
+        failing, chunks double (up to 4 x fallback_steps) so the host loop costs less and less
     else: ONE target forward over [pending, drafts], acceptance (greedy / rejection sampling) and
         rollback of the rejected tokens by selection or snapshot + replay
 
@@ -33,6 +34,7 @@ from hybrid_jax.speculative.metrics import SpecMetrics
 from hybrid_jax.speculative.verify import TargetSteps
 from hybrid_jax.weights import open_checkpoint
 
+MAX_CHUNK_DOUBLINGS = 2      # fallback chunks grow to at most 4 x fallback_steps
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
@@ -146,6 +148,7 @@ class SpeculativeDecoder:
         catch: list[list[int]] = [[] for _ in range(B)]     # emitted since the draft model's last call
         tracker = AcceptanceTracker(B, spec.ewma_decay)
         probe = np.zeros((B,), bool)
+        quiet = 0          # fallback chunks in a row whose shadow check found nothing: chunks grow
 
         def emit(r, toks):
             for t in toks:
@@ -192,21 +195,27 @@ class SpeculativeDecoder:
 
             if k_rows.max() == 0:                                   # nobody speculates: plain decode
                 t0 = time.perf_counter()
+                n_steps = spec.fallback_steps << min(quiet, MAX_CHUNK_DOUBLINGS)
                 toks, cache = st.decode_chunk(self.params, cache, jnp.asarray(pending), jnp.asarray(running),
-                                              jnp.asarray(generated), jnp.asarray(rem), stop_dev, *samp,
-                                              steps=spec.fallback_steps, flags=b.flags)
+                                              jnp.asarray(generated), jnp.asarray(rem), jnp.int32(n_steps), stop_dev,
+                                              *samp, steps=spec.fallback_steps << MAX_CHUNK_DOUBLINGS, flags=b.flags)
                 toks = np.asarray(toks)
                 m.decode_time_s += time.perf_counter() - t0
                 m.fallback_chunks += 1
+                hit = False
                 for r in rows:
                     row = toks[r][toks[r] >= 0]
                     m.fallback_tokens += len(row)
                     if r in shadow and len(shadow[r]) and len(row):
                         p = shadow[r][:len(row)]
-                        tracker.update(r, len(p), int(np.cumprod(p == row[:len(p)]).sum()))
+                        a = int(np.cumprod(p == row[:len(p)]).sum())
+                        tracker.update(r, len(p), a)
+                        hit |= a > 0
                     emit(r, row)
                     probe[r] = self.drafter is not None
+                quiet = 0 if hit or self.drafter is not None else quiet + 1
                 continue
+            quiet = 0
 
             Kb = spec.k_bucket(int(k_rows.max()))
             tokens = np.zeros((B, Kb + 1), np.int32)
@@ -217,7 +226,7 @@ class SpeculativeDecoder:
                     tokens[r, 1:1 + len(p)] = p
             else:
                 t0 = time.perf_counter()
-                width = bucket(max(len(catch[r]) for r in rows))
+                width = bucket(max(len(catch[r]) for r in rows), spec.num_speculative_tokens + 1)
                 ct = np.zeros((B, width), np.int32)
                 nc = np.zeros((B,), np.int32)
                 for r in rows:

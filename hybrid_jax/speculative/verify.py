@@ -89,12 +89,13 @@ def replay(params, snapshot, tokens, n_fed, n_keep, verify_version, *, cfg, impl
 
 
 @functools.partial(jax.jit, static_argnames=STATIC + ("steps",), donate_argnums=(1,))
-def decode_chunk(params, cache, pending, running, step, remaining, stop_ids, seeds, temperature, top_k, top_p, *,
-                 cfg, impl, steps: int, flags: SamplerFlags):
-    """Plain decoding, up to `steps` tokens per row, on device. pending [B] int32 (emitted, not yet
-    in the cache); running [B] bool; step [B] int32 (tokens generated so far); remaining [B] int32
-    (tokens the row may still emit); stop_ids [B, S] int32 (-1 padded); seeds, temperature, top_k,
-    top_p [B]. Returns (tokens [B, steps] with -1 once a row stopped, cache)."""
+def decode_chunk(params, cache, pending, running, step, remaining, n_steps, stop_ids, seeds, temperature, top_k,
+                 top_p, *, cfg, impl, steps: int, flags: SamplerFlags):
+    """Plain decoding, up to n_steps (a scalar int32 <= the static buffer size `steps`) tokens per
+    row, on device. pending [B] int32 (emitted, not yet in the cache); running [B] bool; step [B]
+    int32 (tokens generated so far); remaining [B] int32 (tokens the row may still emit); stop_ids
+    [B, S] int32 (-1 padded); seeds, temperature, top_k, top_p [B].
+    Returns (tokens [B, steps] with -1 once a row stopped and past n_steps, cache)."""
     B = pending.shape[0]
     keys = jax.vmap(jax.random.key)(seeds)
     out = jnp.full((B, steps), -1, jnp.int32)
@@ -111,7 +112,7 @@ def decode_chunk(params, cache, pending, running, step, remaining, stop_ids, see
 
     def cond(state):
         i, _, _, _, done = state
-        return (i < steps) & ~jnp.all(done)
+        return (i < jnp.minimum(n_steps, steps)) & ~jnp.all(done)
 
     _, _, cache, out, _ = jax.lax.while_loop(cond, body, (jnp.int32(0), pending, cache, out, done))
     return out, cache

@@ -1,0 +1,293 @@
+"""Speculative decoding: exact for stateful models.
+
+* greedy output with speculation is token-identical to plain greedy `LLM.generate`, for Qwen3-Next
+  (Gated DeltaNet + gated attention) and DeepSeek-V3.2 (MLA + indexer) tiny checkpoints, over
+  several prompts (one that quotes itself, so drafts are accepted), batch sizes, K, both rollback
+  modes, dynamic K on and off, n-gram and draft-model drafting;
+* a verify step's cache after rollback (selection and snapshot + replay) equals the cache of plain
+  decode steps over the kept tokens, and the version of a row that rejected anything changes;
+* rejection sampling preserves the target distribution: chi-square goodness-of-fit tests on the
+  probability math directly (vocabulary of 6, 40 000 draws, fixed seed, significance level 0.001);
+* config parsing, the n-gram drafter and the dynamic-K rule, stats().
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats as sps
+
+from conftest import make_checkpoint
+from hybrid_jax import LLM, SamplingParams
+from hybrid_jax.errors import InputError
+from hybrid_jax.models import get_model
+from hybrid_jax.sampling import SamplerFlags
+from hybrid_jax.speculative import SpeculativeDecoder, parse_speculative_config
+from hybrid_jax.speculative import verify
+from hybrid_jax.speculative.acceptance import rejection_sample
+from hybrid_jax.speculative.drafters import NgramDrafter
+from hybrid_jax.speculative.dynamic_k import AcceptanceTracker, choose_k
+
+ALPHA = 0.001            # significance level of the distribution tests
+QWEN = dict(layer_types=["linear_attention", "full_attention"], num_hidden_layers=2, num_experts=0, vocab_size=64)
+DSV32 = dict(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=4, n_group=2,
+             topk_group=1, num_experts_per_tok=2, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8,
+             v_head_dim=12, qk_nope_head_dim=16, index_topk=8, index_head_dim=16, index_n_heads=32,
+             first_k_dense_replace=1, max_position_embeddings=512, eos_token_id=None, bos_token_id=None,
+             pad_token_id=None)
+GREEDY = SamplingParams(temperature=0, max_tokens=24)
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory):
+    return LLM(model=make_checkpoint(tmp_path_factory.mktemp("spec") / "q", seed=3, **QWEN), dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def qwen_draft(tmp_path_factory):
+    """Same shape as `qwen`, other weights: its drafts are partly accepted."""
+    return make_checkpoint(tmp_path_factory.mktemp("spec") / "qd", seed=4, **QWEN)
+
+
+@pytest.fixture(scope="module")
+def dsv32(tmp_path_factory):
+    import torch  # noqa: PLC0415
+    from transformers import DeepseekV32Config, DeepseekV32ForCausalLM  # noqa: PLC0415
+    torch.manual_seed(0)
+    path = str(tmp_path_factory.mktemp("spec") / "ds")
+    DeepseekV32ForCausalLM(DeepseekV32Config(**DSV32)).eval().save_pretrained(path)
+    return LLM(model=path, dtype="float32")
+
+
+def _prompts(vocab, lens, seed=0):
+    rng = np.random.default_rng(seed)
+    out = [rng.integers(0, vocab, n).tolist() for n in lens]
+    out[0] = (out[0] * 4)[:max(lens[0], 12)]     # quotes itself: n-gram drafts get accepted
+    return out
+
+
+_BASELINES: dict = {}
+
+
+def _plain(llm, prompts, sp=GREEDY):
+    """Plain LLM.generate output (memoised: several tests share a baseline)."""
+    key = (id(llm), repr(prompts), repr(sp))
+    if key not in _BASELINES:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp)
+        _BASELINES[key] = [o.outputs[0].token_ids for o in outs]
+    return _BASELINES[key]
+
+
+def _spec(llm, prompts, config, sp=GREEDY, **kw):
+    dec = SpeculativeDecoder(llm.config, llm.params, llm.dtype, config, **kw)
+    return [t for t, _ in dec.generate(prompts, [sp] * len(prompts), llm.eos_token_ids())], dec
+
+
+# The tests share batch buckets, capacities and K where they can, so programs compile once for all.
+LENS = [5, 12, 20]        # 3 prompts: batch bucket 4, prompt bucket 32
+
+
+# --- greedy equality -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("rollback,dynamic,batches", [("selection", False, (LENS, [9])), ("replay", True, (LENS,))])
+def test_qwen3_next_greedy_identical(qwen, rollback, dynamic, batches):
+    cfg = {"method": "ngram", "num_speculative_tokens": 3, "rollback": rollback, "dynamic_k": dynamic}
+    dec = SpeculativeDecoder(qwen.config, qwen.params, qwen.dtype, cfg)
+    for i, lens in enumerate(batches):
+        prompts = _prompts(64, lens, seed=i)
+        assert [t for t, _ in dec.generate(prompts, [GREEDY] * len(prompts))] == _plain(qwen, prompts)
+    s = dec.stats()
+    assert 0 < s["accepted_tokens"] < s["draft_tokens"]           # both acceptance and rollback ran
+    assert (s["replays"] > 0) == (rollback == "replay")
+
+
+@pytest.mark.parametrize("rollback", ["selection", "replay"])
+def test_deepseek_v32_greedy_identical(dsv32, rollback):
+    prompts = _prompts(64, [6, 30], seed=2)       # 30 > index_topk: the indexer really selects
+    got, dec = _spec(dsv32, prompts, {"method": "ngram", "num_speculative_tokens": 3, "rollback": rollback,
+                                      "dynamic_k": False})
+    assert got == _plain(dsv32, prompts)
+    assert 0 < dec.stats()["accepted_tokens"] < dec.stats()["draft_tokens"]
+
+
+def test_draft_model_greedy_identical_and_sampling_runs(qwen, qwen_draft):
+    prompts = _prompts(64, LENS)
+    cfg = {"method": "draft_model", "model": qwen_draft, "num_speculative_tokens": 3, "dynamic_k": False}
+    got, dec = _spec(qwen, prompts, cfg)
+    assert got == _plain(qwen, prompts)
+    s = dec.stats()
+    assert 0 < s["acceptance_rate"] < 1 and s["draft_time_s"] > 0
+    # Sampled rows use the draft's q in rejection sampling; a seed makes the run reproducible.
+    sp = SamplingParams(temperature=0.8, top_k=20, max_tokens=24, seed=7)
+    a, _ = _spec(qwen, prompts, dict(cfg, rollback="replay"), sp=sp)
+    b, _ = _spec(qwen, prompts, dict(cfg, rollback="replay"), sp=sp)
+    assert a == b and all(len(t) == 24 and all(0 <= x < 64 for x in t) for t in a)
+
+
+def test_stop_tokens_and_max_tokens_cut_like_plain(qwen):
+    prompts = _prompts(64, LENS)
+    stop = _plain(qwen, prompts)[0][6]            # a token row 0 emits mid-way
+    sp = SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[stop])
+    got, _ = _spec(qwen, prompts, {"method": "ngram", "num_speculative_tokens": 3, "rollback": "replay"}, sp=sp)
+    assert got == _plain(qwen, prompts, sp)
+    assert got[0][-1] == stop and len(got[0]) <= 7
+
+
+# --- rollback --------------------------------------------------------------------------------------
+
+def _decode_steps(cfg, params, cache, tokens):
+    """Reference: plain single-token decode steps. tokens: list (per row) of token lists."""
+    fwd = jax.jit(lambda c, t, n: get_model(cfg.model_type).forward(cfg, params, c, t, n)[1])
+    for j in range(max(map(len, tokens))):
+        t = jnp.asarray([[r[j] if j < len(r) else 0] for r in tokens], jnp.int32)
+        cache = fwd(cache, t, jnp.asarray([int(j < len(r)) for r in tokens], jnp.int32))
+    return cache
+
+
+def test_rollback_selection_and_replay_equal_plain_decode(qwen):
+    cfg, params = qwen.config, qwen.params
+    prompts = _prompts(64, LENS)
+    cont = _plain(qwen, prompts)
+    # pending = first generated token; drafts: all right / right, wrong, right / wrong (2 drafts);
+    # the 4th row is padding (feeds nothing).
+    drafts = [cont[0][1:4], [cont[1][1], (cont[1][2] + 1) % 64, cont[1][3]], [(cont[2][1] + 1) % 64, cont[2][2], 0]]
+    n_draft = np.array([3, 3, 2, 0], np.int32)
+    n_fed = jnp.asarray([4, 4, 3, 0], jnp.int32)
+    tokens = jnp.asarray([[c[0]] + d for c, d in zip(cont, drafts)] + [[0] * 4], jnp.int32)
+    flags = SamplerFlags(False, False, False)
+    z = jnp.zeros((4,), jnp.int32)
+    seeds, temp, top_p = jnp.zeros((4,), jnp.uint32), jnp.zeros((4,), jnp.float32), jnp.ones((4,), jnp.float32)
+    kw = dict(cfg=cfg, impl="auto")
+
+    def prefilled():          # the same buckets as the decoder's: prompt 32, capacity 32 + 32
+        c = get_model(cfg.model_type).new_cache(cfg, 4, 64, qwen.dtype)
+        t = np.zeros((4, 32), np.int32)
+        for i, p in enumerate(prompts):
+            t[i, :len(p)] = p
+        n = jnp.asarray(LENS + [0], jnp.int32)
+        return verify.prefill(params, c, jnp.asarray(t), n, seeds, temp, z, top_p, flags=flags, **kw)[1]
+
+    args = (tokens, n_fed, jnp.asarray(n_draft), None, seeds, z, temp, z, top_p)
+    base = prefilled()
+    v0 = np.asarray(base.version)
+    n_acc, out, sel = verify.verify_select(params, prefilled(), *args, flags=flags, **kw)
+    assert np.asarray(n_acc)[:3].tolist() == [3, 1, 0]
+    emitted = [np.asarray(out)[i, :a + 1].tolist() for i, a in enumerate([3, 1, 0])]
+    assert emitted == [c[1:a + 2] for c, a in zip(cont, [3, 1, 0])]         # kept drafts, then the target's token
+    n_acc, _, full, n_keep = verify.verify_keep(params, base, *args, flags=flags, **kw)
+    rep = verify.replay(params, base, tokens, n_fed, n_keep, full.version, **kw)
+    ref = _decode_steps(cfg, params, prefilled(), [c[:a + 1] for c, a in zip(cont, [3, 1, 0])] + [[]])
+    for got in (sel, rep):
+        np.testing.assert_array_equal(np.asarray(got.lengths), np.asarray(ref.lengths))
+        # every row that fed tokens got a new version; those that rejected some, a second one
+        np.testing.assert_array_equal(np.asarray(got.version), v0 + np.array([1, 2, 2, 0]))
+        rg, rr = got.groups["linear_attention"], ref.groups["linear_attention"]
+        np.testing.assert_allclose(np.asarray(rg.ssm), np.asarray(rr.ssm), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(rg.conv), np.asarray(rr.conv), rtol=1e-5, atol=1e-6)
+        kg, kr = got.groups["full_attention"], ref.groups["full_attention"]
+        for b, n in enumerate(np.asarray(ref.lengths)):       # live slots equal; rejected ones are past lengths
+            np.testing.assert_allclose(np.asarray(kg.k[:, b, :n]), np.asarray(kr.k[:, b, :n]), rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(np.asarray(kg.v[:, b, :n]), np.asarray(kr.v[:, b, :n]), rtol=1e-5, atol=1e-6)
+
+
+# --- rejection sampling preserves the target distribution --------------------------------------------
+
+def _chi2_p(samples, probs):
+    counts = np.bincount(samples, minlength=len(probs))
+    probs = np.asarray(probs, np.float64)
+    keep = probs > 0
+    assert counts[~keep].sum() == 0, "a token of probability 0 was drawn"
+    expected = probs[keep] / probs[keep].sum() * counts.sum()
+    return sps.chisquare(counts[keep], expected * (counts.sum() / expected.sum())).pvalue
+
+
+@pytest.mark.parametrize("drafter", ["draft_model", "ngram"])
+def test_rejection_sampling_preserves_target_distribution(drafter):
+    N, V, K = 40_000, 6, 2
+    rng = np.random.default_rng(0)
+    p = rng.dirichlet(np.ones(V), size=K + 1).astype(np.float32)            # target, per position
+    p[0, 5] = 0.0                                                            # a token the target never emits
+    p /= p.sum(-1, keepdims=True)
+    if drafter == "draft_model":
+        q = rng.dirichlet(np.ones(V), size=K).astype(np.float32)
+        draft = np.stack([rng.choice(V, size=N, p=q[j] / q[j].sum()) for j in range(K)], 1).astype(np.int32)
+        q_arr = jnp.broadcast_to(jnp.asarray(q), (N, K, V))
+    else:       # a deterministic drafter always proposing the same tokens: q is one-hot
+        draft = np.tile(np.argmax(p[:K], axis=-1).astype(np.int32)[None], (N, 1))
+        q_arr = None
+    keys = jax.vmap(jax.random.key)(jnp.arange(N, dtype=jnp.uint32))
+    n_acc, out = jax.jit(rejection_sample)(jnp.broadcast_to(jnp.asarray(p), (N, K + 1, V)), jnp.asarray(draft),
+                                           q_arr, jnp.full((N,), K, jnp.int32), keys, jnp.zeros((N,), jnp.int32))
+    n_acc, out = np.asarray(n_acc), np.asarray(out)
+    assert _chi2_p(out[:, 0], p[0]) > ALPHA                                  # first token ~ p_0
+    second = n_acc >= 1                                                      # draft 1 kept: next token ~ p_1
+    assert second.sum() > 1000 and _chi2_p(out[second, 1], p[1]) > ALPHA
+    third = n_acc >= 2                                                       # both kept: bonus ~ p_2
+    assert third.sum() > 500 and _chi2_p(out[third, 2], p[2]) > ALPHA
+    # The test has power: the draft's own distribution is rejected as the first token's law.
+    wrong = (q[0] if drafter == "draft_model" else np.eye(V)[draft[0, 0]]).astype(np.float64) + 1e-3
+    assert _chi2_p(out[:, 0], wrong / wrong.sum()) < ALPHA
+
+
+# --- pieces ----------------------------------------------------------------------------------------
+
+def test_parse_speculative_config(tmp_path):
+    c = parse_speculative_config({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3})
+    assert (c.method, c.num_speculative_tokens, c.prompt_lookup_max, c.rollback, c.dynamic_k) == \
+        ("ngram", 4, 3, "selection", True)
+    assert c.k_buckets() == (1, 2, 4) and c.k_bucket(3) == 4
+    assert parse_speculative_config({"method": "draft_model", "model": str(tmp_path), "num_speculative_tokens": 2,
+                                     "rollback": "replay"}).model == str(tmp_path)
+    assert parse_speculative_config(None) is None
+
+
+@pytest.mark.parametrize("bad,words", [
+    ({"method": "medusa", "num_speculative_tokens": 2}, "method"),
+    ({"method": "ngram"}, "num_speculative_tokens"),
+    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5, "prompt_lookup_max": 2},
+     "prompt_lookup_min"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "rollback": "undo"}, "rollback"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "dynamic_k": "yes"}, "dynamic_k"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "speed": 9}, "unknown keys"),
+    ({"method": "draft_model", "num_speculative_tokens": 2}, "model"),
+    ({"method": "draft_model", "model": "/no/such/dir", "num_speculative_tokens": 2}, "/no/such/dir"),
+    ("ngram", "dict"),
+])
+def test_bad_speculative_config_names_the_problem(bad, words):
+    with pytest.raises(InputError, match=words):
+        parse_speculative_config(bad)
+
+
+def test_ngram_drafter():
+    d = NgramDrafter(1, 3)
+    h = np.array([5, 1, 2, 3, 9, 1, 2, 3, 7, 8, 1, 2])
+    assert d.propose(h, 2).tolist() == [3, 7]           # longest suffix (1, 2) most recently followed by 3, 7
+    assert d.propose(np.array([4, 6, 4, 6]), 5).tolist() == [4, 6, 4, 6, 4]   # reads on through a short loop
+    assert d.propose(np.array([1, 2, 3]), 3).size == 0  # nothing recurs
+    assert NgramDrafter(2, 3).propose(np.array([1, 9, 3, 1]), 2).size == 0   # only a 1-gram recurs
+
+
+def test_dynamic_k_follows_acceptance():
+    assert choose_k(0.0, 4, 0.25) == 0 and choose_k(0.99, 4, 0.25) == 4
+    ks = [choose_k(a, 8, 0.25) for a in np.linspace(0, 0.99, 12)]
+    assert ks == sorted(ks) and ks[0] == 0 and ks[-1] == 8
+    t = AcceptanceTracker(2, decay=0.5)
+    for _ in range(6):
+        t.update(0, 4, 4)           # row 0: every draft accepted
+        t.update(1, 4, 0)           # row 1: every draft rejected
+    r = t.rate()
+    assert r[0] > 0.9 and r[1] < 0.1
+
+
+def test_dynamic_k_falls_back_to_plain_decode_on_non_repetitive_text(qwen):
+    prompts = [np.random.default_rng(9).integers(0, 64, 8).tolist()]
+    got, dec = _spec(qwen, prompts, {"method": "ngram", "num_speculative_tokens": 3})
+    assert got == _plain(qwen, prompts)
+    s = dec.stats()
+    assert s["fallback_tokens"] > 0 and s["fallback_chunks"] >= 2
+    assert set(s) >= {"acceptance_rate", "mean_accepted_length", "draft_time_s", "verify_time_s"}
+    log = dec.step_log()
+    assert all(0 <= a <= k for _, _, k, a in log) and len(log) == s["row_verifies"]
