@@ -80,6 +80,12 @@ def _add_engine_args(p: argparse.ArgumentParser):
     p.add_argument("--warmup", default="minimal", choices=["none", "minimal", "all"])
     p.add_argument("--compilation-cache-dir", default=None,
                    help="JAX persistent compilation cache (default: a per-user cache dir; 'none' disables)")
+    p.add_argument("--enable-prefix-caching", action="store_true",
+                   help="reuse validated cached prefixes across requests (every layer type)")
+    p.add_argument("--prefix-block-size", type=int, default=64, help="tokens per cached full-KV block")
+    p.add_argument("--prefix-checkpoint-interval", type=int, default=8,
+                   help="keep a recurrent-state checkpoint every INTERVAL blocks (plus the last)")
+    p.add_argument("--prefix-cache-bytes", type=int, default=None, help="cap on the prefix store's bytes")
 
 
 def _engine_config(args):
@@ -89,7 +95,10 @@ def _engine_config(args):
     ccd = None if ccd == "none" else (ccd or default_compilation_cache_dir())
     return EngineConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                         max_model_len=args.max_model_len, decode_steps=args.decode_steps,
-                        kv_cache_bytes=args.kv_cache_bytes, warmup=args.warmup, compilation_cache_dir=ccd)
+                        kv_cache_bytes=args.kv_cache_bytes, warmup=args.warmup, compilation_cache_dir=ccd,
+                        enable_prefix_caching=args.enable_prefix_caching, prefix_block_size=args.prefix_block_size,
+                        prefix_checkpoint_interval=args.prefix_checkpoint_interval,
+                        prefix_cache_bytes=args.prefix_cache_bytes)
 
 
 def _serve(args) -> int:

@@ -32,3 +32,12 @@ def test_align_reports_every_layer_and_agrees(tiny_checkpoint, capsys):
     assert main(["align", "--model", tiny_checkpoint, "--tokens", "1,2,3,4,5,6,7,8"]) == 0
     out = capsys.readouterr().out
     assert "layer 2 (linear_attention)" in out and "all stages agree" in out
+
+
+def test_serve_prefix_caching_options_reach_the_engine_config():
+    from hybrid_jax.cli import _engine_config, build_parser  # noqa: PLC0415
+    args = build_parser().parse_args(["serve", "--enable-prefix-caching", "--prefix-block-size", "32",
+                                      "--prefix-cache-bytes", "1000000", "--compilation-cache-dir", "none"])
+    cfg = _engine_config(args)
+    assert (cfg.enable_prefix_caching, cfg.prefix_block_size, cfg.prefix_cache_bytes) == (True, 32, 1_000_000)
+    assert not _engine_config(build_parser().parse_args(["serve"])).enable_prefix_caching
