@@ -9,8 +9,8 @@ plus this project's options:
                reference, restored on rejection, and the accepted tokens are run through again);
   "dynamic_k": true (default) picks each request's draft length in [0, K] from its running
                acceptance rate; K = 0 for every row falls back to plain on-device decode chunks.
-  "fallback_steps": tokens per plain decode chunk when no row speculates (default 8; doubled, up
-               to 4x, while the n-gram drafts checked against those chunks keep failing).
+  "fallback_steps": tokens per plain decode chunk when no row speculates (default 8; grown 4x, up
+               to 16x, while the n-gram drafts checked against those chunks keep failing).
   "draft_cost": the cost of one more verified draft token relative to a decode step, used by the
                dynamic-K choice (default 0.25).
   "ewma_decay": weight of the past in the running acceptance rate (default 0.8).

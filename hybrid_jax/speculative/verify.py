@@ -100,21 +100,26 @@ def decode_chunk(params, cache, pending, running, step, remaining, n_steps, stop
     keys = jax.vmap(jax.random.key)(seeds)
     out = jnp.full((B, steps), -1, jnp.int32)
     done = ~running | (remaining <= 0)
+    # Laid out like Generator's decode loop (logits carried, the forward last in the body): XLA
+    # runs this form as fast as plain decoding; a forward-first body was ~10% slower on CPU.
+    logits, cache = _fwd(cfg, impl, params, cache, pending[:, None], (~done).astype(jnp.int32))
 
     def body(state):
-        i, tok, cache, out, done = state
-        logits, cache = _fwd(cfg, impl, params, cache, tok[:, None], (~done).astype(jnp.int32))
-        new = sample(logits, keys, step + i, temperature, top_k, top_p, flags)
-        new = jnp.where(done, -1, new)
+        i, logits, cache, out, done = state
+        new = jnp.where(done, -1, sample(logits, keys, step + i, temperature, top_k, top_p, flags))
         out = out.at[:, i].set(new)
-        stopped = jnp.any(new[:, None] == stop_ids, axis=-1) | (i + 1 >= remaining)
-        return i + 1, jnp.maximum(new, 0), cache, out, done | stopped
+        done = done | jnp.any(new[:, None] == stop_ids, axis=-1) | (i + 1 >= remaining) | (i + 1 >= n_steps)
+        # The chunk's last token stays pending (it opens the next verify window): no forward for it.
+        logits, cache = jax.lax.cond(
+            jnp.all(done), lambda: (logits, cache),
+            lambda: _fwd(cfg, impl, params, cache, jnp.maximum(new, 0)[:, None], (~done).astype(jnp.int32)))
+        return i + 1, logits, cache, out, done
 
     def cond(state):
         i, _, _, _, done = state
-        return (i < jnp.minimum(n_steps, steps)) & ~jnp.all(done)
+        return (i < steps) & ~jnp.all(done)
 
-    _, _, cache, out, _ = jax.lax.while_loop(cond, body, (jnp.int32(0), pending, cache, out, done))
+    _, _, cache, out, _ = jax.lax.while_loop(cond, body, (jnp.int32(0), logits, cache, out, done))
     return out, cache
 
 

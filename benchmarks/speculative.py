@@ -1,0 +1,173 @@
+"""Speculative decoding, side by side in one run (n-gram prompt-lookup drafting):
+
+  1. tokens/s with and without speculation on a repetitive workload (the continuation copies text
+     the prompt already holds) and on a non-repetitive one (random prompts), greedy, with the
+     outputs checked token-identical to plain greedy decoding; targets >= 2x and >= 0.95x;
+  2. rollback by selection vs snapshot + replay: time, and the extra device memory each needs;
+  3. the cost of taking a snapshot as the cache grows (a reference: flat) next to a deep copy.
+
+The model: the shared tiny Qwen3-Next architecture (benchmarks/tiny_qwen3_next.py: 3 Gated
+DeltaNet + 1 gated attention layer, MoE), random weights, except that its embeddings are scaled
+up and its LM head is rewired so that greedy decoding walks one fixed cycle through the whole
+vocabulary (token t -> sigma(t)). An untrained model never repeats itself, so this is how the
+repetitive workload gets text whose continuation is already in the context: its prompts quote the
+stretch of the cycle the model is about to produce (as code editing re-emits code it was given),
+while the non-repetitive prompts are random tokens, whose continuation has not been seen. Every
+layer still runs at full cost; only what the tokens are changed.
+
+    python benchmarks/speculative.py [--max-tokens 256] [--k 16] [--batch 1]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import time
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from tiny_qwen3_next import CONFIG  # noqa: E402
+
+from hybrid_jax import LLM, SamplingParams  # noqa: E402
+from hybrid_jax.sampling import SamplerFlags  # noqa: E402
+from hybrid_jax.speculative import SpeculativeDecoder  # noqa: E402
+from hybrid_jax.speculative import verify  # noqa: E402
+
+
+def write_cycle_checkpoint(path: str, seed: int = 0) -> np.ndarray:
+    """The tiny Qwen3-Next with its greedy next token rewired to sigma(t), one cycle over tokens
+    1 .. V-1 (token 0 is padding). Returns the cycle order [V-1]."""
+    import torch  # noqa: PLC0415
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM  # noqa: PLC0415
+    torch.manual_seed(seed)
+    model = Qwen3NextForCausalLM(Qwen3NextConfig(**CONFIG)).eval()
+    V = CONFIG["vocab_size"]
+    order = np.random.default_rng(seed).permutation(np.arange(1, V))
+    with torch.no_grad():
+        E = model.model.embed_tokens.weight
+        E.mul_(1.0 / E[1:].std())                            # embeddings dominate the residual stream
+        W = torch.zeros_like(model.lm_head.weight)           # [V, Hd]
+        nxt = np.roll(order, -1)
+        W[torch.as_tensor(nxt)] = E[torch.as_tensor(order)] / E[torch.as_tensor(order)].norm(dim=1, keepdim=True)
+        model.lm_head.weight.copy_(8.0 * W)
+    model.save_pretrained(path)
+    return order
+
+
+def timed(fn, repeats=3):
+    """Best-of-`repeats` wall time of fn() (after one warm-up call) and its result."""
+    res = fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        res = fn()
+        best = min(best, time.perf_counter() - t0)
+    return best, res
+
+
+def workloads(order, n_req, rng):
+    V = CONFIG["vocab_size"]
+    pos = {int(t): i for i, t in enumerate(order)}
+    rep = []
+    for _ in range(n_req):      # a 320-token stretch of the cycle, then its first 16 tokens again
+        s = int(rng.integers(0, len(order)))
+        walk = [int(order[(s + i) % len(order)]) for i in range(320)]
+        rep.append(walk + walk[:16])
+    rnd = [rng.integers(1, V, 64).tolist() for _ in range(n_req)]
+    return {"repetitive": rep, "non-repetitive": rnd}, pos
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--k", type=int, default=16)
+    ap.add_argument("--batch", type=int, default=1)
+    args = ap.parse_args()
+    tmp = tempfile.mkdtemp()
+    order = write_cycle_checkpoint(tmp)
+    llm = LLM(model=tmp, dtype="float32")
+    sp = SamplingParams(temperature=0, max_tokens=args.max_tokens)
+    rng = np.random.default_rng(1)
+    wls, _ = workloads(order, args.batch, rng)
+    print(f"jax {jax.__version__} on {jax.devices()[0].platform}; model: tiny Qwen3-Next (3 GDN + 1 attention, "
+          f"MoE, vocab {CONFIG['vocab_size']}), cycle-rewired LM head (see the docstring); greedy, batch "
+          f"{args.batch}, {args.max_tokens} new tokens per request, n-gram drafting K <= {args.k}")
+
+    print("\n1. tokens/s, plain vs speculative (best of 3 after a warm-up; outputs compared token by token)")
+    print(f"   {'workload':<15} {'plain tok/s':>11} {'spec tok/s':>10} {'ratio':>6} {'identical':>9} "
+          f"{'accept':>6} {'tok/verify':>10} {'verify/fallback tokens':>22}")
+    decs = {}
+    for name, prompts in wls.items():
+        t_plain, base = timed(lambda: [o.outputs[0].token_ids for o in
+                                       llm.generate([{"prompt_token_ids": p} for p in prompts], sp)])
+        dec = SpeculativeDecoder(llm.config, llm.params, llm.dtype,
+                                 {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": 4})
+        decs[name] = dec
+        dec.generate(prompts, [sp] * len(prompts))          # warm-up: compiles every bucket this run visits
+        dec.reset_stats()
+        t_spec, got = timed(lambda: [t for t, _ in dec.generate(prompts, [sp] * len(prompts))])
+        n = sum(len(t) for t in base)
+        s = dec.stats()
+        verify_tok = s["emitted_tokens"]
+        print(f"   {name:<15} {n / t_plain:>11.1f} {n / t_spec:>10.1f} {t_plain / t_spec:>5.2f}x "
+              f"{str(got == base):>9} {s['acceptance_rate']:>6.2f} {s['mean_accepted_length']:>10.2f} "
+              f"{verify_tok:>11d}/{s['fallback_tokens']:<10d}")
+    print("   (ratio = plain time / speculative time; 'tok/verify' = tokens emitted per row-verify, bonus included;"
+          "\n    the last column counts tokens over 4 runs: emitted by verify steps / by plain fallback chunks)")
+
+    print("\n2. rollback by selection vs snapshot + replay (repetitive workload, then non-repetitive)")
+    for name, prompts in wls.items():
+        row = []
+        for mode in ("selection", "replay"):
+            dec = SpeculativeDecoder(llm.config, llm.params, llm.dtype,
+                                     {"method": "ngram", "num_speculative_tokens": args.k, "rollback": mode})
+            dec.generate(prompts, [sp] * len(prompts))
+            dec.reset_stats()
+            t, got = timed(lambda: [t for t, _ in dec.generate(prompts, [sp] * len(prompts))])
+            row.append((mode, t, dec.stats()))
+        (_, ts, ss), (_, tr, sr) = row
+        print(f"   {name:<15} selection {ts * 1e3:7.1f} ms   replay {tr * 1e3:7.1f} ms   replay/selection "
+              f"{tr / ts:4.2f}x   replays {sr['replays'] // 4} per run of {sr['verify_steps'] // 4} verify steps")
+    memory(llm, args.k)
+
+    print("\n3. snapshot cost as the cache grows (batch 4): a snapshot is a reference to the old pytree")
+    print(f"   {'capacity':>8} {'cache MiB':>9} {'snapshot (ref) us':>17} {'deep copy us':>12}")
+    for cap in (256, 1024, 4096, 16384):
+        cache = llm.new_cache(4, cap)
+        jax.block_until_ready(cache)
+        mib = sum(x.nbytes for x in jax.tree_util.tree_leaves(cache)) / 2**20
+        t_ref, _ = timed(lambda: [cache for _ in range(1000)][-1], repeats=5)
+        t_copy, _ = timed(lambda: jax.block_until_ready(jax.tree_util.tree_map(jnp.copy, cache)), repeats=5)
+        print(f"   {cap:>8} {mib:>9.2f} {t_ref / 1000 * 1e6:>17.3f} {t_copy * 1e6:>12.1f}")
+
+
+def memory(llm, k):
+    """Device memory a verify step needs beyond plain decoding, per rollback mode (XLA's own
+    accounting of the compiled programs: outputs + temporaries, minus donated/aliased buffers)."""
+    B, cap = 4, 1024
+    flags = SamplerFlags(False, False, False)
+    z = jnp.zeros((B,), jnp.int32)
+    args = (llm.params, llm.new_cache(B, cap), jnp.zeros((B, k + 1), jnp.int32), z + k + 1, z + k, None,
+            jnp.zeros((B,), jnp.uint32), z, jnp.zeros((B,), jnp.float32), z, jnp.ones((B,), jnp.float32))
+    kw = dict(cfg=llm.config, impl="auto", flags=flags)
+
+    def extra(fn, *a, **k2):
+        m = fn.lower(*a, **k2).compile().memory_analysis()
+        if m is None:
+            return float("nan")
+        return (m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes) / 2**20
+
+    cache_mib = sum(x.nbytes for x in jax.tree_util.tree_leaves(args[1])) / 2**20
+    sel = extra(verify.verify_select, *args, **kw)
+    keep = extra(verify.verify_keep, *args, **kw)
+    rep = extra(verify.replay, llm.params, args[1], args[2], args[3], args[3], z, cfg=llm.config, impl="auto")
+    print(f"   memory (batch {B}, capacity {cap}, K {k}; cache {cache_mib:.2f} MiB): new device bytes per verify step "
+          f"selection {sel:.2f} MiB (cache donated; per-position states are temporaries), replay "
+          f"{keep:.2f} MiB verify (snapshot kept, so the whole cache is written anew) + {rep:.2f} MiB replay")
+
+
+if __name__ == "__main__":
+    main()
