@@ -96,19 +96,19 @@ def main():
           f"MoE, vocab {CONFIG['vocab_size']}), cycle-rewired LM head (see the docstring); greedy, batch "
           f"{args.batch}, {args.max_tokens} new tokens per request, n-gram drafting K <= {args.k}")
 
-    print("\n1. tokens/s, plain vs speculative (best of 3 after a warm-up; outputs compared token by token)")
+    print("\n1. tokens/s, plain vs speculative (best of 5 after a warm-up; outputs compared token by token)")
     print(f"   {'workload':<15} {'plain tok/s':>11} {'spec tok/s':>10} {'ratio':>6} {'identical':>9} "
           f"{'accept':>6} {'tok/verify':>10} {'verify/fallback tokens':>22}")
     decs = {}
     for name, prompts in wls.items():
         t_plain, base = timed(lambda: [o.outputs[0].token_ids for o in
-                                       llm.generate([{"prompt_token_ids": p} for p in prompts], sp)])
+                                       llm.generate([{"prompt_token_ids": p} for p in prompts], sp)], repeats=5)
         dec = SpeculativeDecoder(llm.config, llm.params, llm.dtype,
                                  {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": 4})
         decs[name] = dec
         dec.generate(prompts, [sp] * len(prompts))          # warm-up: compiles every bucket this run visits
         dec.reset_stats()
-        t_spec, got = timed(lambda: [t for t, _ in dec.generate(prompts, [sp] * len(prompts))])
+        t_spec, got = timed(lambda: [t for t, _ in dec.generate(prompts, [sp] * len(prompts))], repeats=5)
         n = sum(len(t) for t in base)
         s = dec.stats()
         verify_tok = s["emitted_tokens"]
@@ -116,7 +116,7 @@ def main():
               f"{str(got == base):>9} {s['acceptance_rate']:>6.2f} {s['mean_accepted_length']:>10.2f} "
               f"{verify_tok:>11d}/{s['fallback_tokens']:<10d}")
     print("   (ratio = plain time / speculative time; 'tok/verify' = tokens emitted per row-verify, bonus included;"
-          "\n    the last column counts tokens over 4 runs: emitted by verify steps / by plain fallback chunks)")
+          "\n    the last column counts tokens over the 6 runs: emitted by verify steps / by plain fallback chunks)")
 
     print("\n2. rollback by selection vs snapshot + replay (repetitive workload, then non-repetitive)")
     for name, prompts in wls.items():
@@ -145,28 +145,32 @@ def main():
 
 
 def memory(llm, k):
-    """Device memory a verify step needs beyond plain decoding, per rollback mode (XLA's own
-    accounting of the compiled programs: outputs + temporaries, minus donated/aliased buffers)."""
-    B, cap = 4, 1024
+    """Device memory a verify step allocates beyond its inputs, per rollback mode, from XLA's own
+    accounting of the compiled programs (outputs + temporaries - outputs aliased to donated inputs)."""
+    B = 4
     flags = SamplerFlags(False, False, False)
     z = jnp.zeros((B,), jnp.int32)
-    args = (llm.params, llm.new_cache(B, cap), jnp.zeros((B, k + 1), jnp.int32), z + k + 1, z + k, None,
-            jnp.zeros((B,), jnp.uint32), z, jnp.zeros((B,), jnp.float32), z, jnp.ones((B,), jnp.float32))
-    kw = dict(cfg=llm.config, impl="auto", flags=flags)
+    kw = dict(cfg=llm.config, impl="auto")
 
-    def extra(fn, *a, **k2):
+    def new_bytes(fn, *a, **k2):
         m = fn.lower(*a, **k2).compile().memory_analysis()
         if m is None:
             return float("nan")
         return (m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes) / 2**20
 
-    cache_mib = sum(x.nbytes for x in jax.tree_util.tree_leaves(args[1])) / 2**20
-    sel = extra(verify.verify_select, *args, **kw)
-    keep = extra(verify.verify_keep, *args, **kw)
-    rep = extra(verify.replay, llm.params, args[1], args[2], args[3], args[3], z, cfg=llm.config, impl="auto")
-    print(f"   memory (batch {B}, capacity {cap}, K {k}; cache {cache_mib:.2f} MiB): new device bytes per verify step "
-          f"selection {sel:.2f} MiB (cache donated; per-position states are temporaries), replay "
-          f"{keep:.2f} MiB verify (snapshot kept, so the whole cache is written anew) + {rep:.2f} MiB replay")
+    print(f"   memory (batch {B}, K {k}): MiB a verify step allocates (both include the attention's temporaries over"
+          f"\n   the whole capacity); selection adds per-position states (scale with K), replay a whole new cache"
+          f"\n   (the snapshot is kept, so the verify cannot write in place: scales with the cache)")
+    print(f"   {'capacity':>8} {'cache MiB':>9} {'selection':>9} {'replay: verify':>14} {'+ replay step':>13}")
+    for cap in (1024, 16384):
+        cache = llm.new_cache(B, cap)
+        args = (llm.params, cache, jnp.zeros((B, k + 1), jnp.int32), jnp.stack([z + k + 1, z + k, z]), None,
+                jnp.zeros((B,), jnp.uint32), jnp.zeros((B,), jnp.float32), z, jnp.ones((B,), jnp.float32))
+        mib = sum(x.nbytes for x in jax.tree_util.tree_leaves(cache)) / 2**20
+        sel = new_bytes(verify.verify_select, *args, flags=flags, **kw)
+        keep = new_bytes(verify.verify_keep, *args, flags=flags, **kw)
+        rep = new_bytes(verify.replay, llm.params, cache, args[2], args[3], z + k + 1, z, **kw)
+        print(f"   {cap:>8} {mib:>9.2f} {sel:>9.2f} {keep:>14.2f} {rep:>13.2f}")
 
 
 if __name__ == "__main__":

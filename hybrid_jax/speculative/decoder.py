@@ -138,7 +138,7 @@ class SpeculativeDecoder:
         hist = np.zeros((B, b.capacity + spec.num_speculative_tokens + 1), np.int32)
         hist[:, :b.tokens.shape[1]] = b.tokens
         hlen = b.n_prompt.astype(np.int64).copy()
-        stops = [set(r[r >= 0].tolist()) for r in b.stop_ids]
+        stop_arr = [r[r >= 0] for r in b.stop_ids]
         out: list[list[int]] = [[] for _ in range(n)]
         reason = ["length"] * n
         running = np.zeros((B,), bool)
@@ -151,21 +151,24 @@ class SpeculativeDecoder:
         quiet = 0          # fallback chunks in a row whose shadow check found nothing: chunks grow
 
         def emit(r, toks):
-            for t in toks:
-                t = int(t)
-                out[r].append(t)
-                hist[r, hlen[r]] = t
-                hlen[r] += 1
-                generated[r] += 1
-                if self.drafter is not None:
-                    catch[r].append(t)
-                pending[r] = t
-                if t in stops[r]:
-                    reason[r], running[r] = "stop", False
-                    return
-                if generated[r] >= b.max_new[r]:
-                    running[r] = False
-                    return
+            """Appends tokens [n] to row r, cut after a stop token or at max_tokens."""
+            toks = np.asarray(toks, np.int32)
+            cut = min(len(toks), int(b.max_new[r] - generated[r]))
+            hits = np.flatnonzero(np.isin(toks[:cut], stop_arr[r]))
+            if hits.size:
+                cut = int(hits[0]) + 1
+                reason[r], running[r] = "stop", False
+            toks = toks[:cut]
+            out[r].extend(toks.tolist())
+            hist[r, hlen[r]:hlen[r] + cut] = toks
+            hlen[r] += cut
+            generated[r] += cut
+            if cut:
+                pending[r] = toks[-1]
+            if self.drafter is not None:
+                catch[r].extend(toks.tolist())
+            if generated[r] >= b.max_new[r]:
+                running[r] = False
 
         for r in range(n):
             emit(r, [first[r]])
@@ -196,9 +199,9 @@ class SpeculativeDecoder:
             if k_rows.max() == 0:                                   # nobody speculates: plain decode
                 t0 = time.perf_counter()
                 n_steps = spec.fallback_steps * min(4 ** quiet, MAX_CHUNK_GROWTH)
-                toks, cache = st.decode_chunk(self.params, cache, jnp.asarray(pending), jnp.asarray(running),
-                                              jnp.asarray(generated), jnp.asarray(rem), jnp.int32(n_steps), stop_dev,
-                                              *samp, steps=spec.fallback_steps * MAX_CHUNK_GROWTH, flags=b.flags)
+                host = np.stack([pending, running, generated, rem, np.full((B,), n_steps)]).astype(np.int32)
+                toks, cache = st.decode_chunk(self.params, cache, jnp.asarray(host), stop_dev, *samp,
+                                              steps=spec.fallback_steps * MAX_CHUNK_GROWTH, flags=b.flags)
                 toks = np.asarray(toks)
                 m.decode_time_s += time.perf_counter() - t0
                 m.fallback_chunks += 1
@@ -241,8 +244,8 @@ class SpeculativeDecoder:
             n_fed = np.where(running, 1 + k_rows, 0).astype(np.int32)
 
             t0 = time.perf_counter()
-            args = (self.params, cache, jnp.asarray(tokens), jnp.asarray(n_fed), jnp.asarray(k_rows), probs,
-                    samp[0], jnp.asarray(generated), *samp[1:])
+            args = (self.params, cache, jnp.asarray(tokens), jnp.asarray(np.stack([n_fed, k_rows, generated])), probs,
+                    *samp)
             if spec.rollback == "selection":
                 n_acc, out_tok, cache = st.verify_select(*args, flags=b.flags)
                 n_acc = np.asarray(n_acc)

@@ -44,58 +44,61 @@ def prefill(params, cache, tokens, n_prompt, seeds, temperature, top_k, top_p, *
     return sample(logits, keys, 0, temperature, top_k, top_p, flags), cache
 
 
-def _verify(params, cache, tokens, n_fed, n_draft, draft_probs, seeds, step, temperature, top_k, top_p, cfg, impl,
-            flags, per_token_states):
+def _verify(params, cache, tokens, meta, draft_probs, seeds, temperature, top_k, top_p, cfg, impl, flags,
+            per_token_states):
+    n_fed, n_draft, step = meta[0], meta[1], meta[2]
     out = _fwd(cfg, impl, params, cache, tokens, n_fed, logits_at="all", fused_recurrent=True,
                per_token_states=per_token_states)
     logits, new = out[0], out[1]
     keys = jax.vmap(jax.random.key)(seeds)
     n_acc, out_tok = accept(logits, tokens[:, 1:], draft_probs, n_draft, keys, step, temperature, top_k, top_p, flags)
     n_keep = jnp.where(n_fed > 0, 1 + n_acc, 0).astype(jnp.int32)
-    return n_acc, out_tok, n_keep, new, (out[2] if per_token_states else None)
+    return n_acc, out_tok, n_fed, n_keep, new, (out[2] if per_token_states else None)
 
 
 @functools.partial(jax.jit, static_argnames=STATIC, donate_argnums=(1,))
-def verify_select(params, cache, tokens, n_fed, n_draft, draft_probs, seeds, step, temperature, top_k, top_p, *,
-                  cfg, impl, flags: SamplerFlags):
+def verify_select(params, cache, tokens, meta, draft_probs, seeds, temperature, top_k, top_p, *, cfg, impl,
+                  flags: SamplerFlags):
     """tokens [B, K+1] int32 = [pending, d_1 .. d_K] (drafts past n_draft[b] are padding);
-    n_fed [B] = 1 + n_draft for running rows, 0 for finished ones; n_draft [B] int32;
-    draft_probs [B, K, V] f32 or None; seeds [B] uint32; step [B] int32 (tokens generated so far);
-    temperature, top_p [B] f32; top_k [B] int32.
+    meta [3, B] int32 = (n_fed: 1 + n_draft for running rows, 0 for finished ones; n_draft; step:
+    tokens generated so far), one host-to-device copy; draft_probs [B, K, V] f32 or None;
+    seeds [B] uint32; temperature, top_p [B] f32; top_k [B] int32.
     Returns (n_accepted [B], tokens [B, K+1] (the first n_accepted + 1 are emitted), cache holding
     exactly the kept tokens)."""
     old_lengths = cache.lengths
-    n_acc, out_tok, n_keep, new, states = _verify(params, cache, tokens, n_fed, n_draft, draft_probs, seeds, step,
-                                                  temperature, top_k, top_p, cfg, impl, flags, True)
+    n_acc, out_tok, n_fed, n_keep, new, states = _verify(params, cache, tokens, meta, draft_probs, seeds, temperature,
+                                                         top_k, top_p, cfg, impl, flags, True)
     return n_acc, out_tok, rollback_by_selection(new, states, old_lengths, n_fed, n_keep)
 
 
 @functools.partial(jax.jit, static_argnames=STATIC)
-def verify_keep(params, cache, tokens, n_fed, n_draft, draft_probs, seeds, step, temperature, top_k, top_p, *,
-                cfg, impl, flags: SamplerFlags):
+def verify_keep(params, cache, tokens, meta, draft_probs, seeds, temperature, top_k, top_p, *, cfg, impl,
+                flags: SamplerFlags):
     """Same arguments as verify_select; the input cache is not donated (it is the snapshot).
     Returns (n_accepted [B], tokens [B, K+1], cache after ALL fed tokens, n_keep [B])."""
-    n_acc, out_tok, n_keep, new, _ = _verify(params, cache, tokens, n_fed, n_draft, draft_probs, seeds, step,
-                                             temperature, top_k, top_p, cfg, impl, flags, False)
+    n_acc, out_tok, _, n_keep, new, _ = _verify(params, cache, tokens, meta, draft_probs, seeds, temperature, top_k,
+                                                top_p, cfg, impl, flags, False)
     return n_acc, out_tok, new, n_keep
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "impl"), donate_argnums=(1,))
-def replay(params, snapshot, tokens, n_fed, n_keep, verify_version, *, cfg, impl):
-    """snapshot: the pre-verify cache; tokens [B, K+1] the verify step's input; n_fed, n_keep [B];
-    verify_version [B]. Returns the cache holding exactly the kept tokens."""
+def replay(params, snapshot, tokens, meta, n_keep, verify_version, *, cfg, impl):
+    """snapshot: the pre-verify cache; tokens [B, K+1] and meta [3, B] the verify step's inputs;
+    n_keep [B]; verify_version [B]. Returns the cache holding exactly the kept tokens."""
+    n_fed = meta[0]
     _, new = _fwd(cfg, impl, params, snapshot, tokens, n_keep, fused_recurrent=True)
     return finish_replay(new, verify_version, n_fed, n_keep)
 
 
 @functools.partial(jax.jit, static_argnames=STATIC + ("steps",), donate_argnums=(1,))
-def decode_chunk(params, cache, pending, running, step, remaining, n_steps, stop_ids, seeds, temperature, top_k,
-                 top_p, *, cfg, impl, steps: int, flags: SamplerFlags):
-    """Plain decoding, up to n_steps (a scalar int32 <= the static buffer size `steps`) tokens per
-    row, on device. pending [B] int32 (emitted, not yet in the cache); running [B] bool; step [B]
-    int32 (tokens generated so far); remaining [B] int32 (tokens the row may still emit); stop_ids
-    [B, S] int32 (-1 padded); seeds, temperature, top_k, top_p [B].
+def decode_chunk(params, cache, rows, stop_ids, seeds, temperature, top_k, top_p, *, cfg, impl, steps: int,
+                 flags: SamplerFlags):
+    """Plain decoding on device, up to n_steps (<= the static buffer size `steps`) tokens per row.
+    rows [5, B] int32, one host-to-device copy: pending (emitted, not yet in the cache), running
+    (0 / 1), step (tokens generated so far), remaining (tokens the row may still emit), n_steps
+    (the same in every column); stop_ids [B, S] int32 (-1 padded); seeds, temperature, top_k, top_p [B].
     Returns (tokens [B, steps] with -1 once a row stopped and past n_steps, cache)."""
+    pending, running, step, remaining, n_steps = rows[0], rows[1] > 0, rows[2], rows[3], rows[4, 0]
     B = pending.shape[0]
     keys = jax.vmap(jax.random.key)(seeds)
     out = jnp.full((B, steps), -1, jnp.int32)

@@ -169,7 +169,8 @@ def test_rollback_selection_and_replay_equal_plain_decode(qwen):
         n = jnp.asarray(LENS + [0], jnp.int32)
         return verify.prefill(params, c, jnp.asarray(t), n, seeds, temp, z, top_p, flags=flags, **kw)[1]
 
-    args = (tokens, n_fed, jnp.asarray(n_draft), None, seeds, z, temp, z, top_p)
+    meta = jnp.stack([n_fed, jnp.asarray(n_draft), z])                        # n_fed, n_draft, step
+    args = (tokens, meta, None, seeds, temp, z, top_p)
     base = prefilled()
     v0 = np.asarray(base.version)
     n_acc, out, sel = verify.verify_select(params, prefilled(), *args, flags=flags, **kw)
@@ -177,7 +178,7 @@ def test_rollback_selection_and_replay_equal_plain_decode(qwen):
     emitted = [np.asarray(out)[i, :a + 1].tolist() for i, a in enumerate([3, 1, 0])]
     assert emitted == [c[1:a + 2] for c, a in zip(cont, [3, 1, 0])]         # kept drafts, then the target's token
     n_acc, _, full, n_keep = verify.verify_keep(params, base, *args, flags=flags, **kw)
-    rep = verify.replay(params, base, tokens, n_fed, n_keep, full.version, **kw)
+    rep = verify.replay(params, base, tokens, meta, n_keep, full.version, **kw)
     ref = _decode_steps(cfg, params, prefilled(), [c[:a + 1] for c, a in zip(cont, [3, 1, 0])] + [[]])
     for got in (sel, rep):
         np.testing.assert_array_equal(np.asarray(got.lengths), np.asarray(ref.lengths))
