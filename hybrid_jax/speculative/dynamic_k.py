@@ -17,9 +17,11 @@ import numpy as np
 
 class AcceptanceTracker:
     """Per-row decayed acceptance counts. n rows; decay in [0, 1); a prior of `prior_rate` worth
-    `prior_weight` trials so a new row starts by trying short drafts."""
+    `prior_weight` trials. The default prior (0.2) is below what pays for one draft at the default
+    draft cost, so a new request starts with plain decode chunks and speculates once its drafts are
+    seen to land (the n-gram drafter's shadow check, a draft model's probe)."""
 
-    def __init__(self, n: int, decay: float = 0.8, prior_rate: float = 0.5, prior_weight: float = 2.0):
+    def __init__(self, n: int, decay: float = 0.8, prior_rate: float = 0.2, prior_weight: float = 2.0):
         self.decay = decay
         self.accepted = np.full((n,), prior_rate * prior_weight, np.float64)
         self.trials = np.full((n,), prior_weight, np.float64)

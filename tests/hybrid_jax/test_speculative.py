@@ -93,7 +93,9 @@ LENS = [5, 12, 20]        # 3 prompts: batch bucket 4, prompt bucket 32
 
 @pytest.mark.parametrize("rollback,dynamic,batches", [("selection", False, (LENS, [9])), ("replay", True, (LENS,))])
 def test_qwen3_next_greedy_identical(qwen, rollback, dynamic, batches):
-    cfg = {"method": "ngram", "num_speculative_tokens": 3, "rollback": rollback, "dynamic_k": dynamic}
+    # A low draft cost makes dynamic K speculate from the first step, so short runs verify a lot.
+    cfg = {"method": "ngram", "num_speculative_tokens": 3, "rollback": rollback, "dynamic_k": dynamic,
+           "draft_cost": 0.05}
     dec = SpeculativeDecoder(qwen.config, qwen.params, qwen.dtype, cfg)
     for i, lens in enumerate(batches):
         prompts = _prompts(64, lens, seed=i)
@@ -130,8 +132,10 @@ def test_stop_tokens_and_max_tokens_cut_like_plain(qwen):
     prompts = _prompts(64, LENS)
     stop = _plain(qwen, prompts)[0][6]            # a token row 0 emits mid-way
     sp = SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[stop])
-    got, _ = _spec(qwen, prompts, {"method": "ngram", "num_speculative_tokens": 3, "rollback": "replay"}, sp=sp)
+    got, dec = _spec(qwen, prompts, {"method": "ngram", "num_speculative_tokens": 3, "rollback": "replay",
+                                     "draft_cost": 0.05}, sp=sp)
     assert got == _plain(qwen, prompts, sp)
+    assert dec.stats()["verify_steps"] > 0
     assert got[0][-1] == stop and len(got[0]) <= 7
 
 
