@@ -62,6 +62,8 @@ class SpeculativeDecoder:
         self.cfg, self.params, self.dtype = cfg, params, dtype
         self.model = get_model(cfg.model_type)
         self.steps = TargetSteps(cfg, impl)
+        if not isinstance(max_num_seqs, int) or max_num_seqs <= 0:
+            raise InputError(f"max_num_seqs must be a positive integer; got {max_num_seqs!r}")
         self.max_num_seqs = max_num_seqs
         self.ngram = self.drafter = None
         if self.spec.method == "ngram":
@@ -107,7 +109,16 @@ class SpeculativeDecoder:
             bad = [t for t in p if not 0 <= int(t) < self.cfg.vocab_size]
             if bad:
                 raise InputError(f"prompt {i} has token ids outside [0, {self.cfg.vocab_size}): {bad[:5]}")
+        for p in params:
+            if not isinstance(p, SamplingParams):
+                raise InputError(f"params must be SamplingParams; got {type(p).__name__}")
+            p.validate()
+            if p.logprobs is not None:
+                raise InputError("logprobs are not supported with speculative decoding; drop speculative_config "
+                                 "or logprobs")
         seeds = list(range(len(prompts))) if seeds is None else list(seeds)
+        if len(seeds) != len(prompts):
+            raise InputError(f"{len(seeds)} seeds for {len(prompts)} prompts")
         order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
         results: dict[int, tuple[list[int], str]] = {}
         for s in range(0, len(order), self.max_num_seqs):
@@ -216,7 +227,8 @@ class SpeculativeDecoder:
                         hit |= a > 0
                     emit(r, row)
                     probe[r] = self.drafter is not None
-                quiet = 0 if hit or self.drafter is not None else quiet + 1
+                grow = spec.dynamic_k and self.drafter is None and not hit    # a fixed K keeps looking
+                quiet = quiet + 1 if grow else 0
                 continue
             quiet = 0
 
