@@ -39,6 +39,7 @@ import numpy as np
 from cache import allocator as A
 from cache.mla import IndexerKeyGroup, MLALatentGroup
 from cache.prefix_index import IndexEntry, KeyContext, PrefixIndex, block_geometry, chain_keys, checkpoint_boundaries, key_at
+from cache.prefix_disk import DiskConfig, DiskSpans
 from cache.prefix_store import StorePool, group_block_size, init_pool, load_row, max_blocks_per_row, save_row
 from cache.segments import Kind, SegState
 from cache.state import KVGroup, ModelCache, RecurrentGroup
@@ -69,7 +70,7 @@ class PrefixCacheConfig:
 
 
 class PrefixCache:
-    def __init__(self, cache: ModelCache, config: PrefixCacheConfig):
+    def __init__(self, cache: ModelCache, config: PrefixCacheConfig, disk: DiskConfig | None = None):
         self.config = config
         groups = cache.groups
         unknown = [n for n, g in groups.items() if type(g) not in KIND_OF]
@@ -97,8 +98,10 @@ class PrefixCache:
         self.lookup_seconds: list[float] = []     # host time of each reuse's lookup + validation
         self._key_memo: dict = {}
         self.evictions = 0                        # segments freed under cap or pool pressure
+        self.offloads = 0                         # segments moved from the device to the disk tier
         self.retired_checkpoints = 0              # checkpoints the retention policy let go
         self.refused_publishes = 0                # publishes that did not fit under the cap
+        self.disk = DiskSpans(self, disk) if disk is not None else None
 
     # --- set-up ------------------------------------------------------------------------------------
     def _init_store(self, cache: ModelCache) -> dict[str, StorePool]:
@@ -140,7 +143,8 @@ class PrefixCache:
         """Checks 1-4 against the current allocator state (no side effects)."""
         return check_hit(tokens, self.specs, self.index, self.alloc)
 
-    def reuse(self, cache: ModelCache, row: int, tokens: Sequence[int]) -> tuple[ModelCache, int]:
+    def reuse(self, cache: ModelCache, row: int, tokens: Sequence[int], request_id: str | None = None
+              ) -> tuple[ModelCache, int]:
         """Loads the longest validated cached prefix of `tokens` into cache row `row`.
         Returns (cache, boundary): the row now holds tokens[:boundary] (0 = nothing reused)."""
         t0 = time.perf_counter()
@@ -149,6 +153,8 @@ class PrefixCache:
                                      f" group must resume at a multiple of {self.geometry.lcm} tokens (the LCM of"
                                      f" block sizes {dict(self.geometry.sizes)}) and one token must be left to compute")
         hit = self.lookup(tokens)
+        if self.disk is not None:
+            hit = self._with_disk(hit, tokens, request_id)
         if self.between_check_and_use is not None:
             self.between_check_and_use()
         hit = confirm_at_use(hit, self.alloc)
@@ -170,6 +176,28 @@ class PrefixCache:
         self.alloc = A.touch_many(self.alloc, reversed(held))   # first blocks touched last: evicted last
         self.stats = self.stats.record(hit)
         return cache, hit.boundary
+
+    def _with_disk(self, hit: HitResult, tokens: Sequence[int], request_id: str | None) -> HitResult:
+        """Restores from the disk tier what lies beyond the device's part of the hit (prefetched when
+        the request arrived, per the prefetch policy), then checks again. A hit may only be read
+        from the device: segments a failed restore left on disk are dropped and the check re-run."""
+        on_device = hit.ok and all(self.alloc.get(i).state is SegState.DEVICE for ids in hit.segments.values()
+                                   for i in ids)
+        if self.disk.restore(tokens, hit.boundary if on_device else 0, request_id):
+            hit = self.lookup(tokens)
+        stale = [i for ids in hit.segments.values() for i in ids if self.alloc.get(i).state is not SegState.DEVICE]
+        if hit.ok and stale:
+            for sid in stale:
+                before = self.alloc
+                self.alloc = A.evict(self.alloc, sid)
+                self._reclaim(before)
+            hit = self.lookup(tokens)
+        return hit
+
+    def prefetch(self, request_id: str, tokens: Sequence[int]):
+        """On a request's arrival: starts loading its longest prefix found in the disk tier."""
+        if self.disk is not None and len(tokens) > self.geometry.lcm:
+            self.disk.prefetch(request_id, tokens)
 
     def _miss(self, hit: HitResult) -> int:
         self.stats = self.stats.record(hit)
@@ -239,9 +267,20 @@ class PrefixCache:
             group, slots = self._slots[sid]
             self._slot_version[group][slots] += 1
             self.alloc = A.commit(self.alloc, sid)
-            self.index = self.index.insert(IndexEntry(spec.name, spec.kind, key, b, sid))
+            self._index_insert(IndexEntry(spec.name, spec.kind, key, b, sid))
         self._touch_chain(tokens, boundary)
         self._drop_superseded_checkpoints(tokens, boundary)
+        if self.disk is not None:
+            self.disk.write(tokens, boundary)
+
+    def _index_insert(self, entry: IndexEntry):
+        """Points the index at a new device segment; a copy it replaces (left on disk) is dropped."""
+        old = self.index.find(entry.group, entry.kind, entry.key)
+        if old is not None and old.seg_id != entry.seg_id and old.seg_id in self.alloc.segments:
+            seg = self.alloc.get(old.seg_id)
+            if seg.state in (SegState.HOST, SegState.DISK) and seg.ref_count == 0:
+                self.alloc = A.evict(self.alloc, seg.id)
+        self.index = self.index.insert(entry)
 
     def _touch_chain(self, tokens: list[int], boundary: int):
         """Marks every stored object of this chain used, tail first, so LRU eviction takes a chain's
@@ -267,34 +306,61 @@ class PrefixCache:
         return self._key_memo[k]
 
     def _live(self, spec: GroupSpec, keys, b: int) -> bool:
+        """Whether the store holds this object on the device (a copy on disk is re-published)."""
         e = self.index.find(spec.name, spec.kind, key_at(keys, self.geometry.gcd, b))
-        return e is not None and self.alloc.state_of(e.seg_id) is not SegState.FREE
+        return e is not None and self.alloc.state_of(e.seg_id) in (SegState.DEVICE, SegState.WRITING)
 
-    def _allocate(self, spec: GroupSpec, end: int) -> int | None:
+    def _allocate(self, spec: GroupSpec, end: int, protect: frozenset[int] = frozenset()) -> int | None:
         """A WRITING segment, with its store slot, for the block ending at `end` (or a checkpoint)."""
-        pool = self.store[spec.name]
-        n = 1
+        nbytes = self.store[spec.name].slot_nbytes()
+        if not self._make_room(spec.name, spec.kind, nbytes, protect):
+            self._note_once(f"refused:{spec.name}", f"a prefix was not stored: group {spec.name!r} cannot make room"
+                                                    f" for {nbytes} bytes under the cap of {self.config.cap_bytes}"
+                                                    f" (held and in-flight segments are never evicted)")
+            return None
         start = 0 if spec.kind is Kind.RECURRENT_STATE else end - spec.block_size
-        before = self.alloc
-        try:
-            while len(self._free[spec.name]) < n:       # pool pressure: evict this group's LRU
-                victim = next((s for s in A.eviction_order(self.alloc) if s.group == spec.name), None)
-                if victim is None:
-                    return None
-                self.alloc = A.evict(self.alloc, victim.id)
-                self._reclaim(before)
-                before = self.alloc
-            self.alloc, sid = A.allocate(self.alloc, spec.kind, spec.name, n * pool.slot_nbytes(), start=start,
-                                         end=end, writer_abi=spec.ctx.abi_id)
-        except A.AdmissionRefused as e:
-            self._note_once(f"refused:{spec.name}", f"a prefix was not stored, group {spec.name!r} is full: {e}")
-            return None
-        self._reclaim(before)
-        if len(self._free[spec.name]) < n:     # the cap's evictions never take this group's slots away
-            self.alloc = A.transition(self.alloc, sid, SegState.FREE)
-            return None
-        self._slots[sid] = (spec.name, [self._free[spec.name].pop() for _ in range(n)])
+        self.alloc, sid = A.allocate(self.alloc, spec.kind, spec.name, nbytes, start=start, end=end,
+                                     writer_abi=spec.ctx.abi_id)
+        self._slots[sid] = (spec.name, [self._free[spec.name].pop()])
         return sid
+
+    def _make_room(self, group: str, kind: Kind, nbytes: int, protect: frozenset[int] = frozenset()) -> bool:
+        """Frees a slot of `group` and room under the weighted cap for `nbytes` more, taking victims in
+        eviction order (a victim of this group when a slot is missing). A victim whose bytes a lower
+        tier holds moves there (device -> host -> disk) and keeps its index entries; others are freed."""
+        cap, w = self.alloc.config.cap_bytes, self.alloc.config.weights[kind]
+        while not self._free[group] or self.alloc.device_weighted_bytes + w * nbytes > cap:
+            need_slot = not self._free[group]
+            victim = next((v for v in A.eviction_order(self.alloc)
+                           if v.id not in protect and (not need_slot or v.group == group)), None)
+            if victim is None:
+                return False
+            self._drop_from_device(victim.id)
+        return True
+
+    def _drop_from_device(self, sid: int):
+        before = self.alloc
+        if self.disk is not None and self.disk.durable(sid):
+            self.alloc = A.transition(self.alloc, sid, SegState.HOST)
+            self.alloc = A.transition(self.alloc, sid, SegState.DISK)
+            group, slots = self._slots.pop(sid)
+            self._free[group].extend(slots)
+            self.offloads += 1
+            return
+        self.alloc = A.evict(self.alloc, sid)
+        self._reclaim(before)
+
+    def restore_segment(self, sid: int, protect: frozenset[int]) -> bool:
+        """A DISK (or HOST) segment back to the device: room and a slot, then disk -> host -> device.
+        The caller uploads its bytes into the returned slot (self._slots[sid])."""
+        seg = self.alloc.get(sid)
+        if not self._make_room(seg.group, seg.kind, seg.nbytes, protect | {sid}):
+            return False
+        if seg.state is SegState.DISK:
+            self.alloc = A.transition(self.alloc, sid, SegState.HOST)
+        self.alloc = A.transition(self.alloc, sid, SegState.DEVICE)
+        self._slots[sid] = (seg.group, [self._free[seg.group].pop()])
+        return True
 
     def _abort(self, sids: list[int]):
         """Frees segments allocated (WRITING) by a publish that cannot complete, with their slots."""
@@ -344,18 +410,19 @@ class PrefixCache:
             "lookups": s.lookups, "hits": s.hits, "passes": s.passes, "tokens_reused": s.tokens_reused,
             "hit_rate": s.hit_rate, "validation_pass_rate": s.validation_pass_rate,
             "effective_reuse": s.effective_reuse,
-            "misses_by_reason": dict(s.misses_by_reason),
+            "misses_by_reason": {**dict(s.misses_by_reason), **(dict(self.disk.reasons) if self.disk else {})},
             "misses_by_group": {f"{g}:{r}": n for (g, r), n in s.misses_by_group.items()},
             "bytes_by_kind": {k.value: v for k, v in s.bytes_by_kind.items()},
             "bytes_by_group": dict(s.bytes_by_group),
-            "segments": len(self.alloc.segments), "evictions": self.evictions,
+            "segments": len(self.alloc.segments), "evictions": self.evictions, "offloads": self.offloads,
             "retired_checkpoints": self.retired_checkpoints, "refused_publishes": self.refused_publishes,
             "cap_bytes": self.config.cap_bytes,
             "block_sizes": dict(self.geometry.sizes), "lcm": self.geometry.lcm, "gcd": self.geometry.gcd,
+            "disk": self.disk.stats() if self.disk else None,
         }
 
     def num_compiled(self) -> int:
-        return self._save._cache_size() + self._load._cache_size()
+        return self._save._cache_size() + self._load._cache_size() + (self.disk.num_compiled() if self.disk else 0)
 
     def warmup(self, cache: ModelCache, row: int) -> ModelCache:
         """Compiles the save and load programs. Every plan entry is padding, so nothing is stored or
@@ -365,4 +432,6 @@ class PrefixCache:
         load_plan = {n: (jnp.full((w,), -1, jnp.int32), jnp.zeros((w,), jnp.int32), jnp.zeros((w,), jnp.int32))
                      for n, w in self._width.items()}
         cache, _ = self._load(cache, self.store, jnp.int32(row), load_plan, jnp.int32(0))
+        if self.disk is not None:
+            self.disk.warmup()
         return cache

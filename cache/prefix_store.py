@@ -174,3 +174,24 @@ def load_row(cache: ModelCache, store: dict[str, StorePool], row: jax.Array,
         groups[name] = g.replace(**upd)
     lengths = cache.lengths.at[row].set(jnp.where(ok, boundary, 0))
     return ModelCache(groups=groups, lengths=lengths, version=cache.version.at[row].add(1)), ok
+
+
+# --- store slots <-> host (tiers) -------------------------------------------------------------------
+
+def read_slots(store: dict[str, StorePool], plan: dict[str, jax.Array]) -> dict[str, dict[str, jax.Array]]:
+    """Gathers slots for a copy to the host. plan: group -> slots [W] (-1 = padding, read as slot 0).
+    Returns group -> field -> [L, W, ...]; the caller keeps the non-padding columns."""
+    return {name: {f: a[:, jnp.clip(plan[name], 0, pool.num_slots - 1)] for f, a in pool.arrays.items()}
+            for name, pool in store.items()}
+
+
+def write_slots(store: dict[str, StorePool], plan: dict[str, jax.Array],
+                data: dict[str, dict[str, jax.Array]]) -> dict[str, StorePool]:
+    """Writes host data into slots (a restore from a tier). plan: group -> slots [W] (-1 = padding,
+    dropped); data: group -> field -> [L, W, ...]. Written slots' versions are bumped."""
+    out = {}
+    for name, pool in store.items():
+        d = jnp.where(plan[name] >= 0, plan[name], pool.num_slots)
+        arrays = {f: a.at[:, d].set(data[name][f].astype(a.dtype), mode="drop") for f, a in pool.arrays.items()}
+        out[name] = pool.replace(arrays=arrays, version=pool.version.at[d].add(1, mode="drop"))
+    return out

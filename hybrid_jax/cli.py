@@ -86,6 +86,9 @@ def _add_engine_args(p: argparse.ArgumentParser):
     p.add_argument("--prefix-checkpoint-interval", type=int, default=8,
                    help="keep a recurrent-state checkpoint every INTERVAL blocks (plus the last)")
     p.add_argument("--prefix-cache-bytes", type=int, default=None, help="cap on the prefix store's bytes")
+    p.add_argument("--kv-cache-dir", default=None, help="on-disk prefix tier (with --enable-prefix-caching)")
+    p.add_argument("--kv-cache-dir-bytes", type=int, default=8 << 30, help="cap of the on-disk prefix tier")
+    p.add_argument("--prefetch-policy", default="wait", choices=["best_effort", "wait", "timeout"])
 
 
 def _engine_config(args):
@@ -98,7 +101,8 @@ def _engine_config(args):
                         kv_cache_bytes=args.kv_cache_bytes, warmup=args.warmup, compilation_cache_dir=ccd,
                         enable_prefix_caching=args.enable_prefix_caching, prefix_block_size=args.prefix_block_size,
                         prefix_checkpoint_interval=args.prefix_checkpoint_interval,
-                        prefix_cache_bytes=args.prefix_cache_bytes)
+                        prefix_cache_bytes=args.prefix_cache_bytes, kv_cache_dir=args.kv_cache_dir,
+                        kv_cache_dir_bytes=args.kv_cache_dir_bytes, prefetch_policy=args.prefetch_policy)
 
 
 def _serve(args) -> int:

@@ -55,7 +55,7 @@ class LLM:
     def __init__(self, model: str | None = None, *, dtype: str = "auto", tokenizer: str | None = None,
                  max_model_len: int | None = None, max_num_seqs: int = 16, seed: int = 0,
                  impl: str = "auto", progress: bool | None = None, enable_prefix_caching: bool = False,
-                 engine_config: dict | None = None):
+                 kv_cache_dir: str | None = None, engine_config: dict | None = None):
         if model is None:
             self.config = default_config()
             self.model_name = DEFAULT_MODEL_NAME
@@ -85,10 +85,13 @@ class LLM:
         self.generator = Generator(self.config, params, self.dtype, impl=impl)
         self._fingerprint: str | None = None
         self._engine = None
+        if kv_cache_dir is not None and not enable_prefix_caching:
+            raise InputError("kv_cache_dir needs enable_prefix_caching=True")
         if enable_prefix_caching:
             # Prefix reuse lives in the continuous-batching engine: generate() runs through it.
             from hybrid_jax.engine import EngineConfig, LLMEngine  # noqa: PLC0415
-            opts = dict(max_num_seqs=max_num_seqs, max_model_len=self.max_model_len, enable_prefix_caching=True)
+            opts = dict(max_num_seqs=max_num_seqs, max_model_len=self.max_model_len, enable_prefix_caching=True,
+                        kv_cache_dir=None if kv_cache_dir is None else os.fspath(kv_cache_dir))
             opts.update(engine_config or {})
             self._engine = LLMEngine(self, EngineConfig(**opts))
         elif engine_config:

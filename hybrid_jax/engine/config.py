@@ -27,6 +27,10 @@ class EngineConfig:
     prefix_block_size: int = 64          # tokens per full-KV block / recurrent checkpoint grid
     prefix_checkpoint_interval: int = 8  # keep a recurrent checkpoint every interval x LCM tokens (+ the last)
     prefix_cache_bytes: int | None = None  # store cap (None: as much as the running slots hold)
+    kv_cache_dir: str | None = None      # on-disk prefix tier (needs enable_prefix_caching)
+    kv_cache_dir_bytes: int = 8 << 30    # the disk tier's own cap
+    prefetch_policy: str = "wait"        # disk prefetch at admission: "best_effort" | "wait" | "timeout"
+    prefetch_timeout_s: float = 1.0
 
     def __post_init__(self):
         for f in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "decode_steps", "prefix_block_size",
@@ -39,3 +43,9 @@ class EngineConfig:
             raise InputError(f"kv_cache_bytes must be positive; got {self.kv_cache_bytes}")
         if self.prefix_cache_bytes is not None and self.prefix_cache_bytes <= 0:
             raise InputError(f"prefix_cache_bytes must be positive; got {self.prefix_cache_bytes}")
+        if self.kv_cache_dir is not None and not self.enable_prefix_caching:
+            raise InputError("kv_cache_dir needs enable_prefix_caching=True (the disk tier holds cached prefixes)")
+        if self.prefetch_policy not in ("best_effort", "wait", "timeout"):
+            raise InputError(f"prefetch_policy must be 'best_effort', 'wait' or 'timeout'; got {self.prefetch_policy!r}")
+        if self.kv_cache_dir_bytes <= 0 or self.prefetch_timeout_s <= 0:
+            raise InputError("kv_cache_dir_bytes and prefetch_timeout_s must be positive")

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from cache.prefix_cache import PrefixCache, PrefixCacheConfig
+from cache.prefix_disk import DiskConfig
 from hybrid_jax.engine.config import EngineConfig
 from hybrid_jax.engine.detokenize import IncrementalDetokenizer
 from hybrid_jax.engine.metrics import EngineMetrics
@@ -57,7 +58,7 @@ class LLMEngine:
             self.prefix = PrefixCache(self.runner.cache, PrefixCacheConfig(
                 cap_bytes=self.config.prefix_cache_bytes or cap, fingerprint=llm.fingerprint(),
                 dtype=jnp.dtype(llm.dtype).name, block_size=self.config.prefix_block_size,
-                checkpoint_interval=self.config.prefix_checkpoint_interval))
+                checkpoint_interval=self.config.prefix_checkpoint_interval), disk=self._disk_config())
         self._stops: dict[str, tuple[int, ...]] = {}
         self._pending: list[tuple[int, list[int], int]] = []   # (slot, prompt ids, boundary) to publish
         self.scheduler = Scheduler(max_num_seqs=self.config.max_num_seqs,
@@ -87,6 +88,8 @@ class LLMEngine:
         self.requests[request_id] = req
         if self.llm.tokenizer is not None:
             self._detok[request_id] = IncrementalDetokenizer(self.llm.tokenizer)
+        if self.prefix is not None:
+            self.prefix.prefetch(request_id, ids)    # a disk hit starts loading now, overlapping other work
         self.scheduler.add(req)
         self.metrics.queue_length.set(len(self.scheduler.waiting))
         return req
@@ -98,6 +101,8 @@ class LLMEngine:
             req.status, req.finish_reason = RequestStatus.ABORTED, "abort"
             self._detok.pop(request_id, None)
             self._stops.pop(request_id, None)
+            if self.prefix is not None and self.prefix.disk is not None:
+                self.prefix.disk.forget(request_id)
             self.metrics.aborted.inc()
             self.metrics.running.set(len(self.scheduler.running))
 
@@ -117,6 +122,13 @@ class LLMEngine:
         return self.runner.num_compiled() + (self.prefix.num_compiled() if self.prefix else 0)
 
     # --- prefix cache ------------------------------------------------------------------------------
+    def _disk_config(self) -> DiskConfig | None:
+        c = self.config
+        if c.kv_cache_dir is None:
+            return None
+        return DiskConfig(directory=c.kv_cache_dir, cap_bytes=c.kv_cache_dir_bytes, policy=c.prefetch_policy,
+                          timeout_s=c.prefetch_timeout_s)
+
     def _publish_points(self, q: Request) -> tuple[int, ...]:
         pts = self._stops.get(q.request_id)
         if pts is None:
@@ -128,7 +140,7 @@ class LLMEngine:
 
     def _reuse_prefix(self, q: Request) -> int:
         """Scheduler hook on admission: fill the new slot from the prefix cache when a hit validates."""
-        self.runner.cache, n = self.prefix.reuse(self.runner.cache, q.slot, q.all_ids)
+        self.runner.cache, n = self.prefix.reuse(self.runner.cache, q.slot, q.all_ids, q.request_id)
         q.num_cached_tokens = n
         st = self.prefix.stats
         self.metrics.prefix_hit_rate.set(st.hit_rate)
@@ -159,7 +171,9 @@ class LLMEngine:
         cfg = self.prefix.config
         if prefix_cache_bytes is not None:
             cfg = dataclasses.replace(cfg, cap_bytes=prefix_cache_bytes)
-        self.prefix = PrefixCache(self.runner.cache, cfg)
+        if self.prefix.disk is not None:
+            self.prefix.disk.flush()
+        self.prefix = PrefixCache(self.runner.cache, cfg, disk=self._disk_config())
 
     def cache_stats(self) -> dict:
         """Prefix-cache figures (hit rate, validation pass rate, effective reuse, misses by reason,

@@ -1,0 +1,296 @@
+"""The disk tier of the prefix cache: spans of prefix chains written behind publishes, found by hash,
+prefetched when a request arrives, and restored into the device store through the state machine.
+
+A span is what one publish adds to a chain, on a fixed grid: the span ending at boundary b covers
+tokens [s(b), b) with s(b) = floor((b - 1) / S) * S and S = checkpoint_interval x LCM, and holds
+every group's blocks in that range plus the recurrent checkpoint at b. Its key is a hash of every
+group's chain key at b (so the weights fingerprint, dtype, kernel ABI and sharding are in it), and
+its parent is the span ending at s(b): resuming at b needs the spans at S, 2S, ..., s(b) and b.
+Because the grid is fixed, the exact shapes of every span are known before reading it, so each
+read is checked against a full expectation (fingerprint, ABI, dtype, shape, range) on top of the
+tier's checksums; a bad span is a miss with its reason and is recomputed, never served.
+
+Residency moves through the allocator's transition table: a device segment evicted while a durable
+span holds its bytes goes device -> host -> disk (keeping its index entries); a restore goes
+disk -> host -> device into a fresh store slot. A new process pointed at the same directory finds
+spans by key alone, so every valid span is reused across restarts.
+"""
+from __future__ import annotations
+
+import collections
+import concurrent.futures as cf
+import dataclasses
+from typing import TYPE_CHECKING, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from cache import allocator as A
+from cache.disk_tier import DiskTier
+from cache.prefix_index import IndexEntry, key_at
+from cache.prefix_store import read_slots, write_slots
+from cache.segments import Kind, SegState
+from cache.tier_entry import EntryMeta, make_key
+
+if TYPE_CHECKING:
+    from cache.prefix_cache import PrefixCache
+
+POLICIES = ("best_effort", "wait", "timeout")
+
+
+@dataclasses.dataclass(frozen=True)
+class DiskConfig:
+    """directory: where spans live (created if missing); cap_bytes: the tier's own cap; policy: what
+    admission does with a prefetch still running ("best_effort": use the spans that are ready,
+    "wait": block, "timeout": block up to timeout_s)."""
+    directory: str
+    cap_bytes: int = 8 << 30
+    policy: str = "wait"
+    timeout_s: float = 1.0
+
+    def __post_init__(self):
+        if self.policy not in POLICIES:
+            raise ValueError(f"prefetch policy must be one of {POLICIES}; got {self.policy!r}")
+        if self.cap_bytes <= 0 or self.timeout_s <= 0:
+            raise ValueError(f"disk cap_bytes and timeout_s must be positive; got {self.cap_bytes}, {self.timeout_s}")
+
+
+class DiskSpans:
+    def __init__(self, pc: "PrefixCache", config: DiskConfig):
+        self.pc, self.config = pc, config
+        self.tier = DiskTier(config.directory, config.cap_bytes, fingerprint=pc.config.fingerprint)
+        self.span = pc.config.checkpoint_interval * pc.geometry.lcm
+        self._writer = cf.ThreadPoolExecutor(1, thread_name_prefix="prefix-disk-writer")
+        self._written: dict[str, cf.Future] = {}           # span key -> put future (True once durable)
+        self._seg_spans: dict[int, set[str]] = collections.defaultdict(set)
+        self._prefetched: dict[str, list[tuple[int, str, object]]] = {}
+        self.reasons: collections.Counter[str] = collections.Counter()
+        self.spans_restored = 0
+        self.tokens_restored = 0
+        self._read = jax.jit(read_slots)
+        self._write = jax.jit(write_slots, donate_argnames=("store",))
+
+    # --- geometry ----------------------------------------------------------------------------------
+    def start(self, b: int) -> int:
+        return ((b - 1) // self.span) * self.span
+
+    def chain(self, b: int) -> list[int]:
+        """Ends of the spans needed to resume at b, ascending."""
+        out = [b]
+        while out[-1] > self.span:
+            out.append(self.start(out[-1]))
+        return out[::-1]
+
+    def _group_keys(self, tokens: Sequence[int]) -> dict[str, tuple[str, ...]]:
+        toks = list(tokens)
+        return {s.name: self.pc._keys(toks, s) for s in self.pc.specs}
+
+    def key(self, keys: dict[str, tuple[str, ...]], b: int) -> str:
+        gcd = self.pc.geometry.gcd
+        return make_key("prefix-span", *(key_at(keys[s.name], gcd, b) for s in self.pc.specs))
+
+    def expect(self, b: int) -> EntryMeta:
+        """The exact meta of the span ending at b: array '<group>-<field>' is [L, blocks, bs, ...] for a
+        block group, [L, ...] (the checkpoint at b) for a recurrent one."""
+        s = self.start(b)
+        abi, dtypes, shapes = {}, {}, {}
+        for spec in self.pc.specs:
+            pool = self.pc.store[spec.name]
+            for f, a in pool.arrays.items():
+                n = f"{spec.name}-{f}"
+                lead = ((b - s) // pool.block_size,) if pool.block_size else ()
+                shapes[n] = (a.shape[0],) + lead + a.shape[2:]
+                dtypes[n], abi[n] = a.dtype.name, spec.ctx.abi_id
+        return EntryMeta(fingerprint=self.pc.config.fingerprint, abi=abi, dtypes=dtypes, shapes=shapes, start=s, end=b)
+
+    def _objects(self, spec, b: int) -> list[int]:
+        """Block ends (or the checkpoint boundary) a span ending at b holds for a group."""
+        if spec.kind is Kind.RECURRENT_STATE:
+            return [b]
+        return list(range(self.start(b) + spec.block_size, b + 1, spec.block_size))
+
+    # --- write behind ------------------------------------------------------------------------------
+    def write(self, tokens: Sequence[int], b: int):
+        """After a publish at b: copies the span ending at b to the host and writes it on a background
+        thread. Skipped when the span is already on disk or a block of it is not on the device."""
+        keys = self._group_keys(tokens)
+        k = self.key(keys, b)
+        if k in self._written or k in self.tier:
+            return
+        plan, cols, sids = {}, {}, []
+        for spec in self.pc.specs:
+            slots = []
+            for e in self._objects(spec, b):
+                ent = self.pc.index.find(spec.name, spec.kind, key_at(keys[spec.name], self.pc.geometry.gcd, e))
+                seg = None if ent is None else self.pc.alloc.segments.get(ent.seg_id)
+                if seg is None or seg.state is not SegState.DEVICE:
+                    return
+                slots.append(self.pc._slots[seg.id][1][0])
+                sids.append(seg.id)
+            W = self.pc._width[spec.name]
+            p = np.full((W,), -1, np.int32)
+            p[:len(slots)] = slots
+            plan[spec.name], cols[spec.name] = jnp.asarray(p), len(slots)
+        data = jax.device_get(self._read(self.pc.store, plan))
+        arrays = {}
+        for spec in self.pc.specs:
+            block = self.pc.store[spec.name].block_size
+            for f, a in data[spec.name].items():
+                a = a[:, :cols[spec.name]]
+                arrays[f"{spec.name}-{f}"] = np.ascontiguousarray(a if block else a[:, 0])
+        self._written[k] = self._writer.submit(self.tier.put, k, arrays, self.expect(b))
+        for sid in sids:
+            self._seg_spans[sid].add(k)
+
+    def durable(self, sid: int) -> bool:
+        """Whether a written span holds this segment's bytes."""
+        for k in self._seg_spans.get(sid, ()):
+            f = self._written.get(k)
+            if f is not None and f.done() and f.exception() is None and f.result():
+                return True
+        return False
+
+    def flush(self):
+        """Waits for every pending write (tests, benchmarks, shutdown)."""
+        for f in list(self._written.values()):
+            f.result()
+
+    # --- find, prefetch, restore -------------------------------------------------------------------
+    def find(self, tokens: Sequence[int], above: int) -> tuple[dict, list[tuple[int, str]]]:
+        """The longest chain of spans on disk resuming beyond `above` tokens, leaving a token to
+        compute: (group keys, [(end, key)] ascending) or (keys, [])."""
+        keys = self._group_keys(tokens)
+        lcm = self.pc.geometry.lcm
+        top = ((len(tokens) - 1) // lcm) * lcm
+        for b in range(top, above, -lcm):
+            if self.key(keys, b) not in self.tier:
+                continue
+            chain = [(e, self.key(keys, e)) for e in self.chain(b)]
+            if all(k in self.tier for _, k in chain):
+                return keys, chain
+        return keys, []
+
+    def prefetch(self, request_id: str, tokens: Sequence[int]):
+        _, chain = self.find(tokens, 0)
+        if chain:
+            self._prefetched[request_id] = [(e, k, self.tier.prefetch(k, self.expect(e))) for e, k in chain]
+
+    def restore(self, tokens: Sequence[int], on_device: int, request_id: str | None) -> bool:
+        """Installs on the device the spans beyond `on_device` tokens of the longest chain on disk.
+        Returns whether anything was installed."""
+        handles = self._prefetched.pop(request_id, None) if request_id is not None else None
+        policy = self.config.policy
+        if handles is None:
+            keys, chain = self.find(tokens, on_device)
+            if not chain:
+                return False
+            handles = [(e, k, self.tier.prefetch(k, self.expect(e))) for e, k in chain]
+            policy = "wait"            # nothing was prefetched: the read is on the critical path anyway
+        keys = self._group_keys(tokens)
+        installed = False
+        for e, k, h in handles:
+            if e <= on_device:
+                continue
+            arrays, reason = h.result(policy, self.config.timeout_s if policy == "timeout" else None)
+            if arrays is None:
+                self.reasons[reason] += 1
+                self.pc._note_once(f"disk:{reason}", f"a span on disk was not used ({reason}); its tokens are"
+                                                     f" recomputed")
+                break
+            if not self._install(keys, e, arrays):
+                break
+            installed = True
+            self.spans_restored += 1
+            self.tokens_restored += e - self.start(e)
+        return installed
+
+    def _install(self, keys: dict, b: int, arrays: dict[str, np.ndarray]) -> bool:
+        """Puts one span's objects into store slots: objects already on the device are kept, ones the
+        allocator knows on disk are restored (disk -> host -> device), others are allocated."""
+        pc, gcd = self.pc, self.pc.geometry.gcd
+        plan, data, new, held = {}, {}, [], set()
+        for spec in pc.specs:
+            W = pc._width[spec.name]
+            slots = np.full((W,), -1, np.int32)
+            pool = pc.store[spec.name]
+            cols = {f: np.zeros((a.shape[0], W) + a.shape[2:], a.dtype) for f, a in pool.arrays.items()}
+            for j, e in enumerate(self._objects(spec, b)):
+                key = key_at(keys[spec.name], gcd, e)
+                ent = pc.index.find(spec.name, spec.kind, key)
+                seg = None if ent is None else pc.alloc.segments.get(ent.seg_id)
+                if seg is not None and seg.state is SegState.DEVICE:
+                    continue
+                if seg is not None and seg.state in (SegState.DISK, SegState.HOST) and seg.ref_count == 0:
+                    if not pc.restore_segment(seg.id, frozenset(held)):
+                        return self._undo(new, held)
+                    sid = seg.id
+                else:
+                    sid = pc._allocate(spec, e, frozenset(held))
+                    if sid is None:
+                        return self._undo(new, held)
+                    new.append((spec, sid, e, key))
+                held.add(sid)
+                pc.alloc = A.retain(pc.alloc, sid) if pc.alloc.get(sid).state is SegState.DEVICE else pc.alloc
+                slots[j] = pc._slots[sid][1][0]
+                for f in cols:
+                    src = arrays[f"{spec.name}-{f}"]
+                    cols[f][:, j] = src[:, j] if pool.block_size else src
+                self._seg_spans[sid].add(self.key(keys, b))
+            plan[spec.name], data[spec.name] = jnp.asarray(slots), cols
+        pc.store = self._write(pc.store, plan, data)
+        for spec in pc.specs:
+            for slot in np.asarray(plan[spec.name]):
+                if slot >= 0:
+                    pc._slot_version[spec.name][slot] += 1
+        for sid in held:
+            if pc.alloc.get(sid).ref_count:
+                pc.alloc = A.release(pc.alloc, sid)
+        for spec, sid, e, key in new:
+            pc.alloc = A.commit(pc.alloc, sid)
+            pc._index_insert(IndexEntry(spec.name, spec.kind, key, e, sid))
+        k = self.key(keys, b)
+        if k not in self._written:          # it is on disk: offloading these segments again is free
+            f = cf.Future()
+            f.set_result(True)
+            self._written[k] = f
+        return True
+
+    def _undo(self, new, held) -> bool:
+        """A span that cannot be installed: new segments are aborted, restored ones (their slots hold
+        nothing yet) freed."""
+        pc = self.pc
+        fresh = {sid for _, sid, _, _ in new}
+        for sid in held:
+            if pc.alloc.get(sid).ref_count:
+                pc.alloc = A.release(pc.alloc, sid)
+            if sid not in fresh:
+                before = pc.alloc
+                pc.alloc = A.evict(pc.alloc, sid)
+                pc._reclaim(before)
+        pc._abort(sorted(fresh))
+        return False
+
+    def forget(self, request_id: str):
+        """Drops a request's prefetch (aborted before admission)."""
+        self._prefetched.pop(request_id, None)
+
+    def stats(self) -> dict:
+        st = self.tier.stats()
+        return {"directory": self.config.directory, "entries": st["entries"], "bytes": st["bytes"],
+                "cap_bytes": st["cap_bytes"], "spans_restored": self.spans_restored,
+                "tokens_restored": self.tokens_restored, "writes": st["puts"], "rejected_writes": st["rejected_puts"],
+                "evictions": st["evictions"], "prefetch_hidden_s": st["prefetch_hidden_s"],
+                "prefetch_wait_s": st["prefetch_wait_s"]}
+
+    def warmup(self):
+        """Compiles the slot read and write (all padding: nothing moves)."""
+        pc = self.pc
+        plan = {n: jnp.full((w,), -1, jnp.int32) for n, w in pc._width.items()}
+        jax.block_until_ready(self._read(pc.store, plan))
+        data = {n: {f: jnp.zeros((a.shape[0], pc._width[n]) + a.shape[2:], a.dtype) for f, a in pool.arrays.items()}
+                for n, pool in pc.store.items()}
+        pc.store = self._write(pc.store, plan, data)
+
+    def num_compiled(self) -> int:
+        return self._read._cache_size() + self._write._cache_size()
