@@ -72,7 +72,7 @@ class PrefixCacheConfig:
 class PrefixCache:
     def __init__(self, cache: ModelCache, config: PrefixCacheConfig, disk: DiskConfig | None = None):
         self.config = config
-        groups = cache.groups
+        groups = dict(sorted(cache.groups.items()))    # a fixed order: span keys hash the groups in it
         unknown = [n for n, g in groups.items() if type(g) not in KIND_OF]
         if unknown:
             raise ValueError(f"prefix caching has no object kind for cache groups {unknown}")

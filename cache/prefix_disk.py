@@ -88,7 +88,7 @@ class DiskSpans:
 
     def key(self, keys: dict[str, tuple[str, ...]], b: int) -> str:
         gcd = self.pc.geometry.gcd
-        return make_key("prefix-span", *(key_at(keys[s.name], gcd, b) for s in self.pc.specs))
+        return make_key("prefix-span", *(key_at(keys[n], gcd, b) for n in sorted(keys)))
 
     def expect(self, b: int) -> EntryMeta:
         """The exact meta of the span ending at b: array '<group>-<field>' is [L, blocks, bs, ...] for a
