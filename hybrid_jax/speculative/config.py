@@ -9,8 +9,8 @@ plus this project's options:
                reference, restored on rejection, and the accepted tokens are run through again);
   "dynamic_k": true (default) picks each request's draft length in [0, K] from its running
                acceptance rate; K = 0 for every row falls back to plain on-device decode chunks.
-  "fallback_steps": tokens per plain decode chunk when no row speculates (default 8; grown 4x, up
-               to 16x, while the n-gram drafts checked against those chunks keep failing).
+  "fallback_steps": tokens per plain decode chunk when no row speculates (default 4; with dynamic K
+               grown 4x, up to 32x, while the n-gram drafts checked against those chunks keep failing).
   "draft_cost": the cost of one more verified draft token relative to a decode step, used by the
                dynamic-K choice (default 0.25).
   "ewma_decay": weight of the past in the running acceptance rate (default 0.8).
@@ -28,7 +28,7 @@ METHODS = ("ngram", "draft_model")
 ROLLBACKS = ("selection", "replay")
 _KEYS = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model", "rollback",
          "dynamic_k", "fallback_steps", "draft_cost", "ewma_decay", "draft_dtype"}
-MAX_SPECULATIVE_TOKENS = 16
+MAX_SPECULATIVE_TOKENS = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,7 +41,7 @@ class SpeculativeConfig:
     model: str | None = None
     rollback: str = "selection"
     dynamic_k: bool = True
-    fallback_steps: int = 8
+    fallback_steps: int = 4
     draft_cost: float = 0.25
     ewma_decay: float = 0.8
     draft_dtype: str = "auto"
@@ -116,6 +116,6 @@ def parse_speculative_config(d: dict[str, Any] | SpeculativeConfig | None) -> Sp
                          f"got {draft_dtype!r}")
     return SpeculativeConfig(
         method=method, num_speculative_tokens=k, prompt_lookup_max=lmax, prompt_lookup_min=lmin, model=model,
-        rollback=rollback, dynamic_k=dyn, fallback_steps=_int(d, "fallback_steps", 8, 1, 256),
+        rollback=rollback, dynamic_k=dyn, fallback_steps=_int(d, "fallback_steps", 4, 1, 256),
         draft_cost=_float(d, "draft_cost", 0.25, 0.0, 10.0), ewma_decay=_float(d, "ewma_decay", 0.8, 0.0, 0.999),
         draft_dtype=draft_dtype)

@@ -8,7 +8,7 @@ The host loop per batch (rows padded to power-of-two buckets, every device step 
     if no row has a draft: one on-device chunk of plain decode steps (the K = 0 fallback); the
         n-gram drafter's proposal is checked against what the chunk produced ("shadow" acceptance),
         so a request whose text turns repetitive climbs back to K > 0; while those checks keep
-        failing, chunks grow 4x each time (up to 16 x fallback_steps) so the host loop costs less and less
+        failing, chunks grow 4x each time (up to 32 x fallback_steps) so the host loop costs less and less
     else: ONE target forward over [pending, drafts], acceptance (greedy / rejection sampling) and
         rollback of the rejected tokens by selection or snapshot + replay
 
@@ -34,7 +34,7 @@ from hybrid_jax.speculative.metrics import SpecMetrics
 from hybrid_jax.speculative.verify import TargetSteps
 from hybrid_jax.weights import open_checkpoint
 
-MAX_CHUNK_GROWTH = 16        # fallback chunks grow 4x per quiet chunk, to at most 16 x fallback_steps
+MAX_CHUNK_GROWTH = 32        # fallback chunks grow 4x per quiet chunk, to at most 32 x fallback_steps
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 

@@ -21,7 +21,7 @@ class AcceptanceTracker:
     draft cost, so a new request starts with plain decode chunks and speculates once its drafts are
     seen to land (the n-gram drafter's shadow check, a draft model's probe)."""
 
-    def __init__(self, n: int, decay: float = 0.8, prior_rate: float = 0.2, prior_weight: float = 2.0):
+    def __init__(self, n: int, decay: float = 0.8, prior_rate: float = 0.2, prior_weight: float = 1.0):
         self.decay = decay
         self.accepted = np.full((n,), prior_rate * prior_weight, np.float64)
         self.trials = np.full((n,), prior_weight, np.float64)
