@@ -98,14 +98,21 @@ def test_qwen3_next_reuse_is_token_identical(qwen, eng, cap):
         assert sum(st["bytes_by_group"].values()) <= cap
 
 
-def test_deepseek_v32_reuse_is_token_identical(dsa):
+def test_deepseek_v32_reuse_is_token_identical(dsa, tmp_path):
+    """MLA latent and indexer pages reused from the device store, then (after dropping it) from the
+    disk tier."""
     prompts = _workload(dsa.config.vocab_size, seed=2, shared=(140, 200), n=4)
     want = _baseline(dsa, prompts)
-    eng = _engine(dsa, max_num_batched_tokens=64)
+    eng = _engine(dsa, max_num_batched_tokens=64, prefix_checkpoint_interval=1, kv_cache_dir=str(tmp_path))
     assert _run(eng, prompts, seed=3) == want
     st = eng.cache_stats()
     assert st["lcm"] == 128 and st["passes"] >= 4
     assert st["bytes_by_kind"]["compressed_kv"] > 0 and st["bytes_by_kind"]["indexer_keys"] > 0
+    eng.step()
+    eng.reset_prefix_cache()            # waits for the spans written behind, drops the device store
+    assert _run(eng, prompts, seed=4) == want
+    st = eng.cache_stats()
+    assert st["disk"]["spans_restored"] >= 2 and st["passes"] >= 4
 
 
 def test_a_hit_reads_the_store(qwen, eng):
