@@ -55,7 +55,8 @@ class LLM:
     def __init__(self, model: str | None = None, *, dtype: str = "auto", tokenizer: str | None = None,
                  max_model_len: int | None = None, max_num_seqs: int = 16, seed: int = 0,
                  impl: str = "auto", progress: bool | None = None, enable_prefix_caching: bool = False,
-                 kv_cache_dir: str | None = None, engine_config: dict | None = None):
+                 kv_cache_dir: str | None = None, engine_config: dict | None = None,
+                 speculative_config: dict | None = None):
         if model is None:
             self.config = default_config()
             self.model_name = DEFAULT_MODEL_NAME
@@ -85,6 +86,14 @@ class LLM:
         self.generator = Generator(self.config, params, self.dtype, impl=impl)
         self._fingerprint: str | None = None
         self._engine = None
+        self._spec = None
+        if speculative_config is not None:
+            if enable_prefix_caching:
+                raise InputError("speculative_config and enable_prefix_caching cannot be combined yet: speculation "
+                                 "runs in the offline generator, prefix caching in the engine")
+            from hybrid_jax.speculative import SpeculativeDecoder  # noqa: PLC0415
+            self._spec = SpeculativeDecoder(self.config, params, self.dtype, speculative_config, impl=impl,
+                                            max_num_seqs=max_num_seqs)
         if kv_cache_dir is not None and not enable_prefix_caching:
             raise InputError("kv_cache_dir needs enable_prefix_caching=True")
         if enable_prefix_caching:
@@ -172,6 +181,8 @@ class LLM:
                                  f"max_model_len {self.max_model_len}")
         if self._engine is not None:
             return self._generate_with_engine(prompts, encoded, sps)
+        if self._spec is not None:
+            return self._generate_speculative(encoded, sps)
         eos = self.eos_token_ids()
         results: list[RequestOutput] = []
         order = sorted(range(len(prompts)), key=lambda i: len(encoded[i][1]))   # similar lengths batch well
@@ -196,6 +207,19 @@ class LLM:
         return [RequestOutput(request_id=str(i), prompt=encoded[i][0], prompt_token_ids=encoded[i][1],
                               outputs=[CompletionOutput(0, o.text, list(o.token_ids), o.finish_reason)])
                 for i, o in enumerate(outs)]
+
+    def _generate_speculative(self, encoded, sps) -> list[RequestOutput]:
+        seeds = self._rng.integers(0, 2**32, len(encoded)).tolist()
+        res = self._spec.generate([ids for _, ids in encoded], list(sps), self.eos_token_ids(), seeds=seeds)
+        return [RequestOutput(request_id=str(i), prompt=encoded[i][0], prompt_token_ids=encoded[i][1],
+                              outputs=[CompletionOutput(0, self.tokenizer.decode(toks) if self.tokenizer else "",
+                                                        list(toks), reason)])
+                for i, (toks, reason) in enumerate(res)]
+
+    def spec_stats(self) -> dict:
+        """Speculative decoding figures (acceptance rate, mean accepted length, draft and verify
+        time, ...); {"enabled": False} without a speculative_config."""
+        return {"enabled": True, **self._spec.stats()} if self._spec is not None else {"enabled": False}
 
     # --- inspection --------------------------------------------------------------------------------
     def logits(self, token_ids: Sequence[int]) -> np.ndarray:

@@ -90,3 +90,20 @@ def test_default_model_is_deterministic():
 def test_string_prompt_without_tokenizer_is_a_clear_error(llm):
     with pytest.raises(ValueError, match="no tokenizer"):
         llm.generate("hello", SamplingParams(max_tokens=2))
+
+
+def test_speculative_config_runs_through_llm_and_keeps_greedy_output(llm, tiny_checkpoint):
+    """LLM(speculative_config=...) delegates to the speculative decoder (its counters move) and keeps
+    the greedy tokens; the decoder's own exactness tests are in test_speculative.py."""
+    from hybrid_jax.errors import InputError  # noqa: PLC0415
+    spec = LLM(model=tiny_checkpoint, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                                          "dynamic_k": False})
+    prompts = [{"prompt_token_ids": _ids(24, s) * 3} for s in (1, 2)]
+    sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    assert [o.outputs[0].token_ids for o in spec.generate(prompts, sp)] == \
+           [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
+    st = spec.spec_stats()
+    assert st["enabled"] and st["row_verifies"] + st["fallback_chunks"] > 0 and st["prefill_time_s"] > 0
+    assert llm.spec_stats() == {"enabled": False}
+    with pytest.raises(InputError, match="num_speculative_tokens|method"):
+        LLM(model=tiny_checkpoint, speculative_config={"method": "nonsense"})
