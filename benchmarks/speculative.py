@@ -115,13 +115,17 @@ def draft_cost(llm, k, B=1, cap=512) -> float:
 def workloads(order, n_req, rng):
     V = CONFIG["vocab_size"]
     pos = {int(t): i for i, t in enumerate(order)}
-    rep = []
+    rep, edited = [], []
     for _ in range(n_req):      # a 240-token stretch of the cycle, then its first 16 tokens again (256 in all)
         s = int(rng.integers(0, len(order)))
         walk = [int(order[(s + i) % len(order)]) for i in range(240)]
         rep.append(walk + walk[:16])
+        quote = list(walk)      # the same, with every 24th token of the quoted stretch changed (an "edit")
+        for i in range(30, 240, 24):
+            quote[i] = int(rng.integers(1, V))
+        edited.append(quote + walk[:16])
     rnd = [rng.integers(1, V, 64).tolist() for _ in range(n_req)]
-    return {"repetitive": rep, "non-repetitive": rnd}, pos
+    return {"repetitive": rep, "edited quote": edited, "non-repetitive": rnd}, pos
 
 
 def main():
@@ -140,7 +144,8 @@ def main():
           f"MoE, vocab {CONFIG['vocab_size']}), cycle-rewired LM head (see the docstring); greedy, batch "
           f"{args.batch}, {args.max_tokens} new tokens per request, n-gram drafting K <= {args.k}; prompts: "
           f"repetitive {len(wls['repetitive'][0])} tokens (a stretch of the cycle, then its start again: the "
-          f"continuation copies it), non-repetitive {len(wls['non-repetitive'][0])} random tokens")
+          f"continuation copies it), edited quote: the same with every 24th quoted token changed (drafts fail "
+          f"there), non-repetitive {len(wls['non-repetitive'][0])} random tokens")
 
     cost = draft_cost(llm, args.k)
     print(f"dynamic K's draft_cost, calibrated on this machine: one more verified draft token costs {cost:.3f} "
@@ -166,7 +171,7 @@ def main():
     print("   (ratio = plain time / speculative time; 'tok/verify' = tokens emitted per row-verify, bonus included;"
           "\n    the last column counts tokens over the 8 runs: emitted by verify steps / by plain fallback chunks)")
 
-    print("\n2. rollback by selection vs snapshot + replay (repetitive workload, then non-repetitive)")
+    print("\n2. rollback by selection vs snapshot + replay (same runs as above, per rollback mode)")
     for name, prompts in wls.items():
         row = []
         for mode in ("selection", "replay"):

@@ -159,6 +159,8 @@ class SpeculativeDecoder:
         catch: list[list[int]] = [[] for _ in range(B)]     # emitted since the draft model's last call
         tracker = AcceptanceTracker(B, spec.ewma_decay)
         probe = np.zeros((B,), bool)
+        cursor = np.full((B,), -1, np.int64)   # n-gram: where in the history the copied text goes on
+        src = np.full((B,), -1, np.int64)      # n-gram: where this step's proposal starts
         quiet = 0          # fallback chunks in a row whose shadow check found nothing: chunks grow
 
         def emit(r, toks):
@@ -198,7 +200,9 @@ class SpeculativeDecoder:
                 want = min(want, int(rem[r]) - 1)
                 if self.ngram is not None:
                     if want > 0:
-                        proposals[r] = self.ngram.propose(hist[r, :hlen[r]], want)
+                        proposals[r], src[r] = self.ngram.propose_at(hist[r, :hlen[r]], want)
+                        if len(proposals[r]) == 0 and 0 <= cursor[r] < hlen[r]:     # past an edit
+                            proposals[r], src[r] = self.ngram.read_from(hist[r, :hlen[r]], cursor[r], want), cursor[r]
                         k_rows[r] = len(proposals[r])
                     elif spec.dynamic_k and rem[r] > 1:
                         shadow[r] = self.ngram.propose(hist[r, :hlen[r]], min(K, int(rem[r]) - 1))
@@ -227,6 +231,7 @@ class SpeculativeDecoder:
                         hit |= a > 0
                     emit(r, row)
                     probe[r] = self.drafter is not None
+                    cursor[r] = -1
                 grow = spec.dynamic_k and self.drafter is None and not hit    # a fixed K keeps looking
                 quiet = quiet + 1 if grow else 0
                 continue
@@ -279,5 +284,7 @@ class SpeculativeDecoder:
                 if k_rows[r] > 0:
                     m.record(req_ids[r], int(generated[r]), int(k_rows[r]), a)
                     tracker.update(r, int(k_rows[r]), a)
+                    # the copied text goes on after the token the target wrote in place of draft a + 1
+                    cursor[r] = src[r] + a + 1 if src[r] >= 0 else -1
                 emit(r, out_tok[r, :a + 1])
         return [(out[r], reason[r]) for r in range(n)]

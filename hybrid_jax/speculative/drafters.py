@@ -4,6 +4,9 @@
   longest suffix n-gram (prompt_lookup_max .. prompt_lookup_min tokens) of a row's history and
   proposes the tokens that followed it, reading on through its own proposal when the match is
   close to the end (so a loop shorter than K still yields K tokens). Deterministic: q is one-hot.
+  The decoder also keeps each row's place in the copied text: when a draft was rejected at an
+  edit (the model wrote another token where the source had one) and no n-gram matches yet, it
+  proposes the source's tokens after the edited one (`read_from`), as code editing continues.
 * `DraftModelDrafter` (device side): a smaller checkpoint of any family the loader accepts, with its
   own cache. Each call first catches up on the tokens emitted since its previous call (one forward:
   the cache after it is the draft's rollback point, so rejected drafts never reach it), then runs
@@ -37,13 +40,18 @@ class NgramDrafter:
         """history [N] int (prompt + generated, the last one pending); k: tokens wanted.
         Returns up to k proposed tokens [<= k] int32 (empty when no n-gram of length >= lookup_min
         recurs)."""
+        return self.propose_at(history, k)[0]
+
+    def propose_at(self, history: np.ndarray, k: int) -> tuple[np.ndarray, int]:
+        """Like propose; also returns where in history the proposal starts (-1 when empty)."""
         h = np.asarray(history)
         n = h.shape[0]
+        none = np.zeros((0,), np.int32), -1
         if k <= 0 or n < self.lookup_min + 1:
-            return np.zeros((0,), np.int32)
+            return none
         ends = np.flatnonzero(h[:-1] == h[-1])            # candidate match ends, before the suffix itself
         if ends.size == 0:
-            return np.zeros((0,), np.int32)
+            return none
         length = np.ones(ends.shape, np.int64)
         alive = np.ones(ends.shape, bool)
         for m in range(1, min(self.lookup_max, n - 1)):
@@ -53,12 +61,19 @@ class NgramDrafter:
             alive = ok
         best = length.max()
         if best < self.lookup_min:
-            return np.zeros((0,), np.int32)
+            return none
         start = int(ends[np.flatnonzero(length == best)[-1]]) + 1   # most recent of the longest matches
+        return self.read_from(h, start, k), start
+
+    @staticmethod
+    def read_from(history: np.ndarray, start: int, k: int) -> np.ndarray:
+        """k tokens of history [N] from index start (0 <= start < N), reading on through the
+        proposal itself past the end. Returns [k] int32."""
+        n = len(history)
         out = np.empty((k,), np.int32)
         for j in range(k):
             idx = start + j
-            out[j] = h[idx] if idx < n else out[idx - n]
+            out[j] = history[idx] if idx < n else out[idx - n]
         return out
 
 

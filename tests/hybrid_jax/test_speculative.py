@@ -273,6 +273,9 @@ def test_ngram_drafter():
     assert d.propose(np.array([4, 6, 4, 6]), 5).tolist() == [4, 6, 4, 6, 4]   # reads on through a short loop
     assert d.propose(np.array([1, 2, 3]), 3).size == 0  # nothing recurs
     assert NgramDrafter(2, 3).propose(np.array([1, 9, 3, 1]), 2).size == 0   # only a 1-gram recurs
+    toks, start = d.propose_at(h, 2)
+    assert start == 7 and toks.tolist() == [3, 7]  # the most recent (1, 2) sits at 5..6: the copy starts at 7
+    assert NgramDrafter.read_from(np.array([4, 5, 6]), 1, 4).tolist() == [5, 6, 5, 6]
 
 
 def test_dynamic_k_follows_acceptance():
