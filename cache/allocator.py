@@ -215,6 +215,28 @@ def touch(state: AllocState, seg_id: int) -> AllocState:
     return _put(state, dataclasses.replace(seg, last_access=state.clock + 1))
 
 
+def retain_many(state: AllocState, seg_ids) -> AllocState:
+    """`retain` for several segments at once (one new state)."""
+    d = dict(state.segments)
+    for sid in seg_ids:
+        seg = d.get(sid) or state.get(sid)
+        if seg.state not in (SegState.DEVICE, SegState.HOST, SegState.DISK):
+            raise IllegalTransition(f"cannot retain {seg.describe()} in state {seg.state.value}")
+        d[sid] = dataclasses.replace(seg, ref_count=seg.ref_count + 1, last_access=state.clock + 1)
+    return dataclasses.replace(state, segments=_frozen(d), clock=state.clock + 1)
+
+
+def release_many(state: AllocState, seg_ids) -> AllocState:
+    """`release` for several segments at once; ValueError if a ref count would go negative."""
+    d = dict(state.segments)
+    for sid in seg_ids:
+        seg = d.get(sid) or state.get(sid)
+        if seg.ref_count <= 0:
+            raise ValueError(f"release of {seg.describe()}: ref count would go negative")
+        d[sid] = dataclasses.replace(seg, ref_count=seg.ref_count - 1)
+    return dataclasses.replace(state, segments=_frozen(d), clock=state.clock + 1)
+
+
 def touch_many(state: AllocState, seg_ids) -> AllocState:
     """Marks uses of several segments in the given order (the last one is the most recent)."""
     d = dict(state.segments)

@@ -162,14 +162,12 @@ class PrefixCache:
         if not hit.ok:
             return cache, self._miss(hit)
         plan, held = self._load_plan(hit)
-        for sid in held:
-            self.alloc = A.retain(self.alloc, sid)
+        self.alloc = A.retain_many(self.alloc, held)
         try:
             cache, ok = self._load(cache, self.store, jnp.int32(row), plan, jnp.int32(hit.boundary))
             ok = bool(ok)
         finally:
-            for sid in held:
-                self.alloc = A.release(self.alloc, sid)
+            self.alloc = A.release_many(self.alloc, held)
         if not ok:   # a slot changed between the host's check and the device's read
             return cache, self._miss(HitResult(ok=False, reason="version", hashed=hit.hashed,
                                                detail="a store slot's version changed before the load read it"))

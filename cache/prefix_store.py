@@ -117,11 +117,16 @@ def _write_row_blocks(group, a: jax.Array, row, idx, blocks, valid, bs: int) -> 
         r = jnp.where(valid[0], row, a.shape[1])                 # out of range: dropped
         return a.at[:, r].set(blocks[:, 0], mode="drop")
     if isinstance(group, KVGroup):
+        # The plan of a full-KV group is the whole row (W = S / bs, dst = 0, 1, ..): write it as one
+        # dynamic-update-slice of the row (a memcpy) instead of a scatter of W blocks; blocks that
+        # are not loaded keep the row's content.
         L, B, S = a.shape[:3]
         nb = S // bs
-        i = jnp.where(valid, idx, nb)
-        v = a.reshape((L, B, nb, bs) + a.shape[3:])
-        return v.at[:, row, i].set(blocks, mode="drop").reshape(a.shape)
+        keep = jnp.zeros((nb,), bool).at[jnp.where(valid, idx, nb)].set(True, mode="drop")
+        new = blocks.reshape((L, S) + a.shape[3:])
+        cur = jax.lax.dynamic_index_in_dim(a, row, axis=1, keepdims=False)
+        mask = jnp.repeat(keep, bs).reshape((1, S) + (1,) * (a.ndim - 3))
+        return jax.lax.dynamic_update_index_in_dim(a, jnp.where(mask, new, cur), row, axis=1)
     pages = jnp.where(valid, group.page_table[row, jnp.clip(idx, 0, group.page_table.shape[1] - 1)], a.shape[1])
     return a.at[:, pages].set(blocks, mode="drop")
 
@@ -154,7 +159,7 @@ def load_row(cache: ModelCache, store: dict[str, StorePool], row: jax.Array,
     """Copies stored blocks into cache row `row` [] and sets its length to `boundary` [].
 
     plan: group -> (src [M] store slot or -1, dst [M] block index within the row, expect [M] the
-    slot version recorded at check). If any used slot's version differs, nothing is written and
+    slot version recorded at check). A full-KV group's plan spans the whole row: dst[j] == j. If any used slot's version differs, nothing is written and
     the row's length becomes 0. Returns (cache, ok [] bool)."""
     ok = jnp.bool_(True)
     for name, pool in store.items():

@@ -107,3 +107,4 @@ class AsyncEngine:
                 continue
             for o in outs:
                 self._deliver(o.request_id, o)
+            self.engine.flush_publishes()     # after the tokens went out: publishing never delays one

@@ -157,7 +157,9 @@ class LLMEngine:
             if q.slot is not None and q.num_computed in self._publish_points(q):
                 self._pending.append((q.slot, q.prompt_ids, q.num_computed))
 
-    def _flush_publishes(self):
+    def flush_publishes(self):
+        """Runs the publishes queued by the last step. Callers do it once the step's tokens are out
+        (the async loop, generate()); the next step does it anyway before touching any row."""
         for slot, ids, boundary in self._pending:
             self.prefix.publish(self.runner.cache, slot, ids, boundary)
         self._pending.clear()
@@ -180,13 +182,13 @@ class LLMEngine:
         bytes per kind and per group); {"enabled": False} when prefix caching is off."""
         if self.prefix is None:
             return {"enabled": False}
-        self._flush_publishes()
+        self.flush_publishes()
         return {"enabled": True, **self.prefix.cache_stats()}
 
     # --- one step ----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         if self._pending:
-            self._flush_publishes()
+            self.flush_publishes()
         plan = self.scheduler.schedule()
         for r in plan.preempted:
             self.metrics.preemptions.inc()
@@ -296,4 +298,5 @@ class LLMEngine:
             for o in self.step():
                 if o.finished:
                     final[o.request_id] = o
+        self.flush_publishes()
         return [final[rid] for rid in ids]
