@@ -89,6 +89,19 @@ def _add_engine_args(p: argparse.ArgumentParser):
     p.add_argument("--kv-cache-dir", default=None, help="on-disk prefix tier (with --enable-prefix-caching)")
     p.add_argument("--kv-cache-dir-bytes", type=int, default=8 << 30, help="cap of the on-disk prefix tier")
     p.add_argument("--prefetch-policy", default="wait", choices=["best_effort", "wait", "timeout"])
+    p.add_argument("--speculative-config", default=None, type=_json_dict,
+                   help='speculative decoding, vLLM\'s shape: \'{"method": "ngram", "num_speculative_tokens": 4}\'')
+
+
+def _json_dict(text: str) -> dict:
+    import json  # noqa: PLC0415
+    try:
+        d = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(d, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return d
 
 
 def _engine_config(args):
@@ -102,7 +115,8 @@ def _engine_config(args):
                         enable_prefix_caching=args.enable_prefix_caching, prefix_block_size=args.prefix_block_size,
                         prefix_checkpoint_interval=args.prefix_checkpoint_interval,
                         prefix_cache_bytes=args.prefix_cache_bytes, kv_cache_dir=args.kv_cache_dir,
-                        kv_cache_dir_bytes=args.kv_cache_dir_bytes, prefetch_policy=args.prefetch_policy)
+                        kv_cache_dir_bytes=args.kv_cache_dir_bytes, prefetch_policy=args.prefetch_policy,
+                        speculative_config=args.speculative_config)
 
 
 def _serve(args) -> int:

@@ -87,10 +87,7 @@ class LLM:
         self._fingerprint: str | None = None
         self._engine = None
         self._spec = None
-        if speculative_config is not None:
-            if enable_prefix_caching:
-                raise InputError("speculative_config and enable_prefix_caching cannot be combined yet: speculation "
-                                 "runs in the offline generator, prefix caching in the engine")
+        if speculative_config is not None and not enable_prefix_caching:
             from hybrid_jax.speculative import SpeculativeDecoder  # noqa: PLC0415
             self._spec = SpeculativeDecoder(self.config, params, self.dtype, speculative_config, impl=impl,
                                             max_num_seqs=max_num_seqs)
@@ -100,7 +97,8 @@ class LLM:
             # Prefix reuse lives in the continuous-batching engine: generate() runs through it.
             from hybrid_jax.engine import EngineConfig, LLMEngine  # noqa: PLC0415
             opts = dict(max_num_seqs=max_num_seqs, max_model_len=self.max_model_len, enable_prefix_caching=True,
-                        kv_cache_dir=None if kv_cache_dir is None else os.fspath(kv_cache_dir))
+                        kv_cache_dir=None if kv_cache_dir is None else os.fspath(kv_cache_dir),
+                        speculative_config=speculative_config)   # the engine speculates with n-gram drafts
             opts.update(engine_config or {})
             self._engine = LLMEngine(self, EngineConfig(**opts))
         elif engine_config:
@@ -219,6 +217,8 @@ class LLM:
     def spec_stats(self) -> dict:
         """Speculative decoding figures (acceptance rate, mean accepted length, draft and verify
         time, ...); {"enabled": False} without a speculative_config."""
+        if self._engine is not None:
+            return self._engine.spec_stats()
         return {"enabled": True, **self._spec.stats()} if self._spec is not None else {"enabled": False}
 
     # --- inspection --------------------------------------------------------------------------------

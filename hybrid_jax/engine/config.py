@@ -31,6 +31,7 @@ class EngineConfig:
     kv_cache_dir_bytes: int = 8 << 30    # the disk tier's own cap
     prefetch_policy: str = "wait"        # disk prefetch at admission: "best_effort" | "wait" | "timeout"
     prefetch_timeout_s: float = 1.0
+    speculative_config: dict | None = None  # vLLM's shape, e.g. {"method": "ngram", "num_speculative_tokens": 4}
 
     def __post_init__(self):
         for f in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "decode_steps", "prefix_block_size",
@@ -49,3 +50,6 @@ class EngineConfig:
             raise InputError(f"prefetch_policy must be 'best_effort', 'wait' or 'timeout'; got {self.prefetch_policy!r}")
         if self.kv_cache_dir_bytes <= 0 or self.prefetch_timeout_s <= 0:
             raise InputError("kv_cache_dir_bytes and prefetch_timeout_s must be positive")
+        if self.speculative_config is not None:
+            from hybrid_jax.speculative.config import parse_speculative_config  # noqa: PLC0415
+            parse_speculative_config(self.speculative_config)      # a bad config fails here, naming the key

@@ -21,6 +21,7 @@ from hybrid_jax.engine.metrics import EngineMetrics
 from hybrid_jax.engine.request import Request, RequestOutput, RequestStatus
 from hybrid_jax.engine.runner import ModelRunner, enable_persistent_compilation_cache
 from hybrid_jax.engine.scheduler import Scheduler
+from hybrid_jax.engine.speculate import EngineSpeculator
 from hybrid_jax.errors import InputError
 from hybrid_jax.sampling import SamplingParams
 
@@ -60,6 +61,7 @@ class LLMEngine:
                 dtype=jnp.dtype(llm.dtype).name, block_size=self.config.prefix_block_size,
                 checkpoint_interval=self.config.prefix_checkpoint_interval), disk=self._disk_config())
         self._stops: dict[str, tuple[int, ...]] = {}
+        self.spec = EngineSpeculator(self.config.speculative_config) if self.config.speculative_config else None
         self._pending: list[tuple[int, list[int], int]] = []   # (slot, prompt ids, boundary) to publish
         self.scheduler = Scheduler(max_num_seqs=self.config.max_num_seqs,
                                    max_num_batched_tokens=self.config.max_num_batched_tokens,
@@ -101,6 +103,8 @@ class LLMEngine:
             req.status, req.finish_reason = RequestStatus.ABORTED, "abort"
             self._detok.pop(request_id, None)
             self._stops.pop(request_id, None)
+            if self.spec is not None:
+                self.spec.forget(request_id)
             if self.prefix is not None and self.prefix.disk is not None:
                 self.prefix.disk.forget(request_id)
             self.metrics.aborted.inc()
@@ -113,6 +117,8 @@ class LLMEngine:
         t0 = time.perf_counter()
         mode = mode or self.config.warmup
         self.runner.warmup(mode)
+        if self.spec is not None and mode != "none":
+            self.runner.warmup_verify(self.spec.spec.k_buckets(), replay=self.spec.spec.rollback == "replay")
         if self.prefix is not None and mode != "none":
             self.runner.cache = self.prefix.warmup(self.runner.cache, self.runner.null_slot)
         self.warmup_seconds = time.perf_counter() - t0
@@ -199,9 +205,18 @@ class LLMEngine:
         t0 = time.perf_counter()
         if plan.is_decode_only:
             reqs = [p.request for p in plan.rows]
-            toks, lps = self.runner.run_decode(reqs, self._eos)
-            for q, row in zip(reqs, toks):
-                q.num_computed += int(np.sum(row >= 0))   # each iteration fed one token, then sampled one
+            t_draft = time.perf_counter()
+            drafts, shadows = self.spec.plan(reqs) if self.spec is not None else (None, None)
+            if self.spec is not None:
+                self.metrics.spec_draft_seconds.inc(time.perf_counter() - t_draft)
+            if drafts is not None and any(len(d) for d in drafts):
+                toks, lps = self._verify(reqs, drafts)
+            else:
+                toks, lps = self.runner.run_decode(reqs, self._eos)
+                for q, row in zip(reqs, toks):
+                    q.num_computed += int(np.sum(row >= 0))   # each iteration fed one token, then sampled one
+                if shadows is not None:
+                    self.spec.record_shadow(reqs, shadows, toks)
         else:
             toks, lps = self.runner.run_mixed(plan.rows)
             for p in plan.rows:
@@ -227,6 +242,27 @@ class LLMEngine:
         self.metrics.running.set(len(self.scheduler.running))
         self.metrics.note_tokens(sum(len(o.new_token_ids) for o in outs))
         return outs
+
+    def _verify(self, reqs, drafts):
+        """One speculative verify step: every row emits its accepted drafts plus one token."""
+        K = self.spec.k_bucket(max(len(d) for d in drafts))
+        t0 = time.perf_counter()
+        n_acc, out = self.runner.run_verify(reqs, drafts, K, replay=self.spec.spec.rollback == "replay")
+        self.metrics.spec_verify_seconds.inc(time.perf_counter() - t0)
+        toks = np.full(out.shape, -1, np.int32)
+        for i, (q, a) in enumerate(zip(reqs, n_acc)):
+            toks[i, :a + 1] = out[i, :a + 1]
+            q.num_computed += int(a) + 1             # the pending token and the accepted drafts
+        self.spec.record_verify(reqs, drafts, n_acc)
+        figures = self.spec.counters.as_dict()
+        self.metrics.spec_acceptance.set(figures["acceptance_rate"])
+        self.metrics.spec_accepted_length.set(figures["mean_accepted_length"])
+        n, T = toks.shape
+        return toks, (np.zeros((n, T), np.float32), np.zeros((n, T, 0), np.float32), np.zeros((n, T, 0), np.int32))
+
+    def spec_stats(self) -> dict:
+        """Speculative decoding figures; {"enabled": False} without a speculative config."""
+        return {"enabled": True, **self.spec.stats()} if self.spec is not None else {"enabled": False}
 
     def _sparse_hit_rate(self, slots: list[int]):
         """Models with Top-K sparse attention record, per row, the resident share of the positions
@@ -278,6 +314,8 @@ class LLMEngine:
         if q.finish_reason is not None:
             self._detok.pop(q.request_id, None)
             self._stops.pop(q.request_id, None)
+            if self.spec is not None:
+                self.spec.forget(q.request_id)
             q.status = RequestStatus.FINISHED
             self.scheduler.release(q)
             self.requests.pop(q.request_id, None)

@@ -39,7 +39,11 @@ class EngineMetrics:
                                      "Share of Top-K selected positions resident on device", registry=r)
         self.spec_acceptance = Gauge(p + "spec_decode_acceptance_rate", "Speculative acceptance rate",
                                      registry=r)
-        for g in (self.prefix_hit_rate, self.validation_pass_rate, self.effective_reuse, self.sparse_hit_rate,
+        self.spec_accepted_length = Gauge(p + "spec_decode_mean_accepted_length",
+                                          "Tokens emitted per row-verify (accepted drafts + 1)", registry=r)
+        self.spec_draft_seconds = Counter(p + "spec_decode_draft_seconds", "Host time spent drafting", registry=r)
+        self.spec_verify_seconds = Counter(p + "spec_decode_verify_seconds", "Time of verify steps", registry=r)
+        for g in (self.spec_accepted_length, self.prefix_hit_rate, self.validation_pass_rate, self.effective_reuse, self.sparse_hit_rate,
                   self.spec_acceptance):
             g.set(float("nan"))
 

@@ -66,6 +66,7 @@ class ModelRunner:
         self._mixed = jax.jit(self._mixed_fn, static_argnames=("flags", "top_n"), donate_argnames=("cache",))
         self._decode = jax.jit(self._decode_fn, static_argnames=("steps", "flags", "top_n"),
                                donate_argnames=("cache",))
+        self._verify = jax.jit(self._verify_fn, static_argnames=("flags", "replay"), donate_argnames=("cache",))
 
     # --- buckets -----------------------------------------------------------------------------------
     def batch_buckets(self) -> list[int]:
@@ -93,7 +94,7 @@ class ModelRunner:
 
     def num_compiled(self) -> int:
         """Programs compiled so far by this runner (one per bucket and static option)."""
-        return self._mixed._cache_size() + self._decode._cache_size()
+        return self._mixed._cache_size() + self._decode._cache_size() + self._verify._cache_size()
 
     # --- traced step functions ---------------------------------------------------------------------
     def _sample(self, logits, r, flags, top_n):
@@ -134,6 +135,45 @@ class ModelRunner:
         state = (jnp.int32(0), last_tok, active & (remaining > 0), sub, out, lp_c, lp_v, lp_i)
         _, _, _, sub, out, lp_c, lp_v, lp_i = jax.lax.while_loop(cond, body, state)
         return out, (lp_c, lp_v, lp_i), put_rows(cache, r["rows"], sub)
+
+    def _verify_fn(self, params, cache, r, tokens, meta, *, flags, replay):
+        """Speculative verify of tokens [Bb, K+1] = [pending, d_1 .. d_K] per slot row in ONE forward;
+        meta [2, Bb] = (n_fed = 1 + n_draft, 0 for padding rows; n_draft). Rejected tokens are rolled
+        back by selection of the per-position recurrent states, or (replay) by running the kept tokens
+        from the pre-verify rows again; the rows' versions change when anything was rejected.
+        Returns (n_accepted [Bb], tokens [Bb, K+1]: the first n_accepted + 1 are emitted, cache)."""
+        from hybrid_jax.speculative.acceptance import accept  # noqa: PLC0415
+        from hybrid_jax.speculative.rollback import finish_replay, rollback_by_selection  # noqa: PLC0415
+        sub = take_rows(cache, r["rows"])          # the snapshot, for replay: a reference, never donated
+        n_fed, n_draft = meta[0], meta[1]
+        out = self.model.forward(self.cfg, params, sub, tokens, n_fed, logits_at="all", impl=self.impl,
+                                 fused_recurrent=True, per_token_states=not replay)
+        logits, new = out[0], out[1]
+        keys = jax.vmap(jax.random.key)(r["seeds"])
+        n_acc, out_tok = accept(logits, tokens[:, 1:], None, n_draft, keys, r["steps"], r["temperature"],
+                                r["top_k"], r["top_p"], flags)
+        n_keep = jnp.where(n_fed > 0, 1 + n_acc, 0).astype(jnp.int32)
+        if replay:
+            _, rep = self.model.forward(self.cfg, params, sub, tokens, n_keep, impl=self.impl, fused_recurrent=True)
+            new = finish_replay(rep, new.version, n_fed, n_keep)
+        else:
+            new = rollback_by_selection(new, out[2], sub.lengths, n_fed, n_keep)
+        return n_acc, out_tok, put_rows(cache, r["rows"], new)
+
+    def run_verify(self, reqs, drafts, K: int, replay: bool):
+        """reqs: decoding requests; drafts: [k_i] int32 per request (k_i <= K, may be 0); K: a
+        compiled draft length. Returns (n_accepted [n], tokens [n, K+1])."""
+        n = len(reqs)
+        Bb = bucket(n)
+        tokens = np.zeros((Bb, K + 1), np.int32)
+        meta = np.zeros((2, Bb), np.int32)
+        for i, (q, d) in enumerate(zip(reqs, drafts)):
+            tokens[i, 0] = q.output_ids[-1]
+            tokens[i, 1:1 + len(d)] = d
+            meta[0, i], meta[1, i] = 1 + len(d), len(d)
+        n_acc, out, self.cache = self._verify(self.params, self.cache, self._rows(reqs, Bb), jnp.asarray(tokens),
+                                              jnp.asarray(meta), flags=self._flags(reqs), replay=replay)
+        return np.asarray(n_acc)[:n], np.asarray(out)[:n]
 
     # --- host calls --------------------------------------------------------------------------------
     def _rows(self, reqs, Bb) -> dict:
@@ -219,4 +259,13 @@ class ModelRunner:
                                                 jnp.full((Bb, self.ecfg.max_stop_ids), -1, jnp.int32),
                                                 jnp.zeros((Bb,), jnp.int32), steps=self.ecfg.decode_steps,
                                                 flags=FULL_SAMPLER, top_n=top_n)
+        jax.block_until_ready(self.cache)
+
+    def warmup_verify(self, k_buckets, replay: bool):
+        """Compiles the verify step for every (batch bucket, draft length) pair; every row is padding."""
+        for Bb in self.batch_buckets():
+            for K in k_buckets:
+                _, _, self.cache = self._verify(self.params, self.cache, self._rows([], Bb),
+                                                jnp.zeros((Bb, K + 1), jnp.int32), jnp.zeros((2, Bb), jnp.int32),
+                                                flags=FULL_SAMPLER, replay=replay)
         jax.block_until_ready(self.cache)

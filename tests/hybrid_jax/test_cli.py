@@ -41,3 +41,7 @@ def test_serve_prefix_caching_options_reach_the_engine_config():
     cfg = _engine_config(args)
     assert (cfg.enable_prefix_caching, cfg.prefix_block_size, cfg.prefix_cache_bytes) == (True, 32, 1_000_000)
     assert not _engine_config(build_parser().parse_args(["serve"])).enable_prefix_caching
+    args = build_parser().parse_args(["serve", "--kv-cache-dir", "/tmp/x", "--enable-prefix-caching",
+                                      "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4}'])
+    cfg = _engine_config(args)
+    assert cfg.kv_cache_dir == "/tmp/x" and cfg.speculative_config["num_speculative_tokens"] == 4

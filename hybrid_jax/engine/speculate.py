@@ -1,0 +1,104 @@
+"""Speculative decoding inside the continuous-batching engine (n-gram drafts).
+
+A decode-only engine step normally runs `decode_steps` plain iterations on device. With a
+speculative config, each running request first gets a draft length k from its own acceptance rate
+(dynamic K, `hybrid_jax.speculative.dynamic_k`) and an n-gram proposal from its history; if any row
+has a draft, the step is ONE verify forward of [pending, d_1 .. d_K] over the slot rows instead
+(`ModelRunner.run_verify`), with acceptance and rollback (selection or snapshot + replay) on device.
+Rows without a draft ride along with k = 0 (they emit one token, like a plain step). When no row
+drafts, the plain multi-step decode runs and the proposals made before it are checked against what
+it produced ("shadow" acceptance), so a request whose text turns repetitive starts speculating.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from hybrid_jax.errors import InputError
+from hybrid_jax.speculative.config import SpeculativeConfig, parse_speculative_config
+from hybrid_jax.speculative.drafters import NgramDrafter
+from hybrid_jax.speculative.dynamic_k import AcceptanceTracker, choose_k
+
+
+@dataclasses.dataclass
+class SpecCounters:
+    verify_steps: int = 0
+    row_verifies: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    emitted_tokens: int = 0
+
+    def as_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["acceptance_rate"] = self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+        d["mean_accepted_length"] = self.emitted_tokens / self.row_verifies if self.row_verifies else 0.0
+        return d
+
+
+class EngineSpeculator:
+    def __init__(self, config: dict | SpeculativeConfig):
+        self.spec = parse_speculative_config(config)
+        if self.spec.method != "ngram":
+            raise InputError("the serving engine drafts with method 'ngram'; 'draft_model' runs in LLM.generate "
+                             "(offline) for now")
+        self.drafter = NgramDrafter(self.spec.prompt_lookup_min, self.spec.prompt_lookup_max)
+        self.trackers: dict[str, AcceptanceTracker] = {}
+        self.counters = SpecCounters()
+
+    def forget(self, request_id: str):
+        self.trackers.pop(request_id, None)
+
+    def _tracker(self, rid: str) -> AcceptanceTracker:
+        t = self.trackers.get(rid)
+        if t is None:
+            t = self.trackers[rid] = AcceptanceTracker(1, self.spec.ewma_decay)
+        return t
+
+    def plan(self, reqs) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """Per request: (drafts to verify [k] int32 (k may be 0), n-gram proposal for a shadow check).
+        Rows asking for logprobs never draft (a verify step returns none)."""
+        K = self.spec.num_speculative_tokens
+        drafts, shadows = [], []
+        for q in reqs:
+            prop = self.drafter.propose(np.asarray(q.all_ids, np.int64), K)
+            k = K
+            if self.spec.dynamic_k:
+                k = choose_k(float(self._tracker(q.request_id).rate()[0]), K, self.spec.draft_cost)
+            k = min(k, len(prop), q.remaining_tokens - 1)
+            if q.params.logprobs is not None:
+                k = 0
+            drafts.append(np.asarray(prop[:max(k, 0)], np.int32))
+            shadows.append(np.asarray(prop, np.int32))
+        return drafts, shadows
+
+    def k_bucket(self, k: int) -> int:
+        return self.spec.k_bucket(max(k, 1))
+
+    def record_verify(self, reqs, drafts, n_acc):
+        """After a verify step: n_acc [n] accepted drafts per row."""
+        c = self.counters
+        c.verify_steps += 1
+        for q, d, a in zip(reqs, drafts, n_acc):
+            if len(d):
+                c.row_verifies += 1
+                c.draft_tokens += len(d)
+                c.accepted_tokens += int(a)
+                c.emitted_tokens += int(a) + 1
+                self._tracker(q.request_id).update(0, len(d), int(a))
+
+    def record_shadow(self, reqs, shadows, produced):
+        """After a plain decode step: how many of each proposal matched the tokens produced."""
+        for q, prop, toks in zip(reqs, shadows, produced):
+            toks = [int(t) for t in toks if t >= 0]
+            n = min(len(prop), len(toks))
+            if n == 0:
+                continue
+            match = np.asarray(prop[:n]) == np.asarray(toks[:n])
+            a = int(np.argmin(match)) if not match.all() else n
+            self._tracker(q.request_id).update(0, n, a)
+
+    def stats(self) -> dict:
+        return {**self.counters.as_dict(), "method": self.spec.method,
+                "num_speculative_tokens": self.spec.num_speculative_tokens, "rollback": self.spec.rollback,
+                "dynamic_k": self.spec.dynamic_k}
