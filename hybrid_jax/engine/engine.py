@@ -61,7 +61,12 @@ class LLMEngine:
                 dtype=jnp.dtype(llm.dtype).name, block_size=self.config.prefix_block_size,
                 checkpoint_interval=self.config.prefix_checkpoint_interval), disk=self._disk_config())
         self._stops: dict[str, tuple[int, ...]] = {}
-        self.spec = EngineSpeculator(self.config.speculative_config) if self.config.speculative_config else None
+        self.spec = None
+        if self.config.speculative_config:
+            self.spec = EngineSpeculator(self.config.speculative_config, llm.config.vocab_size)
+            if self.spec.draft is not None:
+                dcfg, dparams, ddtype = self.spec.draft
+                self.runner.set_draft(dcfg, dparams, ddtype, extra=self.spec.spec.num_speculative_tokens + 1)
         self._pending: list[tuple[int, list[int], int]] = []   # (slot, prompt ids, boundary) to publish
         self.scheduler = Scheduler(max_num_seqs=self.config.max_num_seqs,
                                    max_num_batched_tokens=self.config.max_num_batched_tokens,

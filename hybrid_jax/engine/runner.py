@@ -63,10 +63,14 @@ class ModelRunner:
         if ecfg.enable_prefix_caching:       # whole blocks per row, so a row's KV splits into blocks
             capacity = -(-capacity // ecfg.prefix_block_size) * ecfg.prefix_block_size
         self.cache = self.model.new_cache(cfg, ecfg.max_num_seqs + 1, capacity, dtype)
-        self._mixed = jax.jit(self._mixed_fn, static_argnames=("flags", "top_n"), donate_argnames=("cache",))
+        self._mixed = jax.jit(self._mixed_fn, static_argnames=("flags", "top_n"), donate_argnames=("cache", "dcache"))
         self._decode = jax.jit(self._decode_fn, static_argnames=("steps", "flags", "top_n"),
-                               donate_argnames=("cache",))
-        self._verify = jax.jit(self._verify_fn, static_argnames=("flags", "replay"), donate_argnames=("cache",))
+                               donate_argnames=("cache", "dcache"))
+        self._verify = jax.jit(self._verify_fn, static_argnames=("flags", "replay"),
+                               donate_argnames=("cache", "dcache"))
+        # A draft model (speculative decoding) keeps its own cache rows in step with the target's:
+        # every prefill chunk and decode iteration feeds it the same tokens.
+        self.dcfg = self.dparams = self.dmodel = self.dcache = None
 
     # --- buckets -----------------------------------------------------------------------------------
     def batch_buckets(self) -> list[int]:
@@ -102,15 +106,31 @@ class ModelRunner:
         tok = sample(logits, keys, r["steps"], r["temperature"], r["top_k"], r["top_p"], flags)
         return tok, token_logprobs(logits, tok, top_n)
 
-    def _mixed_fn(self, params, cache, r, reset, tokens, n_new, do_sample, *, flags, top_n):
+    def set_draft(self, dcfg, dparams, ddtype, extra: int):
+        """Attaches a draft model; its cache rows hold `extra` more positions (scratch drafts)."""
+        self.dcfg, self.dparams, self.dmodel = dcfg, dparams, get_model(dcfg.model_type)
+        cap = self.cache.lengths.shape[0]
+        capacity = self.ecfg.max_model_len + extra
+        self.dcache = self.dmodel.new_cache(dcfg, cap, capacity, ddtype)
+
+    def _dfwd(self, dparams, dsub, tokens, n_new, **kw):
+        return self.dmodel.forward(self.dcfg, dparams, dsub, tokens, n_new, impl=self.impl, **kw)
+
+    def _mixed_fn(self, params, cache, r, reset, tokens, n_new, do_sample, dparams=None, dcache=None, *, flags,
+                  top_n):
         sub = take_rows(cache, r["rows"], reset)
         logits, sub = self.model.forward(self.cfg, params, sub, tokens, n_new, impl=self.impl)
         tok, lps = self._sample(logits, r, flags, top_n)
         tok = jnp.where(do_sample, tok, -1)
-        return tok, lps, put_rows(cache, r["rows"], sub)
+        if dcache is not None:
+            _, dsub = self._dfwd(dparams, take_rows(dcache, r["rows"], reset), tokens, n_new)
+            dcache = put_rows(dcache, r["rows"], dsub)
+        return tok, lps, put_rows(cache, r["rows"], sub), dcache
 
-    def _decode_fn(self, params, cache, r, last_tok, active, stop_ids, remaining, *, steps, flags, top_n):
+    def _decode_fn(self, params, cache, r, last_tok, active, stop_ids, remaining, dparams=None, dcache=None, *,
+                   steps, flags, top_n):
         sub = take_rows(cache, r["rows"])
+        dsub = take_rows(dcache, r["rows"]) if dcache is not None else None
         Bb = last_tok.shape[0]
         out = jnp.full((Bb, steps), -1, jnp.int32)
         lp_c = jnp.zeros((Bb, steps), jnp.float32)
@@ -118,25 +138,56 @@ class ModelRunner:
         lp_i = jnp.zeros((Bb, steps, top_n), jnp.int32)
 
         def body(state):
-            j, tok, active, sub, out, lp_c, lp_v, lp_i = state
+            j, tok, active, sub, dsub, out, lp_c, lp_v, lp_i = state
             logits, sub = self.model.forward(self.cfg, params, sub, jnp.maximum(tok, 0)[:, None],
                                              active.astype(jnp.int32), impl=self.impl)
+            if dsub is not None:
+                _, dsub = self._dfwd(dparams, dsub, jnp.maximum(tok, 0)[:, None], active.astype(jnp.int32))
             rj = dict(r, steps=r["steps"] + j)
             new, (c, v, i) = self._sample(logits, rj, flags, top_n)
             new = jnp.where(active, new, -1)
             out, lp_c = out.at[:, j].set(new), lp_c.at[:, j].set(c)
             lp_v, lp_i = lp_v.at[:, j].set(v), lp_i.at[:, j].set(i)
             stop = jnp.any(new[:, None] == stop_ids, axis=-1) | (j + 1 >= remaining)
-            return j + 1, new, active & ~stop, sub, out, lp_c, lp_v, lp_i
+            return j + 1, new, active & ~stop, sub, dsub, out, lp_c, lp_v, lp_i
 
         def cond(state):
             return (state[0] < steps) & jnp.any(state[2])
 
-        state = (jnp.int32(0), last_tok, active & (remaining > 0), sub, out, lp_c, lp_v, lp_i)
-        _, _, _, sub, out, lp_c, lp_v, lp_i = jax.lax.while_loop(cond, body, state)
-        return out, (lp_c, lp_v, lp_i), put_rows(cache, r["rows"], sub)
+        state = (jnp.int32(0), last_tok, active & (remaining > 0), sub, dsub, out, lp_c, lp_v, lp_i)
+        _, _, _, sub, dsub, out, lp_c, lp_v, lp_i = jax.lax.while_loop(cond, body, state)
+        if dcache is not None:
+            dcache = put_rows(dcache, r["rows"], dsub)
+        return out, (lp_c, lp_v, lp_i), put_rows(cache, r["rows"], sub), dcache
 
-    def _verify_fn(self, params, cache, r, tokens, meta, *, flags, replay):
+    def _draft(self, dparams, dsub, r, pending, run, K, flags):
+        """K draft tokens per row from the draft model, on a scratch copy of its rows: dsub is left as
+        it was (the point the draft resumes from). Returns (drafts [Bb, K], q [Bb, K, V])."""
+        from hybrid_jax.speculative.acceptance import processed_logits  # noqa: PLC0415
+        from hybrid_jax.speculative.drafters import DRAFT_SALT  # noqa: PLC0415
+        keys = jax.vmap(lambda s: jax.random.fold_in(jax.random.key(s), DRAFT_SALT))(r["seeds"])
+
+        def draw(j, logits):
+            tok = sample(logits, keys, r["steps"] + j, r["temperature"], r["top_k"], r["top_p"], flags)
+            q = jax.nn.softmax(processed_logits(logits[:, None], r["temperature"], r["top_k"], r["top_p"], flags)[:, 0],
+                               axis=-1)
+            return tok, q
+
+        logits, scratch = self._dfwd(dparams, dsub, pending[:, None], run)
+        t0, q0 = draw(0, logits)
+        drafts = jnp.zeros((t0.shape[0], K), jnp.int32).at[:, 0].set(t0)
+        qs = jnp.zeros((t0.shape[0], K) + q0.shape[1:], jnp.float32).at[:, 0].set(q0)
+
+        def body(j, carry):
+            scratch, drafts, qs = carry
+            logits, scratch = self._dfwd(dparams, scratch, drafts[:, j - 1][:, None], run)
+            t, q = draw(j, logits)
+            return scratch, drafts.at[:, j].set(t), qs.at[:, j].set(q)
+
+        _, drafts, qs = jax.lax.fori_loop(1, K, body, (scratch, drafts, qs))
+        return drafts, qs
+
+    def _verify_fn(self, params, cache, r, tokens, meta, dparams=None, dcache=None, *, flags, replay):
         """Speculative verify of tokens [Bb, K+1] = [pending, d_1 .. d_K] per slot row in ONE forward;
         meta [2, Bb] = (n_fed = 1 + n_draft, 0 for padding rows; n_draft). Rejected tokens are rolled
         back by selection of the per-position recurrent states, or (replay) by running the kept tokens
@@ -146,11 +197,17 @@ class ModelRunner:
         from hybrid_jax.speculative.rollback import finish_replay, rollback_by_selection  # noqa: PLC0415
         sub = take_rows(cache, r["rows"])          # the snapshot, for replay: a reference, never donated
         n_fed, n_draft = meta[0], meta[1]
+        draft_probs = None
+        if dcache is not None:                     # a draft model writes the drafts (host sent the pending token)
+            dsub = take_rows(dcache, r["rows"])
+            drafts, draft_probs = self._draft(dparams, dsub, r, tokens[:, 0], (n_fed > 0).astype(jnp.int32),
+                                              tokens.shape[1] - 1, flags)
+            tokens = tokens.at[:, 1:].set(drafts)
         out = self.model.forward(self.cfg, params, sub, tokens, n_fed, logits_at="all", impl=self.impl,
                                  fused_recurrent=True, per_token_states=not replay)
         logits, new = out[0], out[1]
         keys = jax.vmap(jax.random.key)(r["seeds"])
-        n_acc, out_tok = accept(logits, tokens[:, 1:], None, n_draft, keys, r["steps"], r["temperature"],
+        n_acc, out_tok = accept(logits, tokens[:, 1:], draft_probs, n_draft, keys, r["steps"], r["temperature"],
                                 r["top_k"], r["top_p"], flags)
         n_keep = jnp.where(n_fed > 0, 1 + n_acc, 0).astype(jnp.int32)
         if replay:
@@ -158,7 +215,10 @@ class ModelRunner:
             new = finish_replay(rep, new.version, n_fed, n_keep)
         else:
             new = rollback_by_selection(new, out[2], sub.lengths, n_fed, n_keep)
-        return n_acc, out_tok, put_rows(cache, r["rows"], new)
+        if dcache is not None:                     # the draft takes the kept tokens from its resume point
+            _, dnew = self._dfwd(dparams, dsub, tokens, n_keep)
+            dcache = put_rows(dcache, r["rows"], dnew)
+        return n_acc, out_tok, put_rows(cache, r["rows"], new), dcache
 
     def run_verify(self, reqs, drafts, K: int, replay: bool):
         """reqs: decoding requests; drafts: [k_i] int32 per request (k_i <= K, may be 0); K: a
@@ -171,8 +231,9 @@ class ModelRunner:
             tokens[i, 0] = q.output_ids[-1]
             tokens[i, 1:1 + len(d)] = d
             meta[0, i], meta[1, i] = 1 + len(d), len(d)
-        n_acc, out, self.cache = self._verify(self.params, self.cache, self._rows(reqs, Bb), jnp.asarray(tokens),
-                                              jnp.asarray(meta), flags=self._flags(reqs), replay=replay)
+        n_acc, out, self.cache, self.dcache = self._verify(
+            self.params, self.cache, self._rows(reqs, Bb), jnp.asarray(tokens), jnp.asarray(meta), self.dparams,
+            self.dcache, flags=self._flags(reqs), replay=replay)
         return np.asarray(n_acc)[:n], np.asarray(out)[:n]
 
     # --- host calls --------------------------------------------------------------------------------
@@ -213,9 +274,9 @@ class ModelRunner:
             tokens[i, :len(ids)] = ids
             n_new[i], reset[i], do_sample[i] = p.num_tokens, p.reset, p.sample
         top_n = self._top_n(reqs)
-        tok, lps, self.cache = self._mixed(self.params, self.cache, self._rows(reqs, Bb), jnp.asarray(reset),
-                                           jnp.asarray(tokens), jnp.asarray(n_new), jnp.asarray(do_sample),
-                                           flags=self._flags(reqs), top_n=top_n)
+        tok, lps, self.cache, self.dcache = self._mixed(
+            self.params, self.cache, self._rows(reqs, Bb), jnp.asarray(reset), jnp.asarray(tokens), jnp.asarray(n_new),
+            jnp.asarray(do_sample), self.dparams, self.dcache, flags=self._flags(reqs), top_n=top_n)
         tok = np.asarray(tok)[:n]
         c, v, i = (np.asarray(a)[:n] for a in lps)
         return tok[:, None], (c[:, None], v[:, None], i[:, None])
@@ -233,10 +294,10 @@ class ModelRunner:
             last[i], active[i], remaining[i] = q.output_ids[-1], True, q.remaining_tokens
             ids = list(q.params.stop_token_ids) + ([] if q.params.ignore_eos else list(eos_ids))
             stop_ids[i, :len(ids[:S])] = ids[:S]
-        out, lps, self.cache = self._decode(self.params, self.cache, self._rows(reqs, Bb), jnp.asarray(last),
-                                            jnp.asarray(active), jnp.asarray(stop_ids), jnp.asarray(remaining),
-                                            steps=self.ecfg.decode_steps, flags=self._flags(reqs),
-                                            top_n=self._top_n(reqs))
+        out, lps, self.cache, self.dcache = self._decode(
+            self.params, self.cache, self._rows(reqs, Bb), jnp.asarray(last), jnp.asarray(active), jnp.asarray(stop_ids),
+            jnp.asarray(remaining), self.dparams, self.dcache, steps=self.ecfg.decode_steps, flags=self._flags(reqs),
+            top_n=self._top_n(reqs))
         return np.asarray(out)[:n], tuple(np.asarray(a)[:n] for a in lps)
 
     # --- warm-up -----------------------------------------------------------------------------------
@@ -253,19 +314,20 @@ class ModelRunner:
             z = jnp.zeros((Bb,), bool)
             for top_n in widths:
                 for T in tbs:
-                    _, _, self.cache = self._mixed(self.params, self.cache, r, z, jnp.zeros((Bb, T), jnp.int32),
-                                                   jnp.zeros((Bb,), jnp.int32), z, flags=FULL_SAMPLER, top_n=top_n)
-                _, _, self.cache = self._decode(self.params, self.cache, r, jnp.zeros((Bb,), jnp.int32), z,
-                                                jnp.full((Bb, self.ecfg.max_stop_ids), -1, jnp.int32),
-                                                jnp.zeros((Bb,), jnp.int32), steps=self.ecfg.decode_steps,
-                                                flags=FULL_SAMPLER, top_n=top_n)
+                    _, _, self.cache, self.dcache = self._mixed(
+                        self.params, self.cache, r, z, jnp.zeros((Bb, T), jnp.int32), jnp.zeros((Bb,), jnp.int32), z,
+                        self.dparams, self.dcache, flags=FULL_SAMPLER, top_n=top_n)
+                _, _, self.cache, self.dcache = self._decode(
+                    self.params, self.cache, r, jnp.zeros((Bb,), jnp.int32), z,
+                    jnp.full((Bb, self.ecfg.max_stop_ids), -1, jnp.int32), jnp.zeros((Bb,), jnp.int32), self.dparams,
+                    self.dcache, steps=self.ecfg.decode_steps, flags=FULL_SAMPLER, top_n=top_n)
         jax.block_until_ready(self.cache)
 
     def warmup_verify(self, k_buckets, replay: bool):
         """Compiles the verify step for every (batch bucket, draft length) pair; every row is padding."""
         for Bb in self.batch_buckets():
             for K in k_buckets:
-                _, _, self.cache = self._verify(self.params, self.cache, self._rows([], Bb),
-                                                jnp.zeros((Bb, K + 1), jnp.int32), jnp.zeros((2, Bb), jnp.int32),
-                                                flags=FULL_SAMPLER, replay=replay)
+                _, _, self.cache, self.dcache = self._verify(
+                    self.params, self.cache, self._rows([], Bb), jnp.zeros((Bb, K + 1), jnp.int32),
+                    jnp.zeros((2, Bb), jnp.int32), self.dparams, self.dcache, flags=FULL_SAMPLER, replay=replay)
         jax.block_until_ready(self.cache)

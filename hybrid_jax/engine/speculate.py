@@ -1,9 +1,10 @@
-"""Speculative decoding inside the continuous-batching engine (n-gram drafts).
+"""Speculative decoding inside the continuous-batching engine (n-gram or draft-model drafts).
 
 A decode-only engine step normally runs `decode_steps` plain iterations on device. With a
 speculative config, each running request first gets a draft length k from its own acceptance rate
 (dynamic K, `hybrid_jax.speculative.dynamic_k`) and an n-gram proposal from its history; if any row
 has a draft, the step is ONE verify forward of [pending, d_1 .. d_K] over the slot rows instead
+(a draft model writes its drafts on device just before, from cache rows kept in step with the target's)
 (`ModelRunner.run_verify`), with acceptance and rollback (selection or snapshot + replay) on device.
 Rows without a draft ride along with k = 0 (they emit one token, like a plain step). When no row
 drafts, the plain multi-step decode runs and the proposals made before it are checked against what
@@ -36,18 +37,33 @@ class SpecCounters:
         return d
 
 
+PROBE_EVERY = 8      # a draft-model row at k = 0 drafts one token every PROBE_EVERY decode steps
+
+
 class EngineSpeculator:
-    def __init__(self, config: dict | SpeculativeConfig):
+    """Host side of speculation in the engine: per-request draft lengths and n-gram drafts. With
+    method "draft_model" the drafts are written on device by the runner's draft model; here only
+    their lengths are chosen (a row at k = 0 probes with one draft now and then, so it can climb)."""
+
+    def __init__(self, config: dict | SpeculativeConfig, target_vocab: int):
         self.spec = parse_speculative_config(config)
-        if self.spec.method != "ngram":
-            raise InputError("the serving engine drafts with method 'ngram'; 'draft_model' runs in LLM.generate "
-                             "(offline) for now")
-        self.drafter = NgramDrafter(self.spec.prompt_lookup_min, self.spec.prompt_lookup_max)
+        self.drafter = None
+        self.draft = None
+        if self.spec.method == "ngram":
+            self.drafter = NgramDrafter(self.spec.prompt_lookup_min, self.spec.prompt_lookup_max)
+        else:
+            from hybrid_jax.speculative import load_draft_model  # noqa: PLC0415
+            self.draft = load_draft_model(self.spec.model, self.spec.draft_dtype)
+            if self.draft[0].vocab_size != target_vocab:
+                raise InputError(f"draft model vocabulary ({self.draft[0].vocab_size}) differs from the target's "
+                                 f"({target_vocab}); a draft model must share the tokenizer")
         self.trackers: dict[str, AcceptanceTracker] = {}
+        self.steps: dict[str, int] = {}
         self.counters = SpecCounters()
 
     def forget(self, request_id: str):
         self.trackers.pop(request_id, None)
+        self.steps.pop(request_id, None)
 
     def _tracker(self, rid: str) -> AcceptanceTracker:
         t = self.trackers.get(rid)
@@ -61,15 +77,21 @@ class EngineSpeculator:
         K = self.spec.num_speculative_tokens
         drafts, shadows = [], []
         for q in reqs:
-            prop = self.drafter.propose(np.asarray(q.all_ids, np.int64), K)
+            if self.drafter is not None:
+                prop = self.drafter.propose(np.asarray(q.all_ids, np.int64), K)
+            else:                     # the draft model writes them on device; only the length matters here
+                prop = np.zeros((K,), np.int32)
             k = K
             if self.spec.dynamic_k:
                 k = choose_k(float(self._tracker(q.request_id).rate()[0]), K, self.spec.draft_cost)
+                n = self.steps[q.request_id] = self.steps.get(q.request_id, 0) + 1
+                if self.drafter is None and k == 0 and n % PROBE_EVERY == 0:
+                    k = 1
             k = min(k, len(prop), q.remaining_tokens - 1)
             if q.params.logprobs is not None:
                 k = 0
             drafts.append(np.asarray(prop[:max(k, 0)], np.int32))
-            shadows.append(np.asarray(prop, np.int32))
+            shadows.append(np.asarray(prop if self.drafter is not None else prop[:0], np.int32))
         return drafts, shadows
 
     def k_bucket(self, k: int) -> int:

@@ -1,6 +1,6 @@
-"""Speculative decoding in the continuous-batching engine (n-gram drafts): greedy output equal to
-plain decoding for both rollbacks while requests join and leave, verify steps really run (and
-mostly reject on an untrained model, which exercises the rollback), stats and metrics."""
+"""Speculative decoding in the continuous-batching engine (n-gram and draft-model drafts): greedy
+output equal to plain decoding for both rollbacks while requests join and leave, verify steps
+really run (and mostly reject on untrained models, which exercises the rollback), stats, metrics."""
 from __future__ import annotations
 
 import numpy as np
@@ -39,10 +39,24 @@ def test_engine_speculation_keeps_greedy_output(llm, rollback):
     assert "hybrid_jax_spec_decode_acceptance_rate" in eng.metrics.render().decode()
 
 
-def test_engine_speculation_rejects_draft_models_and_bad_configs(llm, tiny_checkpoint):
-    with pytest.raises(InputError, match="ngram"):
-        LLMEngine(llm, EngineConfig(compilation_cache_dir=None, warmup="none", max_model_len=256,
-                                    speculative_config={"method": "draft_model", "model": tiny_checkpoint,
-                                                        "num_speculative_tokens": 2}))
+def test_engine_draft_model_keeps_greedy_output(llm, tiny_checkpoint, checkpoints):
+    """A draft model (another tiny checkpoint of the same vocabulary) drafts on device from cache rows
+    kept in step with the target's; greedy output equals plain decoding."""
+    prompts = _prompts(4, seed=3)
+    sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], sp)]
+    eng = LLMEngine(llm, EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256, decode_steps=2,
+                                      compilation_cache_dir=None, warmup="none", speculative_config={
+                                          "method": "draft_model", "model": checkpoints["all_linear_dense"],
+                                          "num_speculative_tokens": 2, "dynamic_k": False}))
+    assert [o.token_ids for o in eng.generate([{"prompt_token_ids": p} for p in prompts], sp)] == want
+    st = eng.spec_stats()
+    assert st["verify_steps"] > 0 and st["draft_tokens"] > 0
+
+
+def test_engine_speculation_rejects_bad_configs(llm, tmp_path):
     with pytest.raises(InputError, match="num_speculative_tokens"):
         EngineConfig(speculative_config={"method": "ngram"})
+    with pytest.raises(InputError, match="checkpoint"):
+        EngineConfig(speculative_config={"method": "draft_model", "model": str(tmp_path / "none"),
+                                         "num_speculative_tokens": 2})
