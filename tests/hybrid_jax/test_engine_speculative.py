@@ -23,7 +23,7 @@ def _prompts(n, seed=0):
 
 @pytest.mark.parametrize("rollback", ["selection", "replay"])
 def test_engine_speculation_keeps_greedy_output(llm, rollback):
-    prompts = _prompts(6)
+    prompts = _prompts(4)
     sp = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     want = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], sp)]
     # decode_steps=1: every decode step asks the drafter (an untrained model rarely repeats itself)
