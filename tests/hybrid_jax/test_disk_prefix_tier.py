@@ -112,9 +112,12 @@ def test_a_new_process_reuses_the_directory(base, tiny_checkpoint, tmp_path):
     prompts = _prompts(base.config.vocab_size, seed=2)[:3]
     want = _ids(base.generate([{"prompt_token_ids": p} for p in prompts], SP))
     cfg = {k: v for k, v in ENGINE.items() if k != "enable_prefix_caching"}
+    # A restarted server keeps its compilation cache as well as its KV directory; sharing it here
+    # keeps the second process from compiling everything again.
+    cfg["compilation_cache_dir"] = str(tmp_path / "xla")
 
     def child():
-        out = subprocess.run([sys.executable, "-c", CHILD, tiny_checkpoint, str(tmp_path), json.dumps(cfg),
+        out = subprocess.run([sys.executable, "-c", CHILD, tiny_checkpoint, str(tmp_path / "kv"), json.dumps(cfg),
                               json.dumps(prompts)], capture_output=True, text=True, timeout=600,
                              env={**os.environ, "JAX_PLATFORMS": "cpu"})
         assert out.returncode == 0, out.stderr[-2000:]
