@@ -190,6 +190,7 @@ def qwen3_next_config(d: dict[str, Any]) -> ModelConfig:
 # model_type -> parser of its config.json; each family registers its own.
 CONFIG_PARSERS = {"qwen3_next": qwen3_next_config}
 CONFIG_PARSERS["deepseek_v32"] = lambda d: __import__("hybrid_jax.models.deepseek_v32_config", fromlist=["x"]).deepseek_v32_config(d)
+CONFIG_PARSERS["deepseek_v4"] = lambda d: __import__("hybrid_jax.models.deepseek_v4_config", fromlist=["x"]).deepseek_v4_config(d)
 
 
 def load_config(path: str) -> ModelConfig:

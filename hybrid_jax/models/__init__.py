@@ -19,6 +19,7 @@ from hybrid_jax.errors import ConfigError
 
 FAMILIES = {"qwen3_next": "hybrid_jax.models.qwen3_next"}
 FAMILIES["deepseek_v32"] = "hybrid_jax.models.deepseek_v32"
+FAMILIES["deepseek_v4"] = "hybrid_jax.models.deepseek_v4"
 
 
 def get_model(model_type: str) -> ModuleType:

@@ -1,0 +1,338 @@
+"""DeepSeek-V4 (sliding window + CSA / HCA compressed attention, mHC streams, hash / Top-K MoE) as pure
+functions, like deepseek_v32.py.
+
+Parameters (converted once at load by `convert_hf_weights`; N = hc_mult, G = o_groups):
+  embed [V, Hd]; lm_head [Hd, V] (absent when tied); final_norm [Hd]; hc_head: fn [N*Hd, N], base [N], scale [1]
+  layer: attn_norm, ffn_norm [Hd]; attn_hc, ffn_hc: fn [N*Hd, (2+N)N], base [(2+N)N], scale [3]
+    attn: q_a [Hd, Rq], q_a_norm [Rq], q_b [Rq, H*D], kv [Hd, D], kv_norm [D], sinks [H],
+          o_a [G, H*D/G, r] (grouped), o_b [G*r, Hd]
+          compressed layers: c_kv, c_gate [Hd, C], c_bias [m, C], c_norm [D]   (C = 2D for CSA, D for HCA)
+          CSA indexer: i_kv, i_gate [Hd, 2Di], i_bias [m, 2Di], i_norm [Di], i_q [Rq, Hi*Di], i_w [Hd, Hi]
+    moe: router [Hd, E] f32, bias [E] f32 (Top-K layers) | tid2eid [V, k] int32 (hash layers),
+         gate_up [E, Hd, 2I], down [E, I, Hd], shared_gate_up [Hd, 2I], shared_down [I, Hd]
+Cache (cache/compressed.py): "sliding_window" for every layer; per compressed type its entries, tail,
+and for CSA the overlap state and the indexer's entries / tail / overlap.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from cache import ModelCache
+from cache.compressed import init_compressed_groups
+from hybrid_jax.layers.compressed_attention import compressed_attention, inv_freq
+from hybrid_jax.layers.hyper_connections import hc_head, hc_merge, hc_weights
+from hybrid_jax.layers.mla import rms_norm
+from hybrid_jax.models.common import finish_step, token_positions
+from hybrid_jax.models.deepseek_v4_config import DeepseekV4Config
+from hybrid_jax.weights import checked_getter, to_device
+
+CSA, HCA = "compressed_sparse_attention", "heavily_compressed_attention"
+# this family's cache group -> (field of the group, key in a layer's compressor state)
+_CSA_FIELDS = {"compressed_sparse_attention": (("entries", "entries"), ("count", "count")),
+               "csa_tail": (("kv", "tail_kv"), ("gate", "tail_gate"), ("count", "tail_count")),
+               "csa_overlap": (("kv", "overlap_kv"), ("gate", "overlap_gate")),
+               "csa_indexer": (("entries", "idx_entries"), ("count", "idx_count")),
+               "csa_indexer_tail": (("kv", "idx_tail_kv"), ("gate", "idx_tail_gate"), ("count", "idx_tail_count")),
+               "csa_indexer_overlap": (("kv", "idx_overlap_kv"), ("gate", "idx_overlap_gate"))}
+_HCA_FIELDS = {"heavily_compressed_attention": (("entries", "entries"), ("count", "count")),
+               "hca_tail": (("kv", "tail_kv"), ("gate", "tail_gate"), ("count", "tail_count"))}
+_PER_ROW = ("count",)      # fields shared by the group's layers ([B], not [L, B, ...])
+
+
+def new_cache(cfg: DeepseekV4Config, batch_size: int, capacity: int, dtype) -> ModelCache:
+    """An empty cache (groups in cache/compressed.py) for batch_size rows of up to capacity tokens."""
+    groups = init_compressed_groups(
+        batch_size=batch_size, capacity=capacity, dtype=dtype, window=cfg.sliding_window, head_dim=cfg.head_dim,
+        all_layers=tuple(range(cfg.num_hidden_layers)), csa_layers=cfg.layers_of(CSA), csa_rate=cfg.csa_rate,
+        index_dim=cfg.index_head_dim, hca_layers=cfg.layers_of(HCA), hca_rate=cfg.hca_rate)
+    return ModelCache(groups=groups, lengths=jnp.zeros((batch_size,), jnp.int32),
+                      version=jnp.zeros((batch_size,), jnp.int32))
+
+
+def _fields(layer_type):
+    return _CSA_FIELDS if layer_type == CSA else _HCA_FIELDS if layer_type == HCA else {}
+
+
+def _layer_state(groups, layer_type, i):
+    st = {}
+    for gname, pairs in _fields(layer_type).items():
+        g = groups[gname]
+        s = g.layer_ids.index(i)
+        for f, key in pairs:
+            a = getattr(g, f)
+            st[key] = a if f in _PER_ROW else a[s]
+    return st
+
+
+def _score(cfg, logits):
+    if cfg.scoring_func == "sqrtsoftplus":
+        return jnp.sqrt(jax.nn.softplus(logits))
+    if cfg.scoring_func == "softmax":
+        return jax.nn.softmax(logits, axis=-1)
+    return jax.nn.sigmoid(logits)
+
+
+def _clamped_swiglu(h, limit):
+    g, u = jnp.split(h, 2, axis=-1)
+    return jax.nn.silu(jnp.minimum(g, limit)) * jnp.clip(u, -limit, limit)
+
+
+def _experts(x, idx, w, gate_up, down, limit):
+    """x [M, Hd]; idx, w [M, k]; gate_up [E, Hd, 2I]; down [E, I, Hd]. Few rows gather the chosen experts'
+    weights; many rows with few experts run them all densely (masked); else rows are sorted by expert
+    for two grouped matmuls (lax.ragged_dot). Repeated experts in a row (a hash table may hold them) add up."""
+    M, k = idx.shape
+    E = gate_up.shape[0]
+    if M * k <= E:
+        a = _clamped_swiglu(jnp.einsum("mh,mkhi->mki", x, gate_up[idx]), limit)
+        return jnp.einsum("mki,mkih,mk->mh", a, down[idx], w.astype(x.dtype))
+    if E <= 4 * k:         # few experts: every expert on every row, masked by the routing weights
+        Hd, I2 = gate_up.shape[1:]
+        h = (x @ gate_up.transpose(1, 0, 2).reshape(Hd, E * I2)).reshape(M, E, I2)
+        combine = jnp.sum(jax.nn.one_hot(idx, E, dtype=h.dtype) * w[..., None].astype(h.dtype), axis=1)   # [M, E]
+        return (_clamped_swiglu(h, limit) * combine[..., None]).reshape(M, -1) @ down.reshape(-1, Hd)
+    flat = idx.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    tok = order // k
+    sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
+    a = _clamped_swiglu(jax.lax.ragged_dot(x[tok], gate_up, sizes), limit)
+    y = jax.lax.ragged_dot(a, down, sizes) * w.reshape(-1)[order][:, None].astype(x.dtype)
+    return jnp.zeros_like(x).at[tok].add(y)
+
+
+def moe(cfg: DeepseekV4Config, p: dict, x, tokens):
+    """x [B, T, Hd], tokens [B, T]. Scores score_fn(x W_r); experts from tid2eid[token] (hash) or Top-K of
+    scores + bias; weights = chosen scores renormalised (always) * routed_scaling_factor; + shared expert.
+    SwiGLU pre-activations are clamped at swiglu_limit (gate above, up both sides)."""
+    B, T, Hd = x.shape
+    x2 = x.reshape(B * T, Hd)
+    scores = _score(cfg, x2.astype(jnp.float32) @ p["router"])                         # [M, E]
+    if "tid2eid" in p:
+        idx = p["tid2eid"][tokens.reshape(-1)]
+    else:
+        _, idx = jax.lax.top_k(scores + p["bias"], cfg.num_experts_per_tok)
+    w = jnp.take_along_axis(scores, idx, axis=1)
+    w = w / (jnp.sum(w, axis=-1, keepdims=True) + 1e-20) * cfg.routed_scaling_factor
+    routed = _experts(x2, idx, w, p["gate_up"], p["down"], cfg.swiglu_limit)
+    shared = _clamped_swiglu(x2 @ p["shared_gate_up"], cfg.swiglu_limit) @ p["shared_down"]
+    return (routed + shared).reshape(B, T, Hd).astype(x.dtype)
+
+
+def forward(cfg: DeepseekV4Config, params: dict, cache: ModelCache, tokens: jax.Array, n_new: jax.Array, *,
+            logits_at: str = "last", impl: str = "auto", return_hidden: bool = False,
+            fused_recurrent: bool = False, per_token_states: bool = False):
+    """tokens [B, T] int32 (right-padded), n_new [B]. Same contract as deepseek_v32.forward; the hidden
+    states are the mHC streams [B, T, N, Hd] (final_norm collapses them). No recurrent layers:
+    fused_recurrent changes nothing and per_token_states appends {}."""
+    B, T = tokens.shape
+    positions, valid = token_positions(cache, T, n_new)
+    e = params["embed"][tokens]
+    x = jnp.broadcast_to(e[:, :, None, :], (B, T, cfg.hc_mult, e.shape[-1]))
+    hidden = [x] if return_hidden else None
+    fm = inv_freq(cfg.rope_main, cfg.rope_dim("main"))
+    fc = inv_freq(cfg.rope_compress, cfg.rope_dim("compress"))
+    groups = cache.groups
+    win = groups["sliding_window"]
+    rings, states = [], {}
+    hc = dict(iters=cfg.hc_sinkhorn_iters, hc_eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps)
+    for i, lp in enumerate(params["layers"]):
+        lt = cfg.layer_types[i]
+        post, comb, col = hc_weights(lp["attn_hc"], x, **hc)
+        h = rms_norm(col, lp["attn_norm"], cfg.rms_norm_eps)
+        out, ring, st = compressed_attention(lp["attn"], h, lt, positions, valid, cache.lengths, n_new,
+                                             win.kv[win.layer_ids.index(i)], _layer_state(groups, lt, i), fm, fc,
+                                             cfg=cfg, impl=impl)
+        rings.append(ring)
+        states[i] = st
+        x = hc_merge(post, comb, out, x)
+        post, comb, col = hc_weights(lp["ffn_hc"], x, **hc)
+        y = moe(cfg, lp["moe"], rms_norm(col, lp["ffn_norm"], cfg.rms_norm_eps), tokens)
+        x = hc_merge(post, comb, y, x)
+        if return_hidden:
+            hidden.append(x)
+    new_groups = dict(groups)
+    new_groups["sliding_window"] = win.replace(kv=jnp.stack(rings))
+    for lt in (CSA, HCA):
+        ids = cfg.layers_of(lt)
+        if not ids:
+            continue
+        for gname, pairs in _fields(lt).items():
+            upd = {f: (states[ids[-1]][key] if f in _PER_ROW else jnp.stack([states[i][key] for i in ids]))
+                   for f, key in pairs}
+            new_groups[gname] = groups[gname].replace(**upd)
+    xh = hc_head(params["hc_head"], x, hc_eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps)
+    out = finish_step(cfg, params, cache, new_groups, xh, n_new, final_norm=_norm, logits_at=logits_at,
+                      hidden=hidden if return_hidden else None)
+    return out + ({},) if per_token_states else out
+
+
+def _norm(cfg, params, x):
+    return rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+
+
+def final_norm(cfg: DeepseekV4Config, params: dict, x: jax.Array) -> jax.Array:
+    """x: the mHC streams [..., N, Hd] -> the hyper head's collapse, then the final RMSNorm [..., Hd]."""
+    return _norm(cfg, params, hc_head(params["hc_head"], x, hc_eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps))
+
+
+def _shapes(cfg):
+    H, D, G = cfg.num_attention_heads, cfg.head_dim, cfg.o_groups
+    return dict(Hd=cfg.hidden_size, H=H, D=D, G=G, r=cfg.o_lora_rank, Rq=cfg.q_lora_rank, N=cfg.hc_mult,
+                Hi=cfg.index_n_heads, Di=cfg.index_head_dim, E=cfg.n_routed_experts, I=cfg.moe_intermediate_size,
+                k=cfg.num_experts_per_tok)
+
+
+def init_params(cfg: DeepseekV4Config, seed: int = 0, dtype=jnp.float32) -> dict:
+    """Deterministic random parameters in the converted layout (std 0.02; norms and hc scales at 1)."""
+    s = _shapes(cfg)
+    rng = np.random.default_rng(seed)
+
+    def n(*shape, std=0.02, dt=dtype):
+        return jnp.asarray(rng.normal(0.0, std, shape), dt)
+
+    def ones(k, dt=dtype):
+        return jnp.ones((k,), dt)
+
+    Hd, N, f32 = s["Hd"], s["N"], jnp.float32
+    hc = lambda: {"fn": n(N * Hd, (2 + N) * N, dt=f32), "base": jnp.zeros(((2 + N) * N,), f32), "scale": ones(3, f32)}
+    params = {"embed": n(cfg.vocab_size, Hd), "final_norm": ones(Hd),
+              "hc_head": {"fn": n(N * Hd, N, dt=f32), "base": jnp.zeros((N,), f32), "scale": ones(1, f32)},
+              "layers": []}
+    if not cfg.tie_word_embeddings:
+        params["lm_head"] = n(Hd, cfg.vocab_size)
+    for i in range(cfg.num_hidden_layers):
+        H, D, G, r = s["H"], s["D"], s["G"], s["r"]
+        at = {"q_a": n(Hd, s["Rq"]), "q_a_norm": ones(s["Rq"]), "q_b": n(s["Rq"], H * D), "kv": n(Hd, D),
+              "kv_norm": ones(D), "sinks": jnp.zeros((H,), f32), "o_a": n(G, H * D // G, r), "o_b": n(G * r, Hd)}
+        lt = cfg.layer_types[i]
+        if lt != "sliding_attention":
+            m, C = cfg.rate_of(lt), (2 * D if lt == CSA else D)
+            at.update(c_kv=n(Hd, C), c_gate=n(Hd, C), c_bias=jnp.zeros((m, C), f32), c_norm=ones(D))
+            if lt == CSA:
+                Hi, Di = s["Hi"], s["Di"]
+                at.update(i_kv=n(Hd, 2 * Di), i_gate=n(Hd, 2 * Di), i_bias=jnp.zeros((m, 2 * Di), f32),
+                          i_norm=ones(Di), i_q=n(s["Rq"], Hi * Di), i_w=n(Hd, Hi, dt=f32))
+        E, I, k = s["E"], s["I"], s["k"]
+        mo = {"router": n(Hd, E, dt=f32), "gate_up": n(E, Hd, 2 * I), "down": n(E, I, Hd),
+              "shared_gate_up": n(Hd, 2 * I), "shared_down": n(I, Hd)}
+        if cfg.mlp_layer_types[i] == "hash_moe":
+            mo["tid2eid"] = jnp.asarray(np.stack([rng.permutation(E)[:k] for _ in range(cfg.vocab_size)]), jnp.int32)
+        else:
+            mo["bias"] = jnp.zeros((E,), f32)
+        params["layers"].append({"attn_norm": ones(Hd), "ffn_norm": ones(Hd), "attn_hc": hc(), "ffn_hc": hc(),
+                                 "attn": at, "moe": mo})
+    return params
+
+
+# transformers' DeepseekV4 names -> the original DeepSeek names (what save_pretrained writes back, and the
+# published checkpoints use, with or without the "model." prefix). Order matters: specific rules first.
+_ORIGINAL_NAMES = [(r"\.compressor\.indexer\.scorer\.weights_proj\.", ".indexer.weights_proj."),
+                   (r"\.compressor\.indexer\.q_b_proj\.", ".indexer.wq_b."),
+                   (r"\.compressor\.indexer\.", ".indexer.compressor."), (r"\.self_attn\.", ".attn."),
+                   (r"\.mlp\.", ".ffn."), (r"\.input_layernorm\.", ".attn_norm."),
+                   (r"\.post_attention_layernorm\.", ".ffn_norm."), (r"\.attn_hc\.(fn|base|scale)$", r".hc_attn_\1"),
+                   (r"\.ffn_hc\.(fn|base|scale)$", r".hc_ffn_\1"), (r"\.sinks$", ".attn_sink"),
+                   (r"\.kv_norm\.", ".norm."), (r"\.position_bias$", ".ape"), (r"\.q_a_proj\.", ".wq_a."),
+                   (r"\.q_b_proj\.", ".wq_b."), (r"\.shared_experts\.gate_proj\.", ".shared_experts.w1."),
+                   (r"\.shared_experts\.up_proj\.", ".shared_experts.w3."),
+                   (r"\.shared_experts\.down_proj\.", ".shared_experts.w2."), (r"\.kv_proj\.", ".wkv."),
+                   (r"\.gate_proj\.", ".wgate."), (r"\.o_a_proj\.", ".wo_a."), (r"\.o_b_proj\.", ".wo_b."),
+                   (r"\.q_a_norm\.", ".q_norm."), (r"\.gate\.e_score_correction_bias$", ".gate.bias"),
+                   (r"^lm_head\.", "head."), (r"^model\.embed_tokens\.", "embed."),
+                   (r"^model\.hc_head\.hc_", "hc_head_")]
+
+
+def _resolver(has):
+    """native name -> the name this checkpoint stores it under (the native one when neither exists)."""
+    import re  # noqa: PLC0415
+
+    def resolve(name: str) -> str:
+        orig = name
+        for pat, rep in _ORIGINAL_NAMES:
+            orig = re.sub(pat, rep, orig)
+        for c in (name, orig, orig.removeprefix("model."), "model." + orig):
+            if has(c):
+                return c
+        return name
+    return resolve
+
+
+def convert_hf_weights(cfg: DeepseekV4Config, get: Callable[[str], np.ndarray], has: Callable[[str], bool],
+                       dtype, progress: Callable[[], None] = lambda: None) -> dict:
+    """Re-lays a transformers DeepseekV4ForCausalLM checkpoint into the layout above, once.
+    Raises CheckpointError naming a missing or misshapen tensor."""
+    s = _shapes(cfg)
+    Hd, N, H, D, G, r, Rq = s["Hd"], s["N"], s["H"], s["D"], s["G"], s["r"], s["Rq"]
+    resolve = _resolver(has)
+    t0 = checked_getter(get, has, progress)
+    t = (lambda name, shape=None: t0(resolve(name), shape))
+    f32 = jnp.float32
+
+    def dev(a, dt=None):
+        return to_device(a, dt or dtype)
+
+    def lin(name, out, inp, dt=None):          # torch Linear [out, in] -> [in, out]
+        return dev(t(name, (out, inp)).T, dt)
+
+    def hc(prefix, a, b, c, k):
+        return {"fn": lin(prefix + a, k, N * Hd, f32), "base": dev(t(prefix + b, (k,)), f32),
+                "scale": dev(t(prefix + c, (3 if k != N else 1,)), f32)}
+
+    m_ = "model."
+    params = {"embed": dev(t(m_ + "embed_tokens.weight", (cfg.vocab_size, Hd))),
+              "final_norm": dev(t(m_ + "norm.weight", (Hd,))),
+              "hc_head": hc(m_ + "hc_head.", "hc_fn", "hc_base", "hc_scale", N), "layers": []}
+    if not cfg.tie_word_embeddings:
+        params["lm_head"] = lin("lm_head.weight", cfg.vocab_size, Hd)
+    for i in range(cfg.num_hidden_layers):
+        p = f"{m_}layers.{i}."
+        a = p + "self_attn."
+        o_a = t(a + "o_a_proj.weight", (G * r, H * D // G)).reshape(G, r, H * D // G).transpose(0, 2, 1)
+        at = {"q_a": lin(a + "q_a_proj.weight", Rq, Hd), "q_a_norm": dev(t(a + "q_a_norm.weight", (Rq,))),
+              "q_b": lin(a + "q_b_proj.weight", H * D, Rq), "kv": lin(a + "kv_proj.weight", D, Hd),
+              "kv_norm": dev(t(a + "kv_norm.weight", (D,))), "sinks": dev(t(a + "sinks", (H,)), f32),
+              "o_a": dev(o_a), "o_b": lin(a + "o_b_proj.weight", Hd, G * r)}
+        lt = cfg.layer_types[i]
+        if lt != "sliding_attention":
+            c = a + "compressor."
+            m, C = cfg.rate_of(lt), (2 * D if lt == CSA else D)
+            at.update(c_kv=lin(c + "kv_proj.weight", C, Hd), c_gate=lin(c + "gate_proj.weight", C, Hd),
+                      c_bias=dev(t(c + "position_bias", (m, C)), f32), c_norm=dev(t(c + "kv_norm.weight", (D,))))
+            if lt == CSA:
+                ix, Hi, Di = c + "indexer.", s["Hi"], s["Di"]
+                at.update(i_kv=lin(ix + "kv_proj.weight", 2 * Di, Hd), i_gate=lin(ix + "gate_proj.weight", 2 * Di, Hd),
+                          i_bias=dev(t(ix + "position_bias", (m, 2 * Di)), f32),
+                          i_norm=dev(t(ix + "kv_norm.weight", (Di,))), i_q=lin(ix + "q_b_proj.weight", Hi * Di, Rq),
+                          i_w=lin(ix + "scorer.weights_proj.weight", Hi, Hd, f32))
+        ml = p + "mlp."
+        E, I, k = s["E"], s["I"], s["k"]
+        if has(ml + "experts.gate_up_proj"):
+            gate_up = np.swapaxes(t(ml + "experts.gate_up_proj", (E, 2 * I, Hd)), 1, 2)
+            down = np.swapaxes(t(ml + "experts.down_proj", (E, Hd, I)), 1, 2)
+        else:       # original layout: per expert w1 (gate), w3 (up) [I, Hd], w2 (down) [Hd, I]
+            ex = resolve(ml + "shared_experts.gate_proj.weight").replace("shared_experts.w1.weight", "experts.")
+            gate_up = np.stack([np.concatenate([t0(f"{ex}{e}.w1.weight", (I, Hd)), t0(f"{ex}{e}.w3.weight", (I, Hd))],
+                                               0).T for e in range(E)])
+            down = np.stack([t0(f"{ex}{e}.w2.weight", (Hd, I)).T for e in range(E)])
+        mo = {"router": lin(ml + "gate.weight", E, Hd, f32), "gate_up": dev(gate_up), "down": dev(down),
+              "shared_gate_up": dev(np.concatenate([t(ml + "shared_experts.gate_proj.weight", (I, Hd)),
+                                                    t(ml + "shared_experts.up_proj.weight", (I, Hd))], 0).T),
+              "shared_down": lin(ml + "shared_experts.down_proj.weight", Hd, I)}
+        if cfg.mlp_layer_types[i] == "hash_moe":
+            tab = t(ml + "gate.tid2eid", (cfg.vocab_size, k))
+            if tab.min() < 0 or tab.max() >= E:
+                from hybrid_jax.errors import CheckpointError  # noqa: PLC0415
+                raise CheckpointError(f"{ml}gate.tid2eid holds expert ids outside [0, {E})")
+            mo["tid2eid"] = jnp.asarray(tab, jnp.int32)
+        else:
+            mo["bias"] = dev(t(ml + "gate.e_score_correction_bias", (E,)), f32)
+        params["layers"].append({"attn_norm": dev(t(p + "input_layernorm.weight", (Hd,))),
+                                 "ffn_norm": dev(t(p + "post_attention_layernorm.weight", (Hd,))),
+                                 "attn_hc": hc(p + "attn_hc.", "fn", "base", "scale", (2 + N) * N),
+                                 "ffn_hc": hc(p + "ffn_hc.", "fn", "base", "scale", (2 + N) * N),
+                                 "attn": at, "moe": mo})
+    return params

@@ -1,0 +1,232 @@
+"""DeepSeek-V4 (`model_type: deepseek_v4`) configuration: a frozen dataclass read from config.json.
+
+Every layer keeps a sliding window of raw (shared K=V) entries; `layer_types` adds a compressor:
+  sliding_attention              window only ("main" RoPE)
+  compressed_sparse_attention    + CSA: overlapping windows of `compress_rates[csa]` tokens, an
+                                   indexer picking `index_topk` compressed entries ("compress" RoPE)
+  heavily_compressed_attention   + HCA: non-overlapping windows of `compress_rates[hca]`, all read
+`mlp_layer_types` picks each layer's router: `hash_moe` (frozen token-id -> experts table) or `moe`
+(learned Top-K). The residual stream is `hc_mult` parallel streams (mHC hyper-connections).
+RoPE "main" / "compress" differ in theta (and may use YaRN); both rotate the trailing
+`rope_dim` channels with interleaved pairs.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from hybrid_jax.errors import ConfigError
+
+LAYER_TYPES = ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention")
+MLP_LAYER_TYPES = ("hash_moe", "moe")
+SCORING_FUNCS = ("sqrtsoftplus", "softmax", "sigmoid")
+_RATIO_TO_TYPE = {0: "sliding_attention", 4: "compressed_sparse_attention", 128: "heavily_compressed_attention"}
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeSpec:
+    """One rope type: inverse frequencies from theta (and YaRN's factor / betas when rope_type='yarn')."""
+    rope_type: str = "default"
+    theta: float = 10000.0
+    partial_rotary_factor: float = 0.125
+    factor: float = 1.0
+    original_max_position_embeddings: int = 0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float = 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class DeepseekV4Config:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    layer_types: tuple[str, ...]
+    mlp_layer_types: tuple[str, ...]
+    num_attention_heads: int
+    head_dim: int
+    q_lora_rank: int
+    sliding_window: int
+    csa_rate: int
+    hca_rate: int
+    o_groups: int
+    o_lora_rank: int
+    index_n_heads: int
+    index_head_dim: int
+    index_topk: int
+    rope_main: RopeSpec
+    rope_compress: RopeSpec
+    hc_mult: int
+    hc_sinkhorn_iters: int
+    hc_eps: float
+    moe_intermediate_size: int
+    n_routed_experts: int
+    num_experts_per_tok: int
+    scoring_func: str = "sqrtsoftplus"
+    routed_scaling_factor: float = 1.5
+    swiglu_limit: float = 10.0
+    max_position_embeddings: int = 1048576
+    rms_norm_eps: float = 1e-6
+    hidden_act: str = "silu"
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    pad_token_id: int | None = None
+    dtype: str = "float32"
+
+    def __post_init__(self):
+        bad = sorted({t for t in self.layer_types if t not in LAYER_TYPES})
+        if bad:
+            raise ConfigError(f"unknown layer type(s) {bad} in layer_types for deepseek_v4; known: {list(LAYER_TYPES)}")
+        bad = sorted({t for t in self.mlp_layer_types if t not in MLP_LAYER_TYPES})
+        if bad:
+            raise ConfigError(f"unknown mlp_layer_types {bad} for deepseek_v4; known: {list(MLP_LAYER_TYPES)}")
+        n = self.num_hidden_layers
+        if len(self.layer_types) != n or len(self.mlp_layer_types) != n:
+            raise ConfigError(f"layer_types / mlp_layer_types need {n} entries; got {len(self.layer_types)} / "
+                              f"{len(self.mlp_layer_types)}")
+        if self.scoring_func not in SCORING_FUNCS:
+            raise ConfigError(f"scoring_func {self.scoring_func!r} is not supported; known: {list(SCORING_FUNCS)}")
+        if self.hidden_act != "silu":
+            raise ConfigError(f"hidden_act {self.hidden_act!r} is not supported (only 'silu')")
+        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim",
+                     "q_lora_rank", "sliding_window", "o_groups", "o_lora_rank", "hc_mult", "hc_sinkhorn_iters",
+                     "moe_intermediate_size", "n_routed_experts", "num_experts_per_tok"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive; got {getattr(self, name)}")
+        if (self.num_attention_heads * self.head_dim) % self.o_groups:
+            raise ConfigError(f"o_groups={self.o_groups} must divide num_attention_heads * head_dim = "
+                              f"{self.num_attention_heads * self.head_dim}")
+        if self.num_experts_per_tok > self.n_routed_experts:
+            raise ConfigError(f"num_experts_per_tok={self.num_experts_per_tok} exceeds n_routed_experts="
+                              f"{self.n_routed_experts}")
+        for label, r in (("main", self.rope_main), ("compress", self.rope_compress)):
+            d = self.rope_dim(label)
+            if d % 2 or not 0 <= d <= self.head_dim:
+                raise ConfigError(f"rope '{label}' rotates {d} channels: must be even and <= head_dim={self.head_dim}")
+            if r.rope_type not in ("default", "yarn"):
+                raise ConfigError(f"rope_type {r.rope_type!r} ('{label}') is not supported for deepseek_v4 "
+                                  f"(only 'default' and 'yarn')")
+        if "compressed_sparse_attention" in self.layer_types:
+            if self.csa_rate <= 0 or self.index_topk <= 0 or self.index_n_heads <= 0:
+                raise ConfigError(f"CSA needs positive compress rate, index_topk and index_n_heads; got "
+                                  f"{self.csa_rate}, {self.index_topk}, {self.index_n_heads}")
+            if self.rope_dim("compress") > self.index_head_dim:
+                raise ConfigError(f"index_head_dim={self.index_head_dim} is smaller than the compress rope dim "
+                                  f"{self.rope_dim('compress')}")
+        if "heavily_compressed_attention" in self.layer_types and self.hca_rate <= 0:
+            raise ConfigError(f"HCA needs a positive compress rate; got {self.hca_rate}")
+
+    def rope_dim(self, label: str) -> int:
+        r = self.rope_main if label == "main" else self.rope_compress
+        return int(self.head_dim * r.partial_rotary_factor)
+
+    def rate_of(self, layer_type: str) -> int:
+        return {"compressed_sparse_attention": self.csa_rate, "heavily_compressed_attention": self.hca_rate}[layer_type]
+
+    def layers_of(self, kind: str) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t == kind)
+
+    def to_json(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        for k in ("layer_types", "mlp_layer_types", "eos_token_ids"):
+            d[k] = list(d[k])
+        return d
+
+
+def _eos(v) -> tuple[int, ...]:
+    if v is None:
+        return ()
+    return (int(v),) if isinstance(v, int) else tuple(int(x) for x in v)
+
+
+def _rope_spec(r: dict, d: dict, prf: float) -> RopeSpec:
+    rt = r.get("rope_type", r.get("type", "default")) or "default"
+    if rt not in ("default", "yarn"):
+        raise ConfigError(f"rope_type {rt!r} is not supported for deepseek_v4 (only 'default' and 'yarn')")
+    prf = float(r.get("partial_rotary_factor", prf))
+    if rt == "default":
+        return RopeSpec("default", float(r["rope_theta"]), prf)
+    factor = r.get("factor")
+    omax = r.get("original_max_position_embeddings") or d.get("max_position_embeddings", 1048576)
+    if factor is None:
+        factor = int(d.get("max_position_embeddings", 1048576)) / int(omax)
+    af = r.get("attention_factor")
+    if af is None:    # transformers' YaRN default (V4 configs force 1.0 on the compress rope)
+        import math  # noqa: PLC0415
+        ms, msa = r.get("mscale"), r.get("mscale_all_dim")
+        g = (lambda s, m=1.0: 1.0 if s <= 1 else 0.1 * m * math.log(s) + 1.0)
+        af = g(factor, ms) / g(factor, msa) if ms and msa else g(factor)
+    return RopeSpec("yarn", float(r["rope_theta"]), prf, float(factor), int(omax),
+                    float(r.get("beta_fast") or 32), float(r.get("beta_slow") or 1), float(af))
+
+
+def deepseek_v4_config(d: dict[str, Any]) -> DeepseekV4Config:
+    """config.json -> DeepseekV4Config (KeyError / ValueError / ConfigError on bad fields). Accepts the
+    legacy keys transformers folds in (compress_ratios, compress_rate_csa/hca, num_hash_layers,
+    qk_rope_head_dim)."""
+    n = int(d["num_hidden_layers"])
+    rates = dict(d.get("compress_rates") or {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128})
+    if d.get("compress_rate_csa") is not None:
+        rates["compressed_sparse_attention"] = d["compress_rate_csa"]
+    if d.get("compress_rate_hca") is not None:
+        rates["heavily_compressed_attention"] = d["compress_rate_hca"]
+    layer_types = d.get("layer_types")
+    if layer_types is None and d.get("compress_ratios") is not None:
+        unknown = sorted({r for r in d["compress_ratios"] if r not in _RATIO_TO_TYPE})
+        if unknown:
+            raise ConfigError(f"unknown compress_ratios {unknown} for deepseek_v4; known: {sorted(_RATIO_TO_TYPE)}")
+        layer_types = [_RATIO_TO_TYPE[r] for r in d["compress_ratios"]]
+    if layer_types is None:
+        layer_types = (["heavily_compressed_attention"] * min(n, 2) +
+                       ["compressed_sparse_attention" if i % 2 else "heavily_compressed_attention"
+                        for i in range(max(n - 2, 0))])
+    unknown = sorted({t for t in layer_types if t not in LAYER_TYPES})
+    if unknown:
+        raise ConfigError(f"unknown layer type(s) {unknown} in layer_types for deepseek_v4; known: {list(LAYER_TYPES)}")
+    mlp = d.get("mlp_layer_types")
+    if mlp is None:
+        k = int(d.get("num_hash_layers", 3) if d.get("num_hash_layers") is not None else 3)
+        mlp = ["hash_moe"] * min(n, k) + ["moe"] * max(0, n - k)
+    if d.get("mlp_bias"):
+        raise ConfigError("mlp_bias=True is not supported for deepseek_v4")
+    head_dim = int(d.get("head_dim", 512))
+    prf = d.get("partial_rotary_factor")
+    if prf is None:
+        prf = int(d["qk_rope_head_dim"]) / head_dim if d.get("qk_rope_head_dim") is not None else 64 / 512
+    prf = float(prf)
+    rp = d.get("rope_parameters") or {}
+    if isinstance(rp.get("main"), dict) and isinstance(rp.get("compress"), dict):
+        main, comp = rp["main"], rp["compress"]
+    else:
+        yarn = {k: v for k, v in rp.items() if k not in ("main", "compress")}
+        main = {"rope_type": "default", "rope_theta": d.get("rope_theta", 10000.0)}
+        comp = {**yarn, "rope_theta": d.get("compress_rope_theta", 160000.0)}
+        comp.setdefault("rope_type", "default")
+        if comp["rope_type"] == "yarn":
+            comp.setdefault("attention_factor", 1.0)
+    return DeepseekV4Config(
+        model_type=d["model_type"], vocab_size=int(d["vocab_size"]), hidden_size=int(d["hidden_size"]),
+        num_hidden_layers=n, layer_types=tuple(layer_types[:n]), mlp_layer_types=tuple(mlp[:n]),
+        num_attention_heads=int(d["num_attention_heads"]), head_dim=head_dim, q_lora_rank=int(d["q_lora_rank"]),
+        sliding_window=int(d.get("sliding_window", 128)),
+        csa_rate=int(rates.get("compressed_sparse_attention", 4)),
+        hca_rate=int(rates.get("heavily_compressed_attention", 128)),
+        o_groups=int(d.get("o_groups", 8)), o_lora_rank=int(d.get("o_lora_rank", 1024)),
+        index_n_heads=int(d.get("index_n_heads", 64)), index_head_dim=int(d.get("index_head_dim", 128)),
+        index_topk=int(d.get("index_topk", 512)),
+        rope_main=_rope_spec(main, d, prf), rope_compress=_rope_spec(comp, d, prf),
+        hc_mult=int(d.get("hc_mult", 4)), hc_sinkhorn_iters=int(d.get("hc_sinkhorn_iters", 20)),
+        hc_eps=float(d.get("hc_eps", 1e-6)),
+        moe_intermediate_size=int(d.get("moe_intermediate_size", 2048)),
+        n_routed_experts=int(d.get("n_routed_experts", d.get("num_local_experts", 256))),
+        num_experts_per_tok=int(d.get("num_experts_per_tok", 6)),
+        scoring_func=str(d.get("scoring_func", "sqrtsoftplus")),
+        routed_scaling_factor=float(d.get("routed_scaling_factor", 1.5)),
+        swiglu_limit=float(d.get("swiglu_limit", 10.0)),
+        max_position_embeddings=int(d.get("max_position_embeddings", 1048576)),
+        rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)), hidden_act=str(d.get("hidden_act", "silu")),
+        tie_word_embeddings=bool(d.get("tie_word_embeddings", False)), bos_token_id=d.get("bos_token_id"),
+        eos_token_ids=_eos(d.get("eos_token_id")), pad_token_id=d.get("pad_token_id"),
+        dtype=str(d.get("dtype") or d.get("torch_dtype") or "float32"))
