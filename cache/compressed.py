@@ -10,10 +10,10 @@ Every group stacks its layers on a leading axis and keeps one row per request on
                                          entry j covers positions j*rate .. j*rate + rate - 1;
                                          count [B] int32 entries written per row
   TailGroup            (uncompressed_tail)
-                                         kv, gate [L, B, rate, C]: the projections of the not-yet-closed
+                                         kv, gate (f32) [L, B, rate, C]: the projections of the not-yet-closed
                                          window (slot s = position % rate; C = 2D with CSA's two series),
                                          count [B] int32 tokens in it (0 .. rate-1)
-  OverlapGroup         (csa_overlap)     kv, gate [L, B, rate, D]: the first series (Ca, gate with its
+  OverlapGroup         (csa_overlap)     kv, gate (f32) [L, B, rate, D]: the first series (Ca, gate with its
                                          position bias) of the last closed window, which the next CSA
                                          entry blends with its own second series (Cb)
 
@@ -94,7 +94,7 @@ class CompressedKVGroup:
 class TailGroup:
     """The uncompressed tail: projections of the tokens of the window that has not closed yet."""
     kv: jax.Array              # [L, B, rate, C]
-    gate: jax.Array            # [L, B, rate, C] raw gate logits (the position bias is added on close)
+    gate: jax.Array            # [L, B, rate, C] f32 raw gate logits (the position bias is added on close)
     count: jax.Array           # [B] int32 tokens in the tail, 0 .. rate - 1
     layer_ids: tuple[int, ...] = flax.struct.field(pytree_node=False, default=())
     writer_abi: str = flax.struct.field(pytree_node=False, default=COMPRESSOR.id)
@@ -121,7 +121,7 @@ class TailGroup:
 class OverlapGroup:
     """CSA's overlap state: Ca (kv, biased gate) of the last closed window; unread before window 1."""
     kv: jax.Array              # [L, B, rate, D]
-    gate: jax.Array            # [L, B, rate, D]
+    gate: jax.Array            # [L, B, rate, D] f32 (with the position bias)
     layer_ids: tuple[int, ...] = flax.struct.field(pytree_node=False, default=())
     writer_abi: str = flax.struct.field(pytree_node=False, default=COMPRESSOR.id)
 
@@ -153,26 +153,28 @@ def init_compressed_groups(*, batch_size: int, capacity: int, dtype, window: int
     B, D = batch_size, head_dim
     z = (lambda *s, dt=dtype: jnp.zeros(s, dt))       # a fresh buffer each: the steps donate the cache
     cnt = (lambda: jnp.zeros((B,), jnp.int32))
+    f32 = jnp.float32
     groups = {"sliding_window": SlidingWindowGroup(kv=z(len(all_layers), B, window, D), layer_ids=tuple(all_layers))}
     if csa_layers:
         L, m, ne = len(csa_layers), csa_rate, max(1, capacity // csa_rate)
         ids = tuple(csa_layers)
         groups["compressed_sparse_attention"] = CompressedKVGroup(entries=z(L, B, ne, D), count=cnt(), rate=m,
                                                                   layer_ids=ids)
-        groups["csa_tail"] = TailGroup(kv=z(L, B, m, 2 * D), gate=z(L, B, m, 2 * D), count=cnt(), layer_ids=ids)
-        groups["csa_overlap"] = OverlapGroup(kv=z(L, B, m, D), gate=z(L, B, m, D), layer_ids=ids)
+        groups["csa_tail"] = TailGroup(kv=z(L, B, m, 2 * D), gate=z(L, B, m, 2 * D, dt=f32), count=cnt(),
+                                       layer_ids=ids)
+        groups["csa_overlap"] = OverlapGroup(kv=z(L, B, m, D), gate=z(L, B, m, D, dt=f32), layer_ids=ids)
         groups["csa_indexer"] = CompressedKVGroup(entries=z(L, B, ne, index_dim), count=cnt(), rate=m, layer_ids=ids,
                                                   kind="indexer_entries")
-        groups["csa_indexer_tail"] = TailGroup(kv=z(L, B, m, 2 * index_dim), gate=z(L, B, m, 2 * index_dim),
+        groups["csa_indexer_tail"] = TailGroup(kv=z(L, B, m, 2 * index_dim), gate=z(L, B, m, 2 * index_dim, dt=f32),
                                                count=cnt(), layer_ids=ids)
-        groups["csa_indexer_overlap"] = OverlapGroup(kv=z(L, B, m, index_dim), gate=z(L, B, m, index_dim),
+        groups["csa_indexer_overlap"] = OverlapGroup(kv=z(L, B, m, index_dim), gate=z(L, B, m, index_dim, dt=f32),
                                                      layer_ids=ids)
     if hca_layers:
         L, m, ne = len(hca_layers), hca_rate, max(1, capacity // hca_rate)
         ids = tuple(hca_layers)
         groups["heavily_compressed_attention"] = CompressedKVGroup(entries=z(L, B, ne, D), count=cnt(), rate=m,
                                                                    layer_ids=ids)
-        groups["hca_tail"] = TailGroup(kv=z(L, B, m, D), gate=z(L, B, m, D), count=cnt(), layer_ids=ids)
+        groups["hca_tail"] = TailGroup(kv=z(L, B, m, D), gate=z(L, B, m, D, dt=f32), count=cnt(), layer_ids=ids)
     return groups
 
 
