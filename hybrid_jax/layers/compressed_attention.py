@@ -21,6 +21,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from cache.compressed import close_tail
 from hybrid_jax.layers.hyper_connections import unweighted_rms
 from hybrid_jax.layers.mla import rms_norm
 from pallas_kernels.sparse_attention import indexer_topk, indexer_weights
@@ -87,7 +88,7 @@ def compress(kv_new, gate_new, tail_kv, tail_gate, tail_count, n_new, entry_coun
                                              src[..., None], axis=1), 0)
     s_gate = jnp.where(ok, jnp.take_along_axis(jnp.concatenate([tail_gate, gate_new.astype(tail_gate.dtype)], 1),
                                                src[..., None], axis=1), 0)
-    closed = (tail_count + n_new) // m                                             # [B]
+    closed, new_count = close_tail(tail_count, n_new, m)     # [B] windows that close, tokens left in the tail
     w_kv = s_kv[:, :NW * m].reshape(B, NW, m, C).astype(jnp.float32)
     w_gate = s_gate[:, :NW * m].reshape(B, NW, m, C).astype(jnp.float32) + bias.astype(jnp.float32)
     k = jnp.arange(NW, dtype=jnp.int32)[None, :]
@@ -112,7 +113,6 @@ def compress(kv_new, gate_new, tail_kv, tail_gate, tail_count, n_new, entry_coun
     comp = rope_trailing(comp[:, :, None], cos, sin)[:, :, 0]
     idx = jnp.where(k < closed[:, None], entry_count[:, None] + k, -1)
     t = closed[:, None] * m + jnp.arange(m, dtype=jnp.int32)[None, :]
-    new_count = (tail_count + n_new) % m
     keep = (jnp.arange(m)[None, :] < new_count[:, None])[..., None]
     tail = (jnp.where(keep, jnp.take_along_axis(s_kv, t[..., None], axis=1), 0),
             jnp.where(keep, jnp.take_along_axis(s_gate, t[..., None], axis=1), 0), new_count)
