@@ -216,3 +216,24 @@ def test_bad_configs_fail_clearly():
     d = {**BASE, "model_type": "deepseek_v4", "o_groups": 3}
     with pytest.raises(ConfigError, match="o_groups"):
         config_from_hf_dict(d)
+
+
+def test_init_params_has_the_converted_layout(pairs):
+    """init_params (the random model) and convert_hf_weights give the same tree of shapes and dtypes."""
+    from hybrid_jax.models import deepseek_v4 as m  # noqa: PLC0415
+    for llm, _ in pairs.values():
+        mine = m.init_params(llm.config, seed=0)
+        shape = (lambda t: jax.tree_util.tree_map(lambda a: (a.shape, a.dtype), t))
+        assert shape(mine) == shape(llm.params)
+
+
+def test_legacy_config_keys_map_like_transformers():
+    d = {**{k: v for k, v in BASE.items() if k not in ("layer_types", "compress_rates", "mlp_layer_types",
+                                                          "partial_rotary_factor")},
+         "model_type": "deepseek_v4", "compress_ratios": [0, 4, 128], "num_hash_layers": 1, "qk_rope_head_dim": 4,
+         "compress_rate_csa": 4, "compress_rate_hca": 16}
+    cfg = config_from_hf_dict(d)
+    assert cfg.layer_types == (SWA, CSA, HCA) and cfg.mlp_layer_types == ("hash_moe", "moe", "moe")
+    assert (cfg.csa_rate, cfg.hca_rate, cfg.rope_dim("main"), cfg.rope_dim("compress")) == (4, 16, 4, 4)
+    with pytest.raises(ConfigError, match="compress_ratios.*64"):
+        config_from_hf_dict({**d, "compress_ratios": [0, 4, 64]})
