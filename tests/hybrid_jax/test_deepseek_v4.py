@@ -10,6 +10,9 @@ The configs use 32 indexer heads, which makes an all-negative entry (p = 2^-32) 
 index_topk is below the number of closed windows of the longer prompts, so the indexer really selects.
 Norms, sinks, biases, hc base / scale and position biases are perturbed so none is trivially 1 or 0,
 and the hash layers get a random token -> experts table (transformers initialises it to zeros).
+Cache objects computed along different paths (one prefill vs prefill + decode, a batch row vs the row
+alone) are compared exactly for counts and lengths and within 1e-5 for floats (the same math in other
+matmul shapes); a row that adds no token must not change by a single bit.
 """
 from __future__ import annotations
 
