@@ -11,6 +11,7 @@ import os
 from typing import Any
 
 from hybrid_jax.errors import ConfigError
+from hybrid_jax.models.config_common import LayerPattern, eos_ids
 
 # Every mixer the architecture family knows; SUPPORTED_LAYER_TYPES is what runs today.
 KNOWN_LAYER_TYPES = ("linear_attention", "full_attention", "sliding_attention", "sparse_attention",
@@ -19,7 +20,7 @@ SUPPORTED_LAYER_TYPES = ("linear_attention", "full_attention")
 
 
 @dataclasses.dataclass(frozen=True)
-class ModelConfig:
+class ModelConfig(LayerPattern):
     model_type: str
     vocab_size: int
     hidden_size: int
@@ -97,24 +98,6 @@ class ModelConfig:
         return 2 * self.linear_num_key_heads * self.linear_key_head_dim + \
             self.linear_num_value_heads * self.linear_value_head_dim
 
-    def layers_of(self, kind: str) -> tuple[int, ...]:
-        return tuple(i for i, t in enumerate(self.layer_types) if t == kind)
-
-    def to_json(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        d["layer_types"] = list(self.layer_types)
-        d["mlp_only_layers"] = list(self.mlp_only_layers)
-        d["eos_token_ids"] = list(self.eos_token_ids)
-        return d
-
-
-def _eos_ids(v) -> tuple[int, ...]:
-    if v is None:
-        return ()
-    if isinstance(v, int):
-        return (v,)
-    return tuple(int(x) for x in v)
-
 
 def config_from_hf_dict(d: dict[str, Any]):
     """Maps a Hugging Face config dict to the config dataclass of its model family (by `model_type`).
@@ -181,7 +164,7 @@ def qwen3_next_config(d: dict[str, Any]) -> ModelConfig:
         rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
         tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
         bos_token_id=d.get("bos_token_id"),
-        eos_token_ids=_eos_ids(d.get("eos_token_id")),
+        eos_token_ids=eos_ids(d.get("eos_token_id")),
         pad_token_id=d.get("pad_token_id"),
         dtype=str(dtype),
     )

@@ -10,12 +10,13 @@ import dataclasses
 from typing import Any
 
 from hybrid_jax.errors import ConfigError
+from hybrid_jax.models.config_common import LayerPattern, eos_ids
 
 _HF_LAYER_TYPES = {"indexed_attention": "sparse_attention", "sparse_attention": "sparse_attention"}
 
 
 @dataclasses.dataclass(frozen=True)
-class DeepseekV32Config:
+class DeepseekV32Config(LayerPattern):
     model_type: str
     vocab_size: int
     hidden_size: int
@@ -95,21 +96,6 @@ class DeepseekV32Config:
     def qk_head_dim(self) -> int:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
-    def layers_of(self, kind: str) -> tuple[int, ...]:
-        return tuple(i for i, t in enumerate(self.layer_types) if t == kind)
-
-    def to_json(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        for k in ("layer_types", "mlp_layer_types", "eos_token_ids"):
-            d[k] = list(d[k])
-        return d
-
-
-def _eos(v) -> tuple[int, ...]:
-    if v is None:
-        return ()
-    return (int(v),) if isinstance(v, int) else tuple(int(x) for x in v)
-
 
 def deepseek_v32_config(d: dict[str, Any]) -> DeepseekV32Config:
     """config.json -> DeepseekV32Config (KeyError / ValueError / ConfigError on bad fields)."""
@@ -146,5 +132,5 @@ def deepseek_v32_config(d: dict[str, Any]) -> DeepseekV32Config:
         max_position_embeddings=int(d.get("max_position_embeddings", 163840)),
         rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)), hidden_act=str(d.get("hidden_act", "silu")),
         tie_word_embeddings=bool(d.get("tie_word_embeddings", False)), bos_token_id=d.get("bos_token_id"),
-        eos_token_ids=_eos(d.get("eos_token_id")), pad_token_id=d.get("pad_token_id"),
+        eos_token_ids=eos_ids(d.get("eos_token_id")), pad_token_id=d.get("pad_token_id"),
         dtype=str(d.get("dtype") or d.get("torch_dtype") or "float32"))

@@ -16,6 +16,7 @@ import dataclasses
 from typing import Any
 
 from hybrid_jax.errors import ConfigError
+from hybrid_jax.models.config_common import LayerPattern, eos_ids
 
 LAYER_TYPES = ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention")
 MLP_LAYER_TYPES = ("hash_moe", "moe")
@@ -37,7 +38,7 @@ class RopeSpec:
 
 
 @dataclasses.dataclass(frozen=True)
-class DeepseekV4Config:
+class DeepseekV4Config(LayerPattern):
     model_type: str
     vocab_size: int
     hidden_size: int
@@ -124,21 +125,6 @@ class DeepseekV4Config:
 
     def rate_of(self, layer_type: str) -> int:
         return {"compressed_sparse_attention": self.csa_rate, "heavily_compressed_attention": self.hca_rate}[layer_type]
-
-    def layers_of(self, kind: str) -> tuple[int, ...]:
-        return tuple(i for i, t in enumerate(self.layer_types) if t == kind)
-
-    def to_json(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        for k in ("layer_types", "mlp_layer_types", "eos_token_ids"):
-            d[k] = list(d[k])
-        return d
-
-
-def _eos(v) -> tuple[int, ...]:
-    if v is None:
-        return ()
-    return (int(v),) if isinstance(v, int) else tuple(int(x) for x in v)
 
 
 def _rope_spec(r: dict, d: dict, prf: float) -> RopeSpec:
@@ -228,5 +214,5 @@ def deepseek_v4_config(d: dict[str, Any]) -> DeepseekV4Config:
         max_position_embeddings=int(d.get("max_position_embeddings", 1048576)),
         rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)), hidden_act=str(d.get("hidden_act", "silu")),
         tie_word_embeddings=bool(d.get("tie_word_embeddings", False)), bos_token_id=d.get("bos_token_id"),
-        eos_token_ids=_eos(d.get("eos_token_id")), pad_token_id=d.get("pad_token_id"),
+        eos_token_ids=eos_ids(d.get("eos_token_id")), pad_token_id=d.get("pad_token_id"),
         dtype=str(d.get("dtype") or d.get("torch_dtype") or "float32"))
