@@ -33,7 +33,7 @@ def server(tiny_checkpoint, tmp_path_factory):
     cc = tmp_path_factory.mktemp("jaxcache")
     proc = subprocess.Popen(
         [sys.executable, "-m", "hybrid_jax.cli", "serve", "--model", tiny_checkpoint, "--port", str(port),
-         "--api-key", KEY, "--max-num-seqs", "4", "--max-num-batched-tokens", "32", "--max-model-len", "256",
+         "--api-key", KEY, "--max-num-seqs", "2", "--max-num-batched-tokens", "32", "--max-model-len", "256",
          "--max-tokens-limit", "200", "--max-request-bytes", "20000", "--warmup", "all",
          "--compilation-cache-dir", str(cc)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, "JAX_PLATFORMS": "cpu"})
