@@ -87,22 +87,55 @@ def init_cache(*, batch_size: int, capacity: int, layer_types: tuple[str, ...], 
                       version=jnp.zeros((batch_size,), jnp.int32))
 
 
+def leaf_nbytes(x) -> int:
+    """Bytes of one array leaf (a jax.Array, numpy array or jax.ShapeDtypeStruct from eval_shape)."""
+    return int(np.prod(x.shape, dtype=np.int64)) * np.dtype(x.dtype).itemsize
+
+
+def _leaf_name(path) -> str:
+    """'k', 'entries', 'scale' ... : the key path of a leaf inside its group, dotted."""
+    parts = []
+    for p in path:
+        parts.append(str(getattr(p, "name", getattr(p, "key", getattr(p, "idx", p)))))
+    return ".".join(parts) or "_"
+
+
+def group_leaf_nbytes(group) -> dict[str, int]:
+    """Bytes of every array leaf of one cache group, by field name (static fields are not leaves)."""
+    flat, _ = jax.tree_util.tree_flatten_with_path(group)
+    return {_leaf_name(path): leaf_nbytes(x) for path, x in flat}
+
+
 def nbytes_by_group(cache: ModelCache) -> dict[str, dict[str, int]]:
-    """Bytes held per group and per array, read off the pytree itself."""
+    """Bytes held per group and per array, read off the pytree's leaves (works for every group type,
+    and for the ShapeDtypeStructs of `jax.eval_shape`): {group: {field: bytes, ..., "total": bytes}}."""
     out = {}
     for name, g in cache.groups.items():
-        leaves = {f: getattr(g, f) for f in ("conv", "ssm", "k", "v") if hasattr(g, f)}
-        out[name] = {f: int(np.prod(a.shape)) * a.dtype.itemsize for f, a in leaves.items()}
+        out[name] = group_leaf_nbytes(g)
         out[name]["total"] = sum(out[name].values())
     return out
 
 
-def bytes_per_token(cache: ModelCache) -> dict[str, float]:
-    """Per group: bytes that grow with each token (KV) vs fixed per row (recurrent state)."""
+def bytes_per_token(cache: ModelCache, new_cache=None) -> dict[str, float]:
+    """Per group: bytes one more token of capacity adds to one row (0 for objects fixed per row).
+
+    new_cache (optional): `(batch_size, capacity) -> ModelCache` of the same model. With it, the growth is
+    measured from the pytrees themselves (cache/accounting.py: `jax.eval_shape` at two capacities, by
+    leaves, for every group type). Without it, each group's own `bytes_per_token()` is used where it
+    declares one; else leaves with a token axis of `group.capacity` slots ([L, B, S, ...], e.g. KVGroup)
+    grow; a group with neither (e.g. RecurrentGroup) is fixed per row."""
+    if new_cache is not None:
+        from cache.accounting import measure  # noqa: PLC0415  (accounting builds on this module)
+        acc = measure(new_cache)
+        return {name: acc.groups[name].per_token for name in cache.groups}
     res = {}
     for name, g in cache.groups.items():
-        if isinstance(g, KVGroup):
-            res[name] = 2 * g.k.shape[0] * g.k.shape[3] * g.k.shape[4] * g.k.dtype.itemsize
+        if callable(getattr(g, "bytes_per_token", None)):
+            res[name] = float(g.bytes_per_token())
+        elif isinstance(getattr(g, "capacity", None), int):
+            S = g.capacity
+            grow = [x for x in jax.tree_util.tree_leaves(g) if x.ndim >= 3 and x.shape[2] == S]
+            res[name] = float(sum(leaf_nbytes(x) // (x.shape[1] * S) for x in grow))
         else:
             res[name] = 0.0
     return res
