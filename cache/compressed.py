@@ -6,9 +6,11 @@ Every group stacks its layers on a leading axis and keeps one row per request on
   SlidingWindowGroup   (sliding_window)  kv [L, B, W, D]: the last W raw entries (K = V) of every
                                          layer, a ring indexed by position % W
   CompressedKVGroup    (compressed_kv / indexer_entries)
-                                         entries [L, B, NE, D]: one per closed window of `rate` tokens,
-                                         entry j covers positions j*rate .. j*rate + rate - 1;
-                                         count [B] int32 entries written per row
+                                         entries [L, P, ps, D] paged: one entry per closed window of
+                                         `rate` tokens (entry j covers positions j*rate .. j*rate + rate - 1),
+                                         logical entry j of row b at page_table[b, j // ps], slot j % ps,
+                                         so a page holds ps entries = ps * rate tokens;
+                                         page_table [B, NP] int32; count [B] int32 entries written per row
   TailGroup            (uncompressed_tail)
                                          kv, gate (f32) [L, B, rate, C]: the projections of the not-yet-closed
                                          window (slot s = position % rate; C = 2D with CSA's two series),
@@ -18,8 +20,16 @@ Every group stacks its layers on a leading axis and keeps one row per request on
                                          entry blends with its own second series (Cb)
 
 A tail reaching `rate` tokens closes: it becomes one compressed entry, the tail empties, and (CSA)
-its Ca half becomes the overlap state. `close_tail` names that transition; model layers compute
-the entries and hand the arrays back through the group's `replace`.
+its Ca half becomes the overlap state. `close_tail` names that transition on the device; model
+layers compute the entries, write them with `write_entries` and read them back with
+`gather_entries` / `dense_entries` (every access goes through the page table, as in cache/mla.py),
+and hand the arrays back through the group's `replace`. The host-side record of the same
+transition (a published tail checkpoint superseded by the entry block its window closed into) is
+`cache.allocator.close_tail`.
+
+Pages are assigned contiguously per row at creation (row b owns pages b*NP .. b*NP + NP - 1); the
+pool is shared, so `take_rows` gathers only the per-row page table and count (a reset row gets
+count 0: its old entries stay in the pool, unread).
 """
 from __future__ import annotations
 
@@ -27,9 +37,11 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from cache.mla import contiguous_page_table, write_paged
 from pallas_kernels import abi as kernel_abi
 
-COMPRESSOR = kernel_abi.register(kernel_abi.KernelABI("v4_compressor", "entries[L,B,NE,D]+tail[L,B,m,C]", 1))
+COMPRESSOR = kernel_abi.register(kernel_abi.KernelABI("v4_compressor", "entries[L,P,ps,D]:paged+tail[L,B,m,C]", 2))
+ENTRY_PAGE_TOKENS = 64      # tokens a page of compressed entries covers (ps = max(1, 64 // rate) entries)
 SLIDING_WINDOW = kernel_abi.register(kernel_abi.KernelABI("v4_window", "kv[L,B,W,D]:ring", 1))
 
 
@@ -71,32 +83,48 @@ class SlidingWindowGroup:
 
 @flax.struct.dataclass
 class CompressedKVGroup:
-    """Compressed entries of every layer of one compressed type (or the CSA indexer's keys)."""
-    entries: jax.Array         # [L, B, NE, D]
+    """Paged compressed entries of every layer of one compressed type (or the CSA indexer's keys)."""
+    entries: jax.Array         # [L, P, ps, D]
+    page_table: jax.Array      # [B, NP] int32
     count: jax.Array           # [B] int32 entries written per row
     rate: int = flax.struct.field(pytree_node=False, default=1)
     layer_ids: tuple[int, ...] = flax.struct.field(pytree_node=False, default=())
     kind: str = flax.struct.field(pytree_node=False, default="compressed_kv")
     writer_abi: str = flax.struct.field(pytree_node=False, default=COMPRESSOR.id)
 
+    @property
+    def page_size(self) -> int:
+        """Entries per page."""
+        return self.entries.shape[2]
+
+    @property
+    def page_tokens(self) -> int:
+        """Tokens whose windows one page's entries summarise (the prefix store's block size)."""
+        return self.page_size * self.rate
+
     def bytes_per_token(self) -> float:
-        L, _, _, D = self.entries.shape
+        L, D = self.entries.shape[0], self.entries.shape[-1]
         return L * D * self.entries.dtype.itemsize / self.rate
 
     def take_rows(self, rows, reset=None):
-        return self.replace(entries=_take(self.entries, rows, reset), count=_take_count(self.count, rows, reset))
+        """Shared pool; the per-row page table and count are gathered (count 0 for a reset row)."""
+        return self.replace(page_table=self.page_table[rows], count=_take_count(self.count, rows, reset))
 
     def put_rows(self, rows, sub):
-        return self.replace(entries=self.entries.at[:, rows].set(sub.entries), count=self.count.at[rows].set(sub.count))
+        """Back from a step: the sub-group's pool holds every write; per-row fields are scattered."""
+        return sub.replace(page_table=self.page_table.at[rows].set(sub.page_table),
+                           count=self.count.at[rows].set(sub.count))
 
 
 @flax.struct.dataclass
 class TailGroup:
-    """The uncompressed tail: projections of the tokens of the window that has not closed yet."""
+    """The uncompressed tail: projections of the tokens of the window that has not closed yet.
+    closes_into: the name of the CompressedKVGroup its windows close into."""
     kv: jax.Array              # [L, B, rate, C]
     gate: jax.Array            # [L, B, rate, C] f32 raw gate logits (the position bias is added on close)
     count: jax.Array           # [B] int32 tokens in the tail, 0 .. rate - 1
     layer_ids: tuple[int, ...] = flax.struct.field(pytree_node=False, default=())
+    closes_into: str = flax.struct.field(pytree_node=False, default="")
     writer_abi: str = flax.struct.field(pytree_node=False, default=COMPRESSOR.id)
 
     kind = "uncompressed_tail"
@@ -144,37 +172,72 @@ def close_tail(tail_count: jax.Array, n_new: jax.Array, rate: int):
     return total // rate, total % rate
 
 
+def write_entries(pool: jax.Array, page_table: jax.Array, new: jax.Array, idx: jax.Array) -> jax.Array:
+    """One layer's pool [P, ps, D] with new entries [B, NW, D] written at logical indices idx [B, NW]
+    (-1: nothing closed) through page_table [B, NP]; indices past the row's pages are dropped."""
+    return write_paged(pool, new, page_table, idx, idx >= 0)
+
+
+def gather_entries(pool: jax.Array, page_table: jax.Array, idx: jax.Array) -> jax.Array:
+    """Entries at logical indices idx [B, ...] (negative or out-of-table: read as entry 0, mask them)
+    of one layer's pool [P, ps, D] through page_table [B, NP] -> [B, ..., D]."""
+    P, ps = pool.shape[:2]
+    B, NP = page_table.shape
+    j = jnp.clip(idx, 0, NP * ps - 1).reshape(B, -1)
+    page = jnp.clip(jnp.take_along_axis(page_table, j // ps, axis=1), 0, P - 1)
+    out = pool.reshape((P * ps,) + pool.shape[2:])[page * ps + j % ps]
+    return out.reshape(idx.shape + pool.shape[2:])
+
+
+def dense_entries(pool: jax.Array, page_table: jax.Array) -> jax.Array:
+    """Every logical entry of each row, [B, NP * ps, D], read through page_table [B, NP]."""
+    P, ps = pool.shape[:2]
+    B, NP = page_table.shape
+    return pool[jnp.clip(page_table, 0, P - 1)].reshape((B, NP * ps) + pool.shape[2:])
+
+
+def _entry_group(L: int, B: int, capacity: int, rate: int, D: int, dtype, ids, kind: str,
+                 page_tokens: int) -> CompressedKVGroup:
+    ps = max(1, page_tokens // rate)
+    table = contiguous_page_table(B, max(1, capacity // rate), ps)
+    return CompressedKVGroup(entries=jnp.zeros((L, table.size, ps, D), dtype), page_table=table,
+                             count=jnp.zeros((B,), jnp.int32), rate=rate, layer_ids=ids, kind=kind)
+
+
 def init_compressed_groups(*, batch_size: int, capacity: int, dtype, window: int, head_dim: int,
                            all_layers: tuple[int, ...], csa_layers: tuple[int, ...] = (), csa_rate: int = 4,
-                           index_dim: int = 0, hca_layers: tuple[int, ...] = (), hca_rate: int = 128) -> dict:
+                           index_dim: int = 0, hca_layers: tuple[int, ...] = (), hca_rate: int = 128,
+                           entry_page_tokens: int = ENTRY_PAGE_TOKENS) -> dict:
     """Empty groups for `batch_size` rows of up to `capacity` tokens: the window of every layer, and per
-    compressed type its entries (NE = capacity // rate, at least 1), tail and (CSA) overlap state and
-    indexer entries / tail / overlap."""
+    compressed type its paged entries (capacity // rate entries a row, at least 1, in pages of
+    max(1, entry_page_tokens // rate) entries), tail and (CSA) overlap state and indexer entries /
+    tail / overlap."""
     B, D = batch_size, head_dim
     z = (lambda *s, dt=dtype: jnp.zeros(s, dt))       # a fresh buffer each: the steps donate the cache
     cnt = (lambda: jnp.zeros((B,), jnp.int32))
     f32 = jnp.float32
     groups = {"sliding_window": SlidingWindowGroup(kv=z(len(all_layers), B, window, D), layer_ids=tuple(all_layers))}
     if csa_layers:
-        L, m, ne = len(csa_layers), csa_rate, max(1, capacity // csa_rate)
+        L, m = len(csa_layers), csa_rate
         ids = tuple(csa_layers)
-        groups["compressed_sparse_attention"] = CompressedKVGroup(entries=z(L, B, ne, D), count=cnt(), rate=m,
-                                                                  layer_ids=ids)
+        groups["compressed_sparse_attention"] = _entry_group(L, B, capacity, m, D, dtype, ids, "compressed_kv",
+                                                             entry_page_tokens)
         groups["csa_tail"] = TailGroup(kv=z(L, B, m, 2 * D), gate=z(L, B, m, 2 * D, dt=f32), count=cnt(),
-                                       layer_ids=ids)
+                                       layer_ids=ids, closes_into="compressed_sparse_attention")
         groups["csa_overlap"] = OverlapGroup(kv=z(L, B, m, D), gate=z(L, B, m, D, dt=f32), layer_ids=ids)
-        groups["csa_indexer"] = CompressedKVGroup(entries=z(L, B, ne, index_dim), count=cnt(), rate=m, layer_ids=ids,
-                                                  kind="indexer_entries")
+        groups["csa_indexer"] = _entry_group(L, B, capacity, m, index_dim, dtype, ids, "indexer_entries",
+                                             entry_page_tokens)
         groups["csa_indexer_tail"] = TailGroup(kv=z(L, B, m, 2 * index_dim), gate=z(L, B, m, 2 * index_dim, dt=f32),
-                                               count=cnt(), layer_ids=ids)
+                                               count=cnt(), layer_ids=ids, closes_into="csa_indexer")
         groups["csa_indexer_overlap"] = OverlapGroup(kv=z(L, B, m, index_dim), gate=z(L, B, m, index_dim, dt=f32),
                                                      layer_ids=ids)
     if hca_layers:
-        L, m, ne = len(hca_layers), hca_rate, max(1, capacity // hca_rate)
+        L, m = len(hca_layers), hca_rate
         ids = tuple(hca_layers)
-        groups["heavily_compressed_attention"] = CompressedKVGroup(entries=z(L, B, ne, D), count=cnt(), rate=m,
-                                                                   layer_ids=ids)
-        groups["hca_tail"] = TailGroup(kv=z(L, B, m, D), gate=z(L, B, m, D, dt=f32), count=cnt(), layer_ids=ids)
+        groups["heavily_compressed_attention"] = _entry_group(L, B, capacity, m, D, dtype, ids, "compressed_kv",
+                                                              entry_page_tokens)
+        groups["hca_tail"] = TailGroup(kv=z(L, B, m, D), gate=z(L, B, m, D, dt=f32), count=cnt(), layer_ids=ids,
+                                       closes_into="heavily_compressed_attention")
     return groups
 
 

@@ -21,7 +21,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from cache.compressed import close_tail
+from cache.compressed import close_tail, dense_entries, gather_entries, write_entries
 from hybrid_jax.layers.hyper_connections import unweighted_rms
 from hybrid_jax.layers.mla import rms_norm
 from pallas_kernels.sparse_attention import indexer_topk, indexer_weights
@@ -119,13 +119,6 @@ def compress(kv_new, gate_new, tail_kv, tail_gate, tail_count, n_new, entry_coun
     return comp.astype(kv_new.dtype), idx, tail, new_overlap
 
 
-def write_entries(entries, new, idx):
-    """entries [B, NE, D]; new [B, NW, D]; idx [B, NW] (-1: nothing) -> entries with the new ones written."""
-    B, NE = entries.shape[:2]
-    i = jnp.where((idx >= 0) & (idx < NE), idx, NE)
-    return entries.at[jnp.arange(B)[:, None], i].set(new.astype(entries.dtype), mode="drop")
-
-
 def window_update(ring, kv_new, positions, valid, new_lengths):
     """ring [B, W, D] holds position p at slot p % W; writes the valid new entries that stay in the window."""
     B, W = ring.shape[:2]
@@ -172,8 +165,9 @@ def compressed_attention(p: dict, x, layer_type: str, positions, valid, lengths,
                          freqs_main, freqs_comp, *, cfg, impl: str = "auto"):
     """One V4 attention layer. x [B, T, Hd] (normed block input); positions, valid [B, T]; lengths, n_new [B];
     ring [B, W, D] (this layer's window); comp_state: this layer's slices of the compressed groups
-    ({} for sliding_attention): entries [B, NE, D], count [B], tail_kv / tail_gate [B, m, C], tail_count [B],
-    overlap_kv / overlap_gate [B, m, D], and idx_* the same for the CSA indexer.
+    ({} for sliding_attention): entries [P, ps, D] (this layer's page pool), table [B, NP] (the group's
+    page table: every entry read and write goes through it), count [B], tail_kv / tail_gate [B, m, C],
+    tail_count [B], overlap_kv / overlap_gate [B, m, D], and idx_* the same for the CSA indexer.
     Returns (out [B, T, Hd], new ring, new comp_state)."""
     B, T, _ = x.shape
     H, D, eps = cfg.num_attention_heads, cfg.head_dim, cfg.rms_norm_eps
@@ -196,17 +190,17 @@ def compressed_attention(p: dict, x, layer_type: str, positions, valid, lengths,
             x @ p["c_kv"], x @ p["c_gate"], cs["tail_kv"], cs["tail_gate"], cs["tail_count"], n_new, cs["count"],
             cs.get("overlap_kv"), cs.get("overlap_gate"), p["c_bias"], p["c_norm"], freqs_comp, rate=m,
             overlap=csa, eps=eps, rope_scale=cfg.rope_compress.attention_factor)
-        entries = write_entries(cs["entries"], ents, idx)
+        entries = write_entries(cs["entries"], cs["table"], ents, idx)
         count = cs["count"] + jnp.sum(idx >= 0, axis=1).astype(jnp.int32)
         new_state.update(entries=entries, count=count, tail_kv=tail[0], tail_gate=tail[1], tail_count=tail[2])
         if csa:
             new_state.update(overlap_kv=ov[0], overlap_gate=ov[1])
             sel = _index(p, x, q_res, positions, valid, n_new, cs, new_state, freqs_comp, cfg=cfg, rate=m, impl=impl)
-            extra = jnp.take_along_axis(entries[:, None], jnp.maximum(sel, 0)[..., None], axis=2)   # [B, T, K, D]
+            extra = gather_entries(entries, cs["table"], sel)                                      # [B, T, K, D]
             extra_ok = sel >= 0
         else:
-            NE = entries.shape[1]
-            extra = entries
+            extra = dense_entries(entries, cs["table"])                                            # [B, NE, D]
+            NE = extra.shape[1]
             extra_ok = jnp.arange(NE)[None, None, :] < ((positions + 1) // m)[:, :, None]
             extra_ok = extra_ok & (jnp.arange(NE)[None, None, :] < count[:, None, None])
     o = attend(q, kv, ring, positions, valid, lengths, extra, extra_ok, p["sinks"], window=cfg.sliding_window,
@@ -226,15 +220,15 @@ def _index(p, x, q_res, positions, valid, n_new, cs, new_state, freqs_comp, *, c
         x @ p["i_kv"], x @ p["i_gate"], cs["idx_tail_kv"], cs["idx_tail_gate"], cs["idx_tail_count"], n_new,
         cs["idx_count"], cs["idx_overlap_kv"], cs["idx_overlap_gate"], p["i_bias"], p["i_norm"], freqs_comp,
         rate=rate, overlap=True, eps=eps, rope_scale=cfg.rope_compress.attention_factor)
-    keys = write_entries(cs["idx_entries"], ents, idx)
+    keys = write_entries(cs["idx_entries"], cs["idx_table"], ents, idx)
     count = cs["idx_count"] + jnp.sum(idx >= 0, axis=1).astype(jnp.int32)
     new_state.update(idx_entries=keys, idx_count=count, idx_tail_kv=tail[0], idx_tail_gate=tail[1],
                      idx_tail_count=tail[2], idx_overlap_kv=ov[0], idx_overlap_gate=ov[1])
     cos, sin = rope_tables(positions, freqs_comp, cfg.rope_compress.attention_factor)
     qi = rope_trailing((q_res @ p["i_q"]).reshape(B, T, Hi, Di), cos, sin)
     w = indexer_weights(x.astype(jnp.float32) @ p["i_w"].astype(jnp.float32), Hi, Di)
-    NE = keys.shape[1]
+    table = cs["idx_table"]                                      # [B, NP]: keys [P, ps, Di] are paged
+    NE = table.shape[1] * keys.shape[1]
     # entry j is visible to position p once its window closed: j <= (p + 1) // rate - 1
     qpos = jnp.where(valid, (positions + 1) // rate - 1, -1)
-    table = jnp.arange(B, dtype=jnp.int32)[:, None]             # row b's entries are "page" b of NE slots
     return indexer_topk(qi, w, keys, table, qpos, count, topk=min(cfg.index_topk, NE), impl=impl)

@@ -10,8 +10,9 @@ Parameters (converted once at load by `convert_hf_weights`; N = hc_mult, G = o_g
           CSA indexer: i_kv, i_gate [Hd, 2Di], i_bias [m, 2Di], i_norm [Di], i_q [Rq, Hi*Di], i_w [Hd, Hi]
     moe: router [Hd, E] f32, bias [E] f32 (Top-K layers) | tid2eid [V, k] int32 (hash layers),
          gate_up [E, Hd, 2I], down [E, I, Hd], shared_gate_up [Hd, 2I], shared_down [I, Hd]
-Cache (cache/compressed.py): "sliding_window" for every layer; per compressed type its entries, tail,
-and for CSA the overlap state and the indexer's entries / tail / overlap.
+Cache (cache/compressed.py): "sliding_window" for every layer; per compressed type its paged entries
+(pool [L, P, ps, D] + page table [B, NP]), tail, and for CSA the overlap state and the indexer's
+paged entries / tail / overlap.
 """
 from __future__ import annotations
 
@@ -32,15 +33,16 @@ from hybrid_jax.weights import checked_getter, to_device
 
 CSA, HCA = "compressed_sparse_attention", "heavily_compressed_attention"
 # this family's cache group -> (field of the group, key in a layer's compressor state)
-_CSA_FIELDS = {"compressed_sparse_attention": (("entries", "entries"), ("count", "count")),
+_CSA_FIELDS = {"compressed_sparse_attention": (("entries", "entries"), ("page_table", "table"), ("count", "count")),
                "csa_tail": (("kv", "tail_kv"), ("gate", "tail_gate"), ("count", "tail_count")),
                "csa_overlap": (("kv", "overlap_kv"), ("gate", "overlap_gate")),
-               "csa_indexer": (("entries", "idx_entries"), ("count", "idx_count")),
+               "csa_indexer": (("entries", "idx_entries"), ("page_table", "idx_table"), ("count", "idx_count")),
                "csa_indexer_tail": (("kv", "idx_tail_kv"), ("gate", "idx_tail_gate"), ("count", "idx_tail_count")),
                "csa_indexer_overlap": (("kv", "idx_overlap_kv"), ("gate", "idx_overlap_gate"))}
-_HCA_FIELDS = {"heavily_compressed_attention": (("entries", "entries"), ("count", "count")),
+_HCA_FIELDS = {"heavily_compressed_attention": (("entries", "entries"), ("page_table", "table"),
+                                                ("count", "count")),
                "hca_tail": (("kv", "tail_kv"), ("gate", "tail_gate"), ("count", "tail_count"))}
-_PER_ROW = ("count",)      # fields shared by the group's layers ([B], not [L, B, ...])
+_PER_ROW = ("count", "page_table")    # fields shared by the group's layers ([B, ...], not [L, ...])
 
 
 def new_cache(cfg: DeepseekV4Config, batch_size: int, capacity: int, dtype) -> ModelCache:

@@ -85,6 +85,20 @@ def _leaves(cache):
     return {jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree_util.tree_leaves_with_path(cache)}
 
 
+def _rows_dense(cache):
+    """The cache with every paged group's pool read through its page table ([L, B, NP * ps, D] entries,
+    no page table), so a sub-cache of rows compares with a cache of its own rows."""
+    groups = {}
+    for name, g in cache.groups.items():
+        if hasattr(g, "page_table"):
+            L, _, ps, D = g.entries.shape
+            B, NP = g.page_table.shape
+            g = g.replace(entries=g.entries[:, g.page_table].reshape(L, B, NP * ps, D),
+                          page_table=jnp.zeros((B, 0), jnp.int32))
+        groups[name] = g
+    return cache.replace(groups=groups)
+
+
 def _assert_caches_close(a, b, atol=1e-5, what=""):
     la, lb = _leaves(a), _leaves(b)
     assert la.keys() == lb.keys()
@@ -106,7 +120,11 @@ def test_config_and_cache_groups(checkpoints):
                      "csa_overlap": "csa_overlap", "csa_indexer": "indexer_entries",
                      "csa_indexer_tail": "uncompressed_tail", "csa_indexer_overlap": "csa_overlap",
                      HCA: "compressed_kv", "hca_tail": "uncompressed_tail"}
-    assert cache.groups[CSA].entries.shape == (1, 2, 10, 16)          # [L, B, capacity // 4, D]
+    assert cache.groups[CSA].entries.shape == (1, 2, 16, 16)          # [L, P, ps, D]: pages of 64 // 4 entries
+    assert cache.groups[CSA].page_table.tolist() == [[0], [1]]        # [B, NP]: 10 entries a row fit one page
+    assert cache.groups[HCA].entries.shape == (1, 2, 8, 16)           # pages of 64 // 8 entries
+    assert {cache.groups[n].closes_into for n in ("csa_tail", "csa_indexer_tail", "hca_tail")} == {
+        CSA, "csa_indexer", HCA}
     assert cache.groups["hca_tail"].kv.shape == (1, 2, 8, 16)          # [L, B, rate, D]
     assert cache.groups["sliding_window"].kv.shape == (3, 2, 6, 16)    # every layer, [L, B, W, D]
     assert cfg.rope_compress.rope_type == "default"
@@ -175,6 +193,51 @@ def test_decode_after_prefill_equals_one_long_prefill(pairs):
         _assert_caches_close(cache, full_cache.replace(version=cache.version), what=f"P={P}")
 
 
+def _shuffled_pages(llm, page_tokens, seed):
+    """A one-row cache whose compressed entries sit in pages of `page_tokens` tokens, spread over a pool
+    three times larger than the row needs, in a random order: only reads and writes through the page
+    table can find them."""
+    from cache.compressed import init_compressed_groups  # noqa: PLC0415
+    cfg = llm.config
+    groups = init_compressed_groups(batch_size=3, capacity=CAP, dtype=jnp.float32, window=cfg.sliding_window,
+                                    head_dim=cfg.head_dim, all_layers=tuple(range(cfg.num_hidden_layers)),
+                                    csa_layers=cfg.layers_of(CSA), csa_rate=cfg.csa_rate, index_dim=cfg.index_head_dim,
+                                    hca_layers=cfg.layers_of(HCA), hca_rate=cfg.hca_rate, entry_page_tokens=page_tokens)
+    rng = np.random.default_rng(seed)
+    for name, g in groups.items():
+        if hasattr(g, "page_table"):
+            NP = g.page_table.shape[1]
+            groups[name] = g.replace(page_table=jnp.asarray(rng.permutation(3 * NP)[:NP][None], jnp.int32),
+                                     count=g.count[:1])
+        else:
+            groups[name] = g.take_rows(jnp.asarray([0]))
+    ref = llm.generator.new_cache(1, CAP)
+    return ref.replace(groups=groups)
+
+
+def test_entries_are_read_and_written_through_the_page_table(pairs):
+    """Pages of 8 tokens (2 CSA entries, 1 HCA entry), scattered at random over a larger pool: prefill then
+    decode gives the logits of the default layout, and the same entries, read through the table."""
+    llm, _ = pairs["mixed"]
+    gen = llm.generator
+    for P in (17, 22):
+        ids = _prompt(P + 4, 97, seed=200 + P)
+        want, want_cache = _step(gen, gen.new_cache(1, CAP), ids)
+        cache = _shuffled_pages(llm, 8, seed=P)
+        assert cache.groups[CSA].page_table.shape == (1, 8) and cache.groups[HCA].page_table.shape == (1, 8)
+        logits, cache = _step(gen, cache, ids[:P])
+        np.testing.assert_allclose(logits, want[:P], atol=TOL, rtol=0)
+        for i in range(P, P + 4):
+            logits, cache = _step(gen, cache, ids[i:i + 1], width=1)
+            np.testing.assert_allclose(logits[0], want[i], atol=TOL, rtol=0, err_msg=f"P={P}, i={i}")
+        got, ref = _rows_dense(cache), _rows_dense(want_cache)
+        for name in (CSA, HCA, "csa_indexer"):
+            n = int(ref.groups[name].count[0])
+            assert int(got.groups[name].count[0]) == n
+            np.testing.assert_allclose(np.asarray(got.groups[name].entries[:, :, :n]),
+                                       np.asarray(ref.groups[name].entries[:, :, :n]), atol=1e-5, rtol=0)
+
+
 def test_padding_leaves_the_cache_exact_and_rows_move(pairs):
     """A right-padded batch (the generator's prefill step, [2, 32]): each row's logits and cache equal
     the ones it gets alone; a row with n_new = 0 keeps every cache object bit for bit; take_rows /
@@ -189,13 +252,14 @@ def test_padding_leaves_the_cache_exact_and_rows_move(pairs):
     for r, ids in enumerate(rows):
         ref_logits, ref = _step(gen, gen.new_cache(1, CAP), ids)
         np.testing.assert_allclose(np.asarray(logits[r]), ref_logits[-1], atol=TOL, rtol=0)
-        _assert_caches_close(take_rows(batch, jnp.asarray([r])).replace(version=ref.version), ref, what=f"row {r}")
-    before = _leaves(take_rows(batch, jnp.asarray([1])))
+        _assert_caches_close(_rows_dense(take_rows(batch, jnp.asarray([r]))).replace(version=ref.version),
+                             _rows_dense(ref), what=f"row {r}")
+    before = _leaves(_rows_dense(take_rows(batch, jnp.asarray([1]))))
     tok2 = np.zeros((2, 32), np.int32)
     tok2[0, :3] = [5, 6, 7]
     _, after = gen._prefill(gen.params, jax.tree_util.tree_map(jnp.copy, batch), jnp.asarray(tok2),
                             jnp.asarray([3, 0]))
-    after_row = _leaves(take_rows(after, jnp.asarray([1])))
+    after_row = _leaves(_rows_dense(take_rows(after, jnp.asarray([1]))))
     for k in before:                              # row 1 added nothing: not one bit moves
         np.testing.assert_array_equal(before[k], after_row[k], err_msg=k)
     sub = take_rows(batch, jnp.asarray([1, 0]), reset=jnp.asarray([False, True]))
