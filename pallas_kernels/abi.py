@@ -50,3 +50,11 @@ CAUSAL_CONV1D = register(KernelABI("causal_conv1d", "conv_state[N,C,W-1]", 1))
 PAGED_ATTENTION = register(KernelABI("attention_kv", "kv[N,S,Hkv,D]", 1))
 SPARSE_MLA_LATENT = register(KernelABI("sparse_mla", "latent[P,ps,R]+rope[P,ps,Dr]:paged", 1))
 INDEXER_KEYS = register(KernelABI("dsa_indexer", "keys[P,ps,D](+scale[P,ps]:f32):paged", 1))
+# DeepSeek-V4 compressed attention (pallas_kernels.compressed_attention). The compressor writes, per layer,
+# entries (RMS-normed, RoPE'd at w * rate), the open window's tail (raw gates) and CSA's overlap (the a-half of
+# the last closed window, gates biased); the sparse read writes nothing cached and reads entries written
+# under V4_COMPRESSOR plus the raw sliding window. (cache/compressed.py registers its stacked-layer objects
+# under its own names, "v4_compressor" / "v4_window"; these names don't collide with them.)
+V4_COMPRESSOR = register(KernelABI(
+    "v4_compress", "entries[B,NE,D]:rms+rope@w*m;tail[B,m,C]:raw_gate;overlap[B,m,C/2]:biased_gate", 1))
+V4_SPARSE_READ = register(KernelABI("v4_sparse_read", "window[B,S,D]+entries[P,ps,D]:paged(reads only)", 1))
