@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import math
 
-import jax
 import jax.numpy as jnp
 
-from cache.compressed import close_tail, dense_entries, gather_entries, write_entries
+from cache.compressed import write_entries
 from hybrid_jax.layers.hyper_connections import unweighted_rms
 from hybrid_jax.layers.mla import rms_norm
+from pallas_kernels.compressed_attention import compress_windows
+from pallas_kernels.compressed_attention import compressed_attention as compressed_attention_op
 from pallas_kernels.sparse_attention import indexer_topk, indexer_weights
 
 
@@ -68,55 +69,17 @@ def rope_trailing(x, cos, sin):
 
 
 def compress(kv_new, gate_new, tail_kv, tail_gate, tail_count, n_new, entry_count, overlap_kv, overlap_gate,
-             bias, norm_w, freqs, *, rate: int, overlap: bool, eps: float, rope_scale: float = 1.0):
-    """One step of a compressor.
+             bias, norm_w, freqs, *, rate: int, overlap: bool, eps: float, rope_scale: float = 1.0, impl: str = "auto"):
+    """One step of a compressor (pallas_kernels.compressed_attention.compress_windows; impl passed through).
 
     kv_new, gate_new [B, T, C]; tail_kv, tail_gate [B, rate, C] (raw gates), tail_count, n_new,
     entry_count [B]; overlap_kv, overlap_gate [B, rate, C/2] (CSA, else None); bias [rate, C];
     norm_w [D] (D = C/2 with overlap, else C).
     Returns (entries [B, NW, D], entry_index [B, NW] (NE-safe: -1 where no window closed),
     tail (kv, gate, count), overlap (kv, gate) or None). NW = (rate - 1 + T) // rate static."""
-    B, T, C = kv_new.shape
-    m = rate
-    NW = (m - 1 + T) // m
-    Ls = (NW + 1) * m
-    j = jnp.arange(Ls, dtype=jnp.int32)[None, :]
-    c = tail_count[:, None]
-    src = jnp.clip(jnp.where(j < c, j, m + j - c), 0, m + T - 1)
-    ok = (j < c + n_new[:, None])[..., None]
-    s_kv = jnp.where(ok, jnp.take_along_axis(jnp.concatenate([tail_kv, kv_new.astype(tail_kv.dtype)], 1),
-                                             src[..., None], axis=1), 0)
-    s_gate = jnp.where(ok, jnp.take_along_axis(jnp.concatenate([tail_gate, gate_new.astype(tail_gate.dtype)], 1),
-                                               src[..., None], axis=1), 0)
-    closed, new_count = close_tail(tail_count, n_new, m)     # [B] windows that close, tokens left in the tail
-    w_kv = s_kv[:, :NW * m].reshape(B, NW, m, C).astype(jnp.float32)
-    w_gate = s_gate[:, :NW * m].reshape(B, NW, m, C).astype(jnp.float32) + bias.astype(jnp.float32)
-    k = jnp.arange(NW, dtype=jnp.int32)[None, :]
-    new_overlap = None
-    if overlap:
-        D = C // 2
-        ca_kv, ca_g = w_kv[..., :D], w_gate[..., :D]
-        prev_kv = jnp.concatenate([overlap_kv[:, None].astype(jnp.float32), ca_kv[:, :-1]], axis=1)
-        prev_g = jnp.concatenate([overlap_gate[:, None].astype(jnp.float32), ca_g[:, :-1]], axis=1)
-        has_prev = (entry_count[:, None] + k > 0)[..., None, None]
-        kvs = jnp.concatenate([prev_kv, w_kv[..., D:]], axis=2)                       # [B, NW, 2m, D]
-        gates = jnp.concatenate([jnp.where(has_prev, prev_g, -jnp.inf), w_gate[..., D:]], axis=2)
-        last = jnp.maximum(closed - 1, 0)[:, None, None, None]
-        any_closed = (closed > 0)[:, None, None]
-        new_overlap = tuple(jnp.where(any_closed, jnp.take_along_axis(a, last, axis=1)[:, 0], old).astype(old.dtype)
-                            for a, old in ((ca_kv, overlap_kv), (ca_g, overlap_gate)))
-    else:
-        kvs, gates = w_kv, w_gate
-    comp = jnp.sum(kvs * jax.nn.softmax(gates, axis=2), axis=2)                     # [B, NW, D]
-    comp = rms_norm(comp, norm_w, eps)
-    cos, sin = rope_tables((entry_count[:, None] + k) * m, freqs, rope_scale)
-    comp = rope_trailing(comp[:, :, None], cos, sin)[:, :, 0]
-    idx = jnp.where(k < closed[:, None], entry_count[:, None] + k, -1)
-    t = closed[:, None] * m + jnp.arange(m, dtype=jnp.int32)[None, :]
-    keep = (jnp.arange(m)[None, :] < new_count[:, None])[..., None]
-    tail = (jnp.where(keep, jnp.take_along_axis(s_kv, t[..., None], axis=1), 0),
-            jnp.where(keep, jnp.take_along_axis(s_gate, t[..., None], axis=1), 0), new_count)
-    return comp.astype(kv_new.dtype), idx, tail, new_overlap
+    return compress_windows(kv_new, gate_new, tail_kv, tail_gate, tail_count, n_new, entry_count, overlap_kv,
+                            overlap_gate, bias, norm_w, freqs, rate=rate, overlap=overlap, eps=eps,
+                            rope_scale=rope_scale, impl=impl)
 
 
 def window_update(ring, kv_new, positions, valid, new_lengths):
@@ -127,38 +90,21 @@ def window_update(ring, kv_new, positions, valid, new_lengths):
     return ring.at[jnp.arange(B)[:, None], slot].set(kv_new.astype(ring.dtype), mode="drop")
 
 
-def attend(q, kv_new, ring, positions, valid, lengths, extra, extra_ok, sinks, *, window: int, scale: float):
-    """Softmax over window keys, compressed keys and a per-head sink, K = V.
+def attend(q, kv_new, ring, positions, valid, lengths, entries, table, indices, count, sinks, *, window: int,
+           scale: float, impl: str = "auto"):
+    """Softmax over window keys, compressed keys and a per-head sink, K = V
+    (pallas_kernels.compressed_attention.compressed_attention; impl passed through).
     q [B, T, H, D]; kv_new [B, T, D]; ring [B, W, D] (before this step's writes); positions, valid [B, T];
-    lengths [B]; extra [B, K, D] (shared by the queries), [B, T, K, D] (per query) or None;
-    extra_ok [B, T, K]; sinks [H] -> [B, T, H, D] f32."""
-    B, T, H, _ = q.shape
+    lengths [B]; entries [P, ps, D] (this layer's page pool) with table [B, NP], indices [B, T, K] (logical
+    entry ids each query reads, -1 none) and count [B] (entries written), or all None; sinks [H] -> [B, T, H, D] f32."""
     W = ring.shape[1]
-    p = positions[:, :, None]
     s = jnp.arange(W, dtype=jnp.int32)[None, :]
     rpos = lengths[:, None] - 1 - jnp.mod(lengths[:, None] - 1 - s, W)                  # [B, W] ring positions
-    tt = jnp.arange(T)
-    ok = jnp.concatenate([(rpos[:, None, :] >= 0) & (rpos[:, None, :] > p - window),
-                          (tt[None, None, :] <= tt[None, :, None]) & valid[:, None, :]
-                          & (positions[:, None, :] > p - window)], axis=-1)            # [B, T, W + T]
-    keys = [ring.astype(jnp.float32), kv_new.astype(jnp.float32)]
-    per_query = extra is not None and extra.ndim == 4
-    if extra is not None and not per_query:
-        keys.append(extra.astype(jnp.float32))
-        ok = jnp.concatenate([ok, extra_ok], axis=-1)
-    keys = jnp.concatenate(keys, axis=1)                                                 # [B, S, D]
-    qf = q.astype(jnp.float32)
-    logits = [jnp.where(ok[:, :, None], jnp.einsum("bthd,bsd->bths", qf, keys) * scale, -jnp.inf)]
-    if per_query:
-        ex = extra.astype(jnp.float32)
-        logits.append(jnp.where(extra_ok[:, :, None], jnp.einsum("bthd,btkd->bthk", qf, ex) * scale, -jnp.inf))
-    S = keys.shape[1]
-    sink = jnp.broadcast_to(sinks.astype(jnp.float32)[None, None, :, None], (B, T, H, 1))
-    probs = jax.nn.softmax(jnp.concatenate(logits + [sink], axis=-1), axis=-1)
-    out = jnp.einsum("bths,bsd->bthd", probs[..., :S], keys)
-    if per_query:
-        out = out + jnp.einsum("bthk,btkd->bthd", probs[..., S:-1], ex)
-    return out
+    dt = jnp.promote_types(ring.dtype, kv_new.dtype)
+    keys = jnp.concatenate([ring.astype(dt), kv_new.astype(dt)], axis=1)                # [B, W + T, D]
+    kpos = jnp.concatenate([jnp.where(rpos >= 0, rpos, -1), jnp.where(valid, positions, -1)], axis=1)
+    return compressed_attention_op(q, keys, kpos.astype(jnp.int32), positions.astype(jnp.int32), entries, table,
+                                   indices, count, sinks, window=window, scale=scale, impl=impl)
 
 
 def compressed_attention(p: dict, x, layer_type: str, positions, valid, lengths, n_new, ring, comp_state: dict,
@@ -181,7 +127,7 @@ def compressed_attention(p: dict, x, layer_type: str, positions, valid, lengths,
     new_len = lengths + n_new
     new_state = dict(comp_state)
     if main:
-        extra, extra_ok = None, None
+        pool = table = sel = count = None
     else:
         m = cfg.rate_of(layer_type)
         csa = layer_type == "compressed_sparse_attention"
@@ -189,22 +135,18 @@ def compressed_attention(p: dict, x, layer_type: str, positions, valid, lengths,
         ents, idx, tail, ov = compress(
             x @ p["c_kv"], x @ p["c_gate"], cs["tail_kv"], cs["tail_gate"], cs["tail_count"], n_new, cs["count"],
             cs.get("overlap_kv"), cs.get("overlap_gate"), p["c_bias"], p["c_norm"], freqs_comp, rate=m,
-            overlap=csa, eps=eps, rope_scale=cfg.rope_compress.attention_factor)
-        entries = write_entries(cs["entries"], cs["table"], ents, idx)
+            overlap=csa, eps=eps, rope_scale=cfg.rope_compress.attention_factor, impl=impl)
+        pool, table = write_entries(cs["entries"], cs["table"], ents, idx), cs["table"]
         count = cs["count"] + jnp.sum(idx >= 0, axis=1).astype(jnp.int32)
-        new_state.update(entries=entries, count=count, tail_kv=tail[0], tail_gate=tail[1], tail_count=tail[2])
+        new_state.update(entries=pool, count=count, tail_kv=tail[0], tail_gate=tail[1], tail_count=tail[2])
         if csa:
             new_state.update(overlap_kv=ov[0], overlap_gate=ov[1])
             sel = _index(p, x, q_res, positions, valid, n_new, cs, new_state, freqs_comp, cfg=cfg, rate=m, impl=impl)
-            extra = gather_entries(entries, cs["table"], sel)                                      # [B, T, K, D]
-            extra_ok = sel >= 0
-        else:
-            extra = dense_entries(entries, cs["table"])                                            # [B, NE, D]
-            NE = extra.shape[1]
-            extra_ok = jnp.arange(NE)[None, None, :] < ((positions + 1) // m)[:, :, None]
-            extra_ok = extra_ok & (jnp.arange(NE)[None, None, :] < count[:, None, None])
-    o = attend(q, kv, ring, positions, valid, lengths, extra, extra_ok, p["sinks"], window=cfg.sliding_window,
-               scale=D ** -0.5)
+        else:   # HCA reads every entry whose window closed at or before the query: j < (p + 1) // m
+            j = jnp.arange(table.shape[1] * pool.shape[1], dtype=jnp.int32)[None, None, :]
+            sel = jnp.where(j < ((positions + 1) // m)[:, :, None], j, -1)                      # [B, T, NE]
+    o = attend(q, kv, ring, positions, valid, lengths, pool, table, sel, count, p["sinks"],
+               window=cfg.sliding_window, scale=D ** -0.5, impl=impl)
     o = rope_trailing(o, cos, -sin).astype(x.dtype)
     G = cfg.o_groups
     g = jnp.einsum("btgi,gir->btgr", o.reshape(B, T, G, H * D // G), p["o_a"]).reshape(B, T, -1)
@@ -219,7 +161,7 @@ def _index(p, x, q_res, positions, valid, n_new, cs, new_state, freqs_comp, *, c
     ents, idx, tail, ov = compress(
         x @ p["i_kv"], x @ p["i_gate"], cs["idx_tail_kv"], cs["idx_tail_gate"], cs["idx_tail_count"], n_new,
         cs["idx_count"], cs["idx_overlap_kv"], cs["idx_overlap_gate"], p["i_bias"], p["i_norm"], freqs_comp,
-        rate=rate, overlap=True, eps=eps, rope_scale=cfg.rope_compress.attention_factor)
+        rate=rate, overlap=True, eps=eps, rope_scale=cfg.rope_compress.attention_factor, impl=impl)
     keys = write_entries(cs["idx_entries"], cs["idx_table"], ents, idx)
     count = cs["idx_count"] + jnp.sum(idx >= 0, axis=1).astype(jnp.int32)
     new_state.update(idx_entries=keys, idx_count=count, idx_tail_kv=tail[0], idx_tail_gate=tail[1],
