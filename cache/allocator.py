@@ -21,7 +21,7 @@ import types
 from typing import Mapping
 
 from cache.segments import (DEVICE_STATES, IllegalTransition, Kind, SegState, Segment, bump_version,
-                            transition as seg_transition)
+                            close_tail as seg_close_tail, transition as seg_transition)
 
 # Eviction priority, lowest first: the cost of getting the object back, and how much a wrong or
 # missing one costs. ONE table; the allocator reads nothing else.
@@ -31,6 +31,7 @@ EVICTION_PRIORITY: dict[Kind, tuple[int, str]] = {
     Kind.COMPRESSED_KV: (1, "rebuilt by re-running prefill and compression over the history"),
     Kind.UNCOMPRESSED_TAIL: (2, "small, and without it the whole compressed group is unusable"),
     Kind.INDEXER_KEYS: (2, "small; a missing or stale indexer routes the sparse layer wrongly"),
+    Kind.CSA_OVERLAP: (2, "one window per row, and without it the next CSA entry cannot be formed"),
     Kind.RECURRENT_STATE: (3, "a checkpoint summarises the whole prefix: losing it means recomputing"
                               " everything before it, not one block"),
 }
@@ -207,6 +208,16 @@ def release(state: AllocState, seg_id: int) -> AllocState:
 def evict(state: AllocState, seg_id: int) -> AllocState:
     """Frees one unheld segment (DEVICE, HOST or DISK). Raises IllegalTransition if held or WRITING."""
     return _put(state, seg_transition(state.get(seg_id), SegState.FREE))
+
+
+def close_tail(state: AllocState, tail_id: int, entry_id: int) -> AllocState:
+    """The named `close_tail` event (cache.segments.close_tail): the tail checkpoint `tail_id` is
+    superseded by the committed entry block `entry_id` its window closed into, and leaves the record.
+    Raises IllegalTransition (held, wrong kinds or states, or a block that does not hold that entry)."""
+    tail = state.get(tail_id)
+    if tail.ref_count > 0:
+        raise IllegalTransition(f"close_tail of {tail.describe()}: it is held by {tail.ref_count} reader(s)")
+    return _put(state, seg_close_tail(tail, state.get(entry_id)))
 
 
 def touch(state: AllocState, seg_id: int) -> AllocState:

@@ -16,6 +16,12 @@ States and the life of a segment:
 WRITING is the transitional state of a segment whose contents a kernel is writing: it holds device
 bytes but is never served and never evicted (the writer owns it). Restores (HOST -> DEVICE,
 DISK -> HOST) copy bytes and keep the version; offloads likewise.
+
+Named events. Some moves mean more than their (from, to) pair: EVENTS names them, with the kind they
+apply to and the move they make. `close_tail` is the host-side record of a compressed group's tail
+closing into a compressed entry: a stored tail checkpoint at boundary b is superseded once the entry
+block its next window closed into (the block starting at b) is committed; the tail segment leaves
+the device (DEVICE -> FREE, version bump) by that event, not by an eviction.
 """
 from __future__ import annotations
 
@@ -29,8 +35,13 @@ class Kind(enum.Enum):
     COMPRESSED_KV = "compressed_kv"          # compressed history (e.g. an MLA latent)
     UNCOMPRESSED_TAIL = "uncompressed_tail"  # full-precision KV of the newest tokens of a compressed group
     SWA_WINDOW = "swa_window"                # sliding-window KV blocks
-    INDEXER_KEYS = "indexer_keys"            # sparse-attention indexer keys
+    INDEXER_KEYS = "indexer_keys"            # sparse-attention indexer keys (DSA keys, V4 CSA indexer entries)
     RECURRENT_STATE = "recurrent_state"      # linear-attention state checkpoint at a block boundary
+    CSA_OVERLAP = "csa_overlap"              # CSA's overlap state (the last closed window's first series)
+
+
+# Kinds whose objects are whole per-row states at one boundary (checkpoints), not blocks of tokens.
+CHECKPOINT_KINDS = frozenset({Kind.RECURRENT_STATE, Kind.UNCOMPRESSED_TAIL, Kind.CSA_OVERLAP})
 
 
 class SegState(enum.Enum):
@@ -67,6 +78,12 @@ VERSION_BUMPING = frozenset({(W, D), (W, F), (D, F), (H, F), (K, F)})
 DEVICE_STATES = frozenset({W, D})
 # States from which a segment may be served (after a restore for HOST / DISK).
 SERVABLE_STATES = frozenset({D, H, K})
+
+
+# Named events: name -> (the kind it applies to, from, to). Each is also a legal TRANSITIONS move.
+EVENTS: dict[str, tuple[Kind, SegState, SegState]] = {
+    "close_tail": (Kind.UNCOMPRESSED_TAIL, D, F),
+}
 
 
 class IllegalTransition(ValueError):
@@ -136,3 +153,24 @@ def bump_version(seg: Segment, *, end: int | None = None) -> Segment:
     if not seg.start <= new_end <= seg.end:
         raise ValueError(f"rollback of {seg.describe()} to end {new_end}: must lie in [{seg.start}, {seg.end}]")
     return dataclasses.replace(seg, end=new_end, version=seg.version + 1)
+
+
+def close_tail(tail: Segment, entry: Segment) -> Segment:
+    """The `close_tail` event: tail (an UNCOMPRESSED_TAIL checkpoint ending at b) is superseded by
+    entry (a committed compressed / indexer entry block that starts at or before b and ends after
+    it: the block its next window closed into). Returns the tail segment freed (version bumped).
+
+    Raises IllegalTransition naming both segments when the tail is not a device-resident, unheld tail,
+    or the entry block is not a committed entry block covering the token right after the tail.
+    """
+    kind, frm, to = EVENTS["close_tail"]
+    if tail.kind is not kind or tail.state is not frm:
+        raise IllegalTransition(f"close_tail needs a {kind.value} segment in state {frm.value}; got {tail.describe()}"
+                                f" in state {tail.state.value}")
+    if entry.kind not in (Kind.COMPRESSED_KV, Kind.INDEXER_KEYS) or entry.state is not D:
+        raise IllegalTransition(f"close_tail of {tail.describe()}: {entry.describe()} is not a committed entry block"
+                                f" (state {entry.state.value})")
+    if not entry.start <= tail.end < entry.end:
+        raise IllegalTransition(f"close_tail of {tail.describe()}: {entry.describe()} does not hold the entry its"
+                                f" window closes into (token {tail.end})")
+    return transition(tail, to)

@@ -6,9 +6,12 @@
                      logits), covers at least one whole LCM block;
   2. "abi_mismatch"  every found object was written by the ABI its group's reader uses;
   3. "intersection"  the longest LCM boundary every group can resume from: a full-KV / indexer
-                     group needs all its blocks up to it, a recurrent group a stored checkpoint
-                     exactly there, an SWA group the blocks of its last window, a compressed group
-                     its compressed blocks and an uncompressed tail ending there;
+                     group needs all its blocks up to it, a checkpoint group (recurrent state, an
+                     uncompressed tail kept as its own group, CSA overlap state, an SWA ring) a
+                     stored checkpoint exactly there, an SWA group of blocks the blocks of its last
+                     window, a compressed group its compressed blocks and an uncompressed tail ending
+                     there; every object must be live and resident where the caller can read it
+                     (`servable`). The miss names the group and the object it lacks;
   4. "alignment"     the boundary is a multiple of every group's block size, every chosen segment
                      covers whole blocks of its group (checkpoints and tails end exactly at the
                      boundary) and is servable: on the device, or restorable from host / disk;
@@ -26,36 +29,53 @@ from typing import Mapping, Sequence
 
 from cache.allocator import AllocState, bytes_by_group, bytes_by_kind
 from cache.prefix_index import BlockGeometry, IndexEntry, KeyContext, PrefixIndex, block_geometry, chain_keys, key_at
-from cache.segments import SERVABLE_STATES, Kind, SegState
+from cache.segments import CHECKPOINT_KINDS, SERVABLE_STATES, Kind, SegState
 
 REASONS = ("no_hit", "coverage", "abi_mismatch", "intersection", "alignment", "version")
-GROUP_KINDS = (Kind.FULL_KV, Kind.SWA_WINDOW, Kind.COMPRESSED_KV, Kind.INDEXER_KEYS, Kind.RECURRENT_STATE)
+GROUP_KINDS = (Kind.FULL_KV, Kind.SWA_WINDOW, Kind.COMPRESSED_KV, Kind.INDEXER_KEYS, Kind.RECURRENT_STATE,
+               Kind.UNCOMPRESSED_TAIL, Kind.CSA_OVERLAP)
 
 
 @dataclasses.dataclass(frozen=True)
 class GroupSpec:
     """One cache group of the reading model. kind: the group's object kind (one of GROUP_KINDS; a
-    COMPRESSED_KV group also needs UNCOMPRESSED_TAIL objects); block_size: tokens per block;
-    ctx: key context (its abi_id is the reader's ABI); window: SWA window in tokens."""
+    COMPRESSED_KV group also needs UNCOMPRESSED_TAIL objects, in the same group unless tail=False);
+    block_size: tokens per block (a checkpoint group: its grid); ctx: key context (its abi_id is the
+    reader's ABI); window: SWA window in tokens (blocks of an SWA group); checkpoint: an SWA group
+    stored as one ring per boundary (RECURRENT_STATE, UNCOMPRESSED_TAIL and CSA_OVERLAP groups always
+    are checkpoints); closes_into: the compressed group an UNCOMPRESSED_TAIL group's windows close
+    into (the `close_tail` event supersedes its checkpoints by that group's entry blocks)."""
     name: str
     kind: Kind
     block_size: int
     ctx: KeyContext
     window: int = 0
     tail: bool | None = None     # a COMPRESSED_KV group also needs its uncompressed tail (default:
-                                 # yes; an MLA latent, one entry per token, has none)
+                                 # yes; an MLA latent, one entry per token, has none; a DeepSeek-V4
+                                 # compressed group keeps its tail in a group of its own)
+    checkpoint: bool = False
+    closes_into: str | None = None
 
     @property
     def needs_tail(self) -> bool:
         return self.kind is Kind.COMPRESSED_KV and self.tail is not False
+
+    @property
+    def is_checkpoint(self) -> bool:
+        """Whether the group stores one whole per-row state at each boundary (not blocks of tokens)."""
+        return self.checkpoint or self.kind in CHECKPOINT_KINDS
 
     def __post_init__(self):
         if self.kind not in GROUP_KINDS:
             raise ValueError(f"group {self.name!r}: kind {self.kind} is not a group kind {[k.value for k in GROUP_KINDS]}")
         if self.block_size <= 0:
             raise ValueError(f"group {self.name!r}: block_size must be positive, got {self.block_size}")
-        if self.kind is Kind.SWA_WINDOW and self.window <= 0:
-            raise ValueError(f"group {self.name!r}: an SWA group needs window > 0, got {self.window}")
+        if self.kind is Kind.SWA_WINDOW and self.window <= 0 and not self.checkpoint:
+            raise ValueError(f"group {self.name!r}: an SWA group of blocks needs window > 0, got {self.window}")
+        if self.checkpoint and self.kind not in CHECKPOINT_KINDS | {Kind.SWA_WINDOW}:
+            raise ValueError(f"group {self.name!r}: a {self.kind.value} group cannot be stored as checkpoints")
+        if self.closes_into is not None and self.kind is not Kind.UNCOMPRESSED_TAIL:
+            raise ValueError(f"group {self.name!r}: only an uncompressed tail closes into entries; got {self.kind.value}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,7 +106,7 @@ def _entries(spec: GroupSpec, keys: Sequence[str], geo: BlockGeometry, index: Pr
     out: dict[tuple[Kind, int], IndexEntry] = {}
     kinds = [spec.kind] + ([Kind.UNCOMPRESSED_TAIL] if spec.needs_tail else [])
     for kind in kinds:
-        step = geo.lcm if kind in (Kind.RECURRENT_STATE, Kind.UNCOMPRESSED_TAIL) else spec.block_size
+        step = geo.lcm if spec.is_checkpoint or kind is Kind.UNCOMPRESSED_TAIL else spec.block_size
         for b in range(step, limit + 1, step):
             e = index.find(spec.name, kind, key_at(keys, geo.gcd, b))
             if e is not None:
@@ -96,8 +116,8 @@ def _entries(spec: GroupSpec, keys: Sequence[str], geo: BlockGeometry, index: Pr
 
 def _hashed_len(spec: GroupSpec, found) -> int:
     """Tokens of the group's first-level hit: the contiguous run of blocks from 0 (block kinds), or
-    the furthest checkpoint (recurrent) or window block (SWA)."""
-    if spec.kind in (Kind.RECURRENT_STATE, Kind.SWA_WINDOW):   # old SWA blocks may be gone by design
+    the furthest checkpoint (checkpoint groups) or window block (SWA)."""
+    if spec.is_checkpoint or spec.kind is Kind.SWA_WINDOW:   # old SWA blocks may be gone by design
         return max((b for (k, b) in found if k is spec.kind), default=0)
     b = 0
     while (spec.kind, b + spec.block_size) in found:
@@ -108,8 +128,8 @@ def _hashed_len(spec: GroupSpec, found) -> int:
 def _needed(spec: GroupSpec, boundary: int, geo: BlockGeometry) -> list[tuple[Kind, int]]:
     """(kind, block end) of every object the group must have to resume at `boundary`."""
     bs = spec.block_size
-    if spec.kind is Kind.RECURRENT_STATE:
-        return [(Kind.RECURRENT_STATE, boundary)]
+    if spec.is_checkpoint:
+        return [(spec.kind, boundary)]
     if spec.kind is Kind.SWA_WINDOW:
         return [(spec.kind, b) for b in range(bs, boundary + 1, bs) if b > boundary - spec.window]
     need = [(spec.kind, b) for b in range(bs, boundary + 1, bs)]
@@ -118,9 +138,16 @@ def _needed(spec: GroupSpec, boundary: int, geo: BlockGeometry) -> list[tuple[Ki
     return need
 
 
+def _what(kind: Kind, b: int, geo: BlockGeometry, spec: GroupSpec) -> str:
+    if spec.is_checkpoint or kind is Kind.UNCOMPRESSED_TAIL:
+        return f"its {kind.value} checkpoint at {b}"
+    return f"its {kind.value} block ending at {b}"
+
+
 def check_hit(tokens: Sequence[int], groups: Sequence[GroupSpec], index: PrefixIndex, state: AllocState, *,
-              need_logits: bool = True) -> HitResult:
-    """Checks 1-4 against the allocator state at check time. tokens: the request's prompt ids."""
+              need_logits: bool = True, servable: frozenset[SegState] = SERVABLE_STATES) -> HitResult:
+    """Checks 1-4 against the allocator state at check time. tokens: the request's prompt ids;
+    servable: the states a chosen object may be in (a cache without lower tiers: the device only)."""
     if not groups:
         raise ValueError("check_hit needs at least one group")
     names = [g.name for g in groups]
@@ -149,23 +176,28 @@ def check_hit(tokens: Sequence[int], groups: Sequence[GroupSpec], index: PrefixI
                 return _miss("abi_mismatch", f"group {g.name!r}: {seg.describe()} was written by ABI"
                                              f" {seg.writer_abi!r}, reader uses {g.ctx.abi_id!r}", hashed, g.name)
     # 3. multi-group intersection: the longest boundary every group can resume from
-    def usable(g: GroupSpec, boundary: int) -> bool:
-        for need in _needed(g, boundary, geo):
-            e = found[g.name].get(need)
-            if e is None or state.state_of(e.seg_id) is SegState.FREE:
-                return False
-        return True
+    def lacking(g: GroupSpec, boundary: int) -> str | None:
+        """Why the group cannot resume at `boundary` (None: it can)."""
+        for kind, b in _needed(g, boundary, geo):
+            e = found[g.name].get((kind, b))
+            st = SegState.FREE if e is None else state.state_of(e.seg_id)
+            if st is SegState.FREE:
+                return f"{_what(kind, b, geo, g)} is {'missing' if e is None else 'freed'}"
+            if st in SERVABLE_STATES and st not in servable:     # on a tier the caller cannot read
+                return f"{_what(kind, b, geo, g)} is {st.value}, not resident"
+        return None
 
-    boundary, blocker = 0, None
+    boundary, blocker, why = 0, None, ""
     for cand in range(top, 0, -geo.lcm):
-        bad = [g.name for g in groups if not usable(g, cand)]
+        bad = [(g.name, w) for g in groups if (w := lacking(g, cand)) is not None]
         if not bad:
             boundary = cand
             break
-        blocker = blocker or bad[0]
+        if blocker is None:
+            blocker, why = bad[0]
     if boundary == 0:
         return _miss("intersection", f"no LCM boundary <= {top} that every group can resume from; group"
-                                     f" {blocker!r} cannot resume at {top}", hashed, blocker)
+                                     f" {blocker!r} cannot resume at {top}: {why}", hashed, blocker)
     # 4. alignment and residency of the chosen segments
     segs: dict[str, tuple[int, ...]] = {}
     versions: dict[int, int] = {}
@@ -176,13 +208,13 @@ def check_hit(tokens: Sequence[int], groups: Sequence[GroupSpec], index: PrefixI
         ids: list[int] = []
         for kind, b in _needed(g, boundary, geo):
             seg = state.get(found[g.name][(kind, b)].seg_id)
-            exact = kind in (Kind.RECURRENT_STATE, Kind.UNCOMPRESSED_TAIL)
+            exact = g.is_checkpoint or kind is Kind.UNCOMPRESSED_TAIL
             covers = (seg.end == b) if exact else (seg.start <= b - g.block_size and seg.end >= b
                                                    and seg.start % g.block_size == 0)
             if not covers:
                 return _miss("alignment", f"group {g.name!r}: {seg.describe()} does not line up with the block"
                                           f" ending at {b}", hashed, g.name)
-            if seg.state not in SERVABLE_STATES:
+            if seg.state not in servable:
                 return _miss("alignment", f"group {g.name!r}: {seg.describe()} is {seg.state.value}, neither on"
                                           f" the device nor restorable", hashed, g.name)
             if seg.id not in versions:

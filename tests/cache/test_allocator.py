@@ -121,3 +121,15 @@ def test_bad_config():
         A.AllocConfig(cap_bytes=10, weights={Kind.FULL_KV: 1.0})
     with pytest.raises(ValueError, match="> 0"):
         A.AllocConfig(cap_bytes=10, weights={**A.DEFAULT_WEIGHTS, Kind.FULL_KV: 0.0})
+
+
+def test_every_kind_has_an_eviction_priority_and_close_tail_respects_holds():
+    assert set(A.EVICTION_PRIORITY) == set(Kind)
+    s = A.init_state(A.AllocConfig(cap_bytes=1000))
+    s, tail = A.allocate(s, Kind.UNCOMPRESSED_TAIL, "t", 10, start=0, end=8, writer_abi="x")
+    s, entry = A.allocate(s, Kind.COMPRESSED_KV, "e", 10, start=8, end=16, writer_abi="x")
+    s = A.commit(A.commit(s, tail), entry)
+    with pytest.raises(IllegalTransition, match="held"):
+        A.close_tail(A.retain(s, tail), tail, entry)
+    after = A.close_tail(s, tail, entry)
+    assert tail not in after.segments and A.evicted_ids(s, after) == (tail,) and tail in s.segments

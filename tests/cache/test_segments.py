@@ -5,8 +5,8 @@ import dataclasses
 
 import pytest
 
-from cache.segments import (TRANSITIONS, VERSION_BUMPING, IllegalTransition, Kind, SegState, Segment, bump_version,
-                            transition)
+from cache.segments import (CHECKPOINT_KINDS, EVENTS, TRANSITIONS, VERSION_BUMPING, IllegalTransition, Kind,
+                            SegState, Segment, bump_version, close_tail, transition)
 
 S = SegState
 
@@ -76,3 +76,25 @@ def test_bad_segments_rejected():
         Segment(id=1, kind="full_kv", group="g", state=S.FREE, start=0, end=3)
     with pytest.raises(dataclasses.FrozenInstanceError):
         _seg().version = 3
+
+
+def test_close_tail_is_a_named_event_between_a_tail_and_its_entry_block():
+    """The tail checkpoint at 32 is superseded by a committed entry block holding token 32 ([32, 64));
+    the event is a legal table move that bumps the version; anything else is refused, naming both."""
+    assert all((f, t) in TRANSITIONS for _, f, t in EVENTS.values())
+    assert {Kind.UNCOMPRESSED_TAIL, Kind.CSA_OVERLAP, Kind.RECURRENT_STATE} <= CHECKPOINT_KINDS
+    tail = Segment(id=1, kind=Kind.UNCOMPRESSED_TAIL, group="t", state=S.DEVICE, start=0, end=32, version=1)
+    entry = Segment(id=2, kind=Kind.COMPRESSED_KV, group="e", state=S.DEVICE, start=32, end=64)
+    gone = close_tail(tail, entry)
+    assert (gone.state, gone.version) == (S.FREE, 2)
+    assert close_tail(tail, dataclasses.replace(entry, kind=Kind.INDEXER_KEYS)).state is S.FREE
+    with pytest.raises(IllegalTransition, match="does not hold the entry"):
+        close_tail(tail, dataclasses.replace(entry, start=0, end=32))
+    with pytest.raises(IllegalTransition, match="not a committed entry block"):
+        close_tail(tail, dataclasses.replace(entry, state=S.WRITING))
+    with pytest.raises(IllegalTransition, match="not a committed entry block"):
+        close_tail(tail, dataclasses.replace(entry, kind=Kind.FULL_KV))
+    with pytest.raises(IllegalTransition, match="needs a uncompressed_tail segment in state device"):
+        close_tail(dataclasses.replace(tail, kind=Kind.CSA_OVERLAP), entry)
+    with pytest.raises(IllegalTransition, match="held"):
+        close_tail(dataclasses.replace(tail, ref_count=1), entry)

@@ -15,6 +15,12 @@ LIN = GroupSpec("lin", Kind.RECURRENT_STATE, 8, KeyContext("w1", "f32", "gdn/v1"
 SWA = GroupSpec("swa", Kind.SWA_WINDOW, 4, KeyContext("w1", "bf16", "swa/v1"), window=8)
 MLA = GroupSpec("mla", Kind.COMPRESSED_KV, 8, KeyContext("w1", "bf16", "mla/v1"))
 TOKENS = list(range(100, 133))      # 33 tokens: up to 32 reusable
+# DeepSeek-V4's objects, each a group: paged entries (tail in its own group), indexer entries, and the
+# per-boundary checkpoints of the tail (+count), the CSA overlap state and the sliding-window ring
+_V4 = KeyContext("w1", "bf16", "v4/v1")
+V4 = (GroupSpec("ent", Kind.COMPRESSED_KV, 8, _V4, tail=False), GroupSpec("idx", Kind.INDEXER_KEYS, 8, _V4),
+      GroupSpec("tail", Kind.UNCOMPRESSED_TAIL, 8, _V4, closes_into="ent"), GroupSpec("ovl", Kind.CSA_OVERLAP, 8, _V4),
+      GroupSpec("win", Kind.SWA_WINDOW, 8, _V4, checkpoint=True))
 
 
 def store(state, index, tokens, groups, upto, *, interval=2, abi=None, block_ranges=None):
@@ -24,11 +30,11 @@ def store(state, index, tokens, groups, upto, *, interval=2, abi=None, block_ran
     for g in groups:
         keys = chain_keys(tokens, geo.gcd, g.ctx)
         items = []
-        if g.kind is Kind.RECURRENT_STATE:
-            items = [(Kind.RECURRENT_STATE, b, b, b) for b in checkpoint_boundaries(upto, geo.lcm, interval)]
+        if g.is_checkpoint:
+            items = [(g.kind, b, b, b) for b in checkpoint_boundaries(upto, geo.lcm, interval)]
         else:
             items = [(g.kind, b - g.block_size, b, b) for b in range(g.block_size, upto + 1, g.block_size)]
-            if g.kind is Kind.COMPRESSED_KV and upto >= geo.lcm:
+            if g.needs_tail and upto >= geo.lcm:
                 last = upto // geo.lcm * geo.lcm
                 items.append((Kind.UNCOMPRESSED_TAIL, last - 4, last, last))
         for kind, start, end, b in items:
@@ -111,6 +117,36 @@ def test_3_intersection_compressed_needs_its_tail():
     assert hit.reason == "intersection" and hit.group == "mla"
 
 
+@pytest.mark.parametrize("group,kind", [("tail", Kind.UNCOMPRESSED_TAIL), ("ovl", Kind.CSA_OVERLAP),
+                                        ("win", Kind.SWA_WINDOW)])
+def test_3_intersection_v4_needs_every_checkpoint(group, kind):
+    """Checkpoints at 16 and 32 (interval 2 x LCM 8): without the one at 32 the hit falls back to 16,
+    without both it is a miss naming the group and the object it lacks."""
+    s, idx, ids = _setup(groups=V4)
+    hit = validate_hit(TOKENS, V4, idx, s)
+    assert hit.ok and hit.boundary == 32 and all(len(hit.segments[g.name]) == (4 if g.block_size and not
+                                                                                 g.is_checkpoint else 1) for g in V4)
+    s = A.evict(s, ids[(group, kind, 32)])
+    assert validate_hit(TOKENS, V4, idx, s).boundary == 16
+    s = A.evict(s, ids[(group, kind, 16)])
+    hit = validate_hit(TOKENS, V4, idx, s)
+    assert not hit.ok and hit.hash_hit and hit.reason == "intersection" and hit.group == group
+    assert f"{kind.value} checkpoint at 32 is freed" in hit.detail
+
+
+def test_3_intersection_v4_window_must_be_resident_where_it_is_read():
+    """A ring offloaded to the host: a reader with a disk / host tier restores it; a device-only reader
+    falls back to the boundary whose ring is on the device, or misses naming the window."""
+    s, idx, ids = _setup(groups=V4)
+    s = A.transition(s, ids[("win", Kind.SWA_WINDOW, 32)], SegState.HOST)
+    device = frozenset({SegState.DEVICE})
+    assert check_hit(TOKENS, V4, idx, s).boundary == 32
+    assert check_hit(TOKENS, V4, idx, s, servable=device).boundary == 16
+    s = A.transition(s, ids[("win", Kind.SWA_WINDOW, 16)], SegState.HOST)
+    hit = check_hit(TOKENS, V4, idx, s, servable=device)
+    assert hit.reason == "intersection" and hit.group == "win" and "checkpoint at 32 is host, not resident" in hit.detail
+
+
 def test_4_alignment_writing_segment_and_misaligned_range():
     s, idx, ids = _setup()
     s = A.transition(s, ids[("attn", Kind.FULL_KV, 8)], SegState.WRITING)
@@ -162,6 +198,10 @@ def test_bad_specs():
     with pytest.raises(ValueError, match="window"):
         GroupSpec("s", Kind.SWA_WINDOW, 4, ATTN.ctx)
     with pytest.raises(ValueError, match="not a group kind"):
-        GroupSpec("t", Kind.UNCOMPRESSED_TAIL, 4, ATTN.ctx)
+        GroupSpec("t", "uncompressed_tail", 4, ATTN.ctx)
+    with pytest.raises(ValueError, match="cannot be stored as checkpoints"):
+        GroupSpec("t", Kind.FULL_KV, 4, ATTN.ctx, checkpoint=True)
+    with pytest.raises(ValueError, match="only an uncompressed tail closes"):
+        GroupSpec("t", Kind.COMPRESSED_KV, 4, ATTN.ctx, closes_into="c")
     with pytest.raises(ValueError, match="unique"):
         check_hit(TOKENS, [ATTN, dataclasses.replace(LIN, name="attn")], PrefixIndex(), _setup()[0])
