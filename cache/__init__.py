@@ -14,7 +14,8 @@ from cache.state import (
     init_cache,
     nbytes_by_group,
 )
-from cache.segments import Kind, SegState, Segment, IllegalTransition, TRANSITIONS, VERSION_BUMPING
+from cache.segments import (CHECKPOINT_KINDS, EVENTS, Kind, SegState, Segment, IllegalTransition, TRANSITIONS,
+                            VERSION_BUMPING)
 from cache.allocator import (AdmissionRefused, AllocConfig, AllocState, EVICTION_PRIORITY, UnknownSegment,
                              eviction_order, init_state)
 from cache.prefix_index import (BlockGeometry, IndexEntry, KeyContext, PrefixIndex, block_geometry, chain_keys,
@@ -23,7 +24,8 @@ from cache.validation import CacheStats, GroupSpec, HitResult, check_hit, confir
 
 __all__ = ["IndexerKeyGroup", "MLALatentGroup", "contiguous_page_table", "init_mla_groups", "write_paged",
            "put_rows", "take_rows", "KVGroup", "ModelCache", "RecurrentGroup", "bytes_per_token", "init_cache", "nbytes_by_group",
-           "Kind", "SegState", "Segment", "IllegalTransition", "TRANSITIONS", "VERSION_BUMPING",
+           "CHECKPOINT_KINDS", "EVENTS", "Kind", "SegState", "Segment", "IllegalTransition", "TRANSITIONS",
+           "VERSION_BUMPING",
            "AdmissionRefused", "AllocConfig", "AllocState", "EVICTION_PRIORITY", "UnknownSegment", "eviction_order",
            "init_state", "BlockGeometry", "IndexEntry", "KeyContext", "PrefixIndex", "block_geometry", "chain_keys",
            "checkpoint_boundaries", "droppable_checkpoints", "keep_checkpoint", "CacheStats", "GroupSpec",

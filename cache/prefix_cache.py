@@ -10,6 +10,13 @@ Groups and their objects (the model is not known here, only its cache groups):
   MLALatentGroup  compressed_kv    blocks of its page size (an MLA latent has no uncompressed tail)
   IndexerKeyGroup indexer_keys     blocks of its page size
   RecurrentGroup  recurrent_state  checkpoints at LCM boundaries (retention: prefix_index)
+  DeepSeek-V4 (cache.compressed):
+  CompressedKVGroup  compressed_kv / indexer_keys   blocks of one page of entries (ps * rate tokens)
+  SlidingWindowGroup swa_window       the ring, a checkpoint at LCM boundaries
+  TailGroup          uncompressed_tail  tail + count, a checkpoint (superseded by `close_tail`)
+  OverlapGroup       csa_overlap      CSA's overlap state, a checkpoint
+A boundary is usable only where every group has its object there (blocks up to it, checkpoints at
+it), live and resident on the device (or restorable from the disk tier when there is one).
 
 A request's life with the cache:
   reuse(cache, row, tokens)   lookup -> checks 1-4 (validation.check_hit) -> check 5 on the host
@@ -19,7 +26,10 @@ A request's life with the cache:
   publish_boundaries(n)       where a prompt of n tokens should stop its prefill chunks so its
                               state can be published (the retained checkpoints).
   publish(cache, row, tokens, b)  the row holds exactly tokens[:b]: store the blocks not yet
-                              stored and the recurrent checkpoint at b.
+                              stored and the checkpoints at b; checkpoints of the chain the
+                              retention policy no longer keeps are retired, and a tail checkpoint
+                              whose window closed into a now stored entry block leaves by the
+                              named `close_tail` event (recorded in `events`).
 
 Copy-in keeps the engine's row layout (each running request owns a contiguous row) at the cost of
 one device copy of the reused blocks; it is a memory-bound copy, far cheaper than the prefill it
@@ -27,6 +37,7 @@ replaces.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import time
@@ -37,18 +48,40 @@ import jax.numpy as jnp
 import numpy as np
 
 from cache import allocator as A
+from cache.compressed import CompressedKVGroup, OverlapGroup, SlidingWindowGroup, TailGroup
 from cache.mla import IndexerKeyGroup, MLALatentGroup
 from cache.prefix_index import IndexEntry, KeyContext, PrefixIndex, block_geometry, chain_keys, checkpoint_boundaries, key_at
 from cache.prefix_disk import DiskConfig, DiskSpans
 from cache.prefix_store import StorePool, group_block_size, init_pool, load_row, max_blocks_per_row, save_row
-from cache.segments import Kind, SegState
+from cache.segments import SERVABLE_STATES, Kind, SegState
 from cache.state import KVGroup, ModelCache, RecurrentGroup
 from cache.validation import CacheStats, GroupSpec, HitResult, check_hit, confirm_at_use
 
 log = logging.getLogger("hybrid_jax.prefix_cache")
 
 KIND_OF = {KVGroup: Kind.FULL_KV, MLALatentGroup: Kind.COMPRESSED_KV, IndexerKeyGroup: Kind.INDEXER_KEYS,
-           RecurrentGroup: Kind.RECURRENT_STATE}
+           RecurrentGroup: Kind.RECURRENT_STATE, CompressedKVGroup: Kind.COMPRESSED_KV,
+           SlidingWindowGroup: Kind.SWA_WINDOW, TailGroup: Kind.UNCOMPRESSED_TAIL, OverlapGroup: Kind.CSA_OVERLAP}
+
+
+def kind_of(group) -> Kind:
+    """The object kind a cache group stores (a CompressedKVGroup of indexer entries: INDEXER_KEYS)."""
+    if isinstance(group, CompressedKVGroup) and group.kind == "indexer_entries":
+        return Kind.INDEXER_KEYS
+    return KIND_OF[type(group)]
+
+
+@dataclasses.dataclass(frozen=True)
+class TailClose:
+    """A `close_tail` event: the tail checkpoint `tail_seg` of group `tail_group` at token `boundary`
+    was superseded by entry block `entry_seg` of `entry_group` (tokens [entry_start, entry_end))."""
+    tail_group: str
+    tail_seg: int
+    boundary: int
+    entry_group: str
+    entry_seg: int
+    entry_start: int
+    entry_end: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,9 +112,15 @@ class PrefixCache:
         bs = {n: group_block_size(g, config.block_size) for n, g in groups.items()}
         block_sizes = {n: (b or config.block_size) for n, b in bs.items()}
         self.geometry = block_geometry(block_sizes)
-        self.specs = tuple(GroupSpec(name=n, kind=KIND_OF[type(g)], block_size=block_sizes[n], tail=False,
+        # tail=False: an MLA latent has no tail; a V4 compressed group keeps its tail in its own group
+        self.specs = tuple(GroupSpec(name=n, kind=kind_of(g), block_size=block_sizes[n], tail=False,
+                                     checkpoint=bs[n] == 0 and kind_of(g) is Kind.SWA_WINDOW,
+                                     closes_into=getattr(g, "closes_into", None) or None,
                                      ctx=KeyContext(config.fingerprint, config.dtype, g.writer_abi, config.sharding))
                            for n, g in groups.items())
+        missing = [s.closes_into for s in self.specs if s.closes_into and s.closes_into not in groups]
+        if missing:
+            raise ValueError(f"prefix caching: tails close into cache groups {missing} that the cache does not have")
         self._kind = {s.name: s.kind for s in self.specs}
         self._width = {n: max_blocks_per_row(g, config.block_size) for n, g in groups.items()}
         self.store = self._init_store(cache)
@@ -101,6 +140,8 @@ class PrefixCache:
         self.offloads = 0                         # segments moved from the device to the disk tier
         self.retired_checkpoints = 0              # checkpoints the retention policy let go
         self.refused_publishes = 0                # publishes that did not fit under the cap
+        self.tail_closes = 0                      # tail checkpoints superseded by the `close_tail` event
+        self.events: collections.deque[TailClose] = collections.deque(maxlen=1024)   # the latest close_tail events
         self.disk = DiskSpans(self, disk) if disk is not None else None
 
     # --- set-up ------------------------------------------------------------------------------------
@@ -121,7 +162,7 @@ class PrefixCache:
         for n, g in cache.groups.items():
             slot = probes[n].slot_nbytes()
             want = int(cfg.cap_bytes * per_tok[n] / total // max(slot, 1))
-            floor = 4 if isinstance(g, RecurrentGroup) else max_blocks_per_row(g, cfg.block_size)
+            floor = 4 if not probes[n].block_size else max_blocks_per_row(g, cfg.block_size)
             store[n] = init_pool(g, max(want, floor), cfg.block_size)
         return store
 
@@ -140,8 +181,10 @@ class PrefixCache:
 
     # --- reuse -------------------------------------------------------------------------------------
     def lookup(self, tokens: Sequence[int]) -> HitResult:
-        """Checks 1-4 against the current allocator state (no side effects)."""
-        return check_hit(tokens, self.specs, self.index, self.alloc)
+        """Checks 1-4 against the current allocator state (no side effects). Without a disk tier only
+        objects on the device can be read; with one, host and disk objects are restored first."""
+        servable = SERVABLE_STATES if self.disk is not None else frozenset({SegState.DEVICE})
+        return check_hit(tokens, self.specs, self.index, self.alloc, servable=servable)
 
     def reuse(self, cache: ModelCache, row: int, tokens: Sequence[int], request_id: str | None = None
               ) -> tuple[ModelCache, int]:
@@ -215,7 +258,7 @@ class PrefixCache:
                 held.append(sid)
                 seg = self.alloc.get(sid)
                 group, slots = self._slots[sid]
-                if spec.kind is Kind.RECURRENT_STATE:
+                if spec.is_checkpoint:
                     src[0], dst[0] = slots[0], 0
                     exp[0] = self._slot_version[group][slots[0]]
                     continue
@@ -243,7 +286,7 @@ class PrefixCache:
             src = np.full((W,), -1, np.int32)
             dst = np.full((W,), -1, np.int32)
             plan[spec.name] = (src, dst)
-            if spec.kind is Kind.RECURRENT_STATE:
+            if spec.is_checkpoint:
                 ends = [] if self._live(spec, keys, boundary) else [boundary]
             else:
                 ends = [b for b in range(spec.block_size, boundary + 1, spec.block_size)
@@ -254,7 +297,7 @@ class PrefixCache:
                     self._abort([n[1] for n in new])
                     self.refused_publishes += 1
                     return
-                i = 0 if spec.kind is Kind.RECURRENT_STATE else b // spec.block_size - 1   # row block
+                i = 0 if spec.is_checkpoint else b // spec.block_size - 1   # row block
                 src[i], dst[i] = i, self._slots[sid][1][0]
                 new.append((spec, sid, b, key_at(keys, geo.gcd, b)))
         if not new:
@@ -287,7 +330,7 @@ class PrefixCache:
         ids = []
         for spec in self.specs:
             keys = self._keys(tokens, spec)
-            step = geo.lcm if spec.kind is Kind.RECURRENT_STATE else spec.block_size
+            step = geo.lcm if spec.is_checkpoint else spec.block_size
             for b in range(boundary - boundary % step, 0, -step):
                 e = self.index.find(spec.name, spec.kind, key_at(keys, geo.gcd, b))
                 if e is not None and e.seg_id in self.alloc.segments:
@@ -316,7 +359,7 @@ class PrefixCache:
                                                     f" for {nbytes} bytes under the cap of {self.config.cap_bytes}"
                                                     f" (held and in-flight segments are never evicted)")
             return None
-        start = 0 if spec.kind is Kind.RECURRENT_STATE else end - spec.block_size
+        start = 0 if spec.is_checkpoint else end - spec.block_size
         self.alloc, sid = A.allocate(self.alloc, spec.kind, spec.name, nbytes, start=start, end=end,
                                      writer_abi=spec.ctx.abi_id)
         self._slots[sid] = (spec.name, [self._free[spec.name].pop()])
@@ -384,22 +427,41 @@ class PrefixCache:
 
     def _drop_superseded_checkpoints(self, tokens: list[int], boundary: int):
         """Retention: checkpoints on this chain below `boundary` that the policy no longer keeps
-        (an earlier, shorter prompt's "last" one) are evicted when nobody holds them."""
-        lcm = self.geometry.lcm
+        (an earlier, shorter prompt's "last" one) leave the device when nobody holds them. A tail
+        checkpoint whose window closed into a stored entry block leaves by the `close_tail` event."""
+        lcm, gcd = self.geometry.lcm, self.geometry.gcd
         keep = set(checkpoint_boundaries(boundary, lcm, self.config.checkpoint_interval))
         for spec in self.specs:
-            if spec.kind is not Kind.RECURRENT_STATE:
+            if not spec.is_checkpoint:
                 continue
             keys = self._keys(tokens, spec)
             for b in range(lcm, boundary, lcm):
                 if b in keep:
                     continue
-                e = self.index.find(spec.name, spec.kind, key_at(keys, self.geometry.gcd, b))
+                e = self.index.find(spec.name, spec.kind, key_at(keys, gcd, b))
                 seg = None if e is None else self.alloc.segments.get(e.seg_id)
-                if seg is not None and seg.ref_count == 0 and seg.state is SegState.DEVICE and seg.end == b:
-                    before = self.alloc
+                if seg is None or seg.ref_count or seg.state is not SegState.DEVICE or seg.end != b:
+                    continue
+                before = self.alloc
+                entry = self._closing_entry(spec, tokens, b) if spec.closes_into else None
+                if entry is not None:
+                    self.alloc = A.close_tail(self.alloc, seg.id, entry.id)
+                    self.tail_closes += 1
+                    self.events.append(TailClose(spec.name, seg.id, b, entry.group, entry.id, entry.start, entry.end))
+                else:
                     self.alloc = A.evict(self.alloc, seg.id)
-                    self._reclaim(before, retired=True)
+                self._reclaim(before, retired=True)
+
+    def _closing_entry(self, tail: GroupSpec, tokens: list[int], b: int):
+        """The committed entry block of the group `tail` closes into that holds the entry its window
+        starting at token b closed into (the block starting at b), or None."""
+        spec = next(s for s in self.specs if s.name == tail.closes_into)
+        end = b + spec.block_size
+        if end > len(tokens):
+            return None
+        e = self.index.find(spec.name, spec.kind, key_at(self._keys(tokens, spec), self.geometry.gcd, end))
+        seg = None if e is None else self.alloc.segments.get(e.seg_id)
+        return seg if seg is not None and seg.state is SegState.DEVICE and seg.start <= b < seg.end else None
 
     # --- figures -----------------------------------------------------------------------------------
     def cache_stats(self) -> dict:
@@ -414,6 +476,7 @@ class PrefixCache:
             "bytes_by_group": dict(s.bytes_by_group),
             "segments": len(self.alloc.segments), "evictions": self.evictions, "offloads": self.offloads,
             "retired_checkpoints": self.retired_checkpoints, "refused_publishes": self.refused_publishes,
+            "tail_closes": self.tail_closes,
             "cap_bytes": self.config.cap_bytes,
             "block_sizes": dict(self.geometry.sizes), "lcm": self.geometry.lcm, "gcd": self.geometry.gcd,
             "disk": self.disk.stats() if self.disk else None,

@@ -30,7 +30,7 @@ from cache import allocator as A
 from cache.disk_tier import DiskTier
 from cache.prefix_index import IndexEntry, key_at
 from cache.prefix_store import read_slots, write_slots
-from cache.segments import Kind, SegState
+from cache.segments import SegState
 from cache.tier_entry import EntryMeta, make_key
 
 if TYPE_CHECKING:
@@ -92,7 +92,7 @@ class DiskSpans:
 
     def expect(self, b: int) -> EntryMeta:
         """The exact meta of the span ending at b: array '<group>-<field>' is [L, blocks, bs, ...] for a
-        block group, [L, ...] (the checkpoint at b) for a recurrent one."""
+        block group, [L, ...] (the checkpoint at b) for a checkpoint group."""
         s = self.start(b)
         abi, dtypes, shapes = {}, {}, {}
         for spec in self.pc.specs:
@@ -106,7 +106,7 @@ class DiskSpans:
 
     def _objects(self, spec, b: int) -> list[int]:
         """Block ends (or the checkpoint boundary) a span ending at b holds for a group."""
-        if spec.kind is Kind.RECURRENT_STATE:
+        if spec.is_checkpoint:
             return [b]
         return list(range(self.start(b) + spec.block_size, b + 1, spec.block_size))
 

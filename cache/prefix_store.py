@@ -8,6 +8,13 @@ validates a hit copies the blocks back into its own row and resumes at the hit's
   MLA latent    (MLALatentGroup)  latent  [L, N, ps, R], rope [L, N, ps, Dr]   row block i = page_table[row, i]
   indexer keys  (IndexerKeyGroup) keys    [L, N, ps2, D] (+ scale [L, N, ps2] for fp8)
   recurrent     (RecurrentGroup)  conv    [L, N, W-1, C], ssm [L, N, HV, K, V]  one checkpoint per slot
+  V4 entries    (CompressedKVGroup, compressed or indexer entries)
+                                  entries [L, N, ps, D]   row block i = page_table[row, i]: a page of
+                                  ps entries covers ps * rate tokens; on load the row's entry count
+                                  becomes boundary // rate
+  V4 window     (SlidingWindowGroup) kv   [L, N, W, D]    the ring at the boundary, one checkpoint per slot
+  V4 tail       (TailGroup)       kv, gate [L, N, rate, C], count [1, N]         one checkpoint per slot
+  V4 overlap    (OverlapGroup)    kv, gate [L, N, rate, D]                       one checkpoint per slot
 
 Every pool slot has a version [N] that each write bumps. `load_row` compares the versions the host
 recorded when it validated the hit with the pool's versions *inside the compiled step*; if any
@@ -26,8 +33,14 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from cache.compressed import CompressedKVGroup, OverlapGroup, SlidingWindowGroup, TailGroup
 from cache.mla import IndexerKeyGroup, MLALatentGroup
 from cache.state import KVGroup, ModelCache, RecurrentGroup
+
+# Groups stored as one whole per-row state per boundary (a checkpoint), not as blocks of tokens.
+CHECKPOINT_GROUPS = (RecurrentGroup, SlidingWindowGroup, TailGroup, OverlapGroup)
+# Groups whose pools are paged ([L, P, ps, ...] + page_table [B, NP]).
+PAGED_GROUPS = (MLALatentGroup, IndexerKeyGroup, CompressedKVGroup)
 
 
 @flax.struct.dataclass
@@ -59,19 +72,40 @@ def _fields(group) -> dict[str, jax.Array]:
         if group.scale is not None:
             out["scale"] = group.scale
         return out
+    if isinstance(group, CompressedKVGroup):
+        return {"entries": group.entries}
+    if isinstance(group, SlidingWindowGroup):
+        return {"kv": group.kv}
+    if isinstance(group, TailGroup):         # the count [B] is kept as [1, B]: a slot replaces axis 1
+        return {"kv": group.kv, "gate": group.gate, "count": group.count[None]}
+    if isinstance(group, OverlapGroup):
+        return {"kv": group.kv, "gate": group.gate}
     raise TypeError(f"the prefix store has no layout for cache group type {type(group).__name__}")
 
 
+def _with_fields(group, upd: dict[str, jax.Array], row, boundary, ok):
+    """The group with fields `upd` (in the _fields layout) written back; a compressed-entry group's
+    row count becomes boundary // rate where ok (its entries are derived from the boundary)."""
+    if isinstance(group, TailGroup):
+        upd = dict(upd, count=upd["count"][0])
+    if isinstance(group, CompressedKVGroup):
+        upd = dict(upd, count=group.count.at[row].set(jnp.where(ok, boundary // group.rate, group.count[row])))
+    return group.replace(**upd)
+
+
 def group_block_size(group, kv_block_size: int) -> int:
-    """Tokens per stored block: a paged group's page size, `kv_block_size` for full KV, 0 for a
-    recurrent group (it stores checkpoints, placed on the LCM grid by the prefix cache)."""
+    """Tokens per stored block: a paged group's page size (tokens a page of compressed entries
+    covers), `kv_block_size` for full KV, 0 for a checkpoint group (recurrent state, V4 window,
+    tail, overlap: placed on the LCM grid by the prefix cache)."""
+    if isinstance(group, CompressedKVGroup):
+        return group.page_tokens
     if isinstance(group, (MLALatentGroup, IndexerKeyGroup)):
         return group.page_size
     if isinstance(group, KVGroup):
         if group.capacity % kv_block_size:
             raise ValueError(f"full-KV capacity {group.capacity} is not a multiple of the block size {kv_block_size}")
         return kv_block_size
-    if isinstance(group, RecurrentGroup):
+    if isinstance(group, CHECKPOINT_GROUPS):
         return 0
     raise TypeError(f"the prefix store has no layout for cache group type {type(group).__name__}")
 
@@ -83,15 +117,15 @@ def init_pool(group, num_slots: int, kv_block_size: int) -> StorePool:
     for f, a in _fields(group).items():
         if isinstance(group, KVGroup):
             shape = (a.shape[0], num_slots, bs) + a.shape[3:]
-        else:   # paged pools [L, P, ps, ...] and recurrent [L, B, ...]: the slot replaces axis 1
+        else:   # paged pools [L, P, ps, ...] and checkpoints [L, B, ...]: the slot replaces axis 1
             shape = (a.shape[0], num_slots) + a.shape[2:]
         arrays[f] = jnp.zeros(shape, a.dtype)
     return StorePool(arrays=arrays, version=jnp.zeros((num_slots,), jnp.int32), block_size=bs)
 
 
 def max_blocks_per_row(group, kv_block_size: int) -> int:
-    """Plan width of a group: blocks a row can hold (1 for a recurrent group)."""
-    if isinstance(group, RecurrentGroup):
+    """Plan width of a group: blocks a row can hold (1 for a checkpoint group)."""
+    if isinstance(group, CHECKPOINT_GROUPS):
         return 1
     if isinstance(group, KVGroup):
         return group.capacity // kv_block_size
@@ -102,7 +136,7 @@ def max_blocks_per_row(group, kv_block_size: int) -> int:
 
 def _row_blocks(group, f: str, a: jax.Array, row, idx, bs: int) -> jax.Array:
     """Blocks `idx` [M] of `row` of field array `a`, as [L, M, block...]."""
-    if isinstance(group, RecurrentGroup):
+    if isinstance(group, CHECKPOINT_GROUPS):
         return a[:, row][:, None]
     if isinstance(group, KVGroup):
         L, B, S = a.shape[:3]
@@ -113,7 +147,7 @@ def _row_blocks(group, f: str, a: jax.Array, row, idx, bs: int) -> jax.Array:
 
 def _write_row_blocks(group, a: jax.Array, row, idx, blocks, valid, bs: int) -> jax.Array:
     """`a` with blocks [L, M, ...] written at row blocks `idx` [M] where `valid` [M]; others dropped."""
-    if isinstance(group, RecurrentGroup):
+    if isinstance(group, CHECKPOINT_GROUPS):
         r = jnp.where(valid[0], row, a.shape[1])                 # out of range: dropped
         return a.at[:, r].set(blocks[:, 0], mode="drop")
     if isinstance(group, KVGroup):
@@ -135,7 +169,7 @@ def save_row(cache: ModelCache, store: dict[str, StorePool], row: jax.Array,
              plan: dict[str, tuple[jax.Array, jax.Array]]) -> dict[str, StorePool]:
     """Copies blocks of cache row `row` [] into the store.
 
-    plan: group -> (src [M] block index within the row, dst [M] store slot, -1 = none). A recurrent
+    plan: group -> (src [M] block index within the row, dst [M] store slot, -1 = none). A checkpoint
     group's plan has M = 1 and copies the row's current state as a checkpoint. Returns the store
     with the written slots' versions bumped."""
     out = {}
@@ -176,7 +210,7 @@ def load_row(cache: ModelCache, store: dict[str, StorePool], row: jax.Array,
         upd = {}
         for f, a in _fields(g).items():
             upd[f] = _write_row_blocks(g, a, row, dst, pool.arrays[f][:, s].astype(a.dtype), valid, pool.block_size)
-        groups[name] = g.replace(**upd)
+        groups[name] = _with_fields(g, upd, row, boundary, ok)
     lengths = cache.lengths.at[row].set(jnp.where(ok, boundary, 0))
     return ModelCache(groups=groups, lengths=lengths, version=cache.version.at[row].add(1)), ok
 
