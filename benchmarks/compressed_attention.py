@@ -42,6 +42,7 @@ from hybrid_jax.models import deepseek_v4 as v4
 from hybrid_jax.models.deepseek_v4_config import deepseek_v4_config
 
 SWA = "sliding_attention"
+_ABBR = {SWA: "SWA", v4.CSA: "CSA", v4.HCA: "HCA"}
 SLACK = 128          # capacity beyond the context: room for the timed steps, keeps capacities multiples of 128
 LENGTHS = (8192, 131072, 1 << 20)
 
@@ -81,8 +82,8 @@ def memory_table():
           f"head_dim {cfg.head_dim}, window {cfg.sliding_window}, indexer dim {cfg.index_head_dim}; bf16")
     kinds = [k for k in acc.KIND_ORDER if any(k in {g.kind for g in a.groups.values()} for a in accs.values())]
     wid = {k: max(len(k), 9) + 2 for k in kinds}
-    head = f"{'model':20}{'tokens':>7}" + "".join(f"{k:>{wid[k]}}" for k in kinds) + f"{'total':>10}{'full KV / this':>16}"
-    print(head)
+    print(f"{'model':20}{'tokens':>7}" + "".join(f"{k:>{wid[k]}}" for k in kinds)
+          + f"{'total':>10}{'full KV / this':>16}")
     for row in acc.table(accs, LENGTHS, baseline="full KV (K+V)"):
         cells = "".join(f"{row['kinds'].get(k, 0.0):>{wid[k]}.1f}" for k in kinds)
         print(f"{row['model']:20}{_k(row['n']):>7}{cells}{row['total']:>10.1f}{row['baseline_over_this']:>15.2f}x")
@@ -139,10 +140,12 @@ def decode_timing(contexts, repeats: int):
     tok = jnp.ones((1, 1), jnp.int32)
     one = jnp.ones((1,), jnp.int32)
     print(f"\n(b) decode step, batch 1, fp32, {jax.default_backend()}: V4-shaped {cfg.num_hidden_layers} layers "
-          f"{list(cfg.layer_types)}, hidden {cfg.hidden_size}, {cfg.num_attention_heads} heads x {cfg.head_dim}, "
-          f"window {cfg.sliding_window}, rates {cfg.csa_rate}/{cfg.hca_rate}, index_topk {cfg.index_topk}; "
-          f"vs the same model, every layer full attention (window = capacity); median of {repeats}, interleaved")
-    print(f"{'context':>8}{'V4 ms':>10}{'full ms':>10}{'full / V4':>11}{'V4 cache':>13}{'full cache':>13}{'bytes ratio':>13}")
+          f"({','.join(_ABBR[t] for t in cfg.layer_types)}), hidden {cfg.hidden_size}, "
+          f"{cfg.num_attention_heads} heads x {cfg.head_dim}, window {cfg.sliding_window}, "
+          f"rates {cfg.csa_rate}/{cfg.hca_rate}, index_topk {cfg.index_topk}\n"
+          f"    vs the same model, every layer full attention (window = capacity); median of {repeats}, interleaved")
+    print(f"{'context':>8}{'V4 ms':>10}{'full ms':>10}{'full / V4':>11}{'V4 cache':>13}{'full cache':>13}"
+          f"{'bytes ratio':>13}")
     res = []
     for ctx in contexts:
         full_cfg = dataclasses.replace(twin, sliding_window=ctx + SLACK)
@@ -152,7 +155,9 @@ def decode_timing(contexts, repeats: int):
             caches[label] = filled_cache(c, ctx, dt, seed=ctx)
         nbytes = {k: sum(x.nbytes for x in jax.tree_util.tree_leaves(v)) for k, v in caches.items()}
         for label in steps:                               # compile + one warm step
-            _, caches[label] = jax.block_until_ready(steps[label](params, caches[label]))
+            logits, caches[label] = jax.block_until_ready(steps[label](params, caches[label]))
+            if not bool(jnp.all(jnp.isfinite(logits))):
+                raise RuntimeError(f"{label} step at context {ctx} gave non-finite logits: the filled cache is bad")
         times = {"v4": [], "full": []}
         for _ in range(repeats):
             for label in ("v4", "full"):
