@@ -4,7 +4,7 @@ a Pallas kernel behind one signature (`impl="auto"|"pallas"|"xla"|"reference"`).
 This package knows neither `cache` nor `hybrid_jax`: it takes arrays and returns arrays.
 """
 from pallas_kernels import abi
-from pallas_kernels.compressed_attention import compress_windows, compressed_attention
+from pallas_kernels.compressed_attention import compress_windows, compressed_sparse_read
 from pallas_kernels.gated_delta_rule import (
     chunk_gated_delta_rule,
     fused_recurrent_gated_delta_rule,
@@ -14,5 +14,5 @@ from pallas_kernels.sparse_attention import (  # noqa: F401
     dense_mla_attention, indexer_topk, indexer_weights, quantize_fp8, sparse_hit_rate, sparse_mla_attention,
 )
 
-__all__ = ["abi", "chunk_gated_delta_rule", "compress_windows", "compressed_attention",
+__all__ = ["abi", "chunk_gated_delta_rule", "compress_windows", "compressed_sparse_read",
            "fused_recurrent_gated_delta_rule", "l2norm"]

@@ -23,8 +23,7 @@ import jax.numpy as jnp
 from cache.compressed import write_entries
 from hybrid_jax.layers.hyper_connections import unweighted_rms
 from hybrid_jax.layers.mla import rms_norm
-from pallas_kernels.compressed_attention import compress_windows
-from pallas_kernels.compressed_attention import compressed_attention as compressed_attention_op
+from pallas_kernels.compressed_attention import compress_windows, compressed_sparse_read
 from pallas_kernels.sparse_attention import indexer_topk, indexer_weights
 
 
@@ -93,7 +92,7 @@ def window_update(ring, kv_new, positions, valid, new_lengths):
 def attend(q, kv_new, ring, positions, valid, lengths, entries, table, indices, count, sinks, *, window: int,
            scale: float, impl: str = "auto"):
     """Softmax over window keys, compressed keys and a per-head sink, K = V
-    (pallas_kernels.compressed_attention.compressed_attention; impl passed through).
+    (pallas_kernels.compressed_attention.compressed_sparse_read; impl passed through).
     q [B, T, H, D]; kv_new [B, T, D]; ring [B, W, D] (before this step's writes); positions, valid [B, T];
     lengths [B]; entries [P, ps, D] (this layer's page pool) with table [B, NP], indices [B, T, K] (logical
     entry ids each query reads, -1 none) and count [B] (entries written), or all None; sinks [H] -> [B, T, H, D] f32."""
@@ -103,8 +102,8 @@ def attend(q, kv_new, ring, positions, valid, lengths, entries, table, indices, 
     dt = jnp.promote_types(ring.dtype, kv_new.dtype)
     keys = jnp.concatenate([ring.astype(dt), kv_new.astype(dt)], axis=1)                # [B, W + T, D]
     kpos = jnp.concatenate([jnp.where(rpos >= 0, rpos, -1), jnp.where(valid, positions, -1)], axis=1)
-    return compressed_attention_op(q, keys, kpos.astype(jnp.int32), positions.astype(jnp.int32), entries, table,
-                                   indices, count, sinks, window=window, scale=scale, impl=impl)
+    return compressed_sparse_read(q, keys, kpos.astype(jnp.int32), positions.astype(jnp.int32), entries, table,
+                                  indices, count, sinks, window=window, scale=scale, impl=impl)
 
 
 def compressed_attention(p: dict, x, layer_type: str, positions, valid, lengths, n_new, ring, comp_state: dict,

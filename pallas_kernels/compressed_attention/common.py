@@ -11,7 +11,7 @@ Compressor layouts (one layer, one step of T new tokens per row; m = rate, C = t
 The *stream* of a row is its tail followed by its valid new tokens; window w is stream rows
 w * m .. (w + 1) * m - 1 and closes iff it is full.
 
-Attention layouts: see ops.compressed_attention.
+Attention layouts: see ops.compressed_sparse_read.
 """
 from __future__ import annotations
 
@@ -131,7 +131,7 @@ def rope_interleaved(x, positions, freqs, scale: float = 1.0):
 
 
 def check_attention(q, kv, kv_positions, q_positions, entries, page_table, indices, entry_counts, sinks):
-    """Validates the attention op's inputs (see ops.compressed_attention); returns (B, T, H, D, S, K)."""
+    """Validates the attention op's inputs (see ops.compressed_sparse_read); returns (B, T, H, D, S, K)."""
     if q.ndim != 4:
         raise ValueError(f"q must be [B, T, H, D]; got shape {q.shape}")
     B, T, H, D = q.shape

@@ -9,6 +9,8 @@ Layouts: common.py and ops.py.
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -66,6 +68,7 @@ def _compress_row(kv_new, gate_new, tail_kv, tail_gate, tail_count, n_new, entry
     return ents.astype(kv_new.dtype), idx, jnp.where(keep, tkv, 0), jnp.where(keep, tg, 0), cnt, okv, og
 
 
+@functools.partial(jax.jit, static_argnames=("rate", "overlap", "eps", "rope_scale"))
 def compress_reference(kv_new, gate_new, tail_kv, tail_gate, tail_count, n_new, entry_count, overlap_kv,
                        overlap_gate, bias, norm_w, freqs, *, rate: int, overlap: bool, eps: float,
                        rope_scale: float = 1.0):
@@ -90,9 +93,10 @@ def _attend_one(q, keys, ok, sinks, scale):
     return jnp.dot(p[:, :-1], keys, precision=jax.lax.Precision.HIGHEST)
 
 
+@functools.partial(jax.jit, static_argnames=("window", "scale"))
 def attention_reference(q, kv, kv_positions, q_positions, entries, page_table, indices, entry_counts, sinks, *,
                         window: int, scale: float):
-    """Shapes as ops.compressed_attention -> [B, T, H, D] f32."""
+    """Shapes as ops.compressed_sparse_read -> [B, T, H, D] f32."""
     B, T = q.shape[:2]
     ok_w = window_mask(kv_positions, q_positions, window)                          # [B, T, S]
     keys = jnp.broadcast_to(kv.astype(jnp.float32)[:, None], (B, T) + kv.shape[1:])

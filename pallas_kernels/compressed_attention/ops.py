@@ -60,7 +60,7 @@ def compress_windows(
     return xla.compress_xla(*args, **kw)
 
 
-def compressed_attention(
+def compressed_sparse_read(
     q: jax.Array,                      # [B, T, H, D]
     kv: jax.Array,                     # [B, S, D]   window keys = values (e.g. the ring, then this step's tokens)
     kv_positions: jax.Array,           # [B, S] int32  position of each window key, -1 = empty

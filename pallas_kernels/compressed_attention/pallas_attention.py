@@ -136,7 +136,7 @@ def _pow2(x: int, floor: int = 1) -> int:
 def attention_pallas(q, kv, kv_positions, q_positions, entries, page_table, indices, entry_counts, sinks, *,
                      window: int, scale: float, config: AttentionConfig = AttentionConfig(),
                      backend: str | None = None, interpret: bool = False):
-    """Shapes as ops.compressed_attention: q [B, T, H, D], kv [B, S, D], kv_positions [B, S], q_positions [B, T],
+    """Shapes as ops.compressed_sparse_read: q [B, T, H, D], kv [B, S, D], kv_positions [B, S], q_positions [B, T],
     entries [P, ps, D] | None, page_table [B, NP], indices [B, T, K] | None, entry_counts [B], sinks [H]
     -> [B, T, H, D] f32."""
     backend = backend or default_backend()

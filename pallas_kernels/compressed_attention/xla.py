@@ -72,7 +72,7 @@ def _attend(q, kv, ok_w, ext, ok_e, sinks, scale):
 @functools.partial(jax.jit, static_argnames=("window", "scale", "config"))
 def attention_xla(q, kv, kv_positions, q_positions, entries, page_table, indices, entry_counts, sinks, *,
                   window: int, scale: float, config: XlaConfig = XlaConfig()):
-    """Shapes as ops.compressed_attention -> [B, T, H, D] f32."""
+    """Shapes as ops.compressed_sparse_read -> [B, T, H, D] f32."""
     B, T = q.shape[:2]
     kvf = kv.astype(jnp.float32)
     ok_w = window_mask(kv_positions, q_positions, window)                             # [B, T, S]
