@@ -19,7 +19,7 @@ import numpy as np
 from hybrid_jax.errors import InputError
 from hybrid_jax.speculative.config import SpeculativeConfig, parse_speculative_config
 from hybrid_jax.speculative.drafters import NgramDrafter
-from hybrid_jax.speculative.dynamic_k import AcceptanceTracker, choose_k
+from hybrid_jax.speculative.dynamic_k import AcceptanceTracker
 
 
 @dataclasses.dataclass
@@ -83,7 +83,7 @@ class EngineSpeculator:
                 prop = np.zeros((K,), np.int32)
             k = K
             if self.spec.dynamic_k:
-                k = choose_k(float(self._tracker(q.request_id).rate()[0]), K, self.spec.draft_cost)
+                k = self._tracker(q.request_id).next_k(0, K, self.spec.draft_cost)
                 n = self.steps[q.request_id] = self.steps.get(q.request_id, 0) + 1
                 if self.drafter is None and k == 0 and n % PROBE_EVERY == 0:
                     k = 1

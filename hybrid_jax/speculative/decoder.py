@@ -29,7 +29,7 @@ from hybrid_jax.models import get_model
 from hybrid_jax.sampling import SamplingParams
 from hybrid_jax.speculative.config import SpeculativeConfig, parse_speculative_config
 from hybrid_jax.speculative.drafters import DraftModelDrafter, NgramDrafter
-from hybrid_jax.speculative.dynamic_k import AcceptanceTracker, choose_k
+from hybrid_jax.speculative.dynamic_k import AcceptanceTracker
 from hybrid_jax.speculative.metrics import SpecMetrics
 from hybrid_jax.speculative.verify import TargetSteps
 from hybrid_jax.weights import open_checkpoint
@@ -189,12 +189,11 @@ class SpeculativeDecoder:
         while running.any():
             rows = np.flatnonzero(running)
             rem = b.max_new - generated
-            rates = tracker.rate()
             k_rows = np.zeros((B,), np.int32)
             proposals, shadow = {}, {}
             t0 = time.perf_counter()
             for r in rows:
-                want = choose_k(rates[r], K, spec.draft_cost) if spec.dynamic_k else K
+                want = tracker.next_k(r, K, spec.draft_cost) if spec.dynamic_k else K
                 if probe[r]:
                     want, probe[r] = max(want, 1), False
                 want = min(want, int(rem[r]) - 1)

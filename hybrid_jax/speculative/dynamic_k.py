@@ -9,6 +9,13 @@ so `rate()` is a decayed maximum-likelihood estimate of the per-token acceptance
 
 so a request whose drafts keep failing drops to k = 0 (plain decoding), and one whose drafts keep
 landing climbs to K.
+
+The decayed rate lags a run of landing drafts: from the prior, a request that copies text accepts
+everything for several steps while alpha crawls up and k with it, and those short verify steps
+cost nearly as much as long ones. So a check that accepted all of its p drafts lets the next one
+draft at least min(2p, K) ("slow start", as a TCP sender doubles its window while nothing is
+lost); the first rejection ends the streak and k falls back to what the rate supports.
+`AcceptanceTracker.next_k` combines the two.
 """
 from __future__ import annotations
 
@@ -25,6 +32,7 @@ class AcceptanceTracker:
         self.decay = decay
         self.accepted = np.full((n,), prior_rate * prior_weight, np.float64)
         self.trials = np.full((n,), prior_weight, np.float64)
+        self.streak = np.zeros((n,), np.int64)     # drafts of the last check if all landed, else 0
 
     def update(self, row: int, proposed: int, accepted: int):
         """A verify (or shadow) check of `proposed` drafts of which the first `accepted` matched."""
@@ -32,6 +40,13 @@ class AcceptanceTracker:
             return
         self.accepted[row] = self.decay * self.accepted[row] + accepted
         self.trials[row] = self.decay * self.trials[row] + accepted + (1 if accepted < proposed else 0)
+        self.streak[row] = proposed if accepted >= proposed else 0
+
+    def next_k(self, row: int, k_max: int, draft_cost: float) -> int:
+        """Draft length for the row's next step: choose_k at its rate, at least doubled after a
+        check that accepted all of its drafts (see the module docstring)."""
+        k = choose_k(float(self.rate()[row]), k_max, draft_cost)
+        return max(k, min(2 * int(self.streak[row]), k_max))
 
     def rate(self) -> np.ndarray:
         """[n] estimated per-token acceptance probability."""

@@ -290,6 +290,20 @@ def test_dynamic_k_follows_acceptance():
     assert r[0] > 0.9 and r[1] < 0.1
 
 
+def test_dynamic_k_slow_start_doubles_while_every_draft_lands():
+    t = AcceptanceTracker(1)                 # prior rate 0.2: the rate alone drafts nothing yet
+    assert t.next_k(0, 32, 0.5) == choose_k(0.2, 32, 0.5) == 0
+    t.update(0, 4, 4)                        # a shadow check: all 4 proposed tokens matched
+    ks = [t.next_k(0, 32, 0.5)]
+    for _ in range(4):
+        t.update(0, ks[-1], ks[-1])          # each verify accepts all its drafts
+        ks.append(t.next_k(0, 32, 0.5))
+    assert ks == [8, 16, 32, 32, 32]
+    assert choose_k(float(t.rate()[0]), 32, 0.5) < 32     # the lagging rate alone would draft less
+    t.update(0, 32, 5)                       # a rejection ends the streak: back to what the rate supports
+    assert t.next_k(0, 32, 0.5) == choose_k(float(t.rate()[0]), 32, 0.5) < 32
+
+
 def test_dynamic_k_falls_back_to_plain_decode_on_non_repetitive_text(qwen):
     prompts = [np.random.default_rng(9).integers(0, 64, 8).tolist()]
     got, dec = _spec(qwen, prompts, {"method": "ngram", "num_speculative_tokens": 3})
