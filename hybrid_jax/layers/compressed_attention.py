@@ -90,12 +90,13 @@ def window_update(ring, kv_new, positions, valid, new_lengths):
 
 
 def attend(q, kv_new, ring, positions, valid, lengths, entries, table, indices, count, sinks, *, window: int,
-           scale: float, impl: str = "auto"):
+           scale: float, rate: int | None = None, impl: str = "auto"):
     """Softmax over window keys, compressed keys and a per-head sink, K = V
     (pallas_kernels.compressed_attention.compressed_sparse_read; impl passed through).
     q [B, T, H, D]; kv_new [B, T, D]; ring [B, W, D] (before this step's writes); positions, valid [B, T];
-    lengths [B]; entries [P, ps, D] (this layer's page pool) with table [B, NP], indices [B, T, K] (logical
-    entry ids each query reads, -1 none) and count [B] (entries written), or all None; sinks [H] -> [B, T, H, D] f32."""
+    lengths [B]; entries [P, ps, D] (this layer's page pool) with table [B, NP], count [B] (entries written) and
+    either indices [B, T, K] (CSA: logical entry ids each query reads, -1 none) or rate (HCA: every entry whose
+    window closed), or all None; sinks [H] -> [B, T, H, D] f32."""
     W = ring.shape[1]
     s = jnp.arange(W, dtype=jnp.int32)[None, :]
     rpos = lengths[:, None] - 1 - jnp.mod(lengths[:, None] - 1 - s, W)                  # [B, W] ring positions
@@ -103,7 +104,7 @@ def attend(q, kv_new, ring, positions, valid, lengths, entries, table, indices, 
     keys = jnp.concatenate([ring.astype(dt), kv_new.astype(dt)], axis=1)                # [B, W + T, D]
     kpos = jnp.concatenate([jnp.where(rpos >= 0, rpos, -1), jnp.where(valid, positions, -1)], axis=1)
     return compressed_sparse_read(q, keys, kpos.astype(jnp.int32), positions.astype(jnp.int32), entries, table,
-                                  indices, count, sinks, window=window, scale=scale, impl=impl)
+                                  indices, count, sinks, window=window, scale=scale, rate=rate, impl=impl)
 
 
 def compressed_attention(p: dict, x, layer_type: str, positions, valid, lengths, n_new, ring, comp_state: dict,
@@ -125,9 +126,8 @@ def compressed_attention(p: dict, x, layer_type: str, positions, valid, lengths,
     kv = rope_trailing(rms_norm(x @ p["kv"], p["kv_norm"], eps)[:, :, None], cos, sin)[:, :, 0]     # [B, T, D]
     new_len = lengths + n_new
     new_state = dict(comp_state)
-    if main:
-        pool = table = sel = count = None
-    else:
+    pool = table = sel = count = hca_rate = None
+    if not main:
         m = cfg.rate_of(layer_type)
         csa = layer_type == "compressed_sparse_attention"
         cs = comp_state
@@ -142,10 +142,9 @@ def compressed_attention(p: dict, x, layer_type: str, positions, valid, lengths,
             new_state.update(overlap_kv=ov[0], overlap_gate=ov[1])
             sel = _index(p, x, q_res, positions, valid, n_new, cs, new_state, freqs_comp, cfg=cfg, rate=m, impl=impl)
         else:   # HCA reads every entry whose window closed at or before the query: j < (p + 1) // m
-            j = jnp.arange(table.shape[1] * pool.shape[1], dtype=jnp.int32)[None, None, :]
-            sel = jnp.where(j < ((positions + 1) // m)[:, :, None], j, -1)                      # [B, T, NE]
+            sel, hca_rate = None, m
     o = attend(q, kv, ring, positions, valid, lengths, pool, table, sel, count, p["sinks"],
-               window=cfg.sliding_window, scale=D ** -0.5, impl=impl)
+               window=cfg.sliding_window, scale=D ** -0.5, rate=hca_rate, impl=impl)
     o = rope_trailing(o, cos, -sin).astype(x.dtype)
     G = cfg.o_groups
     g = jnp.einsum("btgi,gir->btgr", o.reshape(B, T, G, H * D // G), p["o_a"]).reshape(B, T, -1)

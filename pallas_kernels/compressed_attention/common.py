@@ -130,8 +130,10 @@ def rope_interleaved(x, positions, freqs, scale: float = 1.0):
     return jnp.concatenate([head, out], axis=-1)
 
 
-def check_attention(q, kv, kv_positions, q_positions, entries, page_table, indices, entry_counts, sinks):
-    """Validates the attention op's inputs (see ops.compressed_sparse_read); returns (B, T, H, D, S, K)."""
+def check_attention(q, kv, kv_positions, q_positions, entries, page_table, indices, entry_counts, sinks,
+                    rate=None):
+    """Validates the sparse read's inputs (see ops.compressed_sparse_read); returns (B, T, H, D, S, mode) with
+    mode "window" (no entries), "gather" (per-query indices) or "dense" (every entry, HCA's rule)."""
     if q.ndim != 4:
         raise ValueError(f"q must be [B, T, H, D]; got shape {q.shape}")
     B, T, H, D = q.shape
@@ -144,20 +146,36 @@ def check_attention(q, kv, kv_positions, q_positions, entries, page_table, indic
         raise ValueError(f"q_positions must be [B, T] = {(B, T)}; got {q_positions.shape}")
     if sinks.shape != (H,):
         raise ValueError(f"sinks must be [H] = ({H},); got {sinks.shape}")
-    if indices is None:
-        if entries is not None:
-            raise ValueError("entries were given without indices: pass indices [B, T, K] (-1 = none)")
-        return B, T, H, D, S, 0
-    if entries is None or entries.ndim != 3 or entries.shape[2] != D:
-        raise ValueError(f"entries must be a page pool [P, ps, D] with D={D}; got "
-                         f"{None if entries is None else entries.shape}")
+    if entries is None:
+        if indices is not None or rate is not None:
+            raise ValueError("indices / rate were given without entries: pass the entry pool [P, ps, D]")
+        return B, T, H, D, S, "window"
+    if entries.ndim != 3 or entries.shape[2] != D:
+        raise ValueError(f"entries must be a page pool [P, ps, D] with D={D}; got {entries.shape}")
     if page_table is None or page_table.ndim != 2 or page_table.shape[0] != B:
-        raise ValueError(f"page_table must be [B, NP] with B={B}; got {None if page_table is None else page_table.shape}")
-    if indices.ndim != 3 or indices.shape[:2] != (B, T) or not jnp.issubdtype(indices.dtype, jnp.integer):
-        raise ValueError(f"indices must be integer [B, T, K] with B, T = {(B, T)}; got {indices.shape} {indices.dtype}")
+        got = None if page_table is None else page_table.shape
+        raise ValueError(f"page_table must be [B, NP] with B={B}; got {got}")
     if entry_counts is None or entry_counts.shape != (B,):
-        raise ValueError(f"entry_counts must be [B] = ({B},); got {None if entry_counts is None else entry_counts.shape}")
-    return B, T, H, D, S, indices.shape[2]
+        got = None if entry_counts is None else entry_counts.shape
+        raise ValueError(f"entry_counts must be [B] = ({B},); got {got}")
+    if (indices is None) == (rate is None):
+        raise ValueError("entries need exactly one of indices [B, T, K] (per-query ids) or rate (read every "
+                         "entry whose window closed, HCA)")
+    if indices is None:
+        if rate < 1:
+            raise ValueError(f"rate must be >= 1; got {rate}")
+        return B, T, H, D, S, "dense"
+    if indices.ndim != 3 or indices.shape[:2] != (B, T) or not jnp.issubdtype(indices.dtype, jnp.integer):
+        raise ValueError(f"indices must be integer [B, T, K] with B, T = {(B, T)}; got {indices.shape} "
+                         f"{indices.dtype}")
+    return B, T, H, D, S, "gather"
+
+
+def dense_indices(q_positions, num_entries: int, rate: int):
+    """HCA's rule as index lists: [B, T, NE] int32, entry j if its window closed at or before the query
+    ((j + 1) * rate <= p + 1), else -1. (The reference reads dense entries this way.)"""
+    j = jnp.arange(num_entries, dtype=jnp.int32)[None, None, :]
+    return jnp.where((j + 1) * rate <= q_positions[:, :, None] + 1, j, -1)
 
 
 def window_mask(kv_positions, q_positions, window: int):

@@ -14,7 +14,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.compressed_attention.common import n_windows, rms_norm, rope_interleaved, window_mask
+from pallas_kernels.compressed_attention.common import (
+    dense_indices, n_windows, rms_norm, rope_interleaved, window_mask,
+)
 
 
 def pool_window(cur_kv, cur_gate, prev_kv, prev_gate, has_prev, bias, *, overlap: bool):
@@ -93,11 +95,14 @@ def _attend_one(q, keys, ok, sinks, scale):
     return jnp.dot(p[:, :-1], keys, precision=jax.lax.Precision.HIGHEST)
 
 
-@functools.partial(jax.jit, static_argnames=("window", "scale"))
+@functools.partial(jax.jit, static_argnames=("window", "scale", "rate"))
 def attention_reference(q, kv, kv_positions, q_positions, entries, page_table, indices, entry_counts, sinks, *,
-                        window: int, scale: float):
-    """Shapes as ops.compressed_sparse_read -> [B, T, H, D] f32."""
+                        window: int, scale: float, rate: int | None = None):
+    """Shapes as ops.compressed_sparse_read -> [B, T, H, D] f32. HCA (rate, no indices) reads its entries as
+    per-query index lists of every closed window."""
     B, T = q.shape[:2]
+    if entries is not None and indices is None:
+        indices = dense_indices(q_positions, page_table.shape[1] * entries.shape[1], rate)
     ok_w = window_mask(kv_positions, q_positions, window)                          # [B, T, S]
     keys = jnp.broadcast_to(kv.astype(jnp.float32)[:, None], (B, T) + kv.shape[1:])
     if indices is not None:

@@ -67,12 +67,13 @@ def compressed_sparse_read(
     q_positions: jax.Array,            # [B, T] int32
     entries: jax.Array | None,         # [P, ps, D]  compressed entries (a page pool)
     page_table: jax.Array | None,      # [B, NP] int32  row b's entry page i is pool page page_table[b, i]
-    indices: jax.Array | None,         # [B, T, K] int32  logical entry ids per query, -1 = none
+    indices: jax.Array | None,         # [B, T, K] int32  logical entry ids per query, -1 = none (CSA)
     entry_counts: jax.Array | None,    # [B] int32  entries readable per row
     sinks: jax.Array,                  # [H]  per-head sink logits
     *,
     window: int,
     scale: float,
+    rate: int | None = None,           # instead of indices: read every entry whose window closed (HCA)
     impl: str = "auto",
 ) -> jax.Array:
     """V4 attention -> [B, T, H, D] f32: softmax over the visible keys and a per-head sink (whose value is zero).
@@ -80,11 +81,13 @@ def compressed_sparse_read(
     A window key s is visible to query t iff 0 <= kv_positions[b, s] <= q_positions[b, t] and
     kv_positions[b, s] > q_positions[b, t] - window. An entry id is read iff 0 <= id < entry_counts[b] and
     its page lies in the pool (DSA's contract, sparse_attention.common): anything else is masked, never
-    read. Causality of the entry ids is the caller's (the indexer's Top-K, or HCA's visibility rule).
-    entries, page_table, indices and entry_counts are all None for a pure sliding-window layer."""
-    check_attention(q, kv, kv_positions, q_positions, entries, page_table, indices, entry_counts, sinks)
+    read. With indices, their causality is the caller's (the CSA indexer's Top-K). With `rate` instead of
+    indices (HCA) every readable entry j with (j + 1) * rate <= q_position + 1 is read, shared by the
+    queries (no [B, T, NE] index list, no per-query gather in the xla / pallas paths).
+    entries, page_table, indices / rate and entry_counts are all None for a pure sliding-window layer."""
+    check_attention(q, kv, kv_positions, q_positions, entries, page_table, indices, entry_counts, sinks, rate)
     args = (q, kv, kv_positions, q_positions, entries, page_table, indices, entry_counts, sinks)
-    kw = dict(window=int(window), scale=float(scale))
+    kw = dict(window=int(window), scale=float(scale), rate=None if rate is None else int(rate))
     impl = resolve_impl(impl)
     if impl == "reference":
         return naive.attention_reference(*args, **kw)

@@ -1,12 +1,15 @@
-"""Pallas sparse read for DeepSeek-V4: shared K=V multi-query attention over a sliding window plus selected
-compressed entries, with a per-head attention sink.
+"""Pallas sparse read for DeepSeek-V4: shared K=V multi-query attention over a sliding window plus compressed
+entries, with a per-head attention sink.
 
   o[b, t, h] = sum_j p_j v_j,  p = softmax over {q_h . k_j * scale : j visible} ∪ {sink_h}, sink column dropped
-  keys = values: window keys kv[b, s] (kpos in (p - window, p]) and entries[indices[b, t, :]] (readable ones)
+  keys = values: window keys kv[b, s] (kpos in (p - window, p]) and the entries the query reads:
+    gather (CSA)  entries[indices[b, t, :]] (readable ones), a different set per query
+    dense  (HCA)  every readable entry j of the row with (j + 1) * rate <= p + 1, read page by page
 
 The sink is the online softmax's starting point: running max = sink_h, running sum = 1, accumulator = 0;
 every key then folds in as usual and the result is acc / sum. One program owns one query token and all H
-heads: K = V is one shared head, so the window keys are one [S, D] block scored as a [H, D] x [D, S] matmul.
+heads: K = V is one shared head, so a block of keys (the window, an HCA entry page) is scored as one
+[H, D] x [D, S] matmul; CSA's gathered entries fold in one row at a time.
 
 Reuse, and where it stops:
   * Entry addressing is the DSA one: logical entry ids -> physical pool rows through a page table, with a
@@ -17,18 +20,20 @@ Reuse, and where it stops:
     and value are the same full D row; it has no sink logit and returns normalised outputs without the
     log-sum-exp, so a sink (or the window keys) can't be merged in afterwards; and it reads one paged pool
     by index lists, while V4 also reads the sliding window (ring + this step's tokens) under a position
-    rule. This kernel keeps the MLA kernel's gather structure for the entries and adds the window block
-    and the sink.
+    rule, and HCA reads whole entry pages. This kernel keeps the MLA kernel's gather structure for CSA's
+    entries and adds the window block, the dense page walk and the sink.
 
 Backends (both proven by `jax.export` tests):
-  * TPU (Mosaic): grid (B, T, K / bk). Query positions and the entries' rows / flags are scalar-prefetched
-    into SMEM; the window block [S, D] and its positions stay resident across the K axis (index map
-    constant in j) and are folded in at j = 0; the entry pool is passed bk times, each BlockSpec's
-    index_map picking one selected row, so step j + 1's rows are DMA'd while step j computes. Running
-    statistics live in VMEM scratch.
-  * GPU (Triton): grid (B, T); the window block is scored with one tl.dot, then the program loops over the
-    K selected rows, gathering each from the whole pool in-kernel. D must be a power of two >= 16; H, S
-    and K are padded to powers of two (H, S to >= 16) with masked / zero entries.
+  * TPU (Mosaic): grid (B, T, J). Query positions and the entries' rows / flags (gather) or the page table
+    and counts (dense) are scalar-prefetched into SMEM. The window block [S, D] and its positions stay
+    resident across J (index map constant in j) and are folded in at j = 0. gather: J = K / bk, the pool
+    is passed bk times, each BlockSpec's index_map picking one selected row; dense: J = NP, the entry
+    BlockSpec's index_map reads the page table, so the pipeline fetches page j + 1 while page j computes.
+    Running statistics live in VMEM scratch.
+  * GPU (Triton): grid (B, T); the window block is scored with one tl.dot, then the program walks the
+    selected rows (gather) or the row's pages (dense, one tl.dot per page), loading each from the whole
+    pool in-kernel. D (and, dense, the page size) must be powers of two >= 16; H, S and K are padded to
+    powers of two (H, S to >= 16) with masked / zero entries.
 """
 from __future__ import annotations
 
@@ -54,17 +59,27 @@ class AttentionConfig:
     num_warps: int = 4        # Triton only
 
 
-def _window_fold(q, kv, kpos, p, window, scale, m, l, acc):
-    """q [H, D], kv [S, D], kpos [1, S] int32, p scalar; m, l [H, 1]; acc [H, D] -> (m, l, acc)."""
-    s = jax.lax.dot_general(q, kv, (((1,), (1,)), ((), ())), precision=HP,
+def _block_fold(q, keys, ok, scale, m, l, acc):
+    """A block of keys = values: q [H, D], keys [S, D] f32, ok [1, S] bool; m, l [H, 1]; acc [H, D]."""
+    s = jax.lax.dot_general(q, keys, (((1,), (1,)), ((), ())), precision=HP,
                             preferred_element_type=jnp.float32) * scale            # [H, S]
-    ok = (kpos >= 0) & (kpos <= p) & (kpos > p - window)
     s = jnp.where(ok, s, -jnp.inf)
     m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))                      # finite: m starts at the sink
     alpha = jnp.exp(m - m_new)
     e = jnp.exp(s - m_new)
-    pv = jax.lax.dot_general(e, kv, (((1,), (0,)), ((), ())), precision=HP, preferred_element_type=jnp.float32)
+    pv = jax.lax.dot_general(e, keys, (((1,), (0,)), ((), ())), precision=HP, preferred_element_type=jnp.float32)
     return m_new, alpha * l + jnp.sum(e, axis=1, keepdims=True), alpha * acc + pv
+
+
+def _window_ok(kpos, p, window):
+    """kpos [1, S] int32, p scalar -> [1, S] bool (common.window_mask's rule)."""
+    return (kpos >= 0) & (kpos <= p) & (kpos > p - window)
+
+
+def _dense_ok(i, ps, page, P, count, p, rate):
+    """Entry page i of the row (HCA): [1, ps] bool, readable and closed at or before position p."""
+    pos = i * ps + jax.lax.broadcasted_iota(jnp.int32, (1, ps), 1)
+    return (pos < count) & (page >= 0) & (page < P) & ((pos + 1) * rate <= p + 1)
 
 
 def _row_fold(q, row, ok, scale, m, l, acc):
@@ -76,29 +91,38 @@ def _row_fold(q, row, ok, scale, m, l, acc):
     return m_new, alpha * l + e, alpha * acc + e * row
 
 
-def _tpu_kernel(qpos_ref, *refs, bk, K, T, window, scale):
-    if bk:
+def _tpu_kernel(qpos_ref,                             # SMEM [B * T] int32
+                *refs, mode, bk, K, T, NP, P, ps, rate, window, scale):
+    if mode == "gather":
         rows_ref, ok_ref = refs[:2]                    # SMEM [B * T * K] int32
-        refs = refs[2:]
+    elif mode == "dense":
+        pt_ref, cnt_ref = refs[:2]                     # SMEM [B * NP], [B] int32
+    refs = refs[2:] if mode != "window" else refs
     q_ref, kv_ref, kpos_ref, sink_ref = refs[:4]       # [H, D], [S, D], [1, S], [H, 1]
-    ent_refs = refs[4:4 + bk]                          # bk x [1, D]
-    o_ref, m_sc, l_sc, acc_sc = refs[4 + bk:]
+    n_in = {"window": 0, "gather": bk, "dense": 1}[mode]
+    ent_refs = refs[4:4 + n_in]                        # gather: bk x [1, D]; dense: [ps, D]
+    o_ref, m_sc, l_sc, acc_sc = refs[4 + n_in:]
     b, t, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     q = q_ref[...].astype(jnp.float32)
+    p = qpos_ref[b * T + t]
 
     @pl.when(j == 0)
     def _():
         m0 = sink_ref[...].astype(jnp.float32)
-        m, l, acc = _window_fold(q, kv_ref[...].astype(jnp.float32), kpos_ref[...], qpos_ref[b * T + t], window,
-                                 scale, m0, jnp.ones_like(m0), jnp.zeros(acc_sc.shape, jnp.float32))
+        m, l, acc = _block_fold(q, kv_ref[...].astype(jnp.float32), _window_ok(kpos_ref[...], p, window), scale,
+                                m0, jnp.ones_like(m0), jnp.zeros(acc_sc.shape, jnp.float32))
         m_sc[...], l_sc[...], acc_sc[...] = m, l, acc
 
-    if bk:
+    if mode == "gather":
         m, l, acc = m_sc[...], l_sc[...], acc_sc[...]
         base = (b * T + t) * K + j * bk
         for i in range(bk):
             m, l, acc = _row_fold(q, ent_refs[i][...].astype(jnp.float32), ok_ref[base + i] == 1, scale, m, l, acc)
         m_sc[...], l_sc[...], acc_sc[...] = m, l, acc
+    elif mode == "dense":
+        ok = _dense_ok(j, ps, pt_ref[b * NP + j], P, cnt_ref[b], p, rate)
+        m_sc[...], l_sc[...], acc_sc[...] = _block_fold(q, ent_refs[0][...].astype(jnp.float32), ok, scale,
+                                                        m_sc[...], l_sc[...], acc_sc[...])
 
     @pl.when(j == pl.num_programs(2) - 1)
     def _():
@@ -106,24 +130,34 @@ def _tpu_kernel(qpos_ref, *refs, bk, K, T, window, scale):
 
 
 def _gpu_kernel(qpos_ref,                             # [1] int32
-                *refs, K, window, scale):
-    if K:
+                *refs, mode, K, NP, P, ps, rate, window, scale):
+    if mode == "gather":
         rows_ref, ok_ref = refs[:2]                    # [K] int32
-        refs = refs[2:]
+    elif mode == "dense":
+        pt_ref, cnt_ref = refs[:2]                     # [B, NP], [B, 1] int32 (whole)
+    refs = refs[2:] if mode != "window" else refs
     q_ref, kv_ref, kpos_ref, sink_ref = refs[:4]       # [H, D], [S, D], [1, S], [H, 1]
-    if K:
-        pool_ref, o_ref = refs[4:]                     # [P * ps, D] (whole pool), [H, D]
-    else:
-        (o_ref,) = refs[4:]
+    pool_ref = refs[4] if mode != "window" else None   # [P * ps, D] (whole pool: in-kernel gather)
+    o_ref = refs[-1]                                   # [H, D]
     q = q_ref[...].astype(jnp.float32)
+    p = qpos_ref[0]
     m0 = sink_ref[...].astype(jnp.float32)
-    carry = _window_fold(q, kv_ref[...].astype(jnp.float32), kpos_ref[...], qpos_ref[0], window, scale,
-                         m0, jnp.ones_like(m0), jnp.zeros(o_ref.shape, jnp.float32))
-    if K:
+    carry = _block_fold(q, kv_ref[...].astype(jnp.float32), _window_ok(kpos_ref[...], p, window), scale,
+                        m0, jnp.ones_like(m0), jnp.zeros(o_ref.shape, jnp.float32))
+    if mode == "gather":
         def body(i, c):
             row = pool_ref[pl.ds(rows_ref[i], 1), :].astype(jnp.float32)
             return _row_fold(q, row, ok_ref[i] == 1, scale, *c)
         carry = jax.lax.fori_loop(0, K, body, carry)
+    elif mode == "dense":
+        b = pl.program_id(0)
+        count = cnt_ref[b, 0]
+
+        def body(i, c):
+            page = pt_ref[b, i]
+            keys = pool_ref[pl.ds(jnp.clip(page, 0, P - 1) * ps, ps), :].astype(jnp.float32)
+            return _block_fold(q, keys, _dense_ok(i, ps, page, P, count, p, rate), scale, *c)
+        carry = jax.lax.fori_loop(0, NP, body, carry)
     _, l, acc = carry
     o_ref[...] = (acc / l).astype(o_ref.dtype)
 
@@ -132,66 +166,82 @@ def _pow2(x: int, floor: int = 1) -> int:
     return max(floor, 1 << (max(x, 1) - 1).bit_length())
 
 
-@functools.partial(jax.jit, static_argnames=("window", "scale", "config", "backend", "interpret"))
+@functools.partial(jax.jit, static_argnames=("window", "scale", "rate", "config", "backend", "interpret"))
 def attention_pallas(q, kv, kv_positions, q_positions, entries, page_table, indices, entry_counts, sinks, *,
-                     window: int, scale: float, config: AttentionConfig = AttentionConfig(),
+                     window: int, scale: float, rate: int | None = None, config: AttentionConfig = AttentionConfig(),
                      backend: str | None = None, interpret: bool = False):
     """Shapes as ops.compressed_sparse_read: q [B, T, H, D], kv [B, S, D], kv_positions [B, S], q_positions [B, T],
-    entries [P, ps, D] | None, page_table [B, NP], indices [B, T, K] | None, entry_counts [B], sinks [H]
-    -> [B, T, H, D] f32."""
+    entries [P, ps, D] | None, page_table [B, NP], indices [B, T, K] | None (None with rate: HCA),
+    entry_counts [B], sinks [H] -> [B, T, H, D] f32."""
     backend = backend or default_backend()
     B, T, H, D = q.shape
     S = kv.shape[1]
-    K = 0 if indices is None else indices.shape[2]
+    mode = "window" if entries is None else ("dense" if indices is None else "gather")
+    K = indices.shape[2] if mode == "gather" else 0
+    P, ps = entries.shape[:2] if mode != "window" else (0, 0)
+    NP = page_table.shape[1] if mode != "window" else 0
     qpos = q_positions.astype(jnp.int32)
     kpos = kv_positions.astype(jnp.int32)
     sk = sinks.astype(jnp.float32)
-    if K:
-        P, ps, _ = entries.shape
+    if mode == "gather":
         rows, ok = physical_rows(indices.astype(jnp.int32), page_table.astype(jnp.int32), ps, P,
                                  entry_counts.astype(jnp.int32))                  # [B, T, K]
         ok = ok.astype(jnp.int32)
-        pool = entries.reshape(P * ps, 1, D)
+    if mode != "window":
+        pt, counts = page_table.astype(jnp.int32), entry_counts.astype(jnp.int32)
+    static = dict(mode=mode, P=P, ps=ps, rate=rate, window=window, scale=scale)
     if backend == "tpu":
         from jax.experimental.pallas import tpu as pltpu  # noqa: PLC0415
         bk = min(config.block_k, K) if K else 0
         Kp = -(-K // bk) * bk if K else 0
-        nk = Kp // bk if K else 1
+        nj = {"window": 1, "gather": max(Kp // max(bk, 1), 1), "dense": NP}[mode]
         prefetch = [qpos.reshape(-1)]
-        if K:
+        ent_specs, ent_args = [], []
+        if mode == "gather":
             pad = ((0, 0), (0, 0), (0, Kp - K))
             prefetch += [jnp.pad(rows, pad).reshape(-1), jnp.pad(ok, pad).reshape(-1)]
 
-        def row_spec(i):
-            return pl.BlockSpec((None, 1, D), lambda b, t, j, qp_, rows_, ok_: (
-                rows_[(b * T + t) * Kp + j * bk + i], 0, 0))
+            def row_spec(i):
+                return pl.BlockSpec((None, 1, D), lambda b, t, j, qp_, rows_, ok_: (
+                    rows_[(b * T + t) * Kp + j * bk + i], 0, 0))
+            ent_specs = [row_spec(i) for i in range(bk)]
+            ent_args = [entries.reshape(P * ps, 1, D)] * bk
+        elif mode == "dense":
+            prefetch += [pt.reshape(-1), counts]
+            ent_specs = [pl.BlockSpec((None, ps, D), lambda b, t, j, qp_, pt_, cnt_: (
+                jnp.clip(pt_[b * NP + j], 0, P - 1), 0, 0))]
+            ent_args = [entries]
         in_specs = [pl.BlockSpec((None, None, H, D), lambda b, t, j, *_: (b, t, 0, 0)),
                     pl.BlockSpec((None, S, D), lambda b, t, j, *_: (b, 0, 0)),
                     pl.BlockSpec((None, 1, S), lambda b, t, j, *_: (b, 0, 0)),
-                    pl.BlockSpec((H, 1), lambda b, t, j, *_: (0, 0))] + [row_spec(i) for i in range(bk)]
+                    pl.BlockSpec((H, 1), lambda b, t, j, *_: (0, 0))] + ent_specs
         grid_spec = pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=len(prefetch), grid=(B, T, nk), in_specs=in_specs,
+            num_scalar_prefetch=len(prefetch), grid=(B, T, nj), in_specs=in_specs,
             out_specs=pl.BlockSpec((None, None, H, D), lambda b, t, j, *_: (b, t, 0, 0)),
             scratch_shapes=[pltpu.VMEM((H, 1), jnp.float32), pltpu.VMEM((H, 1), jnp.float32),
                             pltpu.VMEM((H, D), jnp.float32)])
         return pl.pallas_call(
-            functools.partial(_tpu_kernel, bk=bk, K=Kp, T=T, window=window, scale=scale), grid_spec=grid_spec,
+            functools.partial(_tpu_kernel, bk=bk, K=Kp, T=T, NP=NP, **static), grid_spec=grid_spec,
             out_shape=jax.ShapeDtypeStruct((B, T, H, D), jnp.float32),
             compiler_params=compiler_params("tpu", ("parallel", "parallel", "arbitrary")),
             interpret=interpret, name="v4_sparse_read",
-        )(*prefetch, q, kv, kpos.reshape(B, 1, S), sk.reshape(H, 1), *([pool] * bk if K else []))
+        )(*prefetch, q, kv, kpos.reshape(B, 1, S), sk.reshape(H, 1), *ent_args)
     if D & (D - 1) or D < 16:
         raise ValueError(f"the Triton V4 attention kernel needs D a power of two >= 16; got {D}")
+    if mode == "dense" and (ps & (ps - 1) or ps < 16):
+        raise ValueError(f"the Triton V4 attention kernel reads HCA entries by page: page size a power of two "
+                         f">= 16; got {ps}")
     Hp, Sp = _pow2(H, 16), _pow2(S, 16)
     args = [qpos[..., None]]
     in_specs = [pl.BlockSpec((None, None, 1), lambda b, t: (b, t, 0))]
-    if K:
-        Kp = _pow2(K)
+    Kp = _pow2(K) if K else 0
+    if mode == "gather":
         pad = ((0, 0), (0, 0), (0, Kp - K))
         args += [jnp.pad(rows, pad), jnp.pad(ok, pad)]
         in_specs += [pl.BlockSpec((None, None, Kp), lambda b, t: (b, t, 0))] * 2
-    else:
-        Kp = 0
+    elif mode == "dense":
+        args += [pt, counts[:, None]]
+        in_specs += [pl.BlockSpec((B, NP), lambda b, t: (0, 0)), pl.BlockSpec((B, 1), lambda b, t: (0, 0))]
     args += [jnp.pad(q, ((0, 0), (0, 0), (0, Hp - H), (0, 0))), jnp.pad(kv, ((0, 0), (0, Sp - S), (0, 0))),
              jnp.pad(kpos, ((0, 0), (0, Sp - S)), constant_values=-1).reshape(B, 1, Sp),
              jnp.pad(sk, (0, Hp - H)).reshape(Hp, 1)]
@@ -199,11 +249,11 @@ def attention_pallas(q, kv, kv_positions, q_positions, entries, page_table, indi
                  pl.BlockSpec((None, Sp, D), lambda b, t: (b, 0, 0)),
                  pl.BlockSpec((None, 1, Sp), lambda b, t: (b, 0, 0)),
                  pl.BlockSpec((Hp, 1), lambda b, t: (0, 0))]
-    if K:
-        args.append(pool[:, 0])
+    if mode != "window":
+        args.append(entries.reshape(P * ps, D))
         in_specs.append(pl.BlockSpec((P * ps, D), lambda b, t: (0, 0)))
     out = pl.pallas_call(
-        functools.partial(_gpu_kernel, K=Kp, window=window, scale=scale), grid=(B, T), in_specs=in_specs,
+        functools.partial(_gpu_kernel, K=Kp, NP=NP, **static), grid=(B, T), in_specs=in_specs,
         out_specs=pl.BlockSpec((None, None, Hp, D), lambda b, t: (b, t, 0, 0)),
         out_shape=jax.ShapeDtypeStruct((B, T, Hp, D), jnp.float32),
         compiler_params=compiler_params("gpu", (), config.num_warps), interpret=interpret,

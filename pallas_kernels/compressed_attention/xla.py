@@ -2,8 +2,9 @@
 
 compress_xla lays the step's stream (tail + valid new tokens) out as [B, NW, m, C] windows and pools every
 window at once (CSA: each window's b-half with the previous window's a-half, window 0 with the stored
-overlap). attention_xla scores each block of queries against the shared window keys ([B, t, H, S]) and
-against only its own gathered entries ([B, t, H, K]) and takes one softmax over both plus the sink.
+overlap). attention_xla scores each block of queries against the shared window keys ([B, t, H, S]; HCA's
+entries join them) and against only its own gathered entries ([B, t, H, K], CSA) and takes one softmax over
+both plus the sink.
 """
 from __future__ import annotations
 
@@ -69,19 +70,27 @@ def _attend(q, kv, ok_w, ext, ok_e, sinks, scale):
     return out
 
 
-@functools.partial(jax.jit, static_argnames=("window", "scale", "config"))
+@functools.partial(jax.jit, static_argnames=("window", "scale", "rate", "config"))
 def attention_xla(q, kv, kv_positions, q_positions, entries, page_table, indices, entry_counts, sinks, *,
-                  window: int, scale: float, config: XlaConfig = XlaConfig()):
-    """Shapes as ops.compressed_sparse_read -> [B, T, H, D] f32."""
+                  window: int, scale: float, rate: int | None = None, config: XlaConfig = XlaConfig()):
+    """Shapes as ops.compressed_sparse_read -> [B, T, H, D] f32. HCA (rate, no indices): the row's entries are
+    read once through the page table and join the window keys, shared by the queries."""
+    from pallas_kernels.sparse_attention.common import gather_pages, page_valid, physical_rows  # noqa: PLC0415
     B, T = q.shape[:2]
     kvf = kv.astype(jnp.float32)
     ok_w = window_mask(kv_positions, q_positions, window)                             # [B, T, S]
-    if indices is not None:
-        from pallas_kernels.sparse_attention.common import physical_rows  # noqa: PLC0415
+    rows = ok_e = None
+    if entries is not None:
         P, ps, D = entries.shape
-        rows, ok_e = physical_rows(indices, page_table, ps, P, entry_counts)          # [B, T, K]
-    else:
-        rows = ok_e = None
+        if indices is None:                                                           # dense (HCA)
+            ents = gather_pages(entries, page_table).astype(jnp.float32)              # [B, NE, D]
+            j = jnp.arange(ents.shape[1], dtype=jnp.int32)[None, :]
+            readable = (j < entry_counts[:, None]) & page_valid(page_table, P, ps)    # [B, NE]
+            ok_d = readable[:, None, :] & ((j[:, None, :] + 1) * rate <= q_positions[:, :, None] + 1)
+            kvf = jnp.concatenate([kvf, ents], axis=1)
+            ok_w = jnp.concatenate([ok_w, ok_d], axis=2)
+        else:
+            rows, ok_e = physical_rows(indices, page_table, ps, P, entry_counts)      # [B, T, K]
 
     def block(qb, okb, rb, oeb):
         ext = None if rb is None else entries.reshape(P * ps, D)[rb].astype(jnp.float32)   # selected rows only

@@ -129,8 +129,8 @@ def test_csa_first_entry_ignores_overlap_state(impl):
 
 
 def _attention_inputs(seed, B, T, H, D, W, NE, ps, K, mode, lengths, n_new, rate=4):
-    """Ring + this step's tokens as the layer lays them out, a shuffled page pool of entries, and
-    per-query entry ids (csa: random picks incl. -1 / past-count ones; hca: every closed window)."""
+    """Ring + this step's tokens as the layer lays them out, a shuffled page pool of entries, and either
+    per-query entry ids (csa: random picks incl. -1 / past-count ones) or HCA's rate (every closed window)."""
     rng = np.random.default_rng(seed)
 
     def f(*s):
@@ -144,19 +144,18 @@ def _attention_inputs(seed, B, T, H, D, W, NE, ps, K, mode, lengths, n_new, rate
     kv = f(B, W + T, D)
     kpos = jnp.concatenate([jnp.where(rpos >= 0, rpos, -1), jnp.where(valid, qpos, -1)], axis=1)
     out = dict(q=f(B, T, H, D), kv=kv, kv_positions=kpos, q_positions=qpos, sinks=f(H),
-               entries=None, page_table=None, indices=None, entry_counts=None)
+               entries=None, page_table=None, indices=None, entry_counts=None, rate=None)
     if mode == "swa":
         return out
     NP = -(-NE // ps)
     P = B * NP + 2
     table = jnp.asarray(rng.permutation(P)[:B * NP].reshape(B, NP), jnp.int32)
     count = jnp.minimum(lens // rate, NE).astype(jnp.int32)
+    out.update(entries=f(P, ps, D), page_table=table, entry_counts=count)
     if mode == "csa":
-        idx = jnp.asarray(rng.integers(-1, NE, (B, T, K)), jnp.int32)           # some >= count: masked
+        out["indices"] = jnp.asarray(rng.integers(-1, NE, (B, T, K)), jnp.int32)     # some >= count: masked
     else:
-        j = jnp.arange(NP * ps, dtype=jnp.int32)[None, None]
-        idx = jnp.where(j < ((qpos + 1) // rate)[:, :, None], j, -1)
-    out.update(entries=f(P, ps, D), page_table=table, indices=idx, entry_counts=count)
+        out["rate"] = rate
     return out
 
 
@@ -165,6 +164,7 @@ ATTN_CASES = [
     (2, 1, 4, 16, 8, 12, 4, 5, "csa", [30, 3], [1, 1]),            # decode, a row younger than the window
     (2, 63, 3, 16, 16, 20, 8, 5, "csa", [40, 0], [63, 17]),        # prefill, K not a multiple of block_k
     (2, 75, 4, 16, 8, 24, 8, None, "hca", [20, 9], [75, 30]),      # HCA: every closed window
+    (1, 3, 2, 16, 4, 13, 4, None, "hca", [50], [2]),               # HCA decode-ish, a partly used last page
     (1, 7, 2, 16, 8, 0, 0, None, "swa", [5], [4]),                 # sliding window only
 ]
 
@@ -251,8 +251,12 @@ def test_bad_input_raises_value_errors():
         ca.compressed_sparse_read(**{**a, "sinks": jnp.ones(3)}, window=4, scale=1.0)
     with pytest.raises(ValueError, match="indices"):
         ca.compressed_sparse_read(**{**a, "indices": a["indices"][..., None]}, window=4, scale=1.0)
-    with pytest.raises(ValueError, match="without indices"):
+    with pytest.raises(ValueError, match="exactly one of indices"):
         ca.compressed_sparse_read(**{**a, "indices": None}, window=4, scale=1.0)
+    with pytest.raises(ValueError, match="exactly one of indices"):
+        ca.compressed_sparse_read(**{**a, "rate": 4}, window=4, scale=1.0)
+    with pytest.raises(ValueError, match="without entries"):
+        ca.compressed_sparse_read(**{**a, "entries": None}, window=4, scale=1.0)
     with pytest.raises(ValueError, match="kv_positions"):
         ca.compressed_sparse_read(**{**a, "kv_positions": a["kv_positions"][:, 1:]}, window=4, scale=1.0)
 
@@ -263,8 +267,8 @@ def test_kernels_declare_their_abi():
 
 
 def _export(fn, platform, args):
-    return jax.export.export(jax.jit(fn), platforms=[platform],
-                             disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON_CALL)])(*args).mlir_module()
+    checks = [jax.export.DisabledSafetyCheck.custom_call(TRITON_CALL)]
+    return jax.export.export(jax.jit(fn), platforms=[platform], disabled_checks=checks)(*args).mlir_module()
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["hca", "csa"])
@@ -285,18 +289,21 @@ def test_compressor_exports(platform, overlap):
     assert call in _export(fn, platform, args)
 
 
-@pytest.mark.parametrize("entries", [False, True], ids=["window", "entries"])
+@pytest.mark.parametrize("mode", ["window", "gather", "dense"])
 @pytest.mark.parametrize("platform", ["tpu", "cuda"])
-def test_attention_exports(platform, entries):
+def test_attention_exports(platform, mode):
     backend, call = TARGETS[platform]
-    B, T, H, D, W, P, ps, NP, K = 2, 4, 16, 128, 128, 9, 64, 4, 64
+    B, T, H, D, W, P, ps, NP, K = 2, 4, 16, 128, 128, 9, 64, 5, 64
     bf, i32 = jnp.bfloat16, jnp.int32
 
     def fn(q, kv, kpos, qpos, sinks, *e):
-        ent, table, idx, count = e if entries else (None,) * 4
-        return pallas_attention.attention_pallas(q, kv, kpos, qpos, ent, table, idx, count, sinks, window=W,
-                                                 scale=D ** -0.5, backend=backend)
+        ent, table, count, *idx = e if e else (None,) * 3
+        return pallas_attention.attention_pallas(q, kv, kpos, qpos, ent, table, idx[0] if idx else None, count, sinks,
+                                                 window=W, scale=D ** -0.5, rate=8 if mode == "dense" else None,
+                                                 backend=backend)
     args = [S((B, T, H, D), bf), S((B, W + T, D), bf), S((B, W + T), i32), S((B, T), i32), S((H,), jnp.float32)]
-    if entries:
-        args += [S((P, ps, D), bf), S((B, NP), i32), S((B, T, K), i32), S((B,), i32)]
+    if mode != "window":
+        args += [S((P, ps, D), bf), S((B, NP), i32), S((B,), i32)]
+    if mode == "gather":
+        args.append(S((B, T, K), i32))
     assert call in _export(fn, platform, args)
