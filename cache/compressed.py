@@ -21,9 +21,9 @@ Every group stacks its layers on a leading axis and keeps one row per request on
 
 A tail reaching `rate` tokens closes: it becomes one compressed entry, the tail empties, and (CSA)
 its Ca half becomes the overlap state. `close_tail` names that transition on the device; model
-layers compute the entries, write them with `write_entries` and read them back with
-`gather_entries` / `dense_entries` (every access goes through the page table, as in cache/mla.py),
-and hand the arrays back through the group's `replace`. The host-side record of the same
+layers compute the entries, write them with `write_entries` and read them through the page table
+(every access goes through it, as in cache/mla.py), and hand the arrays back through the group's
+`replace`. The host-side record of the same
 transition (a published tail checkpoint superseded by the entry block its window closed into) is
 `cache.allocator.close_tail`.
 
@@ -176,24 +176,6 @@ def write_entries(pool: jax.Array, page_table: jax.Array, new: jax.Array, idx: j
     """One layer's pool [P, ps, D] with new entries [B, NW, D] written at logical indices idx [B, NW]
     (-1: nothing closed) through page_table [B, NP]; indices past the row's pages are dropped."""
     return write_paged(pool, new, page_table, idx, idx >= 0)
-
-
-def gather_entries(pool: jax.Array, page_table: jax.Array, idx: jax.Array) -> jax.Array:
-    """Entries at logical indices idx [B, ...] (negative or out-of-table: read as entry 0, mask them)
-    of one layer's pool [P, ps, D] through page_table [B, NP] -> [B, ..., D]."""
-    P, ps = pool.shape[:2]
-    B, NP = page_table.shape
-    j = jnp.clip(idx, 0, NP * ps - 1).reshape(B, -1)
-    page = jnp.clip(jnp.take_along_axis(page_table, j // ps, axis=1), 0, P - 1)
-    out = pool.reshape((P * ps,) + pool.shape[2:])[page * ps + j % ps]
-    return out.reshape(idx.shape + pool.shape[2:])
-
-
-def dense_entries(pool: jax.Array, page_table: jax.Array) -> jax.Array:
-    """Every logical entry of each row, [B, NP * ps, D], read through page_table [B, NP]."""
-    P, ps = pool.shape[:2]
-    B, NP = page_table.shape
-    return pool[jnp.clip(page_table, 0, P - 1)].reshape((B, NP * ps) + pool.shape[2:])
 
 
 def _entry_group(L: int, B: int, capacity: int, rate: int, D: int, dtype, ids, kind: str,
