@@ -40,9 +40,9 @@ import jax.numpy as jnp
 from cache.mla import contiguous_page_table, write_paged
 from pallas_kernels import abi as kernel_abi
 
-COMPRESSOR = kernel_abi.register(kernel_abi.KernelABI("v4_compressor", "entries[L,P,ps,D]:paged+tail[L,B,m,C]", 2))
+COMPRESSOR = kernel_abi.V4_COMPRESSOR      # writes entries, indexer entries, tails and overlap states
 ENTRY_PAGE_TOKENS = 64      # tokens a page of compressed entries covers (ps = max(1, 64 // rate) entries)
-SLIDING_WINDOW = kernel_abi.register(kernel_abi.KernelABI("v4_window", "kv[L,B,W,D]:ring", 1))
+SLIDING_WINDOW = kernel_abi.V4_WINDOW
 
 
 def _take(a, rows, reset, empty=0):

@@ -51,10 +51,10 @@ PAGED_ATTENTION = register(KernelABI("attention_kv", "kv[N,S,Hkv,D]", 1))
 SPARSE_MLA_LATENT = register(KernelABI("sparse_mla", "latent[P,ps,R]+rope[P,ps,Dr]:paged", 1))
 INDEXER_KEYS = register(KernelABI("dsa_indexer", "keys[P,ps,D](+scale[P,ps]:f32):paged", 1))
 # DeepSeek-V4 compressed attention (pallas_kernels.compressed_attention). The compressor writes, per layer,
-# entries (RMS-normed, RoPE'd at w * rate), the open window's tail (raw gates) and CSA's overlap (the a-half of
-# the last closed window, gates biased); the sparse read writes nothing cached and reads entries written
-# under V4_COMPRESSOR plus the raw sliding window. (cache/compressed.py registers its stacked-layer objects
-# under its own names, "v4_compressor" / "v4_window"; these names don't collide with them.)
+# entries (RMS-normed, RoPE'd at w * rate) into pages, the open window's tail (raw gates, with its count) and
+# CSA's overlap (the a-half of the last closed window, gates biased); the model writes the raw K=V sliding
+# window as a ring (slot = position % W). The sparse read writes nothing cached; it reads both.
 V4_COMPRESSOR = register(KernelABI(
-    "v4_compress", "entries[B,NE,D]:rms+rope@w*m;tail[B,m,C]:raw_gate;overlap[B,m,C/2]:biased_gate", 1))
+    "v4_compress", "entries[P,ps,D]:paged,rms+rope@w*m;tail[B,m,C]:raw_gate+count;overlap[B,m,C/2]:biased_gate", 2))
+V4_WINDOW = register(KernelABI("v4_window", "kv[B,W,D]:ring", 1))
 V4_SPARSE_READ = register(KernelABI("v4_sparse_read", "window[B,S,D]+entries[P,ps,D]:paged(reads only)", 1))
