@@ -13,6 +13,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from cache import accounting
 from cache.prefix_cache import PrefixCache, PrefixCacheConfig
 from cache.prefix_disk import DiskConfig
 from hybrid_jax.engine.config import EngineConfig
@@ -26,19 +27,12 @@ from hybrid_jax.errors import InputError
 from hybrid_jax.sampling import SamplingParams
 
 
-def _cache_bytes_per_token_and_seq(cache, num_slots: int) -> tuple[int, int]:
-    """Bytes a token adds (KV groups) and bytes a sequence holds whatever its length (recurrent
-    state), read off the engine's cache pytree."""
-    per_tok = per_seq = 0
-    for g in cache.groups.values():
-        if hasattr(g, "k"):
-            L, _, _, H, D = g.k.shape
-            per_tok += 2 * L * H * D * g.k.dtype.itemsize
-        elif hasattr(g, "bytes_per_token"):
-            per_tok += g.bytes_per_token()
-        if hasattr(g, "ssm"):
-            per_seq += (g.ssm.nbytes + g.conv.nbytes) // num_slots
-    return per_tok, per_seq
+def _cache_bytes_per_token_and_seq(runner) -> tuple[float, float]:
+    """Bytes a token adds to a row (full KV, compressed and indexer entries, latents) and bytes a row
+    holds whatever its length (recurrent state, sliding windows, tails, overlap states), measured off
+    the model's own cache pytrees by cache.accounting, so every group type counts."""
+    acc = accounting.measure(lambda b, c: runner.model.new_cache(runner.cfg, b, c, runner.dtype))
+    return acc.per_token, acc.fixed
 
 
 class LLMEngine:
@@ -50,10 +44,10 @@ class LLMEngine:
                              f"{llm.max_model_len}")
         enable_persistent_compilation_cache(self.config.compilation_cache_dir)
         self.runner = ModelRunner(llm.config, llm.params, llm.dtype, self.config, impl=llm.generator.impl)
-        per_tok, per_seq = _cache_bytes_per_token_and_seq(self.runner.cache, self.config.max_num_seqs + 1)
+        per_tok, per_seq = _cache_bytes_per_token_and_seq(self.runner)
         cap = self.config.kv_cache_bytes
         if cap is None:
-            cap = self.config.max_num_seqs * (per_seq + per_tok * self.config.max_model_len)
+            cap = int(self.config.max_num_seqs * (per_seq + per_tok * self.config.max_model_len))
         self.prefix: PrefixCache | None = None
         if self.config.enable_prefix_caching:
             self.prefix = PrefixCache(self.runner.cache, PrefixCacheConfig(

@@ -56,7 +56,7 @@ class RowArrays:
 
 class ModelRunner:
     def __init__(self, cfg, params, dtype, ecfg: EngineConfig, impl: str = "auto"):
-        self.cfg, self.params, self.ecfg, self.impl = cfg, params, ecfg, impl
+        self.cfg, self.params, self.ecfg, self.impl, self.dtype = cfg, params, ecfg, impl, dtype
         self.model = get_model(cfg.model_type)
         self.null_slot = ecfg.max_num_seqs
         capacity = ecfg.max_model_len
