@@ -67,14 +67,14 @@ def _baseline(llm, prompts):
     return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], SP)]
 
 
-def _run(eng, prompts, seed):
+def _run(eng, prompts, seed, sp=SP):
     """Submits the prompts in a random order, in random-sized waves of concurrent requests."""
     rng = np.random.default_rng(seed)
     order = rng.permutation(len(prompts))
     got, i = {}, 0
     while i < len(order):
         wave = order[i:i + int(rng.integers(1, 4))]
-        outs = eng.generate([{"prompt_token_ids": prompts[j]} for j in wave], SP)
+        outs = eng.generate([{"prompt_token_ids": prompts[j]} for j in wave], sp)
         got.update({int(j): o.token_ids for j, o in zip(wave, outs)})
         i += len(wave)
     return [got[j] for j in range(len(prompts))]

@@ -70,16 +70,9 @@ def _baseline(llm, prompts):
 
 
 def _run(eng, prompts, seed):
-    """Submits the prompts in a random order, in random-sized waves of concurrent requests."""
-    rng = np.random.default_rng(seed)
-    order = rng.permutation(len(prompts))
-    got, i = {}, 0
-    while i < len(order):
-        wave = order[i:i + int(rng.integers(1, 4))]
-        outs = eng.generate([{"prompt_token_ids": prompts[j]} for j in wave], LP)
-        got.update({int(j): o.token_ids for j, o in zip(wave, outs)})
-        i += len(wave)
-    return [got[j] for j in range(len(prompts))]
+    """The shared prefix-caching driver (random order, random waves), with logprobs on every request."""
+    from test_prefix_caching import _run as run_waves  # noqa: PLC0415  (sibling test module)
+    return run_waves(eng, prompts, seed, sp=LP)
 
 
 def _gen(eng, p):
