@@ -11,7 +11,7 @@ import os
 from typing import Any
 
 from hybrid_jax.errors import ConfigError
-from hybrid_jax.models.config_common import LayerPattern, eos_ids
+from hybrid_jax.models.config_common import LayerPattern, common_fields
 
 # Every mixer the architecture family knows; SUPPORTED_LAYER_TYPES is what runs today.
 KNOWN_LAYER_TYPES = ("linear_attention", "full_attention", "sliding_attention", "sparse_attention",
@@ -133,7 +133,6 @@ def qwen3_next_config(d: dict[str, Any]) -> ModelConfig:
     prf = float(rope.get("partial_rotary_factor", d.get("partial_rotary_factor", 0.25)))
     heads = int(d["num_attention_heads"])
     hidden = int(d["hidden_size"])
-    dtype = d.get("dtype") or d.get("torch_dtype") or "float32"
     return ModelConfig(
         model_type=model_type,
         vocab_size=int(d["vocab_size"]),
@@ -160,13 +159,7 @@ def qwen3_next_config(d: dict[str, Any]) -> ModelConfig:
         norm_topk_prob=bool(d.get("norm_topk_prob", True)),
         decoder_sparse_step=int(d.get("decoder_sparse_step", 1) or 1),
         mlp_only_layers=tuple(int(i) for i in (d.get("mlp_only_layers") or ())),
-        hidden_act=str(d.get("hidden_act", "silu")),
-        rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-        tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-        bos_token_id=d.get("bos_token_id"),
-        eos_token_ids=eos_ids(d.get("eos_token_id")),
-        pad_token_id=d.get("pad_token_id"),
-        dtype=str(dtype),
+        **common_fields(d),
     )
 
 

@@ -10,7 +10,7 @@ import dataclasses
 from typing import Any
 
 from hybrid_jax.errors import ConfigError
-from hybrid_jax.models.config_common import LayerPattern, eos_ids
+from hybrid_jax.models.config_common import LayerPattern, common_fields
 
 _HF_LAYER_TYPES = {"indexed_attention": "sparse_attention", "sparse_attention": "sparse_attention"}
 
@@ -130,7 +130,4 @@ def deepseek_v32_config(d: dict[str, Any]) -> DeepseekV32Config:
         rope_theta=float(rope.get("rope_theta", d.get("rope_theta", 10000.0))),
         attention_bias=bool(d.get("attention_bias", False)),
         max_position_embeddings=int(d.get("max_position_embeddings", 163840)),
-        rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)), hidden_act=str(d.get("hidden_act", "silu")),
-        tie_word_embeddings=bool(d.get("tie_word_embeddings", False)), bos_token_id=d.get("bos_token_id"),
-        eos_token_ids=eos_ids(d.get("eos_token_id")), pad_token_id=d.get("pad_token_id"),
-        dtype=str(d.get("dtype") or d.get("torch_dtype") or "float32"))
+        **common_fields(d))

@@ -16,7 +16,7 @@ import dataclasses
 from typing import Any
 
 from hybrid_jax.errors import ConfigError
-from hybrid_jax.models.config_common import LayerPattern, eos_ids
+from hybrid_jax.models.config_common import LayerPattern, common_fields
 
 LAYER_TYPES = ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention")
 MLP_LAYER_TYPES = ("hash_moe", "moe")
@@ -212,7 +212,4 @@ def deepseek_v4_config(d: dict[str, Any]) -> DeepseekV4Config:
         routed_scaling_factor=float(d.get("routed_scaling_factor", 1.5)),
         swiglu_limit=float(d.get("swiglu_limit", 10.0)),
         max_position_embeddings=int(d.get("max_position_embeddings", 1048576)),
-        rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)), hidden_act=str(d.get("hidden_act", "silu")),
-        tie_word_embeddings=bool(d.get("tie_word_embeddings", False)), bos_token_id=d.get("bos_token_id"),
-        eos_token_ids=eos_ids(d.get("eos_token_id")), pad_token_id=d.get("pad_token_id"),
-        dtype=str(d.get("dtype") or d.get("torch_dtype") or "float32"))
+        **common_fields(d))
