@@ -14,6 +14,9 @@ plus this project's options:
   "draft_cost": the cost of one more verified draft token relative to a decode step, used by the
                dynamic-K choice (default 0.25).
   "ewma_decay": weight of the past in the running acceptance rate (default 0.8).
+  "device_loop": true (default) runs n-gram drafting with rollback by selection entirely on device
+               (`device_loop.py`: one while loop, no host round trip per step); false keeps the host
+               loop. Draft models and rollback by replay always use the host loop.
 Every problem raises hybrid_jax.errors.InputError naming the key and the value.
 """
 from __future__ import annotations
@@ -27,7 +30,7 @@ from hybrid_jax.errors import InputError
 METHODS = ("ngram", "draft_model")
 ROLLBACKS = ("selection", "replay")
 _KEYS = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model", "rollback",
-         "dynamic_k", "fallback_steps", "draft_cost", "ewma_decay", "draft_dtype"}
+         "dynamic_k", "fallback_steps", "draft_cost", "ewma_decay", "draft_dtype", "device_loop"}
 MAX_SPECULATIVE_TOKENS = 64
 
 
@@ -45,6 +48,7 @@ class SpeculativeConfig:
     draft_cost: float = 0.25
     ewma_decay: float = 0.8
     draft_dtype: str = "auto"
+    device_loop: bool = True
 
     def k_buckets(self) -> tuple[int, ...]:
         """Draft lengths a verify step is compiled for: powers of two below K and K itself with
@@ -110,6 +114,9 @@ def parse_speculative_config(d: dict[str, Any] | SpeculativeConfig | None) -> Sp
     dyn = d.get("dynamic_k", True)
     if not isinstance(dyn, bool):
         raise InputError(f"speculative_config['dynamic_k'] must be true or false; got {dyn!r}")
+    device_loop = d.get("device_loop", True)
+    if not isinstance(device_loop, bool):
+        raise InputError(f"speculative_config['device_loop'] must be true or false; got {device_loop!r}")
     draft_dtype = d.get("draft_dtype", "auto")
     if draft_dtype not in ("auto", "float32", "bfloat16", "float16"):
         raise InputError(f"speculative_config['draft_dtype'] must be auto, float32, bfloat16 or float16; "
@@ -118,4 +125,4 @@ def parse_speculative_config(d: dict[str, Any] | SpeculativeConfig | None) -> Sp
         method=method, num_speculative_tokens=k, prompt_lookup_max=lmax, prompt_lookup_min=lmin, model=model,
         rollback=rollback, dynamic_k=dyn, fallback_steps=_int(d, "fallback_steps", 4, 1, 256),
         draft_cost=_float(d, "draft_cost", 0.25, 0.0, 10.0), ewma_decay=_float(d, "ewma_decay", 0.8, 0.0, 0.999),
-        draft_dtype=draft_dtype)
+        draft_dtype=draft_dtype, device_loop=device_loop)

@@ -28,6 +28,7 @@ from hybrid_jax.generate import bucket, make_batch
 from hybrid_jax.models import get_model
 from hybrid_jax.sampling import SamplingParams
 from hybrid_jax.speculative.config import SpeculativeConfig, parse_speculative_config
+from hybrid_jax.speculative.device_loop import LoopConfig, loop_buckets, ngram_generate
 from hybrid_jax.speculative.drafters import DraftModelDrafter, NgramDrafter
 from hybrid_jax.speculative.dynamic_k import AcceptanceTracker
 from hybrid_jax.speculative.metrics import SpecMetrics
@@ -61,7 +62,7 @@ class SpeculativeDecoder:
             raise InputError("SpeculativeDecoder needs a speculative_config")
         self.cfg, self.params, self.dtype = cfg, params, dtype
         self.model = get_model(cfg.model_type)
-        self.steps = TargetSteps(cfg, impl)
+        self.steps, self.impl = TargetSteps(cfg, impl), impl
         if not isinstance(max_num_seqs, int) or max_num_seqs <= 0:
             raise InputError(f"max_num_seqs must be a positive integer; got {max_num_seqs!r}")
         self.max_num_seqs = max_num_seqs
@@ -186,6 +187,9 @@ class SpeculativeDecoder:
         for r in range(n):
             emit(r, [first[r]])
         K = spec.num_speculative_tokens
+        if self.ngram is not None and spec.rollback == "selection" and spec.device_loop:
+            self._device_loop(b, cache, hist, hlen, running, generated, samp, stop_dev, req_ids, out, reason)
+            return [(out[r], reason[r]) for r in range(n)]
         while running.any():
             rows = np.flatnonzero(running)
             rem = b.max_new - generated
@@ -287,3 +291,35 @@ class SpeculativeDecoder:
                     cursor[r] = src[r] + a + 1 if src[r] >= 0 else -1
                 emit(r, out_tok[r, :a + 1])
         return [(out[r], reason[r]) for r in range(n)]
+
+    def _device_loop(self, b, cache, hist, hlen, running, generated, samp, stop_dev, req_ids, out, reason):
+        """The rest of the batch in one on-device loop (`device_loop.ngram_generate`); fills out and
+        reason, and the metrics from the loop's per-iteration log."""
+        spec, m = self.spec, self.metrics
+        K = spec.num_speculative_tokens
+        N = int(b.max_new.max())
+        lc = LoopConfig(K=K, buckets=loop_buckets(K, spec.dynamic_k), lookup_min=spec.prompt_lookup_min,
+                        lookup_max=spec.prompt_lookup_max, dynamic_k=spec.dynamic_k, draft_cost=spec.draft_cost,
+                        decay=spec.ewma_decay, max_new=bucket(N, 16))
+        H = bucket(int(hlen.max()) + lc.max_new + max(K + 1, lc.chunk), 64)
+        h = np.zeros((hist.shape[0], H), np.int32)
+        w = min(H, hist.shape[1])
+        h[:, :w] = hist[:, :w]
+        rows = np.stack([hlen, running, generated, b.max_new - generated]).astype(np.int32)
+        t0 = time.perf_counter()
+        toks, n_out, stopped, log, branch, _ = ngram_generate(
+            self.params, cache, jnp.asarray(h), jnp.asarray(rows), stop_dev, *samp, cfg=self.cfg, impl=self.impl,
+            flags=b.flags, lc=lc)
+        toks, n_out, stopped, log, branch = (np.asarray(x) for x in (toks, n_out, stopped, log, branch))
+        m.verify_time_s += time.perf_counter() - t0
+        for r in range(len(out)):
+            out[r].extend(toks[r, :n_out[r]].tolist())
+            if stopped[r]:
+                reason[r] = "stop"
+        m.verify_steps += int(np.sum(branch > 0))
+        m.fallback_chunks += int(np.sum(branch == 0))
+        ks, accs, gens, emits = log
+        m.fallback_tokens += int(np.sum(np.maximum(emits[branch == 0, :len(out)], 0)))
+        for it in np.flatnonzero(branch > 0):
+            for r in np.flatnonzero(ks[it, :len(out)] > 0):
+                m.record(req_ids[r], int(gens[it, r]), int(ks[it, r]), int(accs[it, r]))

@@ -8,7 +8,8 @@
   decode steps over the kept tokens, and the version of a row that rejected anything changes;
 * rejection sampling preserves the target distribution: chi-square goodness-of-fit tests on the
   probability math directly (vocabulary of 6, 40 000 draws, fixed seed, significance level 0.001);
-* config parsing, the n-gram drafter and the dynamic-K rule, stats().
+* config parsing, the n-gram drafter and the dynamic-K rule, stats(); the on-device loop's n-gram
+  proposal and dynamic-K rule equal the host drafter's and tracker's.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from hybrid_jax.sampling import SamplerFlags
 from hybrid_jax.speculative import SpeculativeDecoder, parse_speculative_config
 from hybrid_jax.speculative import verify
 from hybrid_jax.speculative.acceptance import rejection_sample
+from hybrid_jax.speculative.device_loop import choose_k as device_choose_k, ngram_propose
 from hybrid_jax.speculative.drafters import NgramDrafter
 from hybrid_jax.speculative.dynamic_k import AcceptanceTracker, choose_k
 
@@ -128,15 +130,20 @@ def test_draft_model_greedy_identical_and_sampling_runs(qwen, qwen_draft):
     assert a == b and all(len(t) == 24 and all(0 <= x < 64 for x in t) for t in a)
 
 
-def test_stop_tokens_and_max_tokens_cut_like_plain(qwen):
+@pytest.mark.parametrize("rollback", ["selection", "replay"])      # selection: the on-device loop
+def test_stop_tokens_and_max_tokens_cut_like_plain(qwen, rollback):
     prompts = _prompts(64, LENS)
     stop = _plain(qwen, prompts)[0][6]            # a token row 0 emits mid-way
     sp = SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[stop])
-    got, dec = _spec(qwen, prompts, {"method": "ngram", "num_speculative_tokens": 3, "rollback": "replay",
+    got, dec = _spec(qwen, prompts, {"method": "ngram", "num_speculative_tokens": 3, "rollback": rollback,
                                      "draft_cost": 0.05}, sp=sp)
     assert got == _plain(qwen, prompts, sp)
-    assert dec.stats()["verify_steps"] > 0
+    s = dec.stats()
+    assert s["verify_steps"] > 0 and 0 < s["accepted_tokens"] < s["draft_tokens"]
     assert got[0][-1] == stop and len(got[0]) <= 7
+    log = dec.step_log()
+    assert len(log) == s["row_verifies"] and all(0 <= a <= k for _, _, k, a in log)
+    assert sum(a + 1 for _, _, _, a in log) == s["emitted_tokens"]
 
 
 # --- rollback --------------------------------------------------------------------------------------
@@ -276,6 +283,40 @@ def test_ngram_drafter():
     toks, start = d.propose_at(h, 2)
     assert start == 7 and toks.tolist() == [3, 7]  # the most recent (1, 2) sits at 5..6: the copy starts at 7
     assert NgramDrafter.read_from(np.array([4, 5, 6]), 1, 4).tolist() == [5, 6, 5, 6]
+
+
+@pytest.mark.parametrize("lo,hi", [(1, 4), (2, 3), (1, 1)])
+def test_device_ngram_proposal_equals_host_drafter(lo, hi):
+    rng = np.random.default_rng(lo * 10 + hi)
+    K, H = 6, 40
+    hists = []
+    for i in range(24):
+        n = int(rng.integers(2, 30))
+        h = rng.integers(0, 5 if i % 2 else 40, n)            # small alphabets recur, large ones rarely
+        if i % 3 == 0:
+            h = np.concatenate([h, h[: int(rng.integers(1, n + 1))]])   # quotes itself
+        hists.append(h[:H - 1])
+    buf = np.full((len(hists), H), 99, np.int32)                 # slots past the history hold junk
+    for i, h in enumerate(hists):
+        buf[i, :len(h)] = h
+    lens = np.array([len(h) for h in hists], np.int32)
+    prop, start = jax.jit(ngram_propose, static_argnums=(2, 3, 4))(jnp.asarray(buf), jnp.asarray(lens), K, lo, hi)
+    found = 0
+    for i, h in enumerate(hists):
+        want, want_start = NgramDrafter(lo, hi).propose_at(h, K)
+        assert int(start[i]) == want_start, i
+        if want_start >= 0:
+            found += 1
+            assert np.asarray(prop[i]).tolist() == want.tolist(), i
+    assert 0 < found < len(hists)
+
+
+def test_device_dynamic_k_equals_host_rule():
+    rates = np.linspace(0.0, 0.98, 29).astype(np.float32)
+    streaks = np.array([0, 1, 3, 8, 20] * 6, np.int32)[:29]
+    got = np.asarray(device_choose_k(jnp.asarray(rates), jnp.asarray(streaks), 16, 0.3))
+    want = [max(choose_k(float(a), 16, 0.3), min(2 * int(s), 16)) for a, s in zip(rates, streaks)]
+    assert got.tolist() == want and len(set(want)) > 4
 
 
 def test_dynamic_k_follows_acceptance():

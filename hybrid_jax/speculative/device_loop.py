@@ -1,0 +1,216 @@
+"""On-device speculative generation for prompt-lookup (n-gram) drafting: the whole cycle of
+draft -> verify -> accept -> roll back -> emit runs inside ONE `lax.while_loop`, so no step goes back
+to the host. The host loop of `decoder.py` pays a Python dispatch, a device-to-host copy and the
+host-side n-gram search per verify step, several decode steps' worth on CPU; here a cycle costs its
+device work only.
+
+One iteration, per row b (B rows, all arrays on device):
+
+  propose   the most recent earlier occurrence of the longest suffix n-gram of hist[b, :hlen[b]]
+            (lookup_max .. lookup_min tokens), read on from there (periodically through the
+            proposal itself past the end), exactly as `NgramDrafter.propose_at`; when nothing
+            matches and the row still follows copied text past a rejected draft (`cursor`), the
+            text after it, as `NgramDrafter.read_from`
+  choose k  dynamic K on device: argmax_k E(k) / (1 + draft_cost k) at the row's decayed acceptance
+            rate, at least doubled after a check that accepted all its drafts (`dynamic_k.py`)
+  step      `lax.switch` on the smallest compiled draft length >= max_b k: when no row drafts, a
+            chunk of plain decode steps (`verify.decode_chunk`, `chunk` tokens; the proposal is
+            checked against what it wrote, so a row whose text turns repetitive climbs back to
+            k > 0), else ONE verify forward over [pending, drafts] (T = Kb + 1) with per-position
+            recurrent states, acceptance and rollback by selection (`verify.py`)
+  emit      the accepted tokens and the bonus, cut at a stop token or the row's token budget,
+            appended to the output and to the history; a row that emitted its last token stops
+
+Greedy rows emit exactly what plain greedy decoding emits (the verify forward runs the same
+token-level recurrence as a decode step); sampled rows follow the target distribution (rejection
+sampling against one-hot n-gram drafts). Rollback by snapshot + replay and draft models keep the
+host loop.
+
+Shapes: B rows; H history slots; K the largest draft length; N = max new tokens (static);
+W = max(K + 1, chunk) tokens one iteration can emit per row.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from hybrid_jax.sampling import SamplerFlags
+from hybrid_jax.speculative.rollback import rollback_by_selection
+from hybrid_jax.speculative.verify import _verify, decode_chunk
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopConfig:
+    """Static facts of one compiled loop."""
+    K: int                      # largest draft length
+    buckets: tuple[int, ...]    # compiled verify draft lengths, ascending, the last == K
+    lookup_min: int
+    lookup_max: int
+    dynamic_k: bool
+    draft_cost: float
+    decay: float                # EWMA decay of the acceptance counts
+    max_new: int                # static bound on tokens emitted per row (buffer width, iteration bound)
+    chunk: int = 16             # plain decode steps per iteration when no row drafts
+
+
+def loop_buckets(K: int, dynamic_k: bool) -> tuple[int, ...]:
+    """Verify lengths one loop compiles: K, K/4, K/16, ... (>= 1). Each is one more forward in the
+    program, so fewer than the host loop's powers of two; a short draft pads to the next one."""
+    if not dynamic_k:
+        return (K,)
+    out, k = [], K
+    while k >= 1:
+        out.append(k)
+        k //= 4
+    return tuple(sorted(set(out)))
+
+
+def read_periodic(hist, start, hlen, K):
+    """hist [B, H]; start, hlen [B] (0 <= start < hlen). Returns [B, K]: hist[start + j] for
+    start + j < hlen, continuing through the read tokens themselves past the end (period hlen - start)."""
+    period = jnp.maximum(hlen - start, 1)
+    idx = start[:, None] + jnp.arange(K)[None] % period[:, None]
+    return jnp.take_along_axis(hist, jnp.clip(idx, 0, hist.shape[1] - 1), axis=1)
+
+
+def ngram_propose(hist, hlen, K: int, lookup_min: int, lookup_max: int):
+    """hist [B, H] int32 (prompt + emitted tokens, the last of them pending); hlen [B] int32.
+    Returns (proposal [B, K] int32, start [B] int32: where in hist it begins, -1 when no n-gram of
+    >= lookup_min tokens recurs). The same choice as `NgramDrafter.propose_at`."""
+    B, H = hist.shape
+    pos = jnp.arange(H)[None]
+    last = jnp.take_along_axis(hist, jnp.maximum(hlen - 1, 0)[:, None], axis=1)            # [B, 1]
+    cand = (pos < (hlen - 1)[:, None]) & (hist == last)                                    # match ends
+    length = cand.astype(jnp.int32)
+    alive = cand
+    for m in range(1, lookup_max):
+        prev = jnp.pad(hist, ((0, 0), (m, 0)), constant_values=-1)[:, :H]                 # hist[e - m]
+        target = jnp.take_along_axis(hist, jnp.maximum(hlen - 1 - m, 0)[:, None], axis=1)
+        alive = alive & (pos >= m) & (prev == target) & (m < hlen - 1)[:, None]
+        length = length + alive
+    best = jnp.max(length, axis=1)
+    end = jnp.max(jnp.where(cand & (length == best[:, None]), pos, -1), axis=1)          # most recent
+    ok = (best >= lookup_min) & (end >= 0)
+    start = jnp.where(ok, end + 1, -1)
+    return read_periodic(hist, jnp.maximum(start, 0), hlen, K), start
+
+
+def choose_k(rate, streak, k_max: int, draft_cost: float):
+    """Per-row `dynamic_k.AcceptanceTracker.next_k` on device. rate [B] f32; streak [B] int32."""
+    ks = jnp.arange(k_max + 1, dtype=jnp.float32)
+    expected = jnp.cumsum(rate[:, None] ** ks[None], axis=1)                  # 1 + a + ... + a^k
+    k = jnp.argmax(expected / (1.0 + draft_cost * ks[None]), axis=1).astype(jnp.int32)
+    return jnp.maximum(k, jnp.minimum(2 * streak, k_max))
+
+
+def _append(buf, at, toks, n):
+    """buf [B, W]; at, n [B]; toks [B, J]: buf[b, at + j] = toks[b, j] for j < n[b] (W >= at + J)."""
+    J = toks.shape[1]
+
+    def row(r, a, t, c):
+        old = jax.lax.dynamic_slice_in_dim(r, a, J)
+        return jax.lax.dynamic_update_slice_in_dim(r, jnp.where(jnp.arange(J) < c, t, old), a, 0)
+    return jax.vmap(row)(buf, at, toks, n)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "impl", "flags", "lc"), donate_argnums=(1,))
+def ngram_generate(params, cache, hist, rows, stop_ids, seeds, temperature, top_k, top_p, *, cfg, impl,
+                   flags: SamplerFlags, lc: LoopConfig):
+    """Speculative generation after prefill, entirely on device.
+    cache: the rows after their prompts (the first sampled token not yet fed);
+    hist [B, H] int32: prompt + first token per row, H >= max prompt + N + W;
+    rows [4, B] int32: hlen (tokens in hist), running (0 / 1), generated (tokens emitted so far),
+    remaining (tokens the row may still emit); stop_ids [B, S] int32 (-1 padded);
+    seeds [B] uint32, temperature, top_p [B] f32, top_k [B] int32.
+    Returns (out [B, N + W] int32: emitted tokens after the first, n_out [B], stopped [B] bool
+    (a stop token ended the row), log [4, N, B] int32 per iteration: k drafted (-1 when the row did
+    not verify), accepted, generated before, tokens emitted; branch [N] int32: -1 unused, 0 decode, else the verify's
+    draft length, cache)."""
+    K, N = lc.K, lc.max_new
+    W = max(K + 1, lc.chunk)             # tokens one iteration can emit per row
+    B = hist.shape[0]
+    hlen, running, generated, remaining = rows[0], rows[1] > 0, rows[2], rows[3]
+    keys = jax.vmap(jax.random.key)(seeds)
+    buckets = lc.buckets
+
+    def decode_branch(cache, tokens, n_draft, n_fed, generated, remaining):
+        rows = jnp.stack([tokens[:, 0], n_fed, generated, remaining, jnp.full((B,), lc.chunk, jnp.int32)])
+        toks, cache = decode_chunk(params, cache, rows, stop_ids, seeds, temperature, top_k, top_p, cfg=cfg,
+                                   impl=impl, steps=lc.chunk, flags=flags)
+        n_acc = jnp.sum(toks >= 0, axis=1).astype(jnp.int32) - 1
+        return n_acc, jnp.pad(jnp.maximum(toks, 0), ((0, 0), (0, W - lc.chunk))), cache
+
+    def verify_branch(Kb):
+        def run(cache, tokens, n_draft, n_fed, generated, remaining):
+            meta = jnp.stack([n_fed, n_draft, generated])
+            old_lengths = cache.lengths
+            n_acc, out_tok, n_fed, n_keep, new, states = _verify(
+                params, cache, tokens[:, :Kb + 1], meta, None, seeds, temperature, top_k, top_p, cfg, impl, flags,
+                True)
+            cache = rollback_by_selection(new, states, old_lengths, n_fed, n_keep)
+            return n_acc, jnp.pad(out_tok, ((0, 0), (0, W - Kb - 1))), cache
+        return run
+
+    def body(s):
+        it, cache, hist, hlen, running, generated, remaining, out, n_out, stopped, acc, trials, streak, cursor, \
+            log, branch = s
+        prop, start = ngram_propose(hist, hlen, K, lc.lookup_min, lc.lookup_max)
+        follow = (start < 0) & (cursor >= 0) & (cursor < hlen)            # past an edit: read on
+        prop = jnp.where(follow[:, None], read_periodic(hist, jnp.maximum(cursor, 0), hlen, K), prop)
+        start = jnp.where(follow, cursor, start)
+        if lc.dynamic_k:
+            want = choose_k(acc / jnp.maximum(trials, 1e-9), streak, K, lc.draft_cost)
+        else:
+            want = jnp.full((B,), K, jnp.int32)
+        want = jnp.minimum(want, remaining - 1)
+        k = jnp.where(running & (start >= 0) & (want > 0), want, 0)
+        kmax = jnp.max(k)
+        idx = jnp.where(kmax == 0, 0, 1 + jnp.searchsorted(jnp.asarray(buckets), kmax))
+        pending = jnp.take_along_axis(hist, jnp.maximum(hlen - 1, 0)[:, None], axis=1)
+        tokens = jnp.concatenate([pending, jnp.where(jnp.arange(K)[None] < k[:, None], prop, 0)], axis=1)
+        n_fed = jnp.where(running, 1 + k, 0).astype(jnp.int32)
+        n_acc, out_tok, cache = jax.lax.switch(idx, [decode_branch] + [verify_branch(b) for b in buckets],
+                                               cache, tokens, k, n_fed, generated, remaining)
+        # emit: accepted drafts + the bonus, cut at the budget and at the first stop token
+        n_emit = jnp.where(running, jnp.minimum(n_acc + 1, remaining), 0)
+        is_stop = jnp.any(out_tok[:, :, None] == stop_ids[:, None, :], axis=-1)       # tokens >= 0, pads -1
+        is_stop = is_stop & (jnp.arange(W)[None] < n_emit[:, None])
+        first_stop, hit = jnp.argmax(is_stop, axis=1), jnp.any(is_stop, axis=1)
+        n_emit = jnp.where(hit, first_stop + 1, n_emit)
+        out = _append(out, n_out, out_tok, n_emit)
+        hist = _append(hist, hlen, out_tok, n_emit)
+        log = log.at[:, it].set(jnp.stack([jnp.where(k > 0, k, -1), n_acc, generated, n_emit]))
+        branch = branch.at[it].set(jnp.where(idx == 0, 0, jnp.asarray((0,) + buckets)[idx]))
+        # acceptance statistics: verified rows, and (decode chunk) the shadow check of each proposal
+        # against the tokens the chunk emitted
+        shadow = (idx == 0) & running & (start >= 0) & (remaining > 1) if lc.dynamic_k else jnp.zeros((B,), bool)
+        L = jnp.minimum(jnp.minimum(n_emit, K), remaining - 1)
+        lead = jnp.cumprod((prop == out_tok[:, :K]) & (jnp.arange(K)[None] < L[:, None]), axis=1)
+        proposed = jnp.where(k > 0, k, jnp.where(shadow, L, 0))
+        accepted = jnp.where(k > 0, n_acc, jnp.where(shadow, jnp.sum(lead, axis=1).astype(jnp.int32), 0))
+        upd = proposed > 0
+        acc = jnp.where(upd, lc.decay * acc + accepted, acc)
+        trials = jnp.where(upd, lc.decay * trials + accepted + (accepted < proposed), trials)
+        streak = jnp.where(upd, jnp.where(accepted >= proposed, proposed, 0), streak)
+        cursor = jnp.where(idx == 0, -1, jnp.where(k > 0, jnp.where(start >= 0, start + n_acc + 1, -1), cursor))
+        n_out, hlen, generated = n_out + n_emit, hlen + n_emit, generated + n_emit
+        remaining = remaining - n_emit
+        stopped = stopped | hit
+        running = running & ~hit & (remaining > 0)
+        return (it + 1, cache, hist, hlen, running, generated, remaining, out, n_out, stopped, acc, trials, streak,
+                cursor, log, branch)
+
+    def cond(s):
+        return (s[0] < N) & jnp.any(s[4])
+
+    f32 = jnp.float32
+    state = (jnp.int32(0), cache, hist, hlen, running & (remaining > 0), generated, remaining,
+             jnp.full((B, N + W), -1, jnp.int32), jnp.zeros((B,), jnp.int32), jnp.zeros((B,), bool),
+             jnp.full((B,), 0.2, f32), jnp.ones((B,), f32), jnp.zeros((B,), jnp.int32), jnp.full((B,), -1, jnp.int32),
+             jnp.full((4, N, B), -1, jnp.int32), jnp.full((N,), -1, jnp.int32))
+    s = jax.lax.while_loop(cond, body, state)
+    _, cache, _, _, _, _, _, out, n_out, stopped, _, _, _, _, log, branch = s
+    return out, n_out, stopped, log, branch, cache
