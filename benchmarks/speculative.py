@@ -1,8 +1,9 @@
 """Speculative decoding, side by side in one run (n-gram prompt-lookup drafting):
 
-  1. tokens/s with and without speculation on a repetitive workload (the continuation copies text
-     the prompt already holds) and on a non-repetitive one (random prompts), greedy, with the
-     outputs checked token-identical to plain greedy decoding; targets >= 2x and >= 0.95x;
+  1. tokens/s with and without speculation (n-gram drafting in the on-device loop) on a repetitive
+     workload (the continuation copies text the prompt already holds) and on a non-repetitive one
+     (random prompts), greedy, with the outputs checked token-identical to plain greedy decoding;
+     targets >= 2x and >= 0.95x;
   2. rollback by selection vs snapshot + replay: time, and the extra device memory each needs;
   3. the cost of taking a snapshot as the cache grows (a reference: flat) next to a deep copy.
 
@@ -171,11 +172,12 @@ def main():
     print("   (ratio = plain time / speculative time; 'tok/verify' = tokens emitted per row-verify, bonus included;"
           "\n    the last column counts tokens over the 8 runs: emitted by verify steps / by plain fallback chunks)")
 
-    print("\n2. rollback by selection vs snapshot + replay (same runs as above, per rollback mode)")
+    print("\n2. rollback by selection vs snapshot + replay (same runs as above, per rollback mode; both in the host"
+          " loop, since replay has no on-device loop)")
     for name, prompts in wls.items():
         row = []
         for mode in ("selection", "replay"):
-            dec = SpeculativeDecoder(llm.config, llm.params, llm.dtype, {"method": "ngram", "rollback": mode,
+            dec = SpeculativeDecoder(llm.config, llm.params, llm.dtype, {"method": "ngram", "rollback": mode, "device_loop": False,
                                                                          "num_speculative_tokens": args.k,
                                                                          "draft_cost": cost})
             dec.generate(prompts, [sp] * len(prompts))

@@ -14,9 +14,9 @@ One iteration, per row b (B rows, all arrays on device):
   choose k  dynamic K on device: argmax_k E(k) / (1 + draft_cost k) at the row's decayed acceptance
             rate, at least doubled after a check that accepted all its drafts (`dynamic_k.py`)
   step      `lax.switch` on the smallest compiled draft length >= max_b k: when no row drafts, a
-            chunk of plain decode steps (`verify.decode_chunk`, `chunk` tokens; the proposal is
-            checked against what it wrote, so a row whose text turns repetitive climbs back to
-            k > 0), else ONE verify forward over [pending, drafts] (T = Kb + 1) with per-position
+            chunk of plain decode steps (`verify.decode_chunk`; the proposal is checked against
+            what it wrote, so a row whose text turns repetitive climbs back to k > 0; chunks double,
+            `chunk` up to `max_chunk` tokens, while those checks keep failing), else ONE verify forward over [pending, drafts] (T = Kb + 1) with per-position
             recurrent states, acceptance and rollback by selection (`verify.py`)
   emit      the accepted tokens and the bonus, cut at a stop token or the row's token budget,
             appended to the output and to the history; a row that emitted its last token stops
@@ -27,7 +27,7 @@ sampling against one-hot n-gram drafts). Rollback by snapshot + replay and draft
 host loop.
 
 Shapes: B rows; H history slots; K the largest draft length; N = max new tokens (static);
-W = max(K + 1, chunk) tokens one iteration can emit per row.
+W = max(K + 1, max_chunk) tokens one iteration can emit per row.
 """
 from __future__ import annotations
 
@@ -53,7 +53,8 @@ class LoopConfig:
     draft_cost: float
     decay: float                # EWMA decay of the acceptance counts
     max_new: int                # static bound on tokens emitted per row (buffer width, iteration bound)
-    chunk: int = 16             # plain decode steps per iteration when no row drafts
+    chunk: int = 16             # plain decode steps of the first iteration in which no row drafts;
+    max_chunk: int = 128        # doubled per such iteration in a row whose proposals all failed, up to this
 
 
 def loop_buckets(K: int, dynamic_k: bool) -> tuple[int, ...]:
@@ -130,21 +131,21 @@ def ngram_generate(params, cache, hist, rows, stop_ids, seeds, temperature, top_
     not verify), accepted, generated before, tokens emitted; branch [N] int32: -1 unused, 0 decode, else the verify's
     draft length, cache)."""
     K, N = lc.K, lc.max_new
-    W = max(K + 1, lc.chunk)             # tokens one iteration can emit per row
+    W = max(K + 1, lc.max_chunk)         # tokens one iteration can emit per row
     B = hist.shape[0]
     hlen, running, generated, remaining = rows[0], rows[1] > 0, rows[2], rows[3]
     keys = jax.vmap(jax.random.key)(seeds)
     buckets = lc.buckets
 
-    def decode_branch(cache, tokens, n_draft, n_fed, generated, remaining):
-        rows = jnp.stack([tokens[:, 0], n_fed, generated, remaining, jnp.full((B,), lc.chunk, jnp.int32)])
+    def decode_branch(cache, tokens, n_draft, n_fed, generated, remaining, n_steps):
+        rows = jnp.stack([tokens[:, 0], n_fed, generated, remaining, jnp.full((B,), n_steps, jnp.int32)])
         toks, cache = decode_chunk(params, cache, rows, stop_ids, seeds, temperature, top_k, top_p, cfg=cfg,
-                                   impl=impl, steps=lc.chunk, flags=flags)
+                                   impl=impl, steps=lc.max_chunk, flags=flags)
         n_acc = jnp.sum(toks >= 0, axis=1).astype(jnp.int32) - 1
-        return n_acc, jnp.pad(jnp.maximum(toks, 0), ((0, 0), (0, W - lc.chunk))), cache
+        return n_acc, jnp.pad(jnp.maximum(toks, 0), ((0, 0), (0, W - lc.max_chunk))), cache
 
     def verify_branch(Kb):
-        def run(cache, tokens, n_draft, n_fed, generated, remaining):
+        def run(cache, tokens, n_draft, n_fed, generated, remaining, n_steps):
             meta = jnp.stack([n_fed, n_draft, generated])
             old_lengths = cache.lengths
             n_acc, out_tok, n_fed, n_keep, new, states = _verify(
@@ -156,7 +157,7 @@ def ngram_generate(params, cache, hist, rows, stop_ids, seeds, temperature, top_
 
     def body(s):
         it, cache, hist, hlen, running, generated, remaining, out, n_out, stopped, acc, trials, streak, cursor, \
-            log, branch = s
+            log, branch, quiet = s
         prop, start = ngram_propose(hist, hlen, K, lc.lookup_min, lc.lookup_max)
         follow = (start < 0) & (cursor >= 0) & (cursor < hlen)            # past an edit: read on
         prop = jnp.where(follow[:, None], read_periodic(hist, jnp.maximum(cursor, 0), hlen, K), prop)
@@ -173,7 +174,8 @@ def ngram_generate(params, cache, hist, rows, stop_ids, seeds, temperature, top_
         tokens = jnp.concatenate([pending, jnp.where(jnp.arange(K)[None] < k[:, None], prop, 0)], axis=1)
         n_fed = jnp.where(running, 1 + k, 0).astype(jnp.int32)
         n_acc, out_tok, cache = jax.lax.switch(idx, [decode_branch] + [verify_branch(b) for b in buckets],
-                                               cache, tokens, k, n_fed, generated, remaining)
+                                               cache, tokens, k, n_fed, generated, remaining,
+                                               jnp.minimum(lc.chunk * 2 ** quiet, lc.max_chunk))
         # emit: accepted drafts + the bonus, cut at the budget and at the first stop token
         n_emit = jnp.where(running, jnp.minimum(n_acc + 1, remaining), 0)
         is_stop = jnp.any(out_tok[:, :, None] == stop_ids[:, None, :], axis=-1)       # tokens >= 0, pads -1
@@ -195,13 +197,15 @@ def ngram_generate(params, cache, hist, rows, stop_ids, seeds, temperature, top_
         acc = jnp.where(upd, lc.decay * acc + accepted, acc)
         trials = jnp.where(upd, lc.decay * trials + accepted + (accepted < proposed), trials)
         streak = jnp.where(upd, jnp.where(accepted >= proposed, proposed, 0), streak)
+        # decode chunks grow while no proposal lands (as the host loop's do), back to `chunk` after a hit
+        quiet = jnp.where((idx == 0) & lc.dynamic_k & ~jnp.any(shadow & (accepted > 0)), jnp.minimum(quiet + 1, 8), 0)
         cursor = jnp.where(idx == 0, -1, jnp.where(k > 0, jnp.where(start >= 0, start + n_acc + 1, -1), cursor))
         n_out, hlen, generated = n_out + n_emit, hlen + n_emit, generated + n_emit
         remaining = remaining - n_emit
         stopped = stopped | hit
         running = running & ~hit & (remaining > 0)
         return (it + 1, cache, hist, hlen, running, generated, remaining, out, n_out, stopped, acc, trials, streak,
-                cursor, log, branch)
+                cursor, log, branch, quiet)
 
     def cond(s):
         return (s[0] < N) & jnp.any(s[4])
@@ -210,7 +214,7 @@ def ngram_generate(params, cache, hist, rows, stop_ids, seeds, temperature, top_
     state = (jnp.int32(0), cache, hist, hlen, running & (remaining > 0), generated, remaining,
              jnp.full((B, N + W), -1, jnp.int32), jnp.zeros((B,), jnp.int32), jnp.zeros((B,), bool),
              jnp.full((B,), 0.2, f32), jnp.ones((B,), f32), jnp.zeros((B,), jnp.int32), jnp.full((B,), -1, jnp.int32),
-             jnp.full((4, N, B), -1, jnp.int32), jnp.full((N,), -1, jnp.int32))
+             jnp.full((4, N, B), -1, jnp.int32), jnp.full((N,), -1, jnp.int32), jnp.int32(0))
     s = jax.lax.while_loop(cond, body, state)
-    _, cache, _, _, _, _, _, out, n_out, stopped, _, _, _, _, log, branch = s
+    _, cache, _, _, _, _, _, out, n_out, stopped, _, _, _, _, log, branch, _ = s
     return out, n_out, stopped, log, branch, cache
