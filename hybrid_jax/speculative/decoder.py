@@ -300,7 +300,8 @@ class SpeculativeDecoder:
         N = int(b.max_new.max())
         lc = LoopConfig(K=K, buckets=loop_buckets(K, spec.dynamic_k), lookup_min=spec.prompt_lookup_min,
                         lookup_max=spec.prompt_lookup_max, dynamic_k=spec.dynamic_k, draft_cost=spec.draft_cost,
-                        decay=spec.ewma_decay, max_new=bucket(N, 16))
+                        decay=spec.ewma_decay, max_new=bucket(N, 16), chunk=spec.fallback_steps,
+                        max_chunk=max(spec.fallback_steps, 128))
         H = bucket(int(hlen.max()) + lc.max_new + max(K + 1, lc.max_chunk), 64)
         h = np.zeros((hist.shape[0], H), np.int32)
         w = min(H, hist.shape[1])

@@ -15,7 +15,7 @@ One iteration, per row b (B rows, all arrays on device):
             rate, at least doubled after a check that accepted all its drafts (`dynamic_k.py`)
   step      `lax.switch` on the smallest compiled draft length >= max_b k: when no row drafts, a
             chunk of plain decode steps (`verify.decode_chunk`; the proposal is checked against
-            what it wrote, so a row whose text turns repetitive climbs back to k > 0; chunks double,
+            what it wrote, so a row whose text turns repetitive climbs back to k > 0; chunks grow 4x,
             `chunk` up to `max_chunk` tokens, while those checks keep failing), else ONE verify forward over [pending, drafts] (T = Kb + 1) with per-position
             recurrent states, acceptance and rollback by selection (`verify.py`)
   emit      the accepted tokens and the bonus, cut at a stop token or the row's token budget,
@@ -53,8 +53,8 @@ class LoopConfig:
     draft_cost: float
     decay: float                # EWMA decay of the acceptance counts
     max_new: int                # static bound on tokens emitted per row (buffer width, iteration bound)
-    chunk: int = 16             # plain decode steps of the first iteration in which no row drafts;
-    max_chunk: int = 128        # doubled per such iteration in a row whose proposals all failed, up to this
+    chunk: int = 4              # plain decode steps of the first iteration in which no row drafts;
+    max_chunk: int = 128        # 4x per such iteration in a row whose proposals all failed, up to this
 
 
 def loop_buckets(K: int, dynamic_k: bool) -> tuple[int, ...]:
@@ -175,7 +175,7 @@ def ngram_generate(params, cache, hist, rows, stop_ids, seeds, temperature, top_
         n_fed = jnp.where(running, 1 + k, 0).astype(jnp.int32)
         n_acc, out_tok, cache = jax.lax.switch(idx, [decode_branch] + [verify_branch(b) for b in buckets],
                                                cache, tokens, k, n_fed, generated, remaining,
-                                               jnp.minimum(lc.chunk * 2 ** quiet, lc.max_chunk))
+                                               jnp.minimum(lc.chunk * 4 ** quiet, lc.max_chunk))
         # emit: accepted drafts + the bonus, cut at the budget and at the first stop token
         n_emit = jnp.where(running, jnp.minimum(n_acc + 1, remaining), 0)
         is_stop = jnp.any(out_tok[:, :, None] == stop_ids[:, None, :], axis=-1)       # tokens >= 0, pads -1
@@ -198,7 +198,7 @@ def ngram_generate(params, cache, hist, rows, stop_ids, seeds, temperature, top_
         trials = jnp.where(upd, lc.decay * trials + accepted + (accepted < proposed), trials)
         streak = jnp.where(upd, jnp.where(accepted >= proposed, proposed, 0), streak)
         # decode chunks grow while no proposal lands (as the host loop's do), back to `chunk` after a hit
-        quiet = jnp.where((idx == 0) & lc.dynamic_k & ~jnp.any(shadow & (accepted > 0)), jnp.minimum(quiet + 1, 8), 0)
+        quiet = jnp.where((idx == 0) & lc.dynamic_k & ~jnp.any(shadow & (accepted > 0)), jnp.minimum(quiet + 1, 6), 0)
         cursor = jnp.where(idx == 0, -1, jnp.where(k > 0, jnp.where(start >= 0, start + n_acc + 1, -1), cursor))
         n_out, hlen, generated = n_out + n_emit, hlen + n_emit, generated + n_emit
         remaining = remaining - n_emit
