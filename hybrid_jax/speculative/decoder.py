@@ -299,8 +299,8 @@ class SpeculativeDecoder:
         K = spec.num_speculative_tokens
         N = int(b.max_new.max())
         lc = LoopConfig(K=K, buckets=loop_buckets(K, spec.dynamic_k), lookup_min=spec.prompt_lookup_min,
-                        lookup_max=spec.prompt_lookup_max, dynamic_k=spec.dynamic_k, draft_cost=spec.draft_cost,
-                        decay=spec.ewma_decay, max_new=bucket(N, 16), chunk=spec.fallback_steps,
+                        lookup_max=spec.prompt_lookup_max, dynamic_k=spec.dynamic_k, max_new=bucket(N, 16),
+                        chunk=spec.fallback_steps,
                         max_chunk=max(spec.fallback_steps, 128))
         H = bucket(int(hlen.max()) + lc.max_new + max(K + 1, lc.max_chunk), 64)
         h = np.zeros((hist.shape[0], H), np.int32)
@@ -309,7 +309,8 @@ class SpeculativeDecoder:
         rows = np.stack([hlen, running, generated, b.max_new - generated]).astype(np.int32)
         t0 = time.perf_counter()
         toks, n_out, stopped, log, branch, _ = ngram_generate(
-            self.params, cache, jnp.asarray(h), jnp.asarray(rows), stop_dev, *samp, cfg=self.cfg, impl=self.impl,
+            self.params, cache, jnp.asarray(h), jnp.asarray(rows),
+            jnp.asarray([spec.draft_cost, spec.ewma_decay], jnp.float32), stop_dev, *samp, cfg=self.cfg, impl=self.impl,
             flags=b.flags, lc=lc)
         toks, n_out, stopped, log, branch = (np.asarray(x) for x in (toks, n_out, stopped, log, branch))
         m.verify_time_s += time.perf_counter() - t0

@@ -50,8 +50,6 @@ class LoopConfig:
     lookup_min: int
     lookup_max: int
     dynamic_k: bool
-    draft_cost: float
-    decay: float                # EWMA decay of the acceptance counts
     max_new: int                # static bound on tokens emitted per row (buffer width, iteration bound)
     chunk: int = 4              # plain decode steps of the first iteration in which no row drafts;
     max_chunk: int = 128        # 4x per such iteration in a row whose proposals all failed, up to this
@@ -99,8 +97,9 @@ def ngram_propose(hist, hlen, K: int, lookup_min: int, lookup_max: int):
     return read_periodic(hist, jnp.maximum(start, 0), hlen, K), start
 
 
-def choose_k(rate, streak, k_max: int, draft_cost: float):
-    """Per-row `dynamic_k.AcceptanceTracker.next_k` on device. rate [B] f32; streak [B] int32."""
+def choose_k(rate, streak, k_max: int, draft_cost):
+    """Per-row `dynamic_k.AcceptanceTracker.next_k` on device. rate [B] f32; streak [B] int32;
+    draft_cost: a float or an f32 scalar."""
     ks = jnp.arange(k_max + 1, dtype=jnp.float32)
     expected = jnp.cumsum(rate[:, None] ** ks[None], axis=1)                  # 1 + a + ... + a^k
     k = jnp.argmax(expected / (1.0 + draft_cost * ks[None]), axis=1).astype(jnp.int32)
@@ -118,13 +117,14 @@ def _append(buf, at, toks, n):
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "impl", "flags", "lc"), donate_argnums=(1,))
-def ngram_generate(params, cache, hist, rows, stop_ids, seeds, temperature, top_k, top_p, *, cfg, impl,
+def ngram_generate(params, cache, hist, rows, tune, stop_ids, seeds, temperature, top_k, top_p, *, cfg, impl,
                    flags: SamplerFlags, lc: LoopConfig):
     """Speculative generation after prefill, entirely on device.
     cache: the rows after their prompts (the first sampled token not yet fed);
     hist [B, H] int32: prompt + first token per row, H >= max prompt + N + W;
     rows [4, B] int32: hlen (tokens in hist), running (0 / 1), generated (tokens emitted so far),
-    remaining (tokens the row may still emit); stop_ids [B, S] int32 (-1 padded);
+    remaining (tokens the row may still emit); tune [2] f32: (draft_cost, EWMA decay of the acceptance
+    counts), values rather than static, so other settings reuse the program; stop_ids [B, S] int32 (-1 padded);
     seeds [B] uint32, temperature, top_p [B] f32, top_k [B] int32.
     Returns (out [B, N + W] int32: emitted tokens after the first, n_out [B], stopped [B] bool
     (a stop token ended the row), log [4, N, B] int32 per iteration: k drafted (-1 when the row did
@@ -136,6 +136,7 @@ def ngram_generate(params, cache, hist, rows, stop_ids, seeds, temperature, top_
     hlen, running, generated, remaining = rows[0], rows[1] > 0, rows[2], rows[3]
     keys = jax.vmap(jax.random.key)(seeds)
     buckets = lc.buckets
+    draft_cost, decay = tune[0], tune[1]
 
     def decode_branch(cache, tokens, n_draft, n_fed, generated, remaining, n_steps):
         rows = jnp.stack([tokens[:, 0], n_fed, generated, remaining, jnp.full((B,), n_steps, jnp.int32)])
@@ -163,7 +164,7 @@ def ngram_generate(params, cache, hist, rows, stop_ids, seeds, temperature, top_
         prop = jnp.where(follow[:, None], read_periodic(hist, jnp.maximum(cursor, 0), hlen, K), prop)
         start = jnp.where(follow, cursor, start)
         if lc.dynamic_k:
-            want = choose_k(acc / jnp.maximum(trials, 1e-9), streak, K, lc.draft_cost)
+            want = choose_k(acc / jnp.maximum(trials, 1e-9), streak, K, draft_cost)
         else:
             want = jnp.full((B,), K, jnp.int32)
         want = jnp.minimum(want, remaining - 1)
@@ -194,8 +195,8 @@ def ngram_generate(params, cache, hist, rows, stop_ids, seeds, temperature, top_
         proposed = jnp.where(k > 0, k, jnp.where(shadow, L, 0))
         accepted = jnp.where(k > 0, n_acc, jnp.where(shadow, jnp.sum(lead, axis=1).astype(jnp.int32), 0))
         upd = proposed > 0
-        acc = jnp.where(upd, lc.decay * acc + accepted, acc)
-        trials = jnp.where(upd, lc.decay * trials + accepted + (accepted < proposed), trials)
+        acc = jnp.where(upd, decay * acc + accepted, acc)
+        trials = jnp.where(upd, decay * trials + accepted + (accepted < proposed), trials)
         streak = jnp.where(upd, jnp.where(accepted >= proposed, proposed, 0), streak)
         # decode chunks grow while no proposal lands (as the host loop's do), back to `chunk` after a hit
         quiet = jnp.where((idx == 0) & lc.dynamic_k & ~jnp.any(shadow & (accepted > 0)), jnp.minimum(quiet + 1, 6), 0)

@@ -93,7 +93,9 @@ LENS = [5, 12, 20]        # 3 prompts: batch bucket 4, prompt bucket 32
 
 # --- greedy equality -------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("rollback,dynamic,batches", [("selection", False, (LENS, [9])), ("replay", True, (LENS,))])
+# selection runs the on-device loop (dynamic K there: its program is shared with the stop-token test;
+# the DeepSeek test runs it with a fixed K), replay the host loop.
+@pytest.mark.parametrize("rollback,dynamic,batches", [("selection", True, (LENS, [9])), ("replay", False, (LENS,))])
 def test_qwen3_next_greedy_identical(qwen, rollback, dynamic, batches):
     # A low draft cost makes dynamic K speculate from the first step, so short runs verify a lot.
     cfg = {"method": "ngram", "num_speculative_tokens": 3, "rollback": rollback, "dynamic_k": dynamic,
@@ -346,7 +348,7 @@ def test_dynamic_k_slow_start_doubles_while_every_draft_lands():
 
 
 def test_dynamic_k_falls_back_to_plain_decode_on_non_repetitive_text(qwen):
-    prompts = [np.random.default_rng(9).integers(0, 64, 8).tolist()]
+    prompts = [np.random.default_rng(9 + i).integers(0, 64, n).tolist() for i, n in enumerate(LENS)]
     got, dec = _spec(qwen, prompts, {"method": "ngram", "num_speculative_tokens": 3})
     assert got == _plain(qwen, prompts)
     s = dec.stats()
