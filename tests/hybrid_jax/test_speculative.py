@@ -148,6 +148,19 @@ def test_stop_tokens_and_max_tokens_cut_like_plain(qwen, rollback):
     assert sum(a + 1 for _, _, _, a in log) == s["emitted_tokens"]
 
 
+def test_device_loop_sampled_rows_follow_their_seeds(qwen):
+    """Sampled rows in the on-device loop: a seed reproduces its tokens, another seed changes them."""
+    prompts = _prompts(64, LENS)
+    cfg = {"method": "ngram", "num_speculative_tokens": 3, "draft_cost": 0.05}
+    sp = [SamplingParams(temperature=0.8, top_k=20, max_tokens=24, seed=s) for s in (7, 7, 8)]
+    a, dec = _spec(qwen, prompts, cfg, sp=sp[0])
+    b, _ = _spec(qwen, prompts, cfg, sp=sp[1])
+    c, _ = _spec(qwen, prompts, cfg, sp=sp[2])
+    assert a == b and a != c
+    assert all(len(t) == 24 and all(0 <= x < 64 for x in t) for t in a)
+    assert dec.stats()["verify_steps"] > 0
+
+
 # --- rollback --------------------------------------------------------------------------------------
 
 def _decode_steps(cfg, params, cache, tokens):
