@@ -15,9 +15,10 @@ One iteration, per row b (B rows, all arrays on device):
             rate, at least doubled after a check that accepted all its drafts (`dynamic_k.py`)
   step      `lax.switch` on the smallest compiled draft length >= max_b k: when no row drafts, a
             chunk of plain decode steps (`verify.decode_chunk`; the proposal is checked against
-            what it wrote, so a row whose text turns repetitive climbs back to k > 0; chunks grow 4x,
-            `chunk` up to `max_chunk` tokens, while those checks keep failing), else ONE verify forward over [pending, drafts] (T = Kb + 1) with per-position
-            recurrent states, acceptance and rollback by selection (`verify.py`)
+            what it wrote, so a row whose text turns repetitive climbs back to k > 0; chunks grow
+            4x, `chunk` up to `max_chunk` tokens, while those checks keep failing); else ONE verify
+            forward over [pending, drafts] (T = Kb + 1) with per-position recurrent states,
+            acceptance and rollback by selection (`verify.py`)
   emit      the accepted tokens and the bonus, cut at a stop token or the row's token budget,
             appended to the output and to the history; a row that emitted its last token stops
 
@@ -124,12 +125,13 @@ def ngram_generate(params, cache, hist, rows, tune, stop_ids, seeds, temperature
     hist [B, H] int32: prompt + first token per row, H >= max prompt + N + W;
     rows [4, B] int32: hlen (tokens in hist), running (0 / 1), generated (tokens emitted so far),
     remaining (tokens the row may still emit); tune [2] f32: (draft_cost, EWMA decay of the acceptance
-    counts), values rather than static, so other settings reuse the program; stop_ids [B, S] int32 (-1 padded);
+    counts), values rather than static, so other settings reuse the program; stop_ids [B, S] int32
+    (-1 padded);
     seeds [B] uint32, temperature, top_p [B] f32, top_k [B] int32.
     Returns (out [B, N + W] int32: emitted tokens after the first, n_out [B], stopped [B] bool
     (a stop token ended the row), log [4, N, B] int32 per iteration: k drafted (-1 when the row did
-    not verify), accepted, generated before, tokens emitted; branch [N] int32: -1 unused, 0 decode, else the verify's
-    draft length, cache)."""
+    not verify), accepted, generated before, tokens emitted; branch [N] int32: -1 unused, 0 decode,
+    else the verify's draft length; cache)."""
     K, N = lc.K, lc.max_new
     W = max(K + 1, lc.max_chunk)         # tokens one iteration can emit per row
     B = hist.shape[0]
@@ -199,7 +201,8 @@ def ngram_generate(params, cache, hist, rows, tune, stop_ids, seeds, temperature
         trials = jnp.where(upd, decay * trials + accepted + (accepted < proposed), trials)
         streak = jnp.where(upd, jnp.where(accepted >= proposed, proposed, 0), streak)
         # decode chunks grow while no proposal lands (as the host loop's do), back to `chunk` after a hit
-        quiet = jnp.where((idx == 0) & lc.dynamic_k & ~jnp.any(shadow & (accepted > 0)), jnp.minimum(quiet + 1, 6), 0)
+        quiet = jnp.where((idx == 0) & lc.dynamic_k & ~jnp.any(shadow & (accepted > 0)),
+                          jnp.minimum(quiet + 1, 6), 0)
         cursor = jnp.where(idx == 0, -1, jnp.where(k > 0, jnp.where(start >= 0, start + n_acc + 1, -1), cursor))
         n_out, hlen, generated = n_out + n_emit, hlen + n_emit, generated + n_emit
         remaining = remaining - n_emit
