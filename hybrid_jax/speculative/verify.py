@@ -107,22 +107,27 @@ def decode_chunk(params, cache, rows, stop_ids, seeds, temperature, top_k, top_p
     # runs this form as fast as plain decoding; a forward-first body was ~10% slower on CPU.
     logits, cache = _fwd(cfg, impl, params, cache, pending[:, None], (~done).astype(jnp.int32))
 
-    def body(state):
-        i, logits, cache, out, done = state
+    def emit(i, logits, out, done):
         new = jnp.where(done, -1, sample(logits, keys, step + i, temperature, top_k, top_p, flags))
         out = out.at[:, i].set(new)
         done = done | jnp.any(new[:, None] == stop_ids, axis=-1) | (i + 1 >= remaining) | (i + 1 >= n_steps)
-        # The chunk's last token stays pending (it opens the next verify window): no forward for it.
-        logits, cache = jax.lax.cond(
-            jnp.all(done), lambda: (logits, cache),
-            lambda: _fwd(cfg, impl, params, cache, jnp.maximum(new, 0)[:, None], (~done).astype(jnp.int32)))
+        return new, out, done
+
+    def body(state):
+        i, logits, cache, out, done = state
+        new, out, done = emit(i, logits, out, done)
+        logits, cache = _fwd(cfg, impl, params, cache, jnp.maximum(new, 0)[:, None], (~done).astype(jnp.int32))
         return i + 1, logits, cache, out, done
 
     def cond(state):
         i, _, _, _, done = state
-        return (i < steps) & ~jnp.all(done)
+        return (i + 1 < jnp.minimum(n_steps, steps)) & ~jnp.all(done)
 
-    _, _, cache, out, _ = jax.lax.while_loop(cond, body, (jnp.int32(0), logits, cache, out, done))
+    # The chunk's last token is emitted after the loop and not fed: it stays pending (it opens the
+    # next verify window). Peeling it off, rather than a lax.cond around the forward, keeps the
+    # cache out of a conditional, which cost XLA:CPU ~30% per step at batch 8 (buffer copies).
+    i, logits, cache, out, done = jax.lax.while_loop(cond, body, (jnp.int32(0), logits, cache, out, done))
+    _, out, _ = emit(i, logits, out, done)
     return out, cache
 
 
