@@ -54,7 +54,6 @@ class RowArrays:
     top_p: np.ndarray         # [Bb] f32
 
 
-
 def decode_compiler_options() -> dict:
     """XLA options for the decode program. On CPU, YNNPACK's fusions run the decode step's small
     matmuls (a few rows by the hidden size) slower than XLA's own dot: turning them off made the
@@ -64,6 +63,7 @@ def decode_compiler_options() -> dict:
     if jax.default_backend() == "cpu":
         return {"xla_cpu_experimental_ynn_fusion_type": ""}
     return {}
+
 
 class ModelRunner:
     def __init__(self, cfg, params, dtype, ecfg: EngineConfig, impl: str = "auto"):
