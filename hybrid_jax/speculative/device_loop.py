@@ -136,7 +136,6 @@ def ngram_generate(params, cache, hist, rows, tune, stop_ids, seeds, temperature
     W = max(K + 1, lc.max_chunk)         # tokens one iteration can emit per row
     B = hist.shape[0]
     hlen, running, generated, remaining = rows[0], rows[1] > 0, rows[2], rows[3]
-    keys = jax.vmap(jax.random.key)(seeds)
     buckets = lc.buckets
     draft_cost, decay = tune[0], tune[1]
 
