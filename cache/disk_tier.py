@@ -26,7 +26,9 @@ array has the recorded dtype, shape and checksum ("disk_corrupt"). Every rejecti
 
 Cap and LRU. The tier's bytes (sizes of all files of published entries) never exceed cap_bytes
 after a put: older entries are evicted by last access, which is the entry directory's mtime
-(touched on every hit), so the order survives restarts. An entry whose raw array bytes or written
+(touched on every hit), so the order survives restarts. Within a process the stamps are strictly
+increasing and also kept in memory, so that a wall clock stepped backwards or a file system with coarse
+timestamps cannot reorder this process's own accesses. An entry whose raw array bytes or written
 size exceed the cap is refused: `put` returns False and counts it; it never raises for I/O.
 """
 from __future__ import annotations
@@ -109,6 +111,8 @@ class DiskTier:
             os.makedirs(d, exist_ok=True)
         self._lock = threading.Lock()          # guards _sizes and the counters
         self._sizes: dict[str, int] = {}       # published key -> bytes on disk (this process's view)
+        self._stamps: dict[str, int] = {}      # key -> this process's last access stamp (ns)
+        self._last_stamp = 0
         self._hits = 0
         self._misses: collections.Counter[str] = collections.Counter()
         self._rejected: collections.Counter[str] = collections.Counter()
@@ -148,8 +152,7 @@ class DiskTier:
                     self._unpublish(key)
                 self._evict_for(size, keep=key)
                 os.rename(tmp, dest)
-                now = time.time_ns()
-                os.utime(dest, ns=(now, now))
+                self._touch(key, dest)
                 if self.durable:
                     _fsync_path(self._entries, directory=True)
                 with self._lock:
@@ -264,9 +267,7 @@ class DiskTier:
         except Exception:  # noqa: BLE001 - anything unreadable is corrupt (fail closed)
             reason = "disk_corrupt"
         else:
-            with contextlib.suppress(OSError):
-                now = time.time_ns()
-                os.utime(path, ns=(now, now))
+            self._touch(key, path)
             return arrays, None
         try:  # concurrently evicted or replaced while we read: a miss, not a corrupt entry
             if os.stat(path).st_ino != ino:
@@ -347,6 +348,15 @@ class DiskTier:
         with self._lock:
             self._sizes = sizes
 
+    def _touch(self, key: str, path: str) -> None:
+        """Mark `key` as used now: a stamp strictly above this process's previous one, kept in memory
+        and written as the entry directory's mtime (for other processes and after a restart)."""
+        with self._lock:
+            stamp = self._last_stamp = max(time.time_ns(), self._last_stamp + 1)
+            self._stamps[key] = stamp
+        with contextlib.suppress(OSError):
+            os.utime(path, ns=(stamp, stamp))
+
     def _evict_for(self, size: int, keep: str) -> None:
         """Evict least recently used entries until `size` more bytes fit under the cap."""
         with self._lock:
@@ -356,9 +366,11 @@ class DiskTier:
             return
         def atime(k: str) -> int:
             try:
-                return os.stat(os.path.join(self._entries, k)).st_mtime_ns
+                mtime = os.stat(os.path.join(self._entries, k)).st_mtime_ns
             except OSError:
-                return -1
+                mtime = -1
+            with self._lock:
+                return max(mtime, self._stamps.get(k, -1))
         for k in sorted(cands, key=lambda k: (atime(k), k)):
             if total + size <= self.cap_bytes:
                 break
@@ -377,6 +389,7 @@ class DiskTier:
         finally:
             with self._lock:
                 self._sizes.pop(key, None)
+                self._stamps.pop(key, None)
         shutil.rmtree(dest, ignore_errors=True)
         return True
 
