@@ -15,6 +15,24 @@ _FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive
 if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FAST_COMPILE).strip()
 
+# Most of the suite's programs are compiled again and again: every test builds its own engine, whose
+# jitted functions are new objects, and the server, notebook kernels and child processes start cold.
+# One persistent compilation cache for the whole run (created by the first process, inherited by
+# pytest-xdist workers and every subprocess through the environment) compiles each distinct program
+# once; a hit loads the same executable, so no result changes. A cache the caller set up is kept.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    import atexit  # noqa: E402
+    import shutil  # noqa: E402
+    import tempfile  # noqa: E402
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="hybrid_jax_tests_xla_")
+    atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+    # Programs that compile in under half a second are not worth a write (the kernel tests compile
+    # hundreds of them: caching every one made those tests half again slower).
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+    # A size limit turns on JAX's file lock around reads and writes: the workers share the directory.
+    os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(8 << 30))
+
 import pytest  # noqa: E402
 
 BASE = dict(vocab_size=211, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,

@@ -30,7 +30,7 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def server(tiny_checkpoint, tmp_path_factory):
     port = _free_port()
-    cc = tmp_path_factory.mktemp("jaxcache")
+    cc = os.environ.get("JAX_COMPILATION_CACHE_DIR") or tmp_path_factory.mktemp("jaxcache")   # conftest's, shared
     proc = subprocess.Popen(
         [sys.executable, "-m", "hybrid_jax.cli", "serve", "--model", tiny_checkpoint, "--port", str(port),
          "--api-key", KEY, "--max-num-seqs", "2", "--max-num-batched-tokens", "32", "--max-model-len", "256",
