@@ -26,9 +26,9 @@ array has the recorded dtype, shape and checksum ("disk_corrupt"). Every rejecti
 
 Cap and LRU. The tier's bytes (sizes of all files of published entries) never exceed cap_bytes
 after a put: older entries are evicted by last access, which is the entry directory's mtime
-(touched on every hit), so the order survives restarts. Within a process the stamps are strictly
-increasing and also kept in memory, so that a wall clock stepped backwards or a file system with coarse
-timestamps cannot reorder this process's own accesses. An entry whose raw array bytes or written
+(touched on every hit), so the order survives restarts. A tier's stamps are strictly increasing,
+start above every entry's mtime at open, and are also kept in memory, so that a wall clock stepped
+backwards or a file system with coarse timestamps cannot reorder the accesses made through it. An entry whose raw array bytes or written
 size exceed the cap is refused: `put` returns False and counts it; it never raises for I/O.
 """
 from __future__ import annotations
@@ -122,6 +122,9 @@ class DiskTier:
         self._clean_leftovers()
         with self._dir_lock():
             self._refresh()
+        with self._lock:
+            known = list(self._sizes)
+        self._last_stamp = max((self._mtime(k) for k in known), default=0)   # new accesses sort above old ones
 
     # ---- public API -----------------------------------------------------------------------------
 
@@ -348,6 +351,12 @@ class DiskTier:
         with self._lock:
             self._sizes = sizes
 
+    def _mtime(self, key: str) -> int:
+        try:
+            return os.stat(os.path.join(self._entries, key)).st_mtime_ns
+        except OSError:
+            return -1
+
     def _touch(self, key: str, path: str) -> None:
         """Mark `key` as used now: a stamp strictly above this process's previous one, kept in memory
         and written as the entry directory's mtime (for other processes and after a restart)."""
@@ -365,10 +374,7 @@ class DiskTier:
         if total + size <= self.cap_bytes:
             return
         def atime(k: str) -> int:
-            try:
-                mtime = os.stat(os.path.join(self._entries, k)).st_mtime_ns
-            except OSError:
-                mtime = -1
+            mtime = self._mtime(k)
             with self._lock:
                 return max(mtime, self._stamps.get(k, -1))
         for k in sorted(cands, key=lambda k: (atime(k), k)):

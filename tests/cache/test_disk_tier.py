@@ -178,15 +178,23 @@ def test_expectation_mismatch_is_a_miss_with_its_reason(tier, change, reason):
     assert tier.stats()["misses_by_reason"] == {reason: 1} and key not in tier
 
 
+def _tier_full_with_two(path, k) -> int:
+    """Stores k[0] and k[1] (entries 0 and 1) in a roomy tier at `path`; returns a cap with room for
+    them but not for a third entry. Orbax's files of one entry vary by +-20% from write to write
+    (OCDBT writes 10 to 12 files), so the cap comes from the stored sizes, not from a probe entry."""
+    with DiskTier(path, 10**8, fingerprint=FP) as roomy:
+        assert roomy.put(k[0], *entry(0))
+        s0 = roomy.stats()["bytes"]
+        assert roomy.put(k[1], *entry(1))
+        s1 = roomy.stats()["bytes"] - s0
+    return s0 + s1 + min(s0, s1) * 2 // 3
+
+
 def test_tiny_cap_evicts_lru_and_refuses_oversized(tmp_path):
-    arrays, meta = entry(0)
-    with DiskTier(tmp_path / "probe", 10**8, fingerprint=FP) as probe:
-        probe.put(make_key("p"), arrays, meta)
-        size = probe.stats()["bytes"]
-    cap = int(size * 2.5)                                   # room for two entries
+    k = [make_key(str(i)) for i in range(4)]
+    cap = _tier_full_with_two(tmp_path / "kv", k)
     with DiskTier(tmp_path / "kv", cap, fingerprint=FP) as t:
-        k = [make_key(str(i)) for i in range(4)]
-        assert t.put(k[0], *entry(0)) and t.put(k[1], *entry(1))
+        assert k[0] in t and k[1] in t
         time.sleep(0.01)
         assert t.get(k[0])[1] is None                       # k0 is now more recent than k1
         assert t.put(k[2], *entry(2))
@@ -198,30 +206,26 @@ def test_tiny_cap_evicts_lru_and_refuses_oversized(tmp_path):
         s = t.stats()
         assert s["rejected_puts"] == 1 and s["rejected_puts_by_reason"] == {"too_big": 1}
         assert s["bytes"] == disk_bytes(t) <= cap
+    with DiskTier(tmp_path / "full", 64, fingerprint=FP) as full:  # a full disk: nothing fits, nothing raises
+        assert full.put(k[0], *entry(0)) is False and full.stats()["entries"] == 0
 
 
 @pytest.mark.parametrize("clock", ["frozen", "backwards"])
 def test_lru_follows_access_order_under_a_bad_wall_clock(tmp_path, monkeypatch, clock):
-    """A wall clock that stands still (coarse timestamps) or steps backwards must not reorder this
-    process's accesses: the least recently used entry is still the one evicted."""
-    arrays, meta = entry(0)
-    with DiskTier(tmp_path / "probe", 10**8, fingerprint=FP) as probe:
-        probe.put(make_key("p"), arrays, meta)
-        size = probe.stats()["bytes"]
+    """A wall clock that stands still (coarse timestamps) or steps backwards must not reorder the
+    accesses: the least recently used entry is still the one evicted, also right after a reopen."""
     ticks = iter(range(10**18, 0, -10**9))                  # one second earlier at every call
     fake = (lambda: 10**18) if clock == "frozen" else (lambda: next(ticks))
     monkeypatch.setattr(time, "time_ns", fake)
-    with DiskTier(tmp_path / "kv", int(size * 2.5), fingerprint=FP) as t:
-        k = [make_key(f"c{i}") for i in range(3)]
-        assert t.put(k[0], *entry(0)) and t.put(k[1], *entry(1))
+    k = [make_key(f"c{i}") for i in range(3)]
+    cap = _tier_full_with_two(tmp_path / "kv", k)
+    with DiskTier(tmp_path / "kv", cap, fingerprint=FP) as t:
         assert t.get(k[0])[1] is None                       # k1 is now the least recently used
         assert t.put(k[2], *entry(2))
         assert k[1] not in t and k[0] in t and k[2] in t
         assert t.get(k[2])[1] is None and t.get(k[0])[1] is None
         assert t.put(k[1], *entry(1))                       # k2 is now the least recently used
         assert k[2] not in t and k[0] in t and k[1] in t
-    with DiskTier(tmp_path / "full", 64, fingerprint=FP) as full:  # a full disk: nothing fits, nothing raises
-        assert full.put(k[0], *entry(0)) is False and full.stats()["entries"] == 0
 
 
 def test_failed_write_is_a_refused_put(tier, monkeypatch):
