@@ -28,8 +28,9 @@ Cap and LRU. The tier's bytes (sizes of all files of published entries) never ex
 after a put: older entries are evicted by last access, which is the entry directory's mtime
 (touched on every hit), so the order survives restarts. A tier's stamps are strictly increasing,
 start above every entry's mtime at open, and are also kept in memory, so that a wall clock stepped
-backwards or a file system with coarse timestamps cannot reorder the accesses made through it. An entry whose raw array bytes or written
-size exceed the cap is refused: `put` returns False and counts it; it never raises for I/O.
+backwards or a file system with coarse timestamps cannot reorder the accesses made through it.
+An entry whose raw array bytes or written size exceed the cap is refused: `put` returns False and
+counts it; it never raises for I/O.
 """
 from __future__ import annotations
 
