@@ -351,6 +351,7 @@ class DiskTier:
         sizes = {k: known[k] if k in known else _dir_bytes(os.path.join(self._entries, k)) for k in on_disk}
         with self._lock:
             self._sizes = sizes
+            self._stamps = {k: v for k, v in self._stamps.items() if k in sizes}   # gone: evicted elsewhere
 
     def _mtime(self, key: str) -> int:
         try:
