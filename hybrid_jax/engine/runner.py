@@ -21,7 +21,7 @@ import numpy as np
 
 from cache import put_rows, take_rows
 from hybrid_jax.engine.config import EngineConfig
-from hybrid_jax.generate import bucket
+from hybrid_jax.generate import bucket, decode_compiler_options
 from hybrid_jax.models import get_model
 from hybrid_jax.sampling import SamplerFlags, sample, token_logprobs
 
@@ -54,17 +54,6 @@ class RowArrays:
     top_p: np.ndarray         # [Bb] f32
 
 
-def decode_compiler_options() -> dict:
-    """XLA options for the decode program. On CPU, YNNPACK's fusions run the decode step's small
-    matmuls (a few rows by the hidden size) slower than XLA's own dot: turning them off made the
-    batch-8 and batch-32 decode steps ~12% faster in a same-process A/B (2.79 vs 3.18 ms, 6.42 vs
-    7.39 ms), no change at batch 1. Prefill-sized matmuls keep YNNPACK (faster there), so only the
-    decode program gets this. Elsewhere: none."""
-    if jax.default_backend() == "cpu":
-        return {"xla_cpu_experimental_ynn_fusion_type": ""}
-    return {}
-
-
 class ModelRunner:
     def __init__(self, cfg, params, dtype, ecfg: EngineConfig, impl: str = "auto"):
         self.cfg, self.params, self.ecfg, self.impl, self.dtype = cfg, params, ecfg, impl, dtype
@@ -78,7 +67,7 @@ class ModelRunner:
         self._decode = jax.jit(self._decode_fn, static_argnames=("steps", "flags", "top_n"),
                                donate_argnames=("cache", "dcache"), compiler_options=decode_compiler_options())
         self._verify = jax.jit(self._verify_fn, static_argnames=("flags", "replay"),
-                               donate_argnames=("cache", "dcache"))
+                               donate_argnames=("cache", "dcache"), compiler_options=decode_compiler_options())
         # A draft model (speculative decoding) keeps its own cache rows in step with the target's:
         # every prefill chunk and decode iteration feeds it the same tokens.
         self.dcfg = self.dparams = self.dmodel = self.dcache = None

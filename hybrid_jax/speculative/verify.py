@@ -22,6 +22,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from hybrid_jax.generate import decode_jit
 from hybrid_jax.models import get_model
 from hybrid_jax.sampling import SamplerFlags, sample
 from hybrid_jax.speculative.acceptance import accept
@@ -56,7 +57,7 @@ def _verify(params, cache, tokens, meta, draft_probs, seeds, temperature, top_k,
     return n_acc, out_tok, n_fed, n_keep, new, (out[2] if per_token_states else None)
 
 
-@functools.partial(jax.jit, static_argnames=STATIC, donate_argnums=(1,))
+@decode_jit(static_argnames=STATIC, donate_argnums=(1,))
 def verify_select(params, cache, tokens, meta, draft_probs, seeds, temperature, top_k, top_p, *, cfg, impl,
                   flags: SamplerFlags):
     """tokens [B, K+1] int32 = [pending, d_1 .. d_K] (drafts past n_draft[b] are padding);
@@ -71,7 +72,7 @@ def verify_select(params, cache, tokens, meta, draft_probs, seeds, temperature, 
     return n_acc, out_tok, rollback_by_selection(new, states, old_lengths, n_fed, n_keep)
 
 
-@functools.partial(jax.jit, static_argnames=STATIC)
+@decode_jit(static_argnames=STATIC)
 def verify_keep(params, cache, tokens, meta, draft_probs, seeds, temperature, top_k, top_p, *, cfg, impl,
                 flags: SamplerFlags):
     """Same arguments as verify_select; the input cache is not donated (it is the snapshot).
@@ -81,7 +82,7 @@ def verify_keep(params, cache, tokens, meta, draft_probs, seeds, temperature, to
     return n_acc, out_tok, new, n_keep
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "impl"), donate_argnums=(1,))
+@decode_jit(static_argnames=("cfg", "impl"), donate_argnums=(1,))
 def replay(params, snapshot, tokens, meta, n_keep, verify_version, *, cfg, impl):
     """snapshot: the pre-verify cache; tokens [B, K+1] and meta [3, B] the verify step's inputs;
     n_keep [B]; verify_version [B]. Returns the cache holding exactly the kept tokens."""
@@ -90,7 +91,7 @@ def replay(params, snapshot, tokens, meta, n_keep, verify_version, *, cfg, impl)
     return finish_replay(new, verify_version, n_fed, n_keep)
 
 
-@functools.partial(jax.jit, static_argnames=STATIC + ("steps",), donate_argnums=(1,))
+@decode_jit(static_argnames=STATIC + ("steps",), donate_argnums=(1,))
 def decode_chunk(params, cache, rows, stop_ids, seeds, temperature, top_k, top_p, *, cfg, impl, steps: int,
                  flags: SamplerFlags):
     """Plain decoding on device, up to n_steps (<= the static buffer size `steps`) tokens per row.
