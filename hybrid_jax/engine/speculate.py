@@ -92,6 +92,15 @@ class EngineSpeculator:
                 k = 0
             drafts.append(np.asarray(prop[:max(k, 0)], np.int32))
             shadows.append(np.asarray(prop if self.drafter is not None else prop[:0], np.int32))
+        if self.drafter is not None and any(len(d) for d in drafts):
+            # The verify runs k_bucket + 1 positions for every row whatever its k, so n-gram drafts
+            # up to the bucket cost nothing more: every row with a proposal fills it.
+            Kb = self.k_bucket(max(len(d) for d in drafts))
+            for i, q in enumerate(reqs):
+                if q.params.logprobs is None:
+                    fill = min(Kb, len(shadows[i]), q.remaining_tokens - 1)
+                    if fill > len(drafts[i]):
+                        drafts[i] = shadows[i][:fill]
         return drafts, shadows
 
     def k_bucket(self, k: int) -> int:

@@ -196,6 +196,13 @@ class SpeculativeDecoder:
             k_rows = np.zeros((B,), np.int32)
             proposals, shadow = {}, {}
             t0 = time.perf_counter()
+
+            def propose(r, n):
+                p, s = self.ngram.propose_at(hist[r, :hlen[r]], n)
+                if len(p) == 0 and 0 <= cursor[r] < hlen[r]:                    # past an edit
+                    p, s = self.ngram.read_from(hist[r, :hlen[r]], cursor[r], n), cursor[r]
+                return p, s
+
             for r in rows:
                 want = tracker.next_k(r, K, spec.draft_cost) if spec.dynamic_k else K
                 if probe[r]:
@@ -203,9 +210,7 @@ class SpeculativeDecoder:
                 want = min(want, int(rem[r]) - 1)
                 if self.ngram is not None:
                     if want > 0:
-                        proposals[r], src[r] = self.ngram.propose_at(hist[r, :hlen[r]], want)
-                        if len(proposals[r]) == 0 and 0 <= cursor[r] < hlen[r]:     # past an edit
-                            proposals[r], src[r] = self.ngram.read_from(hist[r, :hlen[r]], cursor[r], want), cursor[r]
+                        proposals[r], src[r] = propose(r, want)
                         k_rows[r] = len(proposals[r])
                     elif spec.dynamic_k and rem[r] > 1:
                         shadow[r] = self.ngram.propose(hist[r, :hlen[r]], min(K, int(rem[r]) - 1))
@@ -241,6 +246,15 @@ class SpeculativeDecoder:
             quiet = 0
 
             Kb = spec.k_bucket(int(k_rows.max()))
+            if self.ngram is not None:
+                # The verify runs Kb + 1 positions for every row whatever its k, so drafts up to Kb
+                # cost nothing more: every row with a proposal fills the bucket.
+                for r in rows:
+                    fill = min(Kb, int(rem[r]) - 1)
+                    if fill > k_rows[r]:
+                        p, s_ = propose(r, fill)
+                        if len(p) > k_rows[r]:
+                            proposals[r], src[r], k_rows[r] = p, s_, len(p)
             tokens = np.zeros((B, Kb + 1), np.int32)
             tokens[:, 0] = pending
             probs = None

@@ -33,11 +33,11 @@ W = max(K + 1, max_chunk) tokens one iteration can emit per row.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
 
+from hybrid_jax.generate import decode_jit
 from hybrid_jax.sampling import SamplerFlags
 from hybrid_jax.speculative.rollback import rollback_by_selection
 from hybrid_jax.speculative.verify import _verify, decode_chunk
@@ -117,7 +117,7 @@ def _append(buf, at, toks, n):
     return jax.vmap(row)(buf, at, toks, n)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "impl", "flags", "lc"), donate_argnums=(1,))
+@decode_jit(static_argnames=("cfg", "impl", "flags", "lc"), donate_argnums=(1,))
 def ngram_generate(params, cache, hist, rows, tune, stop_ids, seeds, temperature, top_k, top_p, *, cfg, impl,
                    flags: SamplerFlags, lc: LoopConfig):
     """Speculative generation after prefill, entirely on device.
@@ -172,6 +172,10 @@ def ngram_generate(params, cache, hist, rows, tune, stop_ids, seeds, temperature
         k = jnp.where(running & (start >= 0) & (want > 0), want, 0)
         kmax = jnp.max(k)
         idx = jnp.where(kmax == 0, 0, 1 + jnp.searchsorted(jnp.asarray(buckets), kmax))
+        # A verify runs Kb + 1 positions for every row, whatever its k: drafts up to Kb cost nothing
+        # more, so every row with a proposal fills the bucket (more chances to land, same step).
+        kb = jnp.asarray((0,) + buckets, jnp.int32)[idx]
+        k = jnp.where(running & (start >= 0) & (kb > 0), jnp.minimum(kb, remaining - 1), 0)
         pending = jnp.take_along_axis(hist, jnp.maximum(hlen - 1, 0)[:, None], axis=1)
         tokens = jnp.concatenate([pending, jnp.where(jnp.arange(K)[None] < k[:, None], prop, 0)], axis=1)
         n_fed = jnp.where(running, 1 + k, 0).astype(jnp.int32)

@@ -27,7 +27,7 @@ from hybrid_jax.sampling import SamplerFlags
 from hybrid_jax.speculative import SpeculativeDecoder, parse_speculative_config
 from hybrid_jax.speculative import verify
 from hybrid_jax.speculative.acceptance import rejection_sample
-from hybrid_jax.speculative.device_loop import choose_k as device_choose_k, ngram_propose
+from hybrid_jax.speculative.device_loop import choose_k as device_choose_k, loop_buckets, ngram_propose
 from hybrid_jax.speculative.drafters import NgramDrafter
 from hybrid_jax.speculative.dynamic_k import AcceptanceTracker, choose_k
 
@@ -358,6 +358,24 @@ def test_dynamic_k_slow_start_doubles_while_every_draft_lands():
     assert choose_k(float(t.rate()[0]), 32, 0.5) < 32     # the lagging rate alone would draft less
     t.update(0, 32, 5)                       # a rejection ends the streak: back to what the rate supports
     assert t.next_k(0, 32, 0.5) == choose_k(float(t.rate()[0]), 32, 0.5) < 32
+
+
+@pytest.mark.parametrize("device_loop", [True, False])
+def test_ngram_drafts_fill_the_verify_bucket(qwen, device_loop):
+    """A verify runs Kb + 1 positions for every row whatever k the acceptance rate asked for, so an
+    n-gram row drafts up to the bucket (or to its token budget): the extra drafts are free."""
+    rng = np.random.default_rng(0)
+    seeds = [rng.integers(0, 64, n).tolist() for n in (12, 20, 9, 16)][::3]
+    first = _plain(qwen, seeds, SamplingParams(temperature=0, max_tokens=40))
+    prompts = [p + o for p, o in zip(seeds, first)]      # the model's greedy text falls into loops
+    sp = SamplingParams(temperature=0, max_tokens=64)
+    got, dec = _spec(qwen, prompts, {"method": "ngram", "num_speculative_tokens": 12, "device_loop": device_loop}, sp)
+    assert got == _plain(qwen, prompts, sp)
+    buckets = set(loop_buckets(12, True)) if device_loop else set(dec.spec.k_buckets())
+    log = dec.step_log()
+    assert len(log) >= 2
+    for _, pos, k, _ in log:
+        assert k in buckets or k == sp.max_tokens - pos - 1, (k, pos, sorted(buckets))
 
 
 def test_dynamic_k_falls_back_to_plain_decode_on_non_repetitive_text(qwen):
