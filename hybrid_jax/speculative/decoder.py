@@ -4,7 +4,8 @@ The host loop per batch (rows padded to power-of-two buckets, every device step 
 
   prefill -> first token (sampled like plain decoding)
   repeat until every row stopped:
-    choose k[b] per row (dynamic K from its acceptance rate, or K), draft up to k[b] tokens
+    choose k[b] per row (dynamic K from its acceptance rate, or K), draft up to k[b] tokens (n-gram
+        rows then fill the verify's bucket: it runs that many positions for every row anyway)
     if no row has a draft: one on-device chunk of plain decode steps (the K = 0 fallback); the
         n-gram drafter's proposal is checked against what the chunk produced ("shadow" acceptance),
         so a request whose text turns repetitive climbs back to K > 0; while those checks keep
