@@ -197,12 +197,16 @@ class SpeculativeDecoder:
             k_rows = np.zeros((B,), np.int32)
             proposals, shadow = {}, {}
             t0 = time.perf_counter()
+            full = {}       # n-gram: row -> (its proposal at full length, start); drafts are prefixes
 
-            def propose(r, n):
-                p, s = self.ngram.propose_at(hist[r, :hlen[r]], n)
-                if len(p) == 0 and 0 <= cursor[r] < hlen[r]:                    # past an edit
-                    p, s = self.ngram.read_from(hist[r, :hlen[r]], cursor[r], n), cursor[r]
-                return p, s
+            def propose(r):
+                if r not in full:
+                    n = min(K, int(rem[r]) - 1)
+                    p, s = self.ngram.propose_at(hist[r, :hlen[r]], n)
+                    if len(p) == 0 and n > 0 and 0 <= cursor[r] < hlen[r]:      # past an edit
+                        p, s = self.ngram.read_from(hist[r, :hlen[r]], cursor[r], n), cursor[r]
+                    full[r] = p, s
+                return full[r]
 
             for r in rows:
                 want = tracker.next_k(r, K, spec.draft_cost) if spec.dynamic_k else K
@@ -211,7 +215,8 @@ class SpeculativeDecoder:
                 want = min(want, int(rem[r]) - 1)
                 if self.ngram is not None:
                     if want > 0:
-                        proposals[r], src[r] = propose(r, want)
+                        p, src[r] = propose(r)
+                        proposals[r] = p[:want]
                         k_rows[r] = len(proposals[r])
                     elif spec.dynamic_k and rem[r] > 1:
                         shadow[r] = self.ngram.propose(hist[r, :hlen[r]], min(K, int(rem[r]) - 1))
@@ -253,9 +258,10 @@ class SpeculativeDecoder:
                 for r in rows:
                     fill = min(Kb, int(rem[r]) - 1)
                     if fill > k_rows[r]:
-                        p, s_ = propose(r, fill)
+                        p, start = propose(r)
+                        p = p[:fill]
                         if len(p) > k_rows[r]:
-                            proposals[r], src[r], k_rows[r] = p, s_, len(p)
+                            proposals[r], src[r], k_rows[r] = p, start, len(p)
             tokens = np.zeros((B, Kb + 1), np.int32)
             tokens[:, 0] = pending
             probs = None
