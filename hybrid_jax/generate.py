@@ -167,14 +167,14 @@ class Generator:
         return self.model.new_cache(self.cfg, batch_size, capacity, self.dtype)
 
     def run(self, batch: Batch) -> tuple[np.ndarray, np.ndarray]:
-        """Prefill then decode. Returns (tokens [B, steps] with -1 after each row's end, n_out [B])."""
+        """Prefill then decode. Returns (tokens [B, steps] with -1 after each row's end, n_out [B]).
+        The host arrays go to the jitted calls as numpy arrays: copied inside the call, ~10x
+        cheaper on CPU than a jnp.asarray each."""
         B = batch.tokens.shape[0]
         cache = self.new_cache(B, batch.capacity)
-        logits, cache = self._prefill(self.params, cache, jnp.asarray(batch.tokens), jnp.asarray(batch.n_prompt))
-        out, n_out, _ = self._decode(self.params, cache, logits, jnp.asarray(batch.seeds),
-                                     jnp.asarray(batch.temperature), jnp.asarray(batch.top_k),
-                                     jnp.asarray(batch.top_p), jnp.asarray(batch.max_new),
-                                     jnp.asarray(batch.stop_ids), steps=batch.steps, flags=batch.flags)
+        logits, cache = self._prefill(self.params, cache, batch.tokens, batch.n_prompt)
+        out, n_out, _ = self._decode(self.params, cache, logits, batch.seeds, batch.temperature, batch.top_k,
+                                     batch.top_p, batch.max_new, batch.stop_ids, steps=batch.steps, flags=batch.flags)
         return np.asarray(out), np.asarray(n_out)
 
     def logits(self, tokens: np.ndarray) -> np.ndarray:

@@ -12,7 +12,7 @@ One iteration, per row b (B rows, all arrays on device):
             matches and the row still follows copied text past a rejected draft (`cursor`), the
             text after it, as `NgramDrafter.read_from`
   choose k  dynamic K on device: argmax_k E(k) / (1 + draft_cost k) at the row's decayed acceptance
-            rate, at least doubled after a check that accepted all its drafts (`dynamic_k.py`)
+            rate, at least 4x the drafts of a check that accepted all of them (`dynamic_k.py`)
   step      `lax.switch` on the smallest compiled draft length Kb >= max_b k: when no row drafts, a
             chunk of plain decode steps (`verify.decode_chunk`; the proposal is checked against
             what it wrote, so a row whose text turns repetitive climbs back to k > 0; chunks grow
@@ -40,6 +40,7 @@ import jax.numpy as jnp
 
 from hybrid_jax.generate import decode_jit
 from hybrid_jax.sampling import SamplerFlags
+from hybrid_jax.speculative.dynamic_k import SLOW_START_GROWTH
 from hybrid_jax.speculative.rollback import rollback_by_selection
 from hybrid_jax.speculative.verify import _verify, decode_chunk
 
@@ -109,7 +110,7 @@ def choose_k(rate, streak, k_max: int, draft_cost):
     ks = jnp.arange(k_max + 1, dtype=jnp.float32)
     expected = jnp.cumsum(rate[:, None] ** ks[None], axis=1)                  # 1 + a + ... + a^k
     k = jnp.argmax(expected / (1.0 + draft_cost * ks[None]), axis=1).astype(jnp.int32)
-    return jnp.maximum(k, jnp.minimum(2 * streak, k_max))
+    return jnp.maximum(k, jnp.minimum(SLOW_START_GROWTH * streak, k_max))
 
 
 def _append(buf, at, toks, n):
@@ -123,17 +124,18 @@ def _append(buf, at, toks, n):
 
 
 @decode_jit(static_argnames=("cfg", "impl", "flags", "lc"), donate_argnums=(1,))
-def ngram_generate(params, cache, hist, rows, tune, stop_ids, seeds, temperature, top_k, top_p, *, cfg, impl,
-                   flags: SamplerFlags, lc: LoopConfig):
+def ngram_generate(params, cache, hist, first, rows, tune, stop_ids, seeds, temperature, top_k, top_p, *, cfg,
+                   impl, flags: SamplerFlags, lc: LoopConfig):
     """Speculative generation after prefill, entirely on device.
-    cache: the rows after their prompts (the first sampled token not yet fed);
-    hist [B, H] int32: prompt + first token per row, H >= max prompt + N + W;
-    rows [4, B] int32: hlen (tokens in hist), running (0 / 1), generated (tokens emitted so far),
-    remaining (tokens the row may still emit); tune [2] f32: (draft_cost, EWMA decay of the acceptance
-    counts), values rather than static, so other settings reuse the program; stop_ids [B, S] int32
-    (-1 padded);
+    cache: the rows after their prompts; hist [B, H] int32: the prompt per row, H >= max prompt + 1 + N + W;
+    first [B] int32: the token prefill sampled, not yet emitted (taken as a device array, so the host
+    dispatches prefill and this loop back to back, without waiting for the prefill in between);
+    rows [4, B] int32: hlen (prompt tokens in hist), running (0 / 1), generated (tokens emitted so
+    far), remaining (tokens the row may still emit, the first included); tune [2] f32: (draft_cost,
+    EWMA decay of the acceptance counts), values rather than static, so other settings reuse the
+    program; stop_ids [B, S] int32 (-1 padded);
     seeds [B] uint32, temperature, top_p [B] f32, top_k [B] int32.
-    Returns (out [B, N + W] int32: emitted tokens after the first, n_out [B], stopped [B] bool
+    Returns (out [B, N + W] int32: emitted tokens, the first included, n_out [B], stopped [B] bool
     (a stop token ended the row), log [4, N, B] int32 per iteration: k drafted (-1 when the row did
     not verify), accepted, generated before, tokens emitted; branch [N] int32: -1 unused, 0 decode,
     else the verify's draft length; cache)."""
@@ -222,9 +224,15 @@ def ngram_generate(params, cache, hist, rows, tune, stop_ids, seeds, temperature
     def cond(s):
         return (s[0] < N) & jnp.any(s[4])
 
+    # emit the first token (sampled by prefill), cut at the budget and at a stop token, as the loop does
+    n0 = (running & (remaining > 0)).astype(jnp.int32)
+    hit0 = (n0 > 0) & jnp.any(first[:, None] == stop_ids, axis=-1)
+    out = _append(jnp.full((B, N + W), -1, jnp.int32), jnp.zeros((B,), jnp.int32), first[:, None], n0)
+    hist = _append(hist, hlen, first[:, None], n0)
+    hlen, generated, remaining = hlen + n0, generated + n0, remaining - n0
+    running = running & ~hit0 & (remaining > 0)
     f32 = jnp.float32
-    state = (jnp.int32(0), cache, hist, hlen, running & (remaining > 0), generated, remaining,
-             jnp.full((B, N + W), -1, jnp.int32), jnp.zeros((B,), jnp.int32), jnp.zeros((B,), bool),
+    state = (jnp.int32(0), cache, hist, hlen, running, generated, remaining, out, n0, hit0,
              jnp.full((B,), 0.2, f32), jnp.ones((B,), f32), jnp.zeros((B,), jnp.int32), jnp.full((B,), -1, jnp.int32),
              jnp.full((4, N, B), -1, jnp.int32), jnp.full((N,), -1, jnp.int32), jnp.int32(0))
     s = jax.lax.while_loop(cond, body, state)
