@@ -12,7 +12,7 @@ One iteration, per row b (B rows, all arrays on device):
             matches and the row still follows copied text past a rejected draft (`cursor`), the
             text after it, as `NgramDrafter.read_from`
   choose k  dynamic K on device: argmax_k E(k) / (1 + draft_cost k) at the row's decayed acceptance
-            rate, at least 4x the drafts of a check that accepted all of them (`dynamic_k.py`)
+            rate, at least doubled after a check that accepted all its drafts (`dynamic_k.py`)
   step      `lax.switch` on the smallest compiled draft length Kb >= max_b k: when no row drafts, a
             chunk of plain decode steps (`verify.decode_chunk`; the proposal is checked against
             what it wrote, so a row whose text turns repetitive climbs back to k > 0; chunks grow
@@ -40,7 +40,6 @@ import jax.numpy as jnp
 
 from hybrid_jax.generate import decode_jit
 from hybrid_jax.sampling import SamplerFlags
-from hybrid_jax.speculative.dynamic_k import SLOW_START_GROWTH
 from hybrid_jax.speculative.rollback import rollback_by_selection
 from hybrid_jax.speculative.verify import _verify, decode_chunk
 
@@ -110,7 +109,7 @@ def choose_k(rate, streak, k_max: int, draft_cost):
     ks = jnp.arange(k_max + 1, dtype=jnp.float32)
     expected = jnp.cumsum(rate[:, None] ** ks[None], axis=1)                  # 1 + a + ... + a^k
     k = jnp.argmax(expected / (1.0 + draft_cost * ks[None]), axis=1).astype(jnp.int32)
-    return jnp.maximum(k, jnp.minimum(SLOW_START_GROWTH * streak, k_max))
+    return jnp.maximum(k, jnp.minimum(2 * streak, k_max))
 
 
 def _append(buf, at, toks, n):
