@@ -73,19 +73,21 @@ def timed(fn, repeats=3):
     return best, res
 
 
-def timed_pair(f, g, repeats=7):
-    """Best-of-`repeats` wall times of f() and g(), run alternately (after one warm-up call each),
-    so load from other processes on a shared machine hits both alike. Returns (tf, f(), tg, g())."""
+def timed_pair(f, g, repeats=11):
+    """Wall times of f() and g(), run alternately `repeats` times (after one warm-up call each), so
+    load from other processes on a shared machine hits both alike. Returns (best tf, f(), best tg,
+    g(), the median over the repeats of tf / tg within each back-to-back pair)."""
     rf, rg = f(), g()
-    tf = tg = float("inf")
+    tf, tg = [], []
     for _ in range(repeats):
         t0 = time.perf_counter()
         rf = f()
         t1 = time.perf_counter()
         rg = g()
         t2 = time.perf_counter()
-        tf, tg = min(tf, t1 - t0), min(tg, t2 - t1)
-    return tf, rf, tg, rg
+        tf.append(t1 - t0)
+        tg.append(t2 - t1)
+    return min(tf), rf, min(tg), rg, float(np.median(np.asarray(tf) / np.asarray(tg)))
 
 
 def draft_cost(llm, k, B=1, cap=512) -> float:
@@ -156,10 +158,10 @@ def main():
     cost = draft_cost(llm, args.k)
     print(f"dynamic K's draft_cost, calibrated on this machine: one more verified draft token costs {cost:.3f} "
           f"of a plain decode step")
-    print("\n1. tokens/s, plain vs speculative (best of 7, the two run alternately after a warm-up; outputs"
+    print("\n1. tokens/s, plain vs speculative (best of 11, the two run alternately after a warm-up; outputs"
           " compared token by token)")
-    print(f"   {'batch':>5} {'workload':<15} {'plain tok/s':>11} {'spec tok/s':>10} {'ratio':>6} {'identical':>9} "
-          f"{'accept':>6} {'tok/verify':>10} {'verify/fallback tokens':>22}")
+    print(f"   {'batch':>5} {'workload':<15} {'plain tok/s':>11} {'spec tok/s':>10} {'ratio':>6} {'pairs':>6} "
+          f"{'identical':>9} {'accept':>6} {'tok/verify':>10} {'verify/fallback tokens':>22}")
     for B in batches:
         for name, prompts in wls_by_b[B].items():
             dec = SpeculativeDecoder(llm.config, llm.params, llm.dtype,
@@ -167,17 +169,19 @@ def main():
                                       "draft_cost": cost})
             dec.generate(prompts, [sp] * len(prompts))          # warm-up: compiles every bucket this run visits
             dec.reset_stats()
-            t_plain, base, t_spec, got = timed_pair(
+            t_plain, base, t_spec, got, pair = timed_pair(
                 lambda: [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], sp)],
                 lambda: [t for t, _ in dec.generate(prompts, [sp] * len(prompts))])
             n = sum(len(t) for t in base)
             s = dec.stats()
             verify_tok = s["emitted_tokens"]
             print(f"   {B:>5} {name:<15} {n / t_plain:>11.1f} {n / t_spec:>10.1f} {t_plain / t_spec:>5.2f}x "
-                  f"{str(got == base):>9} {s['acceptance_rate']:>6.2f} {s['mean_accepted_length']:>10.2f} "
+                  f"{pair:>5.2f}x {str(got == base):>9} {s['acceptance_rate']:>6.2f} {s['mean_accepted_length']:>10.2f} "
                   f"{verify_tok:>11d}/{s['fallback_tokens']:<10d}")
-    print("   (ratio = plain time / speculative time; 'tok/verify' = tokens emitted per row-verify, bonus included;"
-          "\n    the last column counts tokens over the 8 runs: emitted by verify steps / by plain fallback chunks)")
+    print("   (ratio = best plain time / best speculative time; pairs = the median over the 11 back-to-back pairs of"
+          "\n    plain time / speculative time, less swayed by a lucky or unlucky run on a shared machine;"
+          "\n    'tok/verify' = tokens emitted per row-verify, bonus included; the last column counts tokens over"
+          "\n    the 12 speculative runs (warm-up included): emitted by verify steps / by plain fallback chunks)")
 
     print("\n2. rollback by selection vs snapshot + replay (same runs as above, per rollback mode; both in the host"
           " loop, since replay has no on-device loop)")
