@@ -132,6 +132,22 @@ def test_draft_model_greedy_identical_and_sampling_runs(qwen, qwen_draft):
     assert a == b and all(len(t) == 24 and all(0 <= x < 64 for x in t) for t in a)
 
 
+@pytest.mark.parametrize("device_loop", [True, False])
+def test_first_token_stop_and_one_token_budget_like_plain(qwen, device_loop):
+    """The first token comes from prefill (the on-device loop emits it itself): a stop token there,
+    or max_tokens = 1, ends the row at once, as in plain decoding."""
+    prompts = _prompts(64, LENS)
+    first = [t[0] for t in _plain(qwen, prompts)]
+    dec = SpeculativeDecoder(qwen.config, qwen.params, qwen.dtype,
+                             {"method": "ngram", "num_speculative_tokens": 3, "device_loop": device_loop})
+    sp = SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[first[1]])
+    got = dec.generate(prompts, [sp] * len(prompts))
+    assert [t for t, _ in got] == _plain(qwen, prompts, sp)
+    assert got[1] == ([first[1]], "stop") and all(len(t) > 1 for t, _ in got[:1] + got[2:] if t[0] != first[1])
+    one = dec.generate(prompts, [SamplingParams(temperature=0, max_tokens=1)] * len(prompts))
+    assert one == [([f], "length") for f in first]
+
+
 @pytest.mark.parametrize("rollback", ["selection", "replay"])      # selection: the on-device loop
 def test_stop_tokens_and_max_tokens_cut_like_plain(qwen, rollback):
     prompts = _prompts(64, LENS)
