@@ -163,6 +163,20 @@ def ngram_generate(params, cache, hist, first, rows, tune, stop_ids, seeds, temp
             return n_acc, jnp.pad(out_tok, ((0, 0), (0, W - Kb - 1))), cache
         return run
 
+    def emit(toks, n_want, out, n_out, hist, hlen, running, generated, remaining, stopped):
+        """toks [B, J]; n_want [B]: each running row appends its first n_want tokens, cut at its
+        budget and after its first stop token, to out and hist. Returns (n_emit [B], out, n_out, hist,
+        hlen, running, generated, remaining, stopped), the counters after the emission."""
+        n_emit = jnp.where(running, jnp.minimum(n_want, remaining), 0)
+        is_stop = jnp.any(toks[:, :, None] == stop_ids[:, None, :], axis=-1)          # tokens >= 0, pads -1
+        is_stop = is_stop & (jnp.arange(toks.shape[1])[None] < n_emit[:, None])
+        first_stop, hit = jnp.argmax(is_stop, axis=1), jnp.any(is_stop, axis=1)
+        n_emit = jnp.where(hit, first_stop + 1, n_emit)
+        out, hist = _append(out, n_out, toks, n_emit), _append(hist, hlen, toks, n_emit)
+        remaining = remaining - n_emit
+        return (n_emit, out, n_out + n_emit, hist, hlen + n_emit, running & ~hit & (remaining > 0),
+                generated + n_emit, remaining, stopped | hit)
+
     def body(s):
         it, cache, hist, hlen, running, generated, remaining, out, n_out, stopped, acc, trials, streak, cursor, \
             log, branch, quiet = s
@@ -188,14 +202,9 @@ def ngram_generate(params, cache, hist, first, rows, tune, stop_ids, seeds, temp
         n_acc, out_tok, cache = jax.lax.switch(idx, [decode_branch] + [verify_branch(b) for b in buckets],
                                                cache, tokens, k, n_fed, generated, remaining,
                                                jnp.minimum(lc.chunk * 4 ** quiet, lc.max_chunk))
-        # emit: accepted drafts + the bonus, cut at the budget and at the first stop token
-        n_emit = jnp.where(running, jnp.minimum(n_acc + 1, remaining), 0)
-        is_stop = jnp.any(out_tok[:, :, None] == stop_ids[:, None, :], axis=-1)       # tokens >= 0, pads -1
-        is_stop = is_stop & (jnp.arange(W)[None] < n_emit[:, None])
-        first_stop, hit = jnp.argmax(is_stop, axis=1), jnp.any(is_stop, axis=1)
-        n_emit = jnp.where(hit, first_stop + 1, n_emit)
-        out = _append(out, n_out, out_tok, n_emit)
-        hist = _append(hist, hlen, out_tok, n_emit)
+        # emit: accepted drafts + the bonus (the counters before it are still needed below)
+        n_emit, out, n_out2, hist, hlen2, running2, generated2, remaining2, stopped = emit(
+            out_tok, n_acc + 1, out, n_out, hist, hlen, running, generated, remaining, stopped)
         log = log.at[:, it].set(jnp.stack([jnp.where(k > 0, k, -1), n_acc, generated, n_emit]))
         branch = branch.at[it].set(jnp.where(idx == 0, 0, jnp.asarray((0,) + buckets)[idx]))
         # acceptance statistics: verified rows, and (decode chunk) the shadow check of each proposal
@@ -213,25 +222,19 @@ def ngram_generate(params, cache, hist, first, rows, tune, stop_ids, seeds, temp
         quiet = jnp.where((idx == 0) & lc.dynamic_k & ~jnp.any(shadow & (accepted > 0)),
                           jnp.minimum(quiet + 1, 6), 0)
         cursor = jnp.where(idx == 0, -1, jnp.where(k > 0, jnp.where(start >= 0, start + n_acc + 1, -1), cursor))
-        n_out, hlen, generated = n_out + n_emit, hlen + n_emit, generated + n_emit
-        remaining = remaining - n_emit
-        stopped = stopped | hit
-        running = running & ~hit & (remaining > 0)
-        return (it + 1, cache, hist, hlen, running, generated, remaining, out, n_out, stopped, acc, trials, streak,
-                cursor, log, branch, quiet)
+        return (it + 1, cache, hist, hlen2, running2, generated2, remaining2, out, n_out2, stopped, acc, trials,
+                streak, cursor, log, branch, quiet)
 
     def cond(s):
         return (s[0] < N) & jnp.any(s[4])
 
-    # emit the first token (sampled by prefill), cut at the budget and at a stop token, as the loop does
-    n0 = (running & (remaining > 0)).astype(jnp.int32)
-    hit0 = (n0 > 0) & jnp.any(first[:, None] == stop_ids, axis=-1)
-    out = _append(jnp.full((B, N + W), -1, jnp.int32), jnp.zeros((B,), jnp.int32), first[:, None], n0)
-    hist = _append(hist, hlen, first[:, None], n0)
-    hlen, generated, remaining = hlen + n0, generated + n0, remaining - n0
-    running = running & ~hit0 & (remaining > 0)
+    # the first token (sampled by prefill) goes out the way the loop's tokens do
+    z = jnp.zeros((B,), jnp.int32)
+    _, out, n_out, hist, hlen, running, generated, remaining, stopped = emit(
+        first[:, None], z + 1, jnp.full((B, N + W), -1, jnp.int32), z, hist, hlen, running & (remaining > 0),
+        generated, remaining, jnp.zeros((B,), bool))
     f32 = jnp.float32
-    state = (jnp.int32(0), cache, hist, hlen, running, generated, remaining, out, n0, hit0,
+    state = (jnp.int32(0), cache, hist, hlen, running, generated, remaining, out, n_out, stopped,
              jnp.full((B,), 0.2, f32), jnp.ones((B,), f32), jnp.zeros((B,), jnp.int32), jnp.full((B,), -1, jnp.int32),
              jnp.full((4, N, B), -1, jnp.int32), jnp.full((N,), -1, jnp.int32), jnp.int32(0))
     s = jax.lax.while_loop(cond, body, state)
