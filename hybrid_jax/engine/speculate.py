@@ -19,7 +19,7 @@ import numpy as np
 from hybrid_jax.errors import InputError
 from hybrid_jax.speculative.config import SpeculativeConfig, parse_speculative_config
 from hybrid_jax.speculative.drafters import NgramDrafter
-from hybrid_jax.speculative.dynamic_k import AcceptanceTracker
+from hybrid_jax.speculative.dynamic_k import AcceptanceTracker, tail_checks
 
 
 @dataclasses.dataclass
@@ -65,10 +65,14 @@ class EngineSpeculator:
         self.trackers.pop(request_id, None)
         self.steps.pop(request_id, None)
 
-    def _tracker(self, rid: str) -> AcceptanceTracker:
+    def _tracker(self, rid: str, ids=None) -> AcceptanceTracker:
+        """The request's tracker; a new one for an n-gram request is seeded from how prompt lookup
+        would have predicted the tail of its text so far, ids [N] (`dynamic_k.tail_checks`)."""
         t = self.trackers.get(rid)
         if t is None:
             t = self.trackers[rid] = AcceptanceTracker(1, self.spec.ewma_decay)
+            if self.drafter is not None and ids is not None:
+                t.warm_start(0, *tail_checks(ids, self.drafter.propose_at, lookup_min=self.drafter.lookup_min))
         return t
 
     def plan(self, reqs) -> tuple[list[np.ndarray], list[np.ndarray]]:
@@ -77,13 +81,14 @@ class EngineSpeculator:
         K = self.spec.num_speculative_tokens
         drafts, shadows = [], []
         for q in reqs:
+            ids = np.asarray(q.all_ids, np.int64)
             if self.drafter is not None:
-                prop = self.drafter.propose(np.asarray(q.all_ids, np.int64), K)
+                prop = self.drafter.propose(ids, K)
             else:                     # the draft model writes them on device; only the length matters here
                 prop = np.zeros((K,), np.int32)
             k = K
             if self.spec.dynamic_k:
-                k = self._tracker(q.request_id).next_k(0, K, self.spec.draft_cost)
+                k = self._tracker(q.request_id, ids).next_k(0, K, self.spec.draft_cost)
                 n = self.steps[q.request_id] = self.steps.get(q.request_id, 0) + 1
                 if self.drafter is None and k == 0 and n % PROBE_EVERY == 0:
                     k = 1

@@ -10,7 +10,8 @@ plus this project's options:
   "dynamic_k": true (default) picks each request's draft length in [0, K] from its running
                acceptance rate; K = 0 for every row falls back to plain on-device decode chunks.
   "fallback_steps": tokens per plain decode chunk when no row speculates (default 4; with dynamic K
-               grown 4x, up to 32x, while the n-gram drafts checked against those chunks keep failing).
+               grown 4x, up to 32x, while the n-gram drafts checked against those chunks keep failing,
+               and 32x from the start when prompt lookup never once predicted a prompt's tail).
   "draft_cost": the cost of one more verified draft token relative to a decode step, used by the
                dynamic-K choice (default 0.25).
   "ewma_decay": weight of the past in the running acceptance rate (default 0.8).

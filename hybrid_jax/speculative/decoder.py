@@ -31,12 +31,13 @@ from hybrid_jax.sampling import SamplingParams
 from hybrid_jax.speculative.config import SpeculativeConfig, parse_speculative_config
 from hybrid_jax.speculative.device_loop import LoopConfig, loop_buckets, ngram_generate
 from hybrid_jax.speculative.drafters import DraftModelDrafter, NgramDrafter
-from hybrid_jax.speculative.dynamic_k import AcceptanceTracker
+from hybrid_jax.speculative.dynamic_k import AcceptanceTracker, cold_tail, tail_checks
 from hybrid_jax.speculative.metrics import SpecMetrics
 from hybrid_jax.speculative.verify import TargetSteps
 from hybrid_jax.weights import open_checkpoint
 
 MAX_CHUNK_GROWTH = 32        # fallback chunks grow 4x per quiet chunk, to at most 32 x fallback_steps
+QUIET_MAX = 3                # quiet chunks in a row that reach it (4 ** 3 >= 32)
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
@@ -189,6 +190,14 @@ class SpeculativeDecoder:
 
         for r in range(n):
             emit(r, [first[r]])
+        if self.ngram is not None and spec.dynamic_k:     # seed each row from lookup over its prompt's tail
+            cold = True
+            for r in range(n):
+                hits, checks, run = tail_checks(hist[r, :hlen[r]], self.ngram.propose_at,
+                                                lookup_min=self.ngram.lookup_min)
+                tracker.warm_start(r, hits, checks, run)
+                cold &= bool(cold_tail(hits, checks)) or not running[r]
+            quiet = QUIET_MAX if cold else 0
         K = spec.num_speculative_tokens
         while running.any():
             rows = np.flatnonzero(running)

@@ -12,7 +12,9 @@ One iteration, per row b (B rows, all arrays on device):
             matches and the row still follows copied text past a rejected draft (`cursor`), the
             text after it, as `NgramDrafter.read_from`
   choose k  dynamic K on device: argmax_k E(k) / (1 + draft_cost k) at the row's decayed acceptance
-            rate, at least doubled after a check that accepted all its drafts (`dynamic_k.py`)
+            rate, at least doubled after a check that accepted all its drafts (`dynamic_k.py`);
+            before the loop, the rate, the streak and the chunk size are seeded from how prompt
+            lookup would have predicted the tail of each row's prompt (`prompt_tail_checks`)
   step      `lax.switch` on the smallest compiled draft length Kb >= max_b k: when no row drafts, a
             chunk of plain decode steps (`verify.decode_chunk`; the proposal is checked against
             what it wrote, so a row whose text turns repetitive climbs back to k > 0; chunks grow
@@ -40,6 +42,7 @@ import jax.numpy as jnp
 
 from hybrid_jax.generate import decode_jit
 from hybrid_jax.sampling import SamplerFlags
+from hybrid_jax.speculative.dynamic_k import WARM_TAIL, cold_tail, warm_tail_state
 from hybrid_jax.speculative.rollback import rollback_by_selection
 from hybrid_jax.speculative.verify import _verify, decode_chunk
 
@@ -55,6 +58,9 @@ class LoopConfig:
     max_new: int                # static bound on tokens emitted per row (buffer width, iteration bound)
     chunk: int = 4              # plain decode steps of the first iteration in which no row drafts;
     max_chunk: int = 128        # 4x per such iteration in a row whose proposals all failed, up to this
+
+
+QUIET_MAX = 6    # quiet chunks in a row that reach any max_chunk: chunk * 4 ** 6 >= 4096 >= max_chunk
 
 
 def loop_buckets(K: int, dynamic_k: bool) -> tuple[int, ...]:
@@ -110,6 +116,22 @@ def choose_k(rate, streak, k_max: int, draft_cost):
     expected = jnp.cumsum(rate[:, None] ** ks[None], axis=1)                  # 1 + a + ... + a^k
     k = jnp.argmax(expected / (1.0 + draft_cost * ks[None]), axis=1).astype(jnp.int32)
     return jnp.maximum(k, jnp.minimum(2 * streak, k_max))
+
+
+def prompt_tail_checks(hist, hlen, L: int, lookup_min: int, lookup_max: int):
+    """`dynamic_k.tail_checks` on device: how `ngram_propose` would have predicted the last L
+    tokens of hist[b, :hlen[b]], each from the tokens before it. hist [B, H] int32; hlen [B] int32.
+    Returns (hits [B], checks [B], run [B]) int32: right guesses, positions checked (those with at
+    least lookup_min + 1 tokens before them), right guesses in a row ending at the last token."""
+    def one(j):                                         # predict hist[i], i = hlen - L + j, from hist[:i]
+        i = hlen - L + j
+        prop, start = ngram_propose(hist, jnp.maximum(i, 0), 1, lookup_min, lookup_max)
+        tok = jnp.take_along_axis(hist, jnp.maximum(i, 0)[:, None], axis=1)[:, 0]
+        valid = i >= lookup_min + 1
+        return valid, valid & (start >= 0) & (prop[:, 0] == tok)
+    valid, hit = jax.vmap(one, out_axes=1)(jnp.arange(L))                       # [B, L], oldest first
+    run = jnp.sum(jnp.cumprod(hit[:, ::-1].astype(jnp.int32), axis=1), axis=1)
+    return jnp.sum(hit, axis=1, dtype=jnp.int32), jnp.sum(valid, axis=1, dtype=jnp.int32), run
 
 
 def _append(buf, at, toks, n):
@@ -220,7 +242,7 @@ def ngram_generate(params, cache, hist, first, rows, tune, stop_ids, seeds, temp
         streak = jnp.where(upd, jnp.where(accepted >= proposed, proposed, 0), streak)
         # decode chunks grow while no proposal lands (as the host loop's do), back to `chunk` after a hit
         quiet = jnp.where((idx == 0) & lc.dynamic_k & ~jnp.any(shadow & (accepted > 0)),
-                          jnp.minimum(quiet + 1, 6), 0)
+                          jnp.minimum(quiet + 1, QUIET_MAX), 0)
         cursor = jnp.where(idx == 0, -1, jnp.where(k > 0, jnp.where(start >= 0, start + n_acc + 1, -1), cursor))
         return (it + 1, cache, hist, hlen2, running2, generated2, remaining2, out, n_out2, stopped, acc, trials,
                 streak, cursor, log, branch, quiet)
@@ -234,9 +256,15 @@ def ngram_generate(params, cache, hist, first, rows, tune, stop_ids, seeds, temp
         first[:, None], z + 1, jnp.full((B, N + W), -1, jnp.int32), z, hist, hlen, running & (remaining > 0),
         generated, remaining, jnp.zeros((B,), bool))
     f32 = jnp.float32
+    acc, trials, streak, quiet = jnp.full((B,), 0.2, f32), jnp.ones((B,), f32), jnp.zeros((B,), jnp.int32), jnp.int32(0)
+    if lc.dynamic_k:       # seed each row's acceptance from prompt lookup over its text's tail
+        hits, checks, run = prompt_tail_checks(hist, hlen, WARM_TAIL, lc.lookup_min, lc.lookup_max)
+        acc0, trials0, streak = warm_tail_state(hits, checks, run)
+        acc, trials = acc + acc0, trials + trials0
+        quiet = jnp.where(jnp.all(~running | cold_tail(hits, checks)), QUIET_MAX, 0).astype(jnp.int32)
     state = (jnp.int32(0), cache, hist, hlen, running, generated, remaining, out, n_out, stopped,
-             jnp.full((B,), 0.2, f32), jnp.ones((B,), f32), jnp.zeros((B,), jnp.int32), jnp.full((B,), -1, jnp.int32),
-             jnp.full((4, N, B), -1, jnp.int32), jnp.full((N,), -1, jnp.int32), jnp.int32(0))
+             acc, trials, streak, jnp.full((B,), -1, jnp.int32),
+             jnp.full((4, N, B), -1, jnp.int32), jnp.full((N,), -1, jnp.int32), quiet)
     s = jax.lax.while_loop(cond, body, state)
     _, cache, _, _, _, _, _, out, n_out, stopped, _, _, _, _, log, branch, _ = s
     return out, n_out, stopped, log, branch, cache

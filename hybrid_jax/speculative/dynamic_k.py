@@ -16,10 +16,49 @@ cost nearly as much as long ones. So a check that accepted all of its p drafts l
 draft at least min(2p, K) ("slow start", as a TCP sender doubles its window while nothing is
 lost); the first rejection ends the streak and k falls back to what the rate supports.
 `AcceptanceTracker.next_k` combines the two.
+
+A new request need not start from the prior alone: its prompt already says how copyable its text
+is. `tail_checks` asks how prompt lookup would have done on the last WARM_TAIL tokens of the text
+(each predicted from the tokens before it), and `AcceptanceTracker.warm_start` counts those checks
+as acceptance trials, with a run of right guesses ending at the prompt's end (at least half the
+tail) as a streak. A prompt that quotes itself then drafts a full K from its first step, rather
+than climbing 4, 8, 16 (batch-1 self-quoting workload, same-process A/B: 24.4 vs 26.8 ms per
+request; edited quote 28.9 vs 32.5); a prompt whose tail lookup never once guessed right starts
+with the longest plain decode chunk, rather than growing to it (random prompts: 2 chunks for 224
+tokens instead of 5, 44.4 vs 45.6 ms, plain 44.2).
 """
 from __future__ import annotations
 
 import numpy as np
+
+WARM_TAIL = 16     # prompt-tail positions a new request's prompt-lookup warm start checks
+
+
+def tail_checks(history: np.ndarray, propose_at, tail: int = WARM_TAIL, lookup_min: int = 1) -> tuple[int, int, int]:
+    """How prompt lookup would have predicted the last `tail` tokens of history [N] (the last one
+    included), each from the tokens before it; propose_at(h, k) -> (proposal, start) is the
+    drafter's lookup (`NgramDrafter.propose_at`). Positions with fewer than lookup_min + 1 tokens
+    before them are not checked. Returns (right guesses, positions checked, run of right guesses
+    ending at the last token)."""
+    hits = checks = run = 0
+    for i in range(max(len(history) - tail, lookup_min + 1), len(history)):
+        p, _ = propose_at(history[:i], 1)
+        hit = len(p) > 0 and int(p[0]) == int(history[i])
+        hits, checks, run = hits + hit, checks + 1, (run + 1 if hit else 0)
+    return hits, checks, run
+
+
+def warm_tail_state(hits, checks, run, tail: int = WARM_TAIL):
+    """(accepted, trials, streak) to add to / set in a new row's tracker from its tail checks:
+    every checked position is one acceptance trial; a run of at least half the tail is a streak.
+    Works elementwise on numpy or jax arrays (the on-device loop uses it too)."""
+    return hits, checks, run * (run >= tail // 2)
+
+
+def cold_tail(hits, checks, tail: int = WARM_TAIL):
+    """True where the tail was checked (at least half of it) and lookup never guessed right: such a
+    row starts with the longest plain decode chunk. Elementwise on numpy or jax arrays."""
+    return (hits == 0) & (checks >= tail // 2)
 
 
 class AcceptanceTracker:
@@ -41,6 +80,13 @@ class AcceptanceTracker:
         self.accepted[row] = self.decay * self.accepted[row] + accepted
         self.trials[row] = self.decay * self.trials[row] + accepted + (1 if accepted < proposed else 0)
         self.streak[row] = proposed if accepted >= proposed else 0
+
+    def warm_start(self, row: int, hits: int, checks: int, run: int):
+        """Seeds the row's counts from `tail_checks` of its prompt (see the module docstring)."""
+        acc, trials, streak = warm_tail_state(hits, checks, run)
+        self.accepted[row] += acc
+        self.trials[row] += trials
+        self.streak[row] = streak
 
     def next_k(self, row: int, k_max: int, draft_cost: float) -> int:
         """Draft length for the row's next step: choose_k at its rate, at least doubled after a

@@ -60,3 +60,18 @@ def test_engine_speculation_rejects_bad_configs(llm, tmp_path):
     with pytest.raises(InputError, match="checkpoint"):
         EngineConfig(speculative_config={"method": "draft_model", "model": str(tmp_path / "none"),
                                          "num_speculative_tokens": 2})
+
+
+def test_engine_ngram_request_is_warm_started_from_its_prompt_tail():
+    """A request whose prompt quotes itself drafts a full K at its first step, where the prior
+    acceptance rate alone would draft nothing yet."""
+    from types import SimpleNamespace  # noqa: PLC0415
+
+    from hybrid_jax.engine.speculate import EngineSpeculator  # noqa: PLC0415
+    walk = np.random.default_rng(0).permutation(200)[:40].tolist()
+    q = SimpleNamespace(request_id="quote", all_ids=walk + walk[:20], remaining_tokens=50, params=SamplingParams())
+    sp = EngineSpeculator({"method": "ngram", "num_speculative_tokens": 8}, target_vocab=211)
+    drafts, shadows = sp.plan([q])
+    assert drafts[0].tolist() == walk[20:28] == shadows[0].tolist()
+    fresh = EngineSpeculator({"method": "ngram", "num_speculative_tokens": 8}, target_vocab=211)
+    assert fresh._tracker("quote").next_k(0, 8, fresh.spec.draft_cost) == 0     # no prompt seen: the prior

@@ -27,9 +27,9 @@ from hybrid_jax.sampling import SamplerFlags
 from hybrid_jax.speculative import SpeculativeDecoder, parse_speculative_config
 from hybrid_jax.speculative import verify
 from hybrid_jax.speculative.acceptance import rejection_sample
-from hybrid_jax.speculative.device_loop import choose_k as device_choose_k, loop_buckets, ngram_propose
+from hybrid_jax.speculative.device_loop import choose_k as device_choose_k, loop_buckets, ngram_propose, prompt_tail_checks
 from hybrid_jax.speculative.drafters import NgramDrafter
-from hybrid_jax.speculative.dynamic_k import AcceptanceTracker, choose_k
+from hybrid_jax.speculative.dynamic_k import WARM_TAIL, AcceptanceTracker, choose_k, tail_checks
 
 ALPHA = 0.001            # significance level of the distribution tests
 QWEN = dict(layer_types=["linear_attention", "full_attention"], num_hidden_layers=2, num_experts=0, vocab_size=64)
@@ -153,8 +153,10 @@ def test_stop_tokens_and_max_tokens_cut_like_plain(qwen, rollback):
     prompts = _prompts(64, LENS)
     stop = _plain(qwen, prompts)[0][6]            # a token row 0 emits mid-way
     sp = SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[stop])
+    # A fixed K verifies at every step (dynamic K would read these random prompts' tails as cold
+    # and decode the 24 tokens in one plain chunk), so the stop token lands inside a verify window.
     got, dec = _spec(qwen, prompts, {"method": "ngram", "num_speculative_tokens": 3, "rollback": rollback,
-                                     "draft_cost": 0.05}, sp=sp)
+                                     "dynamic_k": False}, sp=sp)
     assert got == _plain(qwen, prompts, sp)
     s = dec.stats()
     assert s["verify_steps"] > 0 and 0 < s["accepted_tokens"] < s["draft_tokens"]
@@ -340,6 +342,64 @@ def test_device_ngram_proposal_equals_host_drafter(lo, hi):
             found += 1
             assert np.asarray(prop[i]).tolist() == want.tolist(), i
     assert 0 < found < len(hists)
+
+
+@pytest.mark.parametrize("lo,hi", [(1, 4), (2, 3)])
+def test_device_prompt_tail_checks_equal_host(lo, hi):
+    """The warm start's prompt-tail checks on device count what the host drafter would have guessed."""
+    rng = np.random.default_rng(lo * 7 + hi)
+    H, hists = 64, []
+    for i in range(30):
+        n = int(rng.integers(1, 40))
+        h = rng.integers(0, 4 if i % 2 else 50, n)
+        if i % 3 == 0:
+            h = np.concatenate([h, h[: int(rng.integers(1, n + 1))]])          # quotes itself
+        hists.append(h[:H - 1])
+    buf = np.full((len(hists), H), 99, np.int32)
+    for i, h in enumerate(hists):
+        buf[i, :len(h)] = h
+    lens = np.array([len(h) for h in hists], np.int32)
+    got = jax.jit(prompt_tail_checks, static_argnums=(2, 3, 4))(jnp.asarray(buf), jnp.asarray(lens), WARM_TAIL, lo, hi)
+    got = np.stack([np.asarray(x) for x in got], axis=1)
+    want = np.array([tail_checks(h, NgramDrafter(lo, hi).propose_at, WARM_TAIL, lo) for h in hists])
+    assert got.tolist() == want.tolist()
+    hits, checks, run = want.T
+    assert (hits == 0).any() and (run >= WARM_TAIL // 2).any() and ((hits > 0) & (run == 0)).any()
+    assert checks.max() == WARM_TAIL and checks.min() < WARM_TAIL
+
+
+def test_tail_checks_of_a_quote_and_of_text_that_never_recurs():
+    walk = np.random.default_rng(0).permutation(100)[:40]
+    quote = np.concatenate([walk, walk[:20]])
+    assert tail_checks(quote, NgramDrafter(1, 4).propose_at) == (WARM_TAIL, WARM_TAIL, WARM_TAIL)
+    assert tail_checks(walk, NgramDrafter(1, 4).propose_at) == (0, WARM_TAIL, 0)
+    t = AcceptanceTracker(2)
+    t.warm_start(0, WARM_TAIL, WARM_TAIL, WARM_TAIL)     # copied text: a full K from the first step
+    t.warm_start(1, 5, WARM_TAIL, 5)                       # a short run is no streak
+    assert t.next_k(0, 32, 0.5) == 32 and t.streak[1] == 0
+    assert t.rate()[0] > 0.9 and t.rate()[1] < 0.4
+
+
+@pytest.mark.parametrize("device_loop", [True, False])
+def test_warm_start_drafts_a_full_k_on_a_quoting_prompt_and_skips_to_long_chunks_on_a_cold_one(qwen, device_loop):
+    """A prompt whose tail prompt lookup predicts drafts K at once (no slow start from plain chunks);
+    a prompt where no lookup ever lands decodes in the longest plain chunk from the start."""
+    rng = np.random.default_rng(0)
+    seed = rng.integers(0, 64, 12).tolist()
+    looped = seed + _plain(qwen, [seed], SamplingParams(temperature=0, max_tokens=40))[0]   # greedy text loops
+    cfg = {"method": "ngram", "num_speculative_tokens": 8, "device_loop": device_loop}
+    sp = SamplingParams(temperature=0, max_tokens=40)
+    got, dec = _spec(qwen, [looped], cfg, sp)
+    assert got == _plain(qwen, [looped], sp)
+    _, _, run = tail_checks(np.asarray(looped + got[0][:1]), NgramDrafter().propose_at)
+    assert run >= WARM_TAIL // 2                      # the premise: the tail is copied text
+    s, log = dec.stats(), dec.step_log()
+    assert s["fallback_chunks"] == 0 and log[0][1:3] == (1, 8)        # first step: verify, k = K
+    cold = rng.permutation(64)[:30].tolist()          # no token recurs: lookup never guesses
+    got, dec = _spec(qwen, [cold], cfg, sp)
+    assert got == _plain(qwen, [cold], sp)
+    s = dec.stats()
+    assert s["fallback_chunks"] == 1 and s["fallback_tokens"] == 39 and s["verify_steps"] == 0
 
 
 def test_device_dynamic_k_equals_host_rule():
