@@ -42,7 +42,7 @@ import jax.numpy as jnp
 
 from hybrid_jax.generate import decode_jit
 from hybrid_jax.sampling import SamplerFlags
-from hybrid_jax.speculative.dynamic_k import WARM_TAIL, cold_tail, warm_tail_state
+from hybrid_jax.speculative.dynamic_k import WARM_TAIL, cold_tail, draft_floor, warm_tail_state
 from hybrid_jax.speculative.rollback import rollback_by_selection
 from hybrid_jax.speculative.verify import _verify, decode_chunk
 
@@ -64,15 +64,16 @@ QUIET_MAX = 6    # quiet chunks in a row that reach any max_chunk: chunk * 4 ** 
 
 
 def loop_buckets(K: int, dynamic_k: bool) -> tuple[int, ...]:
-    """Verify lengths one loop compiles: K, K/4, K/16, ... (>= 1), and K/2 from K = 16 on. Each is
-    one more forward in the program (compile time), so fewer than the host loop's powers of two; a
-    short draft pads to the next one, and since every row fills the bucket, the step between the
-    two longest matters most: K/2 halves the forward of a row that would land ~K/2 drafts (text
+    """Verify lengths one loop compiles: K, K/4, K/16, ... (>= 1), and K/2 and 3K/4 from K = 16 on.
+    Each is one more forward in the program (compile time), so fewer than the host loop's powers of
+    two; a short draft pads to the next one, and since every row fills the bucket, the steps between
+    the longest matter most: K/2 halves the forward of a row that would land ~K/2 drafts (text
     edited every few dozen tokens: batch-1 edited-quote workload 80 vs 104 ms per request at K = 32,
-    same-process A/B)."""
+    same-process A/B), and 3K/4 serves a row whose expected run (`dynamic_k.draft_floor`) falls
+    between K/2 and 3K/4 with a forward a quarter shorter than K's."""
     if not dynamic_k:
         return (K,)
-    out, k = {K // 2} if K >= 16 else set(), K
+    out, k = {K // 2, 3 * K // 4} if K >= 16 else set(), K
     while k >= 1:
         out.add(k)
         k //= 4
@@ -109,13 +110,13 @@ def ngram_propose(hist, hlen, K: int, lookup_min: int, lookup_max: int):
     return read_periodic(hist, jnp.maximum(start, 0), hlen, K), start
 
 
-def choose_k(rate, streak, k_max: int, draft_cost):
-    """Per-row `dynamic_k.AcceptanceTracker.next_k` on device. rate [B] f32; streak [B] int32;
-    draft_cost: a float or an f32 scalar."""
+def choose_k(rate, floor, k_max: int, draft_cost):
+    """Per-row `dynamic_k.AcceptanceTracker.next_k` on device. rate [B] f32; floor [B] int32
+    (`dynamic_k.draft_floor`); draft_cost: a float or an f32 scalar."""
     ks = jnp.arange(k_max + 1, dtype=jnp.float32)
     expected = jnp.cumsum(rate[:, None] ** ks[None], axis=1)                  # 1 + a + ... + a^k
     k = jnp.argmax(expected / (1.0 + draft_cost * ks[None]), axis=1).astype(jnp.int32)
-    return jnp.maximum(k, jnp.minimum(2 * streak, k_max))
+    return jnp.maximum(k, jnp.minimum(floor, k_max))
 
 
 def prompt_tail_checks(hist, hlen, L: int, lookup_min: int, lookup_max: int):
@@ -200,14 +201,14 @@ def ngram_generate(params, cache, hist, first, rows, tune, stop_ids, seeds, temp
                 generated + n_emit, remaining, stopped | hit)
 
     def body(s):
-        it, cache, hist, hlen, running, generated, remaining, out, n_out, stopped, acc, trials, streak, cursor, \
-            log, branch, quiet = s
+        it, cache, hist, hlen, running, generated, remaining, out, n_out, stopped, acc, trials, streak, run, gap, \
+            cursor, log, branch, quiet = s
         prop, start = ngram_propose(hist, hlen, K, lc.lookup_min, lc.lookup_max)
         follow = (start < 0) & (cursor >= 0) & (cursor < hlen)            # past an edit: read on
         prop = jnp.where(follow[:, None], read_periodic(hist, jnp.maximum(cursor, 0), hlen, K), prop)
         start = jnp.where(follow, cursor, start)
         if lc.dynamic_k:
-            want = choose_k(acc / jnp.maximum(trials, 1e-9), streak, K, draft_cost)
+            want = choose_k(acc / jnp.maximum(trials, 1e-9), draft_floor(streak, run, gap, jnp.where), K, draft_cost)
         else:
             want = jnp.full((B,), K, jnp.int32)
         want = jnp.minimum(want, remaining - 1)
@@ -239,13 +240,16 @@ def ngram_generate(params, cache, hist, first, rows, tune, stop_ids, seeds, temp
         upd = proposed > 0
         acc = jnp.where(upd, decay * acc + accepted, acc)
         trials = jnp.where(upd, decay * trials + accepted + (accepted < proposed), trials)
-        streak = jnp.where(upd, jnp.where(accepted >= proposed, proposed, 0), streak)
+        full = accepted >= proposed
+        streak = jnp.where(upd, jnp.where(full, proposed, 0), streak)
+        gap = jnp.where(upd & ~full, run + accepted, gap)
+        run = jnp.where(upd, jnp.where(full, run + accepted + 1, 0), run)
         # decode chunks grow while no proposal lands (as the host loop's do), back to `chunk` after a hit
         quiet = jnp.where((idx == 0) & lc.dynamic_k & ~jnp.any(shadow & (accepted > 0)),
                           jnp.minimum(quiet + 1, QUIET_MAX), 0)
         cursor = jnp.where(idx == 0, -1, jnp.where(k > 0, jnp.where(start >= 0, start + n_acc + 1, -1), cursor))
         return (it + 1, cache, hist, hlen2, running2, generated2, remaining2, out, n_out2, stopped, acc, trials,
-                streak, cursor, log, branch, quiet)
+                streak, run, gap, cursor, log, branch, quiet)
 
     def cond(s):
         return (s[0] < N) & jnp.any(s[4])
@@ -263,8 +267,8 @@ def ngram_generate(params, cache, hist, first, rows, tune, stop_ids, seeds, temp
         acc, trials = acc + acc0, trials + trials0
         quiet = jnp.where(jnp.all(~running | cold_tail(hits, checks)), QUIET_MAX, 0).astype(jnp.int32)
     state = (jnp.int32(0), cache, hist, hlen, running, generated, remaining, out, n_out, stopped,
-             acc, trials, streak, jnp.full((B,), -1, jnp.int32),
+             acc, trials, streak, streak, jnp.zeros((B,), jnp.int32), jnp.full((B,), -1, jnp.int32),
              jnp.full((4, N, B), -1, jnp.int32), jnp.full((N,), -1, jnp.int32), quiet)
     s = jax.lax.while_loop(cond, body, state)
-    _, cache, _, _, _, _, _, out, n_out, stopped, _, _, _, _, log, branch, _ = s
+    _, cache, _, _, _, _, _, out, n_out, stopped, _, _, _, _, _, _, log, branch, _ = s
     return out, n_out, stopped, log, branch, cache

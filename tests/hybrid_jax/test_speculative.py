@@ -29,7 +29,7 @@ from hybrid_jax.speculative import verify
 from hybrid_jax.speculative.acceptance import rejection_sample
 from hybrid_jax.speculative.device_loop import choose_k as device_choose_k, loop_buckets, ngram_propose, prompt_tail_checks
 from hybrid_jax.speculative.drafters import NgramDrafter
-from hybrid_jax.speculative.dynamic_k import WARM_TAIL, AcceptanceTracker, choose_k, tail_checks
+from hybrid_jax.speculative.dynamic_k import WARM_TAIL, AcceptanceTracker, choose_k, draft_floor, tail_checks
 
 ALPHA = 0.001            # significance level of the distribution tests
 QWEN = dict(layer_types=["linear_attention", "full_attention"], num_hidden_layers=2, num_experts=0, vocab_size=64)
@@ -403,11 +403,19 @@ def test_warm_start_drafts_a_full_k_on_a_quoting_prompt_and_skips_to_long_chunks
 
 
 def test_device_dynamic_k_equals_host_rule():
-    rates = np.linspace(0.0, 0.98, 29).astype(np.float32)
-    streaks = np.array([0, 1, 3, 8, 20] * 6, np.int32)[:29]
-    got = np.asarray(device_choose_k(jnp.asarray(rates), jnp.asarray(streaks), 16, 0.3))
-    want = [max(choose_k(float(a), 16, 0.3), min(2 * int(s), 16)) for a, s in zip(rates, streaks)]
+    rng = np.random.default_rng(0)
+    n = 60
+    rates = rng.uniform(0.0, 0.98, n).astype(np.float32)
+    streak, run, gap = (rng.choice([0, 1, 3, 8, 20], n), rng.integers(0, 30, n), rng.choice([0, 5, 8, 12, 40], n))
+    floor = draft_floor(jnp.asarray(streak), jnp.asarray(run), jnp.asarray(gap), jnp.where)
+    got = np.asarray(device_choose_k(jnp.asarray(rates), floor, 16, 0.3))
+    t = AcceptanceTracker(n)
+    t.accepted, t.trials = rates.astype(np.float64), np.ones(n)
+    t.streak, t.run, t.gap = streak, run, gap
+    want = [t.next_k(r, 16, 0.3) for r in range(n)]
     assert got.tolist() == want and len(set(want)) > 4
+    rate_only = [choose_k(float(a), 16, 0.3) for a in rates]
+    assert sum(w > r for w, r in zip(want, rate_only)) > 10      # the floor raised k in many rows
 
 
 def test_dynamic_k_follows_acceptance():
@@ -432,8 +440,34 @@ def test_dynamic_k_slow_start_doubles_while_every_draft_lands():
         ks.append(t.next_k(0, 32, 0.5))
     assert ks == [8, 16, 32, 32, 32]
     assert choose_k(float(t.rate()[0]), 32, 0.5) < 32     # the lagging rate alone would draft less
-    t.update(0, 32, 5)                       # a rejection ends the streak: back to what the rate supports
+    t.update(0, 32, 5)                       # a rejection ends the streak, but a run of 102 was seen:
+    assert t.gap[0] == 102 and t.next_k(0, 32, 0.5) == 32         # the copy is expected to go on
+    t.update(0, 32, 2)                       # a short run: back to what the rate supports
     assert t.next_k(0, 32, 0.5) == choose_k(float(t.rate()[0]), 32, 0.5) < 32
+
+
+@pytest.mark.parametrize("period", [24, 13, 40])
+def test_dynamic_k_settles_to_one_verify_per_edit_on_text_edited_every_period_tokens(period):
+    """Drafts of copied text fail once per edit (every `period` tokens) and land everywhere else:
+    after the first edits, each verify drafts up to and including the next edit (period - 1 drafts
+    land, the edited token is the bonus): one verify per edit, two when the period exceeds K + 1 (K
+    drafts and their bonus, then the rest); the rate alone would draft far less."""
+    t, K, pos, ks = AcceptanceTracker(1), 32, 0, []
+    t.update(0, 8, 8)                        # the copy was seen to land
+    for _ in range(12):
+        k = t.next_k(0, K, 0.5)
+        to_edit = period - 1 - pos % period  # drafts before the next edited token
+        a = min(k, to_edit)
+        t.update(0, k, a)
+        pos += a + 1
+        ks.append((k, a))
+    steady = ks[-6:]
+    if period <= K:
+        assert all(k == period and a == period - 1 for k, a in steady), ks
+    else:
+        assert all((k, a) == (K, K) or a == period - K - 2 < k for k, a in steady), ks
+        assert sum(a == K for _, a in steady) == 3, ks                   # two verifies per edit
+    assert choose_k(float(t.rate()[0]), K, 0.5) < min(period, K) // 2
 
 
 @pytest.mark.parametrize("device_loop", [True, False])
