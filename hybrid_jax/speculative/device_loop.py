@@ -12,7 +12,8 @@ One iteration, per row b (B rows, all arrays on device):
             matches and the row still follows copied text past a rejected draft (`cursor`), the
             text after it, as `NgramDrafter.read_from`
   choose k  dynamic K on device: argmax_k E(k) / (1 + draft_cost k) at the row's decayed acceptance
-            rate, at least doubled after a check that accepted all its drafts (`dynamic_k.py`);
+            rate, at least doubled after a check that accepted all its drafts, and after a long
+            run that a rejection ended, at least to the next edit expected (`dynamic_k.py`);
             before the loop, the rate, the streak and the chunk size are seeded from how prompt
             lookup would have predicted the tail of each row's prompt (`prompt_tail_checks`)
   step      `lax.switch` on the smallest compiled draft length Kb >= max_b k: when no row drafts, a

@@ -33,8 +33,8 @@ neither; plain 54.5).
 A new request need not start from the prior alone: its prompt already says how copyable its text
 is. `tail_checks` asks how prompt lookup would have done on the last WARM_TAIL tokens of the text
 (each predicted from the tokens before it), and `AcceptanceTracker.warm_start` counts those checks
-as acceptance trials, with a run of right guesses ending at the prompt's end (at least half the
-tail) as a streak. A prompt that quotes itself then drafts a full K from its first step, rather
+as acceptance trials, with a run of right guesses ending at the prompt's end (at least MIN_RUN)
+as a streak and as the row's run so far. A prompt that quotes itself then drafts a full K from its first step, rather
 than climbing 4, 8, 16 (batch-1 self-quoting workload, same-process A/B: 24.4 vs 26.8 ms per
 request; edited quote 28.9 vs 32.5); a prompt whose tail lookup never once guessed right starts
 with the longest plain decode chunk, rather than growing to it (random prompts: 2 chunks for 224
@@ -45,7 +45,7 @@ from __future__ import annotations
 import numpy as np
 
 WARM_TAIL = 16     # prompt-tail positions a new request's prompt-lookup warm start checks
-MIN_RUN = 8        # accepted drafts in a row that count as copied text (warm streak, expected gap)
+MIN_RUN = 8        # tokens copied in a row that count as copied text (warm streak, expected gap)
 
 
 def tail_checks(history: np.ndarray, propose_at, tail: int = WARM_TAIL, lookup_min: int = 1) -> tuple[int, int, int]:
