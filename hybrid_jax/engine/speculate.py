@@ -72,7 +72,7 @@ class EngineSpeculator:
         if t is None:
             t = self.trackers[rid] = AcceptanceTracker(1, self.spec.ewma_decay)
             if self.drafter is not None and ids is not None:
-                t.warm_start(0, *tail_checks(ids, self.drafter.propose_at, lookup_min=self.drafter.lookup_min))
+                t.warm_start(0, *tail_checks(np.asarray(ids, np.int64), self.drafter))
         return t
 
     def plan(self, reqs) -> tuple[list[np.ndarray], list[np.ndarray]]:
@@ -81,14 +81,13 @@ class EngineSpeculator:
         K = self.spec.num_speculative_tokens
         drafts, shadows = [], []
         for q in reqs:
-            ids = np.asarray(q.all_ids, np.int64)
             if self.drafter is not None:
-                prop = self.drafter.propose(ids, K)
+                prop = self.drafter.propose(np.asarray(q.all_ids, np.int64), K)
             else:                     # the draft model writes them on device; only the length matters here
                 prop = np.zeros((K,), np.int32)
             k = K
             if self.spec.dynamic_k:
-                k = self._tracker(q.request_id, ids).next_k(0, K, self.spec.draft_cost)
+                k = self._tracker(q.request_id, q.all_ids).next_k(0, K, self.spec.draft_cost)
                 n = self.steps[q.request_id] = self.steps.get(q.request_id, 0) + 1
                 if self.drafter is None and k == 0 and n % PROBE_EVERY == 0:
                     k = 1

@@ -193,8 +193,7 @@ class SpeculativeDecoder:
         if self.ngram is not None and spec.dynamic_k:     # seed each row from lookup over its prompt's tail
             cold = True
             for r in range(n):
-                hits, checks, run = tail_checks(hist[r, :hlen[r]], self.ngram.propose_at,
-                                                lookup_min=self.ngram.lookup_min)
+                hits, checks, run = tail_checks(hist[r, :hlen[r]], self.ngram)
                 tracker.warm_start(r, hits, checks, run)
                 cold &= bool(cold_tail(hits, checks)) or not running[r]
             quiet = QUIET_MAX if cold else 0

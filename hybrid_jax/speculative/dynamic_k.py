@@ -48,15 +48,14 @@ WARM_TAIL = 16     # prompt-tail positions a new request's prompt-lookup warm st
 MIN_RUN = 8        # tokens copied in a row that count as copied text (warm streak, expected gap)
 
 
-def tail_checks(history: np.ndarray, propose_at, tail: int = WARM_TAIL, lookup_min: int = 1) -> tuple[int, int, int]:
+def tail_checks(history: np.ndarray, drafter, tail: int = WARM_TAIL) -> tuple[int, int, int]:
     """How prompt lookup would have predicted the last `tail` tokens of history [N] (the last one
-    included), each from the tokens before it; propose_at(h, k) -> (proposal, start) is the
-    drafter's lookup (`NgramDrafter.propose_at`). Positions with fewer than lookup_min + 1 tokens
-    before them are not checked. Returns (right guesses, positions checked, run of right guesses
-    ending at the last token)."""
+    included), each from the tokens before it; drafter: an `NgramDrafter` (its propose_at and
+    lookup_min). Positions with fewer than lookup_min + 1 tokens before them are not checked.
+    Returns (right guesses, positions checked, run of right guesses ending at the last token)."""
     hits = checks = run = 0
-    for i in range(max(len(history) - tail, lookup_min + 1), len(history)):
-        p, _ = propose_at(history[:i], 1)
+    for i in range(max(len(history) - tail, drafter.lookup_min + 1), len(history)):
+        p, _ = drafter.propose_at(history[:i], 1)
         hit = len(p) > 0 and int(p[0]) == int(history[i])
         hits, checks, run = hits + hit, checks + 1, (run + 1 if hit else 0)
     return hits, checks, run

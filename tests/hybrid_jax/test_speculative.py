@@ -361,7 +361,7 @@ def test_device_prompt_tail_checks_equal_host(lo, hi):
     lens = np.array([len(h) for h in hists], np.int32)
     got = jax.jit(prompt_tail_checks, static_argnums=(2, 3, 4))(jnp.asarray(buf), jnp.asarray(lens), WARM_TAIL, lo, hi)
     got = np.stack([np.asarray(x) for x in got], axis=1)
-    want = np.array([tail_checks(h, NgramDrafter(lo, hi).propose_at, WARM_TAIL, lo) for h in hists])
+    want = np.array([tail_checks(h, NgramDrafter(lo, hi)) for h in hists])
     assert got.tolist() == want.tolist()
     hits, checks, run = want.T
     assert (hits == 0).any() and (run >= WARM_TAIL // 2).any() and ((hits > 0) & (run == 0)).any()
@@ -371,8 +371,8 @@ def test_device_prompt_tail_checks_equal_host(lo, hi):
 def test_tail_checks_of_a_quote_and_of_text_that_never_recurs():
     walk = np.random.default_rng(0).permutation(100)[:40]
     quote = np.concatenate([walk, walk[:20]])
-    assert tail_checks(quote, NgramDrafter(1, 4).propose_at) == (WARM_TAIL, WARM_TAIL, WARM_TAIL)
-    assert tail_checks(walk, NgramDrafter(1, 4).propose_at) == (0, WARM_TAIL, 0)
+    assert tail_checks(quote, NgramDrafter(1, 4)) == (WARM_TAIL, WARM_TAIL, WARM_TAIL)
+    assert tail_checks(walk, NgramDrafter(1, 4)) == (0, WARM_TAIL, 0)
     t = AcceptanceTracker(2)
     t.warm_start(0, WARM_TAIL, WARM_TAIL, WARM_TAIL)     # copied text: a full K from the first step
     t.warm_start(1, 5, WARM_TAIL, 5)                       # a short run is no streak
@@ -391,7 +391,7 @@ def test_warm_start_drafts_a_full_k_on_a_quoting_prompt_and_skips_to_long_chunks
     sp = SamplingParams(temperature=0, max_tokens=40)
     got, dec = _spec(qwen, [looped], cfg, sp)
     assert got == _plain(qwen, [looped], sp)
-    _, _, run = tail_checks(np.asarray(looped + got[0][:1]), NgramDrafter().propose_at)
+    _, _, run = tail_checks(np.asarray(looped + got[0][:1]), NgramDrafter())
     assert run >= WARM_TAIL // 2                      # the premise: the tail is copied text
     s, log = dec.stats(), dec.step_log()
     assert s["fallback_chunks"] == 0 and log[0][1:3] == (1, 8)        # first step: verify, k = K
