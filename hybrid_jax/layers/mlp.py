@@ -27,16 +27,19 @@ def _routed_gather(x, idx, w, gate_up, down):
 
 
 def _routed_dense(x, idx, w, gate_up, down):
-    # Every expert on every row as two plain GEMMs over the experts laid side by side, with the
-    # routing weights (zero where not routed) folded into the activations. Wastes E/k of the
-    # FLOPs but has no gather or scatter: the fastest form when E is small.
+    # Every expert on every row, with the routing weights (zero where not routed) folded into the
+    # activations. Wastes E/k of the FLOPs but has no gather or scatter: the fastest form when E is
+    # small. The up projection is a batched matmul over the experts, which reads gate_up in its
+    # stored layout; one GEMM over the experts side by side would first transpose all of gate_up,
+    # every call (on CPU, the whole layer 116 -> 92 us at M = 25 rows, 60 -> 39 us at M = 8). The
+    # down projection is one GEMM over the experts laid side by side.
     E, Hd, I2 = gate_up.shape
     M = x.shape[0]
-    h = (x @ gate_up.transpose(1, 0, 2).reshape(Hd, E * I2)).reshape(M, E, I2)
+    h = jnp.einsum("emh,ehi->emi", jnp.broadcast_to(x, (E, M, Hd)), gate_up)            # [E, M, 2I]
     g, u = jnp.split(h, 2, axis=-1)
     combine = jnp.sum(jax.nn.one_hot(idx, E, dtype=h.dtype) * w[..., None].astype(h.dtype), axis=1)   # [M, E]
-    act = (jax.nn.silu(g) * u * combine[..., None]).reshape(M, E * (I2 // 2))
-    return act @ down.reshape(E * (I2 // 2), Hd)
+    act = jax.nn.silu(g) * u * combine.T[..., None]                                      # [E, M, I]
+    return jnp.moveaxis(act, 0, 1).reshape(M, E * (I2 // 2)) @ down.reshape(E * (I2 // 2), Hd)
 
 
 def _routed_sorted(x, idx, w, gate_up, down):
