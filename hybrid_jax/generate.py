@@ -16,7 +16,7 @@ import numpy as np
 
 from cache import ModelCache
 from hybrid_jax.config import ModelConfig
-from hybrid_jax.models import get_model
+from hybrid_jax.models import empty_cache, get_model
 from hybrid_jax.sampling import SamplerFlags, SamplingParams, sample
 
 
@@ -164,7 +164,7 @@ class Generator:
 
     # --- host API --------------------------------------------------------------------------------
     def new_cache(self, batch_size: int, capacity: int) -> ModelCache:
-        return self.model.new_cache(self.cfg, batch_size, capacity, self.dtype)
+        return empty_cache(self.cfg, batch_size, capacity, self.dtype)
 
     def run(self, batch: Batch) -> tuple[np.ndarray, np.ndarray]:
         """Prefill then decode. Returns (tokens [B, steps] with -1 after each row's end, n_out [B]).

@@ -12,8 +12,11 @@ the same `model_type`.
 """
 from __future__ import annotations
 
+import functools
 import importlib
 from types import ModuleType
+
+import jax
 
 from hybrid_jax.errors import ConfigError
 
@@ -27,3 +30,17 @@ def get_model(model_type: str) -> ModuleType:
         return importlib.import_module(FAMILIES[model_type])
     except KeyError:
         raise ConfigError(f"unknown model_type {model_type!r}; supported: {sorted(FAMILIES)}") from None
+
+
+@functools.lru_cache(maxsize=64)
+def _cache_program(cfg, batch_size: int, capacity: int, dtype):
+    model = get_model(cfg.model_type)
+    return jax.jit(lambda: model.new_cache(cfg, batch_size, capacity, dtype))
+
+
+def empty_cache(cfg, batch_size: int, capacity: int, dtype):
+    """`get_model(cfg.model_type).new_cache(cfg, batch_size, capacity, dtype)` as one compiled
+    program per shape, for the per-request allocations of the generate and speculative loops. Built
+    eagerly, a cache is one dispatch per leaf: 1.2-1.4 ms per batch-1 request on the benchmark CPU,
+    against 0.08 ms for the compiled program."""
+    return _cache_program(cfg, batch_size, capacity, dtype)()

@@ -26,7 +26,7 @@ import numpy as np
 from hybrid_jax.config import load_config
 from hybrid_jax.errors import InputError
 from hybrid_jax.generate import bucket, make_batch
-from hybrid_jax.models import get_model
+from hybrid_jax.models import empty_cache, get_model
 from hybrid_jax.sampling import SamplingParams
 from hybrid_jax.speculative.config import SpeculativeConfig, parse_speculative_config
 from hybrid_jax.speculative.device_loop import LoopConfig, loop_buckets, ngram_generate
@@ -141,7 +141,7 @@ class SpeculativeDecoder:
         samp = tuple(jnp.asarray(x) for x in (b.seeds, b.temperature, b.top_k, b.top_p))
         stop_dev = jnp.asarray(b.stop_ids)
         t0 = time.perf_counter()
-        cache = self.model.new_cache(self.cfg, B, b.capacity, self.dtype)
+        cache = empty_cache(self.cfg, B, b.capacity, self.dtype)
         first, cache = st.prefill(self.params, cache, jnp.asarray(b.tokens), jnp.asarray(b.n_prompt), *samp,
                                   flags=b.flags)
         dcache = None
@@ -336,7 +336,7 @@ class SpeculativeDecoder:
                         max_chunk=max(spec.fallback_steps, 128))
         samp = (b.seeds, b.temperature, b.top_k, b.top_p)
         t0 = time.perf_counter()
-        cache = self.model.new_cache(self.cfg, B, b.capacity, self.dtype)
+        cache = empty_cache(self.cfg, B, b.capacity, self.dtype)
         first, cache = self.steps.prefill(self.params, cache, b.tokens, b.n_prompt, *samp, flags=b.flags)
         H = bucket(int(b.n_prompt.max()) + 1 + lc.max_new + max(K + 1, lc.max_chunk), 64)
         h = np.zeros((B, H), np.int32)

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hybrid_jax.generate import decode_jit
-from hybrid_jax.models import get_model
+from hybrid_jax.models import empty_cache, get_model
 from hybrid_jax.sampling import SamplerFlags, sample
 from hybrid_jax.speculative.acceptance import processed_logits
 
@@ -131,4 +131,4 @@ class DraftModelDrafter:
         self.draft = functools.partial(draft_tokens, cfg=cfg, impl=impl)
 
     def new_cache(self, batch_size: int, capacity: int):
-        return self.model.new_cache(self.cfg, batch_size, capacity, self.dtype)
+        return empty_cache(self.cfg, batch_size, capacity, self.dtype)
