@@ -108,3 +108,21 @@ def test_speculative_config_runs_through_llm_and_keeps_greedy_output(llm, tiny_c
     assert llm.spec_stats() == {"enabled": False}
     with pytest.raises(InputError, match="num_speculative_tokens|method"):
         LLM(model=tiny_checkpoint, speculative_config={"method": "nonsense"})
+
+
+def test_compiled_empty_cache_equals_new_cache_and_is_fresh_each_call(llm):
+    """empty_cache (the per-request allocation) builds what the model's new_cache builds, and a new
+    set of buffers every call: requests donate their caches, so two may never share one."""
+    import jax  # noqa: PLC0415
+    from hybrid_jax.models import empty_cache, get_model  # noqa: PLC0415
+    cfg = llm.config
+    ref = get_model(cfg.model_type).new_cache(cfg, 2, 48, llm.dtype)
+    a, b = empty_cache(cfg, 2, 48, llm.dtype), empty_cache(cfg, 2, 48, llm.dtype)
+    ra, ta = jax.tree_util.tree_flatten(a)
+    rr, tr = jax.tree_util.tree_flatten(ref)
+    assert ta == tr
+    for x, y in zip(ra, rr):
+        assert x.shape == y.shape and x.dtype == y.dtype
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    for x, y in zip(ra, jax.tree_util.tree_leaves(b)):
+        assert x.unsafe_buffer_pointer() != y.unsafe_buffer_pointer()
