@@ -226,7 +226,7 @@ def memory(llm, k):
         return (m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes) / 2**20
 
     print(f"   memory (batch {B}, K {k}): MiB a verify step allocates (both include the attention's temporaries over"
-          f"\n   the whole capacity); selection adds per-position states (scale with K), replay a whole new cache"
+          f"\n   the whole capacity); selection adds per-token state updates (scale with K), replay a whole new cache"
           f"\n   (the snapshot is kept, so the verify cannot write in place: scales with the cache)")
     print(f"   {'capacity':>8} {'cache MiB':>9} {'selection':>9} {'replay: verify':>14} {'+ replay step':>13}")
     for cap in (1024, 16384):

@@ -9,10 +9,11 @@ from pallas_kernels.gated_delta_rule import (
     chunk_gated_delta_rule,
     fused_recurrent_gated_delta_rule,
     l2norm,
+    state_after,
 )
 from pallas_kernels.sparse_attention import (  # noqa: F401
     dense_mla_attention, indexer_topk, indexer_weights, quantize_fp8, sparse_hit_rate, sparse_mla_attention,
 )
 
 __all__ = ["abi", "chunk_gated_delta_rule", "compress_windows", "compressed_sparse_read",
-           "fused_recurrent_gated_delta_rule", "l2norm"]
+           "fused_recurrent_gated_delta_rule", "l2norm", "state_after"]

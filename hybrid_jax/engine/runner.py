@@ -190,7 +190,7 @@ class ModelRunner:
     def _verify_fn(self, params, cache, r, tokens, meta, dparams=None, dcache=None, *, flags, replay):
         """Speculative verify of tokens [Bb, K+1] = [pending, d_1 .. d_K] per slot row in ONE forward;
         meta [2, Bb] = (n_fed = 1 + n_draft, 0 for padding rows; n_draft). Rejected tokens are rolled
-        back by selection of the per-position recurrent states, or (replay) by running the kept tokens
+        back by selection of the recurrent state after the last kept token, or (replay) by running the kept tokens
         from the pre-verify rows again; the rows' versions change when anything was rejected.
         Returns (n_accepted [Bb], tokens [Bb, K+1]: the first n_accepted + 1 are emitted, cache)."""
         from hybrid_jax.speculative.acceptance import accept  # noqa: PLC0415

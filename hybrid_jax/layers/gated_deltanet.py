@@ -7,8 +7,10 @@ Padding tokens (valid = False) get g = 0 and beta = 0, which leave the recurrent
 
 Speculative decoding: `fused_recurrent=True` runs the token-level kernel whatever T (a verify or
 replay window numerically equal to T decode steps); `per_token_states=True` (implies it) also
-returns the conv window and recurrent state after every position, so a verify step can roll back
-by selecting the state after its last accepted token.
+returns what the state after any position is made from, so a verify step can roll back by selecting
+the state after its last accepted token: the conv inputs (each position's conv window is a slice of
+them) and the recurrence's per-token rank-one updates (`pallas_kernels.state_after`), rather than
+T copies of the conv window and of the [HV, K, V] state.
 """
 from __future__ import annotations
 
@@ -19,19 +21,35 @@ import pallas_kernels
 from hybrid_jax.layers.norms import gated_rms_norm
 
 
-def causal_conv(x: jax.Array, conv_state: jax.Array, w: jax.Array, n_new: jax.Array, all_states: bool = False):
+def conv_state_after(window: jax.Array, idx: jax.Array, width: int) -> jax.Array:
+    """window [B, W-1+T, C] (the conv state before a window, then its inputs); idx [B] in [0, T) ->
+    the conv state after position idx[b] of each row (its W-1 inputs ending there): [B, W-1, C]."""
+    return jax.vmap(lambda row, n: jax.lax.dynamic_slice_in_dim(row, n, width - 1, axis=0))(window, idx + 1)
+
+
+def causal_conv(x: jax.Array, conv_state: jax.Array, w: jax.Array, n_new: jax.Array, return_window: bool = False):
     """Depthwise causal conv + SiLU.  x: [B, T, C]; conv_state: [B, W-1, C]; w: [W, C]; n_new: [B].
     Returns (y [B, T, C], new conv_state [B, W-1, C]: the last W-1 inputs up to each row's end) and,
-    with all_states, the conv state after every position t (the W-1 inputs ending at t): [B, T, W-1, C]."""
+    with return_window, the conv state and inputs [B, W-1+T, C] (`conv_state_after` reads the state
+    after any position from it)."""
     W = w.shape[0]
     T = x.shape[1]
     window = jnp.concatenate([conv_state.astype(x.dtype), x], axis=1)       # [B, W-1+T, C]
     y = sum(window[:, j:j + T] * w[j] for j in range(W))
-    new_state = jax.vmap(lambda row, n: jax.lax.dynamic_slice_in_dim(row, n, W - 1, axis=0))(window, n_new)
-    if all_states:
-        per_pos = jnp.stack([window[:, t + 1:t + W] for t in range(T)], axis=1)      # [B, T, W-1, C]
-        return jax.nn.silu(y), new_state, per_pos
+    new_state = conv_state_after(window, n_new - 1, W)
+    if return_window:
+        return jax.nn.silu(y), new_state, window
     return jax.nn.silu(y), new_state
+
+
+def states_after(parts: dict, idx: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """One layer's states after position idx[b] of each row ([B] int32, in [0, T)), from the parts
+    `gated_deltanet(..., per_token_states=True)` returned: (conv [B, W-1, C], ssm [B, HV, K, V] fp32)."""
+    width = parts["conv_window"].shape[1] - parts["k"].shape[1] + 1
+    conv = conv_state_after(parts["conv_window"], idx, width)
+    ssm = pallas_kernels.state_after(parts["ssm0"], parts["k"], parts["g"], parts["delta"], idx,
+                                     use_qk_l2norm_in_kernel=True)
+    return conv, ssm
 
 
 def gated_deltanet(p: dict, x: jax.Array, valid: jax.Array, n_new: jax.Array, conv_state: jax.Array,
@@ -39,15 +57,18 @@ def gated_deltanet(p: dict, x: jax.Array, valid: jax.Array, n_new: jax.Array, co
                    head_v_dim: int, eps: float, impl: str = "auto", fused_recurrent: bool = False,
                    per_token_states: bool = False):
     """x: [B, T, Hd]; valid: [B, T]; n_new: [B]; conv_state: [B, W-1, C]; ssm_state: [B, HV, K, V] fp32.
-    Returns (out [B, T, Hd], conv_state, ssm_state) and, with per_token_states, the states after every
-    position too: conv [B, T, W-1, C] and ssm [B, T, HV, K, V] fp32 (padding positions repeat the last)."""
+    Returns (out [B, T, Hd], conv_state, ssm_state) and, with per_token_states, a dict of what the
+    states after every position are made from: conv_window [B, W-1+T, C] (for `conv_state_after`);
+    ssm0 [B, HV, K, V] (the state before the window), k [B, T, H, K], g [B, T, HV] and delta
+    [B, T, HV, V] fp32 (for `pallas_kernels.state_after`, with use_qk_l2norm_in_kernel=True).
+    Padding positions (past n_new) have g = 0 and delta = 0: their state is the last real one."""
     B, T, _ = x.shape
     H, HV, K, V = num_k_heads, num_v_heads, head_k_dim, head_v_dim
     proj = x @ p["in_proj"]
     qkv, z, b, a = jnp.split(proj, [2 * H * K + HV * V, 2 * H * K + 2 * HV * V, 2 * H * K + 2 * HV * V + HV],
                              axis=-1)
     if per_token_states:
-        qkv, conv_state, conv_all = causal_conv(qkv, conv_state, p["conv"], n_new, all_states=True)
+        qkv, conv_state, conv_window = causal_conv(qkv, conv_state, p["conv"], n_new, return_window=True)
     else:
         qkv, conv_state = causal_conv(qkv, conv_state, p["conv"], n_new)
     q, k, v = jnp.split(qkv, [H * K, 2 * H * K], axis=-1)
@@ -57,8 +78,9 @@ def gated_deltanet(p: dict, x: jax.Array, valid: jax.Array, n_new: jax.Array, co
     beta = jnp.where(valid[..., None], beta, 0.0)
     g = jnp.where(valid[..., None], g, 0.0)
     if per_token_states:
-        o, ssm_state, ssm_all = pallas_kernels.fused_recurrent_gated_delta_rule(
-            q, k, v, g, beta, initial_state=ssm_state, output_final_state=True, output_all_states=True,
+        parts = {"conv_window": conv_window, "ssm0": ssm_state, "k": k, "g": g}
+        o, ssm_state, parts["delta"] = pallas_kernels.fused_recurrent_gated_delta_rule(
+            q, k, v, g, beta, initial_state=ssm_state, output_final_state=True, output_deltas=True,
             use_qk_l2norm_in_kernel=True, impl=impl)
     elif T == 1 or fused_recurrent:
         o, ssm_state = pallas_kernels.fused_recurrent_gated_delta_rule(
@@ -71,5 +93,5 @@ def gated_deltanet(p: dict, x: jax.Array, valid: jax.Array, n_new: jax.Array, co
     o = gated_rms_norm(o.astype(x.dtype), z.reshape(B, T, HV, V), p["norm"], eps)
     out = o.reshape(B, T, HV * V) @ p["out_proj"]
     if per_token_states:
-        return out, conv_state, ssm_state, conv_all, ssm_all
+        return out, conv_state, ssm_state, parts
     return out, conv_state, ssm_state

@@ -58,8 +58,10 @@ def forward(cfg: ModelConfig, params: dict, cache: ModelCache, tokens: jax.Array
     Returns (logits, new cache) and, with return_hidden, the residual stream after each layer
     ([L + 1] arrays [B, T, Hd], the embeddings first), for the alignment tool.
     Speculative decoding: fused_recurrent runs the linear-attention layers token by token whatever T;
-    per_token_states (implies it) appends a dict of the recurrent group's state after every position,
-    {"conv": [L, B, T, W-1, C], "ssm": [L, B, T, HV, K, V] fp32}, to the returned tuple (last).
+    per_token_states (implies it) appends a dict of what the recurrent group's state after every
+    position is made from (`gated_deltanet`'s, stacked over the L recurrent layers: conv_window
+    [L, B, W-1+T, C], ssm0 [L, B, HV, K, V], k [L, B, T, H, K], g [L, B, T, HV], delta
+    [L, B, T, HV, V]; `speculative.rollback.select_states` reads it) to the returned tuple (last).
     """
     B, T = tokens.shape
     positions, valid = token_positions(cache, T, n_new)                  # [B, T] each
@@ -69,7 +71,7 @@ def forward(cfg: ModelConfig, params: dict, cache: ModelCache, tokens: jax.Array
     groups = dict(cache.groups)
     rec = groups.get("linear_attention")
     kv = groups.get("full_attention")
-    conv_out, ssm_out, k_out, v_out, conv_all, ssm_all = [], [], [], [], [], []
+    conv_out, ssm_out, k_out, v_out, per_token = [], [], [], [], []
     for i, lp in enumerate(params["layers"]):
         h = rms_norm_zero_centered(x, lp["input_norm"], cfg.rms_norm_eps)
         if cfg.layer_types[i] == "linear_attention":
@@ -82,8 +84,7 @@ def forward(cfg: ModelConfig, params: dict, cache: ModelCache, tokens: jax.Array
                 per_token_states=per_token_states)
             h, conv, ssm = res[:3]
             if per_token_states:
-                conv_all.append(res[3])
-                ssm_all.append(res[4])
+                per_token.append(res[3])
             conv_out.append(conv)
             ssm_out.append(ssm)
         else:
@@ -105,7 +106,7 @@ def forward(cfg: ModelConfig, params: dict, cache: ModelCache, tokens: jax.Array
     out = finish_step(cfg, params, cache, groups, x, n_new, final_norm=final_norm, logits_at=logits_at,
                       hidden=hidden if return_hidden else None)
     if per_token_states:
-        states = {"conv": jnp.stack(conv_all), "ssm": jnp.stack(ssm_all)} if conv_all else {}
+        states = jax.tree_util.tree_map(lambda *a: jnp.stack(a), *per_token) if per_token else {}
         out = out + (states,)
     return out
 

@@ -20,8 +20,8 @@ One iteration, per row b (B rows, all arrays on device):
             chunk of plain decode steps (`verify.decode_chunk`; the proposal is checked against
             what it wrote, so a row whose text turns repetitive climbs back to k > 0; chunks grow
             4x, `chunk` up to `max_chunk` tokens, while those checks keep failing); else ONE verify
-            forward over [pending, drafts] (T = Kb + 1) with per-position recurrent states,
-            acceptance and rollback by selection (`verify.py`). The forward runs Kb + 1 positions
+            forward over [pending, drafts] (T = Kb + 1), acceptance and rollback by selection
+            of the recurrent state after the last kept token (`verify.py`). The forward runs Kb + 1 positions
             for every row, so every row with a proposal drafts min(Kb, its budget) tokens: free
   emit      the accepted tokens and the bonus, cut at a stop token or the row's token budget,
             appended to the output and to the history; a row that emitted its last token stops

@@ -9,8 +9,9 @@ tokens, and nothing rejected may ever be read:
   The row's `version` is bumped once more when anything was rejected, so a prefix-cache entry
   recorded against the verify step's version can never validate against the rolled-back row.
 * Recurrent state (Gated DeltaNet state and conv window) is rewritten by every token, so it is
-  restored either by **selection** (`select_states`: the verify forward emitted the state after
-  every position; keep the one after the last kept token) or by **snapshot + replay**
+  restored either by **selection** (`select_states`: the verify forward emitted what the state
+  after every position is made from, its conv inputs and the recurrence's per-token rank-one
+  updates; keep the state after the last kept token) or by **snapshot + replay**
   (`finish_replay`: the pre-verify cache, kept by reference and never donated, is run again over
   the kept tokens only).
 """
@@ -20,23 +21,18 @@ import jax
 import jax.numpy as jnp
 
 from cache import ModelCache, RecurrentGroup
-
-
-def _select(per_pos: jax.Array, idx: jax.Array) -> jax.Array:
-    """per_pos [L, B, T, ...]; idx [B] -> [L, B, ...]: position idx[b] of each row."""
-    ix = idx.reshape((1, -1, 1) + (1,) * (per_pos.ndim - 3))
-    return jnp.take_along_axis(per_pos, ix, axis=2)[:, :, 0]
+from hybrid_jax.layers.gated_deltanet import states_after
 
 
 def select_states(group: RecurrentGroup, states: dict, n_keep: jax.Array) -> RecurrentGroup:
     """The recurrent group after the first n_keep[b] fed tokens of each row.
-    group: the verify step's output (its state is after all n_fed tokens); states: {"conv":
-    [L, B, T, W-1, C], "ssm": [L, B, T, HV, K, V]} after every position; n_keep [B] int32
-    (rows with n_keep = 0 fed nothing and keep the group's state as it is)."""
+    group: the verify step's output (its state is after all n_fed tokens); states: the forward's
+    per-position parts over the group's L layers (conv_window [L, B, W-1+T, C], ssm0 [L, B, HV, K, V],
+    k [L, B, T, H, K], g [L, B, T, HV], delta [L, B, T, HV, V]; see `layers.gated_deltanet`);
+    n_keep [B] int32 (rows with n_keep = 0 fed nothing and keep the group's state as it is)."""
     idx = jnp.maximum(n_keep - 1, 0)
     fed = (n_keep > 0)
-    conv = _select(states["conv"], idx)
-    ssm = _select(states["ssm"], idx)
+    conv, ssm = jax.vmap(lambda parts: states_after(parts, idx))(states)
     conv = jnp.where(fed.reshape(1, -1, 1, 1), conv, group.conv)
     ssm = jnp.where(fed.reshape(1, -1, 1, 1, 1), ssm, group.ssm)
     return group.replace(conv=conv.astype(group.conv.dtype), ssm=ssm)

@@ -1,8 +1,9 @@
 """The target model's jitted steps for speculative decoding, with static bucketed shapes.
 
   prefill       prompt -> first sampled token + cache                         (cache donated)
-  verify_select [pending, drafts] in ONE forward, per-position recurrent states, acceptance and
-                rollback by selection, all on device                          (cache donated)
+  verify_select [pending, drafts] in ONE forward, acceptance, and rollback by selection of the
+                recurrent state after the last kept token (rebuilt from the per-token updates the
+                forward emits), all on device                                 (cache donated)
   verify_keep   the same forward and acceptance, the input cache NOT donated: it stays alive as
                 the snapshot for rollback by replay
   replay        snapshot + the kept tokens through the same token-level kernel (snapshot donated)

@@ -58,6 +58,14 @@ def prepare(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel):
             g.astype(jnp.float32), beta.astype(jnp.float32))
 
 
+def per_token_output(output_all_states: bool, output_deltas: bool) -> str | None:
+    """What a recurrent kernel writes per token besides o: "states" (the state after every token,
+    [B, T, HV, K, V]), "deltas" (every token's rank-one update, [B, T, HV, V]) or None."""
+    if output_all_states and output_deltas:
+        raise ValueError("output_all_states and output_deltas are exclusive: the deltas stand in for the states")
+    return "states" if output_all_states else ("deltas" if output_deltas else None)
+
+
 def default_scale(scale, K):
     return K ** -0.5 if scale is None else scale
 

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import abi
 from pallas_kernels.gated_delta_rule import varlen
-from pallas_kernels.gated_delta_rule.common import check_inputs, default_scale, prepare
+from pallas_kernels.gated_delta_rule.common import check_inputs, default_scale, per_token_output, prepare
 
 ABI = abi.GATED_DELTA_RULE   # writes state[N, HV, K, V] f32, like every other implementation
 
@@ -29,27 +29,31 @@ def _update(S, q_t, k_t, v_t, g_t, b_t):
     delta = (v_t - kv) * b_t[..., None]
     S = S + k_t[:, :, None, :, None] * delta[:, :, :, None, :]
     o_t = jnp.einsum("bhk,bhrkv->bhrv", q_t, S, precision="highest")
-    return S, o_t
+    return S, o_t, delta
 
 
-def _step(S, xs, keep_states: bool):
-    S, o_t = _update(S, *xs)
-    return S, (o_t, S if keep_states else None)
+def _per_token(S, delta, keep: str | None):
+    return {"states": S, "deltas": delta}.get(keep)
 
 
-def _step_varlen(carry, xs, S0, keep_states: bool):
+def _step(S, xs, keep: str | None):
+    S, o_t, delta = _update(S, *xs)
+    return S, (o_t, _per_token(S, delta, keep))
+
+
+def _step_varlen(carry, xs, S0, keep: str | None):
     # carry: S [1, H, r, K, V], finals [N, H, r, K, V]; S0: [N, H, r, K, V]
     S, finals = carry
     q_t, k_t, v_t, g_t, b_t, seq, first, valid = xs
     S = jnp.where(first, S0[seq][None], S)
-    S, o_t = _update(S, q_t, k_t, v_t, g_t, b_t)
+    S, o_t, delta = _update(S, q_t, k_t, v_t, g_t, b_t)
     finals = finals.at[seq].set(jnp.where(valid, S[0], finals[seq]))
     o_t = jnp.where(valid, o_t, 0.0)
-    return (S, finals), (o_t, S if keep_states else None)
+    return (S, finals), (o_t, _per_token(S, jnp.where(valid, delta, 0.0), keep))
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "output_final_state", "output_all_states",
-                                             "use_qk_l2norm_in_kernel"))
+                                             "use_qk_l2norm_in_kernel", "output_deltas"))
 def naive_recurrent_gated_delta_rule(
     q: jax.Array,            # [B, T, H, K]
     k: jax.Array,            # [B, T, H, K]
@@ -62,11 +66,14 @@ def naive_recurrent_gated_delta_rule(
     output_all_states: bool = False,
     use_qk_l2norm_in_kernel: bool = False,
     cu_seqlens: jax.Array | None = None,     # [N + 1] int32, packed batch (B == 1)
+    output_deltas: bool = False,
 ):
     """Token-level scan. Returns (o [B, T, HV, V] in v.dtype, final state [N, HV, K, V] fp32 or None,
-    and, with output_all_states, the state after every token [B, T, HV, K, V] fp32).
+    and, with output_all_states, the state after every token [B, T, HV, K, V] fp32, or, with
+    output_deltas, every token's state update delta [B, T, HV, V] fp32 (see `rebuild`).
     N = B, or the number of sequences with cu_seqlens."""
     B, T, H, K, HV, V = check_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
+    keep = per_token_output(output_all_states, output_deltas)
     N = B if cu_seqlens is None else varlen.check_cu_seqlens(cu_seqlens)
     r = HV // H
     out_dtype = v.dtype
@@ -78,15 +85,17 @@ def naive_recurrent_gated_delta_rule(
           jnp.moveaxis(v.reshape(B, T, H, r, V), 1, 0),
           jnp.moveaxis(g.reshape(B, T, H, r), 1, 0), jnp.moveaxis(beta.reshape(B, T, H, r), 1, 0))
     if cu_seqlens is None:
-        S, (o, states) = jax.lax.scan(functools.partial(_step, keep_states=output_all_states), S0, xs)
+        S, (o, per_tok) = jax.lax.scan(functools.partial(_step, keep=keep), S0, xs)
         final = S
     else:
         seq, first, valid = varlen.token_layout(cu_seqlens, T)
-        step = functools.partial(_step_varlen, S0=S0, keep_states=output_all_states)
-        (_, final), (o, states) = jax.lax.scan(step, (jnp.zeros_like(S0[:1]), S0),
+        step = functools.partial(_step_varlen, S0=S0, keep=keep)
+        (_, final), (o, per_tok) = jax.lax.scan(step, (jnp.zeros_like(S0[:1]), S0),
                                               xs + (seq, first, valid))
     o = jnp.moveaxis(o, 0, 1).reshape(B, T, HV, V).astype(out_dtype)
     final = final.reshape(N, HV, K, V) if output_final_state else None
-    if output_all_states:
-        return o, final, jnp.moveaxis(states, 0, 1).reshape(B, T, HV, K, V)
+    if keep == "states":
+        return o, final, jnp.moveaxis(per_tok, 0, 1).reshape(B, T, HV, K, V)
+    if keep == "deltas":
+        return o, final, jnp.moveaxis(per_tok, 0, 1).reshape(B, T, HV, V)
     return o, final

@@ -84,9 +84,12 @@ def fused_recurrent_gated_delta_rule(
     use_qk_l2norm_in_kernel: bool = False,
     cu_seqlens: jax.Array | None = None,
     impl: str = "auto",
+    output_deltas: bool = False,
 ):
     """Token-by-token gated delta rule (decode, speculative verify).
-    Returns (o, final state or None) and, with output_all_states, the states [B, T, HV, K, V] too."""
+    Returns (o, final state or None) and, with output_all_states, the states [B, T, HV, K, V] too, or,
+    with output_deltas, every token's state update [B, T, HV, V] (`state_after` rebuilds the state
+    after any one token from them)."""
     check_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
     impl = resolve_impl(impl)
     if impl == "pallas" and _pallas_recurrent() is not None:
@@ -94,8 +97,8 @@ def fused_recurrent_gated_delta_rule(
             q, k, v, g, beta, scale=scale, initial_state=initial_state,
             output_final_state=output_final_state, output_all_states=output_all_states,
             use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens,
-            interpret=jax.default_backend() == "cpu")
+            interpret=jax.default_backend() == "cpu", output_deltas=output_deltas)
     return _naive.naive_recurrent_gated_delta_rule(
         q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
         output_all_states=output_all_states, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-        cu_seqlens=cu_seqlens)
+        cu_seqlens=cu_seqlens, output_deltas=output_deltas)

@@ -19,7 +19,9 @@ and no transposes, which both lowerings handle.
 
 With output_all_states the kernel also writes the state after every token, [B, T, HV, K, V]
 (the speculative-decoding checkpoints: rollback by selecting slot `accepted - 1`). That block holds
-T states on chip, so it is meant for short windows.
+T states on chip, so it is meant for short windows. With output_deltas it writes instead every
+token's rank-one update delta_t, [B, T, HV, V], K times less: `rebuild.state_after` makes the state
+after any one token from them.
 """
 from __future__ import annotations
 
@@ -32,7 +34,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import abi
 from pallas_kernels.gated_delta_rule import varlen
-from pallas_kernels.gated_delta_rule.common import check_inputs, default_scale
+from pallas_kernels.gated_delta_rule.common import check_inputs, default_scale, per_token_output
 
 ABI = abi.GATED_DELTA_RULE   # writes state[N, HV, K, V] f32, like every other implementation
 BACKENDS = ("tpu", "gpu")
@@ -93,9 +95,10 @@ def _recurrent_kernel(seq_ref, flag_ref,                  # [B * T] int32 (SMEM 
                       h0_ref,                             # [NB, K, bv] f32
                       o_ref,                              # [T, bv]
                       hT_ref,                             # [NB, K, bv] f32 (aliases h0)
-                      *rest,                              # states_ref [T, K, bv] f32 if all states
-                      scale: float, use_l2norm: bool, T: int):
-    states_ref = rest[0] if rest else None
+                      *rest,                              # states_ref [T, K, bv] or deltas_ref [T, bv] f32
+                      scale: float, use_l2norm: bool, T: int, keep: str | None):
+    states_ref = rest[0] if keep == "states" else None
+    deltas_ref = rest[0] if keep == "deltas" else None
     b = pl.program_id(0)
     K = q_ref.shape[1]
     ii = jax.lax.broadcasted_iota(jnp.int32, (K, K), 0)
@@ -116,19 +119,23 @@ def _recurrent_kernel(seq_ref, flag_ref,                  # [B * T] int32 (SMEM 
         v = v_ref[pl.ds(t, 1), :].astype(jnp.float32)          # [1, bv]
         S = S * jnp.exp(g_ref[pl.ds(t, 1), :])                 # [1, 1] broadcast
         kv = jnp.sum(k_col * S, axis=0, keepdims=True)         # [1, bv] = S^T k
-        S = S + k_col * ((v - kv) * b_ref[pl.ds(t, 1), :])
+        delta = (v - kv) * b_ref[pl.ds(t, 1), :]               # [1, bv]
+        S = S + k_col * delta
         o = jnp.sum(q_col * S, axis=0, keepdims=True)          # [1, bv] = S^T q
         o_ref[pl.ds(t, 1), :] = jnp.where(valid, o, 0.0).astype(o_ref.dtype)
         hT_ref[s] = jnp.where(valid, S, hT_ref[s])
         if states_ref is not None:
             states_ref[t] = S
+        if deltas_ref is not None:
+            deltas_ref[pl.ds(t, 1), :] = jnp.where(valid, delta, 0.0)
         return S
 
     jax.lax.fori_loop(0, T, step, jnp.zeros(h0_ref.shape[1:], jnp.float32))
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "output_final_state", "output_all_states",
-                                             "use_qk_l2norm_in_kernel", "config", "backend", "interpret"))
+                                             "use_qk_l2norm_in_kernel", "config", "backend", "interpret",
+                                             "output_deltas"))
 def fused_recurrent_gated_delta_rule_pallas(
     q: jax.Array,            # [B, T, H, K]
     k: jax.Array,            # [B, T, H, K]
@@ -144,13 +151,16 @@ def fused_recurrent_gated_delta_rule_pallas(
     config: RecurrentConfig | None = None,
     backend: str | None = None,
     interpret: bool = False,
+    output_deltas: bool = False,
 ):
     """Fused recurrent kernel. Returns (o [B, T, HV, V] in v.dtype, final [N, HV, K, V] f32 or None)
-    and, with output_all_states, the state after every token [B, T, HV, K, V] f32.
+    and, with output_all_states, the state after every token [B, T, HV, K, V] f32, or, with
+    output_deltas, every token's state update [B, T, HV, V] f32.
 
     The initial state buffer is aliased to the final state (`input_output_aliases`): under
     `jax.jit(..., donate_argnames=...)` the state is updated in place."""
     B, T, H, K, HV, V = check_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
+    keep = per_token_output(output_all_states, output_deltas)
     config = config or RecurrentConfig()
     backend = backend or default_backend()
     bv = config.block_v or V
@@ -186,10 +196,13 @@ def fused_recurrent_gated_delta_rule_pallas(
     out_specs = [pl.BlockSpec((None, None, T, bv), lambda b, h, j: (b, h, 0, j)),
                  pl.BlockSpec((NB, None, K, bv), hblk)]
     out_shape = [jax.ShapeDtypeStruct((B, HV, T, V), v.dtype), jax.ShapeDtypeStruct((N, HV, K, V), jnp.float32)]
-    if output_all_states:
+    if keep == "states":
         out_specs.append(pl.BlockSpec((None, T, None, K, bv), lambda b, h, j: (b, 0, h, 0, j)))
         out_shape.append(jax.ShapeDtypeStruct((B, T, HV, K, V), jnp.float32))
-    kernel = functools.partial(_recurrent_kernel, scale=scale, use_l2norm=use_qk_l2norm_in_kernel, T=T)
+    if keep == "deltas":
+        out_specs.append(pl.BlockSpec((None, None, T, bv), lambda b, h, j: (b, h, 0, j)))
+        out_shape.append(jax.ShapeDtypeStruct((B, HV, T, V), jnp.float32))
+    kernel = functools.partial(_recurrent_kernel, scale=scale, use_l2norm=use_qk_l2norm_in_kernel, T=T, keep=keep)
     # The batch axis revisits the same state block in a packed batch, so it is sequential there.
     sem = ("parallel" if cu_seqlens is None else "arbitrary", "parallel", "parallel")
     outs = pl.pallas_call(
@@ -200,8 +213,10 @@ def fused_recurrent_gated_delta_rule_pallas(
     )(seq, flag, qt, kt, vt, gt, bt, h0)
     o = outs[0].transpose(0, 2, 1, 3)
     final = outs[1] if output_final_state else None
-    if output_all_states:
+    if keep == "states":
         return o, final, outs[2]
+    if keep == "deltas":
+        return o, final, outs[2].transpose(0, 2, 1, 3)
     return o, final
 
 

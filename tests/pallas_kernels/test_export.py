@@ -51,6 +51,9 @@ KERNELS = {
     "recurrent_all_states": lambda be, **kw: functools.partial(
         pallas_recurrent.fused_recurrent_gated_delta_rule_pallas, backend=be, output_final_state=True,
         output_all_states=True, use_qk_l2norm_in_kernel=True, **kw),
+    "recurrent_deltas": lambda be, **kw: functools.partial(
+        pallas_recurrent.fused_recurrent_gated_delta_rule_pallas, backend=be, output_final_state=True,
+        output_deltas=True, use_qk_l2norm_in_kernel=True, **kw),
 }
 
 

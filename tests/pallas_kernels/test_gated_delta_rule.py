@@ -30,6 +30,7 @@ from pallas_kernels.gated_delta_rule import (
     fused_recurrent_gated_delta_rule,
     pallas_chunk,
     pallas_recurrent,
+    state_after,
 )
 from pallas_kernels.gated_delta_rule.naive import naive_recurrent_gated_delta_rule
 
@@ -158,6 +159,33 @@ def test_all_states_equal_single_steps(impl):
     assert rel_rms(final, s) < F32_TOL
 
 
+@pytest.mark.parametrize("T,r,K,V,l2", [(1, 1, 32, 32, True), (33, 2, 32, 32, True), (63, 3, 16, 48, False),
+                                        (75, 2, 64, 32, True)])
+def test_state_after_rebuilds_every_state_from_the_deltas(T, r, K, V, l2):
+    """state_after(deltas, idx) is the state after token idx, for every idx (HV != H, K != V, long
+    windows whose decay products get small), and the deltas leave o and the final state alone."""
+    B = 3
+    (q, k, v, g, beta), h0 = make_inputs(T, r, K, B=B, init=True, V=V, seed=T)
+    kw = dict(initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=l2)
+    o, final, states = naive_recurrent_gated_delta_rule(q, k, v, g, beta, output_all_states=True, **kw)
+    o2, final2, deltas = naive_recurrent_gated_delta_rule(q, k, v, g, beta, output_deltas=True, **kw)
+    chex.assert_shape(deltas, (B, T, H * r, V))
+    np.testing.assert_array_equal(o, o2)
+    np.testing.assert_array_equal(final, final2)
+    rebuild = jax.jit(functools.partial(state_after, use_qk_l2norm_in_kernel=l2))
+    for start in range(0, T, B):
+        idx = jnp.minimum(jnp.arange(start, start + B), T - 1).astype(jnp.int32)   # a different position per row
+        got = rebuild(h0, k, g, deltas, idx)
+        want = states[jnp.arange(B), idx]
+        assert rel_rms(got, want) < F32_TOL, (start, rel_rms(got, want))
+
+
+def test_deltas_and_all_states_are_exclusive():
+    (q, k, v, g, beta), h0 = make_inputs(4, 1, 16)
+    with pytest.raises(ValueError, match="exclusive"):
+        fused_recurrent_gated_delta_rule(q, k, v, g, beta, output_all_states=True, output_deltas=True)
+
+
 # ---------------------------------------------------------------- packed variable-length batches
 
 # Sequence lengths: an empty one, one shorter than a chunk, one crossing chunk boundaries, and
@@ -265,6 +293,22 @@ class TestPallasTPU:
             assert rel_rms(x, y) < F32_TOL
         o, f = self.chunk(q, k, v, g, beta, config=pallas_chunk.ChunkConfig(chunk_size=16, block_v=128), **kw)
         assert rel_rms(o, ref[0]) < F32_TOL and rel_rms(f, ref[1]) < F32_TOL
+
+    def test_deltas_equal_reference(self):
+        """With value blocks and HV != H, and in a packed batch (sequence starts, an empty sequence,
+        padding tokens after the last): the kernel's per-token deltas equal the token scan's."""
+        (q, k, v, g, beta), h0 = make_inputs(7, 2, 32, init=True, B=2, V=256)
+        kw = dict(initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True, output_deltas=True)
+        ref = naive_recurrent_gated_delta_rule(q, k, v, g, beta, **kw)
+        got = self.recurrent(q, k, v, g, beta, config=pallas_recurrent.RecurrentConfig(block_v=128), **kw)
+        for x, y in zip(got, ref):
+            assert rel_rms(x, y) < F32_TOL
+        a, h0, cu = varlen_inputs()
+        kw = dict(initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu,
+                  output_deltas=True)
+        ref = naive_recurrent_gated_delta_rule(*a, **kw)
+        got = self.recurrent(*a, **kw)
+        assert rel_rms(got[2], ref[2]) < F32_TOL
 
     def test_donated_state_is_updated_in_place(self):
         a, h0 = make_inputs(9, 1, 32, init=True)
