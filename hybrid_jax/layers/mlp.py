@@ -26,20 +26,29 @@ def _routed_gather(x, idx, w, gate_up, down):
     return jnp.einsum("mkh,mk->mh", y, w.astype(y.dtype))
 
 
+BATCHED_UP_ROWS = 64   # _routed_dense: fewer rows than this use the batched up projection
+
+
 def _routed_dense(x, idx, w, gate_up, down):
     # Every expert on every row, with the routing weights (zero where not routed) folded into the
     # activations. Wastes E/k of the FLOPs but has no gather or scatter: the fastest form when E is
-    # small. The up projection is a batched matmul over the experts, which reads gate_up in its
-    # stored layout; one GEMM over the experts side by side would first transpose all of gate_up,
-    # every call (on CPU, the whole layer 116 -> 92 us at M = 25 rows, 60 -> 39 us at M = 8). The
-    # down projection is one GEMM over the experts laid side by side.
+    # small. Two up projections: few rows (decode, short verify windows) take a batched matmul over
+    # the experts, which reads gate_up in its stored layout; many rows (prefill) take one GEMM over
+    # the experts side by side, which transposes gate_up first but runs at the GEMM's full rate. On
+    # CPU, the whole layer: 8 rows 60 -> 39 us and 25 rows 116 -> 92 us batched; 256 rows 746 ->
+    # 515 us and 512 rows 1591 -> 1020 us as one GEMM. The down projection is one GEMM either way.
     E, Hd, I2 = gate_up.shape
     M = x.shape[0]
-    h = jnp.einsum("emh,ehi->emi", jnp.broadcast_to(x, (E, M, Hd)), gate_up)            # [E, M, 2I]
-    g, u = jnp.split(h, 2, axis=-1)
-    combine = jnp.sum(jax.nn.one_hot(idx, E, dtype=h.dtype) * w[..., None].astype(h.dtype), axis=1)   # [M, E]
-    act = jax.nn.silu(g) * u * combine.T[..., None]                                      # [E, M, I]
-    return jnp.moveaxis(act, 0, 1).reshape(M, E * (I2 // 2)) @ down.reshape(E * (I2 // 2), Hd)
+    combine = jnp.sum(jax.nn.one_hot(idx, E, dtype=x.dtype) * w[..., None].astype(x.dtype), axis=1)   # [M, E]
+    if M < BATCHED_UP_ROWS:
+        h = jnp.einsum("emh,ehi->emi", jnp.broadcast_to(x, (E, M, Hd)), gate_up)        # [E, M, 2I]
+        g, u = jnp.split(h, 2, axis=-1)
+        act = jnp.moveaxis(jax.nn.silu(g) * u * combine.T[..., None], 0, 1)              # [M, E, I]
+    else:
+        h = (x @ gate_up.transpose(1, 0, 2).reshape(Hd, E * I2)).reshape(M, E, I2)
+        g, u = jnp.split(h, 2, axis=-1)
+        act = jax.nn.silu(g) * u * combine[..., None]                                    # [M, E, I]
+    return act.reshape(M, E * (I2 // 2)) @ down.reshape(E * (I2 // 2), Hd)
 
 
 def _routed_sorted(x, idx, w, gate_up, down):

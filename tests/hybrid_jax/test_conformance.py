@@ -73,10 +73,10 @@ def test_incremental_decode_equals_full_recompute(pair):
     assert int(cache.lengths[0]) == 90
 
 
-@pytest.mark.parametrize("rows", [1, 6, 40])
+@pytest.mark.parametrize("rows", [1, 6, 40, 100])
 def test_moe_paths_agree(rows):
-    """The gather (decode), dense (few experts) and sorted ragged-dot (many experts) MoE paths
-    compute the same function."""
+    """The gather (decode), dense (few experts; batched up projection below 64 rows, one GEMM from
+    64 on) and sorted ragged-dot (many experts) MoE paths compute the same function."""
     import jax  # noqa: PLC0415
     import jax.numpy as jnp  # noqa: PLC0415
     from hybrid_jax.layers import mlp  # noqa: PLC0415
