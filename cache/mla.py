@@ -118,20 +118,22 @@ def init_mla_groups(*, batch_size: int, capacity: int, layer_ids: tuple[int, ...
 
 
 def write_paged(pool: jax.Array, new: jax.Array, page_table: jax.Array, positions: jax.Array,
-                valid: jax.Array) -> jax.Array:
-    """Scatters new entries into their pages. pool [P, ps, X] (or [P, ps]); new [B, T, X] (or [B, T]);
+                valid: jax.Array, layer: int | None = None) -> jax.Array:
+    """Scatters new entries into their pages. pool [P, ps, X] (or [P, ps]), or with `layer` the
+    group's stack [L, P, ps, ...] written in place at that layer (slicing the layer out and stacking
+    the layers back would copy every pool at every step); new [B, T, X] (or [B, T]);
     page_table [B, NP]; positions, valid [B, T]. Padding tokens, positions past the row's table and
     table entries outside the pool are dropped, never clamped onto a live slot."""
-    P, ps = pool.shape[:2]
+    lead = 0 if layer is None else 1
+    P, ps = pool.shape[lead:lead + 2]
     NP = page_table.shape[1]
     ok = valid & (positions >= 0) & (positions < NP * ps)
     pos = jnp.where(ok, positions, 0)
     page = jnp.take_along_axis(page_table, pos // ps, axis=1)
     ok = ok & (page >= 0) & (page < P)
-    flat = pool.reshape((P * ps,) + pool.shape[2:])
-    row = jnp.where(ok, page * ps + pos % ps, P * ps)                 # P * ps: out of range, dropped
-    flat = flat.at[row].set(new.astype(pool.dtype), mode="drop")
-    return flat.reshape(pool.shape)
+    page = jnp.where(ok, page, P)                                     # P: out of range, dropped
+    at = pool.at[page, pos % ps] if layer is None else pool.at[layer, page, pos % ps]
+    return at.set(new.astype(pool.dtype), mode="drop")
 
 
 def nbytes_mla(groups: dict) -> dict[str, int]:

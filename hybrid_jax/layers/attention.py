@@ -13,13 +13,20 @@ from hybrid_jax.layers.norms import rms_norm_zero_centered
 from hybrid_jax.layers.rope import apply_rope
 
 
-def write_kv(cache_kv: jax.Array, new: jax.Array, positions: jax.Array, valid: jax.Array) -> jax.Array:
+def write_kv(cache_kv: jax.Array, new: jax.Array, positions: jax.Array, valid: jax.Array,
+             layer: int | None = None) -> jax.Array:
     """Scatter new entries into their slots; invalid (padding) tokens are dropped, never clamped
-    onto a live slot. cache_kv: [B, S, Hkv, D]; new: [B, T, Hkv, D]; positions, valid: [B, T]."""
-    S = cache_kv.shape[1]
+    onto a live slot. cache_kv: [B, S, Hkv, D], or with `layer` the group's stack [L, B, S, Hkv, D]
+    (written in place: XLA updates the stack's buffer instead of slicing the layer out, writing the
+    copy and stacking the layers again, each a copy of the whole cache per step);
+    new: [B, T, Hkv, D]; positions, valid: [B, T]."""
+    rows = cache_kv if layer is None else cache_kv[0]
+    S = rows.shape[1]
     idx = jnp.where(valid, positions, S)          # S is out of range: dropped
-    b = jnp.arange(cache_kv.shape[0])[:, None]
-    return cache_kv.at[b, idx].set(new.astype(cache_kv.dtype), mode="drop")
+    b = jnp.arange(rows.shape[0])[:, None]
+    if layer is None:
+        return cache_kv.at[b, idx].set(new.astype(cache_kv.dtype), mode="drop")
+    return cache_kv.at[layer, b, idx].set(new.astype(cache_kv.dtype), mode="drop")
 
 
 def _scores(qg: jax.Array, k: jax.Array) -> jax.Array:
@@ -127,9 +134,10 @@ def _prefill_attention(qg, k_new, v_new, k_cache, v_cache, positions):
 
 def gated_attention(p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, positions: jax.Array,
                     valid: jax.Array, k_cache: jax.Array, v_cache: jax.Array, *, num_heads: int,
-                    num_kv_heads: int, head_dim: int, eps: float):
-    """x: [B, T, Hd]; cos, sin: [B, T, R]; positions, valid: [B, T]; k_cache, v_cache: [B, S, Hkv, D].
-    Returns (out [B, T, Hd], k_cache, v_cache)."""
+                    num_kv_heads: int, head_dim: int, eps: float, layer: int | None = None):
+    """x: [B, T, Hd]; cos, sin: [B, T, R]; positions, valid: [B, T]; k_cache, v_cache: [B, S, Hkv, D],
+    or with `layer` the KV group's stacks [L, B, S, Hkv, D], updated in place (`write_kv`).
+    Returns (out [B, T, Hd], k_cache, v_cache), the caches in the shape they came in."""
     B, T, _ = x.shape
     Hq, Hkv, D = num_heads, num_kv_heads, head_dim
     qkv = x @ p["qkv"]
@@ -141,15 +149,16 @@ def gated_attention(p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, posit
     v = v.reshape(B, T, Hkv, D)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
-    k_cache = write_kv(k_cache, k, positions, valid)
-    v_cache = write_kv(v_cache, v, positions, valid)
+    k_cache = write_kv(k_cache, k, positions, valid, layer)
+    v_cache = write_kv(v_cache, v, positions, valid, layer)
+    k_layer, v_layer = (k_cache, v_cache) if layer is None else (k_cache[layer], v_cache[layer])
 
     rep = Hq // Hkv
     qg = q.reshape(B, T, Hkv, rep, D).transpose(0, 2, 3, 1, 4) * jnp.asarray(D ** -0.5, q.dtype)  # [B, G, R, T, D]
     if T == 1:
-        out = _attend_cache(qg, k_cache, v_cache, positions[:, None, None, :, None], inclusive=True)
+        out = _attend_cache(qg, k_layer, v_layer, positions[:, None, None, :, None], inclusive=True)
     else:
-        out = _prefill_attention(qg, k, v, k_cache, v_cache, positions)
+        out = _prefill_attention(qg, k, v, k_layer, v_layer, positions)
     out = out.transpose(0, 3, 1, 2, 4).reshape(B, T, Hq * D).astype(x.dtype)
     out = out * jax.nn.sigmoid(gate)
     out = out @ p["o_proj"]

@@ -51,10 +51,11 @@ def rope_interleaved(x, cos, sin):
 def sparse_attention(p: dict, x, cos, sin, positions, valid, lengths, n_new, lat, rope, ikeys, iscale,
                      page_table, index_table, page_resident, *, num_heads: int, nope: int, rope_dim: int,
                      v_dim: int, kv_lora_rank: int, index_heads: int, index_dim: int, index_topk: int,
-                     eps: float, impl: str = "auto"):
+                     eps: float, impl: str = "auto", layer: int | None = None):
     """x [B, T, Hd]; cos, sin [B, T, Dr]; positions, valid [B, T]; lengths, n_new [B];
-    lat [P, ps, R], rope [P, ps, Dr] (one layer's latent pools), ikeys [P2, ps2, Di], iscale [P2, ps2] | None.
-    Returns (out [B, T, Hd], lat, rope, ikeys, iscale, hit_rate [B])."""
+    lat [P, ps, R], rope [P, ps, Dr] (one layer's latent pools), ikeys [P2, ps2, Di], iscale [P2, ps2] | None,
+    or with `layer` the groups' stacks of them ([L, ...]), written in place at that layer (`write_paged`).
+    Returns (out [B, T, Hd], lat, rope, ikeys, iscale, hit_rate [B]), the pools as they came in."""
     B, T, _ = x.shape
     H, R = num_heads, kv_lora_rank
     q_resid = rms_norm(x @ p["q_a"] + p.get("q_a_bias", 0.0), p["q_a_norm"], eps)
@@ -63,8 +64,8 @@ def sparse_attention(p: dict, x, cos, sin, positions, valid, lengths, n_new, lat
     kv = x @ p["kv_a"] + p.get("kv_a_bias", 0.0)
     c = rms_norm(kv[..., :R], p["kv_a_norm"], eps)                                     # [B, T, R]
     k_rot = rope_interleaved(kv[..., None, R:], cos, sin)[:, :, 0]                      # [B, T, Dr]
-    lat = write_paged(lat, c, page_table, positions, valid)
-    rope = write_paged(rope, k_rot, page_table, positions, valid)
+    lat = write_paged(lat, c, page_table, positions, valid, layer)
+    rope = write_paged(rope, k_rot, page_table, positions, valid, layer)
 
     # indexer: keys written first, so a query sees its own key
     qi = apply_rope((q_resid @ p["idx_q"]).reshape(B, T, index_heads, index_dim), cos, sin)
@@ -72,20 +73,21 @@ def sparse_attention(p: dict, x, cos, sin, positions, valid, lengths, n_new, lat
     ki = apply_rope(ki[:, :, None], cos, sin)[:, :, 0]                                  # [B, T, Di]
     if iscale is not None:
         k8, sc = quantize_fp8(ki)
-        ikeys = write_paged(ikeys, k8, index_table, positions, valid)
-        iscale = write_paged(iscale, sc, index_table, positions, valid)
+        ikeys = write_paged(ikeys, k8, index_table, positions, valid, layer)
+        iscale = write_paged(iscale, sc, index_table, positions, valid, layer)
     else:
-        ikeys = write_paged(ikeys, ki, index_table, positions, valid)
+        ikeys = write_paged(ikeys, ki, index_table, positions, valid, layer)
+    one = (lambda a: a) if layer is None else (lambda a: None if a is None else a[layer])   # this layer's pools
     w = indexer_weights(x.astype(jnp.float32) @ p["idx_w"].astype(jnp.float32), index_heads, index_dim)
     kv_len = lengths + n_new
     qpos = jnp.where(valid, positions, -1)
-    topk = min(index_topk, index_table.shape[1] * ikeys.shape[1])     # Top-K >= context: all causal keys
-    idx = indexer_topk(qi, w, ikeys, index_table, qpos, kv_len, topk=topk, k_scale=iscale, impl=impl)
+    topk = min(index_topk, index_table.shape[1] * one(ikeys).shape[1])     # Top-K >= context: all causal keys
+    idx = indexer_topk(qi, w, one(ikeys), index_table, qpos, kv_len, topk=topk, k_scale=one(iscale), impl=impl)
 
     q_lat = jnp.einsum("bthn,hnr->bthr", q_nope, p["w_uk"])                            # [B, T, H, R]
-    o_lat = sparse_mla_attention(q_lat, q_rot, lat, rope, page_table, idx, kv_len,
+    o_lat = sparse_mla_attention(q_lat, q_rot, one(lat), one(rope), page_table, idx, kv_len,
                                  scale=(nope + rope_dim) ** -0.5, impl=impl)           # [B, T, H, R] f32
     o = jnp.einsum("bthr,hvr->bthv", o_lat.astype(x.dtype), p["w_uv"]).reshape(B, T, H * v_dim)
     out = o @ p["o_proj"] + p.get("o_bias", 0.0)
-    hit = sparse_hit_rate(idx, page_table, page_resident, lat.shape[1], kv_len)
+    hit = sparse_hit_rate(idx, page_table, page_resident, one(lat).shape[1], kv_len)
     return out.astype(x.dtype), lat, rope, ikeys, iscale, hit

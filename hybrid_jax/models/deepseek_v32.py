@@ -74,17 +74,19 @@ def forward(cfg: DeepseekV32Config, params: dict, cache: ModelCache, tokens: jax
     hidden = [x] if return_hidden else None
     cos, sin = rope_cos_sin(positions, cfg.qk_rope_head_dim, cfg.rope_theta)
     lg, ig = cache.groups["sparse_attention"], cache.groups["indexer"]
-    lat_out, rope_out, key_out, sc_out, hits = [], [], [], [], []
+    # the pools are written in place in their [L, ...] stacks (slicing a layer out and stacking the
+    # layers back copies every pool at every step)
+    lat, rope, keys, scale, hits = lg.latent, lg.rope, ig.keys, ig.scale, []
     for i, lp in enumerate(params["layers"]):
         s = lg.layer_ids.index(i)
         h = rms_norm(x, lp["input_norm"], cfg.rms_norm_eps)
-        h, lat, rp, ik, isc, hit = sparse_attention(
-            lp["attn"], h, cos, sin, positions, valid, cache.lengths, n_new, lg.latent[s], lg.rope[s], ig.keys[s],
-            None if ig.scale is None else ig.scale[s], lg.page_table, ig.page_table, lg.page_resident,
+        h, lat, rope, keys, scale, hit = sparse_attention(
+            lp["attn"], h, cos, sin, positions, valid, cache.lengths, n_new, lat, rope, keys, scale,
+            lg.page_table, ig.page_table, lg.page_resident,
             num_heads=cfg.num_attention_heads, nope=cfg.qk_nope_head_dim, rope_dim=cfg.qk_rope_head_dim,
             v_dim=cfg.v_head_dim, kv_lora_rank=cfg.kv_lora_rank, index_heads=cfg.index_n_heads,
-            index_dim=cfg.index_head_dim, index_topk=cfg.index_topk, eps=cfg.rms_norm_eps, impl=impl)
-        lat_out.append(lat), rope_out.append(rp), key_out.append(ik), sc_out.append(isc), hits.append(hit)
+            index_dim=cfg.index_head_dim, index_topk=cfg.index_topk, eps=cfg.rms_norm_eps, impl=impl, layer=s)
+        hits.append(hit)
         x = x + h
         y = rms_norm(x, lp["post_norm"], cfg.rms_norm_eps)
         x = x + (deepseek_moe(cfg, lp["moe"], y) if "moe" in lp else mlp_lib.swiglu(y, lp["mlp"]["gate_up"],
@@ -92,10 +94,8 @@ def forward(cfg: DeepseekV32Config, params: dict, cache: ModelCache, tokens: jax
         if return_hidden:
             hidden.append(x)
     groups = dict(cache.groups)
-    groups["sparse_attention"] = lg.replace(latent=jnp.stack(lat_out), rope=jnp.stack(rope_out),
-                                            hit_rate=jnp.mean(jnp.stack(hits), axis=0))
-    groups["indexer"] = ig.replace(keys=jnp.stack(key_out),
-                                   scale=None if ig.scale is None else jnp.stack(sc_out))
+    groups["sparse_attention"] = lg.replace(latent=lat, rope=rope, hit_rate=jnp.mean(jnp.stack(hits), axis=0))
+    groups["indexer"] = ig.replace(keys=keys, scale=scale)
     out = finish_step(cfg, params, cache, groups, x, n_new, final_norm=final_norm, logits_at=logits_at,
                       hidden=hidden if return_hidden else None)
     return out + ({},) if per_token_states else out

@@ -71,7 +71,11 @@ def forward(cfg: ModelConfig, params: dict, cache: ModelCache, tokens: jax.Array
     groups = dict(cache.groups)
     rec = groups.get("linear_attention")
     kv = groups.get("full_attention")
-    conv_out, ssm_out, k_out, v_out, per_token = [], [], [], [], []
+    # KV is written in place in the group's [L, B, S, Hkv, D] stacks: slicing a layer out and
+    # stacking the layers back copies every slot of the cache at every step. Recurrent states are
+    # rewritten whole by every token, so their new stack is written once, as the layers finish.
+    k_all, v_all = (kv.k, kv.v) if kv is not None else (None, None)
+    conv_out, ssm_out, per_token = [], [], []
     for i, lp in enumerate(params["layers"]):
         h = rms_norm_zero_centered(x, lp["input_norm"], cfg.rms_norm_eps)
         if cfg.layer_types[i] == "linear_attention":
@@ -89,12 +93,10 @@ def forward(cfg: ModelConfig, params: dict, cache: ModelCache, tokens: jax.Array
             ssm_out.append(ssm)
         else:
             s = kv.layer_ids.index(i)
-            h, kc, vc = gated_attention(
-                lp["attn"], h, cos, sin, positions, valid, kv.k[s], kv.v[s],
+            h, k_all, v_all = gated_attention(
+                lp["attn"], h, cos, sin, positions, valid, k_all, v_all,
                 num_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads,
-                head_dim=cfg.head_dim, eps=cfg.rms_norm_eps)
-            k_out.append(kc)
-            v_out.append(vc)
+                head_dim=cfg.head_dim, eps=cfg.rms_norm_eps, layer=s)
         x = x + h
         x = x + _ffn(cfg, lp, rms_norm_zero_centered(x, lp["post_norm"], cfg.rms_norm_eps))
         if return_hidden:
@@ -102,7 +104,7 @@ def forward(cfg: ModelConfig, params: dict, cache: ModelCache, tokens: jax.Array
     if rec is not None:
         groups["linear_attention"] = rec.replace(conv=jnp.stack(conv_out), ssm=jnp.stack(ssm_out))
     if kv is not None:
-        groups["full_attention"] = kv.replace(k=jnp.stack(k_out), v=jnp.stack(v_out))
+        groups["full_attention"] = kv.replace(k=k_all, v=v_all)
     out = finish_step(cfg, params, cache, groups, x, n_new, final_norm=final_norm, logits_at=logits_at,
                       hidden=hidden if return_hidden else None)
     if per_token_states:
