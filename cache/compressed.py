@@ -172,10 +172,12 @@ def close_tail(tail_count: jax.Array, n_new: jax.Array, rate: int):
     return total // rate, total % rate
 
 
-def write_entries(pool: jax.Array, page_table: jax.Array, new: jax.Array, idx: jax.Array) -> jax.Array:
-    """One layer's pool [P, ps, D] with new entries [B, NW, D] written at logical indices idx [B, NW]
-    (-1: nothing closed) through page_table [B, NP]; indices past the row's pages are dropped."""
-    return write_paged(pool, new, page_table, idx, idx >= 0)
+def write_entries(pool: jax.Array, page_table: jax.Array, new: jax.Array, idx: jax.Array,
+                  layer: int | None = None) -> jax.Array:
+    """One layer's pool [P, ps, D] (or with `layer` the group's stack [L, P, ps, D], written in place
+    at that layer) with new entries [B, NW, D] written at logical indices idx [B, NW] (-1: nothing
+    closed) through page_table [B, NP]; indices past the row's pages are dropped."""
+    return write_paged(pool, new, page_table, idx, idx >= 0, layer)
 
 
 def _entry_group(L: int, B: int, capacity: int, rate: int, D: int, dtype, ids, kind: str,

@@ -108,12 +108,15 @@ def attend(q, kv_new, ring, positions, valid, lengths, entries, table, indices, 
 
 
 def compressed_attention(p: dict, x, layer_type: str, positions, valid, lengths, n_new, ring, comp_state: dict,
-                         freqs_main, freqs_comp, *, cfg, impl: str = "auto"):
+                         freqs_main, freqs_comp, *, cfg, impl: str = "auto", pools_in_place: bool = False):
     """One V4 attention layer. x [B, T, Hd] (normed block input); positions, valid [B, T]; lengths, n_new [B];
     ring [B, W, D] (this layer's window); comp_state: this layer's slices of the compressed groups
     ({} for sliding_attention): entries [P, ps, D] (this layer's page pool), table [B, NP] (the group's
     page table: every entry read and write goes through it), count [B], tail_kv / tail_gate [B, m, C],
     tail_count [B], overlap_kv / overlap_gate [B, m, D], and idx_* the same for the CSA indexer.
+    With pools_in_place, comp_state holds the groups' whole stacks of page pools ([L, P, ps, D]) with
+    this layer's slots in them (`slot`, `idx_slot`): the compressed entries are written in place (no
+    copy of a pool per step) and the stacks come back in new_state.
     Returns (out [B, T, Hd], new ring, new comp_state)."""
     B, T, _ = x.shape
     H, D, eps = cfg.num_attention_heads, cfg.head_dim, cfg.rms_norm_eps
@@ -135,12 +138,15 @@ def compressed_attention(p: dict, x, layer_type: str, positions, valid, lengths,
             x @ p["c_kv"], x @ p["c_gate"], cs["tail_kv"], cs["tail_gate"], cs["tail_count"], n_new, cs["count"],
             cs.get("overlap_kv"), cs.get("overlap_gate"), p["c_bias"], p["c_norm"], freqs_comp, rate=m,
             overlap=csa, eps=eps, rope_scale=cfg.rope_compress.attention_factor, impl=impl)
-        pool, table = write_entries(cs["entries"], cs["table"], ents, idx), cs["table"]
+        slot = cs["slot"] if pools_in_place else None
+        pool, table = write_entries(cs["entries"], cs["table"], ents, idx, slot), cs["table"]
         count = cs["count"] + jnp.sum(idx >= 0, axis=1).astype(jnp.int32)
         new_state.update(entries=pool, count=count, tail_kv=tail[0], tail_gate=tail[1], tail_count=tail[2])
+        pool = pool if slot is None else pool[slot]                     # this layer's pool, to read
         if csa:
             new_state.update(overlap_kv=ov[0], overlap_gate=ov[1])
-            sel = _index(p, x, q_res, positions, valid, n_new, cs, new_state, freqs_comp, cfg=cfg, rate=m, impl=impl)
+            sel = _index(p, x, q_res, positions, valid, n_new, cs, new_state, freqs_comp, cfg=cfg, rate=m, impl=impl,
+                         slot=cs["idx_slot"] if pools_in_place else None)
         else:   # HCA reads every entry whose window closed at or before the query: j < (p + 1) // m
             sel, hca_rate = None, m
     o = attend(q, kv, ring, positions, valid, lengths, pool, table, sel, count, p["sinks"],
@@ -152,7 +158,7 @@ def compressed_attention(p: dict, x, layer_type: str, positions, valid, lengths,
     return out.astype(x.dtype), window_update(ring, kv, positions, valid, new_len), new_state
 
 
-def _index(p, x, q_res, positions, valid, n_new, cs, new_state, freqs_comp, *, cfg, rate, impl):
+def _index(p, x, q_res, positions, valid, n_new, cs, new_state, freqs_comp, *, cfg, rate, impl, slot=None):
     """CSA's indexer: compresses its keys (new_state gets idx_*), returns the selected entries [B, T, K] (-1 pad)."""
     B, T, _ = x.shape
     Hi, Di, eps = cfg.index_n_heads, cfg.index_head_dim, cfg.rms_norm_eps
@@ -160,10 +166,11 @@ def _index(p, x, q_res, positions, valid, n_new, cs, new_state, freqs_comp, *, c
         x @ p["i_kv"], x @ p["i_gate"], cs["idx_tail_kv"], cs["idx_tail_gate"], cs["idx_tail_count"], n_new,
         cs["idx_count"], cs["idx_overlap_kv"], cs["idx_overlap_gate"], p["i_bias"], p["i_norm"], freqs_comp,
         rate=rate, overlap=True, eps=eps, rope_scale=cfg.rope_compress.attention_factor, impl=impl)
-    keys = write_entries(cs["idx_entries"], cs["idx_table"], ents, idx)
+    keys = write_entries(cs["idx_entries"], cs["idx_table"], ents, idx, slot)
     count = cs["idx_count"] + jnp.sum(idx >= 0, axis=1).astype(jnp.int32)
     new_state.update(idx_entries=keys, idx_count=count, idx_tail_kv=tail[0], idx_tail_gate=tail[1],
                      idx_tail_count=tail[2], idx_overlap_kv=ov[0], idx_overlap_gate=ov[1])
+    keys = keys if slot is None else keys[slot]                        # this layer's keys, to read
     cos, sin = rope_tables(positions, freqs_comp, cfg.rope_compress.attention_factor)
     qi = rope_trailing((q_res @ p["i_q"]).reshape(B, T, Hi, Di), cos, sin)
     w = indexer_weights(x.astype(jnp.float32) @ p["i_w"].astype(jnp.float32), Hi, Di)

@@ -43,6 +43,9 @@ _HCA_FIELDS = {"heavily_compressed_attention": (("entries", "entries"), ("page_t
                                                 ("count", "count")),
                "hca_tail": (("kv", "tail_kv"), ("gate", "tail_gate"), ("count", "tail_count"))}
 _PER_ROW = ("count", "page_table")    # fields shared by the group's layers ([B, ...], not [L, ...])
+# Page pools ([L, P, ps, D]) go to the layer whole, with the layer's slot, and are written in place:
+# slicing a layer out and stacking the layers back copies every pool at every step.
+_POOLS = {"entries": "slot", "idx_entries": "idx_slot"}
 
 
 def new_cache(cfg: DeepseekV4Config, batch_size: int, capacity: int, dtype) -> ModelCache:
@@ -66,7 +69,9 @@ def _layer_state(groups, layer_type, i):
         s = g.layer_ids.index(i)
         for f, key in pairs:
             a = getattr(g, f)
-            st[key] = a if f in _PER_ROW else a[s]
+            st[key] = a if f in _PER_ROW or key in _POOLS else a[s]
+            if key in _POOLS:
+                st[_POOLS[key]] = s
     return st
 
 
@@ -137,7 +142,7 @@ def forward(cfg: DeepseekV4Config, params: dict, cache: ModelCache, tokens: jax.
     hidden = [x] if return_hidden else None
     fm = inv_freq(cfg.rope_main, cfg.rope_dim("main"))
     fc = inv_freq(cfg.rope_compress, cfg.rope_dim("compress"))
-    groups = cache.groups
+    groups = dict(cache.groups)
     win = groups["sliding_window"]
     rings, states = [], {}
     hc = dict(iters=cfg.hc_sinkhorn_iters, hc_eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps)
@@ -147,9 +152,11 @@ def forward(cfg: DeepseekV4Config, params: dict, cache: ModelCache, tokens: jax.
         h = rms_norm(col, lp["attn_norm"], cfg.rms_norm_eps)
         out, ring, st = compressed_attention(lp["attn"], h, lt, positions, valid, cache.lengths, n_new,
                                              win.kv[win.layer_ids.index(i)], _layer_state(groups, lt, i), fm, fc,
-                                             cfg=cfg, impl=impl)
+                                             cfg=cfg, impl=impl, pools_in_place=True)
         rings.append(ring)
         states[i] = st
+        for gname, pairs in _fields(lt).items():      # the written pools, for the group's next layer
+            groups[gname] = groups[gname].replace(**{f: st[key] for f, key in pairs if key in _POOLS})
         x = hc_merge(post, comb, out, x)
         post, comb, col = hc_weights(lp["ffn_hc"], x, **hc)
         y = moe(cfg, lp["moe"], rms_norm(col, lp["ffn_norm"], cfg.rms_norm_eps), tokens)
@@ -157,13 +164,14 @@ def forward(cfg: DeepseekV4Config, params: dict, cache: ModelCache, tokens: jax.
         if return_hidden:
             hidden.append(x)
     new_groups = dict(groups)
-    new_groups["sliding_window"] = win.replace(kv=jnp.stack(rings))
+    new_groups["sliding_window"] = win.replace(kv=jnp.stack(rings))   # window-sized: stacked
     for lt in (CSA, HCA):
         ids = cfg.layers_of(lt)
         if not ids:
             continue
         for gname, pairs in _fields(lt).items():
-            upd = {f: (states[ids[-1]][key] if f in _PER_ROW else jnp.stack([states[i][key] for i in ids]))
+            upd = {f: (states[ids[-1]][key] if f in _PER_ROW or key in _POOLS
+                       else jnp.stack([states[i][key] for i in ids]))
                    for f, key in pairs}
             new_groups[gname] = groups[gname].replace(**upd)
     xh = hc_head(params["hc_head"], x, hc_eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps)

@@ -30,6 +30,13 @@ QWEN = dict(model_type="qwen3_next", vocab_size=64, hidden_size=32, intermediate
             linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8, num_experts=4,
             num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16,
             decoder_sparse_step=2, max_position_embeddings=512)
+DSV4 = dict(model_type="deepseek_v4", vocab_size=97, hidden_size=32, moe_intermediate_size=16, num_hidden_layers=3,
+            num_attention_heads=4, head_dim=16, q_lora_rank=24, num_experts_per_tok=2, n_routed_experts=8,
+            sliding_window=6, o_groups=2, o_lora_rank=12, index_n_heads=4, index_head_dim=16, index_topk=3,
+            hc_mult=3, hc_sinkhorn_iters=5,
+            layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"],
+            compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+            mlp_layer_types=["hash_moe", "moe", "moe"], partial_rotary_factor=0.5)
 DSV32 = dict(model_type="deepseek_v32", vocab_size=97, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
              num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1,
              n_routed_experts=8, n_group=4, topk_group=2, num_experts_per_tok=2, kv_lora_rank=16, q_lora_rank=24,
@@ -38,10 +45,14 @@ DSV32 = dict(model_type="deepseek_v32", vocab_size=97, hidden_size=32, intermedi
 
 
 def per_position_arrays(cfg, cache) -> list:
-    """The cache arrays that hold one entry per position (the ones a step only writes T slots of)."""
+    """The cache arrays that grow with the capacity (a step writes only T slots of them): KV
+    [L, B, S, Hkv, D], or page pools [L, P, ps, ...] (MLA latent and rope, indexer keys, V4's
+    compressed entries). V4's sliding window is window-sized and restacked every step by design."""
     g = cache.groups
     if cfg.model_type == "qwen3_next":
         return [g["full_attention"].k, g["full_attention"].v]
+    if cfg.model_type == "deepseek_v4":
+        return [grp.entries for grp in g.values() if hasattr(grp, "entries")]
     return [g["sparse_attention"].latent, g["sparse_attention"].rope, g["indexer"].keys] + (
         [] if g["indexer"].scale is None else [g["indexer"].scale])
 
@@ -49,19 +60,20 @@ def per_position_arrays(cfg, cache) -> list:
 def cache_materializations(hlo: str, arrays) -> list[str]:
     """Instructions of the optimized HLO (outside fusion bodies) that produce a new buffer with the
     shape of one of the arrays or of one layer of it (the array without its leading layer axis),
-    either also with two adjacent axes merged (a paged pool seen as flat slots); axes of size 1 do
-    not count (a layer sliced as [1, ...]). Allowed: in-place updates (a dynamic-update-slice or a
-    scatter, or a fusion whose root is one), and what makes no buffer (parameter, get-tuple-element,
-    bitcast, tuple). Anything else (a copy, a slice, a concatenation that stacks the layers) writes
-    a whole cache array."""
+    either also with a page pool's two page axes merged (seen as flat slots); axes of size 1 do not
+    count (a layer sliced as [1, ...]). Allowed: in-place updates (a dynamic-update-slice or a
+    scatter, or a fusion whose root is one), a gather (a read through the page table), and what
+    makes no buffer (parameter, get-tuple-element, bitcast, tuple). Anything else (a copy, a slice,
+    a concatenation that stacks the layers) writes a whole cache array."""
     def squeeze(shape):
         return tuple(d for d in shape if d != 1)
 
     shapes = set()
     for a in arrays:
-        for shape in (tuple(a.shape), tuple(a.shape[1:])):
-            shapes.add(squeeze(shape))
-            shapes.update(squeeze(shape[:i] + (shape[i] * shape[i + 1],) + shape[i + 2:]) for i in range(len(shape) - 1))
+        full = tuple(a.shape)
+        shapes.update({squeeze(full), squeeze(full[1:])})
+        if len(full) in (3, 4):                  # [L, P, ps(, X)] page pool: P * ps flat slots
+            shapes.update({squeeze(full[:1] + (full[1] * full[2],) + full[3:]), squeeze((full[1] * full[2],) + full[3:])})
     comps, name = {}, None
     for line in hlo.splitlines():
         head = re.match(r"(?:ENTRY )?%(\S+) \(", line)
@@ -91,7 +103,7 @@ def cache_materializations(hlo: str, arrays) -> list[str]:
             if op == "fusion":
                 callee = re.search(r"calls=%([\w.-]+)", line)
                 op = root_op.get(callee.group(1), "fusion") if callee else "fusion"
-            if op not in in_place | free:
+            if op not in in_place | free | {"gather"}:
                 out.append(line[:160])
     return out
 
@@ -101,7 +113,7 @@ def _model(spec):
     return cfg, get_model(cfg.model_type).init_params(cfg, seed=0)
 
 
-@pytest.mark.parametrize("spec", [QWEN, DSV32], ids=["qwen3_next", "deepseek_v32"])
+@pytest.mark.parametrize("spec", [QWEN, DSV32, DSV4], ids=["qwen3_next", "deepseek_v32", "deepseek_v4"])
 @pytest.mark.parametrize("B", [1, 2])
 def test_decode_loop_writes_cache_in_place(spec, B):
     cfg, params = _model(spec)
