@@ -20,13 +20,11 @@ def write_kv(cache_kv: jax.Array, new: jax.Array, positions: jax.Array, valid: j
     (written in place: XLA updates the stack's buffer instead of slicing the layer out, writing the
     copy and stacking the layers again, each a copy of the whole cache per step);
     new: [B, T, Hkv, D]; positions, valid: [B, T]."""
-    rows = cache_kv if layer is None else cache_kv[0]
-    S = rows.shape[1]
+    B, S = cache_kv.shape[-4:-2]
     idx = jnp.where(valid, positions, S)          # S is out of range: dropped
-    b = jnp.arange(rows.shape[0])[:, None]
-    if layer is None:
-        return cache_kv.at[b, idx].set(new.astype(cache_kv.dtype), mode="drop")
-    return cache_kv.at[layer, b, idx].set(new.astype(cache_kv.dtype), mode="drop")
+    b = jnp.arange(B)[:, None]
+    at = cache_kv.at[b, idx] if layer is None else cache_kv.at[layer, b, idx]
+    return at.set(new.astype(cache_kv.dtype), mode="drop")
 
 
 def _scores(qg: jax.Array, k: jax.Array) -> jax.Array:
