@@ -13,6 +13,7 @@ arrays at every step, so that column grows with the capacity, not with what is w
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import tempfile
 import time
@@ -36,34 +37,32 @@ def stacking_attention(p, x, cos, sin, positions, valid, k_all, v_all, *, layer,
     return out, k_all.at[layer].set(kc), v_all.at[layer].set(vc)
 
 
-def decode_fn(gen: Generator, B: int, cap: int, steps: int, stacking: bool):
-    """A function running one decode loop of `steps` steps after a 16-token prompt; returns its time."""
-    prompt = np.ones((B, 16), np.int32)
-    n = np.full((B,), 16, np.int32)
+@contextlib.contextmanager
+def write_mode(stacking: bool):
+    """Programs first traced inside run with the old write (`stacking_attention`) when stacking."""
+    keep = qwen3_next.gated_attention
+    if stacking:
+        qwen3_next.gated_attention = stacking_attention
+    try:
+        yield
+    finally:
+        qwen3_next.gated_attention = keep
+
+
+def decode(gen: Generator, prompt: np.ndarray, cap: int, steps: int):
+    """Prefill `prompt` [B, 16], then one greedy decode loop of `steps` steps. Returns (tokens
+    [B, steps], the decode loop's wall time)."""
+    B = prompt.shape[0]
     z = np.zeros((B,), np.int32)
-    flags = SamplerFlags(False, False, False)
-
-    def run():
-        cache = gen.new_cache(B, cap)
-        logits, cache = gen._prefill(gen.params, cache, prompt, n)
-        jax.block_until_ready(logits)
-        t0 = time.perf_counter()
-        out, _, cache = gen._decode(gen.params, cache, logits, z.astype(np.uint32), z.astype(np.float32), z - 1,
-                                    z.astype(np.float32) + 1, z + steps, np.full((B, 1), -1, np.int32),
-                                    steps=steps, flags=flags)
-        jax.block_until_ready(out)
-        return time.perf_counter() - t0
-
-    def traced_run():
-        if not stacking:
-            return run()
-        keep = qwen3_next.gated_attention
-        qwen3_next.gated_attention = stacking_attention     # read when the programs are first traced
-        try:
-            return run()
-        finally:
-            qwen3_next.gated_attention = keep
-    return traced_run
+    cache = gen.new_cache(B, cap)
+    logits, cache = gen._prefill(gen.params, cache, prompt, np.full((B,), prompt.shape[1], np.int32))
+    jax.block_until_ready(logits)
+    t0 = time.perf_counter()
+    out, _, _ = gen._decode(gen.params, cache, logits, z.astype(np.uint32), z.astype(np.float32), z - 1,
+                            z.astype(np.float32) + 1, z + steps, np.full((B, 1), -1, np.int32), steps=steps,
+                            flags=SamplerFlags(False, False, False))
+    out = np.asarray(out)
+    return out, time.perf_counter() - t0
 
 
 def main():
@@ -83,37 +82,19 @@ def main():
         for cap in (int(c) for c in args.capacities.split(",")):
             kv = llm.new_cache(B, cap).groups["full_attention"]
             mib = (kv.k.nbytes + kv.v.nbytes) / 2**20
-            fns = {s: decode_fn(Generator(llm.config, llm.params, llm.dtype), B, cap, args.steps, s)
-                   for s in (False, True)}
-            for f in fns.values():
-                f()                                        # compiles
-            times = {False: [], True: []}
+            gens = {s: Generator(llm.config, llm.params, llm.dtype) for s in (False, True)}
+            prompt = np.random.default_rng(0).integers(1, llm.config.vocab_size, (B, 16)).astype(np.int32)
+            outs, times = {}, {False: [], True: []}
+            for s, gen in gens.items():
+                with write_mode(s):                        # compiles; its greedy tokens are compared
+                    outs[s] = decode(gen, prompt, cap, args.steps)[0]
             for _ in range(args.repeats):
-                for s, f in fns.items():
-                    times[s].append(f())
+                for s, gen in gens.items():
+                    times[s].append(decode(gen, prompt, cap, args.steps)[1])
             t_in, t_st = min(times[False]) / args.steps, min(times[True]) / args.steps
-            same = np.array_equal(*(greedy(Generator(llm.config, llm.params, llm.dtype), B, cap, s)
-                                    for s in (False, True)))
+            same = np.array_equal(outs[False], outs[True])
             print(f"   {B:>5} {cap:>8} {mib:>7.2f} {t_in * 1e3:>16.3f} {t_st * 1e3:>16.3f} {t_st / t_in:>16.2f}x "
                   f"{str(same):>9}")
-
-
-def greedy(gen: Generator, B: int, cap: int, stacking: bool) -> np.ndarray:
-    """16 greedy tokens per row from a random prompt, with either write."""
-    keep = qwen3_next.gated_attention
-    if stacking:
-        qwen3_next.gated_attention = stacking_attention
-    try:
-        prompt = np.random.default_rng(0).integers(1, gen.cfg.vocab_size, (B, 16)).astype(np.int32)
-        z = np.zeros((B,), np.int32)
-        cache = gen.new_cache(B, cap)
-        logits, cache = gen._prefill(gen.params, cache, prompt, np.full((B,), 16, np.int32))
-        out, _, _ = gen._decode(gen.params, cache, logits, z.astype(np.uint32), z.astype(np.float32), z - 1,
-                                z.astype(np.float32) + 1, z + 16, np.full((B, 1), -1, np.int32), steps=16,
-                                flags=SamplerFlags(False, False, False))
-        return np.asarray(out)
-    finally:
-        qwen3_next.gated_attention = keep
 
 
 if __name__ == "__main__":
