@@ -14,12 +14,13 @@ from hybrid_jax.layers.rope import apply_rope
 
 
 def write_kv(cache_kv: jax.Array, new: jax.Array, positions: jax.Array, valid: jax.Array,
-             layer: int | None = None) -> jax.Array:
+             layer: int | slice | None = None) -> jax.Array:
     """Scatter new entries into their slots; invalid (padding) tokens are dropped, never clamped
     onto a live slot. cache_kv: [B, S, Hkv, D], or with `layer` the group's stack [L, B, S, Hkv, D]
     (written in place: XLA updates the stack's buffer instead of slicing the layer out, writing the
     copy and stacking the layers again, each a copy of the whole cache per step);
-    new: [B, T, Hkv, D]; positions, valid: [B, T]."""
+    new: [B, T, Hkv, D], or [L, B, T, Hkv, D] with layer=slice(None) (every layer in one write);
+    positions, valid: [B, T]."""
     B, S = cache_kv.shape[-4:-2]
     idx = jnp.where(valid, positions, S)          # S is out of range: dropped
     b = jnp.arange(B)[:, None]
@@ -132,10 +133,16 @@ def _prefill_attention(qg, k_new, v_new, k_cache, v_cache, positions):
 
 def gated_attention(p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, positions: jax.Array,
                     valid: jax.Array, k_cache: jax.Array, v_cache: jax.Array, *, num_heads: int,
-                    num_kv_heads: int, head_dim: int, eps: float, layer: int | None = None):
+                    num_kv_heads: int, head_dim: int, eps: float, layer: int | None = None,
+                    defer_write: bool = False):
     """x: [B, T, Hd]; cos, sin: [B, T, R]; positions, valid: [B, T]; k_cache, v_cache: [B, S, Hkv, D],
     or with `layer` the KV group's stacks [L, B, S, Hkv, D], updated in place (`write_kv`).
-    Returns (out [B, T, Hd], k_cache, v_cache), the caches in the shape they came in."""
+    Returns (out [B, T, Hd], k_cache, v_cache), the caches in the shape they came in.
+    defer_write: the caches are only read (the prefix, slots < positions[:, 0]; the new tokens
+    attend to each other from their fresh entries, for any T) and the new entries k, v
+    [B, T, Hkv, D] are returned in place of the caches, for the caller to write (`write_kv`):
+    a program that branches between forwards then writes the cache once, after the branch,
+    instead of in every branch (XLA copies a cache that a conditional's branches update)."""
     B, T, _ = x.shape
     Hq, Hkv, D = num_heads, num_kv_heads, head_dim
     qkv = x @ p["qkv"]
@@ -147,13 +154,14 @@ def gated_attention(p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, posit
     v = v.reshape(B, T, Hkv, D)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
-    k_cache = write_kv(k_cache, k, positions, valid, layer)
-    v_cache = write_kv(v_cache, v, positions, valid, layer)
+    if not defer_write:
+        k_cache = write_kv(k_cache, k, positions, valid, layer)
+        v_cache = write_kv(v_cache, v, positions, valid, layer)
     k_layer, v_layer = (k_cache, v_cache) if layer is None else (k_cache[layer], v_cache[layer])
 
     rep = Hq // Hkv
     qg = q.reshape(B, T, Hkv, rep, D).transpose(0, 2, 3, 1, 4) * jnp.asarray(D ** -0.5, q.dtype)  # [B, G, R, T, D]
-    if T == 1:
+    if T == 1 and not defer_write:
         out = _attend_cache(qg, k_layer, v_layer, positions[:, None, None, :, None], inclusive=True)
     else:
         out = _prefill_attention(qg, k, v, k_layer, v_layer, positions)
@@ -162,4 +170,6 @@ def gated_attention(p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, posit
     out = out @ p["o_proj"]
     if "o_bias" in p:
         out = out + p["o_bias"]
+    if defer_write:
+        return out, k, v
     return out, k_cache, v_cache

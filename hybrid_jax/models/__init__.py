@@ -7,6 +7,10 @@
   convert_hf_weights(cfg, get, has, dtype, progress) -> params   (the one-time HF re-layout)
   final_norm(cfg, params, x) -> x                (the norm before the LM head; used by align)
 
+Optional (the speculative device loop uses them when present): forward(..., defer_kv_write=True)
+leaves the per-position groups named in DEFERRED_GROUPS unwritten and returns their new entries
+last; write_deferred_kv(cache, pending, positions [B, T], valid [B, T]) writes them.
+
 `get_model(model_type)` returns the module; `config.config_from_hf_dict` picks the config class by
 the same `model_type`.
 """

@@ -23,7 +23,7 @@ import numpy as np
 
 from cache import ModelCache, init_cache
 from hybrid_jax.config import ModelConfig
-from hybrid_jax.layers.attention import gated_attention
+from hybrid_jax.layers.attention import gated_attention, write_kv
 from hybrid_jax.layers.gated_deltanet import gated_deltanet
 from hybrid_jax.layers.mlp import sparse_moe, swiglu
 from hybrid_jax.layers.norms import rms_norm_zero_centered
@@ -50,7 +50,7 @@ def _ffn(cfg: ModelConfig, lp: dict, x: jax.Array) -> jax.Array:
 
 def forward(cfg: ModelConfig, params: dict, cache: ModelCache, tokens: jax.Array, n_new: jax.Array, *,
             logits_at: str = "last", impl: str = "auto", return_hidden: bool = False,
-            fused_recurrent: bool = False, per_token_states: bool = False):
+            fused_recurrent: bool = False, per_token_states: bool = False, defer_kv_write: bool = False):
     """Runs tokens through the model.
 
     tokens: [B, T] int32 (row b's first n_new[b] entries are real, the rest padding); n_new: [B] int32.
@@ -61,7 +61,10 @@ def forward(cfg: ModelConfig, params: dict, cache: ModelCache, tokens: jax.Array
     per_token_states (implies it) appends a dict of what the recurrent group's state after every
     position is made from (`gated_deltanet`'s, stacked over the L recurrent layers: conv_window
     [L, B, W-1+T, C], ssm0 [L, B, HV, K, V], k [L, B, T, H, K], g [L, B, T, HV], delta
-    [L, B, T, HV, V]; `speculative.rollback.select_states` reads it) to the returned tuple (last).
+    [L, B, T, HV, V]; `speculative.rollback.select_states` reads it) to the returned tuple.
+    defer_kv_write: the KV group is only read; the new entries {"k", "v": [L, B, T, Hkv, D]} are
+    appended to the returned tuple (last) for `write_deferred_kv`, and the returned cache holds the
+    input's KV arrays (its lengths and recurrent states are the step's).
     """
     B, T = tokens.shape
     positions, valid = token_positions(cache, T, n_new)                  # [B, T] each
@@ -75,7 +78,7 @@ def forward(cfg: ModelConfig, params: dict, cache: ModelCache, tokens: jax.Array
     # stacking the layers back copies every slot of the cache at every step. Recurrent states are
     # rewritten whole by every token, so their new stack is written once, as the layers finish.
     k_all, v_all = (kv.k, kv.v) if kv is not None else (None, None)
-    conv_out, ssm_out, per_token = [], [], []
+    conv_out, ssm_out, per_token, k_new, v_new = [], [], [], [], []
     for i, lp in enumerate(params["layers"]):
         h = rms_norm_zero_centered(x, lp["input_norm"], cfg.rms_norm_eps)
         if cfg.layer_types[i] == "linear_attention":
@@ -93,10 +96,15 @@ def forward(cfg: ModelConfig, params: dict, cache: ModelCache, tokens: jax.Array
             ssm_out.append(ssm)
         else:
             s = kv.layer_ids.index(i)
-            h, k_all, v_all = gated_attention(
+            h, k, v = gated_attention(
                 lp["attn"], h, cos, sin, positions, valid, k_all, v_all,
                 num_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads,
-                head_dim=cfg.head_dim, eps=cfg.rms_norm_eps, layer=s)
+                head_dim=cfg.head_dim, eps=cfg.rms_norm_eps, layer=s, defer_write=defer_kv_write)
+            if defer_kv_write:
+                k_new.append(k)
+                v_new.append(v)
+            else:
+                k_all, v_all = k, v
         x = x + h
         x = x + _ffn(cfg, lp, rms_norm_zero_centered(x, lp["post_norm"], cfg.rms_norm_eps))
         if return_hidden:
@@ -110,7 +118,25 @@ def forward(cfg: ModelConfig, params: dict, cache: ModelCache, tokens: jax.Array
     if per_token_states:
         states = jax.tree_util.tree_map(lambda *a: jnp.stack(a), *per_token) if per_token else {}
         out = out + (states,)
+    if defer_kv_write:
+        out = out + ({"k": jnp.stack(k_new), "v": jnp.stack(v_new)} if k_new else {},)
     return out
+
+
+# The cache groups a forward with defer_kv_write leaves unwritten (`write_deferred_kv` writes them).
+DEFERRED_GROUPS = ("full_attention",)
+
+
+def write_deferred_kv(cache: ModelCache, pending: dict, positions: jax.Array, valid: jax.Array) -> ModelCache:
+    """Writes what a forward with defer_kv_write returned: pending {"k", "v": [L, B, T, Hkv, D]}
+    (or {} for a model without attention layers) at positions [B, T] where valid [B, T], every
+    layer in one in-place write per array."""
+    if not pending:
+        return cache
+    kv = cache.groups["full_attention"]
+    kv = kv.replace(k=write_kv(kv.k, pending["k"], positions, valid, slice(None)),
+                    v=write_kv(kv.v, pending["v"], positions, valid, slice(None)))
+    return cache.replace(groups={**cache.groups, "full_attention": kv})
 
 
 def final_norm(cfg: ModelConfig, params: dict, x: jax.Array) -> jax.Array:

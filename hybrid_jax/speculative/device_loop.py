@@ -22,7 +22,11 @@ One iteration, per row b (B rows, all arrays on device):
             4x, `chunk` up to `max_chunk` tokens, while those checks keep failing); else ONE verify
             forward over [pending, drafts] (T = Kb + 1), acceptance and rollback by selection
             of the recurrent state after the last kept token (`verify.py`). The forward runs Kb + 1 positions
-            for every row, so every row with a proposal drafts min(Kb, its budget) tokens: free
+            for every row, so every row with a proposal drafts min(Kb, its budget) tokens: free.
+            For a model with deferred KV writes (`write_deferred_kv`: Qwen3-Next), the switch holds
+            only the chunk's first forward or the verify, both reading the KV cache; one write after
+            the switch puts their entries in and the chunk's other steps follow as a loop (0 steps
+            after a verify), so no cache is written inside a branch (XLA copied it there each iteration)
   emit      the accepted tokens and the bonus, cut at a stop token or the row's token budget,
             appended to the output and to the history; a row that emitted its last token stops
 
@@ -42,10 +46,11 @@ import jax
 import jax.numpy as jnp
 
 from hybrid_jax.generate import decode_jit
+from hybrid_jax.models import get_model
 from hybrid_jax.sampling import SamplerFlags
 from hybrid_jax.speculative.dynamic_k import WARM_TAIL, cold_tail, draft_floor, warm_tail_state
 from hybrid_jax.speculative.rollback import rollback_by_selection
-from hybrid_jax.speculative.verify import _verify, decode_chunk
+from hybrid_jax.speculative.verify import _fwd, _verify, decode_chunk, decode_from
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,6 +192,51 @@ def ngram_generate(params, cache, hist, first, rows, tune, stop_ids, seeds, temp
             return n_acc, jnp.pad(out_tok, ((0, 0), (0, W - Kb - 1))), cache
         return run
 
+    model = get_model(cfg.model_type)
+    deferred = hasattr(model, "write_deferred_kv")
+
+    def first_forward(Kb):
+        """A branch of the deferred step: the decode chunk's first forward (Kb = 0) or the verify of
+        Kb drafts. Reads the cache; returns what changed (n_acc [B], out_tok [B, W], logits [B, V] for
+        the chunk, the cache's lengths, version and the groups other than the deferred ones, the
+        deferred KV entries padded to K + 1 positions)."""
+        def run(cache, tokens, n_draft, n_fed, generated):
+            if Kb == 0:
+                logits, new, pend = _fwd(cfg, impl, params, cache, tokens[:, :1], n_fed, defer_kv_write=True)
+                n_acc, out_tok = jnp.zeros((B,), jnp.int32), jnp.zeros((B, W), jnp.int32)
+            else:
+                meta = jnp.stack([n_fed, n_draft, generated])
+                n_acc, out_tok, n_fed, n_keep, new, states, pend = _verify(
+                    params, cache, tokens[:, :Kb + 1], meta, None, seeds, temperature, top_k, top_p, cfg, impl,
+                    flags, True, defer_kv_write=True)
+                new = rollback_by_selection(new, states, cache.lengths, n_fed, n_keep)
+                out_tok = jnp.pad(out_tok, ((0, 0), (0, W - Kb - 1)))
+                logits = jnp.zeros((B, cfg.vocab_size), jnp.float32)
+            pend = jax.tree_util.tree_map(lambda a: jnp.pad(a, [(0, 0), (0, 0), (0, K - Kb)] + [(0, 0)] * (a.ndim - 3)),
+                                          pend)
+            kept = {n: g for n, g in new.groups.items() if n not in model.DEFERRED_GROUPS}
+            return n_acc, out_tok, logits, (new.lengths, new.version, kept), pend
+        return run
+
+    def step_deferred(idx, cache, tokens, k, n_fed, generated, remaining, n_steps):
+        """One iteration's model work with the cache written outside any branch: XLA copies a cache
+        that a conditional's branches update (twice at the loop level and once per branch entry, every
+        iteration: the copies grow with the capacity). The switch runs the first forward (decode)
+        or the verify, reading the cache; one write after it puts in their KV entries; the rest of a
+        decode chunk runs after that as a loop of n_steps - 1 steps (none when the step verified)."""
+        n_acc, out_tok, logits, (lengths, version, kept), pend = jax.lax.switch(
+            idx, [first_forward(0)] + [first_forward(b) for b in buckets], cache, tokens, k, n_fed, generated)
+        T = jnp.arange(K + 1)[None]
+        positions, valid = cache.lengths[:, None] + T, T < n_fed[:, None]
+        cache = model.write_deferred_kv(cache.replace(groups={**cache.groups, **kept}, lengths=lengths,
+                                                      version=version), pend, positions, valid)
+        rows = jnp.stack([tokens[:, 0], n_fed, generated, remaining, jnp.full((B,), jnp.where(idx == 0, n_steps, 0))])
+        toks, cache = decode_from(params, cache, logits, rows, stop_ids, seeds, temperature, top_k, top_p, cfg=cfg,
+                                  impl=impl, steps=lc.max_chunk, flags=flags)
+        toks = jnp.pad(toks, ((0, 0), (0, W - lc.max_chunk)))
+        n_dec = jnp.sum(toks >= 0, axis=1).astype(jnp.int32) - 1
+        return jnp.where(idx == 0, n_dec, n_acc), jnp.where(idx == 0, jnp.maximum(toks, 0), out_tok), cache
+
     def emit(toks, n_want, out, n_out, hist, hlen, running, generated, remaining, stopped):
         """toks [B, J]; n_want [B]: each running row appends its first n_want tokens, cut at its
         budget and after its first stop token, to out and hist. Returns (n_emit [B], out, n_out, hist,
@@ -223,9 +273,12 @@ def ngram_generate(params, cache, hist, first, rows, tune, stop_ids, seeds, temp
         pending = jnp.take_along_axis(hist, jnp.maximum(hlen - 1, 0)[:, None], axis=1)
         tokens = jnp.concatenate([pending, jnp.where(jnp.arange(K)[None] < k[:, None], prop, 0)], axis=1)
         n_fed = jnp.where(running, 1 + k, 0).astype(jnp.int32)
-        n_acc, out_tok, cache = jax.lax.switch(idx, [decode_branch] + [verify_branch(b) for b in buckets],
-                                               cache, tokens, k, n_fed, generated, remaining,
-                                               jnp.minimum(lc.chunk * 4 ** quiet, lc.max_chunk))
+        n_steps = jnp.minimum(lc.chunk * 4 ** quiet, lc.max_chunk)
+        if deferred:
+            n_acc, out_tok, cache = step_deferred(idx, cache, tokens, k, n_fed, generated, remaining, n_steps)
+        else:
+            n_acc, out_tok, cache = jax.lax.switch(idx, [decode_branch] + [verify_branch(b) for b in buckets],
+                                                   cache, tokens, k, n_fed, generated, remaining, n_steps)
         # emit: accepted drafts + the bonus (the counters before it are still needed below)
         n_emit, out, n_out2, hist, hlen2, running2, generated2, remaining2, stopped = emit(
             out_tok, n_acc + 1, out, n_out, hist, hlen, running, generated, remaining, stopped)

@@ -47,15 +47,20 @@ def prefill(params, cache, tokens, n_prompt, seeds, temperature, top_k, top_p, *
 
 
 def _verify(params, cache, tokens, meta, draft_probs, seeds, temperature, top_k, top_p, cfg, impl, flags,
-            per_token_states):
+            per_token_states, defer_kv_write: bool = False):
+    """The verify forward and acceptance. Returns (n_acc, out_tok, n_fed, n_keep, cache after all fed
+    tokens, per-token states or None) and, with defer_kv_write, the KV entries the forward did not
+    write (the model's `write_deferred_kv`)."""
     n_fed, n_draft, step = meta[0], meta[1], meta[2]
+    kw = dict(defer_kv_write=True) if defer_kv_write else {}
     out = _fwd(cfg, impl, params, cache, tokens, n_fed, logits_at="all", fused_recurrent=True,
-               per_token_states=per_token_states)
+               per_token_states=per_token_states, **kw)
     logits, new = out[0], out[1]
     keys = jax.vmap(jax.random.key)(seeds)
     n_acc, out_tok = accept(logits, tokens[:, 1:], draft_probs, n_draft, keys, step, temperature, top_k, top_p, flags)
     n_keep = jnp.where(n_fed > 0, 1 + n_acc, 0).astype(jnp.int32)
-    return n_acc, out_tok, n_fed, n_keep, new, (out[2] if per_token_states else None)
+    res = n_acc, out_tok, n_fed, n_keep, new, (out[2] if per_token_states else None)
+    return res + (out[-1],) if defer_kv_write else res
 
 
 @decode_jit(static_argnames=STATIC, donate_argnums=(1,))
@@ -100,14 +105,25 @@ def decode_chunk(params, cache, rows, stop_ids, seeds, temperature, top_k, top_p
     (0 / 1), step (tokens generated so far), remaining (tokens the row may still emit), n_steps
     (the same in every column); stop_ids [B, S] int32 (-1 padded); seeds, temperature, top_k, top_p [B].
     Returns (tokens [B, steps] with -1 once a row stopped and past n_steps, cache)."""
-    pending, running, step, remaining, n_steps = rows[0], rows[1] > 0, rows[2], rows[3], rows[4, 0]
-    B = pending.shape[0]
-    keys = jax.vmap(jax.random.key)(seeds)
-    out = jnp.full((B, steps), -1, jnp.int32)
+    pending, running, remaining = rows[0], rows[1] > 0, rows[3]
     done = ~running | (remaining <= 0)
     # Laid out like Generator's decode loop (logits carried, the forward last in the body): XLA
     # runs this form as fast as plain decoding; a forward-first body was ~10% slower on CPU.
     logits, cache = _fwd(cfg, impl, params, cache, pending[:, None], (~done).astype(jnp.int32))
+    return decode_from(params, cache, logits, rows, stop_ids, seeds, temperature, top_k, top_p, cfg=cfg,
+                       impl=impl, steps=steps, flags=flags)
+
+
+def decode_from(params, cache, logits, rows, stop_ids, seeds, temperature, top_k, top_p, *, cfg, impl, steps: int,
+                flags: SamplerFlags):
+    """`decode_chunk` after its first forward (the pending token already fed): logits [B, V] f32 are
+    its output, the other arguments decode_chunk's. With n_steps = 0 the loop does not run (the
+    returned tokens are then meaningless). Returns (tokens [B, steps], cache)."""
+    running, step, remaining, n_steps = rows[1] > 0, rows[2], rows[3], rows[4, 0]
+    B = logits.shape[0]
+    keys = jax.vmap(jax.random.key)(seeds)
+    out = jnp.full((B, steps), -1, jnp.int32)
+    done = ~running | (remaining <= 0)
 
     def emit(i, logits, out, done):
         new = jnp.where(done, -1, sample(logits, keys, step + i, temperature, top_k, top_p, flags))

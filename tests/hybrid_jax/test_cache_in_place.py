@@ -167,3 +167,23 @@ def test_the_check_sees_the_old_stacking_copies():
     k, x = jnp.zeros((2, 1, CAPACITY, 2, 8)), jnp.ones((1, 1, 2, 8))
     assert cache_materializations(loop(True).lower(k, x, 4).compile().as_text(), [k]) != []
     assert cache_materializations(loop(False).lower(k, x, 4).compile().as_text(), [k]) == []
+
+
+@pytest.mark.parametrize("B", [1, 2])
+def test_speculative_device_loop_writes_cache_in_place(B):
+    """The n-gram device loop: its iterations branch between a decode chunk and verifies of several
+    lengths. The branches only read the KV cache and one write after them puts the new entries in
+    (a cache written inside the branches was copied at the loop level and at each branch entry)."""
+    from hybrid_jax.speculative.device_loop import LoopConfig, loop_buckets, ngram_generate  # noqa: PLC0415
+    cfg, params = _model(QWEN)
+    cache = get_model(cfg.model_type).new_cache(cfg, B, CAPACITY, jnp.float32)
+    K = 8
+    lc = LoopConfig(K=K, buckets=loop_buckets(K, True), lookup_min=1, lookup_max=4, dynamic_k=True, max_new=32,
+                    chunk=4, max_chunk=16)
+    z = np.zeros((B,), np.int32)
+    hlo = ngram_generate.lower(params, cache, np.zeros((B, 128), np.int32), z, np.stack([z + 8, z + 1, z, z + 32]),
+                               np.asarray([0.3, 0.9], np.float32), np.full((B, 1), -1, np.int32),
+                               z.astype(np.uint32), z.astype(np.float32), z - 1, z.astype(np.float32) + 1,
+                               cfg=cfg, impl="auto", flags=SamplerFlags(False, False, False), lc=lc).compile().as_text()
+    assert hlo.count("conditional(") >= 1 and "while" in hlo
+    assert cache_materializations(hlo, per_position_arrays(cfg, cache)) == []
