@@ -36,20 +36,58 @@ def _per_token(S, delta, keep: str | None):
     return {"states": S, "deltas": delta}.get(keep)
 
 
-def _step(S, xs, keep: str | None):
-    S, o_t, delta = _update(S, *xs)
+def _step(S, xs, keep: str | None, update):
+    S, o_t, delta = update(S, *xs)
     return S, (o_t, _per_token(S, delta, keep))
 
 
-def _step_varlen(carry, xs, S0, keep: str | None):
-    # carry: S [1, H, r, K, V], finals [N, H, r, K, V]; S0: [N, H, r, K, V]
+def _step_varlen(carry, xs, S0, keep: str | None, update):
+    # carry: S [1, ...], finals [N, ...]; S0: [N, ...] (the state in the update's layout)
     S, finals = carry
     q_t, k_t, v_t, g_t, b_t, seq, first, valid = xs
     S = jnp.where(first, S0[seq][None], S)
-    S, o_t, delta = _update(S, q_t, k_t, v_t, g_t, b_t)
+    S, o_t, delta = update(S, q_t, k_t, v_t, g_t, b_t)
     finals = finals.at[seq].set(jnp.where(valid, S[0], finals[seq]))
     o_t = jnp.where(valid, o_t, 0.0)
     return (S, finals), (o_t, _per_token(S, jnp.where(valid, delta, 0.0), keep))
+
+
+def token_scan(update, q, k, v, g, beta, *, scale, initial_state, output_final_state: bool,
+               output_all_states: bool, use_qk_l2norm_in_kernel: bool, cu_seqlens, output_deltas: bool,
+               k_major: bool = False):
+    """The token-level scan around one `update(S, q_t, k_t, v_t, g_t, b_t) -> (S, o_t, delta)` step
+    (shapes as `_update`'s), shared by this reference and `fused_recurrent`. k_major: the update
+    carries the state as [B, H, K, r, V] instead of [B, H, r, K, V]. Arguments and returns as
+    `naive_recurrent_gated_delta_rule`."""
+    B, T, H, K, HV, V = check_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
+    keep = per_token_output(output_all_states, output_deltas)
+    N = B if cu_seqlens is None else varlen.check_cu_seqlens(cu_seqlens)
+    r = HV // H
+    out_dtype = v.dtype
+    q, k, v, g, beta = prepare(q, k, v, g, beta, default_scale(scale, K), use_qk_l2norm_in_kernel)
+    S0 = (jnp.zeros((N, HV, K, V), jnp.float32) if initial_state is None
+          else initial_state.astype(jnp.float32))
+    S0 = S0.reshape(N, H, r, K, V)
+    layout = (lambda S: jnp.swapaxes(S, -3, -2)) if k_major else (lambda S: S)   # its own inverse
+    S0 = layout(S0)
+    xs = (jnp.moveaxis(q, 1, 0), jnp.moveaxis(k, 1, 0),
+          jnp.moveaxis(v.reshape(B, T, H, r, V), 1, 0),
+          jnp.moveaxis(g.reshape(B, T, H, r), 1, 0), jnp.moveaxis(beta.reshape(B, T, H, r), 1, 0))
+    if cu_seqlens is None:
+        S, (o, per_tok) = jax.lax.scan(functools.partial(_step, keep=keep, update=update), S0, xs)
+        final = S
+    else:
+        seq, first, valid = varlen.token_layout(cu_seqlens, T)
+        step = functools.partial(_step_varlen, S0=S0, keep=keep, update=update)
+        (_, final), (o, per_tok) = jax.lax.scan(step, (jnp.zeros_like(S0[:1]), S0),
+                                              xs + (seq, first, valid))
+    o = jnp.moveaxis(o, 0, 1).reshape(B, T, HV, V).astype(out_dtype)
+    final = layout(final).reshape(N, HV, K, V) if output_final_state else None
+    if keep == "states":
+        return o, final, layout(jnp.moveaxis(per_tok, 0, 1)).reshape(B, T, HV, K, V)
+    if keep == "deltas":
+        return o, final, jnp.moveaxis(per_tok, 0, 1).reshape(B, T, HV, V)
+    return o, final
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "output_final_state", "output_all_states",
@@ -72,30 +110,7 @@ def naive_recurrent_gated_delta_rule(
     and, with output_all_states, the state after every token [B, T, HV, K, V] fp32, or, with
     output_deltas, every token's state update delta [B, T, HV, V] fp32 (see `rebuild`).
     N = B, or the number of sequences with cu_seqlens."""
-    B, T, H, K, HV, V = check_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
-    keep = per_token_output(output_all_states, output_deltas)
-    N = B if cu_seqlens is None else varlen.check_cu_seqlens(cu_seqlens)
-    r = HV // H
-    out_dtype = v.dtype
-    q, k, v, g, beta = prepare(q, k, v, g, beta, default_scale(scale, K), use_qk_l2norm_in_kernel)
-    S0 = (jnp.zeros((N, HV, K, V), jnp.float32) if initial_state is None
-          else initial_state.astype(jnp.float32))
-    S0 = S0.reshape(N, H, r, K, V)
-    xs = (jnp.moveaxis(q, 1, 0), jnp.moveaxis(k, 1, 0),
-          jnp.moveaxis(v.reshape(B, T, H, r, V), 1, 0),
-          jnp.moveaxis(g.reshape(B, T, H, r), 1, 0), jnp.moveaxis(beta.reshape(B, T, H, r), 1, 0))
-    if cu_seqlens is None:
-        S, (o, per_tok) = jax.lax.scan(functools.partial(_step, keep=keep), S0, xs)
-        final = S
-    else:
-        seq, first, valid = varlen.token_layout(cu_seqlens, T)
-        step = functools.partial(_step_varlen, S0=S0, keep=keep)
-        (_, final), (o, per_tok) = jax.lax.scan(step, (jnp.zeros_like(S0[:1]), S0),
-                                              xs + (seq, first, valid))
-    o = jnp.moveaxis(o, 0, 1).reshape(B, T, HV, V).astype(out_dtype)
-    final = final.reshape(N, HV, K, V) if output_final_state else None
-    if keep == "states":
-        return o, final, jnp.moveaxis(per_tok, 0, 1).reshape(B, T, HV, K, V)
-    if keep == "deltas":
-        return o, final, jnp.moveaxis(per_tok, 0, 1).reshape(B, T, HV, V)
-    return o, final
+    return token_scan(_update, q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                      output_final_state=output_final_state, output_all_states=output_all_states,
+                      use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens,
+                      output_deltas=output_deltas)

@@ -1,8 +1,9 @@
 """Public gated delta rule ops: one signature, implementations chosen by `impl`.
 
   impl="reference"  token-level `lax.scan` (naive.py)
-  impl="xla"        chunked WY/UT form in plain XLA (chunk.py); the recurrent op uses the
-                    token scan, which is what a decode step or a short verify window wants
+  impl="xla"        chunked WY/UT form in plain XLA (chunk.py); the recurrent op a token scan
+                    arranged for XLA (fused_recurrent.py), what a decode step or a short verify
+                    window wants
   impl="pallas"     Pallas kernels (interpret mode on CPU)
   impl="auto"       Pallas on GPU/TPU, XLA on CPU
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 import jax
 
 from pallas_kernels.gated_delta_rule import chunk as _chunk
+from pallas_kernels.gated_delta_rule import fused_recurrent as _fused_recurrent
 from pallas_kernels.gated_delta_rule import naive as _naive
 from pallas_kernels.gated_delta_rule.common import check_inputs, resolve_impl
 
@@ -98,7 +100,9 @@ def fused_recurrent_gated_delta_rule(
             output_final_state=output_final_state, output_all_states=output_all_states,
             use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens,
             interpret=jax.default_backend() == "cpu", output_deltas=output_deltas)
-    return _naive.naive_recurrent_gated_delta_rule(
+    kernel = (_naive.naive_recurrent_gated_delta_rule if impl == "reference"
+              else _fused_recurrent.fused_recurrent_gated_delta_rule_xla)
+    return kernel(
         q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
         output_all_states=output_all_states, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
         cu_seqlens=cu_seqlens, output_deltas=output_deltas)

@@ -98,6 +98,24 @@ def test_chunk_xla_matches_reference(T, r, K, dtype, init):
         *a, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True, impl="xla"))
 
 
+@pytest.mark.parametrize("T,r,K,V,l2", [(1, 1, 32, 32, True), (33, 2, 32, 32, True), (63, 3, 16, 48, False),
+                                        (75, 2, 64, 32, True)])
+def test_fused_recurrent_xla_matches_reference(T, r, K, V, l2):
+    """The XLA token scan (K-major state, one contraction per token) against the reference scan:
+    outputs, final state, every per-token state and every delta."""
+    (q, k, v, g, beta), h0 = make_inputs(T, r, K, B=2, init=True, V=V)
+    if not l2:
+        q, k = q * 0.2, k * 0.2
+    kw = dict(initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=l2)
+    o_ref, s_ref, states_ref = naive_recurrent_gated_delta_rule(q, k, v, g, beta, output_all_states=True, **kw)
+    _, _, deltas_ref = naive_recurrent_gated_delta_rule(q, k, v, g, beta, output_deltas=True, **kw)
+    o, s, states = fused_recurrent_gated_delta_rule(q, k, v, g, beta, output_all_states=True, impl="xla", **kw)
+    o2, s2, deltas = fused_recurrent_gated_delta_rule(q, k, v, g, beta, output_deltas=True, impl="xla", **kw)
+    chex.assert_shape(states, (2, T, H * r, K, V))
+    for got, want in ((o, o_ref), (s, s_ref), (states, states_ref), (o2, o_ref), (s2, s_ref), (deltas, deltas_ref)):
+        assert rel_rms(got, want) < F32_TOL, rel_rms(got, want)
+
+
 @pytest.mark.parametrize("T", [1, 75])
 def test_chunk_xla_chunk_sizes_and_no_l2norm(T):
     (q, k, v, g, beta), h0 = make_inputs(T, 2, 32, init=True)
