@@ -7,20 +7,28 @@
   2. rollback by selection vs snapshot + replay: time, and the extra device memory each needs;
   3. the cost of taking a snapshot as the cache grows (a reference: flat) next to a deep copy.
 
-The model: the shared tiny Qwen3-Next architecture (benchmarks/tiny_qwen3_next.py: 3 Gated
-DeltaNet + 1 gated attention layer, MoE), random weights, except that its embeddings are scaled
-up and its LM head is rewired so that greedy decoding walks one fixed cycle through the whole
-vocabulary (token t -> sigma(t)). An untrained model never repeats itself, so this is how the
-repetitive workload gets text whose continuation is already in the context: its prompts quote the
-stretch of the cycle the model is about to produce (as code editing re-emits code it was given),
-while the non-repetitive prompts are random tokens, whose continuation has not been seen. Every
-layer still runs at full cost; only what the tokens are changed.
+The models: the shared tiny Qwen3-Next architecture (benchmarks/tiny_qwen3_next.py: 3 Gated
+DeltaNet + 1 gated attention layer, MoE) and the same 4 layers wider ('medium', CONFIG_MEDIUM),
+random weights, except that the embeddings are scaled up and the LM head is rewired so that greedy
+decoding walks one fixed cycle through the whole vocabulary (token t -> sigma(t)). An untrained
+model never repeats itself, so this is how the repetitive workload gets text whose continuation is
+already in the context: its prompts quote the stretch of the cycle the model is about to produce
+(as code editing re-emits code it was given), while the non-repetitive prompts are random tokens,
+whose continuation has not been seen. Every layer still runs at full cost; only what the tokens are
+changed.
 
-Section 1 runs at batch 1 and at batch 8 (--batch): on this CPU a plain decode step at batch 8
-costs several batch-1 steps (small-M matmuls run far below peak), while a verify forward's larger
-matmuls run near it, so speculation pays more at batch 8; both are printed.
+Why two sizes. Speculation pays because a decode step costs about what reading the weights costs,
+so checking K + 1 positions in one forward costs little more than one step. The medium model's
+51 MiB of fp32 weights are past this CPU's 32 MiB last-level cache: its decode steps stream them
+from memory, the regime of a served model on any hardware. The tiny model's 4.8 MiB stay in cache;
+its decode step (~0.13 ms at batch 1) is bound by per-op overhead and small-matmul efficiency, and
+a verify window saves only what larger matmuls gain in FLOP/s over small ones, which differs from
+one CPU to the next (batch 8 at 2.6x-3.1x on one machine, 1.8x-1.9x on another), and prefill
+(paid by both sides) is a large share of its time. Both are printed.
 
-    python benchmarks/speculative.py [--max-tokens 224] [--k 32] [--batch 1,8]
+Section 1 runs at batch 1 and at batch 8 (--batch); sections 2 and 3 on the tiny model.
+
+    python benchmarks/speculative.py [--max-tokens 224] [--k 32] [--batch 1,8] [--models tiny,medium]
 """
 from __future__ import annotations
 
@@ -42,14 +50,26 @@ from hybrid_jax.speculative import SpeculativeDecoder  # noqa: E402
 from hybrid_jax.speculative import verify  # noqa: E402
 
 
-def write_cycle_checkpoint(path: str, seed: int = 0) -> np.ndarray:
-    """The tiny Qwen3-Next with its greedy next token rewired to sigma(t), one cycle over tokens
-    1 .. V-1 (token 0 is padding). Returns the cycle order [V-1]."""
+# The same 4 layers, wider: about 51 MiB of fp32 weights, past this CPU's 32 MiB last-level cache,
+# so a plain decode step streams its weights from memory, as a served model's decode step does on
+# any hardware (the regime speculation is for: K + 1 positions read the weights once). The tiny
+# model's 4.8 MiB stay in cache, and its decode step is bound by per-op overhead and small-matmul
+# efficiency instead, where a verify forward saves only what larger matmuls gain in FLOP/s.
+CONFIG_MEDIUM = dict(CONFIG, hidden_size=512, intermediate_size=1024, num_attention_heads=8, num_key_value_heads=2,
+                     head_dim=64, linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=64,
+                     linear_value_head_dim=64, moe_intermediate_size=256, shared_expert_intermediate_size=256)
+MODELS = {"tiny": CONFIG, "medium": CONFIG_MEDIUM}
+
+
+def write_cycle_checkpoint(path: str, seed: int = 0, config: dict | None = None) -> np.ndarray:
+    """The Qwen3-Next `config` (default: the tiny one) with its greedy next token rewired to
+    sigma(t), one cycle over tokens 1 .. V-1 (token 0 is padding). Returns the cycle order [V-1]."""
     import torch  # noqa: PLC0415
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM  # noqa: PLC0415
     torch.manual_seed(seed)
-    model = Qwen3NextForCausalLM(Qwen3NextConfig(**CONFIG)).eval()
-    V = CONFIG["vocab_size"]
+    config = config or CONFIG
+    model = Qwen3NextForCausalLM(Qwen3NextConfig(**config)).eval()
+    V = config["vocab_size"]
     order = np.random.default_rng(seed).permutation(np.arange(1, V))
     with torch.no_grad():
         E = model.model.embed_tokens.weight
@@ -140,51 +160,63 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=224)
     ap.add_argument("--k", type=int, default=32)
     ap.add_argument("--batch", default="1,8", help="comma-separated batch sizes for section 1")
+    ap.add_argument("--models", default="tiny,medium", help="comma-separated, of: " + ", ".join(MODELS))
     args = ap.parse_args()
-    tmp = tempfile.mkdtemp()
-    order = write_cycle_checkpoint(tmp)
-    llm = LLM(model=tmp, dtype="float32")
     sp = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     batches = [int(b) for b in args.batch.split(",")]
-    wls_by_b = {b: workloads(order, b, np.random.default_rng(1))[0] for b in batches}
-    wls = wls_by_b[batches[0]]
-    print(f"jax {jax.__version__} on {jax.devices()[0].platform}; model: tiny Qwen3-Next (3 GDN + 1 attention, "
-          f"MoE, vocab {CONFIG['vocab_size']}), cycle-rewired LM head (see the docstring); greedy, batch "
-          f"{args.batch}, {args.max_tokens} new tokens per request, n-gram drafting K <= {args.k}; prompts: "
-          f"repetitive {len(wls['repetitive'][0])} tokens (a stretch of the cycle, then its start again: the "
+    models = args.models.split(",")
+    print(f"jax {jax.__version__} on {jax.devices()[0].platform}; models: Qwen3-Next (3 GDN + 1 attention, MoE, vocab "
+          f"{CONFIG['vocab_size']}) with a cycle-rewired LM head (see the docstring), 'tiny' (hidden "
+          f"{CONFIG['hidden_size']}) and 'medium' (hidden {CONFIG_MEDIUM['hidden_size']}, weights past the CPU's "
+          f"last-level cache); greedy, batch {args.batch}, {args.max_tokens} new tokens per request, n-gram drafting "
+          f"K <= {args.k}; prompts: repetitive 256 tokens (a stretch of the cycle, then its start again: the "
           f"continuation copies it), edited quote: the same with every 24th quoted token changed (drafts fail "
-          f"there), non-repetitive {len(wls['non-repetitive'][0])} random tokens")
-
-    cost = draft_cost(llm, args.k)
-    print(f"dynamic K's draft_cost, calibrated on this machine: one more verified draft token costs {cost:.3f} "
-          f"of a plain decode step")
-    print("\n1. tokens/s, plain vs speculative (best of 11, the two run alternately after a warm-up; outputs"
+          f"there), non-repetitive 64 random tokens")
+    print("\n1. tokens/s, plain vs speculative (best of R, the two run alternately after a warm-up; outputs"
           " compared token by token)")
-    print(f"   {'batch':>5} {'workload':<15} {'plain tok/s':>11} {'spec tok/s':>10} {'ratio':>6} {'pairs':>6} "
-          f"{'identical':>9} {'accept':>6} {'tok/verify':>10} {'verify/fallback tokens':>22}")
-    for B in batches:
-        for name, prompts in wls_by_b[B].items():
-            dec = SpeculativeDecoder(llm.config, llm.params, llm.dtype,
-                                     {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": 4,
-                                      "draft_cost": cost})
-            dec.generate(prompts, [sp] * len(prompts))          # warm-up: compiles every bucket this run visits
-            dec.reset_stats()
-            t_plain, base, t_spec, got, pair = timed_pair(
-                lambda: [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], sp)],
-                lambda: [t for t, _ in dec.generate(prompts, [sp] * len(prompts))])
-            n = sum(len(t) for t in base)
-            s = dec.stats()
-            verify_tok = s["emitted_tokens"]
-            print(f"   {B:>5} {name:<15} {n / t_plain:>11.1f} {n / t_spec:>10.1f} {t_plain / t_spec:>5.2f}x "
-                  f"{pair:>5.2f}x {str(got == base):>9} {s['acceptance_rate']:>6.2f} {s['mean_accepted_length']:>10.2f} "
-                  f"{verify_tok:>11d}/{s['fallback_tokens']:<10d}")
-    print("   (ratio = best plain time / best speculative time; pairs = the median over the 11 back-to-back pairs of"
+    print(f"   {'model':<6} {'weights':>7} {'batch':>5} {'workload':<15} {'plain tok/s':>11} {'spec tok/s':>10} "
+          f"{'ratio':>6} {'pairs':>6} {'identical':>9} {'accept':>6} {'tok/verify':>10} {'verify/fallback tokens':>22}")
+    notes = []
+    for model in models:
+        tmp = tempfile.mkdtemp()
+        order = write_cycle_checkpoint(tmp, config=MODELS[model])
+        mllm = LLM(model=tmp, dtype="float32")
+        mib = sum(x.nbytes for x in jax.tree_util.tree_leaves(mllm.params)) / 2**20
+        cost = draft_cost(mllm, args.k)
+        repeats = 11 if model == "tiny" else 5
+        notes.append(f"{model}: draft_cost {cost:.3f} (one more verified draft token, in plain decode steps, calibrated "
+                     f"here), R = {repeats}")
+        if model == "tiny":
+            llm, tiny_cost, wls = mllm, cost, workloads(order, batches[0], np.random.default_rng(1))[0]
+        for B in batches:
+            for name, prompts in workloads(order, B, np.random.default_rng(1))[0].items():
+                dec = SpeculativeDecoder(mllm.config, mllm.params, mllm.dtype,
+                                         {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": 4,
+                                          "draft_cost": cost})
+                dec.generate(prompts, [sp] * len(prompts))          # warm-up: compiles every bucket this run visits
+                dec.reset_stats()
+                t_plain, base, t_spec, got, pair = timed_pair(
+                    lambda: [o.outputs[0].token_ids for o in mllm.generate([{"prompt_token_ids": p} for p in prompts],
+                                                                           sp)],
+                    lambda: [t for t, _ in dec.generate(prompts, [sp] * len(prompts))], repeats=repeats)
+                n = sum(len(t) for t in base)
+                s = dec.stats()
+                print(f"   {model:<6} {mib:>5.1f}Mi {B:>5} {name:<15} {n / t_plain:>11.1f} {n / t_spec:>10.1f} "
+                      f"{t_plain / t_spec:>5.2f}x {pair:>5.2f}x {str(got == base):>9} {s['acceptance_rate']:>6.2f} "
+                      f"{s['mean_accepted_length']:>10.2f} {s['emitted_tokens']:>11d}/{s['fallback_tokens']:<10d}",
+                      flush=True)
+    print("   (ratio = best plain time / best speculative time; pairs = the median over the R back-to-back pairs of"
           "\n    plain time / speculative time, less swayed by a lucky or unlucky run on a shared machine;"
           "\n    'tok/verify' = tokens emitted per row-verify, bonus included; the last column counts tokens over"
-          "\n    the 12 speculative runs (warm-up included): emitted by verify steps / by plain fallback chunks)")
+          "\n    the R + 1 speculative runs (warm-up included): emitted by verify steps / by plain fallback chunks)")
+    for line in notes:
+        print("   " + line)
+    if "tiny" not in models:
+        return
+    cost = tiny_cost
 
-    print("\n2. rollback by selection vs snapshot + replay (same runs as above, per rollback mode; both in the host"
-          " loop, since replay has no on-device loop)")
+    print("\n2. rollback by selection vs snapshot + replay (tiny model, the workloads above at batch "
+          f"{batches[0]}, per rollback mode; both in the host loop, since replay has no on-device loop)")
     for name, prompts in wls.items():
         row = []
         for mode in ("selection", "replay"):
