@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import abi
-from pallas_kernels.gated_delta_rule.naive import token_scan
+from pallas_kernels.gated_delta_rule.naive import STATIC, recurrent_gated_delta_rule
 
 ABI = abi.GATED_DELTA_RULE   # writes state[N, HV, K, V] f32, like every other implementation
 
@@ -39,26 +39,6 @@ def _update_k_major(S, q_t, k_t, v_t, g_t, b_t):
     return S, o_t, delta
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "output_final_state", "output_all_states",
-                                             "use_qk_l2norm_in_kernel", "output_deltas"))
-def fused_recurrent_gated_delta_rule_xla(
-    q: jax.Array,            # [B, T, H, K]
-    k: jax.Array,            # [B, T, H, K]
-    v: jax.Array,            # [B, T, HV, V]
-    g: jax.Array,            # [B, T, HV]  log decay, <= 0
-    beta: jax.Array,         # [B, T, HV]
-    scale: float | None = None,
-    initial_state: jax.Array | None = None,  # [N, HV, K, V] fp32
-    output_final_state: bool = False,
-    output_all_states: bool = False,
-    use_qk_l2norm_in_kernel: bool = False,
-    cu_seqlens: jax.Array | None = None,     # [N + 1] int32, packed batch (B == 1)
-    output_deltas: bool = False,
-):
-    """Same arguments and returns as `naive.naive_recurrent_gated_delta_rule`: (o [B, T, HV, V],
-    final [N, HV, K, V] fp32 or None, and the per-token states [B, T, HV, K, V] or deltas
-    [B, T, HV, V] when asked)."""
-    return token_scan(_update_k_major, q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                      output_final_state=output_final_state, output_all_states=output_all_states,
-                      use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens,
-                      output_deltas=output_deltas, k_major=True)
+# Same arguments and returns as `naive.naive_recurrent_gated_delta_rule`.
+fused_recurrent_gated_delta_rule_xla = jax.jit(
+    functools.partial(recurrent_gated_delta_rule, update=_update_k_major, k_major=True), static_argnames=STATIC)

@@ -52,13 +52,33 @@ def _step_varlen(carry, xs, S0, keep: str | None, update):
     return (S, finals), (o_t, _per_token(S, jnp.where(valid, delta, 0.0), keep))
 
 
-def token_scan(update, q, k, v, g, beta, *, scale, initial_state, output_final_state: bool,
-               output_all_states: bool, use_qk_l2norm_in_kernel: bool, cu_seqlens, output_deltas: bool,
-               k_major: bool = False):
-    """The token-level scan around one `update(S, q_t, k_t, v_t, g_t, b_t) -> (S, o_t, delta)` step
-    (shapes as `_update`'s), shared by this reference and `fused_recurrent`. k_major: the update
-    carries the state as [B, H, K, r, V] instead of [B, H, r, K, V]. Arguments and returns as
-    `naive_recurrent_gated_delta_rule`."""
+STATIC = ("scale", "output_final_state", "output_all_states", "use_qk_l2norm_in_kernel", "output_deltas")
+
+
+def recurrent_gated_delta_rule(
+    q: jax.Array,            # [B, T, H, K]
+    k: jax.Array,            # [B, T, H, K]
+    v: jax.Array,            # [B, T, HV, V]
+    g: jax.Array,            # [B, T, HV]  log decay, <= 0
+    beta: jax.Array,         # [B, T, HV]
+    scale: float | None = None,
+    initial_state: jax.Array | None = None,  # [N, HV, K, V] fp32
+    output_final_state: bool = False,
+    output_all_states: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    cu_seqlens: jax.Array | None = None,     # [N + 1] int32, packed batch (B == 1)
+    output_deltas: bool = False,
+    *,
+    update=_update,
+    k_major: bool = False,
+):
+    """Token-level scan. Returns (o [B, T, HV, V] in v.dtype, final state [N, HV, K, V] fp32 or None,
+    and, with output_all_states, the state after every token [B, T, HV, K, V] fp32, or, with
+    output_deltas, every token's state update delta [B, T, HV, V] fp32 (see `rebuild`).
+    N = B, or the number of sequences with cu_seqlens.
+    update(S, q_t, k_t, v_t, g_t, b_t) -> (S, o_t, delta) is one token's step (shapes as `_update`'s;
+    `fused_recurrent` passes its own); k_major: it carries the state as [B, H, K, r, V] instead of
+    [B, H, r, K, V]."""
     B, T, H, K, HV, V = check_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
     keep = per_token_output(output_all_states, output_deltas)
     N = B if cu_seqlens is None else varlen.check_cu_seqlens(cu_seqlens)
@@ -90,27 +110,4 @@ def token_scan(update, q, k, v, g, beta, *, scale, initial_state, output_final_s
     return o, final
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "output_final_state", "output_all_states",
-                                             "use_qk_l2norm_in_kernel", "output_deltas"))
-def naive_recurrent_gated_delta_rule(
-    q: jax.Array,            # [B, T, H, K]
-    k: jax.Array,            # [B, T, H, K]
-    v: jax.Array,            # [B, T, HV, V]
-    g: jax.Array,            # [B, T, HV]  log decay, <= 0
-    beta: jax.Array,         # [B, T, HV]
-    scale: float | None = None,
-    initial_state: jax.Array | None = None,  # [N, HV, K, V] fp32
-    output_final_state: bool = False,
-    output_all_states: bool = False,
-    use_qk_l2norm_in_kernel: bool = False,
-    cu_seqlens: jax.Array | None = None,     # [N + 1] int32, packed batch (B == 1)
-    output_deltas: bool = False,
-):
-    """Token-level scan. Returns (o [B, T, HV, V] in v.dtype, final state [N, HV, K, V] fp32 or None,
-    and, with output_all_states, the state after every token [B, T, HV, K, V] fp32, or, with
-    output_deltas, every token's state update delta [B, T, HV, V] fp32 (see `rebuild`).
-    N = B, or the number of sequences with cu_seqlens."""
-    return token_scan(_update, q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                      output_final_state=output_final_state, output_all_states=output_all_states,
-                      use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens,
-                      output_deltas=output_deltas)
+naive_recurrent_gated_delta_rule = jax.jit(recurrent_gated_delta_rule, static_argnames=STATIC)
