@@ -181,15 +181,19 @@ def ngram_generate(params, cache, hist, first, rows, tune, stop_ids, seeds, temp
         n_acc = jnp.sum(toks >= 0, axis=1).astype(jnp.int32) - 1
         return n_acc, jnp.pad(jnp.maximum(toks, 0), ((0, 0), (0, W - lc.max_chunk))), cache
 
+    def verify_rows(cache, tokens, n_draft, n_fed, generated, Kb, defer: bool):
+        """The verify of Kb drafts and rollback by selection. Returns (n_acc [B], out_tok [B, W],
+        the cache after the kept tokens, the KV entries it did not write when defer, else None)."""
+        meta = jnp.stack([n_fed, n_draft, generated])
+        res = _verify(params, cache, tokens[:, :Kb + 1], meta, None, seeds, temperature, top_k, top_p, cfg, impl,
+                      flags, True, defer_kv_write=defer)
+        n_acc, out_tok, n_fed, n_keep, new, states = res[:6]
+        new = rollback_by_selection(new, states, cache.lengths, n_fed, n_keep)
+        return n_acc, jnp.pad(out_tok, ((0, 0), (0, W - Kb - 1))), new, (res[6] if defer else None)
+
     def verify_branch(Kb):
         def run(cache, tokens, n_draft, n_fed, generated, remaining, n_steps):
-            meta = jnp.stack([n_fed, n_draft, generated])
-            old_lengths = cache.lengths
-            n_acc, out_tok, n_fed, n_keep, new, states = _verify(
-                params, cache, tokens[:, :Kb + 1], meta, None, seeds, temperature, top_k, top_p, cfg, impl, flags,
-                True)
-            cache = rollback_by_selection(new, states, old_lengths, n_fed, n_keep)
-            return n_acc, jnp.pad(out_tok, ((0, 0), (0, W - Kb - 1))), cache
+            return verify_rows(cache, tokens, n_draft, n_fed, generated, Kb, False)[:3]
         return run
 
     model = get_model(cfg.model_type)
@@ -205,12 +209,7 @@ def ngram_generate(params, cache, hist, first, rows, tune, stop_ids, seeds, temp
                 logits, new, pend = _fwd(cfg, impl, params, cache, tokens[:, :1], n_fed, defer_kv_write=True)
                 n_acc, out_tok = jnp.zeros((B,), jnp.int32), jnp.zeros((B, W), jnp.int32)
             else:
-                meta = jnp.stack([n_fed, n_draft, generated])
-                n_acc, out_tok, n_fed, n_keep, new, states, pend = _verify(
-                    params, cache, tokens[:, :Kb + 1], meta, None, seeds, temperature, top_k, top_p, cfg, impl,
-                    flags, True, defer_kv_write=True)
-                new = rollback_by_selection(new, states, cache.lengths, n_fed, n_keep)
-                out_tok = jnp.pad(out_tok, ((0, 0), (0, W - Kb - 1)))
+                n_acc, out_tok, new, pend = verify_rows(cache, tokens, n_draft, n_fed, generated, Kb, True)
                 logits = jnp.zeros((B, cfg.vocab_size), jnp.float32)
             pend = jax.tree_util.tree_map(lambda a: jnp.pad(a, [(0, 0), (0, 0), (0, K - Kb)] + [(0, 0)] * (a.ndim - 3)),
                                           pend)
