@@ -26,48 +26,6 @@ def bucket(n: int, minimum: int = 1) -> int:
     return 1 << (n - 1).bit_length()
 
 
-def decode_compiler_options() -> dict:
-    """XLA options for decode-time programs (decode loops, speculative verify loops). On CPU,
-    YNNPACK's fusions run their small matmuls (a few to a few dozen rows by the hidden size) slower
-    than XLA's own dot. Same-process A/Bs: batch-8 and batch-32 decode steps ~12% faster with it
-    off (2.79 vs 3.18 ms, 6.42 vs 7.39 ms), batch 1 unchanged; the on-device n-gram speculation
-    loop (T = 33 verify forwards) 56.1 vs 65.3 ms per batch-1 request. Prefill-sized matmuls keep
-    YNNPACK (faster there). Elsewhere: none."""
-    if jax.default_backend() == "cpu":
-        return {"xla_cpu_experimental_ynn_fusion_type": ""}
-    return {}
-
-
-class DecodeJit:
-    """`jax.jit(fn, compiler_options=decode_compiler_options(), **jit_kw)` for a module-level step
-    function: the backend is read at the first call, not at import. Called inside another traced
-    function (XLA options belong to the top-level program) it is a plain `jax.jit`. Other
-    attributes (`lower`, `eval_shape`, ...) are the top-level jitted function's."""
-
-    def __init__(self, fn, **jit_kw):
-        functools.update_wrapper(self, fn)
-        self._fn, self._kw, self._jitted = fn, jit_kw, None
-        self._nested = jax.jit(fn, **jit_kw)
-
-    def _get(self):
-        if self._jitted is None:
-            self._jitted = jax.jit(self._fn, compiler_options=decode_compiler_options(), **self._kw)
-        return self._jitted
-
-    def __call__(self, *args, **kwargs):
-        if any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves((args, kwargs))):
-            return self._nested(*args, **kwargs)
-        return self._get()(*args, **kwargs)
-
-    def __getattr__(self, name):
-        return getattr(self._get(), name)
-
-
-def decode_jit(**jit_kw):
-    """Decorator form of `DecodeJit`: `@decode_jit(static_argnames=..., donate_argnums=...)`."""
-    return lambda fn: DecodeJit(fn, **jit_kw)
-
-
 @dataclasses.dataclass
 class Batch:
     """Host-side arrays of one batch, already padded to its buckets."""
@@ -122,8 +80,7 @@ class Generator:
         self.cfg, self.params, self.dtype, self.impl = cfg, params, dtype, impl
         self.model = get_model(cfg.model_type)
         self._prefill = jax.jit(self._prefill_fn, donate_argnums=(1,))
-        self._decode = jax.jit(self._decode_fn, static_argnames=("steps", "flags"), donate_argnums=(1,),
-                               compiler_options=decode_compiler_options())
+        self._decode = jax.jit(self._decode_fn, static_argnames=("steps", "flags"), donate_argnums=(1,))
         self._forward = jax.jit(self._forward_fn, static_argnames=("logits_at",), donate_argnums=(1,))
 
     # --- traced functions ------------------------------------------------------------------------

@@ -21,7 +21,7 @@ import numpy as np
 
 from cache import put_rows, take_rows
 from hybrid_jax.engine.config import EngineConfig
-from hybrid_jax.generate import bucket, decode_compiler_options
+from hybrid_jax.generate import bucket
 from hybrid_jax.models import get_model
 from hybrid_jax.sampling import SamplerFlags, sample, token_logprobs
 
@@ -65,9 +65,9 @@ class ModelRunner:
         self.cache = self.model.new_cache(cfg, ecfg.max_num_seqs + 1, capacity, dtype)
         self._mixed = jax.jit(self._mixed_fn, static_argnames=("flags", "top_n"), donate_argnames=("cache", "dcache"))
         self._decode = jax.jit(self._decode_fn, static_argnames=("steps", "flags", "top_n"),
-                               donate_argnames=("cache", "dcache"), compiler_options=decode_compiler_options())
+                               donate_argnames=("cache", "dcache"))
         self._verify = jax.jit(self._verify_fn, static_argnames=("flags", "replay"),
-                               donate_argnames=("cache", "dcache"), compiler_options=decode_compiler_options())
+                               donate_argnames=("cache", "dcache"))
         # A draft model (speculative decoding) keeps its own cache rows in step with the target's:
         # every prefill chunk and decode iteration feeds it the same tokens.
         self.dcfg = self.dparams = self.dmodel = self.dcache = None

@@ -41,11 +41,11 @@ W = max(K + 1, max_chunk) tokens one iteration can emit per row.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 
-from hybrid_jax.generate import decode_jit
 from hybrid_jax.models import get_model
 from hybrid_jax.sampling import SamplerFlags
 from hybrid_jax.speculative.dynamic_k import WARM_TAIL, cold_tail, draft_floor, warm_tail_state
@@ -151,7 +151,7 @@ def _append(buf, at, toks, n):
     return jax.vmap(row)(buf, at, toks, n)
 
 
-@decode_jit(static_argnames=("cfg", "impl", "flags", "lc"), donate_argnums=(1,))
+@functools.partial(jax.jit, static_argnames=("cfg", "impl", "flags", "lc"), donate_argnums=(1,))
 def ngram_generate(params, cache, hist, first, rows, tune, stop_ids, seeds, temperature, top_k, top_p, *, cfg,
                    impl, flags: SamplerFlags, lc: LoopConfig):
     """Speculative generation after prefill, entirely on device.

@@ -21,7 +21,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hybrid_jax.generate import decode_jit
 from hybrid_jax.models import empty_cache, get_model
 from hybrid_jax.sampling import SamplerFlags, sample
 from hybrid_jax.speculative.acceptance import processed_logits
@@ -88,7 +87,7 @@ def draft_prefill(params, cache, tokens, n_prompt, *, cfg, impl):
     return _fwd(cfg, impl, params, cache, tokens, n_prompt)[1]
 
 
-@decode_jit(static_argnames=("cfg", "impl", "k", "flags"), donate_argnums=(1,))
+@functools.partial(jax.jit, static_argnames=("cfg", "impl", "k", "flags"), donate_argnums=(1,))
 def draft_tokens(params, cache, catchup, n_catchup, seeds, step, temperature, top_k, top_p, *, cfg, impl, k: int,
                  flags: SamplerFlags):
     """catchup [B, Tc] int32: tokens emitted since the previous call, the pending one last;

@@ -23,7 +23,6 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from hybrid_jax.generate import decode_jit
 from hybrid_jax.models import get_model
 from hybrid_jax.sampling import SamplerFlags, sample
 from hybrid_jax.speculative.acceptance import accept
@@ -63,7 +62,7 @@ def _verify(params, cache, tokens, meta, draft_probs, seeds, temperature, top_k,
     return res + (out[-1],) if defer_kv_write else res
 
 
-@decode_jit(static_argnames=STATIC, donate_argnums=(1,))
+@functools.partial(jax.jit, static_argnames=STATIC, donate_argnums=(1,))
 def verify_select(params, cache, tokens, meta, draft_probs, seeds, temperature, top_k, top_p, *, cfg, impl,
                   flags: SamplerFlags):
     """tokens [B, K+1] int32 = [pending, d_1 .. d_K] (drafts past n_draft[b] are padding);
@@ -78,7 +77,7 @@ def verify_select(params, cache, tokens, meta, draft_probs, seeds, temperature, 
     return n_acc, out_tok, rollback_by_selection(new, states, old_lengths, n_fed, n_keep)
 
 
-@decode_jit(static_argnames=STATIC)
+@functools.partial(jax.jit, static_argnames=STATIC)
 def verify_keep(params, cache, tokens, meta, draft_probs, seeds, temperature, top_k, top_p, *, cfg, impl,
                 flags: SamplerFlags):
     """Same arguments as verify_select; the input cache is not donated (it is the snapshot).
@@ -88,7 +87,7 @@ def verify_keep(params, cache, tokens, meta, draft_probs, seeds, temperature, to
     return n_acc, out_tok, new, n_keep
 
 
-@decode_jit(static_argnames=("cfg", "impl"), donate_argnums=(1,))
+@functools.partial(jax.jit, static_argnames=("cfg", "impl"), donate_argnums=(1,))
 def replay(params, snapshot, tokens, meta, n_keep, verify_version, *, cfg, impl):
     """snapshot: the pre-verify cache; tokens [B, K+1] and meta [3, B] the verify step's inputs;
     n_keep [B]; verify_version [B]. Returns the cache holding exactly the kept tokens."""
@@ -97,7 +96,7 @@ def replay(params, snapshot, tokens, meta, n_keep, verify_version, *, cfg, impl)
     return finish_replay(new, verify_version, n_fed, n_keep)
 
 
-@decode_jit(static_argnames=STATIC + ("steps",), donate_argnums=(1,))
+@functools.partial(jax.jit, static_argnames=STATIC + ("steps",), donate_argnums=(1,))
 def decode_chunk(params, cache, rows, stop_ids, seeds, temperature, top_k, top_p, *, cfg, impl, steps: int,
                  flags: SamplerFlags):
     """Plain decoding on device, up to n_steps (<= the static buffer size `steps`) tokens per row.

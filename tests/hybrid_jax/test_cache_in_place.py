@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from hybrid_jax.config import config_from_hf_dict
-from hybrid_jax.generate import Generator, decode_compiler_options
+from hybrid_jax.generate import Generator
 from hybrid_jax.layers.attention import write_kv
 from hybrid_jax.models import get_model
 from hybrid_jax.sampling import SamplerFlags
@@ -162,7 +162,7 @@ def test_the_check_sees_the_old_stacking_copies():
                     x = jnp.einsum("bhts,bshd->bthd", p, kl)
                 return i + 1, jnp.stack(layers) if stacked else k, x
             return jax.lax.while_loop(lambda s: s[0] < n, step, (0, k, x))
-        return jax.jit(f, donate_argnums=(0,), compiler_options=decode_compiler_options())
+        return jax.jit(f, donate_argnums=(0,))
 
     k, x = jnp.zeros((2, 1, CAPACITY, 2, 8)), jnp.ones((1, 1, 2, 8))
     assert cache_materializations(loop(True).lower(k, x, 4).compile().as_text(), [k]) != []
