@@ -216,20 +216,23 @@ def main():
     cost = tiny_cost
 
     print("\n2. rollback by selection vs snapshot + replay (tiny model, the workloads above at batch "
-          f"{batches[0]}, per rollback mode; both in the host loop, since replay has no on-device loop)")
+          f"{batches[0]}, per rollback mode; both in the host loop, since replay has no on-device loop; best of 7, "
+          "the two alternating; pairs = median of the back-to-back ratios)")
     for name, prompts in wls.items():
-        row = []
+        decs = {}
         for mode in ("selection", "replay"):
-            dec = SpeculativeDecoder(llm.config, llm.params, llm.dtype, {"method": "ngram", "rollback": mode, "device_loop": False,
-                                                                         "num_speculative_tokens": args.k,
-                                                                         "draft_cost": cost})
-            dec.generate(prompts, [sp] * len(prompts))
-            dec.reset_stats()
-            t, got = timed(lambda: [t for t, _ in dec.generate(prompts, [sp] * len(prompts))])
-            row.append((mode, t, dec.stats()))
-        (_, ts, ss), (_, tr, sr) = row
+            decs[mode] = SpeculativeDecoder(llm.config, llm.params, llm.dtype,
+                                            {"method": "ngram", "rollback": mode, "device_loop": False,
+                                             "num_speculative_tokens": args.k, "draft_cost": cost})
+            decs[mode].generate(prompts, [sp] * len(prompts))      # compiles
+            decs[mode].reset_stats()
+        run = {mode: (lambda d=d: [t for t, _ in d.generate(prompts, [sp] * len(prompts))]) for mode, d in decs.items()}
+        R = 7
+        ts, got_s, tr, got_r, pair = timed_pair(run["selection"], run["replay"], repeats=R)
+        sr = decs["replay"].stats()       # R + 1 runs since reset_stats (timed_pair's warm-up included)
         print(f"   {name:<15} selection {ts * 1e3:7.1f} ms   replay {tr * 1e3:7.1f} ms   replay/selection "
-              f"{tr / ts:4.2f}x   replays {sr['replays'] // 4} per run of {sr['verify_steps'] // 4} verify steps")
+              f"{tr / ts:4.2f}x (pairs {1 / pair:4.2f}x)   identical {got_s == got_r}   replays "
+              f"{sr['replays'] // (R + 1)} per run of {sr['verify_steps'] // (R + 1)} verify steps")
     memory(llm, args.k)
 
     print("\n3. snapshot cost as the cache grows (batch 4): a snapshot is a reference to the old pytree")
