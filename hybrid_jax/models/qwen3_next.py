@@ -133,10 +133,11 @@ def write_deferred_kv(cache: ModelCache, pending: dict, positions: jax.Array, va
     layer in one in-place write per array."""
     if not pending:
         return cache
-    kv = cache.groups["full_attention"]
+    (group,) = DEFERRED_GROUPS
+    kv = cache.groups[group]
     kv = kv.replace(k=write_kv(kv.k, pending["k"], positions, valid, slice(None)),
                     v=write_kv(kv.v, pending["v"], positions, valid, slice(None)))
-    return cache.replace(groups={**cache.groups, "full_attention": kv})
+    return cache.replace(groups={**cache.groups, group: kv})
 
 
 def final_norm(cfg: ModelConfig, params: dict, x: jax.Array) -> jax.Array:

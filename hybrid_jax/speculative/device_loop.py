@@ -49,8 +49,7 @@ import jax.numpy as jnp
 from hybrid_jax.models import get_model
 from hybrid_jax.sampling import SamplerFlags
 from hybrid_jax.speculative.dynamic_k import WARM_TAIL, cold_tail, draft_floor, warm_tail_state
-from hybrid_jax.speculative.rollback import rollback_by_selection
-from hybrid_jax.speculative.verify import _fwd, _verify, decode_chunk, decode_from
+from hybrid_jax.speculative.verify import _fwd, decode_chunk, decode_from, select_verified
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,11 +184,9 @@ def ngram_generate(params, cache, hist, first, rows, tune, stop_ids, seeds, temp
         """The verify of Kb drafts and rollback by selection. Returns (n_acc [B], out_tok [B, W],
         the cache after the kept tokens, the KV entries it did not write when defer, else None)."""
         meta = jnp.stack([n_fed, n_draft, generated])
-        res = _verify(params, cache, tokens[:, :Kb + 1], meta, None, seeds, temperature, top_k, top_p, cfg, impl,
-                      flags, True, defer_kv_write=defer)
-        n_acc, out_tok, n_fed, n_keep, new, states = res[:6]
-        new = rollback_by_selection(new, states, cache.lengths, n_fed, n_keep)
-        return n_acc, jnp.pad(out_tok, ((0, 0), (0, W - Kb - 1))), new, (res[6] if defer else None)
+        n_acc, out_tok, new, *pend = select_verified(params, cache, tokens[:, :Kb + 1], meta, None, seeds, temperature,
+                                                     top_k, top_p, cfg, impl, flags, defer_kv_write=defer)
+        return n_acc, jnp.pad(out_tok, ((0, 0), (0, W - Kb - 1))), new, (pend[0] if defer else None)
 
     def verify_branch(Kb):
         def run(cache, tokens, n_draft, n_fed, generated, remaining, n_steps):

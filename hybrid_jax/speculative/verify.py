@@ -62,6 +62,17 @@ def _verify(params, cache, tokens, meta, draft_probs, seeds, temperature, top_k,
     return res + (out[-1],) if defer_kv_write else res
 
 
+def select_verified(params, cache, tokens, meta, draft_probs, seeds, temperature, top_k, top_p, cfg, impl, flags,
+                    defer_kv_write: bool = False):
+    """The verify forward, acceptance and rollback by selection (`verify_select`'s body, also traced
+    inside the device loop). Returns (n_acc, out_tok, the cache holding exactly the kept tokens) and,
+    with defer_kv_write, the KV entries the forward did not write."""
+    res = _verify(params, cache, tokens, meta, draft_probs, seeds, temperature, top_k, top_p, cfg, impl, flags,
+                  True, defer_kv_write=defer_kv_write)
+    n_acc, out_tok, n_fed, n_keep, new, states = res[:6]
+    return (n_acc, out_tok, rollback_by_selection(new, states, cache.lengths, n_fed, n_keep)) + res[6:]
+
+
 @functools.partial(jax.jit, static_argnames=STATIC, donate_argnums=(1,))
 def verify_select(params, cache, tokens, meta, draft_probs, seeds, temperature, top_k, top_p, *, cfg, impl,
                   flags: SamplerFlags):
@@ -71,10 +82,8 @@ def verify_select(params, cache, tokens, meta, draft_probs, seeds, temperature, 
     seeds [B] uint32; temperature, top_p [B] f32; top_k [B] int32.
     Returns (n_accepted [B], tokens [B, K+1] (the first n_accepted + 1 are emitted), cache holding
     exactly the kept tokens)."""
-    old_lengths = cache.lengths
-    n_acc, out_tok, n_fed, n_keep, new, states = _verify(params, cache, tokens, meta, draft_probs, seeds, temperature,
-                                                         top_k, top_p, cfg, impl, flags, True)
-    return n_acc, out_tok, rollback_by_selection(new, states, old_lengths, n_fed, n_keep)
+    return select_verified(params, cache, tokens, meta, draft_probs, seeds, temperature, top_k, top_p, cfg, impl,
+                           flags)
 
 
 @functools.partial(jax.jit, static_argnames=STATIC)
