@@ -4,9 +4,8 @@ Imports point one way: hybrid_jax -> cache -> pallas_kernels. This package knows
 """
 from cache.mla import IndexerKeyGroup, MLALatentGroup, contiguous_page_table, init_mla_groups, write_paged
 from cache.compressed import CompressedKVGroup, OverlapGroup, SlidingWindowGroup, TailGroup, close_tail, init_compressed_groups  # noqa: E501,F401
+from cache.pools import put_rows, take_rows
 from cache.state import (
-    put_rows,
-    take_rows,
     KVGroup,
     ModelCache,
     RecurrentGroup,

@@ -1,7 +1,7 @@
 """Cache groups of compressed attention (DeepSeek-V4): the five objects a compressed layer keeps.
 
-Every group stacks its layers on a leading axis and keeps one row per request on axis 1, so
-`take_rows` / `put_rows` gather and scatter axis 1 (a row flagged in `reset` comes back empty).
+Every group stacks its layers on a leading axis and keeps one row per request on axis 1 (its
+`ROW_FIELDS`; the entry pools are paged, `PAGE_FIELDS`): cache.pools gathers and scatters them.
 
   SlidingWindowGroup   (sliding_window)  kv [L, B, W, D]: the last W raw entries (K = V) of every
                                          layer, a ring indexed by position % W
@@ -28,8 +28,8 @@ transition (a published tail checkpoint superseded by the entry block its window
 `cache.allocator.close_tail`.
 
 Pages are assigned contiguously per row at creation (row b owns pages b*NP .. b*NP + NP - 1); the
-pool is shared, so `take_rows` gathers only the per-row page table and count (a reset row gets
-count 0: its old entries stay in the pool, unread).
+engine's block manager hands them out per request instead. A reset row gets count 0: its old
+entries stay in the pool, unread.
 """
 from __future__ import annotations
 
@@ -45,19 +45,6 @@ ENTRY_PAGE_TOKENS = 64      # tokens a page of compressed entries covers (ps = m
 SLIDING_WINDOW = kernel_abi.V4_WINDOW
 
 
-def _take(a, rows, reset, empty=0):
-    sub = a[:, rows]
-    if reset is None:
-        return sub
-    mask = reset.reshape((1, -1) + (1,) * (sub.ndim - 2))
-    return jnp.where(mask, jnp.asarray(empty, sub.dtype), sub)
-
-
-def _take_count(c, rows, reset):
-    sub = c[rows]
-    return sub if reset is None else jnp.where(reset, 0, sub)
-
-
 @flax.struct.dataclass
 class SlidingWindowGroup:
     """Raw shared K=V entries of the last W positions of every layer (all layer types have one)."""
@@ -66,6 +53,7 @@ class SlidingWindowGroup:
     writer_abi: str = flax.struct.field(pytree_node=False, default=SLIDING_WINDOW.id)
 
     kind = "swa_window"
+    ROW_FIELDS = {"kv": 1}
 
     @property
     def window(self) -> int:
@@ -73,12 +61,6 @@ class SlidingWindowGroup:
 
     def bytes_per_token(self) -> int:
         return 0      # fixed per row: W entries whatever the length
-
-    def take_rows(self, rows, reset=None):
-        return self.replace(kv=_take(self.kv, rows, reset))
-
-    def put_rows(self, rows, sub):
-        return self.replace(kv=self.kv.at[:, rows].set(sub.kv))
 
 
 @flax.struct.dataclass
@@ -91,6 +73,9 @@ class CompressedKVGroup:
     layer_ids: tuple[int, ...] = flax.struct.field(pytree_node=False, default=())
     kind: str = flax.struct.field(pytree_node=False, default="compressed_kv")
     writer_abi: str = flax.struct.field(pytree_node=False, default=COMPRESSOR.id)
+
+    PAGE_FIELDS = {"entries": 1}
+    ROW_FIELDS = {"count": 0}
 
     @property
     def page_size(self) -> int:
@@ -106,14 +91,10 @@ class CompressedKVGroup:
         L, D = self.entries.shape[0], self.entries.shape[-1]
         return L * D * self.entries.dtype.itemsize / self.rate
 
-    def take_rows(self, rows, reset=None):
-        """Shared pool; the per-row page table and count are gathered (count 0 for a reset row)."""
-        return self.replace(page_table=self.page_table[rows], count=_take_count(self.count, rows, reset))
-
-    def put_rows(self, rows, sub):
-        """Back from a step: the sub-group's pool holds every write; per-row fields are scattered."""
-        return sub.replace(page_table=self.page_table.at[rows].set(sub.page_table),
-                           count=self.count.at[rows].set(sub.count))
+    def resume_row(self, row, boundary, ok):
+        """A prefix hit resumes request row `row` [] at `boundary` [] tokens (where ok []): its entries
+        are the stored pages', so its count is boundary // rate."""
+        return self.replace(count=self.count.at[row].set(jnp.where(ok, boundary // self.rate, self.count[row])))
 
 
 @flax.struct.dataclass
@@ -128,6 +109,7 @@ class TailGroup:
     writer_abi: str = flax.struct.field(pytree_node=False, default=COMPRESSOR.id)
 
     kind = "uncompressed_tail"
+    ROW_FIELDS = {"kv": 1, "gate": 1, "count": 0}
 
     @property
     def rate(self) -> int:
@@ -135,14 +117,6 @@ class TailGroup:
 
     def bytes_per_token(self) -> int:
         return 0
-
-    def take_rows(self, rows, reset=None):
-        return self.replace(kv=_take(self.kv, rows, reset), gate=_take(self.gate, rows, reset),
-                            count=_take_count(self.count, rows, reset))
-
-    def put_rows(self, rows, sub):
-        return self.replace(kv=self.kv.at[:, rows].set(sub.kv), gate=self.gate.at[:, rows].set(sub.gate),
-                            count=self.count.at[rows].set(sub.count))
 
 
 @flax.struct.dataclass
@@ -154,15 +128,10 @@ class OverlapGroup:
     writer_abi: str = flax.struct.field(pytree_node=False, default=COMPRESSOR.id)
 
     kind = "csa_overlap"
+    ROW_FIELDS = {"kv": 1, "gate": 1}
 
     def bytes_per_token(self) -> int:
         return 0
-
-    def take_rows(self, rows, reset=None):
-        return self.replace(kv=_take(self.kv, rows, reset), gate=_take(self.gate, rows, reset))
-
-    def put_rows(self, rows, sub):
-        return self.replace(kv=self.kv.at[:, rows].set(sub.kv), gate=self.gate.at[:, rows].set(sub.gate))
 
 
 def close_tail(tail_count: jax.Array, n_new: jax.Array, rate: int):

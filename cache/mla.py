@@ -32,25 +32,22 @@ class MLALatentGroup:
     writer_abi: str = flax.struct.field(pytree_node=False, default=kernel_abi.SPARSE_MLA_LATENT.id)
 
     kind = "mla_latent"
+    PAGE_FIELDS = {"latent": 1, "rope": 1, "page_resident": 0}
+    ROW_FIELDS = {"hit_rate": 0}
+    FILL = {"page_resident": True, "hit_rate": 1.0}      # what a new page / row holds (else 0)
 
     @property
     def page_size(self) -> int:
         return self.latent.shape[2]
 
+    @property
+    def page_tokens(self) -> int:
+        return self.page_size
+
     def bytes_per_token(self) -> int:
         """Bytes one token adds across all layers (latent + RoPE key)."""
         L, _, _, R = self.latent.shape
         return L * (R * self.latent.dtype.itemsize + self.rope.shape[-1] * self.rope.dtype.itemsize)
-
-    def take_rows(self, rows, reset=None):
-        """The engine's view of rows [R]: the pool is shared (pages are reached through the page
-        table), so only the per-row page table and hit rate are gathered."""
-        return self.replace(page_table=self.page_table[rows], hit_rate=self.hit_rate[rows])
-
-    def put_rows(self, rows, sub):
-        """Back from a step: the sub-cache's pool holds every write; per-row fields are scattered."""
-        return sub.replace(page_table=self.page_table.at[rows].set(sub.page_table),
-                           hit_rate=self.hit_rate.at[rows].set(sub.hit_rate))
 
     @property
     def capacity(self) -> int:
@@ -67,22 +64,21 @@ class IndexerKeyGroup:
     writer_abi: str = flax.struct.field(pytree_node=False, default=kernel_abi.INDEXER_KEYS.id)
 
     kind = "indexer_keys"
+    PAGE_FIELDS = {"keys": 1, "scale": 1}
+    FILL = {"scale": 1.0}
 
     @property
     def page_size(self) -> int:
         return self.keys.shape[2]
 
+    @property
+    def page_tokens(self) -> int:
+        return self.page_size
+
     def bytes_per_token(self) -> int:
         """Bytes one token adds across all layers (key, plus its fp8 scale)."""
         L, _, _, D = self.keys.shape
         return L * (D * self.keys.dtype.itemsize + (4 if self.scale is not None else 0))
-
-    def take_rows(self, rows, reset=None):
-        """Shared pool, per-row page table (see MLALatentGroup.take_rows)."""
-        return self.replace(page_table=self.page_table[rows])
-
-    def put_rows(self, rows, sub):
-        return sub.replace(page_table=self.page_table.at[rows].set(sub.page_table))
 
 
 def contiguous_page_table(batch_size: int, capacity: int, page_size: int):

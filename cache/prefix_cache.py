@@ -1,17 +1,24 @@
-"""The prefix cache an engine uses: lookup, five-check validation, copy-in, publish, eviction, stats.
+"""The prefix cache an engine uses: lookup, five-check validation, zero-copy reuse, publish, eviction, stats.
 
-One `PrefixCache` serves one engine cache (a ModelCache of slot rows). It owns, host side, the
-allocator state (segment records, weighted byte cap), the prefix index and the counters; device
-side, the store pools (cache.prefix_store) and two compiled copies (save, load), each compiled
-once: plans are fixed-width, so hits, misses, partial hits and evictions never retrace.
+One `PrefixCache` serves one engine. The stored objects live in the engine's own pools
+(cache.pools); the cache owns, host side, the allocator state (segment records, weighted byte cap),
+the prefix index and the counters, and shares the pools' pages and units with the engine's requests
+through the block manager (cache.block_manager):
+
+  paged groups      a stored block is one page the store holds a reference to: publishing takes a
+                    reference to the request's own page, a hit lists the stored pages in the new
+                    request's block table. No KV, latent, indexer or entry byte is copied.
+  checkpoint groups (fixed-size state) a checkpoint is a unit, an extra row of the group's pool:
+                    publishing copies the request's row into it, a hit copies it back
+                    (cache.prefix_store, two programs compiled once: plans are fixed-width).
 
 Groups and their objects (the model is not known here, only its cache groups):
-  KVGroup         full_kv          blocks of `block_size` tokens
-  MLALatentGroup  compressed_kv    blocks of its page size (an MLA latent has no uncompressed tail)
-  IndexerKeyGroup indexer_keys     blocks of its page size
+  KVGroup         full_kv          a page of `page_size` tokens
+  MLALatentGroup  compressed_kv    a page (an MLA latent has no uncompressed tail)
+  IndexerKeyGroup indexer_keys     a page
   RecurrentGroup  recurrent_state  checkpoints at LCM boundaries (retention: prefix_index)
   DeepSeek-V4 (cache.compressed):
-  CompressedKVGroup  compressed_kv / indexer_keys   blocks of one page of entries (ps * rate tokens)
+  CompressedKVGroup  compressed_kv / indexer_keys   a page of entries (ps * rate tokens)
   SlidingWindowGroup swa_window       the ring, a checkpoint at LCM boundaries
   TailGroup          uncompressed_tail  tail + count, a checkpoint (superseded by `close_tail`)
   OverlapGroup       csa_overlap      CSA's overlap state, a checkpoint
@@ -19,21 +26,22 @@ A boundary is usable only where every group has its object there (blocks up to i
 it), live and resident on the device (or restorable from the disk tier when there is one).
 
 A request's life with the cache:
-  reuse(cache, row, tokens)   lookup -> checks 1-4 (validation.check_hit) -> check 5 on the host
-                              (confirm_at_use) -> retain -> device copy with the slot versions
+  reuse(cache, row, rid, tokens)  lookup -> checks 1-4 (validation.check_hit) -> check 5 on the host
+                              (confirm_at_use) -> retain -> the hit's pages into the request's block
+                              tables, its checkpoints copied into its row with the unit versions
                               re-checked inside the compiled load -> release. Returns the boundary
-                              the row now holds (0: compute from scratch).
+                              the request now holds (0: compute from scratch).
   publish_boundaries(n)       where a prompt of n tokens should stop its prefill chunks so its
                               state can be published (the retained checkpoints).
-  publish(cache, row, tokens, b)  the row holds exactly tokens[:b]: store the blocks not yet
-                              stored and the checkpoints at b; checkpoints of the chain the
-                              retention policy no longer keeps are retired, and a tail checkpoint
-                              whose window closed into a now stored entry block leaves by the
-                              named `close_tail` event (recorded in `events`).
+  publish(cache, row, rid, tokens, b)  the request holds exactly tokens[:b]: the store takes a
+                              reference to each of its pages not yet stored and copies its row into
+                              checkpoints at b; checkpoints of the chain the retention policy no
+                              longer keeps are retired, and a tail checkpoint whose window closed
+                              into a now stored entry block leaves by the named `close_tail` event.
 
-Copy-in keeps the engine's row layout (each running request owns a contiguous row) at the cost of
-one device copy of the reused blocks; it is a memory-bound copy, far cheaper than the prefill it
-replaces.
+Eviction: under the store's weighted cap (LRU by kind, a chain's tail first), and on demand when the
+engine's block manager runs out of pages or units (`reclaim`): the store lets go of what only it
+holds. A page a running request also lists stays in the pool until that request ends.
 """
 from __future__ import annotations
 
@@ -48,11 +56,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from cache import allocator as A
+from cache.block_manager import BlockManager
 from cache.compressed import CompressedKVGroup, OverlapGroup, SlidingWindowGroup, TailGroup
 from cache.mla import IndexerKeyGroup, MLALatentGroup
+from cache.pools import is_paged, page_nbytes, row_nbytes
 from cache.prefix_index import IndexEntry, KeyContext, PrefixIndex, block_geometry, chain_keys, checkpoint_boundaries, key_at
 from cache.prefix_disk import DiskConfig, DiskSpans
-from cache.prefix_store import StorePool, group_block_size, init_pool, load_row, max_blocks_per_row, save_row
+from cache.prefix_store import init_versions, load_checkpoints, save_checkpoints
 from cache.segments import SERVABLE_STATES, Kind, SegState
 from cache.state import KVGroup, ModelCache, RecurrentGroup
 from cache.validation import CacheStats, GroupSpec, HitResult, check_hit, confirm_at_use
@@ -86,9 +96,9 @@ class TailClose:
 
 @dataclasses.dataclass(frozen=True)
 class PrefixCacheConfig:
-    """cap_bytes: weighted device bytes the store may hold; block_size: tokens per full-KV block and
-    grid of recurrent checkpoints (paged groups use their page size); checkpoint_interval: keep a
-    recurrent checkpoint every `interval x LCM` tokens, plus the last; fingerprint: the weights'."""
+    """cap_bytes: weighted device bytes the store may hold; block_size: the grid of checkpoint groups
+    (paged groups use their page size); checkpoint_interval: keep a recurrent checkpoint every
+    `interval x LCM` tokens, plus the last; fingerprint: the weights'."""
     cap_bytes: int
     fingerprint: str
     dtype: str
@@ -103,18 +113,20 @@ class PrefixCacheConfig:
 
 
 class PrefixCache:
-    def __init__(self, cache: ModelCache, config: PrefixCacheConfig, disk: DiskConfig | None = None):
+    def __init__(self, cache: ModelCache, config: PrefixCacheConfig, blocks: BlockManager,
+                 disk: DiskConfig | None = None):
+        """cache: the engine's pools (for their shapes); blocks: the engine's block manager, whose
+        reclaimer this cache becomes."""
         self.config = config
         groups = dict(sorted(cache.groups.items()))    # a fixed order: span keys hash the groups in it
         unknown = [n for n, g in groups.items() if type(g) not in KIND_OF]
         if unknown:
             raise ValueError(f"prefix caching has no object kind for cache groups {unknown}")
-        bs = {n: group_block_size(g, config.block_size) for n, g in groups.items()}
-        block_sizes = {n: (b or config.block_size) for n, b in bs.items()}
+        block_sizes = {n: (g.page_tokens if is_paged(g) else config.block_size) for n, g in groups.items()}
         self.geometry = block_geometry(block_sizes)
         # tail=False: an MLA latent has no tail; a V4 compressed group keeps its tail in its own group
         self.specs = tuple(GroupSpec(name=n, kind=kind_of(g), block_size=block_sizes[n], tail=False,
-                                     checkpoint=bs[n] == 0 and kind_of(g) is Kind.SWA_WINDOW,
+                                     checkpoint=not is_paged(g) and kind_of(g) is Kind.SWA_WINDOW,
                                      closes_into=getattr(g, "closes_into", None) or None,
                                      ctx=KeyContext(config.fingerprint, config.dtype, g.writer_abi, config.sharding))
                            for n, g in groups.items())
@@ -122,50 +134,34 @@ class PrefixCache:
         if missing:
             raise ValueError(f"prefix caching: tails close into cache groups {missing} that the cache does not have")
         self._kind = {s.name: s.kind for s in self.specs}
-        self._width = {n: max_blocks_per_row(g, config.block_size) for n, g in groups.items()}
-        self.store = self._init_store(cache)
+        self._paged = {n: is_paged(g) for n, g in groups.items()}
+        self._nbytes = {n: page_nbytes(g) if is_paged(g) else row_nbytes(g) for n, g in groups.items()}
+        self._width = {n: (g.page_table.shape[1] if is_paged(g) else 1) for n, g in groups.items()}
+        self._ckpt_groups = tuple(n for n in groups if not self._paged[n])
+        self.blocks = blocks
+        blocks.reclaimer = self
+        self.versions = init_versions(cache, self._ckpt_groups)           # device versions of the units
+        self._unit_version = {n: np.zeros(v.shape, np.int64) for n, v in self.versions.items()}   # host mirror
         self.alloc = A.init_state(A.AllocConfig(cap_bytes=config.cap_bytes))
         self.index = PrefixIndex()
         self.stats = CacheStats()
-        self._slots: dict[int, tuple[str, list[int]]] = {}              # seg id -> (group, slots by block)
-        self._free = {n: list(range(p.num_slots - 1, -1, -1)) for n, p in self.store.items()}
-        self._slot_version = {n: np.zeros((p.num_slots,), np.int64) for n, p in self.store.items()}
+        self._units: dict[int, tuple[str, int]] = {}                    # seg id -> (group, page or unit)
         self._noted: set[str] = set()
-        self._save = jax.jit(save_row, donate_argnames=("store",))
-        self._load = jax.jit(load_row, donate_argnames=("cache",))
+        self._save = jax.jit(save_checkpoints, donate_argnames=("pools", "versions"))
+        self._load = jax.jit(load_checkpoints, donate_argnames=("pools",))
         self.between_check_and_use: Callable[[], None] | None = None    # test hook (a concurrent writer)
         self.lookup_seconds: list[float] = []     # host time of each reuse's lookup + validation
         self._key_memo: dict = {}
-        self.evictions = 0                        # segments freed under cap or pool pressure
+        self.evictions = 0                        # segments freed under the store's cap
+        self.reclaimed = 0                        # segments let go when a pool ran short (pages, units)
         self.offloads = 0                         # segments moved from the device to the disk tier
         self.retired_checkpoints = 0              # checkpoints the retention policy let go
         self.refused_publishes = 0                # publishes that did not fit under the cap
         self.tail_closes = 0                      # tail checkpoints superseded by the `close_tail` event
         self.events: collections.deque[TailClose] = collections.deque(maxlen=1024)   # the latest close_tail events
-        self.disk = DiskSpans(self, disk) if disk is not None else None
+        self.disk = DiskSpans(self, cache, disk) if disk is not None else None
 
     # --- set-up ------------------------------------------------------------------------------------
-    def _init_store(self, cache: ModelCache) -> dict[str, StorePool]:
-        """Pools sized by shares of the cap: each group's share follows the bytes it stores per cached
-        token (a recurrent group: one checkpoint per interval x LCM tokens, doubled for the "last"
-        ones), and every pool can hold at least one full row (a recurrent pool: 4 checkpoints)."""
-        cfg, geo = self.config, self.geometry
-        probes = {n: init_pool(g, 1, cfg.block_size) for n, g in cache.groups.items()}
-        per_tok = {}
-        for n, p in probes.items():
-            if p.block_size:
-                per_tok[n] = p.slot_nbytes() / p.block_size
-            else:
-                per_tok[n] = 2 * p.slot_nbytes() / (cfg.checkpoint_interval * geo.lcm)
-        total = sum(per_tok.values()) or 1.0
-        store = {}
-        for n, g in cache.groups.items():
-            slot = probes[n].slot_nbytes()
-            want = int(cfg.cap_bytes * per_tok[n] / total // max(slot, 1))
-            floor = 4 if not probes[n].block_size else max_blocks_per_row(g, cfg.block_size)
-            store[n] = init_pool(g, max(want, floor), cfg.block_size)
-        return store
-
     def publish_boundaries(self, num_tokens: int) -> tuple[int, ...]:
         """Boundaries at which a prompt of `num_tokens` publishes its prefix (ascending): the retained
         checkpoints (every interval x LCM, plus the last LCM boundary). A prompt whose length is a
@@ -186,10 +182,10 @@ class PrefixCache:
         servable = SERVABLE_STATES if self.disk is not None else frozenset({SegState.DEVICE})
         return check_hit(tokens, self.specs, self.index, self.alloc, servable=servable)
 
-    def reuse(self, cache: ModelCache, row: int, tokens: Sequence[int], request_id: str | None = None
-              ) -> tuple[ModelCache, int]:
-        """Loads the longest validated cached prefix of `tokens` into cache row `row`.
-        Returns (cache, boundary): the row now holds tokens[:boundary] (0 = nothing reused)."""
+    def reuse(self, cache: ModelCache, row: int, request_id: str, tokens: Sequence[int]) -> tuple[ModelCache, int]:
+        """Gives request `request_id` (row `row`, empty block tables) the longest validated cached
+        prefix of `tokens`: the stored pages go into its block tables, the checkpoints into its row.
+        Returns (cache, boundary): the request now holds tokens[:boundary] (0 = nothing reused)."""
         t0 = time.perf_counter()
         if len(tokens) <= self.geometry.lcm:
             self._note_once("short", f"prompts of at most {self.geometry.lcm} tokens cannot reuse a prefix: every"
@@ -197,34 +193,40 @@ class PrefixCache:
                                      f" block sizes {dict(self.geometry.sizes)}) and one token must be left to compute")
         hit = self.lookup(tokens)
         if self.disk is not None:
-            hit = self._with_disk(hit, tokens, request_id)
+            cache, hit = self._with_disk(cache, hit, tokens, request_id)
         if self.between_check_and_use is not None:
             self.between_check_and_use()
         hit = confirm_at_use(hit, self.alloc)
         self.lookup_seconds.append(time.perf_counter() - t0)
         if not hit.ok:
             return cache, self._miss(hit)
-        plan, held = self._load_plan(hit)
+        pages, plan, held = self._load_plan(hit)
         self.alloc = A.retain_many(self.alloc, held)
         try:
-            cache, ok = self._load(cache, self.store, jnp.int32(row), plan, jnp.int32(hit.boundary))
+            for name, ids in pages.items():
+                self.blocks.share(request_id, name, ids)
+            cache, ok = self._load(cache, self.versions, jnp.int32(row), plan, jnp.int32(hit.boundary))
             ok = bool(ok)
         finally:
             self.alloc = A.release_many(self.alloc, held)
-        if not ok:   # a slot changed between the host's check and the device's read
+        if not ok:   # a unit changed between the host's check and the device's read
+            self.blocks.unshare(request_id)
             return cache, self._miss(HitResult(ok=False, reason="version", hashed=hit.hashed,
-                                               detail="a store slot's version changed before the load read it"))
+                                               detail="a checkpoint unit's version changed before the load read it"))
         self.alloc = A.touch_many(self.alloc, reversed(held))   # first blocks touched last: evicted last
         self.stats = self.stats.record(hit)
         return cache, hit.boundary
 
-    def _with_disk(self, hit: HitResult, tokens: Sequence[int], request_id: str | None) -> HitResult:
+    def _with_disk(self, cache: ModelCache, hit: HitResult, tokens: Sequence[int], request_id: str | None
+                   ) -> tuple[ModelCache, HitResult]:
         """Restores from the disk tier what lies beyond the device's part of the hit (prefetched when
         the request arrived, per the prefetch policy), then checks again. A hit may only be read
         from the device: segments a failed restore left on disk are dropped and the check re-run."""
         on_device = hit.ok and all(self.alloc.get(i).state is SegState.DEVICE for ids in hit.segments.values()
                                    for i in ids)
-        if self.disk.restore(tokens, hit.boundary if on_device else 0, request_id):
+        keep = frozenset(i for ids in hit.segments.values() for i in ids) if on_device else frozenset()
+        cache, restored = self.disk.restore(cache, tokens, hit.boundary if on_device else 0, request_id, keep)
+        if restored:
             hit = self.lookup(tokens)
         stale = [i for ids in hit.segments.values() for i in ids if self.alloc.get(i).state is not SegState.DEVICE]
         if hit.ok and stale:
@@ -233,7 +235,7 @@ class PrefixCache:
                 self.alloc = A.evict(self.alloc, sid)
                 self._reclaim(before)
             hit = self.lookup(tokens)
-        return hit
+        return cache, hit
 
     def prefetch(self, request_id: str, tokens: Sequence[int]):
         """On a request's arrival: starts loading its longest prefix found in the disk tier."""
@@ -247,72 +249,70 @@ class PrefixCache:
         return 0
 
     def _load_plan(self, hit: HitResult):
-        """Fixed-width (src slot, dst block, expected version) arrays per group for a validated hit."""
-        plan, held = {}, []
+        """For a validated hit: the pages per paged group in block order (those ending at or before
+        the boundary), the fixed-width load plan of the checkpoint groups ({group: (unit or -1,
+        expected version)}) and the segment ids the load holds."""
+        pages: dict[str, list[int]] = {}
+        plan = {n: (jnp.int32(-1), jnp.int32(0)) for n in self._ckpt_groups}
+        held = []
         for spec in self.specs:
-            W = self._width[spec.name]
-            src = np.full((W,), -1, np.int32)
-            dst = np.zeros((W,), np.int32)
-            exp = np.zeros((W,), np.int32)
+            blocks = []
             for sid in hit.segments[spec.name]:
                 held.append(sid)
                 seg = self.alloc.get(sid)
-                group, slots = self._slots[sid]
+                group, unit = self._units[sid]
                 if spec.is_checkpoint:
-                    src[0], dst[0] = slots[0], 0
-                    exp[0] = self._slot_version[group][slots[0]]
-                    continue
-                first = seg.start // spec.block_size
-                for j, slot in enumerate(slots):
-                    i = first + j
-                    if (i + 1) * spec.block_size <= hit.boundary:
-                        src[i], dst[i], exp[i] = slot, i, self._slot_version[group][slot]
-            plan[spec.name] = (jnp.asarray(src), jnp.asarray(dst), jnp.asarray(exp))
-        return plan, held
+                    plan[spec.name] = (jnp.int32(unit), jnp.int32(self._unit_version[group][unit]))
+                elif seg.end <= hit.boundary:
+                    blocks.append((seg.start, unit))
+            if not spec.is_checkpoint:
+                pages[spec.name] = [u for _, u in sorted(blocks)]
+        return pages, plan, held
 
     # --- publish -----------------------------------------------------------------------------------
-    def publish(self, cache: ModelCache, row: int, tokens: Sequence[int], boundary: int):
-        """Stores what row `row` holds of tokens[:boundary] (its state is exactly at `boundary`, a
-        multiple of the LCM) that the store does not hold yet. Admission refusals skip the group's
-        objects (counted by the allocator's cap, never an error)."""
+    def publish(self, cache: ModelCache, row: int, request_id: str, tokens: Sequence[int], boundary: int
+                ) -> ModelCache:
+        """Stores what request `request_id` (row `row`) holds of tokens[:boundary] (its state is exactly
+        at `boundary`, a multiple of the LCM) that the store does not hold yet: a reference to each of
+        its pages, a copy of its row into a checkpoint unit. Admission refusals skip the publish
+        (counted, never an error). Returns the cache (its checkpoint units written)."""
         geo = self.geometry
         if boundary <= 0 or boundary % geo.lcm:
             raise ValueError(f"publish boundary {boundary} is not a positive multiple of the LCM {geo.lcm}")
         tokens = list(tokens[:boundary])
-        plan, new = {}, []       # new: (spec, seg id, [(block end, key)])
+        plan, new = {}, []       # new: (spec, seg id, end, key)
         for spec in self.specs:
             keys = self._keys(tokens, spec)
-            W = self._width[spec.name]
-            src = np.full((W,), -1, np.int32)
-            dst = np.full((W,), -1, np.int32)
-            plan[spec.name] = (src, dst)
             if spec.is_checkpoint:
+                plan[spec.name] = jnp.int32(-1)
                 ends = [] if self._live(spec, keys, boundary) else [boundary]
             else:
                 ends = [b for b in range(spec.block_size, boundary + 1, spec.block_size)
                         if not self._live(spec, keys, b)]
             for b in ends:            # one segment per block: eviction takes blocks, not whole prompts
-                sid = self._allocate(spec, b)
+                sid = self._allocate(spec, b, request_id)
                 if sid is None:       # all or nothing: a chain missing a block or its checkpoint is dead weight
                     self._abort([n[1] for n in new])
                     self.refused_publishes += 1
-                    return
-                i = 0 if spec.is_checkpoint else b // spec.block_size - 1   # row block
-                src[i], dst[i] = i, self._slots[sid][1][0]
+                    return cache
+                if spec.is_checkpoint:
+                    plan[spec.name] = jnp.int32(self._units[sid][1])
                 new.append((spec, sid, b, key_at(keys, geo.gcd, b)))
         if not new:
-            return
-        self.store = self._save(cache, self.store, jnp.int32(row),
-                                {n: (jnp.asarray(s), jnp.asarray(d)) for n, (s, d) in plan.items()})
+            return cache
+        if any(int(u) >= 0 for u in plan.values()):
+            cache, self.versions = self._save(cache, self.versions, jnp.int32(row), plan)
+            for name, u in plan.items():
+                if int(u) >= 0:
+                    self._unit_version[name][int(u)] += 1
         for spec, sid, b, key in new:
-            group, slots = self._slots[sid]
-            self._slot_version[group][slots] += 1
             self.alloc = A.commit(self.alloc, sid)
             self._index_insert(IndexEntry(spec.name, spec.kind, key, b, sid))
         self._touch_chain(tokens, boundary)
         self._drop_superseded_checkpoints(tokens, boundary)
         if self.disk is not None:
-            self.disk.write(tokens, boundary)
+            self.disk.write(cache, tokens, boundary)
+        return cache
 
     def _index_insert(self, entry: IndexEntry):
         """Points the index at a new device segment; a copy it replaces (left on disk) is dropped."""
@@ -351,77 +351,130 @@ class PrefixCache:
         e = self.index.find(spec.name, spec.kind, key_at(keys, self.geometry.gcd, b))
         return e is not None and self.alloc.state_of(e.seg_id) in (SegState.DEVICE, SegState.WRITING)
 
-    def _allocate(self, spec: GroupSpec, end: int, protect: frozenset[int] = frozenset()) -> int | None:
-        """A WRITING segment, with its store slot, for the block ending at `end` (or a checkpoint)."""
-        nbytes = self.store[spec.name].slot_nbytes()
+    def _allocate(self, spec: GroupSpec, end: int, request_id: str | None = None,
+                  protect: frozenset[int] = frozenset()) -> int | None:
+        """A WRITING segment for the block ending at `end` (or a checkpoint there), with its unit: the
+        request's own page holding that block (one more reference), a fresh checkpoint unit, or
+        (request_id None: a restore) a fresh page."""
+        nbytes = self._nbytes[spec.name]
         if not self._make_room(spec.name, spec.kind, nbytes, protect):
             self._note_once(f"refused:{spec.name}", f"a prefix was not stored: group {spec.name!r} cannot make room"
                                                     f" for {nbytes} bytes under the cap of {self.config.cap_bytes}"
                                                     f" (held and in-flight segments are never evicted)")
             return None
+        if request_id is not None and not spec.is_checkpoint:
+            unit = self.blocks.table(request_id, spec.name)[end // spec.block_size - 1]
+            self.blocks.retain(spec.name, unit)
+        else:
+            unit = self._take_unit(spec.name, protect)
+            if unit is None:
+                self._note_once(f"full:{spec.name}", f"a prefix was not stored: group {spec.name!r} has no free"
+                                                     f" {'page' if self._paged[spec.name] else 'checkpoint unit'}")
+                return None
         start = 0 if spec.is_checkpoint else end - spec.block_size
         self.alloc, sid = A.allocate(self.alloc, spec.kind, spec.name, nbytes, start=start, end=end,
                                      writer_abi=spec.ctx.abi_id)
-        self._slots[sid] = (spec.name, [self._free[spec.name].pop()])
+        self._units[sid] = (spec.name, unit)
         return sid
 
-    def _make_room(self, group: str, kind: Kind, nbytes: int, protect: frozenset[int] = frozenset()) -> bool:
-        """Frees a slot of `group` and room under the weighted cap for `nbytes` more, taking victims in
-        eviction order (a victim of this group when a slot is missing). A victim whose bytes a lower
-        tier holds moves there (device -> host -> disk) and keeps its index entries; others are freed."""
-        cap, w = self.alloc.config.cap_bytes, self.alloc.config.weights[kind]
-        while not self._free[group] or self.alloc.device_weighted_bytes + w * nbytes > cap:
-            need_slot = not self._free[group]
+    def _take_unit(self, group: str, protect: frozenset[int]) -> int | None:
+        """A free page or checkpoint unit of `group`, evicting the group's least recently used
+        store-only segment (not in `protect`) when none is free."""
+        unit = self.blocks.alloc_unit(group) if self.blocks.free_units(group) else None
+        while unit is None:
             victim = next((v for v in A.eviction_order(self.alloc)
-                           if v.id not in protect and (not need_slot or v.group == group)), None)
+                           if v.group == group and v.id not in protect and self._sole(v.id)), None)
+            if victim is None:
+                return None
+            self._drop_from_device(victim.id, reclaimed=True)
+            unit = self.blocks.alloc_unit(group) if self.blocks.free_units(group) else None
+        return unit
+
+    def _sole(self, sid: int) -> bool:
+        """Whether only the store references the segment's unit (dropping it frees the unit)."""
+        group, unit = self._units[sid]
+        return self.blocks.refcount(group, unit) == 1
+
+    def _make_room(self, group: str, kind: Kind, nbytes: int, protect: frozenset[int] = frozenset()) -> bool:
+        """Room under the weighted cap for `nbytes` more, taking victims in eviction order. A victim
+        whose bytes a lower tier holds moves there (device -> host -> disk) and keeps its index
+        entries; others are freed."""
+        cap, w = self.alloc.config.cap_bytes, self.alloc.config.weights[kind]
+        while self.alloc.device_weighted_bytes + w * nbytes > cap:
+            victim = next((v for v in A.eviction_order(self.alloc) if v.id not in protect), None)
             if victim is None:
                 return False
             self._drop_from_device(victim.id)
         return True
 
-    def _drop_from_device(self, sid: int):
+    # --- the block manager's reclaimer -------------------------------------------------------------
+    def reclaimable(self, group: str) -> int:
+        """Units of `group` only the store holds and could let go of now."""
+        return sum(1 for v in A.eviction_order(self.alloc) if v.group == group and self._sole(v.id))
+
+    def reclaim(self, group: str, n: int) -> int:
+        """Lets go of up to n units of `group` only the store holds, least recently used first (a
+        chain's tail before its head). Returns how many units were freed."""
+        freed = 0
+        while freed < n:
+            victim = next((v for v in A.eviction_order(self.alloc) if v.group == group and self._sole(v.id)), None)
+            if victim is None:
+                break
+            self._drop_from_device(victim.id, reclaimed=True)
+            freed += 1
+        return freed
+
+    def _drop_from_device(self, sid: int, reclaimed: bool = False):
+        """The segment leaves the device: offloaded when a disk span holds its bytes, else freed.
+        reclaimed: for the engine's pools (counted apart from evictions under the cap)."""
         before = self.alloc
         if self.disk is not None and self.disk.durable(sid):
             self.alloc = A.transition(self.alloc, sid, SegState.HOST)
             self.alloc = A.transition(self.alloc, sid, SegState.DISK)
-            group, slots = self._slots.pop(sid)
-            self._free[group].extend(slots)
+            self._release_unit(sid)
             self.offloads += 1
             return
         self.alloc = A.evict(self.alloc, sid)
-        self._reclaim(before)
+        self._reclaim(before, reclaimed=reclaimed)
+
+    def _release_unit(self, sid: int):
+        group, unit = self._units.pop(sid)
+        self.blocks.release(group, unit)
 
     def restore_segment(self, sid: int, protect: frozenset[int]) -> bool:
-        """A DISK (or HOST) segment back to the device: room and a slot, then disk -> host -> device.
-        The caller uploads its bytes into the returned slot (self._slots[sid])."""
+        """A DISK (or HOST) segment back to the device: room and a fresh unit, then disk -> host ->
+        device. The caller uploads its bytes into the returned unit (self._units[sid])."""
         seg = self.alloc.get(sid)
         if not self._make_room(seg.group, seg.kind, seg.nbytes, protect | {sid}):
+            return False
+        unit = self._take_unit(seg.group, protect | {sid})
+        if unit is None:
             return False
         if seg.state is SegState.DISK:
             self.alloc = A.transition(self.alloc, sid, SegState.HOST)
         self.alloc = A.transition(self.alloc, sid, SegState.DEVICE)
-        self._slots[sid] = (seg.group, [self._free[seg.group].pop()])
+        self._units[sid] = (seg.group, unit)
         return True
 
     def _abort(self, sids: list[int]):
-        """Frees segments allocated (WRITING) by a publish that cannot complete, with their slots."""
+        """Frees segments allocated (WRITING) by a publish that cannot complete, with their units."""
         for sid in sids:
             self.alloc = A.transition(self.alloc, sid, SegState.FREE)
-            group, slots = self._slots.pop(sid)
-            self._free[group].extend(slots)
+            self._release_unit(sid)
 
-    def _reclaim(self, before: A.AllocState, retired: bool = False):
-        """Returns the slots of segments freed since `before` and drops their index entries.
+    def _reclaim(self, before: A.AllocState, retired: bool = False, reclaimed: bool = False):
+        """Releases the units of segments freed since `before` and drops their index entries.
         retired: freed by the retention policy (counted apart from evictions under pressure)."""
         gone = A.evicted_ids(before, self.alloc)
         if retired:
             self.retired_checkpoints += len(gone)
+        elif reclaimed:
+            self.reclaimed += len(gone)
         else:
             self.evictions += len(gone)
         for sid in gone:
-            group, slots = self._slots.pop(sid, (None, []))
-            if group is not None:
-                self._free[group].extend(slots)
+            if sid in self._units:
+                self._release_unit(sid)
         if gone:
             self.index = self.index.prune(self.alloc.segments)
 
@@ -463,6 +516,18 @@ class PrefixCache:
         seg = None if e is None else self.alloc.segments.get(e.seg_id)
         return seg if seg is not None and seg.state is SegState.DEVICE and seg.start <= b < seg.end else None
 
+    def close(self):
+        """Lets go of every page and unit the store holds (the engine drops this store); written-behind
+        disk spans are waited for. Pages running requests also list stay theirs."""
+        if self.disk is not None:
+            self.disk.flush()
+        for sid in list(self._units):
+            self._release_unit(sid)
+        self.alloc = A.init_state(self.alloc.config)
+        self.index = PrefixIndex()
+        if self.blocks.reclaimer is self:
+            self.blocks.reclaimer = None
+
     # --- figures -----------------------------------------------------------------------------------
     def cache_stats(self) -> dict:
         s = self.stats.with_bytes(self.alloc)
@@ -474,7 +539,8 @@ class PrefixCache:
             "misses_by_group": {f"{g}:{r}": n for (g, r), n in s.misses_by_group.items()},
             "bytes_by_kind": {k.value: v for k, v in s.bytes_by_kind.items()},
             "bytes_by_group": dict(s.bytes_by_group),
-            "segments": len(self.alloc.segments), "evictions": self.evictions, "offloads": self.offloads,
+            "segments": len(self.alloc.segments), "evictions": self.evictions,
+            "reclaimed": self.reclaimed, "offloads": self.offloads,
             "retired_checkpoints": self.retired_checkpoints, "refused_publishes": self.refused_publishes,
             "tail_closes": self.tail_closes,
             "cap_bytes": self.config.cap_bytes,
@@ -486,13 +552,12 @@ class PrefixCache:
         return self._save._cache_size() + self._load._cache_size() + (self.disk.num_compiled() if self.disk else 0)
 
     def warmup(self, cache: ModelCache, row: int) -> ModelCache:
-        """Compiles the save and load programs. Every plan entry is padding, so nothing is stored or
-        loaded; `row` (the engine's null slot) gets length 0 and a new version."""
-        save_plan = {n: (jnp.full((w,), -1, jnp.int32), jnp.full((w,), -1, jnp.int32)) for n, w in self._width.items()}
-        self.store = self._save(cache, self.store, jnp.int32(row), save_plan)
-        load_plan = {n: (jnp.full((w,), -1, jnp.int32), jnp.zeros((w,), jnp.int32), jnp.zeros((w,), jnp.int32))
-                     for n, w in self._width.items()}
-        cache, _ = self._load(cache, self.store, jnp.int32(row), load_plan, jnp.int32(0))
+        """Compiles the checkpoint save and load programs. Every plan entry is padding, so nothing is
+        stored or loaded; `row` (the engine's null row) keeps its content."""
+        save_plan = {n: jnp.int32(-1) for n in self._ckpt_groups}
+        cache, self.versions = self._save(cache, self.versions, jnp.int32(row), save_plan)
+        load_plan = {n: (jnp.int32(-1), jnp.int32(0)) for n in self._ckpt_groups}
+        cache, _ = self._load(cache, self.versions, jnp.int32(row), load_plan, jnp.int32(0))
         if self.disk is not None:
-            self.disk.warmup()
+            cache = self.disk.warmup(cache)
         return cache

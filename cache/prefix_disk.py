@@ -12,7 +12,7 @@ tier's checksums; a bad span is a miss with its reason and is recomputed, never 
 
 Residency moves through the allocator's transition table: a device segment evicted while a durable
 span holds its bytes goes device -> host -> disk (keeping its index entries); a restore goes
-disk -> host -> device into a fresh store slot. A new process pointed at the same directory finds
+disk -> host -> device into a fresh page or checkpoint unit of the engine's pools. A new process pointed at the same directory finds
 spans by key alone, so every valid span is reused across restarts.
 """
 from __future__ import annotations
@@ -29,7 +29,8 @@ import numpy as np
 from cache import allocator as A
 from cache.disk_tier import DiskTier
 from cache.prefix_index import IndexEntry, key_at
-from cache.prefix_store import read_slots, write_slots
+from cache.prefix_store import read_units, stored_fields, write_units
+from cache.state import ModelCache
 from cache.segments import SegState
 from cache.tier_entry import EntryMeta, make_key
 
@@ -57,8 +58,12 @@ class DiskConfig:
 
 
 class DiskSpans:
-    def __init__(self, pc: "PrefixCache", config: DiskConfig):
+    def __init__(self, pc: "PrefixCache", cache: ModelCache, config: DiskConfig):
+        """cache: the engine's pools (for the shapes of what a span holds)."""
         self.pc, self.config = pc, config
+        # group -> field -> (unit axis, shape, dtype) of the pool arrays a stored object is made of
+        self._layout = {n: {f: (ax, getattr(g, f).shape, getattr(g, f).dtype) for f, ax in stored_fields(g).items()}
+                        for n, g in cache.groups.items()}
         self.tier = DiskTier(config.directory, config.cap_bytes, fingerprint=pc.config.fingerprint)
         self.span = pc.config.checkpoint_interval * pc.geometry.lcm
         self._writer = cf.ThreadPoolExecutor(1, thread_name_prefix="prefix-disk-writer")
@@ -68,8 +73,8 @@ class DiskSpans:
         self.reasons: collections.Counter[str] = collections.Counter()
         self.spans_restored = 0
         self.tokens_restored = 0
-        self._read = jax.jit(read_slots)
-        self._write = jax.jit(write_slots, donate_argnames=("store",))
+        self._read = jax.jit(read_units)
+        self._write = jax.jit(write_units, donate_argnames=("pools", "versions"))
 
     # --- geometry ----------------------------------------------------------------------------------
     def start(self, b: int) -> int:
@@ -91,17 +96,17 @@ class DiskSpans:
         return make_key("prefix-span", *(key_at(keys[n], gcd, b) for n in sorted(keys)))
 
     def expect(self, b: int) -> EntryMeta:
-        """The exact meta of the span ending at b: array '<group>-<field>' is [L, blocks, bs, ...] for a
-        block group, [L, ...] (the checkpoint at b) for a checkpoint group."""
+        """The exact meta of the span ending at b: array '<group>-<field>' is the pool field with its
+        unit axis holding the span's blocks (a block group: [L, blocks, ps, ...]) or without it (a
+        checkpoint group: the checkpoint at b, e.g. [L, ...], a tail's count [])."""
         s = self.start(b)
         abi, dtypes, shapes = {}, {}, {}
         for spec in self.pc.specs:
-            pool = self.pc.store[spec.name]
-            for f, a in pool.arrays.items():
+            for f, (ax, shape, dtype) in self._layout[spec.name].items():
                 n = f"{spec.name}-{f}"
-                lead = ((b - s) // pool.block_size,) if pool.block_size else ()
-                shapes[n] = (a.shape[0],) + lead + a.shape[2:]
-                dtypes[n], abi[n] = a.dtype.name, spec.ctx.abi_id
+                lead = () if spec.is_checkpoint else ((b - s) // spec.block_size,)
+                shapes[n] = tuple(shape[:ax]) + lead + tuple(shape[ax + 1:])
+                dtypes[n], abi[n] = np.dtype(dtype).name, spec.ctx.abi_id
         return EntryMeta(fingerprint=self.pc.config.fingerprint, abi=abi, dtypes=dtypes, shapes=shapes, start=s, end=b)
 
     def _objects(self, spec, b: int) -> list[int]:
@@ -111,9 +116,10 @@ class DiskSpans:
         return list(range(self.start(b) + spec.block_size, b + 1, spec.block_size))
 
     # --- write behind ------------------------------------------------------------------------------
-    def write(self, tokens: Sequence[int], b: int):
-        """After a publish at b: copies the span ending at b to the host and writes it on a background
-        thread. Skipped when the span is already on disk or a block of it is not on the device."""
+    def write(self, cache: ModelCache, tokens: Sequence[int], b: int):
+        """After a publish at b: copies the span ending at b from the pools to the host and writes it
+        on a background thread. Skipped when the span is already on disk or a block of it is not on
+        the device."""
         keys = self._group_keys(tokens)
         k = self.key(keys, b)
         if k in self._written or k in self.tier:
@@ -126,19 +132,19 @@ class DiskSpans:
                 seg = None if ent is None else self.pc.alloc.segments.get(ent.seg_id)
                 if seg is None or seg.state is not SegState.DEVICE:
                     return
-                slots.append(self.pc._slots[seg.id][1][0])
+                slots.append(self.pc._units[seg.id][1])
                 sids.append(seg.id)
             W = self.pc._width[spec.name]
             p = np.full((W,), -1, np.int32)
             p[:len(slots)] = slots
             plan[spec.name], cols[spec.name] = jnp.asarray(p), len(slots)
-        data = jax.device_get(self._read(self.pc.store, plan))
+        data = jax.device_get(self._read(cache, plan))
         arrays = {}
         for spec in self.pc.specs:
-            block = self.pc.store[spec.name].block_size
             for f, a in data[spec.name].items():
-                a = a[:, :cols[spec.name]]
-                arrays[f"{spec.name}-{f}"] = np.ascontiguousarray(a if block else a[:, 0])
+                ax = self._layout[spec.name][f][0]
+                a = np.take(a, np.arange(cols[spec.name]), axis=ax)
+                arrays[f"{spec.name}-{f}"] = np.array(np.take(a, 0, axis=ax) if spec.is_checkpoint else a)   # ndim 0 kept
         self._written[k] = self._writer.submit(self.tier.put, k, arrays, self.expect(b))
         for sid in sids:
             self._seg_spans[sid].add(k)
@@ -176,15 +182,18 @@ class DiskSpans:
         if chain:
             self._prefetched[request_id] = [(e, k, self.tier.prefetch(k, self.expect(e))) for e, k in chain]
 
-    def restore(self, tokens: Sequence[int], on_device: int, request_id: str | None) -> bool:
-        """Installs on the device the spans beyond `on_device` tokens of the longest chain on disk.
-        Returns whether anything was installed."""
+    def restore(self, cache: ModelCache, tokens: Sequence[int], on_device: int, request_id: str | None,
+                keep: frozenset[int] = frozenset()) -> tuple[ModelCache, bool]:
+        """Installs in the pools the spans beyond `on_device` tokens of the longest chain on disk.
+        keep: segments the hit needs that are already on the device; neither they nor the segments
+        of spans installed earlier in this restore are evicted to make room for later spans.
+        Returns (cache, whether anything was installed)."""
         handles = self._prefetched.pop(request_id, None) if request_id is not None else None
         policy = self.config.policy
         if handles is None:
             keys, chain = self.find(tokens, on_device)
             if not chain:
-                return False
+                return cache, False
             handles = [(e, k, self.tier.prefetch(k, self.expect(e))) for e, k in chain]
             policy = "wait"            # nothing was prefetched: the read is on the critical path anyway
         keys = self._group_keys(tokens)
@@ -198,23 +207,27 @@ class DiskSpans:
                 self.pc._note_once(f"disk:{reason}", f"a span on disk was not used ({reason}); its tokens are"
                                                      f" recomputed")
                 break
-            if not self._install(keys, e, arrays):
+            cache, ok, held = self._install(cache, keys, e, arrays, keep)
+            if not ok:
                 break
+            keep = keep | held
             installed = True
             self.spans_restored += 1
             self.tokens_restored += e - self.start(e)
-        return installed
+        return cache, installed
 
-    def _install(self, keys: dict, b: int, arrays: dict[str, np.ndarray]) -> bool:
-        """Puts one span's objects into store slots: objects already on the device are kept, ones the
-        allocator knows on disk are restored (disk -> host -> device), others are allocated."""
+    def _install(self, cache: ModelCache, keys: dict, b: int, arrays: dict[str, np.ndarray],
+                 keep: frozenset[int] = frozenset()) -> tuple[ModelCache, bool, frozenset[int]]:
+        """Puts one span's objects into fresh pages / checkpoint units: objects already on the device
+        are kept, ones the allocator knows on disk are restored (disk -> host -> device), others are
+        allocated; nothing in `keep` is evicted for room. Returns (cache, ok, the span's segments)."""
         pc, gcd = self.pc, self.pc.geometry.gcd
         plan, data, new, held = {}, {}, [], set()
         for spec in pc.specs:
             W = pc._width[spec.name]
             slots = np.full((W,), -1, np.int32)
-            pool = pc.store[spec.name]
-            cols = {f: np.zeros((a.shape[0], W) + a.shape[2:], a.dtype) for f, a in pool.arrays.items()}
+            layout = self._layout[spec.name]
+            cols = {f: np.zeros(shape[:ax] + (W,) + shape[ax + 1:], dtype) for f, (ax, shape, dtype) in layout.items()}
             for j, e in enumerate(self._objects(spec, b)):
                 key = key_at(keys[spec.name], gcd, e)
                 ent = pc.index.find(spec.name, spec.kind, key)
@@ -222,27 +235,28 @@ class DiskSpans:
                 if seg is not None and seg.state is SegState.DEVICE:
                     continue
                 if seg is not None and seg.state in (SegState.DISK, SegState.HOST) and seg.ref_count == 0:
-                    if not pc.restore_segment(seg.id, frozenset(held)):
-                        return self._undo(new, held)
+                    if not pc.restore_segment(seg.id, keep | held):
+                        return cache, self._undo(new, held), frozenset()
                     sid = seg.id
                 else:
-                    sid = pc._allocate(spec, e, frozenset(held))
+                    sid = pc._allocate(spec, e, protect=keep | held)
                     if sid is None:
-                        return self._undo(new, held)
+                        return cache, self._undo(new, held), frozenset()
                     new.append((spec, sid, e, key))
                 held.add(sid)
                 pc.alloc = A.retain(pc.alloc, sid) if pc.alloc.get(sid).state is SegState.DEVICE else pc.alloc
-                slots[j] = pc._slots[sid][1][0]
-                for f in cols:
+                slots[j] = pc._units[sid][1]
+                for f, (ax, _, _) in layout.items():
                     src = arrays[f"{spec.name}-{f}"]
-                    cols[f][:, j] = src[:, j] if pool.block_size else src
+                    dst = cols[f].swapaxes(0, ax)           # unit axis first (a view)
+                    dst[j] = src if spec.is_checkpoint else np.take(src, j, axis=ax)
                 self._seg_spans[sid].add(self.key(keys, b))
             plan[spec.name], data[spec.name] = jnp.asarray(slots), cols
-        pc.store = self._write(pc.store, plan, data)
-        for spec in pc.specs:
-            for slot in np.asarray(plan[spec.name]):
-                if slot >= 0:
-                    pc._slot_version[spec.name][slot] += 1
+        cache, pc.versions = self._write(cache, pc.versions, plan, data)
+        for name, v in pc._unit_version.items():
+            for unit in np.asarray(plan[name]):
+                if unit >= 0:
+                    v[unit] += 1
         for sid in held:
             if pc.alloc.get(sid).ref_count:
                 pc.alloc = A.release(pc.alloc, sid)
@@ -254,11 +268,11 @@ class DiskSpans:
             f = cf.Future()
             f.set_result(True)
             self._written[k] = f
-        return True
+        return cache, True, frozenset(held)
 
     def _undo(self, new, held) -> bool:
-        """A span that cannot be installed: new segments are aborted, restored ones (their slots hold
-        nothing yet) freed."""
+        """A span that cannot be installed: new segments are aborted, restored ones (their units hold
+        nothing yet) freed. Returns False."""
         pc = self.pc
         fresh = {sid for _, sid, _, _ in new}
         for sid in held:
@@ -283,17 +297,18 @@ class DiskSpans:
                 "evictions": st["evictions"], "prefetch_hidden_s": st["prefetch_hidden_s"],
                 "prefetch_wait_s": st["prefetch_wait_s"]}
 
-    def warmup(self):
-        """Compiles the slot read and write (all padding: nothing moves), and reads one stored span
-        if there is any, so the first disk hit does not pay Orbax's start-up."""
+    def warmup(self, cache: ModelCache) -> ModelCache:
+        """Compiles the unit read and write (all padding: nothing moves), and reads one stored span if
+        there is any, so the first disk hit does not pay Orbax's start-up."""
         for k in self.tier.keys()[:1]:
             self.tier.get(k)
         pc = self.pc
         plan = {n: jnp.full((w,), -1, jnp.int32) for n, w in pc._width.items()}
-        jax.block_until_ready(self._read(pc.store, plan))
-        data = {n: {f: jnp.zeros((a.shape[0], pc._width[n]) + a.shape[2:], a.dtype) for f, a in pool.arrays.items()}
-                for n, pool in pc.store.items()}
-        pc.store = self._write(pc.store, plan, data)
+        jax.block_until_ready(self._read(cache, plan))
+        data = {n: {f: jnp.zeros(shape[:ax] + (pc._width[n],) + shape[ax + 1:], dtype)
+                    for f, (ax, shape, dtype) in self._layout[n].items()} for n in pc._width}
+        cache, pc.versions = self._write(cache, pc.versions, plan, data)
+        return cache
 
     def num_compiled(self) -> int:
         return self._read._cache_size() + self._write._cache_size()

@@ -7,8 +7,14 @@ layers it holds) live in the treedef, not in arrays, so they cost nothing at run
 mismatch changes the compiled step rather than being read silently.
 
   RecurrentGroup  (linear_attention)  conv  [L, B, W-1, C]     ssm [L, B, HV, K, V] fp32
-  KVGroup         (full_attention)    k, v  [L, B, S, Hkv, D]
+  KVGroup         (full_attention)    k, v  [L, P, ps, Hkv, D] pages, page_table [B, NP]
   ModelCache      groups by layer type, lengths [B] (tokens written per row), version [B]
+
+Per-position objects (full KV here, the MLA latent and indexer keys in cache/mla.py, DeepSeek-V4's
+compressed entries in cache/compressed.py) live in pools of fixed-size pages addressed through a
+per-row page table: token p of row b is at page page_table[b, p // ps], slot p % ps. Every reader
+and writer goes through the table, so whoever owns the pages (a contiguous table per row here, the
+engine's block manager later) can hand out any page without touching a kernel.
 """
 from __future__ import annotations
 
@@ -19,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from cache.mla import contiguous_page_table
 from pallas_kernels import abi as kernel_abi
 
 
@@ -31,21 +38,39 @@ class RecurrentGroup:
     writer_abi: str = flax.struct.field(pytree_node=False, default=kernel_abi.GATED_DELTA_RULE.id)
 
     kind = "recurrent_state"
+    ROW_FIELDS = {"conv": 1, "ssm": 1}       # field -> its row (slot) axis
 
 
 @flax.struct.dataclass
 class KVGroup:
-    """Full-attention keys and values of every full-attention layer, S slots per row."""
-    k: jax.Array               # [L, B, S, Hkv, D]
-    v: jax.Array               # [L, B, S, Hkv, D]
+    """Full-attention keys and values of every full-attention layer, in pages of ps tokens."""
+    k: jax.Array               # [L, P, ps, Hkv, D]
+    v: jax.Array               # [L, P, ps, Hkv, D]
+    page_table: jax.Array      # [B, NP] int32: row b's token p is at page page_table[b, p // ps]
     layer_ids: tuple[int, ...] = flax.struct.field(pytree_node=False, default=())
     writer_abi: str = flax.struct.field(pytree_node=False, default=kernel_abi.PAGED_ATTENTION.id)
 
     kind = "full_kv"
+    PAGE_FIELDS = {"k": 1, "v": 1}           # field -> its page axis
+
+    @property
+    def page_tokens(self) -> int:
+        """Tokens one page covers (the prefix cache's block size for this group)."""
+        return self.page_size
+
+    @property
+    def page_size(self) -> int:
+        return self.k.shape[2]
 
     @property
     def capacity(self) -> int:
-        return self.k.shape[2]
+        """Tokens a row's page table can address."""
+        return self.page_table.shape[1] * self.page_size
+
+    def bytes_per_token(self) -> int:
+        """Bytes one token adds across all layers (K and V)."""
+        L, _, _, H, D = self.k.shape
+        return 2 * L * H * D * self.k.dtype.itemsize
 
 
 @flax.struct.dataclass
@@ -64,12 +89,17 @@ class ModelCache:
         return self.groups[layer_type].layer_ids.index(layer_id)
 
 
+DEFAULT_KV_PAGE_SIZE = 64     # tokens per full-KV page (the prefix cache's full-KV block)
+
+
 def init_cache(*, batch_size: int, capacity: int, layer_types: tuple[str, ...], dtype,
                conv_dim: int = 0, conv_width: int = 0, linear_heads: tuple[int, int, int] = (0, 0, 0),
-               kv_heads: int = 0, head_dim: int = 0) -> ModelCache:
+               kv_heads: int = 0, head_dim: int = 0, page_size: int = DEFAULT_KV_PAGE_SIZE) -> ModelCache:
     """Empty cache for `batch_size` rows of up to `capacity` tokens.
 
     linear_heads = (HV, K, V) of the recurrent state. Only groups whose layer type occurs are made.
+    Full KV comes in pages of min(page_size, capacity) tokens, ceil(capacity / ps) of them per row,
+    assigned contiguously (row b owns pages b*NP .. b*NP + NP - 1).
     """
     groups: dict[str, Any] = {}
     lin = tuple(i for i, t in enumerate(layer_types) if t == "linear_attention")
@@ -81,8 +111,11 @@ def init_cache(*, batch_size: int, capacity: int, layer_types: tuple[str, ...], 
             ssm=jnp.zeros((len(lin), batch_size, hv, kd, vd), jnp.float32),
             layer_ids=lin)
     if full:
-        shape = (len(full), batch_size, capacity, kv_heads, head_dim)
-        groups["full_attention"] = KVGroup(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), layer_ids=full)
+        ps = min(page_size, capacity)
+        table = contiguous_page_table(batch_size, capacity, ps)
+        shape = (len(full), table.size, ps, kv_heads, head_dim)
+        groups["full_attention"] = KVGroup(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), page_table=table,
+                                           layer_ids=full)
     return ModelCache(groups=groups, lengths=jnp.zeros((batch_size,), jnp.int32),
                       version=jnp.zeros((batch_size,), jnp.int32))
 
@@ -139,45 +172,3 @@ def bytes_per_token(cache: ModelCache, new_cache=None) -> dict[str, float]:
         else:
             res[name] = 0.0
     return res
-
-
-def _rows_of(group):
-    """(field name, array) pairs of a group that carry a batch axis at position 1."""
-    return [(f, getattr(group, f)) for f in ("conv", "ssm", "k", "v") if hasattr(group, f)]
-
-
-def take_rows(cache: ModelCache, rows: jax.Array, reset: jax.Array | None = None) -> ModelCache:
-    """The sub-cache of `rows` [R] (slot ids, repeats allowed). Rows flagged in `reset` [R] come
-    back empty (length 0, zero recurrent state), which is how a slot is handed to a new request
-    inside the compiled step. Groups that manage their own rows (paged pools) implement
-    `take_rows(rows, reset)` themselves."""
-    groups = {}
-    for name, g in cache.groups.items():
-        if hasattr(g, "take_rows"):
-            groups[name] = g.take_rows(rows, reset)
-            continue
-        upd = {}
-        for f, a in _rows_of(g):
-            sub = a[:, rows]
-            if reset is not None and isinstance(g, RecurrentGroup):
-                mask = reset.reshape((1, -1) + (1,) * (sub.ndim - 2))
-                sub = jnp.where(mask, jnp.zeros_like(sub), sub)
-            upd[f] = sub
-        groups[name] = g.replace(**upd)
-    lengths = cache.lengths[rows]
-    if reset is not None:
-        lengths = jnp.where(reset, 0, lengths)
-    return ModelCache(groups=groups, lengths=lengths, version=cache.version[rows] + 1)
-
-
-def put_rows(cache: ModelCache, rows: jax.Array, sub: ModelCache) -> ModelCache:
-    """Writes the sub-cache of `rows` back into the full cache (inverse of take_rows)."""
-    groups = {}
-    for name, g in cache.groups.items():
-        sg = sub.groups[name]
-        if hasattr(g, "put_rows"):
-            groups[name] = g.put_rows(rows, sg)
-            continue
-        groups[name] = g.replace(**{f: a.at[:, rows].set(getattr(sg, f)) for f, a in _rows_of(g)})
-    return ModelCache(groups=groups, lengths=cache.lengths.at[rows].set(sub.lengths),
-                      version=cache.version.at[rows].set(sub.version))

@@ -87,3 +87,21 @@ def hf_model(path):
     from transformers import AutoModelForCausalLM  # noqa: PLC0415
     torch.set_num_threads(2)
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True).eval()
+
+
+def zero_stored_objects(engine):
+    """Zeroes, in the engine's pools, every page and checkpoint unit its prefix store holds (versions
+    untouched): a negative control showing that a hit really reads what was stored."""
+    import jax.numpy as jnp  # noqa: PLC0415
+    from cache.prefix_store import stored_fields  # noqa: PLC0415
+    units: dict[str, list[int]] = {}
+    for g, u in engine.prefix._units.values():
+        units.setdefault(g, []).append(u)
+    cache = engine.runner.cache
+    groups = dict(cache.groups)
+    for g, ids in units.items():
+        grp = groups[g]
+        upd = {f: getattr(grp, f).at[(slice(None),) * ax + (jnp.asarray(ids),)].set(0)
+               for f, ax in stored_fields(grp).items()}
+        groups[g] = grp.replace(**upd)
+    engine.runner.cache = cache.replace(groups=groups)

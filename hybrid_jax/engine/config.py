@@ -24,7 +24,7 @@ class EngineConfig:
     compilation_cache_dir: str | None = dataclasses.field(default_factory=default_compilation_cache_dir)
     warmup: str = "minimal"             # "none" | "minimal" (decode buckets) | "all" (every bucket)
     enable_prefix_caching: bool = False  # reuse validated cached prefixes across requests
-    prefix_block_size: int = 64          # tokens per full-KV block / recurrent checkpoint grid
+    prefix_block_size: int = 64          # tokens per full-KV page (a prefix-cache block) / checkpoint grid
     prefix_checkpoint_interval: int = 8  # keep a recurrent checkpoint every interval x LCM tokens (+ the last)
     prefix_cache_bytes: int | None = None  # store cap (None: as much as the running slots hold)
     kv_cache_dir: str | None = None      # on-disk prefix tier (needs enable_prefix_caching)

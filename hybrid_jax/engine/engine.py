@@ -2,18 +2,21 @@
 
 `step()` asks the scheduler for a plan, runs it as one compiled call (a mixed prefill/decode step,
 or `decode_steps` decode iterations when nothing is prefilling), then does the host-side work:
-append tokens, detokenize, check stop strings, finish and free slots, record metrics.
+append tokens, detokenize, check stop strings, finish and free rows and pages, record metrics.
+
+Memory: the runner's pools (cache.pools) and one block manager (cache.block_manager) that hands out
+their rows, pages and checkpoint units to the requests and to the prefix cache, which shares its
+stored pages with the requests that hit them.
 """
 from __future__ import annotations
 
-import dataclasses
 import time
 from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
 
-from cache import accounting
+from cache.block_manager import BlockManager
 from cache.prefix_cache import PrefixCache, PrefixCacheConfig
 from cache.prefix_disk import DiskConfig
 from hybrid_jax.engine.config import EngineConfig
@@ -27,14 +30,6 @@ from hybrid_jax.errors import InputError
 from hybrid_jax.sampling import SamplingParams
 
 
-def _cache_bytes_per_token_and_seq(runner) -> tuple[float, float]:
-    """Bytes a token adds to a row (full KV, compressed and indexer entries, latents) and bytes a row
-    holds whatever its length (recurrent state, sliding windows, tails, overlap states), measured off
-    the model's own cache pytrees by cache.accounting, so every group type counts."""
-    acc = accounting.measure(lambda b, c: runner.model.new_cache(runner.cfg, b, c, runner.dtype))
-    return acc.per_token, acc.fixed
-
-
 class LLMEngine:
     def __init__(self, llm, config: EngineConfig | None = None):
         self.llm = llm
@@ -44,16 +39,11 @@ class LLMEngine:
                              f"{llm.max_model_len}")
         enable_persistent_compilation_cache(self.config.compilation_cache_dir)
         self.runner = ModelRunner(llm.config, llm.params, llm.dtype, self.config, impl=llm.generator.impl)
-        per_tok, per_seq = _cache_bytes_per_token_and_seq(self.runner)
-        cap = self.config.kv_cache_bytes
-        if cap is None:
-            cap = int(self.config.max_num_seqs * (per_seq + per_tok * self.config.max_model_len))
+        self.blocks = BlockManager(self.runner.geometry(), num_rows=self.config.max_num_seqs)
+        self.runner.blocks = self.blocks
         self.prefix: PrefixCache | None = None
         if self.config.enable_prefix_caching:
-            self.prefix = PrefixCache(self.runner.cache, PrefixCacheConfig(
-                cap_bytes=self.config.prefix_cache_bytes or cap, fingerprint=llm.fingerprint(),
-                dtype=jnp.dtype(llm.dtype).name, block_size=self.config.prefix_block_size,
-                checkpoint_interval=self.config.prefix_checkpoint_interval), disk=self._disk_config())
+            self.prefix = self._new_prefix_cache(self.config.prefix_cache_bytes or self.runner.budget_bytes)
         self._stops: dict[str, tuple[int, ...]] = {}
         self.spec = None
         if self.config.speculative_config:
@@ -61,13 +51,15 @@ class LLMEngine:
             if self.spec.draft is not None:
                 dcfg, dparams, ddtype = self.spec.draft
                 self.runner.set_draft(dcfg, dparams, ddtype, extra=self.spec.spec.num_speculative_tokens + 1)
-        self._pending: list[tuple[int, list[int], int]] = []   # (slot, prompt ids, boundary) to publish
+        self._pending: list[tuple[int, str, list[int], int]] = []   # (row, request, prompt ids, boundary)
+        k_max = self.spec.spec.num_speculative_tokens + 1 if self.spec is not None else 1
         self.scheduler = Scheduler(max_num_seqs=self.config.max_num_seqs,
                                    max_num_batched_tokens=self.config.max_num_batched_tokens,
-                                   bytes_per_token=per_tok, bytes_per_seq=per_seq, byte_cap=cap,
+                                   blocks=self.blocks, lookahead=max(self.config.decode_steps, k_max),
                                    chunk_cap=self.runner.chunk_cap,
                                    on_admit=self._reuse_prefix if self.prefix else None,
-                                   next_stop=self._next_publish if self.prefix else None)
+                                   next_stop=self._next_publish if self.prefix else None,
+                                   on_release=self._before_release if self.prefix else None)
         self.metrics = EngineMetrics()
         self.requests: dict[str, Request] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
@@ -127,6 +119,13 @@ class LLMEngine:
         return self.runner.num_compiled() + (self.prefix.num_compiled() if self.prefix else 0)
 
     # --- prefix cache ------------------------------------------------------------------------------
+    def _new_prefix_cache(self, cap_bytes: int) -> PrefixCache:
+        llm, c = self.llm, self.config
+        return PrefixCache(self.runner.cache, PrefixCacheConfig(
+            cap_bytes=cap_bytes, fingerprint=llm.fingerprint(), dtype=jnp.dtype(llm.dtype).name,
+            block_size=c.prefix_block_size, checkpoint_interval=c.prefix_checkpoint_interval),
+            self.blocks, disk=self._disk_config())
+
     def _disk_config(self) -> DiskConfig | None:
         c = self.config
         if c.kv_cache_dir is None:
@@ -145,7 +144,7 @@ class LLMEngine:
 
     def _reuse_prefix(self, q: Request) -> int:
         """Scheduler hook on admission: fill the new slot from the prefix cache when a hit validates."""
-        self.runner.cache, n = self.prefix.reuse(self.runner.cache, q.slot, q.all_ids, q.request_id)
+        self.runner.cache, n = self.prefix.reuse(self.runner.cache, q.slot, q.request_id, q.all_ids)
         q.num_cached_tokens = n
         st = self.prefix.stats
         self.metrics.prefix_hit_rate.set(st.hit_rate)
@@ -160,27 +159,29 @@ class LLMEngine:
         for p in rows:
             q = p.request
             if q.slot is not None and q.num_computed in self._publish_points(q):
-                self._pending.append((q.slot, q.prompt_ids, q.num_computed))
+                self._pending.append((q.slot, q.request_id, q.prompt_ids, q.num_computed))
 
     def flush_publishes(self):
         """Runs the publishes queued by the last step. Callers do it once the step's tokens are out
-        (the async loop, generate()); the next step does it anyway before touching any row."""
-        for slot, ids, boundary in self._pending:
-            self.prefix.publish(self.runner.cache, slot, ids, boundary)
-        self._pending.clear()
+        (the async loop, generate()); the next step does it anyway before touching any row, and a
+        request does it before giving its row and pages back."""
+        pending, self._pending = self._pending, []
+        for row, rid, ids, boundary in pending:
+            self.runner.cache = self.prefix.publish(self.runner.cache, row, rid, ids, boundary)
+
+    def _before_release(self, q: Request):
+        if any(rid == q.request_id for _, rid, _, _ in self._pending):
+            self.flush_publishes()
 
     def reset_prefix_cache(self, prefix_cache_bytes: int | None = None):
         """Drops every cached prefix and the counters (optionally with a new store cap); running
         requests keep their rows. The store's programs compile again on next use."""
         if self.prefix is None:
             raise InputError("prefix caching is off: EngineConfig(enable_prefix_caching=True)")
-        self._pending.clear()
-        cfg = self.prefix.config
-        if prefix_cache_bytes is not None:
-            cfg = dataclasses.replace(cfg, cap_bytes=prefix_cache_bytes)
-        if self.prefix.disk is not None:
-            self.prefix.disk.flush()
-        self.prefix = PrefixCache(self.runner.cache, cfg, disk=self._disk_config())
+        self.flush_publishes()
+        cap = self.prefix.config.cap_bytes if prefix_cache_bytes is None else prefix_cache_bytes
+        self.prefix.close()
+        self.prefix = self._new_prefix_cache(cap)
 
     def cache_stats(self) -> dict:
         """Prefix-cache figures (hit rate, validation pass rate, effective reuse, misses by reason,
@@ -201,6 +202,7 @@ class LLMEngine:
         self.metrics.running.set(len(self.scheduler.running))
         if not plan.rows:
             return []
+        self._copy_on_write(plan)
         t0 = time.perf_counter()
         if plan.is_decode_only:
             reqs = [p.request for p in plan.rows]
@@ -241,6 +243,21 @@ class LLMEngine:
         self.metrics.running.set(len(self.scheduler.running))
         self.metrics.note_tokens(sum(len(o.new_token_ids) for o in outs))
         return outs
+
+    def _copy_on_write(self, plan):
+        """Pages the step will write that a request shares (a prefix whose last page it continues)
+        become private copies first; the step then writes only pages nobody else reads."""
+        copies: dict[str, list[tuple[int, int]]] = {}
+        for p in plan.rows:
+            q = p.request
+            end = q.num_computed + (self.scheduler.lookahead if plan.is_decode_only else p.num_tokens)
+            got = self.blocks.writable(q.request_id, q.num_computed, end)
+            if got is None:
+                raise RuntimeError(f"request {q.request_id!r}: no free page for a copy-on-write")
+            for g, pairs in got.items():
+                copies.setdefault(g, []).extend(pairs)
+        if copies:
+            self.runner.copy_on_write(copies)
 
     def _verify(self, reqs, drafts):
         """One speculative verify step: every row emits its accepted drafts plus one token."""

@@ -1,14 +1,18 @@
-"""Jit-compiled engine steps over bucketed static shapes, with the cache donated to each call.
+"""Jit-compiled engine steps over bucketed static shapes, with the cache pools donated to each call.
 
-The engine's cache holds `max_num_seqs + 1` rows (slots); the last is a null slot that padding rows
-of a batch bucket point at. A step gathers its rows from the cache, runs the model, samples on
-device, and scatters the rows back:
+The engine's cache is one pytree of pools (cache.pools): paged groups hold pages every request
+shares through block tables, slot groups one row per request (`max_num_seqs` rows, then a null row
+that padding rows of a batch bucket point at, then the prefix cache's checkpoint units). The block
+manager (cache.block_manager, owned by the engine) decides which pages and row each request holds;
+a step receives the rows, their block tables and their lengths from the host, gathers the view its
+forward reads (`take_view`), runs the model, samples on device and scatters the rows back:
 
   mixed step   [Bb, T] tokens: prefill chunks and decodes together, one sample per row at most
   decode step  [Bb] last tokens: `decode_steps` iterations in a `lax.while_loop`, with stop token
                ids and max-token limits checked on device
+  verify step  [Bb, K+1] tokens: speculative drafts checked in one forward, rejected ones rolled back
 
-Bb is a power of two up to the slot count, T one of a few token buckets up to the token budget, so
+Bb is a power of two up to the row count, T one of a few token buckets up to the token budget, so
 the set of programs is finite and `warmup` can compile all of them before the first request.
 """
 from __future__ import annotations
@@ -20,7 +24,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from cache import put_rows, take_rows
+from cache.block_manager import BlockManager, GroupGeometry
+from cache.pools import (build_pools, is_paged, page_nbytes, page_tokens, pool_geometry, put_view, row_nbytes,
+                         size_pools, take_view)
+from cache.prefix_store import copy_pages
 from hybrid_jax.engine.config import EngineConfig
+from hybrid_jax.errors import InputError
 from hybrid_jax.generate import bucket
 from hybrid_jax.models import get_model
 from hybrid_jax.sampling import SamplerFlags, sample, token_logprobs
@@ -43,34 +52,65 @@ def enable_persistent_compilation_cache(path: str | None):
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
-@dataclasses.dataclass
-class RowArrays:
-    """Per-row host arrays of one step, padded to the batch bucket."""
-    rows: np.ndarray          # [Bb] slot ids
-    seeds: np.ndarray         # [Bb] uint32
-    steps: np.ndarray         # [Bb] int32, tokens generated so far (RNG stream position)
-    temperature: np.ndarray   # [Bb] f32
-    top_k: np.ndarray         # [Bb] int32
-    top_p: np.ndarray         # [Bb] f32
+def default_budget(abstract, max_num_seqs: int, max_model_len: int) -> int:
+    """Bytes the old row layout took: every request row preallocated at max_model_len, plus the null
+    row. With pages, the same bytes serve as many requests as their actual lengths allow."""
+    rows = max_num_seqs + 1
+    row_bytes = sum(row_nbytes(g) for g in abstract.groups.values())
+    pages = sum(-(-max_model_len // page_tokens(g)) * page_nbytes(g) for g in abstract.groups.values() if is_paged(g))
+    return rows * row_bytes + max_num_seqs * pages
 
 
 class ModelRunner:
     def __init__(self, cfg, params, dtype, ecfg: EngineConfig, impl: str = "auto"):
         self.cfg, self.params, self.ecfg, self.impl, self.dtype = cfg, params, ecfg, impl, dtype
         self.model = get_model(cfg.model_type)
-        self.null_slot = ecfg.max_num_seqs
-        capacity = ecfg.max_model_len
-        if ecfg.enable_prefix_caching:       # whole blocks per row, so a row's KV splits into blocks
-            capacity = -(-capacity // ecfg.prefix_block_size) * ecfg.prefix_block_size
-        self.cache = self.model.new_cache(cfg, ecfg.max_num_seqs + 1, capacity, dtype)
+        self.null_slot = ecfg.max_num_seqs            # the null row: padding rows of a bucket point at it
+        rows = ecfg.max_num_seqs + 1
+        abstract = jax.eval_shape(lambda: self.model.new_cache(cfg, 1, ecfg.max_model_len, dtype,
+                                                               page_size=ecfg.prefix_block_size))
+        self.layout = abstract
+        budget = ecfg.kv_cache_bytes or default_budget(abstract, ecfg.max_num_seqs, ecfg.max_model_len)
+        prefix_cap = (ecfg.prefix_cache_bytes or budget) if ecfg.enable_prefix_caching else 0
+        try:
+            self.pages, self.units = size_pools(
+                abstract, rows=rows, budget_bytes=budget, min_tokens=ecfg.max_model_len, prefix_cap_bytes=prefix_cap,
+                checkpoint_every=ecfg.prefix_checkpoint_interval * ecfg.prefix_block_size)
+        except ValueError as e:
+            raise InputError(f"kv_cache_bytes: {e}") from None
+        self.budget_bytes = budget
+        self.cache = build_pools(abstract, rows, self.pages, self.units)
+        # block-table width of each paged group: pages a request of max_model_len tokens lists
+        self.widths = {n: g.page_table.shape[1] for n, g in abstract.groups.items() if is_paged(g)}
+        self.blocks: BlockManager | None = None        # set by the engine (it owns the block manager)
         self._mixed = jax.jit(self._mixed_fn, static_argnames=("flags", "top_n"), donate_argnames=("cache", "dcache"))
         self._decode = jax.jit(self._decode_fn, static_argnames=("steps", "flags", "top_n"),
                                donate_argnames=("cache", "dcache"))
         self._verify = jax.jit(self._verify_fn, static_argnames=("flags", "replay"),
                                donate_argnames=("cache", "dcache"))
+        self._copy_pages = jax.jit(copy_pages, donate_argnames=("pools",))
         # A draft model (speculative decoding) keeps its own cache rows in step with the target's:
         # every prefill chunk and decode iteration feeds it the same tokens.
         self.dcfg = self.dparams = self.dmodel = self.dcache = None
+
+    def geometry(self) -> list[GroupGeometry]:
+        """What the block manager hands out: every paged group's pages, every slot group's checkpoint
+        units (rows after the request rows and the null row)."""
+        return pool_geometry(self.cache, self.ecfg.max_num_seqs + 1)
+
+    def copy_on_write(self, copies: dict[str, list[tuple[int, int]]]):
+        """Copies the pages a request is about to write but shares (`BlockManager.writable`): (source,
+        copy) pairs per paged group, in compiled copies of fixed width (the row count)."""
+        W = self.ecfg.max_num_seqs
+        most = max((len(v) for v in copies.values()), default=0)
+        for start in range(0, most, W):
+            plan = {}
+            for n in self.widths:
+                src, dst = np.full((W,), -1, np.int32), np.full((W,), -1, np.int32)
+                for i, (a, b) in enumerate(copies.get(n, [])[start:start + W]):
+                    src[i], dst[i] = a, b
+                plan[n] = (src, dst)
+            self.cache = self._copy_pages(self.cache, plan)
 
     # --- buckets -----------------------------------------------------------------------------------
     def batch_buckets(self) -> list[int]:
@@ -118,18 +158,18 @@ class ModelRunner:
 
     def _mixed_fn(self, params, cache, r, reset, tokens, n_new, do_sample, dparams=None, dcache=None, *, flags,
                   top_n):
-        sub = take_rows(cache, r["rows"], reset)
+        sub = take_view(cache, r["rows"], r["tables"], r["lengths"], reset)
         logits, sub = self.model.forward(self.cfg, params, sub, tokens, n_new, impl=self.impl)
         tok, lps = self._sample(logits, r, flags, top_n)
         tok = jnp.where(do_sample, tok, -1)
         if dcache is not None:
             _, dsub = self._dfwd(dparams, take_rows(dcache, r["rows"], reset), tokens, n_new)
             dcache = put_rows(dcache, r["rows"], dsub)
-        return tok, lps, put_rows(cache, r["rows"], sub), dcache
+        return tok, lps, put_view(cache, r["rows"], sub), dcache
 
     def _decode_fn(self, params, cache, r, last_tok, active, stop_ids, remaining, dparams=None, dcache=None, *,
                    steps, flags, top_n):
-        sub = take_rows(cache, r["rows"])
+        sub = take_view(cache, r["rows"], r["tables"], r["lengths"])
         dsub = take_rows(dcache, r["rows"]) if dcache is not None else None
         Bb = last_tok.shape[0]
         out = jnp.full((Bb, steps), -1, jnp.int32)
@@ -158,7 +198,7 @@ class ModelRunner:
         _, _, _, sub, dsub, out, lp_c, lp_v, lp_i = jax.lax.while_loop(cond, body, state)
         if dcache is not None:
             dcache = put_rows(dcache, r["rows"], dsub)
-        return out, (lp_c, lp_v, lp_i), put_rows(cache, r["rows"], sub), dcache
+        return out, (lp_c, lp_v, lp_i), put_view(cache, r["rows"], sub), dcache
 
     def _draft(self, dparams, dsub, r, pending, run, K, flags):
         """K draft tokens per row from the draft model, on a scratch copy of its rows: dsub is left as
@@ -195,7 +235,7 @@ class ModelRunner:
         Returns (n_accepted [Bb], tokens [Bb, K+1]: the first n_accepted + 1 are emitted, cache)."""
         from hybrid_jax.speculative.acceptance import accept  # noqa: PLC0415
         from hybrid_jax.speculative.rollback import finish_replay, rollback_by_selection  # noqa: PLC0415
-        sub = take_rows(cache, r["rows"])          # the snapshot, for replay: a reference, never donated
+        sub = take_view(cache, r["rows"], r["tables"], r["lengths"])   # the snapshot, for replay (never donated)
         n_fed, n_draft = meta[0], meta[1]
         draft_probs = None
         if dcache is not None:                     # a draft model writes the drafts (host sent the pending token)
@@ -218,7 +258,7 @@ class ModelRunner:
         if dcache is not None:                     # the draft takes the kept tokens from its resume point
             _, dnew = self._dfwd(dparams, dsub, tokens, n_keep)
             dcache = put_rows(dcache, r["rows"], dnew)
-        return n_acc, out_tok, put_rows(cache, r["rows"], new), dcache
+        return n_acc, out_tok, put_view(cache, r["rows"], new), dcache
 
     def run_verify(self, reqs, drafts, K: int, replay: bool):
         """reqs: decoding requests; drafts: [k_i] int32 per request (k_i <= K, may be 0); K: a
@@ -238,11 +278,18 @@ class ModelRunner:
 
     # --- host calls --------------------------------------------------------------------------------
     def _rows(self, reqs, Bb) -> dict:
+        """The step's per-row inputs, padded to the batch bucket Bb: rows, block tables [Bb, NP_g],
+        lengths (tokens each row holds before the step), sampling parameters."""
         n = len(reqs)
         ra = {"rows": np.full((Bb,), self.null_slot, np.int32), "seeds": np.zeros((Bb,), np.uint32),
               "steps": np.zeros((Bb,), np.int32), "temperature": np.zeros((Bb,), np.float32),
-              "top_k": np.full((Bb,), -1, np.int32), "top_p": np.ones((Bb,), np.float32)}
+              "top_k": np.full((Bb,), -1, np.int32), "top_p": np.ones((Bb,), np.float32),
+              "lengths": np.zeros((Bb,), np.int32)}
+        ids = [q.request_id for q in reqs] + [None] * (Bb - n)
+        ra["tables"] = (self.blocks.block_tables(ids, self.widths) if self.blocks is not None
+                        else {g: np.full((Bb, w), -1, np.int32) for g, w in self.widths.items()})
         ra["rows"][:n] = [q.slot for q in reqs]
+        ra["lengths"][:n] = [q.num_computed for q in reqs]
         ra["seeds"][:n] = [q.seed % 2**32 for q in reqs]
         ra["steps"][:n] = [len(q.output_ids) for q in reqs]
         ra["temperature"][:n] = [q.params.temperature for q in reqs]

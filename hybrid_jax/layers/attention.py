@@ -1,31 +1,35 @@
 """Gated full attention (Qwen3-Next): query gate, q/k RMSNorm, partial RoPE, GQA, KV written into
-the cache's KV group at each row's own positions.
+the cache's paged KV group at each row's own positions.
 
 One function serves prefill, chunked prefill and decode: the T new tokens of row b sit at positions
 lengths[b] .. lengths[b] + n_new[b] - 1 and attend to every cached key at a position <= their own.
+Keys and values live in pages ([L, P, ps, Hkv, D], cache.state.KVGroup) reached through the rows'
+page table [B, NP]; the read walks the pages in blocks up to the longest row of the step (a loop
+with a run-time trip count), so a step costs what its rows hold, not what a row could hold.
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
+from cache.mla import write_paged
 from hybrid_jax.layers.norms import rms_norm_zero_centered
 from hybrid_jax.layers.rope import apply_rope
 
+KEY_BLOCK = 512       # tokens of cached keys per iteration of the paged read
 
-def write_kv(cache_kv: jax.Array, new: jax.Array, positions: jax.Array, valid: jax.Array,
+
+def write_kv(pool: jax.Array, new: jax.Array, page_table: jax.Array, positions: jax.Array, valid: jax.Array,
              layer: int | slice | None = None) -> jax.Array:
-    """Scatter new entries into their slots; invalid (padding) tokens are dropped, never clamped
-    onto a live slot. cache_kv: [B, S, Hkv, D], or with `layer` the group's stack [L, B, S, Hkv, D]
+    """Scatter new entries into their pages; invalid (padding) tokens are dropped, never clamped
+    onto a live slot. pool: [P, ps, Hkv, D], or with `layer` the group's stack [L, P, ps, Hkv, D]
     (written in place: XLA updates the stack's buffer instead of slicing the layer out, writing the
     copy and stacking the layers again, each a copy of the whole cache per step);
     new: [B, T, Hkv, D], or [L, B, T, Hkv, D] with layer=slice(None) (every layer in one write);
-    positions, valid: [B, T]."""
-    B, S = cache_kv.shape[-4:-2]
-    idx = jnp.where(valid, positions, S)          # S is out of range: dropped
-    b = jnp.arange(B)[:, None]
-    at = cache_kv.at[b, idx] if layer is None else cache_kv.at[layer, b, idx]
-    return at.set(new.astype(cache_kv.dtype), mode="drop")
+    page_table: [B, NP]; positions, valid: [B, T]."""
+    if isinstance(layer, slice):
+        return jax.vmap(lambda p, n: write_paged(p, n, page_table, positions, valid))(pool, new)
+    return write_paged(pool, new, page_table, positions, valid, layer)
 
 
 def _scores(qg: jax.Array, k: jax.Array) -> jax.Array:
@@ -43,54 +47,62 @@ def _weighted(p: jax.Array, v: jax.Array) -> jax.Array:
     return o.reshape(B, G, R, T, v.shape[-1])
 
 
-def _partial(scores: jax.Array, v: jax.Array):
-    """Unnormalised softmax pieces of one key block: (m, l, o) with m the row max, l the sum of
-    exp(s - m) and o the exp-weighted values. Rows with every key masked get m = -inf, l = o = 0."""
-    m = jnp.max(scores, axis=-1, keepdims=True)
-    m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
-    e = jnp.exp(scores - m_safe)
-    return m, jnp.sum(e, axis=-1, keepdims=True), _weighted(e, v)
+def _safe_step(carry, s, v):
+    """Folds one key block's scores s [B, G, R, Q, K] and values v [B, K, G, D] into the running
+    softmax carry (m, l, o): m the row max so far, l the sum of exp(s - m), o the exp-weighted values.
+    A block whose scores are all -inf (every key masked) adds nothing, and a row with no key yet keeps
+    m = -inf, l = o = 0 (never a NaN)."""
+    m, l, o = carry
+    m_new = jnp.maximum(m, jnp.max(s, axis=-1, keepdims=True))
+    m_use = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+    alpha = jnp.exp(m - m_use)
+    e = jnp.exp(s - m_use)
+    return m_new, l * alpha + jnp.sum(e, axis=-1, keepdims=True), o * alpha + _weighted(e, v)
 
 
-def _merge(parts):
-    """Combines (m, l, o) pieces of disjoint key sets into normalised attention output."""
-    m = parts[0][0]
-    for p in parts[1:]:
-        m = jnp.maximum(m, p[0])
-    m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
-    l = sum(jnp.exp(jnp.where(jnp.isfinite(pm), pm - m_safe, -jnp.inf)) * pl for pm, pl, _ in parts)
-    o = sum(jnp.exp(jnp.where(jnp.isfinite(pm), pm - m_safe, -jnp.inf)) * po for pm, _, po in parts)
+def _paged_partial(qg, k_pool, v_pool, page_table, limit, inclusive: bool, layer=None):
+    """Unnormalised softmax pieces (m, l, o) of qg [B, G, R, T, D] over the paged keys of each row at
+    positions <= (inclusive) or < `limit` [B, T]. k_pool, v_pool: [P, ps, G, D], or with `layer` the
+    stacks [L, P, ps, G, D] read at that layer; page_table [B, NP]. Keys are read a block of pages at
+    a time, only as far as the largest limit of the step; table entries past a row's limit are never
+    used (masked)."""
+    B, G, R, T, D = qg.shape
+    NP = page_table.shape[1]
+    ps = k_pool.shape[-3]
+    ppb = max(1, min(NP, KEY_BLOCK // ps))              # pages per block
+    nblk = -(-NP // ppb)
+    table = jnp.pad(page_table, ((0, 0), (0, nblk * ppb - NP)))
+    lim = limit[:, None, None, :, None]                   # [B, 1, 1, T, 1]
+    reach = jnp.max(limit) + (1 if inclusive else 0)      # positions < reach are read
+    n = jnp.clip((reach + ppb * ps - 1) // (ppb * ps), 0, nblk)
+
+    def body(j, carry):
+        pages = jax.lax.dynamic_slice_in_dim(table, j * ppb, ppb, axis=1)            # [B, ppb]
+        kb = (k_pool[pages] if layer is None else k_pool[layer, pages]).reshape(B, ppb * ps, G, D)
+        vb = (v_pool[pages] if layer is None else v_pool[layer, pages]).reshape(B, ppb * ps, G, D)
+        kpos = j * ppb * ps + jnp.arange(ppb * ps)[None, None, None, None, :]
+        allowed = kpos <= lim if inclusive else kpos < lim
+        return _safe_step(carry, jnp.where(allowed, _scores(qg, kb), -jnp.inf), vb)
+
+    shape = qg.shape[:-1] + (1,)
+    init = (jnp.full(shape, -jnp.inf, jnp.float32), jnp.zeros(shape, jnp.float32), jnp.zeros(qg.shape, jnp.float32))
+    return jax.lax.fori_loop(0, n, body, init)
+
+
+def _normalise(m, l, o):
     return o / jnp.where(l > 0, l, 1.0)
-
-
-def _attend_cache(qg, k_cache, v_cache, limit, inclusive: bool):
-    """Dense attention over every cache slot whose position is <= (or <) `limit` [B, 1, 1, T, 1]."""
-    S = k_cache.shape[1]
-    kpos = jnp.arange(S)[None, None, None, None, :]
-    allowed = kpos <= limit if inclusive else kpos < limit
-    s = jnp.where(allowed, _scores(qg, k_cache), -jnp.inf)
-    return _merge([_partial(s, v_cache)])
 
 
 BLOCK_Q = 256
 
 
-def _online_step(carry, s, v):
-    """Folds one key block's scores s [B, G, R, Q, K] and values v [B, K, G, D] into the running
-    softmax (m, l, o)."""
-    m, l, o = carry
-    m_new = jnp.maximum(m, jnp.max(s, axis=-1, keepdims=True))
-    alpha = jnp.exp(m - m_new)
-    e = jnp.exp(s - m_new)
-    return m_new, l * alpha + jnp.sum(e, axis=-1, keepdims=True), o * alpha + _weighted(e, v)
-
-
-def _prefill_attention(qg, k_new, v_new, k_cache, v_cache, positions):
+def _prefill_attention(qg, k_new, v_new, k_pool, v_pool, page_table, positions, layer=None):
     """Attention of T > 1 new tokens, flash style in plain XLA: per query block of BLOCK_Q, first
-    the cached prefix (slots < lengths; a lax.cond skips it at run time when no row has one), then
-    the earlier key blocks of the new tokens in a fori_loop (no mask needed), then the diagonal
-    block under the causal mask. Scores never exist beyond one [BLOCK_Q, BLOCK_Q] tile per head.
-    qg: [B, G, R, T, D]; k_new, v_new: [B, T, G, D]; positions: [B, T]."""
+    the cached prefix (positions < lengths, read from the pages; no iteration when no row of the step
+    has one), then the earlier key blocks of the new tokens in a fori_loop (no mask needed), then the
+    diagonal block under the causal mask. Scores never exist beyond one tile per head.
+    qg: [B, G, R, T, D]; k_new, v_new: [B, T, G, D]; k_pool, v_pool: [P, ps, G, D] (or the [L, ...]
+    stacks with `layer`); page_table [B, NP]; positions: [B, T]."""
     B, G, R, T, D = qg.shape
     BQ = min(BLOCK_Q, T)
     nq = -(-T // BQ)
@@ -99,48 +111,38 @@ def _prefill_attention(qg, k_new, v_new, k_cache, v_cache, positions):
         qg = jnp.pad(qg, [(0, 0)] * 3 + [(0, pad), (0, 0)])
         k_new = jnp.pad(k_new, [(0, 0), (0, pad), (0, 0), (0, 0)])
         v_new = jnp.pad(v_new, [(0, 0), (0, pad), (0, 0), (0, 0)])
-    limit = positions[:, 0][:, None, None, None, None]                       # = lengths
-    has_prefix = jnp.any(positions[:, 0] > 0)
-    S = k_cache.shape[1]
+    prefix = jnp.broadcast_to(positions[:, :1], (B, BQ))                       # = lengths: slots < it
     causal = jnp.arange(BQ)[None, :] <= jnp.arange(BQ)[:, None]
-
-    def with_prefix(qb):
-        s = jnp.where(jnp.arange(S)[None, None, None, None, :] < limit, _scores(qb, k_cache), -jnp.inf)
-        return _partial(s, v_cache)
-
-    def no_prefix(qb):
-        shape = qb.shape[:-1] + (1,)
-        return (jnp.full(shape, -jnp.inf, jnp.float32), jnp.zeros(shape, jnp.float32),
-                jnp.zeros(qb.shape, jnp.float32))
 
     outs = []
     for i in range(nq):
         qb = qg[:, :, :, i * BQ:(i + 1) * BQ]
-        carry = jax.lax.cond(has_prefix, with_prefix, no_prefix, qb)
+        carry = _paged_partial(qb, k_pool, v_pool, page_table, prefix, inclusive=False, layer=layer)
 
         def body(j, carry, qb=qb):
             kb = jax.lax.dynamic_slice_in_dim(k_new, j * BQ, BQ, axis=1)
             vb = jax.lax.dynamic_slice_in_dim(v_new, j * BQ, BQ, axis=1)
-            return _online_step(carry, _scores(qb, kb), vb)
+            return _safe_step(carry, _scores(qb, kb), vb)
 
         carry = jax.lax.fori_loop(0, i, body, carry)
         kb, vb = k_new[:, i * BQ:(i + 1) * BQ], v_new[:, i * BQ:(i + 1) * BQ]
-        m, l, o = _online_step(carry, jnp.where(causal, _scores(qb, kb), -jnp.inf), vb)
+        m, l, o = _safe_step(carry, jnp.where(causal, _scores(qb, kb), -jnp.inf), vb)
         outs.append(o / l)
     out = jnp.concatenate(outs, axis=3) if nq > 1 else outs[0]
     return out[:, :, :, :T]
 
 
 def gated_attention(p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, positions: jax.Array,
-                    valid: jax.Array, k_cache: jax.Array, v_cache: jax.Array, *, num_heads: int,
-                    num_kv_heads: int, head_dim: int, eps: float, layer: int | None = None,
+                    valid: jax.Array, k_pool: jax.Array, v_pool: jax.Array, page_table: jax.Array, *,
+                    num_heads: int, num_kv_heads: int, head_dim: int, eps: float, layer: int | None = None,
                     defer_write: bool = False):
-    """x: [B, T, Hd]; cos, sin: [B, T, R]; positions, valid: [B, T]; k_cache, v_cache: [B, S, Hkv, D],
-    or with `layer` the KV group's stacks [L, B, S, Hkv, D], updated in place (`write_kv`).
-    Returns (out [B, T, Hd], k_cache, v_cache), the caches in the shape they came in.
-    defer_write: the caches are only read (the prefix, slots < positions[:, 0]; the new tokens
+    """x: [B, T, Hd]; cos, sin: [B, T, R]; positions, valid: [B, T]; k_pool, v_pool: [P, ps, Hkv, D]
+    pages, or with `layer` the KV group's stacks [L, P, ps, Hkv, D], updated in place (`write_kv`);
+    page_table: [B, NP].
+    Returns (out [B, T, Hd], k_pool, v_pool), the pools in the shape they came in.
+    defer_write: the pools are only read (the prefix, positions < positions[:, 0]; the new tokens
     attend to each other from their fresh entries, for any T) and the new entries k, v
-    [B, T, Hkv, D] are returned in place of the caches, for the caller to write (`write_kv`):
+    [B, T, Hkv, D] are returned in place of the pools, for the caller to write (`write_kv`):
     a program that branches between forwards then writes the cache once, after the branch,
     instead of in every branch (XLA copies a cache that a conditional's branches update)."""
     B, T, _ = x.shape
@@ -155,16 +157,15 @@ def gated_attention(p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, posit
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
     if not defer_write:
-        k_cache = write_kv(k_cache, k, positions, valid, layer)
-        v_cache = write_kv(v_cache, v, positions, valid, layer)
-    k_layer, v_layer = (k_cache, v_cache) if layer is None else (k_cache[layer], v_cache[layer])
+        k_pool = write_kv(k_pool, k, page_table, positions, valid, layer)
+        v_pool = write_kv(v_pool, v, page_table, positions, valid, layer)
 
     rep = Hq // Hkv
     qg = q.reshape(B, T, Hkv, rep, D).transpose(0, 2, 3, 1, 4) * jnp.asarray(D ** -0.5, q.dtype)  # [B, G, R, T, D]
     if T == 1 and not defer_write:
-        out = _attend_cache(qg, k_layer, v_layer, positions[:, None, None, :, None], inclusive=True)
+        out = _normalise(*_paged_partial(qg, k_pool, v_pool, page_table, positions, inclusive=True, layer=layer))
     else:
-        out = _prefill_attention(qg, k, v, k_layer, v_layer, positions)
+        out = _prefill_attention(qg, k, v, k_pool, v_pool, page_table, positions, layer=layer)
     out = out.transpose(0, 3, 1, 2, 4).reshape(B, T, Hq * D).astype(x.dtype)
     out = out * jax.nn.sigmoid(gate)
     out = out @ p["o_proj"]
@@ -172,4 +173,4 @@ def gated_attention(p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, posit
         out = out + p["o_bias"]
     if defer_write:
         return out, k, v
-    return out, k_cache, v_cache
+    return out, k_pool, v_pool

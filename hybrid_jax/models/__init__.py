@@ -2,7 +2,8 @@
 
   forward(cfg, params, cache, tokens [B, T], n_new [B], *, logits_at, impl, return_hidden)
       -> (logits, cache[, hidden])
-  new_cache(cfg, batch_size, capacity, dtype) -> cache.ModelCache
+  new_cache(cfg, batch_size, capacity, dtype, page_size=None) -> cache.ModelCache
+      (page_size: tokens per full-KV page, for the families with full attention)
   init_params(cfg, seed, dtype) -> params        (deterministic random init)
   convert_hf_weights(cfg, get, has, dtype, progress) -> params   (the one-time HF re-layout)
   final_norm(cfg, params, x) -> x                (the norm before the LM head; used by align)

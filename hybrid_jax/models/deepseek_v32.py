@@ -29,8 +29,11 @@ from hybrid_jax.weights import checked_getter, to_device
 from hybrid_jax.models.deepseek_v32_config import DeepseekV32Config
 
 
-def new_cache(cfg: DeepseekV32Config, batch_size: int, capacity: int, dtype, index_dtype=None) -> ModelCache:
-    """An empty cache: the paged latent group and the indexer-key group (index_dtype=fp8 for fp8 keys)."""
+def new_cache(cfg: DeepseekV32Config, batch_size: int, capacity: int, dtype, index_dtype=None,
+              page_size: int | None = None) -> ModelCache:
+    """An empty cache: the paged latent group and the indexer-key group (index_dtype=fp8 for fp8 keys).
+    Their page sizes are the config's (latent_page_size, index_page_size); page_size, the full-KV page
+    size of the families that have full attention, has nothing to size here."""
     groups = init_mla_groups(batch_size=batch_size, capacity=capacity, layer_ids=cfg.layers_of("sparse_attention"),
                              kv_lora_rank=cfg.kv_lora_rank, rope_dim=cfg.qk_rope_head_dim,
                              index_dim=cfg.index_head_dim, dtype=dtype, latent_page_size=cfg.latent_page_size,

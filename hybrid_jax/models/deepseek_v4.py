@@ -48,8 +48,10 @@ _PER_ROW = ("count", "page_table")    # fields shared by the group's layers ([B,
 _POOLS = {"entries": "slot", "idx_entries": "idx_slot"}
 
 
-def new_cache(cfg: DeepseekV4Config, batch_size: int, capacity: int, dtype) -> ModelCache:
-    """An empty cache (groups in cache/compressed.py) for batch_size rows of up to capacity tokens."""
+def new_cache(cfg: DeepseekV4Config, batch_size: int, capacity: int, dtype, page_size: int | None = None) -> ModelCache:
+    """An empty cache (groups in cache/compressed.py) for batch_size rows of up to capacity tokens. Entry
+    pages cover cache.compressed.ENTRY_PAGE_TOKENS tokens; page_size, the full-KV page size of the
+    families that have full attention, has nothing to size here."""
     groups = init_compressed_groups(
         batch_size=batch_size, capacity=capacity, dtype=dtype, window=cfg.sliding_window, head_dim=cfg.head_dim,
         all_layers=tuple(range(cfg.num_hidden_layers)), csa_layers=cfg.layers_of(CSA), csa_rate=cfg.csa_rate,

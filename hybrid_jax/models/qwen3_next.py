@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from cache import ModelCache, init_cache
+from cache.state import DEFAULT_KV_PAGE_SIZE
 from hybrid_jax.config import ModelConfig
 from hybrid_jax.layers.attention import gated_attention, write_kv
 from hybrid_jax.layers.gated_deltanet import gated_deltanet
@@ -32,13 +33,14 @@ from hybrid_jax.models.common import finish_step, token_positions
 from hybrid_jax.weights import checked_getter, to_device
 
 
-def new_cache(cfg: ModelConfig, batch_size: int, capacity: int, dtype) -> ModelCache:
-    """An empty cache for this model: one group per layer type."""
+def new_cache(cfg: ModelConfig, batch_size: int, capacity: int, dtype, page_size: int = DEFAULT_KV_PAGE_SIZE
+              ) -> ModelCache:
+    """An empty cache for this model: one group per layer type; full KV in pages of `page_size` tokens."""
     return init_cache(
         batch_size=batch_size, capacity=capacity, layer_types=cfg.layer_types, dtype=dtype,
         conv_dim=cfg.linear_conv_dim, conv_width=cfg.linear_conv_kernel_dim,
         linear_heads=(cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim),
-        kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim)
+        kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, page_size=page_size)
 
 
 def _ffn(cfg: ModelConfig, lp: dict, x: jax.Array) -> jax.Array:
@@ -74,8 +76,8 @@ def forward(cfg: ModelConfig, params: dict, cache: ModelCache, tokens: jax.Array
     groups = dict(cache.groups)
     rec = groups.get("linear_attention")
     kv = groups.get("full_attention")
-    # KV is written in place in the group's [L, B, S, Hkv, D] stacks: slicing a layer out and
-    # stacking the layers back copies every slot of the cache at every step. Recurrent states are
+    # KV is written in place in the group's [L, P, ps, Hkv, D] page stacks: slicing a layer out and
+    # stacking the layers back copies every page of the cache at every step. Recurrent states are
     # rewritten whole by every token, so their new stack is written once, as the layers finish.
     k_all, v_all = (kv.k, kv.v) if kv is not None else (None, None)
     conv_out, ssm_out, per_token, k_new, v_new = [], [], [], [], []
@@ -97,7 +99,7 @@ def forward(cfg: ModelConfig, params: dict, cache: ModelCache, tokens: jax.Array
         else:
             s = kv.layer_ids.index(i)
             h, k, v = gated_attention(
-                lp["attn"], h, cos, sin, positions, valid, k_all, v_all,
+                lp["attn"], h, cos, sin, positions, valid, k_all, v_all, kv.page_table,
                 num_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads,
                 head_dim=cfg.head_dim, eps=cfg.rms_norm_eps, layer=s, defer_write=defer_kv_write)
             if defer_kv_write:
@@ -135,8 +137,8 @@ def write_deferred_kv(cache: ModelCache, pending: dict, positions: jax.Array, va
         return cache
     (group,) = DEFERRED_GROUPS
     kv = cache.groups[group]
-    kv = kv.replace(k=write_kv(kv.k, pending["k"], positions, valid, slice(None)),
-                    v=write_kv(kv.v, pending["v"], positions, valid, slice(None)))
+    kv = kv.replace(k=write_kv(kv.k, pending["k"], kv.page_table, positions, valid, slice(None)),
+                    v=write_kv(kv.v, pending["v"], kv.page_table, positions, valid, slice(None)))
     return cache.replace(groups={**cache.groups, group: kv})
 
 

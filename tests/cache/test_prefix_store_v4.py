@@ -1,23 +1,26 @@
-"""The prefix store's layouts for DeepSeek-V4's groups: a row saved at a boundary and loaded into another
-row gives that row the same entries (pages through its own page table), window ring, tail with its
-count and overlap state, with entry counts derived from the boundary; a stale version writes nothing."""
+"""The prefix store's layouts for DeepSeek-V4's groups: checkpoint groups (window ring, tails with
+their counts, overlap states) are copied from a request row into checkpoint units and back, with the
+unit versions checked inside the compiled load (a stale version writes nothing); entry groups are
+paged, shared by reference, and a row resuming at a boundary gets its entry counts from it."""
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from cache.block_manager import BlockManager
 from cache.compressed import init_compressed_groups
+from cache.pools import is_paged, pool_geometry
 from cache.prefix_cache import PrefixCache, PrefixCacheConfig, kind_of
-from cache.prefix_store import group_block_size, init_pool, load_row, max_blocks_per_row, save_row
+from cache.prefix_store import init_versions, load_checkpoints, save_checkpoints, stored_fields
 from cache.segments import Kind
 from cache.state import ModelCache
 
-CAP, B = 64, 3
+CAP, B, ROWS = 64, 5, 3       # rows 0..2 hold requests, rows 3..4 of the slot groups are checkpoint units
 
 
 def _cache(seed=0):
-    """Three rows of random contents; row 0 holds 32 tokens (CSA rate 4: 8 entries, HCA rate 8: 4)."""
+    """Five rows of random contents; row 0 holds 32 tokens (CSA rate 4: 8 entries, HCA rate 8: 4)."""
     groups = init_compressed_groups(batch_size=B, capacity=CAP, dtype=jnp.float32, window=6, head_dim=4,
                                     all_layers=(0, 1, 2), csa_layers=(1,), csa_rate=4, index_dim=2, hca_layers=(2,),
                                     hca_rate=8, entry_page_tokens=16)
@@ -26,18 +29,19 @@ def _cache(seed=0):
     leaves = [jnp.asarray(rng.normal(size=a.shape), a.dtype) if a.dtype == jnp.float32 else a for a in leaves]
     groups = jax.tree_util.tree_unflatten(tree, leaves)
     for name in ("csa_tail", "csa_indexer_tail", "hca_tail"):
-        groups[name] = groups[name].replace(count=jnp.asarray([0, 3, 1], jnp.int32))
+        groups[name] = groups[name].replace(count=jnp.asarray([0, 3, 1, 2, 2], jnp.int32))
     for name, n in (("compressed_sparse_attention", 8), ("csa_indexer", 8), ("heavily_compressed_attention", 4)):
-        groups[name] = groups[name].replace(count=jnp.asarray([n, 1, 2], jnp.int32))
-    return ModelCache(groups=groups, lengths=jnp.asarray([32, 5, 9], jnp.int32), version=jnp.zeros((B,), jnp.int32))
+        groups[name] = groups[name].replace(count=jnp.asarray([n, 1, 2, 0, 0], jnp.int32))
+    return ModelCache(groups=groups, lengths=jnp.asarray([32, 5, 9, 0, 0], jnp.int32),
+                      version=jnp.zeros((B,), jnp.int32))
 
 
 def _row(g, r):
-    """What row r of a group holds: paged entries through its table, or its slice of every field."""
-    if hasattr(g, "page_table"):
-        return {"entries": np.asarray(g.entries[:, g.page_table[r]]), "count": int(g.count[r])}
-    return {f: np.asarray(getattr(g, f)[..., r, :, :] if getattr(g, f).ndim > 1 else getattr(g, f)[r])
-            for f in ("kv", "gate", "count") if hasattr(g, f)}
+    """What row r of a slot group holds, field by field."""
+    return {f: np.asarray(jnp.take(getattr(g, f), r, axis=ax)) for f, ax in stored_fields(g).items()}
+
+
+SLOTS = ("sliding_window", "csa_tail", "csa_overlap", "csa_indexer_tail", "csa_indexer_overlap", "hca_tail")
 
 
 def test_v4_groups_have_kinds_and_block_geometry():
@@ -47,55 +51,47 @@ def test_v4_groups_have_kinds_and_block_geometry():
         "csa_tail": Kind.UNCOMPRESSED_TAIL, "csa_overlap": Kind.CSA_OVERLAP, "csa_indexer": Kind.INDEXER_KEYS,
         "csa_indexer_tail": Kind.UNCOMPRESSED_TAIL, "csa_indexer_overlap": Kind.CSA_OVERLAP,
         "heavily_compressed_attention": Kind.COMPRESSED_KV, "hca_tail": Kind.UNCOMPRESSED_TAIL}
-    assert group_block_size(groups["compressed_sparse_attention"], 16) == 16       # 4 entries x rate 4
-    assert group_block_size(groups["heavily_compressed_attention"], 16) == 16      # 2 entries x rate 8
-    assert max_blocks_per_row(groups["heavily_compressed_attention"], 16) == 4     # 8 entries in pages of 2
-    for n in ("sliding_window", "csa_tail", "csa_overlap"):
-        assert group_block_size(groups[n], 16) == 0 and max_blocks_per_row(groups[n], 16) == 1
-    pool = init_pool(groups["csa_tail"], 5, 16)
-    assert pool.arrays["count"].shape == (1, 5) and pool.arrays["kv"].shape == (1, 5, 4, 8)
-    pc = PrefixCache(_cache(), PrefixCacheConfig(cap_bytes=1 << 20, fingerprint="f", dtype="float32", block_size=16))
+    assert groups["compressed_sparse_attention"].page_tokens == 16                # 4 entries x rate 4
+    assert groups["heavily_compressed_attention"].page_tokens == 16               # 2 entries x rate 8
+    assert groups["heavily_compressed_attention"].page_table.shape[1] == 4       # 8 entries in pages of 2
+    assert {n for n, g in groups.items() if not is_paged(g)} == set(SLOTS)
+    assert stored_fields(groups["csa_tail"]) == {"kv": 1, "gate": 1, "count": 0}   # the count is part of a tail
+    cache = _cache()
+    blocks = BlockManager(pool_geometry(cache, ROWS), num_rows=ROWS - 1)
+    pc = PrefixCache(cache, PrefixCacheConfig(cap_bytes=1 << 20, fingerprint="f", dtype="float32", block_size=16),
+                     blocks)
     spec = {s.name: s for s in pc.specs}
     assert pc.geometry.lcm == 16 and spec["sliding_window"].is_checkpoint and spec["csa_tail"].closes_into == (
         "compressed_sparse_attention")
     assert not spec["compressed_sparse_attention"].is_checkpoint and not spec["compressed_sparse_attention"].needs_tail
+    assert blocks.reclaimer is pc and blocks.free_units("csa_tail") == B - ROWS
 
 
-def test_save_then_load_moves_every_v4_object_to_another_row():
+def test_checkpoints_move_between_rows_and_units():
     cache = _cache()
+    versions = init_versions(cache, SLOTS)
     boundary = 32
-    store = {n: init_pool(g, 8, 16) for n, g in cache.groups.items()}
-    save, load = {}, {}
-    for n, g in cache.groups.items():
-        W = max_blocks_per_row(g, 16)
-        nb = 1 if store[n].block_size == 0 else boundary // store[n].block_size
-        src = np.full((W,), -1, np.int32)
-        dst = np.full((W,), -1, np.int32)
-        src[:nb], dst[:nb] = np.arange(nb), np.arange(nb) + 2            # blocks to slots 2, 3, ...
-        save[n] = (jnp.asarray(src), jnp.asarray(dst))
-        lsrc = np.full((W,), -1, np.int32)
-        lsrc[:nb] = np.arange(nb) + 2
-        ldst = np.zeros((W,), np.int32)
-        ldst[:nb] = np.arange(nb)
-        load[n] = (jnp.asarray(lsrc), jnp.asarray(ldst), jnp.ones((W,), jnp.int32))
-    store = save_row(cache, store, jnp.int32(0), save)
-    out, ok = load_row(cache, store, jnp.int32(2), load, jnp.int32(boundary))
-    assert bool(ok) and int(out.lengths[2]) == boundary
-    for n, g in out.groups.items():
-        want, got = _row(cache.groups[n], 0), _row(g, 2)
-        if "entries" in want:
-            pages = boundary // group_block_size(g, 16)
-            np.testing.assert_array_equal(got["entries"][:, :pages], want["entries"][:, :pages], err_msg=n)
-            assert got["count"] == boundary // g.rate == want["count"], n
-        else:
-            for f in want:
-                np.testing.assert_array_equal(got[f], want[f], err_msg=f"{n}.{f}")
-        for r in (0, 1):                                         # other rows are untouched
+    cache, versions = save_checkpoints(cache, versions, jnp.int32(0), {n: jnp.int32(3) for n in SLOTS})
+    assert all(int(versions[n][3]) == 1 and int(versions[n][4]) == 0 for n in SLOTS)
+    for n in SLOTS:
+        for f, a in _row(_cache().groups[n], 0).items():
+            np.testing.assert_array_equal(_row(cache.groups[n], 3)[f], a, err_msg=f"{n}.{f} unit 3")
+    before = jax.tree_util.tree_map(np.asarray, cache.groups)
+    plan = {n: (jnp.int32(3), jnp.int32(1)) for n in SLOTS}
+    out, ok = load_checkpoints(cache, versions, jnp.int32(2), plan, jnp.int32(boundary))
+    assert bool(ok)
+    for n in SLOTS:
+        want = _row(cache.groups[n], 3)
+        for f in want:
+            np.testing.assert_array_equal(_row(out.groups[n], 2)[f], want[f], err_msg=f"{n}.{f}")
+        for r in (0, 1, 3, 4):                                   # other rows are untouched
             for f, a in _row(cache.groups[n], r).items():
-                np.testing.assert_array_equal(_row(g, r)[f], a, err_msg=f"{n}.{f} row {r}")
-    stale = dict(load, csa_tail=(load["csa_tail"][0], load["csa_tail"][1], load["csa_tail"][2] + 1))
-    out, ok = load_row(cache, store, jnp.int32(2), stale, jnp.int32(boundary))
-    assert not bool(ok) and int(out.lengths[2]) == 0
-    for n, g in out.groups.items():
-        for f, a in _row(cache.groups[n], 2).items():
-            np.testing.assert_array_equal(_row(g, 2)[f], a, err_msg=f"stale load wrote {n}.{f}")
+                np.testing.assert_array_equal(_row(out.groups[n], r)[f], a, err_msg=f"{n}.{f} row {r}")
+    for n in ("compressed_sparse_attention", "csa_indexer", "heavily_compressed_attention"):
+        g = out.groups[n]
+        assert int(g.count[2]) == boundary // g.rate and int(g.count[1]) == 1, n     # derived from the boundary
+        np.testing.assert_array_equal(np.asarray(g.entries), before[n].entries)      # pages: never copied
+    stale = dict(plan, csa_tail=(jnp.int32(3), jnp.int32(2)))
+    out, ok = load_checkpoints(cache, versions, jnp.int32(2), stale, jnp.int32(boundary))
+    assert not bool(ok)
+    jax.tree_util.tree_map(np.testing.assert_array_equal, before, jax.tree_util.tree_map(np.asarray, out.groups))

@@ -21,7 +21,8 @@ def test_groups_and_shapes():
     assert rec.layer_ids == (0, 2) and kv.layer_ids == (1,)
     assert rec.conv.shape == (2, 2, 3, 24) and rec.ssm.shape == (2, 2, 4, 8, 8)
     assert rec.ssm.dtype == np.float32
-    assert kv.k.shape == (1, 2, 16, 2, 8) and kv.capacity == 16
+    assert kv.k.shape == (1, 2, 16, 2, 8) and kv.page_size == 16 and kv.capacity == 16   # [L, P, ps, Hkv, D]
+    assert kv.page_table.tolist() == [[0], [1]]            # row b owns page b
     assert c.slot("linear_attention", 2) == 1
 
 
@@ -37,5 +38,6 @@ def test_writer_abi_is_static_metadata():
 
 def test_nbytes_by_group():
     sizes = nbytes_by_group(_cache())
-    assert sizes["full_attention"]["total"] == 2 * 1 * 2 * 16 * 2 * 8 * 4
+    assert sizes["full_attention"]["k"] == 1 * 2 * 16 * 2 * 8 * 4
+    assert sizes["full_attention"]["total"] == 2 * sizes["full_attention"]["k"] + 2 * 1 * 4   # + page table
     assert sizes["linear_attention"]["ssm"] == 2 * 2 * 4 * 8 * 8 * 4

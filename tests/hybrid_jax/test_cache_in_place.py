@@ -150,13 +150,14 @@ def test_the_check_sees_the_old_stacking_copies():
             def step(s):
                 i, k, x = s
                 pos = jnp.full((1, 1), i, jnp.int32)
+                table = jnp.zeros((1, 1), jnp.int32)      # one row, one page of CAPACITY slots
                 layers = []
                 for l in range(k.shape[0]):       # write this step's entry, then attend over the layer
                     if stacked:
-                        layers.append(write_kv(k[l], x, pos, pos >= 0))
+                        layers.append(write_kv(k[l], x, table, pos, pos >= 0))
                         kl = layers[-1]
                     else:
-                        k = write_kv(k, x, pos, pos >= 0, layer=l)
+                        k = write_kv(k, x, table, pos, pos >= 0, layer=l)
                         kl = k[l]
                     p = jax.nn.softmax(jnp.einsum("bthd,bshd->bhts", x, kl), axis=-1)
                     x = jnp.einsum("bhts,bshd->bthd", p, kl)

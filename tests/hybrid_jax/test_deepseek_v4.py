@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from cache import put_rows, take_rows
+from cache.pools import row_fields
 from hybrid_jax import LLM, SamplingParams
 from hybrid_jax.config import config_from_hf_dict
 from hybrid_jax.errors import ConfigError
@@ -210,7 +211,8 @@ def _shuffled_pages(llm, page_tokens, seed):
             groups[name] = g.replace(page_table=jnp.asarray(rng.permutation(3 * NP)[:NP][None], jnp.int32),
                                      count=g.count[:1])
         else:
-            groups[name] = g.take_rows(jnp.asarray([0]))
+            groups[name] = g.replace(**{f: jnp.take(getattr(g, f), jnp.asarray([0]), axis=ax)
+                                        for f, ax in row_fields(g).items()})
     ref = llm.generator.new_cache(1, CAP)
     return ref.replace(groups=groups)
 

@@ -1,10 +1,11 @@
-"""The continuous-batching engine: chunked prefill mixed with decode, slot reuse, preemption under
-the byte cap, stop conditions, logprobs, fairness; all equal to the offline generate path."""
+"""The continuous-batching engine: chunked prefill mixed with decode, row reuse, preemption when the
+pages run out, stop conditions, logprobs, fairness; all equal to the offline generate path."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
+from cache.block_manager import BlockManager, GroupGeometry
 from hybrid_jax import LLM, SamplingParams
 from hybrid_jax.engine import EngineConfig, LLMEngine
 from hybrid_jax.engine.request import Request
@@ -57,19 +58,26 @@ def test_seeded_sampling_is_independent_of_batching(shared):
     assert other_seed != alone[0]
 
 
-def test_preemption_under_byte_cap_recomputes_and_stays_exact(llm, shared):
+def test_preemption_when_pages_run_out_recomputes_and_stays_exact(llm, shared):
     prompts = _prompts(4, seed=2, lo=40, hi=60)
     sp = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
-    sched = shared.scheduler
-    # room for about two and a half requests at full length: the newest must be preempted
-    cap, sched.byte_cap = sched.byte_cap, int(2.5 * (sched.bytes_per_seq + 90 * sched.bytes_per_token))
+    bm = shared.blocks
+    # pages for about two and a half requests at full length (90 tokens): the newest must be preempted
+    held = {}
+    for name, g in bm.groups.items():
+        if g.paged:
+            keep = int(2.5 * 90 / g.page_tokens) + 1
+            held[name] = [bm.alloc_unit(name) for _ in range(bm.free_units(name) - keep)]
     before = shared.metrics.preemptions._value.get()
     try:
         outs = shared.generate([{"prompt_token_ids": p} for p in prompts], sp)
     finally:
-        sched.byte_cap = cap
+        for name, pages in held.items():
+            for p in pages:
+                bm.release(name, p)
     assert shared.metrics.preemptions._value.get() > before
     assert [o.token_ids for o in outs] == _offline(llm, prompts, sp)
+    bm.check()
 
 
 def test_chunked_prefill_runs_beside_decodes(llm):
@@ -132,7 +140,8 @@ def test_logprobs_match_the_model(llm, shared):
 
 
 def test_fcfs_admission_order():
-    s = Scheduler(max_num_seqs=2, max_num_batched_tokens=64, bytes_per_token=1, bytes_per_seq=0, byte_cap=10**9)
+    blocks = BlockManager([GroupGeometry("kv", "full_kv", page_tokens=16, num_units=64, unit_nbytes=1)], num_rows=2)
+    s = Scheduler(max_num_seqs=2, max_num_batched_tokens=64, blocks=blocks)
     reqs = [Request(str(i), [1] * 5, SamplingParams(max_tokens=4), seed=0) for i in range(4)]
     for r in reqs:
         s.add(r)

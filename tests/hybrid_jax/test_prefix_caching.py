@@ -1,6 +1,7 @@
 """Prefix caching in the engine: validated reuse for every layer type of Qwen3-Next and
 DeepSeek-V3.2, token-identical to no caching across request orders, evictions and partial hits;
-the version check inside the compiled load; zero recompilations after warm-up; cache_stats."""
+a hit shares the stored pages (no byte copied) and copies only checkpoints; the version check inside
+the compiled load; zero recompilations after warm-up; cache_stats."""
 from __future__ import annotations
 
 import logging
@@ -10,7 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from cache.prefix_store import load_row
+from cache.prefix_store import load_checkpoints
+from conftest import zero_stored_objects
 from hybrid_jax import LLM, SamplingParams
 from hybrid_jax.engine import EngineConfig, LLMEngine
 
@@ -120,48 +122,75 @@ def test_a_hit_reads_the_store(qwen, eng):
     request that hits, so the identity tests above really exercise reused data."""
     p = _workload(qwen.config.vocab_size, seed=4)[0]
     first = eng.generate([{"prompt_token_ids": p}], SP)[0].token_ids
-    pc = eng.prefix
-    pc.store = {n: pool.replace(arrays={f: jnp.zeros_like(a) for f, a in pool.arrays.items()})
-                for n, pool in pc.store.items()}
+    zero_stored_objects(eng)
     again = eng.generate([{"prompt_token_ids": p}], SP)[0].token_ids
     assert eng.cache_stats()["passes"] == 1
     assert again != first
 
 
 def test_version_changed_between_check_and_use_is_not_read(qwen, eng):
-    """A concurrent writer republishes the hit's slots after the host's check: the compiled load
-    sees the new slot versions, writes nothing, and the engine recomputes (a 'version' miss)."""
+    """A concurrent writer rewrites the hit's checkpoint units after the host's check: the compiled
+    load sees the new unit versions, writes nothing, and the engine recomputes (a 'version' miss)."""
     prompts = _workload(qwen.config.vocab_size, seed=5)[0:3:2]       # same family: the second hits
     want = _baseline(qwen, prompts)
     assert eng.generate([{"prompt_token_ids": prompts[0]}], SP)[0].token_ids == want[0]
     pc = eng.prefix
 
     def concurrent_write():
-        pc.store = {n: pool.replace(version=pool.version + 1) for n, pool in pc.store.items()}
+        pc.versions = {n: v + 1 for n, v in pc.versions.items()}
         pc.between_check_and_use = None
     pc.between_check_and_use = concurrent_write
     assert eng.generate([{"prompt_token_ids": prompts[1]}], SP)[0].token_ids == want[1]
     st = eng.cache_stats()
     assert st["misses_by_reason"].get("version") == 1 and st["passes"] == 0
+    assert not any(pc.blocks.tables.values()), "a refused hit gives its shared pages back"
 
 
 def test_compiled_load_refuses_stale_versions(qwen, eng):
-    """load_row alone: with one expected version wrong, nothing is written and ok is False."""
+    """load_checkpoints alone: with one expected version wrong, nothing is written and ok is False."""
     p = _workload(qwen.config.vocab_size, seed=6)[0]
     eng.generate([{"prompt_token_ids": p}], SP)
     pc = eng.prefix
     hit = pc.lookup(p)
     assert hit.ok
-    plan, _ = pc._load_plan(hit)
-    cache = eng.runner.cache
+    _, plan, _ = pc._load_plan(hit)
+    cache = jax.tree_util.tree_map(jnp.copy, eng.runner.cache)
     before = jax.tree_util.tree_map(np.asarray, cache.groups)
-    src, dst, exp = plan["full_attention"]
-    stale = dict(plan, full_attention=(src, dst, exp.at[0].add(1)))
-    out, ok = load_row(cache, pc.store, jnp.int32(2), stale, jnp.int32(hit.boundary))
-    assert not bool(ok) and int(out.lengths[2]) == 0
+    unit, exp = plan["linear_attention"]
+    assert int(unit) >= 0
+    stale = dict(plan, linear_attention=(unit, exp + 1))
+    out, ok = load_checkpoints(cache, pc.versions, jnp.int32(2), stale, jnp.int32(hit.boundary))
+    assert not bool(ok)
     jax.tree_util.tree_map(np.testing.assert_array_equal, before, jax.tree_util.tree_map(np.asarray, out.groups))
-    out, ok = load_row(cache, pc.store, jnp.int32(2), plan, jnp.int32(hit.boundary))
-    assert bool(ok) and int(out.lengths[2]) == hit.boundary
+    out, ok = load_checkpoints(cache, pc.versions, jnp.int32(2), plan, jnp.int32(hit.boundary))
+    assert bool(ok)
+    rec = out.groups["linear_attention"]
+    np.testing.assert_array_equal(np.asarray(rec.ssm[:, 2]), np.asarray(rec.ssm[:, int(unit)]))
+
+
+def test_a_hit_shares_pages_and_copies_only_checkpoints(qwen, eng):
+    """Zero-copy reuse: the request that hits lists the very pages the first request wrote (the store
+    holds them by reference), and the compiled load writes no buffer the size of a page pool: the
+    only bytes a hit moves are the checkpoint's."""
+    from test_cache_in_place import cache_materializations  # noqa: PLC0415  (sibling test module)
+    p = _workload(qwen.config.vocab_size, seed=9)[0]
+    eng.generate([{"prompt_token_ids": p}], SP)
+    pc = eng.prefix
+    hit = pc.lookup(p)
+    assert hit.ok and hit.boundary >= 32
+    stored, plan, _ = pc._load_plan(hit)
+    row = eng.blocks.take_row("probe")
+    try:
+        eng.runner.cache, n = pc.reuse(eng.runner.cache, row, "probe", p)
+        assert n == hit.boundary
+        assert eng.blocks.table("probe", "full_attention") == stored["full_attention"]
+        assert len(stored["full_attention"]) == n // pc.geometry.sizes["full_attention"]
+        assert all(eng.blocks.refcount("full_attention", u) == 2 for u in stored["full_attention"])
+    finally:
+        eng.blocks.release_request("probe")
+    kv = eng.runner.cache.groups["full_attention"]
+    hlo = pc._load.lower(eng.runner.cache, pc.versions, jnp.int32(0), plan, jnp.int32(n)).compile().as_text()
+    assert cache_materializations(hlo, [kv.k, kv.v]) == []
 
 
 def test_no_recompilation_after_warmup(qwen):

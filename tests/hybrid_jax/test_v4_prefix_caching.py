@@ -20,6 +20,7 @@ import pytest
 
 from cache import allocator as A
 from cache.segments import Kind, SegState
+from conftest import zero_stored_objects
 from hybrid_jax import LLM, SamplingParams
 
 SP = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
@@ -121,9 +122,7 @@ def test_a_hit_reads_the_store(eng):
     again, lp_hit = _gen(eng, p)
     assert eng.cache_stats()["passes"] == 1 and again == first
     np.testing.assert_allclose(lp_hit, lp_miss, atol=TOL, rtol=0)
-    pc = eng.prefix
-    pc.store = {n: pool.replace(arrays={f: jnp.zeros_like(a) for f, a in pool.arrays.items()})
-                for n, pool in pc.store.items()}
+    zero_stored_objects(eng)
     _, lp_zero = _gen(eng, p)
     assert eng.cache_stats()["passes"] == 2
     assert np.max(np.abs(lp_zero[0] - lp_miss[0])) > 100 * TOL
@@ -151,8 +150,7 @@ def test_a_hit_lacking_an_object_is_refused_and_recomputed(base, eng, group, how
         pc._drop_from_device(seg.id)
     else:                                        # offload: the bytes leave the device store
         pc.alloc = A.transition(pc.alloc, seg.id, SegState.HOST)
-        g, slots = pc._slots.pop(seg.id)
-        pc._free[g].extend(slots)
+        pc._release_unit(seg.id)
     miss = pc.lookup(p)
     assert not miss.ok and miss.hash_hit and miss.reason == "intersection" and miss.group == group
     assert why in miss.detail, miss.detail

@@ -1,0 +1,174 @@
+"""The engine core's paged pools, measured: capacity, what a prefix hit moves, TTFT with a cached
+prefix, and serving throughput, on the benchmark's tiny Qwen3-Next checkpoint, in one run.
+
+1. Capacity: at max_model_len 32768 and a cache budget equal to what 8 preallocated rows took (the
+   row layout this replaced: every request reserved max_model_len tokens), how many requests of
+   300-2,000 tokens hold their whole prompt in the pools at once. Target >= 8x the 8 rows.
+2. Hit cost: device bytes a prefix hit of 3,584 tokens moves: the checkpoint units copied into the
+   request's row (the pages are shared, listed in its block table), against the bytes of those tokens'
+   pages that a copy-in would have moved; read off the compiled load program's cost analysis and the
+   pools' shapes.
+3. TTFT of a 4,096-token prompt whose first 3,584 tokens are cached, against cold (target >= 7x).
+4. Throughput at concurrency 1 / 8 / 32 through the async engine (as benchmarks/serving.py runs it),
+   beside the row layout's figures recorded on this machine before the change (the layout is gone,
+   so they cannot run in the same process).
+
+    python benchmarks/engine_core.py [--section capacity,hit,ttft,throughput]
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, os.path.dirname(__file__))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from tiny_qwen3_next import CONFIG, CONFIGS, write_checkpoint  # noqa: E402
+
+from cache.pools import page_nbytes, row_nbytes  # noqa: E402
+from hybrid_jax import LLM, SamplingParams  # noqa: E402
+from hybrid_jax.bench import Workload, run_load, summarize  # noqa: E402
+from hybrid_jax.engine import EngineConfig, LLMEngine  # noqa: E402
+from hybrid_jax.engine.async_engine import AsyncEngine  # noqa: E402
+from hybrid_jax.engine.runner import default_budget  # noqa: E402
+from hybrid_jax.models import get_model  # noqa: E402
+
+# benchmarks/serving.py on the row layout (commit 4a562d0), this machine, --requests 64 --output-len 32
+ROW_LAYOUT_TOK_S = {1: None, 8: None, 32: None}
+
+
+def capacity(llm, max_model_len=32768, rows=8, seed=0):
+    """Requests of 300-2,000 tokens admitted at once into pools of the 8-row budget."""
+    model = get_model(llm.config.model_type)
+    abstract = jax.eval_shape(lambda: model.new_cache(llm.config, 1, max_model_len, llm.dtype, page_size=64))
+    budget = default_budget(abstract, rows, max_model_len)
+    eng = LLMEngine(llm, EngineConfig(max_num_seqs=512, max_model_len=max_model_len, kv_cache_bytes=budget,
+                                      compilation_cache_dir=None, warmup="none"))
+    bm = eng.blocks
+    rng = np.random.default_rng(seed)
+    n = 0
+    tokens = 0
+    while bm.free_rows():
+        length = int(rng.integers(300, 2001))
+        if bm.take_row(f"q{n}") is None or not bm.grow(f"q{n}", length):
+            break
+        n += 1
+        tokens += length
+    row_bytes = sum(row_nbytes(g) for g in abstract.groups.values())
+    print("1. capacity: max_model_len 32768, cache budget = 8 preallocated rows "
+          f"({budget / 2**20:.1f} MiB; fixed-size state {row_bytes / 2**10:.1f} KiB per request row)")
+    print(f"   {'layout':<28}{'requests at once':>18}{'tokens held':>14}")
+    print(f"   {'rows at max_model_len':<28}{rows:>18}{rows * max_model_len:>14}")
+    print(f"   {'paged pools':<28}{n:>18}{tokens:>14}")
+    print(f"   ratio: {n / rows:.1f}x (target >= 8x); bounded by "
+          f"{'rows (max_num_seqs)' if not bm.free_rows() else 'pages'}")
+
+
+def hit_cost(llm, prompt_len=4096, cached=3584):
+    """What a 3,584-token hit moves: checkpoint units only; the pages are shared."""
+    eng = LLMEngine(llm, EngineConfig(max_num_seqs=2, max_num_batched_tokens=512, max_model_len=prompt_len + 64,
+                                      enable_prefix_caching=True, compilation_cache_dir=None, warmup="none"))
+    rng = np.random.default_rng(1)
+    prompt = rng.integers(0, llm.config.vocab_size, prompt_len).tolist()
+    eng.generate([{"prompt_token_ids": prompt[:cached]}], SamplingParams(max_tokens=1, temperature=0))
+    pc = eng.prefix
+    hit = pc.lookup(prompt)
+    assert hit.ok and hit.boundary == cached, hit
+    pages, plan, _ = pc._load_plan(hit)
+    groups = eng.runner.cache.groups
+    page_bytes = sum(len(p) * page_nbytes(groups[g]) for g, p in pages.items())
+    unit_bytes = sum(row_nbytes(groups[g]) for g, (u, _) in plan.items() if int(u) >= 0)
+    compiled = pc._load.lower(eng.runner.cache, pc.versions, jnp.int32(0), plan, jnp.int32(cached)).compile()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    accessed = cost.get("bytes accessed", float("nan"))
+    print(f"\n2. hit cost: a {cached}-token hit of a {prompt_len}-token prompt")
+    print(f"   {'':44}{'bytes':>14}")
+    print(f"   {'pages shared (listed in the block table)':44}{page_bytes:>14}   (a copy-in moved these)")
+    print(f"   {'checkpoint units copied into the row':44}{unit_bytes:>14}")
+    print(f"   {'compiled load: bytes accessed (XLA cost)':44}{accessed:>14.0f}   (read + write of the units)")
+    print(f"   pages copied by the hit: 0; moved / copy-in = {unit_bytes / (page_bytes + unit_bytes):.3f}")
+
+
+def ttft(llm, prompt_len=4096, cached=3584, repeats=5):
+    """TTFT cold vs with the first 3,584 tokens cached (cold / warm alternate; medians)."""
+    from prefix_cache import ttft as one_ttft  # noqa: PLC0415
+    eng = LLMEngine(llm, EngineConfig(max_num_seqs=1, max_num_batched_tokens=512, max_model_len=prompt_len + 64,
+                                      enable_prefix_caching=True, prefix_cache_bytes=64 << 20,
+                                      compilation_cache_dir=None, warmup="all"))
+    eng.warmup()
+    rng = np.random.default_rng(0)
+    cold_s, warm_s = [], []
+    for r in range(repeats + 1):
+        prompt = rng.integers(0, llm.config.vocab_size, prompt_len).tolist()
+        eng.reset_prefix_cache()
+        c = one_ttft(eng, prompt)
+        eng.reset_prefix_cache()
+        one_ttft(eng, prompt[:cached])
+        w = one_ttft(eng, prompt)
+        assert eng.cache_stats()["tokens_reused"] == cached
+        if r:
+            cold_s.append(c)
+            warm_s.append(w)
+    cold, warm = statistics.median(cold_s), statistics.median(warm_s)
+    print(f"\n3. TTFT, {prompt_len}-token prompt, first {cached} cached (median of {repeats}, alternating)")
+    print(f"   cold {cold * 1e3:.1f} ms   warm {warm * 1e3:.1f} ms   speed-up {cold / warm:.2f}x (target >= 7x,"
+          f" ideal {prompt_len / (prompt_len - cached):.1f}x)")
+
+
+def throughput(path, requests=64, out_len=32):
+    llm = LLM(model=path)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(1, CONFIG["vocab_size"], int(n)).tolist() for n in rng.integers(16, 65, requests)]
+    wl = Workload(prompts, [out_len] * len(prompts))
+    engine = LLMEngine(llm, EngineConfig(max_num_seqs=32, max_num_batched_tokens=512, max_model_len=256,
+                                         decode_steps=8, warmup="all"))
+    engine.warmup()
+    ae = AsyncEngine(engine)
+    ae.start()
+    rows = []
+    try:
+        for c in (1, 8, 32):
+            results, secs = asyncio.run(run_load(wl, c, engine=ae, progress=False))
+            s = summarize(results, secs)
+            rows.append((c, s["throughput_tok_s"], s["ttft_ms"]["p50"]))
+    finally:
+        ae.shutdown()
+    print("\n4. throughput (async engine, 64 requests of 16-64 prompt tokens, 32 output tokens)")
+    print(f"   {'concurrency':>12}{'paged tok/s':>14}{'rows tok/s':>14}{'ratio':>8}{'TTFT p50 ms':>13}")
+    for c, tps, t50 in rows:
+        old = ROW_LAYOUT_TOK_S.get(c)
+        print(f"   {c:>12}{tps:>14.1f}{old if old else float('nan'):>14.1f}"
+              f"{(tps / old if old else float('nan')):>7.2f}x{t50:>13.1f}")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--section", default="capacity,hit,ttft,throughput")
+    args = ap.parse_args()
+    sections = set(args.section.split(","))
+    tmp = tempfile.mkdtemp()
+    path = write_checkpoint(os.path.join(tmp, "m"), config=dict(CONFIGS["heads64"], max_position_embeddings=40000))
+    llm = LLM(model=path, dtype="float32")
+    t0 = time.perf_counter()
+    if "capacity" in sections:
+        capacity(llm)
+    if "hit" in sections:
+        hit_cost(llm)
+    if "ttft" in sections:
+        ttft(llm)
+    if "throughput" in sections:
+        throughput(write_checkpoint(os.path.join(tmp, "s")))
+    print(f"\n({time.perf_counter() - t0:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
