@@ -1,9 +1,10 @@
-"""Compiled generation steps with bucketed static shapes.
+"""Compiled single forwards of one model, for inspection (full-sequence logits, hidden states), and
+the bucketing helpers.
 
-`Generator` owns the jitted prefill and decode-loop functions of one model. The decode loop runs
-on device (`lax.while_loop`): sampling, stop checks and the next step happen without a round trip
-to the host, which is what makes small-batch decode fast. Shapes are bucketed (batch, prompt
-length, new tokens) so a warm bucket never recompiles; the cache buffers are donated to each step.
+Generation is the engine core's (hybrid_jax.engine): `LLM.generate` and the server are its clients.
+`Generator` here runs one prompt through a fresh cache, which is what the conformance tests, the
+alignment tool and `LLM.logits` compare against references. `make_batch` pads a batch of prompts to
+its buckets for the speculative decoder's loops.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import numpy as np
 from cache import ModelCache
 from hybrid_jax.config import ModelConfig
 from hybrid_jax.models import empty_cache, get_model
-from hybrid_jax.sampling import SamplerFlags, SamplingParams, sample
+from hybrid_jax.sampling import SamplerFlags, SamplingParams
 
 
 def bucket(n: int, minimum: int = 1) -> int:
@@ -74,65 +75,20 @@ def make_batch(prompts: list[list[int]], params: list[SamplingParams], eos_ids: 
 
 
 class Generator:
-    """Jitted prefill + on-device decode loop for one model."""
+    """Jitted single forwards of one model over a fresh cache (no generation loop: that is the engine's)."""
 
     def __init__(self, cfg: ModelConfig, params: dict, dtype, impl: str = "auto"):
         self.cfg, self.params, self.dtype, self.impl = cfg, params, dtype, impl
         self.model = get_model(cfg.model_type)
-        self._prefill = jax.jit(self._prefill_fn, donate_argnums=(1,))
-        self._decode = jax.jit(self._decode_fn, static_argnames=("steps", "flags"), donate_argnums=(1,))
         self._forward = jax.jit(self._forward_fn, static_argnames=("logits_at",), donate_argnums=(1,))
 
     # --- traced functions ------------------------------------------------------------------------
     def _forward_fn(self, params, cache, tokens, n_new, logits_at="last"):
         return self.model.forward(self.cfg, params, cache, tokens, n_new, logits_at=logits_at, impl=self.impl)
 
-    def _prefill_fn(self, params, cache, tokens, n_new):
-        return self._forward_fn(params, cache, tokens, n_new)
-
-    def _decode_fn(self, params, cache, logits, seeds, temperature, top_k, top_p, max_new, stop_ids,
-                   *, steps: int, flags: SamplerFlags):
-        """logits: [B, V] from prefill. Returns (tokens [B, steps] (-1 after a row stops), n_out [B], cache)."""
-        B = logits.shape[0]
-        keys = jax.vmap(jax.random.key)(seeds)
-        out = jnp.full((B, steps), -1, jnp.int32)
-        done = max_new <= 0
-
-        def body(state):
-            i, logits, cache, out, done = state
-            tok = sample(logits, keys, i, temperature, top_k, top_p, flags)
-            tok = jnp.where(done, -1, tok)
-            out = out.at[:, i].set(tok)
-            stopped = jnp.any(tok[:, None] == stop_ids, axis=-1) | (i + 1 >= max_new)
-            new_done = done | stopped
-            # Rows still running feed their token back; finished rows write nothing (n_new = 0).
-            n_new = (~new_done).astype(jnp.int32)
-            logits, cache = self.model.forward(self.cfg, params, cache, jnp.maximum(tok, 0)[:, None], n_new,
-                                               impl=self.impl)
-            return i + 1, logits, cache, out, new_done
-
-        def cond(state):
-            i, _, _, _, done = state
-            return (i < steps) & ~jnp.all(done)
-
-        _, _, cache, out, _ = jax.lax.while_loop(cond, body, (jnp.int32(0), logits, cache, out, done))
-        n_out = jnp.sum(out >= 0, axis=-1)
-        return out, n_out, cache
-
     # --- host API --------------------------------------------------------------------------------
     def new_cache(self, batch_size: int, capacity: int) -> ModelCache:
         return empty_cache(self.cfg, batch_size, capacity, self.dtype)
-
-    def run(self, batch: Batch) -> tuple[np.ndarray, np.ndarray]:
-        """Prefill then decode. Returns (tokens [B, steps] with -1 after each row's end, n_out [B]).
-        The host arrays go to the jitted calls as numpy arrays: copied inside the call, ~10x
-        cheaper on CPU than a jnp.asarray each."""
-        B = batch.tokens.shape[0]
-        cache = self.new_cache(B, batch.capacity)
-        logits, cache = self._prefill(self.params, cache, batch.tokens, batch.n_prompt)
-        out, n_out, _ = self._decode(self.params, cache, logits, batch.seeds, batch.temperature, batch.top_k,
-                                     batch.top_p, batch.max_new, batch.stop_ids, steps=batch.steps, flags=batch.flags)
-        return np.asarray(out), np.asarray(n_out)
 
     def logits(self, tokens: np.ndarray) -> np.ndarray:
         """Full-sequence logits of one prompt: tokens [T] -> [T, V] fp32 (conformance, alignment)."""

@@ -1,9 +1,15 @@
-"""The offline API in vLLM's shape: `LLM(model=PATH).generate(prompts, SamplingParams(...))`."""
+"""The offline API in vLLM's shape: `LLM(model=PATH).generate(prompts, SamplingParams(...))`.
+
+`LLM` loads a checkpoint and is a client of the engine core (hybrid_jax.engine.LLMEngine), like the
+server: `generate` adds its requests and steps the engine until they finish. The engine runs with
+`run_to_completion` (a decode step takes every decoding row to its end in one device call), so an
+offline batch costs a prefill and one decode call per wave of `max_num_seqs` requests."""
 from __future__ import annotations
 
 import dataclasses
 import os
 import sys
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -14,13 +20,14 @@ from tqdm.auto import tqdm
 from hybrid_jax.config import ModelConfig, load_config
 from hybrid_jax.default_model import DEFAULT_MODEL_NAME, DEFAULT_SEED, default_config
 from hybrid_jax.errors import ConfigError, InputError
-from hybrid_jax.generate import Generator, make_batch
+from hybrid_jax.generate import Generator
 from hybrid_jax.models import get_model
 from hybrid_jax.sampling import SamplingParams
 from hybrid_jax.tokenizer import ByteTokenizer, load_tokenizer
 from hybrid_jax.weights import LARGE_CHECKPOINT_BYTES, fingerprint, open_checkpoint
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+OFFLINE_TOKENS_PER_SEQ = 4096    # default pool size offline: max_num_seqs requests of this many tokens
 
 
 @dataclasses.dataclass
@@ -28,8 +35,9 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str            # "stop" (a stop token was produced) or "length"
+    finish_reason: str            # "stop" (a stop token or string was produced) or "length"
     cumulative_logprob: float | None = None
+    logprobs: list[dict] | None = None   # with SamplingParams(logprobs=n): per token, its logprob and the top n
 
 
 @dataclasses.dataclass
@@ -78,31 +86,75 @@ class LLM:
                 self.tokenizer = ByteTokenizer()
             else:
                 self.tokenizer = load_tokenizer(tokenizer or model)
+        self._setup(params, max_model_len=max_model_len, max_num_seqs=max_num_seqs, seed=seed, impl=impl,
+                    enable_prefix_caching=enable_prefix_caching, kv_cache_dir=kv_cache_dir,
+                    engine_config=engine_config, speculative_config=speculative_config)
+
+    @classmethod
+    def from_params(cls, config: ModelConfig, params: dict, *, dtype: str = "auto", tokenizer=None,
+                    name: str = "params", **kw) -> "LLM":
+        """An LLM over parameters already in this project's layout (`init_params` / `convert_hf_weights`
+        output, e.g. built or edited in code for research); tokenizer: an object with encode / decode,
+        or None (token-id prompts only). kw: the options of LLM()."""
+        llm = cls.__new__(cls)
+        llm.config, llm.model_name, llm.tokenizer = config, name, tokenizer
+        llm.dtype = _resolve_dtype(dtype, config)
+        llm._setup(params, **kw)
+        return llm
+
+    def _setup(self, params, *, max_model_len: int | None = None, max_num_seqs: int = 16, seed: int = 0,
+               impl: str = "auto", enable_prefix_caching: bool = False, kv_cache_dir: str | None = None,
+               engine_config: dict | None = None, speculative_config: dict | None = None):
         if max_num_seqs <= 0:
             raise InputError(f"max_num_seqs must be positive; got {max_num_seqs}")
         self.max_model_len = int(max_model_len or self.config.max_position_embeddings)
         self.max_num_seqs = max_num_seqs
-        self._rng = np.random.default_rng(seed)   # seeds for requests that bring none
+        self.seed = seed
         self.generator = Generator(self.config, params, self.dtype, impl=impl)
         self._fingerprint: str | None = None
-        self._engine = None
         self._spec = None
         if speculative_config is not None and not enable_prefix_caching:
+            # Offline speculation still runs its own loops (the host loop and the on-device n-gram
+            # loop) until they become modes of the engine core; with prefix caching it is the engine's.
             from hybrid_jax.speculative import SpeculativeDecoder  # noqa: PLC0415
             self._spec = SpeculativeDecoder(self.config, params, self.dtype, speculative_config, impl=impl,
                                             max_num_seqs=max_num_seqs)
+            self._rng = np.random.default_rng(seed)
         if kv_cache_dir is not None and not enable_prefix_caching:
             raise InputError("kv_cache_dir needs enable_prefix_caching=True")
-        if enable_prefix_caching:
-            # Prefix reuse lives in the continuous-batching engine: generate() runs through it.
-            from hybrid_jax.engine import EngineConfig, LLMEngine  # noqa: PLC0415
-            opts = dict(max_num_seqs=max_num_seqs, max_model_len=self.max_model_len, enable_prefix_caching=True,
-                        kv_cache_dir=None if kv_cache_dir is None else os.fspath(kv_cache_dir),
-                        speculative_config=speculative_config)   # the engine speculates with n-gram drafts
-            opts.update(engine_config or {})
-            self._engine = LLMEngine(self, EngineConfig(**opts))
-        elif engine_config:
-            raise InputError("engine_config is only used with enable_prefix_caching=True")
+        from hybrid_jax.engine import EngineConfig  # noqa: PLC0415
+        opts = dict(max_num_seqs=max_num_seqs, max_model_len=self.max_model_len, max_num_batched_tokens=2048,
+                    enable_prefix_caching=enable_prefix_caching, run_to_completion=True,
+                    kv_cache_dir=None if kv_cache_dir is None else os.fspath(kv_cache_dir),
+                    speculative_config=speculative_config, compilation_cache_dir=None, warmup="none", seed=seed)
+        opts.update(engine_config or {})
+        if opts.get("kv_cache_bytes") is None:
+            opts["kv_cache_bytes"] = self._default_cache_bytes(opts)
+        self.engine_config = EngineConfig(**opts)      # a bad option fails here, naming it
+        self._engine = None
+
+    def _default_cache_bytes(self, opts: dict) -> int:
+        """The pools' default size offline: max_num_seqs requests of up to OFFLINE_TOKENS_PER_SEQ tokens
+        each (a request holds only the pages its tokens fill), and never less than one request of
+        max_model_len (a model's max_position_embeddings can be 256k: rows of that, preallocated,
+        would not fit). Pass engine_config={"kv_cache_bytes": ...} to size them yourself."""
+        import jax  # noqa: PLC0415
+        from hybrid_jax.engine.runner import default_budget  # noqa: PLC0415
+        model = get_model(self.config.model_type)
+        L = opts["max_model_len"]
+        page = opts.get("prefix_block_size", 64)
+        abstract = jax.eval_shape(lambda: model.new_cache(self.config, 1, L, self.dtype, page_size=page))
+        n = opts["max_num_seqs"]
+        return max(default_budget(abstract, n, min(L, OFFLINE_TOKENS_PER_SEQ)), default_budget(abstract, n, 0)
+                   + default_budget(abstract, 1, L))
+
+    @property
+    def engine(self):
+        """The engine core this LLM generates through (built on first use: its pools take memory)."""
+        if self._engine is None:
+            from hybrid_jax.engine import LLMEngine  # noqa: PLC0415
+            self._engine = LLMEngine(self, self.engine_config)
+        return self._engine
 
     @property
     def params(self):
@@ -117,7 +169,9 @@ class LLM:
     def cache_stats(self) -> dict:
         """Prefix-cache figures: hit_rate, validation_pass_rate, effective_reuse (their product),
         misses_by_reason, bytes_by_kind, bytes_by_group, ...; {"enabled": False} when it is off."""
-        return self._engine.cache_stats() if self._engine is not None else {"enabled": False}
+        if not self.engine_config.enable_prefix_caching:
+            return {"enabled": False}
+        return self.engine.cache_stats()
 
     def get_tokenizer(self):
         return self.tokenizer
@@ -177,34 +231,33 @@ class LLM:
             if len(ids) + sp.max_tokens > self.max_model_len:
                 raise InputError(f"prompt ({len(ids)} tokens) + max_tokens ({sp.max_tokens}) exceeds "
                                  f"max_model_len {self.max_model_len}")
-        if self._engine is not None:
-            return self._generate_with_engine(prompts, encoded, sps)
         if self._spec is not None:
             return self._generate_speculative(encoded, sps)
-        eos = self.eos_token_ids()
-        results: list[RequestOutput] = []
-        order = sorted(range(len(prompts)), key=lambda i: len(encoded[i][1]))   # similar lengths batch well
-        done: dict[int, RequestOutput] = {}
-        for start in tqdm(range(0, len(order), self.max_num_seqs), disable=not use_tqdm, desc="generating"):
-            idx = order[start:start + self.max_num_seqs]
-            batch = make_batch([encoded[i][1] for i in idx], [sps[i] for i in idx], eos,
-                               self._rng.integers(0, 2**32, len(idx)).tolist())
-            out, n_out = self.generator.run(batch)
-            for row, i in enumerate(idx):
-                toks = out[row, :n_out[row]].tolist()
-                stops = set(sps[i].stop_token_ids) | (set() if sps[i].ignore_eos else set(eos))
-                reason = "stop" if toks and toks[-1] in stops else "length"
-                text = self.tokenizer.decode(toks) if self.tokenizer is not None else ""
-                done[i] = RequestOutput(request_id=str(i), prompt=encoded[i][0], prompt_token_ids=encoded[i][1],
-                                        outputs=[CompletionOutput(0, text, toks, reason)])
-        results = [done[i] for i in range(len(prompts))]
-        return results
-
-    def _generate_with_engine(self, prompts, encoded, sps) -> list[RequestOutput]:
-        outs = self._engine.generate([{"prompt_token_ids": ids, "prompt": text} for text, ids in encoded], list(sps))
-        return [RequestOutput(request_id=str(i), prompt=encoded[i][0], prompt_token_ids=encoded[i][1],
-                              outputs=[CompletionOutput(0, o.text, list(o.token_ids), o.finish_reason)])
-                for i, o in enumerate(outs)]
+        eng = self.engine
+        rids = [f"llm-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
+        final: dict[str, object] = {}
+        try:
+            for rid, (text, ids), sp in zip(rids, encoded, sps):
+                eng.add_request(rid, {"prompt_token_ids": ids, "prompt": text}, sp)
+            with tqdm(total=len(rids), disable=not use_tqdm, desc="generating") as bar:
+                while len(final) < len(rids):
+                    for o in eng.step():
+                        if o.finished:
+                            final[o.request_id] = o
+                            bar.update(1)
+            eng.flush_publishes()
+        finally:                                    # an error (or ^C) leaves nothing running
+            for rid in rids:
+                if rid not in final:
+                    eng.abort_request(rid)
+        outs = []
+        for i, ((text, ids), sp, rid) in enumerate(zip(encoded, sps, rids)):
+            o = final[rid]
+            lps = o.logprobs if sp.logprobs is not None else None
+            cum = float(sum(x["logprob"] for x in lps)) if lps else None
+            outs.append(RequestOutput(request_id=str(i), prompt=text, prompt_token_ids=ids,
+                                      outputs=[CompletionOutput(0, o.text, list(o.token_ids), o.finish_reason, cum, lps)]))
+        return outs
 
     def _generate_speculative(self, encoded, sps) -> list[RequestOutput]:
         seeds = self._rng.integers(0, 2**32, len(encoded)).tolist()
@@ -217,9 +270,11 @@ class LLM:
     def spec_stats(self) -> dict:
         """Speculative decoding figures (acceptance rate, mean accepted length, draft and verify
         time, ...); {"enabled": False} without a speculative_config."""
-        if self._engine is not None:
-            return self._engine.spec_stats()
-        return {"enabled": True, **self._spec.stats()} if self._spec is not None else {"enabled": False}
+        if self._spec is not None:
+            return {"enabled": True, **self._spec.stats()}
+        if self.engine_config.speculative_config is None:
+            return {"enabled": False}
+        return self.engine.spec_stats()
 
     # --- inspection --------------------------------------------------------------------------------
     def logits(self, token_ids: Sequence[int]) -> np.ndarray:

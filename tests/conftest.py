@@ -105,3 +105,17 @@ def zero_stored_objects(engine):
                for f, ax in stored_fields(grp).items()}
         groups[g] = grp.replace(**upd)
     engine.runner.cache = cache.replace(groups=groups)
+
+
+def greedy_reference(llm, prompt, n: int, stop_ids=()) -> list[int]:
+    """Greedy continuation by full recomputation, one forward over the whole sequence per token (no
+    cache, pages, batching or chunking): what the engine's greedy outputs are held to."""
+    import numpy as np  # noqa: PLC0415
+    ids, out = list(prompt), []
+    for _ in range(n):
+        t = int(np.argmax(llm.logits(ids)[-1]))
+        out.append(t)
+        ids.append(t)
+        if t in stop_ids:
+            break
+    return out

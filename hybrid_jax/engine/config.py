@@ -32,6 +32,8 @@ class EngineConfig:
     prefetch_policy: str = "wait"        # disk prefetch at admission: "best_effort" | "wait" | "timeout"
     prefetch_timeout_s: float = 1.0
     speculative_config: dict | None = None  # vLLM's shape, e.g. {"method": "ngram", "num_speculative_tokens": 4}
+    run_to_completion: bool = False      # offline: a decode step takes every decoding row to its end (LLM.generate)
+    seed: int = 0                        # seeds of requests that bring none are drawn from this
 
     def __post_init__(self):
         for f in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "decode_steps", "prefix_block_size",

@@ -27,6 +27,7 @@ from hybrid_jax.engine.runner import ModelRunner, enable_persistent_compilation_
 from hybrid_jax.engine.scheduler import Scheduler
 from hybrid_jax.engine.speculate import EngineSpeculator
 from hybrid_jax.errors import InputError
+from hybrid_jax.generate import bucket
 from hybrid_jax.sampling import SamplingParams
 
 
@@ -53,9 +54,12 @@ class LLMEngine:
                 self.runner.set_draft(dcfg, dparams, ddtype, extra=self.spec.spec.num_speculative_tokens + 1)
         self._pending: list[tuple[int, str, list[int], int]] = []   # (row, request, prompt ids, boundary)
         k_max = self.spec.spec.num_speculative_tokens + 1 if self.spec is not None else 1
+        # pages a decoding request gets ahead of its writes: a decode call's tokens or a verify's
+        # K + 1, or (run_to_completion) everything up to its max_tokens
+        lookahead = None if self.config.run_to_completion else max(self.config.decode_steps, k_max)
         self.scheduler = Scheduler(max_num_seqs=self.config.max_num_seqs,
                                    max_num_batched_tokens=self.config.max_num_batched_tokens,
-                                   blocks=self.blocks, lookahead=max(self.config.decode_steps, k_max),
+                                   blocks=self.blocks, lookahead=lookahead,
                                    chunk_cap=self.runner.chunk_cap,
                                    on_admit=self._reuse_prefix if self.prefix else None,
                                    next_stop=self._next_publish if self.prefix else None,
@@ -64,7 +68,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._eos = llm.eos_token_ids()
-        self._rng = np.random.default_rng(0)
+        self._rng = np.random.default_rng(self.config.seed)   # seeds of requests that bring none
 
     # --- requests ----------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: Any, params: SamplingParams | None = None) -> Request:
@@ -213,7 +217,10 @@ class LLMEngine:
             if drafts is not None and any(len(d) for d in drafts):
                 toks, lps = self._verify(reqs, drafts)
             else:
-                toks, lps = self.runner.run_decode(reqs, self._eos)
+                steps = self.config.decode_steps
+                if self.config.run_to_completion:     # every row to its end in one call (bucketed)
+                    steps = bucket(max(q.remaining_tokens for q in reqs), 16)
+                toks, lps = self.runner.run_decode(reqs, self._eos, steps)
                 for q, row in zip(reqs, toks):
                     q.num_computed += int(np.sum(row >= 0))   # each iteration fed one token, then sampled one
                 if shadows is not None:
@@ -250,7 +257,8 @@ class LLMEngine:
         copies: dict[str, list[tuple[int, int]]] = {}
         for p in plan.rows:
             q = p.request
-            end = q.num_computed + (self.scheduler.lookahead if plan.is_decode_only else p.num_tokens)
+            ahead = self.scheduler.lookahead or q.remaining_tokens
+            end = q.num_computed + (ahead if plan.is_decode_only else p.num_tokens)
             got = self.blocks.writable(q.request_id, q.num_computed, end)
             if got is None:
                 raise RuntimeError(f"request {q.request_id!r}: no free page for a copy-on-write")
@@ -338,7 +346,7 @@ class LLMEngine:
             self.metrics.finished.inc()
         new_text = q.text[len(old_text):] if q.text.startswith(old_text) else q.text
         return RequestOutput(q.request_id, accepted, new_text, list(q.output_ids), q.text, q.finished,
-                             q.finish_reason, q.prompt_ids, new_lps)
+                             q.finish_reason, q.prompt_ids, new_lps, list(q.logprobs) if q.finished else [])
 
     # --- offline convenience -----------------------------------------------------------------------
     def generate(self, prompts: list, params: SamplingParams | list[SamplingParams]) -> list[RequestOutput]:

@@ -65,3 +65,4 @@ class RequestOutput:
     finish_reason: str | None
     prompt_token_ids: list[int]
     new_logprobs: list[dict]
+    logprobs: list[dict] = dataclasses.field(default_factory=list)   # every token's so far (logprobs requests)

@@ -328,8 +328,9 @@ class ModelRunner:
         c, v, i = (np.asarray(a)[:n] for a in lps)
         return tok[:, None], (c[:, None], v[:, None], i[:, None])
 
-    def run_decode(self, reqs, eos_ids):
-        """Decodes up to `decode_steps` tokens for running requests. Returns (tokens [n, K], logprobs)."""
+    def run_decode(self, reqs, eos_ids, steps: int):
+        """Decodes up to `steps` tokens for running requests (each stops at a stop id or its max_tokens,
+        on device). Returns (tokens [n, steps], -1 past a row's end, logprobs)."""
         n = len(reqs)
         Bb = bucket(n)
         S = self.ecfg.max_stop_ids
@@ -343,7 +344,7 @@ class ModelRunner:
             stop_ids[i, :len(ids[:S])] = ids[:S]
         out, lps, self.cache, self.dcache = self._decode(
             self.params, self.cache, self._rows(reqs, Bb), jnp.asarray(last), jnp.asarray(active), jnp.asarray(stop_ids),
-            jnp.asarray(remaining), self.dparams, self.dcache, steps=self.ecfg.decode_steps, flags=self._flags(reqs),
+            jnp.asarray(remaining), self.dparams, self.dcache, steps=steps, flags=self._flags(reqs),
             top_n=self._top_n(reqs))
         return np.asarray(out)[:n], tuple(np.asarray(a)[:n] for a in lps)
 

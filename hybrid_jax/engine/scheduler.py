@@ -9,7 +9,8 @@ completes its known tokens samples at the end of the step.
 Memory is the block manager's (cache.block_manager): a request holds a row (its fixed-size state)
 and, per paged group, the pages its tokens fill. Before a step, every scheduled request gets the
 pages its writes need (a decoding one `lookahead` tokens ahead: a decode step writes up to
-`decode_steps` tokens, a verify up to K + 1). When the pages run out even after the prefix store let
+`decode_steps` tokens, a verify up to K + 1; None: up to its max_tokens, for an engine that decodes
+every row to its end in one call). When the pages run out even after the prefix store let
 go of what only it held, the newest running request is preempted: it gives back its row and pages
 and waits at the head of the queue to be recomputed (its published prefix may well serve it then).
 """
@@ -41,7 +42,8 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, *, max_num_seqs: int, max_num_batched_tokens: int, blocks: BlockManager, lookahead: int = 1,
+    def __init__(self, *, max_num_seqs: int, max_num_batched_tokens: int, blocks: BlockManager,
+                 lookahead: int | None = 1,
                  chunk_cap=None, on_admit=None, next_stop=None, on_release=None):
         self.max_num_seqs = max_num_seqs
         self.token_budget = max_num_batched_tokens
@@ -113,7 +115,7 @@ class Scheduler:
         # Decodes first: each needs one token of budget and pages `lookahead` tokens ahead.
         for r in list(self.running):
             if r in self.running and self._decoding(r):
-                need = min(r.num_computed + self.lookahead, self._limit(r))
+                need = self._limit(r) if self.lookahead is None else min(r.num_computed + self.lookahead, self._limit(r))
                 if self._grow_or_preempt(r, need, preempted):
                     rows.append(ScheduledRow(r, 1, True, False))
                     budget -= 1

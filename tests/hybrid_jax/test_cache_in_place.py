@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 from hybrid_jax.config import config_from_hf_dict
-from hybrid_jax.generate import Generator
+from hybrid_jax.engine import EngineConfig
+from hybrid_jax.engine.runner import ModelRunner
 from hybrid_jax.layers.attention import write_kv
 from hybrid_jax.models import get_model
 from hybrid_jax.sampling import SamplerFlags
@@ -45,9 +46,9 @@ DSV32 = dict(model_type="deepseek_v32", vocab_size=97, hidden_size=32, intermedi
 
 
 def per_position_arrays(cfg, cache) -> list:
-    """The cache arrays that grow with the capacity (a step writes only T slots of them): KV
-    [L, B, S, Hkv, D], or page pools [L, P, ps, ...] (MLA latent and rope, indexer keys, V4's
-    compressed entries). V4's sliding window is window-sized and restacked every step by design."""
+    """The cache arrays that grow with the capacity (a step writes only T slots of them): the page
+    pools [L, P, ps, ...] (full KV, MLA latent and rope, indexer keys, V4's compressed entries).
+    V4's sliding window is window-sized and restacked every step by design."""
     g = cache.groups
     if cfg.model_type == "qwen3_next":
         return [g["full_attention"].k, g["full_attention"].v]
@@ -115,16 +116,17 @@ def _model(spec):
 
 @pytest.mark.parametrize("spec", [QWEN, DSV32, DSV4], ids=["qwen3_next", "deepseek_v32", "deepseek_v4"])
 @pytest.mark.parametrize("B", [1, 2])
-def test_decode_loop_writes_cache_in_place(spec, B):
+def test_engine_decode_loop_writes_pools_in_place(spec, B):
+    """The engine's decode program: B rows of its pools, reached through block tables, decoded in a
+    while loop; the page pools are only written in place and read through the tables."""
     cfg, params = _model(spec)
-    gen = Generator(cfg, params, jnp.float32)
-    cache = gen.new_cache(B, CAPACITY)
-    arrays = per_position_arrays(cfg, cache)
+    runner = ModelRunner(cfg, params, jnp.float32, EngineConfig(max_num_seqs=2, max_model_len=CAPACITY,
+                                                                compilation_cache_dir=None, warmup="none"))
+    arrays = per_position_arrays(cfg, runner.cache)
     z = np.zeros((B,), np.int32)
-    hlo = gen._decode.lower(params, cache, jnp.zeros((B, cfg.vocab_size)), z.astype(np.uint32),
-                            z.astype(np.float32), z - 1, z.astype(np.float32) + 1, z + 8,
-                            np.full((B, 1), -1, np.int32), steps=16,
-                            flags=SamplerFlags(False, False, False)).compile().as_text()
+    hlo = runner._decode.lower(params, runner.cache, runner._rows([], B), z, z.astype(bool),
+                               np.full((B, 1), -1, np.int32), z + 8, None, None, steps=16,
+                               flags=SamplerFlags(False, False, False), top_n=0).compile().as_text()
     assert "while" in hlo
     assert cache_materializations(hlo, arrays) == []
 

@@ -241,7 +241,7 @@ def test_entries_are_read_and_written_through_the_page_table(pairs):
 
 
 def test_padding_leaves_the_cache_exact_and_rows_move(pairs):
-    """A right-padded batch (the generator's prefill step, [2, 32]): each row's logits and cache equal
+    """A right-padded batch (one forward over [2, 32]): each row's logits and cache equal
     the ones it gets alone; a row with n_new = 0 keeps every cache object bit for bit; take_rows /
     put_rows (the engine's slot moves, with a reset row) carry every group."""
     llm, _ = pairs["mixed"]
@@ -250,7 +250,7 @@ def test_padding_leaves_the_cache_exact_and_rows_move(pairs):
     tok = np.zeros((2, 32), np.int32)
     for r, ids in enumerate(rows):
         tok[r, :len(ids)] = ids
-    logits, batch = gen._prefill(gen.params, gen.new_cache(2, CAP), jnp.asarray(tok), jnp.asarray([21, 10]))
+    logits, batch = gen._forward(gen.params, gen.new_cache(2, CAP), jnp.asarray(tok), jnp.asarray([21, 10]))
     for r, ids in enumerate(rows):
         ref_logits, ref = _step(gen, gen.new_cache(1, CAP), ids)
         np.testing.assert_allclose(np.asarray(logits[r]), ref_logits[-1], atol=TOL, rtol=0)
@@ -259,7 +259,7 @@ def test_padding_leaves_the_cache_exact_and_rows_move(pairs):
     before = _leaves(_rows_dense(take_rows(batch, jnp.asarray([1]))))
     tok2 = np.zeros((2, 32), np.int32)
     tok2[0, :3] = [5, 6, 7]
-    _, after = gen._prefill(gen.params, jax.tree_util.tree_map(jnp.copy, batch), jnp.asarray(tok2),
+    _, after = gen._forward(gen.params, jax.tree_util.tree_map(jnp.copy, batch), jnp.asarray(tok2),
                             jnp.asarray([3, 0]))
     after_row = _leaves(_rows_dense(take_rows(after, jnp.asarray([1]))))
     for k in before:                              # row 1 added nothing: not one bit moves

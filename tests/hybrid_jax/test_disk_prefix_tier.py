@@ -102,7 +102,7 @@ llm = LLM(model=sys.argv[1], max_model_len=256, enable_prefix_caching=True, kv_c
           engine_config=json.loads(sys.argv[3]))
 sp = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
 outs = [llm.generate([{"prompt_token_ids": p}], sp)[0].outputs[0].token_ids for p in json.loads(sys.argv[4])]
-llm._engine.prefix.disk.flush()
+llm.engine.prefix.disk.flush()
 st = llm.cache_stats()
 print(json.dumps({"outs": outs, "restored": st["disk"]["spans_restored"], "passes": st["passes"]}))
 """

@@ -10,6 +10,7 @@ from hybrid_jax import LLM, SamplingParams
 from hybrid_jax.engine import EngineConfig, LLMEngine
 from hybrid_jax.engine.request import Request
 from hybrid_jax.engine.scheduler import Scheduler
+from conftest import greedy_reference
 
 
 @pytest.fixture(scope="module")
@@ -39,12 +40,18 @@ def _offline(llm, prompts, sp):
     return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], sp)]
 
 
-def test_engine_equals_offline_with_queueing_chunking_and_slot_reuse(llm, shared):
+def test_engine_equals_full_recompute_with_queueing_chunking_and_row_reuse(llm, shared):
+    """Nine prompts through four rows, 32-token chunks, pages handed out and back: every greedy token
+    is the one a full recomputation picks; LLM.generate (the same core, run to completion, other
+    chunks and waves) gives the same tokens."""
     prompts = _prompts(9)
     sp = SamplingParams(max_tokens=14, temperature=0, ignore_eos=True)
     eng = shared
     outs = eng.generate([{"prompt_token_ids": p} for p in prompts], sp)
+    assert [o.token_ids for o in outs] == [greedy_reference(llm, p, 14) for p in prompts]
     assert [o.token_ids for o in outs] == _offline(llm, prompts, sp)
+    eng.blocks.check()
+    assert not eng.blocks.tables and all(eng.blocks.used_units(g) == 0 for g in eng.blocks.groups)
 
 
 def test_seeded_sampling_is_independent_of_batching(shared):

@@ -35,8 +35,8 @@ def cached(tiny_checkpoint):
 @pytest.fixture()
 def eng(cached):
     """The cached LLM's engine, with an empty prefix store."""
-    cached._engine.reset_prefix_cache()
-    return cached._engine
+    cached.engine.reset_prefix_cache()
+    return cached.engine
 
 
 @pytest.fixture(scope="module")
@@ -215,7 +215,7 @@ def test_cannot_help_is_said_once(eng, caplog):
 
 
 def test_llm_api_and_stats(qwen, cached):
-    cached._engine.reset_prefix_cache()
+    cached.engine.reset_prefix_cache()
     prompts = _workload(qwen.config.vocab_size, seed=8)[0:6:2]     # one family: the 2nd and 3rd hit
     outs = [cached.generate([{"prompt_token_ids": p}], SP)[0].outputs[0].token_ids for p in prompts]
     assert outs == _baseline(qwen, prompts)

@@ -52,7 +52,7 @@ def cached(checkpoint):
 @pytest.fixture()
 def eng(cached):
     """The cached LLM's engine with an empty store and no disk tier."""
-    e = cached._engine
+    e = cached.engine
     e.config = dataclasses.replace(e.config, kv_cache_dir=None)
     e.reset_prefix_cache()
     return e
@@ -98,11 +98,11 @@ def _seg(pc, group, end):
 
 def test_reuse_is_token_identical_over_request_orders(base, cached):
     """Through LLM(..., enable_prefix_caching=True): real hits on every V4 object kind, same greedy tokens."""
-    cached._engine.reset_prefix_cache()
+    cached.engine.reset_prefix_cache()
     prompts = _workload(base.config.vocab_size, seed=1)
     want = _baseline(base, prompts)
     for seed in (0, 1):
-        assert _run(cached._engine, prompts, seed) == want, f"order {seed}"
+        assert _run(cached.engine, prompts, seed) == want, f"order {seed}"
     st = cached.cache_stats()
     assert st["lcm"] == 64 and st["block_sizes"]["compressed_sparse_attention"] == 64     # 16 entries x rate 4
     assert st["block_sizes"]["heavily_compressed_attention"] == 64                          # 8 entries x rate 8
@@ -110,7 +110,7 @@ def test_reuse_is_token_identical_over_request_orders(base, cached):
     assert st["effective_reuse"] == pytest.approx(st["hit_rate"] * st["validation_pass_rate"])
     for kind in V4_KINDS:
         assert st["bytes_by_kind"][kind] > 0, kind
-    assert set(st["bytes_by_group"]) == set(cached._engine.runner.cache.groups)
+    assert set(st["bytes_by_group"]) == set(cached.engine.runner.cache.groups)
 
 
 def test_a_hit_reads_the_store(eng):
