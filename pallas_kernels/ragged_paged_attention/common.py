@@ -184,6 +184,17 @@ def cap_scores(s, soft_cap: float | None):
     return s if soft_cap is None else soft_cap * jnp.tanh(s / soft_cap)
 
 
+def softmax_fold(m, l, s):
+    """Folds one block of masked scores into a running softmax: m, l [..., 1] the max and sum so far (m = -inf before
+    any key), s [..., block] fp32 scores, -inf where not visible. Returns (m_new, l_new, alpha, e): the new max and
+    sum, the factor that rescales what was accumulated so far, and the block's weights (0 where masked)."""
+    m_new = jnp.maximum(m, jnp.max(s, axis=-1, keepdims=True))
+    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    alpha = jnp.exp(m - m_safe)
+    e = jnp.exp(s - m_safe)
+    return m_new, alpha * l + jnp.sum(e, axis=-1, keepdims=True), alpha, e
+
+
 def cdiv(a, b):
     return -(-a // b)
 

@@ -23,7 +23,7 @@ from jax.experimental import pallas as pl
 from pallas_kernels import abi
 from pallas_kernels.gated_delta_rule.pallas_recurrent import compiler_params
 from pallas_kernels.ragged_paged_attention import kernel_io
-from pallas_kernels.ragged_paged_attention.common import Dims, as_int32
+from pallas_kernels.ragged_paged_attention.common import Dims, as_int32, cap_scores, softmax_fold, visible
 from pallas_kernels.ragged_paged_attention.kernel_io import BLK_HI, BLK_LO, KV_LEN, POS0, SEQ, META_WIDTH
 
 ABI = abi.RAGGED_PAGED_ATTENTION
@@ -62,21 +62,12 @@ def _kernel(meta_ref,                 # [8] int32: this tile's metadata row
         v = v_ref[pl.ds(page * ps, ps), pl.ds(h * D, D)]
         s = jax.lax.dot_general(q, k.astype(q.dtype), (((1,), (1,)), ((), ())), precision=prec,
                                 preferred_element_type=jnp.float32) * sm_scale        # [Mp, ps]
-        if soft_cap is not None:
-            s = soft_cap * jnp.tanh(s / soft_cap)
-        k_pos = p * ps + col
-        vis = (k_pos <= q_pos) & (k_pos < kv_len)
-        if sliding_window is not None:
-            vis = vis & (k_pos > q_pos - sliding_window)
-        s = jnp.where(vis, s, -jnp.inf)
-        m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
-        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-        alpha = jnp.exp(m - m_safe)
-        e = jnp.exp(s - m_safe)
+        vis = visible(q_pos, p * ps + col, kv_len, NP * ps, sliding_window)
+        m_new, l_new, alpha, e = softmax_fold(m, l, jnp.where(vis, cap_scores(s, soft_cap), -jnp.inf))
         v = jnp.where(p * ps + v_row < kv_len, v, jnp.zeros_like(v))
         pv = jax.lax.dot_general(e.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=prec,
                                  preferred_element_type=jnp.float32)                # [Mp, D]
-        return m_new, alpha * l + jnp.sum(e, axis=1, keepdims=True), alpha * acc + pv
+        return m_new, l_new, alpha * acc + pv
 
     init = (jnp.full((Mp, 1), -jnp.inf, jnp.float32), jnp.zeros((Mp, 1), jnp.float32),
             jnp.zeros((Mp, D), jnp.float32))

@@ -36,7 +36,7 @@ from jax.experimental.pallas import tpu as pltpu
 from pallas_kernels import abi
 from pallas_kernels.gated_delta_rule.pallas_recurrent import compiler_params
 from pallas_kernels.ragged_paged_attention import kernel_io
-from pallas_kernels.ragged_paged_attention.common import Dims, as_int32
+from pallas_kernels.ragged_paged_attention.common import Dims, as_int32, cap_scores, softmax_fold, visible
 from pallas_kernels.ragged_paged_attention.kernel_io import BLK_HI, BLK_LO, KV_LEN, META_WIDTH, POS0, SEQ
 from pallas_kernels.ragged_paged_attention.tuned_block_sizes import tuned_block_sizes
 
@@ -125,10 +125,7 @@ def _kernel(meta_ref, pages_ref, active_ref,          # SMEM: [W * 8], [R * NP],
                 start(w + 1, field(w + 1, BLK_LO), nxt)
 
             wait(w, j, half)
-            k_pos = j * bk + col
-            vis = (k_pos <= q_pos) & (k_pos < kv_len)
-            if sliding_window is not None:
-                vis = vis & (k_pos > q_pos - sliding_window)
+            vis = visible(q_pos, j * bk + col, kv_len, NP * ps, sliding_window)
             v_ok = j * bk + v_row < kv_len
             for h in range(Hkv):
                 k = k_buf[half, :, :, pl.ds(h * D, D)].reshape(bk, D)
@@ -137,15 +134,8 @@ def _kernel(meta_ref, pages_ref, active_ref,          # SMEM: [W * 8], [R * NP],
                 prec = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
                 s = jax.lax.dot_general(q, k.astype(q.dtype), (((1,), (1,)), ((), ())), precision=prec,
                                         preferred_element_type=jnp.float32) * sm_scale      # [Mp, bk]
-                if soft_cap is not None:
-                    s = soft_cap * jnp.tanh(s / soft_cap)
-                s = jnp.where(vis, s, -jnp.inf)
-                m_prev = m_sc[h][:, :1]
-                m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
-                m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-                alpha = jnp.exp(m_prev - m_safe)
-                e = jnp.exp(s - m_safe)
-                l_new = alpha * l_sc[h][:, :1] + jnp.sum(e, axis=1, keepdims=True)
+                s = jnp.where(vis, cap_scores(s, soft_cap), -jnp.inf)
+                m_new, l_new, alpha, e = softmax_fold(m_sc[h][:, :1], l_sc[h][:, :1], s)
                 v = jnp.where(v_ok, v, jnp.zeros_like(v))
                 pv = jax.lax.dot_general(e.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=prec,
                                          preferred_element_type=jnp.float32)                # [Mp, D]
