@@ -2,7 +2,8 @@
 
 The batch arrives as tiles (kernel_io): `tile` query rows of one sequence, laid out per kv head as [Hkv, Mp, D]
 (row t * Gq + i: the tile's row t, the head group's query head i), with the range of key blocks its rows can
-see. One grid step per tile (grid (W,), sequential: "arbitrary"):
+see. One grid step per tile (grid (W,), sequential: "arbitrary", as the prefetch crosses steps; on a megacore
+chip (v4, v5p) the kernel runs on one of its two cores):
 
   * The tiles' metadata, the flattened page table and the number of tiles with keys sit in SMEM (scalar
     prefetch). The K and V pools stay in HBM (memory_space ANY), viewed as [P, ps, Hkv * D]: a page is one

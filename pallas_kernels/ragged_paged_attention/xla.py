@@ -13,8 +13,10 @@ output when its last block is done. No [N, Hq, context] tensor exists: the large
 Formulation, measured on XLA:CPU: one batched matmul per kv head ([G, rows, D] x [G, block, D]) instead of one
 5-D einsum over (group, kv head) runs the decode batch ~3x faster (XLA:CPU relayouts multi-batch-dim dots), and
 gathering each head's slices straight from the pool instead of whole pages then slicing halves it again.
-16-bit pools are gathered and converted several times slower than f32 ones by XLA:CPU (bf16 decode ~2.5x the
-f32 time; a uint32-pairs view of the pool won back only ~12%, not worth its code). Block sizes: XlaConfig.
+XLA:CPU has no 16-bit gather: a bf16 pool is gathered as uint16 (_gather_head), else the compiled step converts
+the whole pool to f32 on every call. 16-bit gathers and converts still run elementwise: a bf16 batch costs about
+1.5x its f32 time. Block sizes: XlaConfig. Side by side with today's padded dense attention:
+benchmarks/ragged_paged_attention.py.
 """
 from __future__ import annotations
 
