@@ -241,9 +241,9 @@ def test_validate_metadata_names_the_problem():
             validate_metadata(*a, **kw)
 
 
-def test_tpu_layout_rules_name_the_problem():
-    """Outside interpret mode the Mosaic kernel refuses what it cannot lay out (a lane-unaligned head dim, a page
-    off the sublane tile) instead of failing deep in the compiler."""
+def test_kernel_layout_rules_name_the_problem():
+    """Outside interpret mode the kernels refuse what they cannot lay out (Mosaic: a lane-unaligned head dim, a page
+    off the sublane tile; Triton: non-power-of-two blocks) instead of failing deep in a compiler."""
     args = [S((8, 4, 64), jnp.bfloat16), S((9, 16, 2, 64), jnp.bfloat16), S((9, 16, 2, 64), jnp.bfloat16),
             S((2,), jnp.int32), S((2, 4), jnp.int32), S((3,), jnp.int32), S((1,), jnp.int32)]
     with pytest.raises(ValueError, match="head dim a multiple of 128"):
@@ -252,6 +252,12 @@ def test_tpu_layout_rules_name_the_problem():
     args[0] = S((8, 4, 128), jnp.bfloat16)
     with pytest.raises(ValueError, match="page size a multiple of 16"):
         jax.eval_shape(lambda *a: pallas_tpu.ragged_paged_attention_tpu(*a, sm_scale=1.0), *args)
+    with pytest.raises(ValueError, match="page size a power of two >= 16"):      # Triton: pow2 blocks for tl.dot
+        jax.eval_shape(lambda *a: pallas_gpu.ragged_paged_attention_gpu(*a, sm_scale=1.0), *args)
+    args[1] = args[2] = S((9, 16, 2, 128), jnp.bfloat16)
+    with pytest.raises(ValueError, match="one page per step"):
+        jax.eval_shape(lambda *a: pallas_gpu.ragged_paged_attention_gpu(*a, sm_scale=1.0, num_kv_pages_per_block=2),
+                       *args)
 
 
 def test_package_exports_the_subpackage_unshadowed():
