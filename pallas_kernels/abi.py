@@ -48,6 +48,10 @@ def all_abis() -> dict[str, KernelABI]:
 GATED_DELTA_RULE = register(KernelABI("gated_delta_rule", "state[N,HV,K,V]:f32", 1))
 CAUSAL_CONV1D = register(KernelABI("causal_conv1d", "conv_state[N,C,W-1]", 1))
 PAGED_ATTENTION = register(KernelABI("attention_kv", "kv[N,S,Hkv,D]", 1))
+# Full attention over a paged KV pool (pallas_kernels.ragged_paged_attention): separate K and V pools of pages of
+# ps tokens, token-major inside a page, addressed per sequence by page_indices. The op only reads; the full-attention
+# KV group that writes these pages records this id as its writer.
+RAGGED_PAGED_ATTENTION = register(KernelABI("ragged_paged_attention", "k,v[P,ps,Hkv,D]:paged", 1))
 SPARSE_MLA_LATENT = register(KernelABI("sparse_mla", "latent[P,ps,R]+rope[P,ps,Dr]:paged", 1))
 INDEXER_KEYS = register(KernelABI("dsa_indexer", "keys[P,ps,D](+scale[P,ps]:f32):paged", 1))
 # DeepSeek-V4 compressed attention (pallas_kernels.compressed_attention). The compressor writes, per layer,
