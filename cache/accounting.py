@@ -22,7 +22,7 @@ entries or pages at n is counted); `Accounting.per_token_at` uses the linear spl
 multiple of every compression rate and page size; the tests check that).
 
 Full-attention baseline: `full_kv_cache_fn(num_layers, kv_heads, head_dim, dtype)` is a standard
-full-attention KV cache (cache.state KVGroup: separate K and V, [L, B, S, Hkv, D]) of the given width;
+full-attention KV cache (cache.state KVGroup: separate K and V in pages [L, P, ps, Hkv, D]) of the given width;
 callers compare a model against the one with its layer count, KV heads and head dim.
 """
 from __future__ import annotations

@@ -192,19 +192,32 @@ def put_rows(cache: ModelCache, rows: jax.Array, sub: ModelCache) -> ModelCache:
                       version=cache.version.at[rows].set(sub.version))
 
 
+def _copy(group, fields: dict[str, int], src: jax.Array, dst: jax.Array, valid: jax.Array):
+    """The group with index src [M] -> dst [M] copied along each field's axis where valid [M]
+    (others dropped, never clamped onto a live index)."""
+    upd = {}
+    for f, ax in fields.items():
+        a = getattr(group, f)
+        d = jnp.where(valid, dst, a.shape[ax])                      # out of range: dropped
+        vals = jnp.take(a, jnp.clip(src, 0, a.shape[ax] - 1), axis=ax)
+        upd[f] = a.at[(slice(None),) * ax + (d,)].set(vals, mode="drop")
+    return group.replace(**upd)
+
+
 def copy_rows(pools: ModelCache, names, src: jax.Array, dst: jax.Array, valid: jax.Array) -> ModelCache:
-    """Copies rows src [M] -> dst [M] of the row fields of groups `names` where valid [M] (others
-    dropped): a request's state into a checkpoint unit (publish) or back (a prefix hit)."""
+    """Copies rows src [M] -> dst [M] of the row fields of groups `names` where valid [M]: a
+    request's state into a checkpoint unit (publish) or back (a prefix hit)."""
     groups = dict(pools.groups)
     for name in names:
-        g = groups[name]
-        upd = {}
-        for f, ax in row_fields(g).items():
-            a = getattr(g, f)
-            d = jnp.where(valid, dst, a.shape[ax])                      # out of range: dropped
-            vals = jnp.take(a, jnp.clip(src, 0, a.shape[ax] - 1), axis=ax)
-            upd[f] = a.at[(slice(None),) * ax + (d,)].set(vals, mode="drop")
-        groups[name] = g.replace(**upd)
+        groups[name] = _copy(groups[name], row_fields(groups[name]), src, dst, valid)
+    return pools.replace(groups=groups)
+
+
+def copy_pages(pools: ModelCache, plan: dict[str, tuple[jax.Array, jax.Array]]) -> ModelCache:
+    """Copy-on-write: page src [M] -> dst [M] of every page field of each group in plan (-1: none)."""
+    groups = dict(pools.groups)
+    for name, (src, dst) in plan.items():
+        groups[name] = _copy(groups[name], page_fields(groups[name]), src, dst, (src >= 0) & (dst >= 0))
     return pools.replace(groups=groups)
 
 

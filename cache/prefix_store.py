@@ -87,21 +87,6 @@ def load_checkpoints(pools: ModelCache, versions: dict[str, jax.Array], row: jax
     return pools.replace(groups=groups), ok
 
 
-def copy_pages(pools: ModelCache, plan: dict[str, tuple[jax.Array, jax.Array]]) -> ModelCache:
-    """Copy-on-write: page src [M] -> dst [M] of every page field of each group in plan (-1: none)."""
-    groups = dict(pools.groups)
-    for name, (src, dst) in plan.items():
-        g = groups[name]
-        upd = {}
-        for f, ax in page_fields(g).items():
-            a = getattr(g, f)
-            d = jnp.where(dst >= 0, dst, a.shape[ax])
-            vals = jnp.take(a, jnp.clip(src, 0, a.shape[ax] - 1), axis=ax)
-            upd[f] = a.at[(slice(None),) * ax + (d,)].set(vals, mode="drop")
-        groups[name] = g.replace(**upd)
-    return pools.replace(groups=groups)
-
-
 def read_units(pools: ModelCache, plan: dict[str, jax.Array]) -> dict[str, dict[str, jax.Array]]:
     """Gathers units for a copy to the host. plan: group -> units [W] (-1 = padding, read as unit 0).
     Returns group -> field -> the field with its unit axis of size W; the caller keeps the

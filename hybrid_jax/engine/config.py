@@ -15,18 +15,18 @@ def default_compilation_cache_dir() -> str:
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
-    max_num_seqs: int = 8               # requests running at once (cache slots)
+    max_num_seqs: int = 8               # requests running at once (cache rows)
     max_num_batched_tokens: int = 256   # tokens per step, prefill chunks and decodes together
     max_model_len: int = 2048           # prompt + output tokens per request
     decode_steps: int = 4               # decode iterations per device call when no prefill is pending
-    kv_cache_bytes: int | None = None   # cap on live cache bytes (None: what the slots hold)
+    kv_cache_bytes: int | None = None   # bytes of the cache pools (None: max_num_seqs requests of max_model_len)
     max_stop_ids: int = 8               # stop token ids per request, as a static width
     compilation_cache_dir: str | None = dataclasses.field(default_factory=default_compilation_cache_dir)
     warmup: str = "minimal"             # "none" | "minimal" (decode buckets) | "all" (every bucket)
     enable_prefix_caching: bool = False  # reuse validated cached prefixes across requests
     prefix_block_size: int = 64          # tokens per full-KV page (a prefix-cache block) / checkpoint grid
     prefix_checkpoint_interval: int = 8  # keep a recurrent checkpoint every interval x LCM tokens (+ the last)
-    prefix_cache_bytes: int | None = None  # store cap (None: as much as the running slots hold)
+    prefix_cache_bytes: int | None = None  # the prefix store's cap (None: kv_cache_bytes)
     kv_cache_dir: str | None = None      # on-disk prefix tier (needs enable_prefix_caching)
     kv_cache_dir_bytes: int = 8 << 30    # the disk tier's own cap
     prefetch_policy: str = "wait"        # disk prefetch at admission: "best_effort" | "wait" | "timeout"

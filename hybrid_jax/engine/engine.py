@@ -147,7 +147,8 @@ class LLMEngine:
         return next((b for b in self._publish_points(q) if b > q.num_computed), None)
 
     def _reuse_prefix(self, q: Request) -> int:
-        """Scheduler hook on admission: fill the new slot from the prefix cache when a hit validates."""
+        """Scheduler hook on admission: the new request gets its cached prefix when a hit validates
+        (the stored pages in its block tables, the checkpoints in its row)."""
         self.runner.cache, n = self.prefix.reuse(self.runner.cache, q.slot, q.request_id, q.all_ids)
         q.num_cached_tokens = n
         st = self.prefix.stats
@@ -193,7 +194,12 @@ class LLMEngine:
         if self.prefix is None:
             return {"enabled": False}
         self.flush_publishes()
-        return {"enabled": True, **self.prefix.cache_stats()}
+        return {"enabled": True, **self.prefix.cache_stats(), "pools": self.pool_usage()}
+
+    def pool_usage(self) -> dict:
+        """Per cache group: pages (or checkpoint units) in use and in the pool."""
+        b = self.blocks
+        return {n: {"used": b.used_units(n), "total": g.num_units} for n, g in b.groups.items()}
 
     # --- one step ----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -245,6 +251,8 @@ class LLMEngine:
             if out is not None:
                 outs.append(out)
         self.metrics.compilations.set(self.num_compiled())
+        self.metrics.cache_usage.set(max((self.blocks.used_units(n) / g.num_units for n, g in self.blocks.groups.items()
+                                          if g.paged and g.num_units), default=0.0))
         self._sparse_hit_rate([p.request.slot for p in plan.rows if p.request.slot is not None])
         self.metrics.queue_length.set(len(self.scheduler.waiting))
         self.metrics.running.set(len(self.scheduler.running))

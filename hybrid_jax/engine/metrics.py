@@ -29,6 +29,8 @@ class EngineMetrics:
                                 "Output tokens per second over the last 10 s", registry=r)
         self._recent: collections.deque = collections.deque()
         self.compilations = Gauge(p + "compiled_programs", "Step programs compiled so far", registry=r)
+        self.cache_usage = Gauge(p + "kv_cache_usage_ratio", "Share of the paged pools' pages in use (fullest group)",
+                                 registry=r)
         # Cache and speculation figures: set by the components that own them; NaN until they exist.
         self.prefix_hit_rate = Gauge(p + "prefix_cache_hit_rate", "Prefix cache hit rate", registry=r)
         self.validation_pass_rate = Gauge(p + "prefix_cache_validation_pass_rate",

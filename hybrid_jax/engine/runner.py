@@ -17,7 +17,6 @@ the set of programs is finite and `warmup` can compile all of them before the fi
 """
 from __future__ import annotations
 
-import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -25,9 +24,8 @@ import numpy as np
 
 from cache import put_rows, take_rows
 from cache.block_manager import BlockManager, GroupGeometry
-from cache.pools import (build_pools, is_paged, page_nbytes, page_tokens, pool_geometry, put_view, row_nbytes,
-                         size_pools, take_view)
-from cache.prefix_store import copy_pages
+from cache.pools import (build_pools, copy_pages, is_paged, page_nbytes, page_tokens, pool_geometry, put_view,
+                         row_nbytes, size_pools, take_view)
 from hybrid_jax.engine.config import EngineConfig
 from hybrid_jax.errors import InputError
 from hybrid_jax.generate import bucket

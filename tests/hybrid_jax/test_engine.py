@@ -171,3 +171,24 @@ def test_prefill_chunks_shrink_beside_many_rows(llm):
     eng = _engine(llm, max_num_seqs=4, max_num_batched_tokens=32)
     # token buckets are 8 and 32: one row may take 32-token chunks, four rows only 8
     assert eng.runner.chunk_cap(1) == 32 and eng.runner.chunk_cap(4) == 8
+
+
+def test_copy_on_write_copies_pages_and_nothing_else(shared):
+    """The device side of copy-on-write (`BlockManager.writable` picks the pages): the copy holds the
+    shared page's bytes in every paged field and every other page is untouched."""
+    import jax  # noqa: PLC0415
+    runner = shared.runner
+    kv = runner.cache.groups["full_attention"]
+    rng = np.random.default_rng(0)
+    filled = kv.replace(k=jax.numpy.asarray(rng.normal(size=kv.k.shape), kv.k.dtype),
+                        v=jax.numpy.asarray(rng.normal(size=kv.v.shape), kv.v.dtype))
+    runner.cache = runner.cache.replace(groups={**runner.cache.groups, "full_attention": filled})
+    before = {f: np.asarray(getattr(filled, f)) for f in ("k", "v")}
+    runner.copy_on_write({"full_attention": [(3, 5), (0, 1)]})
+    after = runner.cache.groups["full_attention"]
+    for f, a in before.items():
+        got = np.asarray(getattr(after, f))
+        np.testing.assert_array_equal(got[:, 5], a[:, 3])
+        np.testing.assert_array_equal(got[:, 1], a[:, 0])
+        others = [p for p in range(a.shape[1]) if p not in (1, 5)]
+        np.testing.assert_array_equal(got[:, others], a[:, others])
