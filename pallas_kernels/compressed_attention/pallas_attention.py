@@ -45,7 +45,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels import abi
-from pallas_kernels.gated_delta_rule.pallas_recurrent import compiler_params, default_backend
+from pallas_kernels.dispatch import KernelUnsupported
+from pallas_kernels.kernel_params import compiler_params
 from pallas_kernels.sparse_attention.common import physical_rows
 
 ABI = abi.V4_SPARSE_READ
@@ -169,11 +170,10 @@ def _pow2(x: int, floor: int = 1) -> int:
 @functools.partial(jax.jit, static_argnames=("window", "scale", "rate", "config", "backend", "interpret"))
 def attention_pallas(q, kv, kv_positions, q_positions, entries, page_table, indices, entry_counts, sinks, *,
                      window: int, scale: float, rate: int | None = None, config: AttentionConfig = AttentionConfig(),
-                     backend: str | None = None, interpret: bool = False):
+                     backend: str = "tpu", interpret: bool = False):
     """Shapes as ops.compressed_sparse_read: q [B, T, H, D], kv [B, S, D], kv_positions [B, S], q_positions [B, T],
     entries [P, ps, D] | None, page_table [B, NP], indices [B, T, K] | None (None with rate: HCA),
     entry_counts [B], sinks [H] -> [B, T, H, D] f32."""
-    backend = backend or default_backend()
     B, T, H, D = q.shape
     S = kv.shape[1]
     mode = "window" if entries is None else ("dense" if indices is None else "gather")
@@ -227,9 +227,9 @@ def attention_pallas(q, kv, kv_positions, q_positions, entries, page_table, indi
             interpret=interpret, name="v4_sparse_read",
         )(*prefetch, q, kv, kpos.reshape(B, 1, S), sk.reshape(H, 1), *ent_args)
     if D & (D - 1) or D < 16:
-        raise ValueError(f"the Triton V4 attention kernel needs D a power of two >= 16; got {D}")
+        raise KernelUnsupported(f"the Triton V4 attention kernel needs D a power of two >= 16; got {D}")
     if mode == "dense" and (ps & (ps - 1) or ps < 16):
-        raise ValueError(f"the Triton V4 attention kernel reads HCA entries by page: page size a power of two "
+        raise KernelUnsupported(f"the Triton V4 attention kernel reads HCA entries by page: page size a power of two "
                          f">= 16; got {ps}")
     Hp, Sp = _pow2(H, 16), _pow2(S, 16)
     args = [qpos[..., None]]

@@ -34,7 +34,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.gated_delta_rule.pallas_recurrent import compiler_params, default_backend
+from pallas_kernels.dispatch import KernelUnsupported
+from pallas_kernels.kernel_params import compiler_params
 
 INT_MIN = -(2 ** 31)
 
@@ -135,11 +136,10 @@ def _gpu_threshold_kernel(s_ref, tau_ref, *, ps, NP, topk):     # [1, S] f32 -> 
 @functools.partial(jax.jit, static_argnames=("topk", "config", "backend", "interpret"))
 def index_scores_threshold_pallas(q, w, k_pages, page_table, q_positions, kv_lengths, *, topk: int,
                                   k_scale=None, config: IndexerConfig = IndexerConfig(),
-                                  backend: str | None = None, interpret: bool = False):
+                                  backend: str = "tpu", interpret: bool = False):
     """q [B, T, H, D], w [B, T, H] f32 (scales folded), k_pages [P, ps, D] (bf16/f32/fp8),
     k_scale [P, ps] | None, page_table [B, NP], q_positions [B, T], kv_lengths [B]
     -> (scores [B, T, S] f32 (-inf = not selectable), tau [B, T] int32 ordered key of the K-th best)."""
-    backend = backend or default_backend()
     B, T, H, D = q.shape
     P, ps, _ = k_pages.shape
     NP = page_table.shape[1]
@@ -156,7 +156,7 @@ def index_scores_threshold_pallas(q, w, k_pages, page_table, q_positions, kv_len
     if backend == "tpu":
         from jax.experimental.pallas import tpu as pltpu  # noqa: PLC0415
         if ps % 128 and not interpret:
-            raise ValueError(f"the TPU indexer kernel needs a page size that is a multiple of 128; got {ps}")
+            raise KernelUnsupported(f"the TPU indexer kernel needs a page size that is a multiple of 128; got {ps}")
         in_specs = [pl.BlockSpec((None, tq, H, D), lambda b, i, p, *_: (b, i, 0, 0)),
                     pl.BlockSpec((None, tq, H, 1), lambda b, i, p, *_: (b, i, 0, 0)),
                     pl.BlockSpec((None, ps, D), lambda b, i, p, pt_, *_: (
@@ -184,7 +184,7 @@ def index_scores_threshold_pallas(q, w, k_pages, page_table, q_positions, kv_len
     w = jnp.pad(w, ((0, 0), (0, 0), (0, Hp - H)))
     for name, x in (("page size", ps), ("D", D)):
         if x & (x - 1):
-            raise ValueError(f"the Triton indexer kernel needs {name} a power of two; got {x}")
+            raise KernelUnsupported(f"the Triton indexer kernel needs {name} a power of two; got {x}")
     in_specs = [pl.BlockSpec((B, NP), lambda b, i, p: (0, 0)), pl.BlockSpec((B, 1), lambda b, i, p: (0, 0)),
                 pl.BlockSpec((B, Tp), lambda b, i, p: (0, 0)),
                 pl.BlockSpec((None, tq, Hp, D), lambda b, i, p: (b, i, 0, 0)),
@@ -230,3 +230,13 @@ def select_from_threshold(scores, tau, topk: int):
     ti = jnp.arange(T)[None, :, None]
     pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), scores.shape)
     return out.at[bi, ti, slot].set(pos, mode="drop")
+
+
+def indexer_topk_pallas(q, w, k_pages, page_table, q_positions, kv_lengths, *, topk: int, k_scale=None,
+                        config: IndexerConfig = IndexerConfig(), backend: str = "tpu", interpret: bool = False):
+    """Shapes as ops.indexer_topk -> indices [B, T, topk] int32 in position order, -1 padded: the kernel's
+    scores and threshold, then the compaction (XLA)."""
+    scores, tau = index_scores_threshold_pallas(q, w, k_pages, page_table, q_positions, kv_lengths, topk=topk,
+                                                k_scale=k_scale, config=config, backend=backend,
+                                                interpret=interpret)
+    return select_from_threshold(scores, tau, topk)

@@ -29,7 +29,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.gated_delta_rule.pallas_recurrent import compiler_params, default_backend
+from pallas_kernels.dispatch import KernelUnsupported
+from pallas_kernels.kernel_params import compiler_params
 from pallas_kernels.sparse_attention.common import physical_rows
 
 
@@ -98,11 +99,10 @@ def _gpu_kernel(rows_ref, ok_ref,                     # [K] int32
 
 @functools.partial(jax.jit, static_argnames=("scale", "config", "backend", "interpret"))
 def sparse_mla_pallas(q_lat, q_rope, latent, rope, page_table, indices, kv_lengths, *, scale: float,
-                      config: SparseMLAConfig = SparseMLAConfig(), backend: str | None = None,
+                      config: SparseMLAConfig = SparseMLAConfig(), backend: str = "tpu",
                       interpret: bool = False):
     """q_lat [B, T, H, R], q_rope [B, T, H, Dr], latent [P, ps, R], rope [P, ps, Dr], page_table [B, NP],
     indices [B, T, K], kv_lengths [B] -> o_lat [B, T, H, R] f32."""
-    backend = backend or default_backend()
     B, T, H, R = q_lat.shape
     Dr = q_rope.shape[-1]
     P, ps, _ = latent.shape
@@ -134,7 +134,7 @@ def sparse_mla_pallas(q_lat, q_rope, latent, rope, page_table, indices, kv_lengt
     Hp = 1 << (H - 1).bit_length()
     for name, x in (("R", R), ("Dr", Dr), ("K", K)):
         if x & (x - 1):
-            raise ValueError(f"the Triton sparse MLA kernel needs {name} a power of two; got {x}")
+            raise KernelUnsupported(f"the Triton sparse MLA kernel needs {name} a power of two; got {x}")
     padh = ((0, 0), (0, 0), (0, Hp - H), (0, 0))
     out = pl.pallas_call(
         functools.partial(_gpu_kernel, K=K, scale=scale), grid=(B, T),
