@@ -38,11 +38,18 @@ def smem_spec(backend: str, n: int):
     return pl.BlockSpec((n,), lambda *_: (0,))
 
 
-def cost(flops: float, transcendentals: float, *arrays) -> pl.CostEstimate:
-    """A kernel's cost for XLA's cost analysis: its FLOPs and transcendentals, and the bytes of the HBM
-    arrays it reads or writes once each (`arrays`: anything with .shape and .dtype)."""
-    nbytes = sum(int(a.dtype.itemsize) * _size(a.shape) for a in arrays if a is not None)
-    return pl.CostEstimate(flops=int(flops), transcendentals=int(transcendentals), bytes_accessed=int(nbytes))
+def cost(flops: float, transcendentals: float, *arrays, extra_bytes: float = 0) -> pl.CostEstimate:
+    """A kernel's cost for XLA's cost analysis: its FLOPs and transcendentals, and its HBM bytes: those
+    of `arrays` (anything with .shape and .dtype) read or written once each, plus `extra_bytes` (what
+    the kernel reads more than once, or reads only in part: gathered rows, re-fetched pages)."""
+    nbytes = sum(nbytes_of(a) for a in arrays if a is not None)
+    return pl.CostEstimate(flops=int(flops), transcendentals=int(transcendentals),
+                           bytes_accessed=int(nbytes + extra_bytes))
+
+
+def nbytes_of(a) -> int:
+    """Bytes of an array or ShapeDtypeStruct."""
+    return int(a.dtype.itemsize) * _size(a.shape)
 
 
 def _size(shape) -> int:

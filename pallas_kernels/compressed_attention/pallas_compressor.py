@@ -35,7 +35,7 @@ from jax.experimental import pallas as pl
 from pallas_kernels import abi
 from pallas_kernels.compressed_attention.common import finish, stream
 from pallas_kernels.dispatch import KernelUnsupported
-from pallas_kernels.kernel_params import compiler_params
+from pallas_kernels.kernel_params import compiler_params, cost
 
 ABI = abi.V4_COMPRESSOR   # the entries / tail / overlap layout, the same for every implementation
 
@@ -116,9 +116,18 @@ def pool_windows_pallas(s_kv, s_gate, overlap_kv, overlap_gate, entry_count, bia
         out_specs=pl.BlockSpec((None, None, 1, D), lambda b, w: (b, w, 0, 0)),
         out_shape=jax.ShapeDtypeStruct((B, NW, 1, D), jnp.float32),
         compiler_params=compiler_params(backend, sem, config.num_warps), interpret=interpret,
-        name="v4_compressor",
+        name="v4_compressor", cost_estimate=_cost(B, NW, m, C, D, s_kv, s_gate, overlap),
     )(*args)
     return out[:, :, 0]
+
+
+def _cost(B, NW, m, C, D, s_kv, s_gate, overlap):
+    """Per window: bias add, max, exp, two products and sums over its m x C (CSA: 2 m x D) slots, then the
+    RMSNorm of one D row (~6 m C + 4 D flops, m C exp). Bytes: each window's kv and gate rows (CSA reads
+    the previous window's a-half too), the f32 entries written."""
+    slots = m * C
+    per_window = slots * (s_kv.dtype.itemsize + s_gate.dtype.itemsize) * (2 if overlap else 1)
+    return cost(B * NW * (6 * slots + 4 * D), B * NW * (slots + 1), extra_bytes=B * NW * (per_window + 4 * D))
 
 
 @functools.partial(jax.jit, static_argnames=("rate", "overlap", "eps", "rope_scale", "config", "backend",
