@@ -82,7 +82,10 @@ def run(op: str, impl: str, args: tuple, *, reference: Callable[..., Any], xla: 
                 return _unbuildable_branch(f"{op}: impl='pallas' has no kernel for {where}: {e}", xla)(*a)
         return branch
 
-    accel = {p: kernel_branch(b, False, f"{p} ({b} variant)") for p, b in KERNEL_BACKENDS.items()}
+    # one branch per kernel variant: platforms sharing a variant share the function, so it is traced once
+    variants = {b: kernel_branch(b, False, "/".join(p for p, v in KERNEL_BACKENDS.items() if v == b) + f" ({b} variant)")
+                for b in set(KERNEL_BACKENDS.values())}
+    accel = {p: variants[b] for p, b in KERNEL_BACKENDS.items()}
     cpu = xla if impl == "auto" else kernel_branch(INTERPRET_BACKEND, True, "cpu (interpret mode)")
     other = _unbuildable_branch(f"{op}: no Pallas kernel for this platform (there are: cpu, "
                                 f"{', '.join(KERNEL_BACKENDS)})", xla)
