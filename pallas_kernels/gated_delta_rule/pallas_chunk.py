@@ -40,8 +40,9 @@ from pallas_kernels import abi
 from pallas_kernels.dispatch import KernelUnsupported
 from pallas_kernels.gated_delta_rule import varlen
 from pallas_kernels.gated_delta_rule.common import check_inputs, default_scale
-from pallas_kernels.gated_delta_rule.pallas_recurrent import copy_states, row_to_col
-from pallas_kernels.kernel_params import TPU_VMEM_LIMIT, check_backend, compiler_params, cost, smem_spec
+from pallas_kernels.gated_delta_rule.pallas_recurrent import (
+    copy_states, row_to_col, time_block_specs, whole_sequence_specs)
+from pallas_kernels.kernel_params import TPU_VMEM_LIMIT, check_backend, compiler_params, cost
 
 ABI = abi.GATED_DELTA_RULE   # writes state[N, HV, K, V] f32, like every other implementation
 _HI = jax.lax.Precision.HIGHEST
@@ -214,40 +215,18 @@ def chunk_gated_delta_rule_pallas(
     b_sem = "arbitrary" if varl else "parallel"   # a packed batch revisits one state block
     if backend == "tpu":
         from jax.experimental.pallas import tpu as pltpu  # noqa: PLC0415
-        hmap = lambda b, h, j, c: (0 if varl else b, h, 0, j)  # noqa: E731
         grid = (B, HV, V // bv, NC)
-        in_specs = [
-            smem_spec(backend, B * NC), smem_spec(backend, B * NC),
-            pl.BlockSpec((None, None, C, K), lambda b, h, j, c: (b, jax.lax.div(h, r), c, 0)),
-            pl.BlockSpec((None, None, C, K), lambda b, h, j, c: (b, jax.lax.div(h, r), c, 0)),
-            pl.BlockSpec((None, None, C, bv), lambda b, h, j, c: (b, h, c, j)),
-            pl.BlockSpec((None, None, NC, C), lambda b, h, j, c: (b, h, 0, 0)),
-            pl.BlockSpec((None, None, NC, C), lambda b, h, j, c: (b, h, 0, 0)),
-            pl.BlockSpec((NB, None, K, bv), hmap),
-        ]
+        in_specs, out_specs = time_block_specs(B * NC, C, NC, K, bv, r, NB, varl)
         # g, beta lane-dense ([Tp, 1] columns would be padded to 128 lanes in HBM)
         gt, bt = gt.reshape(B, HV, NC, C), bt.reshape(B, HV, NC, C)
-        out_specs = [pl.BlockSpec((None, None, C, bv), lambda b, h, j, c: (b, h, c, j)),
-                     pl.BlockSpec((NB, None, K, bv), hmap)]
         kernel = functools.partial(_tpu_kernel, **kw)
         scratch = [pltpu.VMEM((K, bv), jnp.float32)]
         sem = (b_sem, "parallel", "parallel", "arbitrary")
         params = compiler_params(backend, sem, vmem_limit_bytes=TPU_VMEM_LIMIT)
     else:
-        hmap = lambda b, h, j: (0 if varl else b, h, 0, j)  # noqa: E731
         grid = (B, HV, V // bv)
-        in_specs = [
-            smem_spec(backend, B * NC), smem_spec(backend, B * NC),
-            pl.BlockSpec((None, None, Tp, K), lambda b, h, j: (b, jax.lax.div(h, r), 0, 0)),
-            pl.BlockSpec((None, None, Tp, K), lambda b, h, j: (b, jax.lax.div(h, r), 0, 0)),
-            pl.BlockSpec((None, None, Tp, bv), lambda b, h, j: (b, h, 0, j)),
-            pl.BlockSpec((None, None, Tp, 1), lambda b, h, j: (b, h, 0, 0)),
-            pl.BlockSpec((None, None, Tp, 1), lambda b, h, j: (b, h, 0, 0)),
-            pl.BlockSpec((NB, None, K, bv), hmap),
-        ]
+        in_specs, out_specs = whole_sequence_specs(backend, B * NC, Tp, K, bv, r, NB, varl)
         gt, bt = gt[..., None], bt[..., None]                           # [B, HV, Tp, 1]
-        out_specs = [pl.BlockSpec((None, None, Tp, bv), lambda b, h, j: (b, h, 0, j)),
-                     pl.BlockSpec((NB, None, K, bv), hmap)]
         kernel = functools.partial(_gpu_kernel, C=C, **kw)
         scratch = []
         params = compiler_params(backend, (b_sem, "parallel", "parallel"), config.num_warps, config.num_stages)

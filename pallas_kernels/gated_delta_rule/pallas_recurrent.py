@@ -240,18 +240,7 @@ def fused_recurrent_gated_delta_rule_pallas(
         seq = jnp.pad(seq.reshape(B, T), ((0, 0), (0, Tp - T))).reshape(-1)
         flag = jnp.pad(flag.reshape(B, T), ((0, 0), (0, Tp - T))).reshape(-1)
         gt, bt = (jnp.pad(x, pad).reshape(B, HV, NT, Tb) for x in (gt, bt))
-        hblk = lambda b, h, j, t: (0 if varl else b, h, 0, j)  # noqa: E731
-        in_specs = [
-            smem_spec(backend, B * Tp), smem_spec(backend, B * Tp),
-            pl.BlockSpec((None, None, Tb, K), lambda b, h, j, t: (b, jax.lax.div(h, r), t, 0)),
-            pl.BlockSpec((None, None, Tb, K), lambda b, h, j, t: (b, jax.lax.div(h, r), t, 0)),
-            pl.BlockSpec((None, None, Tb, bv), lambda b, h, j, t: (b, h, t, j)),
-            pl.BlockSpec((None, None, NT, Tb), lambda b, h, j, t: (b, h, 0, 0)),
-            pl.BlockSpec((None, None, NT, Tb), lambda b, h, j, t: (b, h, 0, 0)),
-            pl.BlockSpec((NB, None, K, bv), hblk),
-        ]
-        out_specs = [pl.BlockSpec((None, None, Tb, bv), lambda b, h, j, t: (b, h, t, j)),
-                     pl.BlockSpec((NB, None, K, bv), hblk)]
+        in_specs, out_specs = time_block_specs(B * Tp, Tb, NT, K, bv, r, NB, varl)
         if keep == "states":
             out_specs.append(pl.BlockSpec((None, Tb, None, K, bv), lambda b, h, j, t: (b, t, h, 0, j)))
         if keep == "deltas":
@@ -263,19 +252,8 @@ def fused_recurrent_gated_delta_rule_pallas(
         params = compiler_params(backend, (b_sem, "parallel", "parallel", "arbitrary"),
                                  vmem_limit_bytes=TPU_VMEM_LIMIT)
     else:
-        hblk = lambda b, h, j: (0 if varl else b, h, 0, j)  # noqa: E731
-        in_specs = [
-            smem_spec(backend, B * T), smem_spec(backend, B * T),
-            pl.BlockSpec((None, None, T, K), lambda b, h, j: (b, jax.lax.div(h, r), 0, 0)),
-            pl.BlockSpec((None, None, T, K), lambda b, h, j: (b, jax.lax.div(h, r), 0, 0)),
-            pl.BlockSpec((None, None, T, bv), lambda b, h, j: (b, h, 0, j)),
-            pl.BlockSpec((None, None, T, 1), lambda b, h, j: (b, h, 0, 0)),
-            pl.BlockSpec((None, None, T, 1), lambda b, h, j: (b, h, 0, 0)),
-            pl.BlockSpec((NB, None, K, bv), hblk),
-        ]
+        in_specs, out_specs = whole_sequence_specs(backend, B * T, T, K, bv, r, NB, varl)
         gt, bt = gt[..., None], bt[..., None]                          # [B, HV, T, 1]
-        out_specs = [pl.BlockSpec((None, None, T, bv), lambda b, h, j: (b, h, 0, j)),
-                     pl.BlockSpec((NB, None, K, bv), hblk)]
         if keep == "states":
             out_specs.append(pl.BlockSpec((None, T, None, K, bv), lambda b, h, j: (b, 0, h, 0, j)))
         if keep == "deltas":
@@ -295,6 +273,32 @@ def fused_recurrent_gated_delta_rule_pallas(
     if keep == "deltas":
         return o, final, outs[2].transpose(0, 2, 1, 3)
     return o, final
+
+
+def time_block_specs(n_meta: int, Tb: int, NT: int, K: int, bv: int, r: int, NB: int, varl: bool):
+    """The Mosaic layout of both GDN kernels: grid (B, HV, V / bv, NT), the last axis walking blocks of Tb
+    tokens (q, k [Tb, K] of key head h // r; v [Tb, bv]); g and beta lane-dense, the head's whole
+    [NT, Tb] resident; the state block [NB, K, bv]; the two int32 vectors [n_meta] in SMEM. Returns
+    (in_specs, out_specs) for (seq, flag, q, k, v, g, beta, h0) -> (o [Tb, bv], final state)."""
+    hmap = lambda b, h, j, t: (0 if varl else b, h, 0, j)  # noqa: E731
+    qk = pl.BlockSpec((None, None, Tb, K), lambda b, h, j, t: (b, jax.lax.div(h, r), t, 0))
+    gates = pl.BlockSpec((None, None, NT, Tb), lambda b, h, j, t: (b, h, 0, 0))
+    rows = pl.BlockSpec((None, None, Tb, bv), lambda b, h, j, t: (b, h, t, j))
+    state = pl.BlockSpec((NB, None, K, bv), hmap)
+    return ([smem_spec("tpu", n_meta), smem_spec("tpu", n_meta), qk, qk, rows, gates, gates, state], [rows, state])
+
+
+def whole_sequence_specs(backend: str, n_meta: int, L: int, K: int, bv: int, r: int, NB: int, varl: bool):
+    """The Triton layout of both GDN kernels: program (b, h, j) holds its head's whole sequence of L tokens
+    (q, k [L, K] of key head h // r; v [L, bv]; g, beta [L, 1]) and its state block [NB, K, bv]; the two
+    per-step int32 vectors [n_meta] (sequence ids, flags) whole. Returns (in_specs, out_specs) for
+    (seq, flag, q, k, v, g, beta, h0) -> (o [L, bv], final state)."""
+    hmap = lambda b, h, j: (0 if varl else b, h, 0, j)  # noqa: E731
+    qk = pl.BlockSpec((None, None, L, K), lambda b, h, j: (b, jax.lax.div(h, r), 0, 0))
+    col = pl.BlockSpec((None, None, L, 1), lambda b, h, j: (b, h, 0, 0))
+    rows = pl.BlockSpec((None, None, L, bv), lambda b, h, j: (b, h, 0, j))
+    state = pl.BlockSpec((NB, None, K, bv), hmap)
+    return ([smem_spec(backend, n_meta), smem_spec(backend, n_meta), qk, qk, rows, col, col, state], [rows, state])
 
 
 def _cost(q, k, v, h0, out_shape, HV, l2norm):
