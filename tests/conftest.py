@@ -8,6 +8,13 @@ import os
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The TPU compiler (libtpu, the `tpu-aot` extra) may be installed for the AOT compile tests. Without a
+# TPU, JAX would still probe for one in every process that touches a device (noise on stderr, and a
+# /tmp lock file that libtpu takes per process): the suite runs on the CPU and reaches the TPU compiler
+# only through jax.experimental.topologies, which works with JAX_PLATFORMS=cpu. The lock must not stop
+# two test workers (or another job on the machine) from compiling for a TPU at the same time.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 # The suite's time is mostly XLA compiling tiny models (about 2 s a program at the default level,
 # the programs themselves run in milliseconds). Codegen without LLVM's expensive passes computes
 # the same values and compiles about a third faster; subprocesses and notebook kernels inherit it.

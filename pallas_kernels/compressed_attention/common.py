@@ -18,8 +18,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.gated_delta_rule.common import IMPLS, resolve_impl  # noqa: F401  (one impl rule)
-
 
 def n_windows(T: int, rate: int) -> int:
     """Windows a step of T tokens can close (static): the tail holds at most rate - 1 tokens."""

@@ -4,20 +4,30 @@
   impl="xla"        vectorised XLA: all windows pooled at once / query blocks (xla.py)
   impl="pallas"     Pallas kernels (interpret mode on CPU)
   impl="auto"       Pallas on GPU/TPU, XLA on CPU
+chosen by the platform the program is lowered for (pallas_kernels.dispatch).
 
 Layouts are in common.py. Every implementation writes the same entry / tail / overlap layout, so they share
 one kernel ABI id (`pallas_kernels.abi.V4_COMPRESSOR`).
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 
+from pallas_kernels import dispatch
 from pallas_kernels.compressed_attention import naive, xla
-from pallas_kernels.compressed_attention.common import check_attention, check_compress, resolve_impl
+from pallas_kernels.compressed_attention.common import check_attention, check_compress
 
 
-def _interpret() -> bool:
-    return jax.default_backend() == "cpu"
+def _pallas_compressor():
+    from pallas_kernels.compressed_attention import pallas_compressor  # noqa: PLC0415
+    return pallas_compressor.compress_pallas
+
+
+def _pallas_attention():
+    from pallas_kernels.compressed_attention import pallas_attention  # noqa: PLC0415
+    return pallas_attention.attention_pallas
 
 
 def compress_windows(
@@ -51,13 +61,10 @@ def compress_windows(
     kw = dict(rate=rate, overlap=overlap, eps=float(eps), rope_scale=float(rope_scale))
     args = (kv_new, gate_new, tail_kv, tail_gate, tail_count, n_new, entry_count, overlap_kv, overlap_gate, bias,
             norm_w, freqs)
-    impl = resolve_impl(impl)
-    if impl == "reference":
-        return naive.compress_reference(*args, **kw)
-    if impl == "pallas":
-        from pallas_kernels.compressed_attention import pallas_compressor  # noqa: PLC0415
-        return pallas_compressor.compress_pallas(*args, **kw, interpret=_interpret())
-    return xla.compress_xla(*args, **kw)
+    return dispatch.run("compress_windows", impl, args,
+                        reference=lambda *a: naive.compress_reference(*a, **kw),
+                        xla=lambda *a: xla.compress_xla(*a, **kw),
+                        pallas=lambda: functools.partial(_pallas_compressor(), **kw))
 
 
 def compressed_sparse_read(
@@ -88,10 +95,7 @@ def compressed_sparse_read(
     check_attention(q, kv, kv_positions, q_positions, entries, page_table, indices, entry_counts, sinks, rate)
     args = (q, kv, kv_positions, q_positions, entries, page_table, indices, entry_counts, sinks)
     kw = dict(window=int(window), scale=float(scale), rate=None if rate is None else int(rate))
-    impl = resolve_impl(impl)
-    if impl == "reference":
-        return naive.attention_reference(*args, **kw)
-    if impl == "pallas":
-        from pallas_kernels.compressed_attention import pallas_attention  # noqa: PLC0415
-        return pallas_attention.attention_pallas(*args, **kw, interpret=_interpret())
-    return xla.attention_xla(*args, **kw)
+    return dispatch.run("compressed_sparse_read", impl, args,
+                        reference=lambda *a: naive.attention_reference(*a, **kw),
+                        xla=lambda *a: xla.attention_xla(*a, **kw),
+                        pallas=lambda: functools.partial(_pallas_attention(), **kw))

@@ -27,8 +27,9 @@ Backends (both proven by `jax.export` tests):
   * TPU (Mosaic): grid (B, T, J). Query positions and the entries' rows / flags (gather) or the page table
     and counts (dense) are scalar-prefetched into SMEM. The window block [S, D] and its positions stay
     resident across J (index map constant in j) and are folded in at j = 0. gather: J = K / bk, the pool
-    is passed bk times, each BlockSpec's index_map picking one selected row; dense: J = NP, the entry
-    BlockSpec's index_map reads the page table, so the pipeline fetches page j + 1 while page j computes.
+    stays in HBM and each step DMAs its bk selected rows (pallas_kernels.row_gather, bf16 rows in aligned
+    8-row groups), prefetching step j + 1's while step j computes; dense: J = NP, the entry BlockSpec's
+    index_map reads the page table, so the pipeline fetches page j + 1 while page j computes.
     Running statistics live in VMEM scratch.
   * GPU (Triton): grid (B, T); the window block is scored with one tl.dot, then the program walks the
     selected rows (gather) or the row's pages (dense, one tl.dot per page), loading each from the whole
@@ -45,7 +46,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels import abi
-from pallas_kernels.gated_delta_rule.pallas_recurrent import compiler_params, default_backend
+from pallas_kernels.dispatch import KernelUnsupported
+from pallas_kernels import row_gather
+from pallas_kernels.kernel_params import compiler_params, cost
+from pallas_kernels.row_gather import RowGather
 from pallas_kernels.sparse_attention.common import physical_rows
 
 ABI = abi.V4_SPARSE_READ
@@ -92,16 +96,20 @@ def _row_fold(q, row, ok, scale, m, l, acc):
 
 
 def _tpu_kernel(qpos_ref,                             # SMEM [B * T] int32
-                *refs, mode, bk, K, T, NP, P, ps, rate, window, scale):
+                *refs, mode, bk, K, T, NP, P, ps, G, rate, window, scale):
     if mode == "gather":
         rows_ref, ok_ref = refs[:2]                    # SMEM [B * T * K] int32
     elif mode == "dense":
         pt_ref, cnt_ref = refs[:2]                     # SMEM [B * NP], [B] int32
     refs = refs[2:] if mode != "window" else refs
     q_ref, kv_ref, kpos_ref, sink_ref = refs[:4]       # [H, D], [S, D], [1, S], [H, 1]
-    n_in = {"window": 0, "gather": bk, "dense": 1}[mode]
-    ent_refs = refs[4:4 + n_in]                        # gather: bk x [1, D]; dense: [ps, D]
-    o_ref, m_sc, l_sc, acc_sc = refs[4 + n_in:]
+    refs = refs[4:]
+    if mode == "gather":
+        pool_hbm, o_ref, buf, sem, m_sc, l_sc, acc_sc = refs   # pool [P, ps, D] in HBM; row_gather scratch
+    elif mode == "dense":
+        page_ref, o_ref, m_sc, l_sc, acc_sc = refs     # [ps, D]: this step's entry page
+    else:
+        o_ref, m_sc, l_sc, acc_sc = refs
     b, t, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     q = q_ref[...].astype(jnp.float32)
     p = qpos_ref[b * T + t]
@@ -114,14 +122,19 @@ def _tpu_kernel(qpos_ref,                             # SMEM [B * T] int32
         m_sc[...], l_sc[...], acc_sc[...] = m, l, acc
 
     if mode == "gather":
+        gather = RowGather(rows_ref, (pool_hbm,), (buf,), sem, ps, bk, G)
+
+        def base_of(jj):
+            return (b * T + t) * K + jj * bk
+        slot = gather.pipeline(j, pl.num_programs(2), base_of)
         m, l, acc = m_sc[...], l_sc[...], acc_sc[...]
-        base = (b * T + t) * K + j * bk
+        base = base_of(j)
         for i in range(bk):
-            m, l, acc = _row_fold(q, ent_refs[i][...].astype(jnp.float32), ok_ref[base + i] == 1, scale, m, l, acc)
+            m, l, acc = _row_fold(q, gather.row(0, slot, i, base), ok_ref[base + i] == 1, scale, m, l, acc)
         m_sc[...], l_sc[...], acc_sc[...] = m, l, acc
     elif mode == "dense":
         ok = _dense_ok(j, ps, pt_ref[b * NP + j], P, cnt_ref[b], p, rate)
-        m_sc[...], l_sc[...], acc_sc[...] = _block_fold(q, ent_refs[0][...].astype(jnp.float32), ok, scale,
+        m_sc[...], l_sc[...], acc_sc[...] = _block_fold(q, page_ref[...].astype(jnp.float32), ok, scale,
                                                         m_sc[...], l_sc[...], acc_sc[...])
 
     @pl.when(j == pl.num_programs(2) - 1)
@@ -162,6 +175,18 @@ def _gpu_kernel(qpos_ref,                             # [1] int32
     o_ref[...] = (acc / l).astype(o_ref.dtype)
 
 
+def _cost(q, kv, entries, mode, K, NP, ps, G):
+    """Per query token and key (window, gathered or dense entries): the score and the value product over
+    all H heads (4 H D flops, H exp). Bytes: the queries, each row's window once, the entries every query
+    reads (K gathered rows, G rows a DMA, or every page of the row), the f32 output."""
+    B, T, H, D = q.shape
+    S = kv.shape[1]
+    per_query = {"window": 0, "gather": K, "dense": NP * ps}[mode]
+    ent_bytes = 0 if entries is None else B * T * per_query * D * entries.dtype.itemsize * (G if mode == "gather" else 1)
+    return cost(B * T * (S + per_query) * 4 * H * D, B * T * (S + per_query) * H, q,
+                extra_bytes=B * S * D * kv.dtype.itemsize + ent_bytes + B * T * H * D * 4)
+
+
 def _pow2(x: int, floor: int = 1) -> int:
     return max(floor, 1 << (max(x, 1) - 1).bit_length())
 
@@ -169,11 +194,10 @@ def _pow2(x: int, floor: int = 1) -> int:
 @functools.partial(jax.jit, static_argnames=("window", "scale", "rate", "config", "backend", "interpret"))
 def attention_pallas(q, kv, kv_positions, q_positions, entries, page_table, indices, entry_counts, sinks, *,
                      window: int, scale: float, rate: int | None = None, config: AttentionConfig = AttentionConfig(),
-                     backend: str | None = None, interpret: bool = False):
+                     backend: str = "tpu", interpret: bool = False):
     """Shapes as ops.compressed_sparse_read: q [B, T, H, D], kv [B, S, D], kv_positions [B, S], q_positions [B, T],
     entries [P, ps, D] | None, page_table [B, NP], indices [B, T, K] | None (None with rate: HCA),
     entry_counts [B], sinks [H] -> [B, T, H, D] f32."""
-    backend = backend or default_backend()
     B, T, H, D = q.shape
     S = kv.shape[1]
     mode = "window" if entries is None else ("dense" if indices is None else "gather")
@@ -194,18 +218,14 @@ def attention_pallas(q, kv, kv_positions, q_positions, entries, page_table, indi
         from jax.experimental.pallas import tpu as pltpu  # noqa: PLC0415
         bk = min(config.block_k, K) if K else 0
         Kp = -(-K // bk) * bk if K else 0
+        G = row_gather.check_pool(entries.dtype, ps, "V4 sparse read") if mode == "gather" else 1
         nj = {"window": 1, "gather": max(Kp // max(bk, 1), 1), "dense": NP}[mode]
         prefetch = [qpos.reshape(-1)]
         ent_specs, ent_args = [], []
         if mode == "gather":
             pad = ((0, 0), (0, 0), (0, Kp - K))
             prefetch += [jnp.pad(rows, pad).reshape(-1), jnp.pad(ok, pad).reshape(-1)]
-
-            def row_spec(i):
-                return pl.BlockSpec((None, 1, D), lambda b, t, j, qp_, rows_, ok_: (
-                    rows_[(b * T + t) * Kp + j * bk + i], 0, 0))
-            ent_specs = [row_spec(i) for i in range(bk)]
-            ent_args = [entries.reshape(P * ps, 1, D)] * bk
+            ent_specs, ent_args = [pl.BlockSpec(memory_space=pl.ANY)], [entries]
         elif mode == "dense":
             prefetch += [pt.reshape(-1), counts]
             ent_specs = [pl.BlockSpec((None, ps, D), lambda b, t, j, qp_, pt_, cnt_: (
@@ -218,18 +238,18 @@ def attention_pallas(q, kv, kv_positions, q_positions, entries, page_table, indi
         grid_spec = pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=len(prefetch), grid=(B, T, nj), in_specs=in_specs,
             out_specs=pl.BlockSpec((None, None, H, D), lambda b, t, j, *_: (b, t, 0, 0)),
-            scratch_shapes=[pltpu.VMEM((H, 1), jnp.float32), pltpu.VMEM((H, 1), jnp.float32),
-                            pltpu.VMEM((H, D), jnp.float32)])
+            scratch_shapes=(row_gather.scratch([(D, entries.dtype)], bk, G) if mode == "gather" else [])
+            + [pltpu.VMEM((H, 1), jnp.float32), pltpu.VMEM((H, 1), jnp.float32), pltpu.VMEM((H, D), jnp.float32)])
         return pl.pallas_call(
-            functools.partial(_tpu_kernel, bk=bk, K=Kp, T=T, NP=NP, **static), grid_spec=grid_spec,
+            functools.partial(_tpu_kernel, bk=bk, K=Kp, T=T, NP=NP, G=G, **static), grid_spec=grid_spec,
             out_shape=jax.ShapeDtypeStruct((B, T, H, D), jnp.float32),
             compiler_params=compiler_params("tpu", ("parallel", "parallel", "arbitrary")),
-            interpret=interpret, name="v4_sparse_read",
+            interpret=interpret, name="v4_sparse_read", cost_estimate=_cost(q, kv, entries, mode, K, NP, ps, G),
         )(*prefetch, q, kv, kpos.reshape(B, 1, S), sk.reshape(H, 1), *ent_args)
     if D & (D - 1) or D < 16:
-        raise ValueError(f"the Triton V4 attention kernel needs D a power of two >= 16; got {D}")
+        raise KernelUnsupported(f"the Triton V4 attention kernel needs D a power of two >= 16; got {D}")
     if mode == "dense" and (ps & (ps - 1) or ps < 16):
-        raise ValueError(f"the Triton V4 attention kernel reads HCA entries by page: page size a power of two "
+        raise KernelUnsupported(f"the Triton V4 attention kernel reads HCA entries by page: page size a power of two "
                          f">= 16; got {ps}")
     Hp, Sp = _pow2(H, 16), _pow2(S, 16)
     args = [qpos[..., None]]
@@ -257,6 +277,6 @@ def attention_pallas(q, kv, kv_positions, q_positions, entries, page_table, indi
         out_specs=pl.BlockSpec((None, None, Hp, D), lambda b, t: (b, t, 0, 0)),
         out_shape=jax.ShapeDtypeStruct((B, T, Hp, D), jnp.float32),
         compiler_params=compiler_params("gpu", (), config.num_warps), interpret=interpret,
-        name="v4_sparse_read",
+        name="v4_sparse_read", cost_estimate=_cost(q, kv, entries, mode, K, NP, ps, 1),
     )(*args)
     return out[:, :, :H]

@@ -34,7 +34,8 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import abi
 from pallas_kernels.compressed_attention.common import finish, stream
-from pallas_kernels.gated_delta_rule.pallas_recurrent import compiler_params, default_backend
+from pallas_kernels.dispatch import KernelUnsupported
+from pallas_kernels.kernel_params import compiler_params, cost
 
 ABI = abi.V4_COMPRESSOR   # the entries / tail / overlap layout, the same for every implementation
 
@@ -84,10 +85,9 @@ def _kernel(flag_ref,                   # [1, 1] int32: this window has a previo
 @functools.partial(jax.jit, static_argnames=("rate", "overlap", "eps", "config", "backend", "interpret"))
 def pool_windows_pallas(s_kv, s_gate, overlap_kv, overlap_gate, entry_count, bias, norm_w, *, rate: int,
                         overlap: bool, eps: float, config: CompressorConfig = CompressorConfig(),
-                        backend: str | None = None, interpret: bool = False):
+                        backend: str = "tpu", interpret: bool = False):
     """s_kv, s_gate [B, (NW + 1) m, C] (the stream, raw gates); overlap_* [B, m, C/2] | None; entry_count [B];
     bias [m, C]; norm_w [D] -> normed entries [B, NW, D] f32 (no RoPE yet)."""
-    backend = backend or default_backend()
     B, Ls, C = s_kv.shape
     m = rate
     NW = Ls // m - 1
@@ -95,7 +95,7 @@ def pool_windows_pallas(s_kv, s_gate, overlap_kv, overlap_gate, entry_count, bia
     if backend == "gpu":
         for name, x in (("rate", m), ("C", C), ("D", D)):
             if x & (x - 1):
-                raise ValueError(f"the Triton compressor kernel needs {name} a power of two; got {x}")
+                raise KernelUnsupported(f"the Triton compressor kernel needs {name} a power of two; got {x}")
     win_kv = s_kv[:, :NW * m].reshape(B, NW, m, C)
     win_g = s_gate[:, :NW * m].reshape(B, NW, m, C)
     k = jnp.arange(NW, dtype=jnp.int32)[None, :]
@@ -116,16 +116,25 @@ def pool_windows_pallas(s_kv, s_gate, overlap_kv, overlap_gate, entry_count, bia
         out_specs=pl.BlockSpec((None, None, 1, D), lambda b, w: (b, w, 0, 0)),
         out_shape=jax.ShapeDtypeStruct((B, NW, 1, D), jnp.float32),
         compiler_params=compiler_params(backend, sem, config.num_warps), interpret=interpret,
-        name="v4_compressor",
+        name="v4_compressor", cost_estimate=_cost(B, NW, m, C, D, s_kv, s_gate, overlap),
     )(*args)
     return out[:, :, 0]
+
+
+def _cost(B, NW, m, C, D, s_kv, s_gate, overlap):
+    """Per window: bias add, max, exp, two products and sums over its m x C (CSA: 2 m x D) slots, then the
+    RMSNorm of one D row (~6 m C + 4 D flops, m C exp). Bytes: each window's kv and gate rows (CSA reads
+    the previous window's a-half too), the f32 entries written."""
+    slots = m * C
+    per_window = slots * (s_kv.dtype.itemsize + s_gate.dtype.itemsize) * (2 if overlap else 1)
+    return cost(B * NW * (6 * slots + 4 * D), B * NW * (slots + 1), extra_bytes=B * NW * (per_window + 4 * D))
 
 
 @functools.partial(jax.jit, static_argnames=("rate", "overlap", "eps", "rope_scale", "config", "backend",
                                              "interpret"))
 def compress_pallas(kv_new, gate_new, tail_kv, tail_gate, tail_count, n_new, entry_count, overlap_kv, overlap_gate,
                     bias, norm_w, freqs, *, rate: int, overlap: bool, eps: float, rope_scale: float = 1.0,
-                    config: CompressorConfig = CompressorConfig(), backend: str | None = None,
+                    config: CompressorConfig = CompressorConfig(), backend: str = "tpu",
                     interpret: bool = False):
     """Shapes as ops.compress_windows: stream gather (XLA) -> pooling + norm (kernel) -> RoPE, tail, overlap (XLA)."""
     s_kv = stream(tail_kv, kv_new, tail_count, n_new, rate)

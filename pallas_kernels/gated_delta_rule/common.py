@@ -11,9 +11,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-IMPLS = ("auto", "pallas", "xla", "reference")
-
-
 def l2norm(x: jax.Array, eps: float = 1e-6) -> jax.Array:
     """x / sqrt(sum(x^2) + eps) over the last axis, in fp32 (matches fla and transformers)."""
     x = x.astype(jnp.float32)
@@ -68,12 +65,3 @@ def per_token_output(output_all_states: bool, output_deltas: bool) -> str | None
 
 def default_scale(scale, K):
     return K ** -0.5 if scale is None else scale
-
-
-def resolve_impl(impl: str) -> str:
-    """`auto` picks the Pallas kernel on GPU/TPU and the chunked XLA path on CPU."""
-    if impl not in IMPLS:
-        raise ValueError(f"impl must be one of {IMPLS}; got {impl!r}")
-    if impl == "auto":
-        return "pallas" if jax.default_backend() in ("gpu", "cuda", "rocm", "tpu") else "xla"
-    return impl

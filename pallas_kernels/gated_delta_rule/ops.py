@@ -6,6 +6,8 @@
                     window wants
   impl="pallas"     Pallas kernels (interpret mode on CPU)
   impl="auto"       Pallas on GPU/TPU, XLA on CPU
+The platform is the one the program is lowered for (pallas_kernels.dispatch), so exporting or compiling
+for a TPU from a CPU host carries the Mosaic kernel.
 
 Every implementation takes `cu_seqlens` (a packed batch, B == 1, sequence n spanning tokens
 cu_seqlens[n] .. cu_seqlens[n + 1] - 1, see varlen.py): the state is reset to initial_state[n] at
@@ -17,26 +19,26 @@ from __future__ import annotations
 
 import jax
 
+from pallas_kernels import dispatch
 from pallas_kernels.gated_delta_rule import chunk as _chunk
 from pallas_kernels.gated_delta_rule import fused_recurrent as _fused_recurrent
 from pallas_kernels.gated_delta_rule import naive as _naive
-from pallas_kernels.gated_delta_rule.common import check_inputs, resolve_impl
+from pallas_kernels.gated_delta_rule.common import check_inputs
 
 
 def _pallas_chunk():
-    try:
-        from pallas_kernels.gated_delta_rule import pallas_chunk  # noqa: PLC0415
-    except ImportError:
-        return None
-    return pallas_chunk
+    from pallas_kernels.gated_delta_rule import pallas_chunk  # noqa: PLC0415
+    return pallas_chunk.chunk_gated_delta_rule_pallas
 
 
 def _pallas_recurrent():
-    try:
-        from pallas_kernels.gated_delta_rule import pallas_recurrent  # noqa: PLC0415
-    except ImportError:
-        return None
-    return pallas_recurrent
+    from pallas_kernels.gated_delta_rule import pallas_recurrent  # noqa: PLC0415
+    return pallas_recurrent.fused_recurrent_gated_delta_rule_pallas
+
+
+def _on_args(fn, **kw):
+    """fn(q, k, v, g, beta, initial_state=, cu_seqlens=, **kw) as a function of the dispatched tuple."""
+    return lambda q, k, v, g, beta, h0, cu, **be: fn(q, k, v, g, beta, initial_state=h0, cu_seqlens=cu, **kw, **be)
 
 
 def chunk_gated_delta_rule(
@@ -56,20 +58,12 @@ def chunk_gated_delta_rule(
 ):
     """Gated delta rule over a whole sequence (prefill). Returns (o [B, T, HV, V], final [N, HV, K, V] or None)."""
     check_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
-    impl = resolve_impl(impl)
-    if impl == "pallas" and _pallas_chunk() is not None:
-        return _pallas_chunk().chunk_gated_delta_rule_pallas(
-            q, k, v, g, beta, scale=scale, initial_state=initial_state,
-            output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-            cu_seqlens=cu_seqlens, chunk_size=chunk_size, interpret=jax.default_backend() == "cpu")
-    if impl == "reference":
-        return _naive.naive_recurrent_gated_delta_rule(
-            q, k, v, g, beta, scale=scale, initial_state=initial_state,
-            output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-            cu_seqlens=cu_seqlens)
-    return _chunk.chunk_gated_delta_rule_xla(
-        q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
-        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens, chunk_size=chunk_size)
+    kw = dict(scale=scale, output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+    return dispatch.run(
+        "chunk_gated_delta_rule", impl, (q, k, v, g, beta, initial_state, cu_seqlens),
+        reference=_on_args(_naive.naive_recurrent_gated_delta_rule, **kw),
+        xla=_on_args(_chunk.chunk_gated_delta_rule_xla, chunk_size=chunk_size, **kw),
+        pallas=lambda: _on_args(_pallas_chunk(), chunk_size=chunk_size, **kw))
 
 
 def fused_recurrent_gated_delta_rule(
@@ -93,16 +87,10 @@ def fused_recurrent_gated_delta_rule(
     with output_deltas, every token's state update [B, T, HV, V] (`state_after` rebuilds the state
     after any one token from them)."""
     check_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
-    impl = resolve_impl(impl)
-    if impl == "pallas" and _pallas_recurrent() is not None:
-        return _pallas_recurrent().fused_recurrent_gated_delta_rule_pallas(
-            q, k, v, g, beta, scale=scale, initial_state=initial_state,
-            output_final_state=output_final_state, output_all_states=output_all_states,
-            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens,
-            interpret=jax.default_backend() == "cpu", output_deltas=output_deltas)
-    kernel = (_naive.naive_recurrent_gated_delta_rule if impl == "reference"
-              else _fused_recurrent.fused_recurrent_gated_delta_rule_xla)
-    return kernel(
-        q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
-        output_all_states=output_all_states, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-        cu_seqlens=cu_seqlens, output_deltas=output_deltas)
+    kw = dict(scale=scale, output_final_state=output_final_state, output_all_states=output_all_states,
+              use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, output_deltas=output_deltas)
+    return dispatch.run(
+        "fused_recurrent_gated_delta_rule", impl, (q, k, v, g, beta, initial_state, cu_seqlens),
+        reference=_on_args(_naive.naive_recurrent_gated_delta_rule, **kw),
+        xla=_on_args(_fused_recurrent.fused_recurrent_gated_delta_rule_xla, **kw),
+        pallas=lambda: _on_args(_pallas_recurrent(), **kw))

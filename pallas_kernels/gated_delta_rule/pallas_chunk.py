@@ -37,10 +37,12 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels import abi
+from pallas_kernels.dispatch import KernelUnsupported
 from pallas_kernels.gated_delta_rule import varlen
 from pallas_kernels.gated_delta_rule.common import check_inputs, default_scale
 from pallas_kernels.gated_delta_rule.pallas_recurrent import (
-    compiler_params, copy_states, default_backend, smem_spec)
+    copy_states, row_to_col, time_block_specs, whole_sequence_specs)
+from pallas_kernels.kernel_params import TPU_VMEM_LIMIT, check_backend, compiler_params, cost
 
 ABI = abi.GATED_DELTA_RULE   # writes state[N, HV, K, V] f32, like every other implementation
 _HI = jax.lax.Precision.HIGHEST
@@ -110,7 +112,7 @@ def chunk_step(h, q, k, v, g, beta, *, scale: float, use_l2norm: bool):
 def _tpu_kernel(seq_ref, flag_ref,            # [B * NC] int32 in SMEM
                 q_ref, k_ref,                 # [C, K]
                 v_ref,                        # [C, bv]
-                g_ref, b_ref,                 # [C, 1] f32
+                g_ref, b_ref,                 # [NC, C] f32: the head's whole sequence, lane-dense
                 h0_ref,                       # [NB, K, bv] f32
                 o_ref,                        # [C, bv]
                 hT_ref,                       # [NB, K, bv] f32 (aliases h0)
@@ -124,8 +126,10 @@ def _tpu_kernel(seq_ref, flag_ref,            # [B * NC] int32 in SMEM
 
     s = seq_ref[b * NC + c]
     h = jnp.where((flag_ref[b * NC + c] & 1) == 1, h0_ref[s], h_scr[...])
-    o, h = chunk_step(h, q_ref[...], k_ref[...], v_ref[...], g_ref[...], b_ref[...],
-                      scale=scale, use_l2norm=use_l2norm)
+    C = q_ref.shape[0]
+    eye = (jax.lax.broadcasted_iota(jnp.int32, (C, C), 0) == jax.lax.broadcasted_iota(jnp.int32, (C, C), 1))
+    g, beta = (row_to_col(r[pl.ds(c, 1), :], eye.astype(jnp.float32)) for r in (g_ref, b_ref))   # [C, 1]
+    o, h = chunk_step(h, q_ref[...], k_ref[...], v_ref[...], g, beta, scale=scale, use_l2norm=use_l2norm)
     o_ref[...] = o.astype(o_ref.dtype)
     h_scr[...] = h
     hT_ref[s] = h
@@ -170,7 +174,7 @@ def chunk_gated_delta_rule_pallas(
     cu_seqlens: jax.Array | None = None,     # [N + 1] int32, packed batch (B == 1)
     chunk_size: int | None = None,
     config: ChunkConfig | None = None,
-    backend: str | None = None,
+    backend: str = "tpu",
     interpret: bool = False,
 ):
     """Chunked Pallas kernel. Returns (o [B, T, HV, V] in v.dtype, final [N, HV, K, V] f32 or None).
@@ -179,7 +183,6 @@ def chunk_gated_delta_rule_pallas(
     B, T, H, K, HV, V = check_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
     config = config or ChunkConfig()
     C = chunk_size or config.chunk_size
-    backend = backend or default_backend()
     bv = config.block_v or V
     _check_blocks(backend, C, K, V, bv)
     r = HV // H
@@ -204,69 +207,63 @@ def chunk_gated_delta_rule_pallas(
           else initial_state.astype(jnp.float32))
     qt, kt = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3)          # [B, H, Tp, K]
     vt = v.transpose(0, 2, 1, 3)                                        # [B, HV, Tp, V]
-    gt = g.astype(jnp.float32).transpose(0, 2, 1)[..., None]            # [B, HV, Tp, 1]
-    bt = beta.astype(jnp.float32).transpose(0, 2, 1)[..., None]
+    gt = g.astype(jnp.float32).transpose(0, 2, 1)                       # [B, HV, Tp]
+    bt = beta.astype(jnp.float32).transpose(0, 2, 1)
     varl = cu_seqlens is not None
     kw = dict(scale=scale, use_l2norm=use_qk_l2norm_in_kernel, NC=NC)
     out_shape = [jax.ShapeDtypeStruct((B, HV, Tp, V), v.dtype), jax.ShapeDtypeStruct((N, HV, K, V), jnp.float32)]
     b_sem = "arbitrary" if varl else "parallel"   # a packed batch revisits one state block
     if backend == "tpu":
         from jax.experimental.pallas import tpu as pltpu  # noqa: PLC0415
-        hmap = lambda b, h, j, c: (0 if varl else b, h, 0, j)  # noqa: E731
         grid = (B, HV, V // bv, NC)
-        in_specs = [
-            smem_spec(backend, B * NC), smem_spec(backend, B * NC),
-            pl.BlockSpec((None, None, C, K), lambda b, h, j, c: (b, jax.lax.div(h, r), c, 0)),
-            pl.BlockSpec((None, None, C, K), lambda b, h, j, c: (b, jax.lax.div(h, r), c, 0)),
-            pl.BlockSpec((None, None, C, bv), lambda b, h, j, c: (b, h, c, j)),
-            pl.BlockSpec((None, None, C, 1), lambda b, h, j, c: (b, h, c, 0)),
-            pl.BlockSpec((None, None, C, 1), lambda b, h, j, c: (b, h, c, 0)),
-            pl.BlockSpec((NB, None, K, bv), hmap),
-        ]
-        out_specs = [pl.BlockSpec((None, None, C, bv), lambda b, h, j, c: (b, h, c, j)),
-                     pl.BlockSpec((NB, None, K, bv), hmap)]
+        in_specs, out_specs = time_block_specs(B * NC, C, NC, K, bv, r, NB, varl)
+        # g, beta lane-dense ([Tp, 1] columns would be padded to 128 lanes in HBM)
+        gt, bt = gt.reshape(B, HV, NC, C), bt.reshape(B, HV, NC, C)
         kernel = functools.partial(_tpu_kernel, **kw)
         scratch = [pltpu.VMEM((K, bv), jnp.float32)]
         sem = (b_sem, "parallel", "parallel", "arbitrary")
+        params = compiler_params(backend, sem, vmem_limit_bytes=TPU_VMEM_LIMIT)
     else:
-        hmap = lambda b, h, j: (0 if varl else b, h, 0, j)  # noqa: E731
         grid = (B, HV, V // bv)
-        in_specs = [
-            smem_spec(backend, B * NC), smem_spec(backend, B * NC),
-            pl.BlockSpec((None, None, Tp, K), lambda b, h, j: (b, jax.lax.div(h, r), 0, 0)),
-            pl.BlockSpec((None, None, Tp, K), lambda b, h, j: (b, jax.lax.div(h, r), 0, 0)),
-            pl.BlockSpec((None, None, Tp, bv), lambda b, h, j: (b, h, 0, j)),
-            pl.BlockSpec((None, None, Tp, 1), lambda b, h, j: (b, h, 0, 0)),
-            pl.BlockSpec((None, None, Tp, 1), lambda b, h, j: (b, h, 0, 0)),
-            pl.BlockSpec((NB, None, K, bv), hmap),
-        ]
-        out_specs = [pl.BlockSpec((None, None, Tp, bv), lambda b, h, j: (b, h, 0, j)),
-                     pl.BlockSpec((NB, None, K, bv), hmap)]
+        in_specs, out_specs = whole_sequence_specs(backend, B * NC, Tp, K, bv, r, NB, varl)
+        gt, bt = gt[..., None], bt[..., None]                           # [B, HV, Tp, 1]
         kernel = functools.partial(_gpu_kernel, C=C, **kw)
         scratch = []
-        sem = (b_sem, "parallel", "parallel")
+        params = compiler_params(backend, (b_sem, "parallel", "parallel"), config.num_warps, config.num_stages)
     o, hT = pl.pallas_call(
         kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-        scratch_shapes=scratch, input_output_aliases={7: 1},
-        compiler_params=compiler_params(backend, sem, config.num_warps, config.num_stages),
+        scratch_shapes=scratch, input_output_aliases={7: 1}, compiler_params=params,
         interpret=interpret, name="gdn_chunk",
+        cost_estimate=_cost(qt, kt, vt, h0, out_shape, C, use_qk_l2norm_in_kernel),
     )(seq, flag, qt, kt, vt, gt, bt, h0)
     o = o.transpose(0, 2, 1, 3)                                         # [B, Tp, HV, V]
     o = o[:, :T] if cu_seqlens is None else varlen.scatter_back(o, pos)
     return o, (hT if output_final_state else None)
 
 
+def _cost(qt, kt, vt, h0, out_shape, C, l2norm):
+    """Per chunk of C tokens and value head, the matmuls of `chunk_step`: k k^T, q k^T, the inverse by
+    repeated squaring (2 log2(C) - 2 C^3 products), u, w, w h, (q e^g) h, attn v', k^T v' -- plus the
+    l2norms; exp and rsqrt per token and per [C, C] mask."""
+    B, H, Tp, K = qt.shape
+    HV, V = vt.shape[1], vt.shape[-1]
+    chunks = B * HV * (Tp // C)
+    squarings = max(2 * (C - 1).bit_length() - 2, 0)
+    mm = 2 * (2 * C * C * K + squarings * C ** 3 + C * C * V + C * C * K + 3 * C * K * V + C * C * V)
+    return cost(chunks * (mm + (4 * C * K if l2norm else 0)), chunks * (2 * C * C + 3 * C),
+                qt, kt, vt, h0, *out_shape)
+
+
 def _check_blocks(backend: str, C: int, K: int, V: int, bv: int):
-    if backend not in ("tpu", "gpu"):
-        raise ValueError(f"backend must be 'tpu' or 'gpu'; got {backend!r}")
+    check_backend(backend)
     if V % bv:
-        raise ValueError(f"block_v={bv} must divide V={V}")
+        raise KernelUnsupported(f"block_v={bv} must divide V={V}")
     if backend == "tpu":
         if C % 8:
-            raise ValueError(f"TPU blocks need chunk_size a multiple of 8; got {C}")
+            raise KernelUnsupported(f"TPU blocks need chunk_size a multiple of 8; got {C}")
         if bv != V and bv % 128:
-            raise ValueError(f"TPU blocks need block_v = V or a multiple of 128; got block_v={bv}, V={V}")
+            raise KernelUnsupported(f"TPU blocks need block_v = V or a multiple of 128; got block_v={bv}, V={V}")
     else:
         for name, x in (("chunk_size", C), ("K", K), ("block_v", bv)):
             if x & (x - 1) or x < 16:
-                raise ValueError(f"the Triton kernel needs {name} a power of two >= 16; got {name}={x}")
+                raise KernelUnsupported(f"the Triton kernel needs {name} a power of two >= 16; got {name}={x}")

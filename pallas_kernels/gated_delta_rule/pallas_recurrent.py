@@ -1,27 +1,30 @@
 """Fused recurrent gated delta rule in Pallas: decode steps and speculative-verify windows.
 
-One program per (batch row, value head, V block) walks the tokens with `lax.fori_loop`; the state
-block [K, block_v] lives on chip (vector registers / VMEM on TPU, registers / shared memory on
-GPU) for the whole window and goes back to HBM once, at the end. Gating (exp(g)), beta and the
-q/k l2norm are fused into the loop. The update is independent per value column, so V is split
-into blocks for parallelism (`RecurrentConfig.block_v`).
+The state block [K, block_v] stays on chip (VMEM on TPU, registers / shared memory on GPU) for the
+whole window and goes back to HBM once per sequence. Gating (exp(g)), beta and the q/k l2norm are
+fused into the token step. The update is independent per value column, so V is split into blocks for
+parallelism (`RecurrentConfig.block_v`). The token step (`_token_step`) is shared by both variants:
+elementwise ops and row/column reductions only (a q/k row becomes a column via a masked reduction
+against the identity), no M=1 matmul and no transposes, which both lowerings handle.
 
-Backends (both are proven by `jax.export` tests on CPU, tests/pallas_kernels/test_export.py):
-  * TPU: Mosaic TPU. Blocks are [T, K] / [T, block_v] rows (the (8, 128) rule holds: T, K are full
-    dims, block_v is V or a multiple of 128); per-token metadata sits in SMEM.
-  * GPU: Triton (`pallas.triton.CompilerParams`). JAX 0.10's default Mosaic GPU lowering lacks the
-    reductions this kernel needs; Triton lowers them. Export needs
-    `DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")`. Value shapes are powers of two
-    (K and block_v must be).
-The same kernel body serves both: the token step uses only elementwise ops and row/column
-reductions (a q/k row becomes a column via a masked reduction against the identity), no M=1 matmul
-and no transposes, which both lowerings handle.
+Backends (lowered by `jax.export` and, for TPU, compiled by Mosaic in the tests):
+  * TPU (Mosaic): grid (B, HV, V / block_v, T / block_t), the time axis sequential, the state in a
+    VMEM scratch across it. Each grid step loads aligned [block_t, K] / [block_t, block_v] blocks
+    whole (block_t = T for short windows, else 16: a bf16 tile) and unrolls its tokens with static
+    row offsets; Mosaic cannot prove a single bf16 row at a dynamic offset aligned (E2003), and a
+    per-token state output over all of T would not fit VMEM (E1001 at T = 200 on v5e). Outputs
+    gather in an f32 scratch and are stored as one aligned block. g and beta travel lane-dense,
+    [T / block_t, block_t] per head, resident for the head ([T, 1] columns would be padded to 128
+    lanes in HBM). Per-token metadata (sequence id, flags) sits in SMEM.
+  * GPU (Triton, `pallas.triton.CompilerParams`): grid (B, HV, V / block_v); each program walks
+    the tokens with `lax.fori_loop`. JAX 0.10's default Mosaic GPU lowering lacks the reductions
+    this kernel needs; Triton lowers them. Export needs
+    `DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")`. K and block_v must be powers of two.
 
 With output_all_states the kernel also writes the state after every token, [B, T, HV, K, V]
-(the speculative-decoding checkpoints: rollback by selecting slot `accepted - 1`). That block holds
-T states on chip, so it is meant for short windows. With output_deltas it writes instead every
-token's rank-one update delta_t, [B, T, HV, V], K times less: `rebuild.state_after` makes the state
-after any one token from them.
+(the speculative-decoding checkpoints: rollback by selecting slot `accepted - 1`), meant for short
+windows. With output_deltas it writes instead every token's rank-one update delta_t, [B, T, HV, V],
+K times less: `rebuild.state_after` makes the state after any one token from them.
 """
 from __future__ import annotations
 
@@ -31,43 +34,24 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import abi
+from pallas_kernels.dispatch import KernelUnsupported
 from pallas_kernels.gated_delta_rule import varlen
 from pallas_kernels.gated_delta_rule.common import check_inputs, default_scale, per_token_output
+from pallas_kernels.kernel_params import TPU_VMEM_LIMIT, check_backend, compiler_params, cost, smem_spec
 
 ABI = abi.GATED_DELTA_RULE   # writes state[N, HV, K, V] f32, like every other implementation
-BACKENDS = ("tpu", "gpu")
 
 
 @dataclasses.dataclass(frozen=True)
 class RecurrentConfig:
-    """Block sizes. block_v: columns of the state per program (None: all of V)."""
+    """Block sizes. block_v: columns of the state per program (None: all of V). block_t: tokens per
+    TPU grid step when T is longer (a multiple of 16, bf16's sublane tile)."""
     block_v: int | None = None
+    block_t: int = 16          # TPU only
     num_warps: int = 4         # Triton only
-
-
-def default_backend() -> str:
-    """The kernel variant for the current default device: `gpu` on GPUs, `tpu` otherwise."""
-    return "gpu" if jax.default_backend() in ("gpu", "cuda", "rocm") else "tpu"
-
-
-def compiler_params(backend: str, semantics: tuple[str, ...], num_warps: int = 4, num_stages: int | None = None):
-    if backend == "tpu":
-        from jax.experimental.pallas import tpu as pltpu  # noqa: PLC0415
-        return pltpu.CompilerParams(dimension_semantics=semantics)
-    if backend == "gpu":
-        from jax.experimental.pallas import triton as pltriton  # noqa: PLC0415
-        return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
-    raise ValueError(f"backend must be one of {BACKENDS}; got {backend!r}")
-
-
-def smem_spec(backend: str, n: int):
-    """A whole small int32 vector: SMEM on TPU, an ordinary block on GPU."""
-    if backend == "tpu":
-        from jax.experimental.pallas import tpu as pltpu  # noqa: PLC0415
-        return pl.BlockSpec(memory_space=pltpu.SMEM)
-    return pl.BlockSpec((n,), lambda *_: (0,))
 
 
 def row_to_col(x, eye):
@@ -88,22 +72,37 @@ def copy_states(src_ref, dst_ref):
     jax.lax.fori_loop(0, src_ref.shape[0], body, 0)
 
 
-def _recurrent_kernel(seq_ref, flag_ref,                  # [B * T] int32 (SMEM on TPU)
-                      q_ref, k_ref,                       # [T, K]
-                      v_ref,                              # [T, bv]
-                      g_ref, b_ref,                       # [T, 1] f32
-                      h0_ref,                             # [NB, K, bv] f32
-                      o_ref,                              # [T, bv]
-                      hT_ref,                             # [NB, K, bv] f32 (aliases h0)
-                      *rest,                              # states_ref [T, K, bv] or deltas_ref [T, bv] f32
-                      scale: float, use_l2norm: bool, T: int, keep: str | None):
-    states_ref = rest[0] if keep == "states" else None
-    deltas_ref = rest[0] if keep == "deltas" else None
-    b = pl.program_id(0)
-    K = q_ref.shape[1]
+def _token_step(S, q, k, v, g, beta, eye, *, scale: float, use_l2norm: bool):
+    """One token. S [K, bv] f32; q, k [1, K] f32; v [1, bv] f32; g, beta [1, 1] f32.
+    Returns (new S, o [1, bv] = S_new^T q, delta [1, bv])."""
+    if use_l2norm:
+        q, k = l2norm_row(q), l2norm_row(k)
+    q_col, k_col = row_to_col(q * scale, eye), row_to_col(k, eye)   # [K, 1]
+    S = S * jnp.exp(g)
+    kv = jnp.sum(k_col * S, axis=0, keepdims=True)                   # [1, bv] = S^T k
+    delta = (v - kv) * beta
+    S = S + k_col * delta
+    return S, jnp.sum(q_col * S, axis=0, keepdims=True), delta
+
+
+def _eye(K):
     ii = jax.lax.broadcasted_iota(jnp.int32, (K, K), 0)
     jj = jax.lax.broadcasted_iota(jnp.int32, (K, K), 1)
-    eye = (ii == jj).astype(jnp.float32)
+    return (ii == jj).astype(jnp.float32)
+
+
+def _gpu_kernel(seq_ref, flag_ref,                        # [B * T] int32
+                q_ref, k_ref,                             # [T, K]
+                v_ref,                                    # [T, bv]
+                g_ref, b_ref,                             # [T, 1] f32
+                h0_ref,                                   # [NB, K, bv] f32
+                o_ref,                                    # [T, bv]
+                hT_ref,                                   # [NB, K, bv] f32 (aliases h0)
+                *rest,                                    # states_ref [T, K, bv] or deltas_ref [T, bv] f32
+                scale: float, use_l2norm: bool, T: int, keep: str | None):
+    out_ref = rest[0] if keep else None
+    b = pl.program_id(0)
+    eye = _eye(q_ref.shape[1])
     copy_states(h0_ref, hT_ref)
 
     def step(t, S):
@@ -111,26 +110,68 @@ def _recurrent_kernel(seq_ref, flag_ref,                  # [B * T] int32 (SMEM 
         flag = flag_ref[b * T + t]
         first, valid = (flag & 1) == 1, (flag & 2) == 2
         S = jnp.where(first, h0_ref[s], S)
-        q = q_ref[pl.ds(t, 1), :].astype(jnp.float32)          # [1, K]
-        k = k_ref[pl.ds(t, 1), :].astype(jnp.float32)
-        if use_l2norm:
-            q, k = l2norm_row(q), l2norm_row(k)
-        q_col, k_col = row_to_col(q * scale, eye), row_to_col(k, eye)   # [K, 1]
-        v = v_ref[pl.ds(t, 1), :].astype(jnp.float32)          # [1, bv]
-        S = S * jnp.exp(g_ref[pl.ds(t, 1), :])                 # [1, 1] broadcast
-        kv = jnp.sum(k_col * S, axis=0, keepdims=True)         # [1, bv] = S^T k
-        delta = (v - kv) * b_ref[pl.ds(t, 1), :]               # [1, bv]
-        S = S + k_col * delta
-        o = jnp.sum(q_col * S, axis=0, keepdims=True)          # [1, bv] = S^T q
+        S_new, o, delta = _token_step(
+            S, q_ref[pl.ds(t, 1), :].astype(jnp.float32), k_ref[pl.ds(t, 1), :].astype(jnp.float32),
+            v_ref[pl.ds(t, 1), :].astype(jnp.float32), g_ref[pl.ds(t, 1), :], b_ref[pl.ds(t, 1), :], eye,
+            scale=scale, use_l2norm=use_l2norm)
+        S = jnp.where(valid, S_new, S)
         o_ref[pl.ds(t, 1), :] = jnp.where(valid, o, 0.0).astype(o_ref.dtype)
         hT_ref[s] = jnp.where(valid, S, hT_ref[s])
-        if states_ref is not None:
-            states_ref[t] = S
-        if deltas_ref is not None:
-            deltas_ref[pl.ds(t, 1), :] = jnp.where(valid, delta, 0.0)
+        if keep == "states":
+            out_ref[t] = S
+        if keep == "deltas":
+            out_ref[pl.ds(t, 1), :] = jnp.where(valid, delta, 0.0)
         return S
 
     jax.lax.fori_loop(0, T, step, jnp.zeros(h0_ref.shape[1:], jnp.float32))
+
+
+def _tpu_kernel(seq_ref, flag_ref,                        # [B * Tp] int32 in SMEM
+                q_ref, k_ref,                             # [Tb, K]
+                v_ref,                                    # [Tb, bv]
+                g_ref, b_ref,                             # [NT, Tb] f32 (the head's whole window)
+                h0_ref,                                   # [NB, K, bv] f32
+                o_ref,                                    # [Tb, bv]
+                hT_ref,                                   # [NB, K, bv] f32 (aliases h0)
+                *rest,                                    # [states_ref [Tb, K, bv] | deltas_ref [Tb, bv]],
+                                                          # S_scr [K, bv] f32, o_scr [Tb, bv] f32
+                scale: float, use_l2norm: bool, Tp: int, Tb: int, keep: str | None, varl: bool):
+    out_ref = rest[0] if keep else None
+    S_scr, o_scr = rest[-2:]
+    b, tb = pl.program_id(0), pl.program_id(3)
+
+    @pl.when(tb == 0)
+    def _():
+        copy_states(h0_ref, hT_ref)
+        S_scr[...] = jnp.zeros(S_scr.shape, jnp.float32)
+
+    eye = _eye(q_ref.shape[1])
+    qs, ks, vs = (r[...].astype(jnp.float32) for r in (q_ref, k_ref, v_ref))    # aligned whole-block loads
+    g_row, b_row = g_ref[pl.ds(tb, 1), :], b_ref[pl.ds(tb, 1), :]              # [1, Tb]
+    lane = jax.lax.broadcasted_iota(jnp.int32, (1, Tb), 1)
+    S = S_scr[...]
+    for r in range(Tb):                                   # static offsets: aligned slices of the blocks
+        i = b * Tp + tb * Tb + r
+        s = seq_ref[i]
+        flag = flag_ref[i]
+        first, valid = (flag & 1) == 1, (flag & 2) == 2
+        S = jnp.where(first, h0_ref[s], S)
+        g = jnp.sum(jnp.where(lane == r, g_row, 0.0), axis=1, keepdims=True)      # [1, 1]
+        beta = jnp.sum(jnp.where(lane == r, b_row, 0.0), axis=1, keepdims=True)
+        S_new, o, delta = _token_step(S, qs[r:r + 1], ks[r:r + 1], vs[r:r + 1], g, beta, eye,
+                                      scale=scale, use_l2norm=use_l2norm)
+        S = jnp.where(valid, S_new, S)                    # tokens of no sequence leave the state alone
+        o_scr[r:r + 1, :] = jnp.where(valid, o, 0.0)
+        if varl:
+            hT_ref[s] = jnp.where(valid, S, hT_ref[s])
+        if keep == "states":
+            out_ref[r] = S
+        if keep == "deltas":
+            out_ref[r:r + 1, :] = jnp.where(valid, delta, 0.0)
+    S_scr[...] = S
+    if not varl:                                          # one sequence per row: its state after the block
+        hT_ref[0] = S
+    o_ref[...] = o_scr[...].astype(o_ref.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "output_final_state", "output_all_states",
@@ -149,7 +190,7 @@ def fused_recurrent_gated_delta_rule_pallas(
     use_qk_l2norm_in_kernel: bool = False,
     cu_seqlens: jax.Array | None = None,     # [N + 1] int32, packed batch (B == 1)
     config: RecurrentConfig | None = None,
-    backend: str | None = None,
+    backend: str = "tpu",
     interpret: bool = False,
     output_deltas: bool = False,
 ):
@@ -162,7 +203,6 @@ def fused_recurrent_gated_delta_rule_pallas(
     B, T, H, K, HV, V = check_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
     keep = per_token_output(output_all_states, output_deltas)
     config = config or RecurrentConfig()
-    backend = backend or default_backend()
     bv = config.block_v or V
     _check_blocks(backend, K, V, bv)
     r = HV // H
@@ -180,36 +220,51 @@ def fused_recurrent_gated_delta_rule_pallas(
           else initial_state.astype(jnp.float32))
     qt, kt = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3)         # [B, H, T, K]
     vt = v.transpose(0, 2, 1, 3)                                       # [B, HV, T, V]
-    gt = g.astype(jnp.float32).transpose(0, 2, 1)[..., None]           # [B, HV, T, 1]
-    bt = beta.astype(jnp.float32).transpose(0, 2, 1)[..., None]
-
-    hblk = (lambda b, h, j: (b, h, 0, j)) if cu_seqlens is None else (lambda b, h, j: (0, h, 0, j))
-    in_specs = [
-        smem_spec(backend, B * T), smem_spec(backend, B * T),
-        pl.BlockSpec((None, None, T, K), lambda b, h, j: (b, jax.lax.div(h, r), 0, 0)),
-        pl.BlockSpec((None, None, T, K), lambda b, h, j: (b, jax.lax.div(h, r), 0, 0)),
-        pl.BlockSpec((None, None, T, bv), lambda b, h, j: (b, h, 0, j)),
-        pl.BlockSpec((None, None, T, 1), lambda b, h, j: (b, h, 0, 0)),
-        pl.BlockSpec((None, None, T, 1), lambda b, h, j: (b, h, 0, 0)),
-        pl.BlockSpec((NB, None, K, bv), hblk),
-    ]
-    out_specs = [pl.BlockSpec((None, None, T, bv), lambda b, h, j: (b, h, 0, j)),
-                 pl.BlockSpec((NB, None, K, bv), hblk)]
+    gt = g.astype(jnp.float32).transpose(0, 2, 1)                      # [B, HV, T]
+    bt = beta.astype(jnp.float32).transpose(0, 2, 1)
+    varl = cu_seqlens is not None
     out_shape = [jax.ShapeDtypeStruct((B, HV, T, V), v.dtype), jax.ShapeDtypeStruct((N, HV, K, V), jnp.float32)]
     if keep == "states":
-        out_specs.append(pl.BlockSpec((None, T, None, K, bv), lambda b, h, j: (b, 0, h, 0, j)))
         out_shape.append(jax.ShapeDtypeStruct((B, T, HV, K, V), jnp.float32))
     if keep == "deltas":
-        out_specs.append(pl.BlockSpec((None, None, T, bv), lambda b, h, j: (b, h, 0, j)))
         out_shape.append(jax.ShapeDtypeStruct((B, HV, T, V), jnp.float32))
-    kernel = functools.partial(_recurrent_kernel, scale=scale, use_l2norm=use_qk_l2norm_in_kernel, T=T, keep=keep)
     # The batch axis revisits the same state block in a packed batch, so it is sequential there.
-    sem = ("parallel" if cu_seqlens is None else "arbitrary", "parallel", "parallel")
+    b_sem = "arbitrary" if varl else "parallel"
+    if backend == "tpu":
+        Tb = T if T <= config.block_t else config.block_t
+        NT = -(-T // Tb)
+        Tp = NT * Tb
+        pad = ((0, 0), (0, 0), (0, Tp - T))
+        # Tokens past T (the last block's tail) belong to no sequence: flag 0. Their q/k/v rows are the
+        # block padding Pallas adds; the state ignores them and their outputs are clipped.
+        seq = jnp.pad(seq.reshape(B, T), ((0, 0), (0, Tp - T))).reshape(-1)
+        flag = jnp.pad(flag.reshape(B, T), ((0, 0), (0, Tp - T))).reshape(-1)
+        gt, bt = (jnp.pad(x, pad).reshape(B, HV, NT, Tb) for x in (gt, bt))
+        in_specs, out_specs = time_block_specs(B * Tp, Tb, NT, K, bv, r, NB, varl)
+        if keep == "states":
+            out_specs.append(pl.BlockSpec((None, Tb, None, K, bv), lambda b, h, j, t: (b, t, h, 0, j)))
+        if keep == "deltas":
+            out_specs.append(pl.BlockSpec((None, None, Tb, bv), lambda b, h, j, t: (b, h, t, j)))
+        kernel = functools.partial(_tpu_kernel, scale=scale, use_l2norm=use_qk_l2norm_in_kernel, Tp=Tp, Tb=Tb,
+                                   keep=keep, varl=varl)
+        grid = (B, HV, V // bv, NT)
+        scratch = [pltpu.VMEM((K, bv), jnp.float32), pltpu.VMEM((Tb, bv), jnp.float32)]
+        params = compiler_params(backend, (b_sem, "parallel", "parallel", "arbitrary"),
+                                 vmem_limit_bytes=TPU_VMEM_LIMIT)
+    else:
+        in_specs, out_specs = whole_sequence_specs(backend, B * T, T, K, bv, r, NB, varl)
+        gt, bt = gt[..., None], bt[..., None]                          # [B, HV, T, 1]
+        if keep == "states":
+            out_specs.append(pl.BlockSpec((None, T, None, K, bv), lambda b, h, j: (b, 0, h, 0, j)))
+        if keep == "deltas":
+            out_specs.append(pl.BlockSpec((None, None, T, bv), lambda b, h, j: (b, h, 0, j)))
+        kernel = functools.partial(_gpu_kernel, scale=scale, use_l2norm=use_qk_l2norm_in_kernel, T=T, keep=keep)
+        grid, scratch = (B, HV, V // bv), []
+        params = compiler_params(backend, (), config.num_warps)
     outs = pl.pallas_call(
-        kernel, grid=(B, HV, V // bv), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-        input_output_aliases={7: 1},
-        compiler_params=compiler_params(backend, sem, config.num_warps),
-        interpret=interpret, name="gdn_fused_recurrent",
+        kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape, scratch_shapes=scratch,
+        input_output_aliases={7: 1}, compiler_params=params, interpret=interpret, name="gdn_fused_recurrent",
+        cost_estimate=_cost(q, k, v, h0, out_shape, HV, use_qk_l2norm_in_kernel),
     )(seq, flag, qt, kt, vt, gt, bt, h0)
     o = outs[0].transpose(0, 2, 1, 3)
     final = outs[1] if output_final_state else None
@@ -220,14 +275,49 @@ def fused_recurrent_gated_delta_rule_pallas(
     return o, final
 
 
+def time_block_specs(n_meta: int, Tb: int, NT: int, K: int, bv: int, r: int, NB: int, varl: bool):
+    """The Mosaic layout of both GDN kernels: grid (B, HV, V / bv, NT), the last axis walking blocks of Tb
+    tokens (q, k [Tb, K] of key head h // r; v [Tb, bv]); g and beta lane-dense, the head's whole
+    [NT, Tb] resident; the state block [NB, K, bv]; the two int32 vectors [n_meta] in SMEM. Returns
+    (in_specs, out_specs) for (seq, flag, q, k, v, g, beta, h0) -> (o [Tb, bv], final state)."""
+    hmap = lambda b, h, j, t: (0 if varl else b, h, 0, j)  # noqa: E731
+    qk = pl.BlockSpec((None, None, Tb, K), lambda b, h, j, t: (b, jax.lax.div(h, r), t, 0))
+    gates = pl.BlockSpec((None, None, NT, Tb), lambda b, h, j, t: (b, h, 0, 0))
+    rows = pl.BlockSpec((None, None, Tb, bv), lambda b, h, j, t: (b, h, t, j))
+    state = pl.BlockSpec((NB, None, K, bv), hmap)
+    return ([smem_spec("tpu", n_meta), smem_spec("tpu", n_meta), qk, qk, rows, gates, gates, state], [rows, state])
+
+
+def whole_sequence_specs(backend: str, n_meta: int, L: int, K: int, bv: int, r: int, NB: int, varl: bool):
+    """The Triton layout of both GDN kernels: program (b, h, j) holds its head's whole sequence of L tokens
+    (q, k [L, K] of key head h // r; v [L, bv]; g, beta [L, 1]) and its state block [NB, K, bv]; the two
+    per-step int32 vectors [n_meta] (sequence ids, flags) whole. Returns (in_specs, out_specs) for
+    (seq, flag, q, k, v, g, beta, h0) -> (o [L, bv], final state)."""
+    hmap = lambda b, h, j: (0 if varl else b, h, 0, j)  # noqa: E731
+    qk = pl.BlockSpec((None, None, L, K), lambda b, h, j: (b, jax.lax.div(h, r), 0, 0))
+    col = pl.BlockSpec((None, None, L, 1), lambda b, h, j: (b, h, 0, 0))
+    rows = pl.BlockSpec((None, None, L, bv), lambda b, h, j: (b, h, 0, j))
+    state = pl.BlockSpec((NB, None, K, bv), hmap)
+    return ([smem_spec(backend, n_meta), smem_spec(backend, n_meta), qk, qk, rows, col, col, state], [rows, state])
+
+
+def _cost(q, k, v, h0, out_shape, HV, l2norm):
+    """Per token and value head: decay, S^T k, the rank-one update and S^T q over the [K, V] state
+    (7 K V flops), the l2norms (4 K); exp(g) and two rsqrt."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    tokens = B * T * HV
+    return cost(tokens * (7 * K * V + (4 * K if l2norm else 0)), tokens * (3 if l2norm else 1),
+                q, k, v, h0, *out_shape)
+
+
 def _check_blocks(backend: str, K: int, V: int, bv: int):
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}; got {backend!r}")
+    check_backend(backend)
     if V % bv:
-        raise ValueError(f"block_v={bv} must divide V={V}")
+        raise KernelUnsupported(f"block_v={bv} must divide V={V}")
     if backend == "tpu" and bv != V and bv % 128:
-        raise ValueError(f"TPU blocks need block_v = V or a multiple of 128; got block_v={bv}, V={V}")
+        raise KernelUnsupported(f"TPU blocks need block_v = V or a multiple of 128; got block_v={bv}, V={V}")
     if backend == "gpu":
         for name, x in (("K", K), ("block_v", bv)):
             if x & (x - 1):
-                raise ValueError(f"the Triton kernel needs {name} a power of two; got {name}={x}")
+                raise KernelUnsupported(f"the Triton kernel needs {name} a power of two; got {name}={x}")

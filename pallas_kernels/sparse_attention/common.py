@@ -20,8 +20,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.gated_delta_rule.common import IMPLS, resolve_impl  # noqa: F401  (one impl rule)
-
 FP8_MAX = 448.0            # float8_e4m3fn's largest finite value
 NEG_INF = float("-inf")
 

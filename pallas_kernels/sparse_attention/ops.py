@@ -4,6 +4,7 @@
   impl="xla"        blocked XLA: running Top-K over key blocks, selected-row gather (xla.py)
   impl="pallas"     Pallas kernels (interpret mode on CPU)
   impl="auto"       Pallas on GPU/TPU, XLA on CPU
+chosen by the platform the program is lowered for (pallas_kernels.dispatch).
 
 Shapes and the masking contract are in common.py. The Top-K order differs between
 implementations (reference/xla: best first; pallas: position order); the selected set is the same.
@@ -13,18 +14,19 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import dispatch
 from pallas_kernels.sparse_attention import naive, xla
-from pallas_kernels.sparse_attention.common import (
-    check_lengths,
-    check_page_table,
-    check_pool,
-    physical_rows,
-    resolve_impl,
-)
+from pallas_kernels.sparse_attention.common import check_lengths, check_page_table, check_pool, physical_rows
 
 
-def _interpret() -> bool:
-    return jax.default_backend() == "cpu"
+def _pallas_indexer():
+    from pallas_kernels.sparse_attention import pallas_indexer  # noqa: PLC0415
+    return pallas_indexer.indexer_topk_pallas
+
+
+def _pallas_mla():
+    from pallas_kernels.sparse_attention import pallas_mla  # noqa: PLC0415
+    return pallas_mla.sparse_mla_pallas
 
 
 def indexer_topk(
@@ -58,17 +60,12 @@ def indexer_topk(
     if not 0 < topk <= NP * ps:
         raise ValueError(f"topk={topk} must be in [1, context capacity {NP * ps}] (page_table has {NP} pages "
                          f"of {ps}); clamp it to the context for short requests")
-    impl = resolve_impl(impl)
-    if impl == "reference":
-        return naive.indexer_topk_reference(q, w, k_pages, page_table, q_positions, kv_lengths,
-                                            topk=topk, k_scale=k_scale)
-    if impl == "pallas":
-        from pallas_kernels.sparse_attention import pallas_indexer  # noqa: PLC0415
-        scores, tau = pallas_indexer.index_scores_threshold_pallas(
-            q, w, k_pages, page_table, q_positions, kv_lengths, topk=topk, k_scale=k_scale,
-            interpret=_interpret())
-        return pallas_indexer.select_from_threshold(scores, tau, topk)
-    return xla.indexer_topk_xla(q, w, k_pages, page_table, q_positions, kv_lengths, topk=topk, k_scale=k_scale)
+    def on_args(fn):
+        return lambda q, w, kp, pt, qp, kl, ks, **be: fn(q, w, kp, pt, qp, kl, topk=topk, k_scale=ks, **be)
+    return dispatch.run(
+        "indexer_topk", impl, (q, w, k_pages, page_table, q_positions, kv_lengths, k_scale),
+        reference=on_args(naive.indexer_topk_reference), xla=on_args(xla.indexer_topk_xla),
+        pallas=lambda: on_args(_pallas_indexer()))
 
 
 def _check_mla(q_lat, q_rope, latent, rope, page_table, kv_lengths):
@@ -102,14 +99,12 @@ def sparse_mla_attention(
         raise ValueError(f"indices must be [B, T, K] with B, T = {q_lat.shape[:2]}; got {indices.shape}")
     if not jnp.issubdtype(indices.dtype, jnp.integer):
         raise ValueError(f"indices must be integers; got dtype {indices.dtype}")
-    impl = resolve_impl(impl)
-    if impl == "reference":
-        return naive.sparse_mla_reference(q_lat, q_rope, latent, rope, page_table, indices, kv_lengths, scale=scale)
-    if impl == "pallas":
-        from pallas_kernels.sparse_attention import pallas_mla  # noqa: PLC0415
-        return pallas_mla.sparse_mla_pallas(q_lat, q_rope, latent, rope, page_table, indices, kv_lengths,
-                                            scale=scale, interpret=_interpret())
-    return xla.sparse_mla_xla(q_lat, q_rope, latent, rope, page_table, indices, kv_lengths, scale=scale)
+    def on_args(fn):
+        return lambda *a, **be: fn(*a, scale=scale, **be)
+    return dispatch.run(
+        "sparse_mla_attention", impl, (q_lat, q_rope, latent, rope, page_table, indices, kv_lengths),
+        reference=on_args(naive.sparse_mla_reference), xla=on_args(xla.sparse_mla_xla),
+        pallas=lambda: on_args(_pallas_mla()))
 
 
 def dense_mla_attention(q_lat, q_rope, latent, rope, page_table, q_positions, kv_lengths, *, scale: float):

@@ -12,11 +12,11 @@ readable flag) by a tiny XLA prologue over [B, T, K] ints; unreadable rows point
 masked in the kernel, so no index reaches another request's pages.
 
 Backends (both proven by `jax.export` tests):
-  * TPU (Mosaic): grid (B, T, K / bk). The rows and flags are scalar-prefetched into SMEM; the pool
-    is passed bk times, each BlockSpec's index_map picking one selected row, so every grid step
-    DMAs bk scattered rows and the pipeline fetches step i + 1's rows while step i computes (the
-    gather of the next block overlaps the compute of the current one). Running statistics live in
-    VMEM scratch; the output block is resident across the K axis.
+  * TPU (Mosaic): grid (B, T, K / bk). The rows and flags are scalar-prefetched into SMEM; the pools
+    stay in HBM and every grid step DMAs its bk scattered rows (pallas_kernels.row_gather), fetching
+    step i + 1's rows while step i computes. bf16 rows travel in aligned 8-row groups, so pages must
+    hold a multiple of 8 tokens. Running statistics live in VMEM scratch; the output block is
+    resident across the K axis.
   * GPU (Triton): grid (B, T); the program loops over the K selected rows and gathers each from the
     whole pool in-kernel. H, R, Dr must be powers of two (H is padded).
 """
@@ -29,7 +29,10 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.gated_delta_rule.pallas_recurrent import compiler_params, default_backend
+from pallas_kernels.dispatch import KernelUnsupported
+from pallas_kernels import row_gather
+from pallas_kernels.kernel_params import compiler_params, cost
+from pallas_kernels.row_gather import RowGather
 from pallas_kernels.sparse_attention.common import physical_rows
 
 
@@ -51,12 +54,15 @@ def _online_step(q_lat, q_rope, lat, rp, ok, scale, m, l, acc):
     return m_new, alpha * l + e, alpha * acc + e * lat
 
 
-def _tpu_kernel(rows_ref, ok_ref,                     # SMEM [B * T * K] int32
+def _tpu_kernel(rows_ref, ok_ref,                     # SMEM [B * T * Kp] int32
                 ql_ref, qr_ref,                       # [H, R], [H, Dr]
-                *refs, bk, K, T, scale):
-    lat_refs, rp_refs = refs[:bk], refs[bk:2 * bk]    # bk x [1, R], bk x [1, Dr]
-    o_ref, m_sc, l_sc, acc_sc = refs[2 * bk:]
+                lat_hbm, rp_hbm,                      # [P, ps, R], [P, ps, Dr] in HBM
+                o_ref,                                # [H, R] f32
+                lat_buf, rp_buf, sem,                 # row_gather scratch
+                m_sc, l_sc, acc_sc,                   # [H, 1], [H, 1], [H, R] f32
+                *, bk, K, T, ps, G, scale):
     b, t, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    gather = RowGather(rows_ref, (lat_hbm, rp_hbm), (lat_buf, rp_buf), sem, ps, bk, G)
 
     @pl.when(j == 0)
     def _():
@@ -64,13 +70,16 @@ def _tpu_kernel(rows_ref, ok_ref,                     # SMEM [B * T * K] int32
         l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
         acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
 
+    def base_of(jj):
+        return (b * T + t) * K + jj * bk
+    slot = gather.pipeline(j, pl.num_programs(2), base_of)
     q_lat, q_rope = ql_ref[...].astype(jnp.float32), qr_ref[...].astype(jnp.float32)
     m, l, acc = m_sc[...], l_sc[...], acc_sc[...]
-    base = (b * T + t) * K + j * bk
+    base = base_of(j)
     for i in range(bk):
         ok = ok_ref[base + i] == 1
-        m, l, acc = _online_step(q_lat, q_rope, lat_refs[i][...].astype(jnp.float32),
-                                 rp_refs[i][...].astype(jnp.float32), ok, scale, m, l, acc)
+        m, l, acc = _online_step(q_lat, q_rope, gather.row(0, slot, i, base), gather.row(1, slot, i, base), ok,
+                                 scale, m, l, acc)
     m_sc[...], l_sc[...], acc_sc[...] = m, l, acc
 
     @pl.when(j == pl.num_programs(2) - 1)
@@ -98,11 +107,10 @@ def _gpu_kernel(rows_ref, ok_ref,                     # [K] int32
 
 @functools.partial(jax.jit, static_argnames=("scale", "config", "backend", "interpret"))
 def sparse_mla_pallas(q_lat, q_rope, latent, rope, page_table, indices, kv_lengths, *, scale: float,
-                      config: SparseMLAConfig = SparseMLAConfig(), backend: str | None = None,
+                      config: SparseMLAConfig = SparseMLAConfig(), backend: str = "tpu",
                       interpret: bool = False):
     """q_lat [B, T, H, R], q_rope [B, T, H, Dr], latent [P, ps, R], rope [P, ps, Dr], page_table [B, NP],
     indices [B, T, K], kv_lengths [B] -> o_lat [B, T, H, R] f32."""
-    backend = backend or default_backend()
     B, T, H, R = q_lat.shape
     Dr = q_rope.shape[-1]
     P, ps, _ = latent.shape
@@ -110,31 +118,29 @@ def sparse_mla_pallas(q_lat, q_rope, latent, rope, page_table, indices, kv_lengt
     rows, ok = physical_rows(indices.astype(jnp.int32), page_table.astype(jnp.int32), ps, P,
                              kv_lengths.astype(jnp.int32))               # [B, T, K]
     ok = ok.astype(jnp.int32)
-    lat_flat, rp_flat = latent.reshape(P * ps, 1, R), rope.reshape(P * ps, 1, Dr)
     if backend == "tpu":
         from jax.experimental.pallas import tpu as pltpu  # noqa: PLC0415
-        bk = config.block_k if K % config.block_k == 0 else 1
+        G = max(row_gather.check_pool(latent.dtype, ps, "sparse MLA"), row_gather.check_pool(rope.dtype, ps, "sparse MLA"))
+        bk = min(config.block_k, K)
+        Kp = -(-K // bk) * bk                          # padded selections: row 0, never read (ok = 0)
+        pad = ((0, 0), (0, 0), (0, Kp - K))
         q_spec = lambda d: pl.BlockSpec((None, None, H, d), lambda b, t, j, *_: (b, t, 0, 0))  # noqa: E731
-
-        def row_spec(i, d):
-            return pl.BlockSpec((None, 1, d), lambda b, t, j, rows_, *_: (rows_[(b * T + t) * K + j * bk + i], 0, 0))
-        in_specs = ([q_spec(R), q_spec(Dr)] + [row_spec(i, R) for i in range(bk)]
-                    + [row_spec(i, Dr) for i in range(bk)])
+        any_spec = pl.BlockSpec(memory_space=pl.ANY)
         grid_spec = pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=2, grid=(B, T, K // bk), in_specs=in_specs,
+            num_scalar_prefetch=2, grid=(B, T, Kp // bk), in_specs=[q_spec(R), q_spec(Dr), any_spec, any_spec],
             out_specs=pl.BlockSpec((None, None, H, R), lambda b, t, j, *_: (b, t, 0, 0)),
-            scratch_shapes=[pltpu.VMEM((H, 1), jnp.float32), pltpu.VMEM((H, 1), jnp.float32),
-                            pltpu.VMEM((H, R), jnp.float32)])
+            scratch_shapes=row_gather.scratch([(R, latent.dtype), (Dr, rope.dtype)], bk, G)
+            + [pltpu.VMEM((H, 1), jnp.float32), pltpu.VMEM((H, 1), jnp.float32), pltpu.VMEM((H, R), jnp.float32)])
         return pl.pallas_call(
-            functools.partial(_tpu_kernel, bk=bk, K=K, T=T, scale=scale), grid_spec=grid_spec,
+            functools.partial(_tpu_kernel, bk=bk, K=Kp, T=T, ps=ps, G=G, scale=scale), grid_spec=grid_spec,
             out_shape=jax.ShapeDtypeStruct((B, T, H, R), jnp.float32),
             compiler_params=compiler_params("tpu", ("parallel", "parallel", "arbitrary")),
-            interpret=interpret, name="dsa_sparse_mla",
-        )(rows.reshape(-1), ok.reshape(-1), q_lat, q_rope, *([lat_flat] * bk), *([rp_flat] * bk))
+            interpret=interpret, name="dsa_sparse_mla", cost_estimate=_cost(q_lat, q_rope, latent, rope, K, G),
+        )(jnp.pad(rows, pad).reshape(-1), jnp.pad(ok, pad).reshape(-1), q_lat, q_rope, latent, rope)
     Hp = 1 << (H - 1).bit_length()
     for name, x in (("R", R), ("Dr", Dr), ("K", K)):
         if x & (x - 1):
-            raise ValueError(f"the Triton sparse MLA kernel needs {name} a power of two; got {x}")
+            raise KernelUnsupported(f"the Triton sparse MLA kernel needs {name} a power of two; got {x}")
     padh = ((0, 0), (0, 0), (0, Hp - H), (0, 0))
     out = pl.pallas_call(
         functools.partial(_gpu_kernel, K=K, scale=scale), grid=(B, T),
@@ -147,6 +153,19 @@ def sparse_mla_pallas(q_lat, q_rope, latent, rope, page_table, indices, kv_lengt
         out_specs=pl.BlockSpec((None, None, Hp, R), lambda b, t: (b, t, 0, 0)),
         out_shape=jax.ShapeDtypeStruct((B, T, Hp, R), jnp.float32),
         compiler_params=compiler_params("gpu", (), config.num_warps), interpret=interpret,
-        name="dsa_sparse_mla",
-    )(rows, ok, jnp.pad(q_lat, padh), jnp.pad(q_rope, padh), lat_flat[:, 0], rp_flat[:, 0])
+        name="dsa_sparse_mla", cost_estimate=_cost(q_lat, q_rope, latent, rope, K, 1),
+    )(rows, ok, jnp.pad(q_lat, padh), jnp.pad(q_rope, padh), latent.reshape(P * ps, R),
+      rope.reshape(P * ps, Dr))
     return out[:, :, :H]
+
+
+def _cost(q_lat, q_rope, latent, rope, K, G):
+    """Per query token and selected row: the score over R + Dr and the online-softmax update of the
+    [H, R] accumulator (2 H (R + Dr) + 2 H R + 4 H flops, 2 H exp). Bytes: the queries, K gathered
+    latent + rope rows (G rows a DMA: row_gather), the row ids / flags and the f32 output."""
+    B, T, H, R = q_lat.shape
+    Dr = q_rope.shape[-1]
+    n = B * T * K
+    rows = n * (G * (R * latent.dtype.itemsize + Dr * rope.dtype.itemsize) + 8)
+    out = B * T * H * R * 4
+    return cost(n * (2 * H * (R + Dr) + 2 * H * R + 4 * H), n * 2 * H, q_lat, q_rope, extra_bytes=rows + out)

@@ -18,7 +18,7 @@ from pallas_kernels import compressed_attention as ca
 from pallas_kernels.compressed_attention import pallas_attention, pallas_compressor
 
 TRITON_CALL = "__gpu$xla.gpu.triton"
-TARGETS = {"tpu": ("tpu", "tpu_custom_call"), "cuda": ("gpu", TRITON_CALL)}
+CALLS = {"tpu": "tpu_custom_call", "cuda": TRITON_CALL}
 S = jax.ShapeDtypeStruct
 EPS = 1e-6
 
@@ -274,14 +274,14 @@ def _export(fn, platform, args):
 @pytest.mark.parametrize("overlap", [False, True], ids=["hca", "csa"])
 @pytest.mark.parametrize("platform", ["tpu", "cuda"])
 def test_compressor_exports(platform, overlap):
-    backend, call = TARGETS[platform]
+    """Through the public op: the kernel follows the platform lowered for, not the host's."""
+    call = CALLS[platform]
     B, T, m = 2, 64, 4
     C, D = (256, 128) if overlap else (128, 128)
 
     def fn(kv, g, tkv, tg, tc, nn, ec, okv, og, bias, nw, fr):
-        return pallas_compressor.compress_pallas(kv, g, tkv, tg, tc, nn, ec, okv if overlap else None,
-                                                 og if overlap else None, bias, nw, fr, rate=m, overlap=overlap,
-                                                 eps=EPS, backend=backend)
+        return ca.compress_windows(kv, g, tkv, tg, tc, nn, ec, okv if overlap else None, og if overlap else None,
+                                   bias, nw, fr, rate=m, overlap=overlap, eps=EPS, impl="pallas")
     bf, i32 = jnp.bfloat16, jnp.int32
     args = [S((B, T, C), bf), S((B, T, C), bf), S((B, m, C), bf), S((B, m, C), jnp.float32), S((B,), i32),
             S((B,), i32), S((B,), i32), S((B, m, D), bf), S((B, m, D), jnp.float32), S((m, C), jnp.float32),
@@ -292,15 +292,14 @@ def test_compressor_exports(platform, overlap):
 @pytest.mark.parametrize("mode", ["window", "gather", "dense"])
 @pytest.mark.parametrize("platform", ["tpu", "cuda"])
 def test_attention_exports(platform, mode):
-    backend, call = TARGETS[platform]
+    call = CALLS[platform]
     B, T, H, D, W, P, ps, NP, K = 2, 4, 16, 128, 128, 9, 64, 5, 64
     bf, i32 = jnp.bfloat16, jnp.int32
 
     def fn(q, kv, kpos, qpos, sinks, *e):
         ent, table, count, *idx = e if e else (None,) * 3
-        return pallas_attention.attention_pallas(q, kv, kpos, qpos, ent, table, idx[0] if idx else None, count, sinks,
-                                                 window=W, scale=D ** -0.5, rate=8 if mode == "dense" else None,
-                                                 backend=backend)
+        return ca.compressed_sparse_read(q, kv, kpos, qpos, ent, table, idx[0] if idx else None, count, sinks,
+                                         window=W, scale=D ** -0.5, rate=8 if mode == "dense" else None, impl="pallas")
     args = [S((B, T, H, D), bf), S((B, W + T, D), bf), S((B, W + T), i32), S((B, T), i32), S((H,), jnp.float32)]
     if mode != "window":
         args += [S((P, ps, D), bf), S((B, NP), i32), S((B,), i32)]

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import sparse_attention as sa
-from pallas_kernels.sparse_attention import naive, pallas_indexer, pallas_mla
+from pallas_kernels.sparse_attention import naive
 
 TRITON_CALL = "__gpu$xla.gpu.triton"
 
@@ -191,20 +191,19 @@ def _export(fn, platform, args):
 
 
 S = jax.ShapeDtypeStruct
-TARGETS = {"tpu": ("tpu", "tpu_custom_call"), "cuda": ("gpu", TRITON_CALL)}
+CALLS = {"tpu": "tpu_custom_call", "cuda": TRITON_CALL}
 
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("platform", ["tpu", "cuda"])
 def test_indexer_exports(platform, fp8):
-    backend, call = TARGETS[platform]
+    """Through the public op: the kernel follows the platform lowered for, not the host's."""
+    call = CALLS[platform]
     B, T, H, D, ps, NP, P = 2, 3, 4, 128, 128, 4, 9
     kdt = jnp.float8_e4m3fn if fp8 else jnp.bfloat16
 
     def fn(q, w, k, pt, qpos, lens, *sc):
-        s, tau = pallas_indexer.index_scores_threshold_pallas(
-            q, w, k, pt, qpos, lens, topk=64, k_scale=sc[0] if sc else None, backend=backend)
-        return pallas_indexer.select_from_threshold(s, tau, 64)
+        return sa.indexer_topk(q, w, k, pt, qpos, lens, topk=64, k_scale=sc[0] if sc else None, impl="pallas")
     args = [S((B, T, H, D), jnp.bfloat16), S((B, T, H), jnp.float32), S((P, ps, D), kdt),
             S((B, NP), jnp.int32), S((B, T), jnp.int32), S((B,), jnp.int32)]
     if fp8:
@@ -214,11 +213,11 @@ def test_indexer_exports(platform, fp8):
 
 @pytest.mark.parametrize("platform", ["tpu", "cuda"])
 def test_sparse_mla_exports(platform):
-    backend, call = TARGETS[platform]
+    call = CALLS[platform]
     B, T, H, R, Dr, ps, NP, P, K = 2, 1, 16, 512, 64, 64, 4, 9, 64
 
     def fn(ql, qr, lat, rp, pt, idx, lens):
-        return pallas_mla.sparse_mla_pallas(ql, qr, lat, rp, pt, idx, lens, scale=0.1, backend=backend)
+        return sa.sparse_mla_attention(ql, qr, lat, rp, pt, idx, lens, scale=0.1, impl="pallas")
     args = [S((B, T, H, R), jnp.bfloat16), S((B, T, H, Dr), jnp.bfloat16), S((P, ps, R), jnp.bfloat16),
             S((P, ps, Dr), jnp.bfloat16), S((B, NP), jnp.int32), S((B, T, K), jnp.int32), S((B,), jnp.int32)]
     assert call in _export(fn, platform, args)

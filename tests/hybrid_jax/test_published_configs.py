@@ -1,0 +1,54 @@
+"""The published configs in hybrid_jax/published_configs: every file says where its values came from, and
+the ones the parsers take load with the real models' shapes (the kernel and plan tests rely on them)."""
+from __future__ import annotations
+
+import json
+import pathlib
+
+import pytest
+
+from hybrid_jax.config import config_from_hf_dict
+
+ROOT = pathlib.Path(__file__).parents[2] / "hybrid_jax" / "published_configs"
+FILES = sorted(ROOT.glob("*.json"))
+
+
+def _load(name):
+    return json.loads((ROOT / name).read_text())
+
+
+def test_there_are_configs_of_the_real_models():
+    assert {f.name for f in FILES} >= {"qwen3_next_80b_a3b_instruct.json", "deepseek_v32.json",
+                                       "deepseek_v4_flash.json", "qwen3_5_397b_a17b.json"}
+
+
+@pytest.mark.parametrize("path", FILES, ids=lambda p: p.stem)
+def test_every_config_names_its_sources(path):
+    d = json.loads(path.read_text())
+    assert d["_sources"] and all(isinstance(v, str) and v for v in d["_sources"].values())
+    assert "not included" in d["_sources"]
+
+
+def test_qwen3_next_80b():
+    cfg = config_from_hf_dict(_load("qwen3_next_80b_a3b_instruct.json"))
+    assert cfg.layer_types.count("linear_attention") == 36 and cfg.layer_types.count("full_attention") == 12
+    assert (cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim) == (16, 32, 128)
+    assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (16, 2, 256)
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size) == (512, 10, 512)
+
+
+def test_deepseek_v32_without_its_yarn_block():
+    """The release's YaRN rope_scaling is not parsed yet; the rest of the file is (YaRN changes the rotary
+    frequencies and the softmax scale, no shape)."""
+    d = {k: v for k, v in _load("deepseek_v32.json").items() if k != "rope_scaling"}
+    cfg = config_from_hf_dict(d)
+    assert (cfg.num_hidden_layers, cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim) == (61, 128, 512, 64)
+    assert (cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk) == (64, 128, 2048)
+
+
+def test_deepseek_v4_flash():
+    cfg = config_from_hf_dict(_load("deepseek_v4_flash.json"))
+    assert (cfg.num_hidden_layers, cfg.num_attention_heads, cfg.head_dim, cfg.sliding_window) == (43, 64, 512, 128)
+    assert (cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk) == (64, 128, 512)
+    kinds = {t: cfg.layer_types.count(t) for t in set(cfg.layer_types)}
+    assert kinds == {"compressed_sparse_attention": 20, "heavily_compressed_attention": 23}

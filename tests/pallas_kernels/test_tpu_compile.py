@@ -1,0 +1,78 @@
+"""Every Pallas TPU kernel compiled by the TPU compiler (XLA + Mosaic) through the public ops on this host,
+which has no TPU: the real models' shapes in bf16 on v5e, v6e and v5p, awkward shapes on v5e, and the
+decode steps' cost baselines. The cases and their shapes are in tpu_cases.py; f32 is
+test_tpu_compile_f32.py. Every test skips, saying why, where the TPU compiler (`tpu-aot` extra) is missing.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import pytest
+from tpu_cases import AWKWARD, CHIPS, REAL, check_real, compiled, gdn_args, need_chip
+
+import pallas_kernels as pk
+from pallas_kernels import aot
+
+BASELINES = pathlib.Path(__file__).with_name("tpu_baselines.json")
+BASELINE_CHIPS = ("v5e", "v6e")
+TOLERANCE = 1.05
+
+
+@pytest.mark.parametrize("chip", CHIPS)
+@pytest.mark.parametrize("name", list(REAL))
+def test_real_shapes_compile_bf16(name, chip):
+    check_real(name, chip, "bf16")
+
+
+@pytest.mark.parametrize("name", list(AWKWARD))
+def test_awkward_shapes_compile(name):
+    need_chip("v5e")
+    program, _ = compiled(name, "bf16", "v5e")
+    assert "tpu_custom_call" in program.as_text()
+
+
+def test_auto_picks_the_kernel_when_compiled_for_tpu():
+    """impl="auto" compiled for a TPU from this CPU host runs the Mosaic kernel, not the XLA path."""
+    need_chip("v5e")
+
+    def fn(*a):
+        return pk.fused_recurrent_gated_delta_rule(*a[:5], initial_state=a[5], output_final_state=True, impl="auto")
+    program, _ = aot.compile_for(fn, gdn_args(2, 1, 2, 4, 128, 128, jnp.bfloat16), "v5e")
+    assert "tpu_custom_call" in program.as_text()
+
+
+def _measured():
+    return {f"{chip}/{name}/bf16": dataclasses.asdict(compiled(name, "bf16", chip)[1])
+            for chip in BASELINE_CHIPS for name, case in REAL.items() if case.decode}
+
+
+def test_decode_baselines():
+    """The decode steps' compiled FLOPs and HBM bytes (bf16, v5e and v6e) may not rise more than 5% over
+    tpu_baselines.json. After a deliberate change, regenerate the file and commit it with the change:
+        UPDATE_TPU_BASELINES=1 python -m pytest tests/pallas_kernels/test_tpu_compile.py -k baselines
+    """
+    for chip in BASELINE_CHIPS:
+        need_chip(chip)
+    import libtpu  # noqa: PLC0415
+    measured = _measured()
+    if os.environ.get("UPDATE_TPU_BASELINES"):
+        BASELINES.write_text(json.dumps({
+            "about": "Compiled cost per decode step of each kernel at the real models' shapes (B = 8 rows, 32k "
+                     "context, bf16; shapes in tests/pallas_kernels/tpu_cases.py), from the TPU compiler's cost "
+                     "analysis. Regenerate: UPDATE_TPU_BASELINES=1 python -m pytest "
+                     "tests/pallas_kernels/test_tpu_compile.py -k baselines",
+            "jax": jax.__version__, "libtpu": getattr(libtpu, "__version__", "unknown"),
+            "cases": {k: {"flops": v["flops"], "bytes_accessed": v["bytes_accessed"]} for k, v in measured.items()},
+        }, indent=1, sort_keys=True) + "\n")
+    recorded = json.loads(BASELINES.read_text())["cases"]
+    missing = sorted(set(measured) - set(recorded))
+    assert not missing, f"cases without a baseline (regenerate tpu_baselines.json): {missing}"
+    worse = {k: {m: (recorded[k][m], measured[k][m]) for m in ("flops", "bytes_accessed")
+                 if measured[k][m] > TOLERANCE * recorded[k][m]} for k in measured}
+    worse = {k: v for k, v in worse.items() if v}
+    assert not worse, f"compiled cost rose more than 5% over tpu_baselines.json (recorded, now): {worse}"
