@@ -22,6 +22,7 @@ import jax.numpy as jnp
 
 from cache.compressed import write_entries
 from hybrid_jax.layers.hyper_connections import unweighted_rms
+from hybrid_jax.layers.linear import dequantize, linear
 from hybrid_jax.layers.mla import rms_norm
 from pallas_kernels.compressed_attention import compress_windows, compressed_sparse_read
 from pallas_kernels.sparse_attention import indexer_topk, indexer_weights
@@ -123,10 +124,10 @@ def compressed_attention(p: dict, x, layer_type: str, positions, valid, lengths,
     main = layer_type == "sliding_attention"
     spec = cfg.rope_main if main else cfg.rope_compress
     cos, sin = rope_tables(positions, freqs_main if main else freqs_comp, spec.attention_factor)
-    q_res = rms_norm(x @ p["q_a"], p["q_a_norm"], eps)
-    q = unweighted_rms((q_res @ p["q_b"]).reshape(B, T, H, D), eps).astype(x.dtype)
+    q_res = rms_norm(linear(x, p["q_a"]), p["q_a_norm"], eps)
+    q = unweighted_rms(linear(q_res, p["q_b"]).reshape(B, T, H, D), eps).astype(x.dtype)
     q = rope_trailing(q, cos, sin)
-    kv = rope_trailing(rms_norm(x @ p["kv"], p["kv_norm"], eps)[:, :, None], cos, sin)[:, :, 0]     # [B, T, D]
+    kv = rope_trailing(rms_norm(linear(x, p["kv"]), p["kv_norm"], eps)[:, :, None], cos, sin)[:, :, 0]     # [B, T, D]
     new_len = lengths + n_new
     new_state = dict(comp_state)
     pool = table = sel = count = hca_rate = None
@@ -135,7 +136,7 @@ def compressed_attention(p: dict, x, layer_type: str, positions, valid, lengths,
         csa = layer_type == "compressed_sparse_attention"
         cs = comp_state
         ents, idx, tail, ov = compress(
-            x @ p["c_kv"], x @ p["c_gate"], cs["tail_kv"], cs["tail_gate"], cs["tail_count"], n_new, cs["count"],
+            linear(x, p["c_kv"]), linear(x, p["c_gate"]), cs["tail_kv"], cs["tail_gate"], cs["tail_count"], n_new, cs["count"],
             cs.get("overlap_kv"), cs.get("overlap_gate"), p["c_bias"], p["c_norm"], freqs_comp, rate=m,
             overlap=csa, eps=eps, rope_scale=cfg.rope_compress.attention_factor, impl=impl)
         slot = cs["slot"] if pools_in_place else None
@@ -153,8 +154,8 @@ def compressed_attention(p: dict, x, layer_type: str, positions, valid, lengths,
                window=cfg.sliding_window, scale=D ** -0.5, rate=hca_rate, impl=impl)
     o = rope_trailing(o, cos, -sin).astype(x.dtype)
     G = cfg.o_groups
-    g = jnp.einsum("btgi,gir->btgr", o.reshape(B, T, G, H * D // G), p["o_a"]).reshape(B, T, -1)
-    out = g @ p["o_b"]
+    g = jnp.einsum("btgi,gir->btgr", o.reshape(B, T, G, H * D // G), dequantize(p["o_a"], o.dtype)).reshape(B, T, -1)
+    out = linear(g, p["o_b"])
     return out.astype(x.dtype), window_update(ring, kv, positions, valid, new_len), new_state
 
 
@@ -163,7 +164,7 @@ def _index(p, x, q_res, positions, valid, n_new, cs, new_state, freqs_comp, *, c
     B, T, _ = x.shape
     Hi, Di, eps = cfg.index_n_heads, cfg.index_head_dim, cfg.rms_norm_eps
     ents, idx, tail, ov = compress(
-        x @ p["i_kv"], x @ p["i_gate"], cs["idx_tail_kv"], cs["idx_tail_gate"], cs["idx_tail_count"], n_new,
+        linear(x, p["i_kv"]), linear(x, p["i_gate"]), cs["idx_tail_kv"], cs["idx_tail_gate"], cs["idx_tail_count"], n_new,
         cs["idx_count"], cs["idx_overlap_kv"], cs["idx_overlap_gate"], p["i_bias"], p["i_norm"], freqs_comp,
         rate=rate, overlap=True, eps=eps, rope_scale=cfg.rope_compress.attention_factor, impl=impl)
     keys = write_entries(cs["idx_entries"], cs["idx_table"], ents, idx, slot)
@@ -172,7 +173,7 @@ def _index(p, x, q_res, positions, valid, n_new, cs, new_state, freqs_comp, *, c
                      idx_tail_count=tail[2], idx_overlap_kv=ov[0], idx_overlap_gate=ov[1])
     keys = keys if slot is None else keys[slot]                        # this layer's keys, to read
     cos, sin = rope_tables(positions, freqs_comp, cfg.rope_compress.attention_factor)
-    qi = rope_trailing((q_res @ p["i_q"]).reshape(B, T, Hi, Di), cos, sin)
+    qi = rope_trailing(linear(q_res, p["i_q"]).reshape(B, T, Hi, Di), cos, sin)
     w = indexer_weights(x.astype(jnp.float32) @ p["i_w"].astype(jnp.float32), Hi, Di)
     table = cs["idx_table"]                                      # [B, NP]: keys [P, ps, Di] are paged
     NE = table.shape[1] * keys.shape[1]
