@@ -16,36 +16,21 @@ sum_h w_h relu(q_h . k_j) through the shared DSA indexer op (pallas_kernels.spar
 """
 from __future__ import annotations
 
-import math
-
 import jax.numpy as jnp
 
 from cache.compressed import write_entries
 from hybrid_jax.layers.hyper_connections import unweighted_rms
 from hybrid_jax.layers.linear import dequantize, linear
 from hybrid_jax.layers.mla import rms_norm
+from hybrid_jax.layers.rope import frequencies
 from pallas_kernels.compressed_attention import compress_windows, compressed_sparse_read
 from pallas_kernels.sparse_attention import indexer_topk, indexer_weights
 
 
 def inv_freq(spec, rope_dim: int):
-    """Inverse frequencies [rope_dim // 2] of a RopeSpec ('default' or YaRN as transformers computes it)."""
-    base = spec.theta
-    exps = jnp.arange(0, rope_dim, 2, dtype=jnp.float32) / rope_dim
-    extra = 1.0 / (base ** exps)
-    if spec.rope_type != "yarn":
-        return extra
-    inter = 1.0 / (spec.factor * base ** exps)
-
-    def corr(rot):
-        return rope_dim * math.log(spec.original_max_position_embeddings / (rot * 2 * math.pi)) / (2 * math.log(base))
-    # transformers reads `truncate` from the top-level rope dict, which V4 nests: always truncated
-    low, high = max(math.floor(corr(spec.beta_fast)), 0), min(math.ceil(corr(spec.beta_slow)), rope_dim - 1)
-    if low == high:
-        high += 0.001
-    ramp = jnp.clip((jnp.arange(rope_dim // 2, dtype=jnp.float32) - low) / (high - low), 0.0, 1.0)
-    keep = 1.0 - ramp
-    return inter * (1.0 - keep) + extra * keep
+    """Inverse frequencies [rope_dim // 2] of a RopeSpec (`layers.rope.frequencies`; V4's types need no
+    per-row length)."""
+    return frequencies(spec, rope_dim)
 
 
 def rope_tables(positions, freqs, scale: float = 1.0):

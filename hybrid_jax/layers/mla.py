@@ -52,10 +52,11 @@ def rope_interleaved(x, cos, sin):
 def sparse_attention(p: dict, x, cos, sin, positions, valid, lengths, n_new, lat, rope, ikeys, iscale,
                      page_table, index_table, page_resident, *, num_heads: int, nope: int, rope_dim: int,
                      v_dim: int, kv_lora_rank: int, index_heads: int, index_dim: int, index_topk: int,
-                     eps: float, impl: str = "auto", layer: int | None = None):
+                     eps: float, impl: str = "auto", layer: int | None = None, scale: float | None = None):
     """x [B, T, Hd]; cos, sin [B, T, Dr]; positions, valid [B, T]; lengths, n_new [B];
     lat [P, ps, R], rope [P, ps, Dr] (one layer's latent pools), ikeys [P2, ps2, Di], iscale [P2, ps2] | None,
     or with `layer` the groups' stacks of them ([L, ...]), written in place at that layer (`write_paged`).
+    scale: the attention softmax scale (default (nope + rope_dim)^-0.5; DeepSeek's YaRN corrects it).
     Returns (out [B, T, Hd], lat, rope, ikeys, iscale, hit_rate [B]), the pools as they came in."""
     B, T, _ = x.shape
     H, R = num_heads, kv_lora_rank
@@ -87,7 +88,7 @@ def sparse_attention(p: dict, x, cos, sin, positions, valid, lengths, n_new, lat
 
     q_lat = jnp.einsum("bthn,hnr->bthr", q_nope, dequantize(p["w_uk"], q_nope.dtype))                            # [B, T, H, R]
     o_lat = sparse_mla_attention(q_lat, q_rot, one(lat), one(rope), page_table, idx, kv_len,
-                                 scale=(nope + rope_dim) ** -0.5, impl=impl)           # [B, T, H, R] f32
+                                 scale=scale or (nope + rope_dim) ** -0.5, impl=impl)           # [B, T, H, R] f32
     o = jnp.einsum("bthr,hvr->bthv", o_lat.astype(x.dtype), dequantize(p["w_uv"], x.dtype)).reshape(B, T, H * v_dim)
     out = linear(o, p["o_proj"]) + p.get("o_bias", 0.0)
     hit = sparse_hit_rate(idx, page_table, page_resident, one(lat).shape[1], kv_len)

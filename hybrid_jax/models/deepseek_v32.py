@@ -72,7 +72,7 @@ def forward(cfg: DeepseekV32Config, params: dict, cache: ModelCache, tokens: jax
     positions, valid = token_positions(cache, T, n_new)                  # [B, T] each
     x = params["embed"][tokens]
     hidden = [x] if return_hidden else None
-    cos, sin = rope_cos_sin(positions, cfg.qk_rope_head_dim, cfg.rope_theta)
+    cos, sin = rope_cos_sin(positions, cfg.qk_rope_head_dim, cfg.rope, seq_len=cache.lengths + n_new)
     lg, ig = cache.groups["sparse_attention"], cache.groups["indexer"]
     # the pools are written in place in their [L, ...] stacks (slicing a layer out and stacking the
     # layers back copies every pool at every step)
@@ -85,7 +85,8 @@ def forward(cfg: DeepseekV32Config, params: dict, cache: ModelCache, tokens: jax
             lg.page_table, ig.page_table, lg.page_resident,
             num_heads=cfg.num_attention_heads, nope=cfg.qk_nope_head_dim, rope_dim=cfg.qk_rope_head_dim,
             v_dim=cfg.v_head_dim, kv_lora_rank=cfg.kv_lora_rank, index_heads=cfg.index_n_heads,
-            index_dim=cfg.index_head_dim, index_topk=cfg.index_topk, eps=cfg.rms_norm_eps, impl=impl, layer=s)
+            index_dim=cfg.index_head_dim, index_topk=cfg.index_topk, eps=cfg.rms_norm_eps, impl=impl, layer=s,
+            scale=cfg.softmax_scale)
         hits.append(hit)
         x = x + h
         y = rms_norm(x, lp["post_norm"], cfg.rms_norm_eps)

@@ -70,7 +70,7 @@ def forward(cfg: ModelConfig, params: dict, cache: ModelCache, tokens: jax.Array
     positions, valid = token_positions(cache, T, n_new)                  # [B, T] each
     x = params["embed"][tokens]
     hidden = [x] if return_hidden else None
-    cos, sin = rope_cos_sin(positions, cfg.rotary_dim, cfg.rope_theta)
+    cos, sin = rope_cos_sin(positions, cfg.rotary_dim, cfg.rope, seq_len=cache.lengths + n_new)
     groups = dict(cache.groups)
     rec = groups.get("linear_attention")
     kv = groups.get("full_attention")
