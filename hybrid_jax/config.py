@@ -174,6 +174,8 @@ def parse_rope(d: dict[str, Any], family: str, *, partial_rotary_factor: float =
 CONFIG_PARSERS = {"qwen3_next": qwen3_next_config}
 CONFIG_PARSERS["deepseek_v32"] = lambda d: __import__("hybrid_jax.models.deepseek_v32_config", fromlist=["x"]).deepseek_v32_config(d)
 CONFIG_PARSERS["deepseek_v4"] = lambda d: __import__("hybrid_jax.models.deepseek_v4_config", fromlist=["x"]).deepseek_v4_config(d)
+for _t in ("qwen3_5", "qwen3_5_moe", "qwen3_5_text", "qwen3_5_moe_text"):
+    CONFIG_PARSERS[_t] = lambda d: __import__("hybrid_jax.models.qwen3_5_config", fromlist=["x"]).qwen3_5_config(d)
 
 
 def load_config(path: str) -> ModelConfig:

@@ -210,12 +210,28 @@ def expected_hf_keys(cfg: ModelConfig) -> list[str]:
     return keys
 
 
+def grouped_in_proj(cfg: ModelConfig, t, a: str) -> np.ndarray:
+    """Qwen3-Next's Gated DeltaNet input projections, grouped per key head (in_proj_qkvz [H, (K | K | r*V |
+    r*V)], in_proj_ba [H, (r | r)], torch layout [out, Hd]) -> rows q | k | v | z | b | a [2HK + 2HV*V + 2HV, Hd]."""
+    Hd, H, HV, K, V = (cfg.hidden_size, cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                       cfg.linear_value_head_dim)
+    r = HV // H
+    qkvz = t(a + "in_proj_qkvz.weight", (2 * H * K + 2 * HV * V, Hd)).reshape(H, 2 * K + 2 * r * V, Hd)
+    q, k, v, z = np.split(qkvz, [K, 2 * K, 2 * K + r * V], axis=1)
+    ba = t(a + "in_proj_ba.weight", (2 * HV, Hd)).reshape(H, 2 * r, Hd)
+    b, a_ = np.split(ba, [r], axis=1)
+    return concat([x.reshape(-1, Hd) for x in (q, k, v, z, b, a_)], axis=0)
+
+
 def convert_hf_weights(cfg: ModelConfig, get: Callable[[str], np.ndarray], has: Callable[[str], bool],
-                       dtype, progress: Callable[[], None] = lambda: None) -> dict:
+                       dtype, progress: Callable[[], None] = lambda: None, *, prefix: str = "model.",
+                       gdn_in_proj: Callable = grouped_in_proj) -> dict:
     """Re-lays a Hugging Face Qwen3-Next checkpoint into the layout above, once, at load.
 
     get(name) -> numpy array; has(name) -> bool. Raises CheckpointError naming a missing or
-    misshapen tensor."""
+    misshapen tensor. A family with Qwen3-Next's layers and another checkpoint layout (Qwen3.5) passes
+    the prefix of its text model's tensors and gdn_in_proj(cfg, t, "<layer>.linear_attn.") -> the fused
+    input projection's rows q | k | v | z | b | a [2HK + 2HV*V + 2HV, Hd]."""
     s = _shapes(cfg)
     Hd = s["Hd"]
 
@@ -227,27 +243,20 @@ def convert_hf_weights(cfg: ModelConfig, get: Callable[[str], np.ndarray], has: 
     def lin(a):            # a weight the layers multiply through layers.linear (may stay FP8)
         return to_device_linear(a, dtype)
 
-    params = {"embed": dev(t("model.embed_tokens.weight", (cfg.vocab_size, Hd))),
-              "final_norm": dev(t("model.norm.weight", (Hd,))), "layers": []}
+    params = {"embed": dev(t(prefix + "embed_tokens.weight", (cfg.vocab_size, Hd))),
+              "final_norm": dev(t(prefix + "norm.weight", (Hd,))), "layers": []}
     if not cfg.tie_word_embeddings:
         params["lm_head"] = dev(t("lm_head.weight", (cfg.vocab_size, Hd)).T)
     for i, kind in enumerate(cfg.layer_types):
-        p = f"model.layers.{i}."
+        p = f"{prefix}layers.{i}."
         lp = {"input_norm": dev(t(p + "input_layernorm.weight", (Hd,))),
               "post_norm": dev(t(p + "post_attention_layernorm.weight", (Hd,)))}
         if kind == "linear_attention":
-            H, HV, K, V = s["H"], s["HV"], s["K"], s["V"]
-            r = HV // H
+            HV, V = s["HV"], s["V"]
             a = p + "linear_attn."
-            # HF groups qkvz per key head: [H, (K | K | r*V | r*V)]; ba per key head: [H, (r | r)].
-            qkvz = t(a + "in_proj_qkvz.weight", (2 * H * K + 2 * HV * V, Hd)).reshape(H, 2 * K + 2 * r * V, Hd)
-            q, k, v, z = np.split(qkvz, [K, 2 * K, 2 * K + r * V], axis=1)
-            ba = t(a + "in_proj_ba.weight", (2 * HV, Hd)).reshape(H, 2 * r, Hd)
-            b, a_ = np.split(ba, [r], axis=1)
-            fused = concat([x.reshape(-1, Hd) for x in (q, k, v, z, b, a_)], axis=0)
             conv = t(a + "conv1d.weight", (cfg.linear_conv_dim, 1, cfg.linear_conv_kernel_dim))
             lp["gdn"] = {
-                "in_proj": lin(fused.T), "conv": dev(conv[:, 0, :].T),
+                "in_proj": lin(gdn_in_proj(cfg, t, a).T), "conv": dev(conv[:, 0, :].T),
                 "A_log": jnp.asarray(t(a + "A_log", (HV,)), jnp.float32),
                 "dt_bias": jnp.asarray(t(a + "dt_bias", (HV,)), jnp.float32),
                 "norm": dev(t(a + "norm.weight", (V,))),

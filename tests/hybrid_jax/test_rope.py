@@ -98,6 +98,7 @@ V32 = dict(model_type="deepseek_v32", vocab_size=97, hidden_size=32, intermediat
            index_head_dim=16, index_n_heads=32, first_k_dense_replace=1)
 V4 = dict(model_type="deepseek_v4", vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
           head_dim=16, q_lora_rank=24, compress_ratios=[0, 4], qk_rope_head_dim=8)
+QWEN35 = {"model_type": "qwen3_5", "text_config": {**QWEN, "model_type": "qwen3_5_text"}}
 
 
 def _rope_of(d):
@@ -111,7 +112,7 @@ def _with(d, **kw):
     return {**d, **kw}
 
 
-@pytest.mark.parametrize("base", [QWEN, V32, V4], ids=["qwen3_next", "deepseek_v32", "deepseek_v4"])
+@pytest.mark.parametrize("base", [QWEN, V32, V4, QWEN35], ids=["qwen3_next", "deepseek_v32", "deepseek_v4", "qwen3_5"])
 def test_both_spellings_and_unsupported_types_in_every_family(base):
     legacy = _rope_of(_with(base, rope_scaling=DEEPSEEK_YARN))
     assert legacy.rope_type == "yarn" and legacy.factor == 40
