@@ -259,14 +259,17 @@ _ORIGINAL_NAMES = [(r"\.compressor\.indexer\.scorer\.weights_proj\.", ".indexer.
 
 
 def _resolver(has):
-    """native name -> the name this checkpoint stores it under (the native one when neither exists)."""
+    """native name -> the name this checkpoint stores it under (the native one when none exists): the
+    original DeepSeek name, with or without the "model." prefix (the published checkpoints have none),
+    and the attention's KV norm as `attn.norm` (what transformers writes back) or `attn.kv_norm`."""
     import re  # noqa: PLC0415
 
     def resolve(name: str) -> str:
-        orig = name
+        orig, orig_kv = name, name
         for pat, rep in _ORIGINAL_NAMES:
             orig = re.sub(pat, rep, orig)
-        for c in (name, orig, orig.removeprefix("model."), "model." + orig):
+            orig_kv = orig_kv if rep == ".norm." else re.sub(pat, rep, orig_kv)
+        for c in (name, orig, orig.removeprefix("model."), "model." + orig, orig_kv, orig_kv.removeprefix("model.")):
             if has(c):
                 return c
         return name

@@ -112,7 +112,7 @@ def quantize_release(src: str, dst: str, *, fp8=lambda name, a: False, fp4=lambd
     """Writes src's tensors to dst with fp8(name, array) ones as FP8 blocks and fp4(name, array) ones as
     packed FP4; scales beside them as `<name>_scale_inv` float32 (Hugging Face) or, with v4_names,
     `<module>.scale` float8_e8m0fnu (power-of-two scales). `rename` maps every tensor name (release
-    layouts); config.json gets quantization_config (and config_update). Returns {src name: the
+    layouts); config.json gets quantization_config (and config_update, where None removes a key). Returns {src name: the
     float32 values the release decodes to}."""
     tensors, out, values = load(src), {}, {}
     for name, a in tensors.items():
@@ -132,6 +132,7 @@ def quantize_release(src: str, dst: str, *, fp8=lambda name, a: False, fp4=lambd
     save(dst, out)
     cfg = read_config(src)
     cfg.update(config_update or {})
+    cfg = {k: v for k, v in cfg.items() if v is not None or k not in (config_update or {})}   # None: removed
     if quantization_config is not None:
         cfg["quantization_config"] = quantization_config
     write_config(dst, cfg)
