@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from hybrid_jax import LLM
+from hybrid_jax.align import align
 from hybrid_jax.config import config_from_hf_dict
 from hybrid_jax.layers.linear import Fp8Weight
 from release_formats import assert_matches_transformers, hf_load, quantize_release, read_config, write_reference
@@ -92,15 +93,21 @@ def test_v4_release_names_formats_and_legacy_config(v4):
     assert_matches_transformers(llm, hf_load(ref))
 
 
-def test_v4_release_kept_in_fp8(v4):
+def test_v4_release_kept_in_fp8_and_aligned(v4):
+    """quantization="fp8" holds the FP8 and FP4 weights as FP8 codes, exactly; `hybrid-jax align` agrees
+    with transformers on the dequantized weights at every layer, in both modes."""
     release = v4[0]
     kept = LLM(model=release, dtype="float32", quantization="fp8")
     layer = kept.params["layers"][1]
     assert isinstance(layer["attn"]["q_a"], Fp8Weight) and isinstance(layer["attn"]["o_a"], Fp8Weight)
-    assert isinstance(layer["moe"]["gate_up"], Fp8Weight)          # FP4 experts held as FP8 codes, exactly
+    assert isinstance(layer["moe"]["gate_up"], Fp8Weight)
     ids = list(np.random.default_rng(3).integers(0, 97, 300))
-    ref = LLM(model=release, dtype="float32").logits(ids)
-    assert np.max(np.abs(kept.logits(ids) - ref)) < 1e-5
+    deq = LLM(model=release, dtype="float32")
+    assert np.max(np.abs(kept.logits(ids) - deq.logits(ids))) < 1e-5
+    for llm in (deq, kept):
+        report = align(llm, ids[:40])
+        assert report.first_divergent is None, str(report)
+        assert len(report.rows) == 3 + 2
 
 
 @pytest.fixture(scope="module")
@@ -132,3 +139,5 @@ def test_v32_fp8_release_with_yarn(v32):
     assert all(isinstance(attn[k], Fp8Weight) for k in ("q_a", "q_b", "kv_a", "w_uk", "w_uv", "o_proj", "idx_q"))
     ids = list(np.random.default_rng(4).integers(0, 97, 120))
     assert np.max(np.abs(kept.logits(ids) - llm.logits(ids))) < 1e-5
+    report = align(kept, ids[:40])
+    assert report.first_divergent is None, str(report)

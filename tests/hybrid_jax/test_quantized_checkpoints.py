@@ -17,6 +17,7 @@ import torch
 
 from conftest import make_checkpoint
 from hybrid_jax import LLM, CheckpointError, ConfigError
+from hybrid_jax.align import align
 from hybrid_jax.layers.linear import ColumnConcat, Fp8Weight, dequantize, weight_bytes
 from hybrid_jax.weights import open_checkpoint, to_device_linear
 from release_formats import (
@@ -128,6 +129,14 @@ def test_fp8_kept_on_device(qwen_release, qwen_pair):
     assert 0 < err_kept <= 1.5 * err_deq, (err_kept, err_deq)   # bf16's own error, no more
     ratio = weight_bytes(kept16.params) / weight_bytes(deq16.params)
     assert ratio <= 0.55, ratio
+    report = align(kept32, ids[:40])            # against transformers on the dequantized weights
+    assert report.first_divergent is None, str(report)
+
+
+def test_align_cli_on_a_quantized_release(qwen_release, capsys):
+    from hybrid_jax.cli import main  # noqa: PLC0415
+    assert main(["align", "--model", qwen_release[0], "--tokens", "3,1,4,1,5,9,2,6", "--quantization", "fp8"]) == 0
+    assert "all stages agree" in capsys.readouterr().out
 
 
 def _copy_release(src, dst):
