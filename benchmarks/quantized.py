@@ -17,19 +17,18 @@ import argparse
 import os
 import sys
 import tempfile
-import time
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "hybrid_jax"))
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
+from cache_writes import decode  # noqa: E402
 from release_formats import quantize_release  # noqa: E402  (the tests' FP8 release writer)
 from tiny_qwen3_next import write_checkpoint  # noqa: E402
 
 from hybrid_jax import LLM  # noqa: E402
 from hybrid_jax.layers.linear import Fp8Weight, weight_bytes  # noqa: E402
-from hybrid_jax.sampling import SamplerFlags  # noqa: E402
 
 NOT_CONVERTED = ("lm_head", "model.embed_tokens", "mlp.gate", "mlp.shared_expert_gate")
 
@@ -48,21 +47,6 @@ def fp8_weights(params) -> list[Fp8Weight]:
     """The weights held in FP8 on the device."""
     return [x for x in jax.tree_util.tree_leaves(params, is_leaf=lambda x: isinstance(x, Fp8Weight))
             if isinstance(x, Fp8Weight)]
-
-
-def decode(gen, prompt: np.ndarray, steps: int):
-    """Prefill `prompt` [B, 16], then one greedy decode loop of `steps` steps -> (tokens [B, steps], seconds)."""
-    B = prompt.shape[0]
-    z = np.zeros((B,), np.int32)
-    cache = gen.new_cache(B, prompt.shape[1] + steps)
-    logits, cache = gen._prefill(gen.params, cache, prompt, np.full((B,), prompt.shape[1], np.int32))
-    jax.block_until_ready(logits)
-    t0 = time.perf_counter()
-    out, _, _ = gen._decode(gen.params, cache, logits, z.astype(np.uint32), z.astype(np.float32), z - 1,
-                            z.astype(np.float32) + 1, z + steps, np.full((B, 1), -1, np.int32), steps=steps,
-                            flags=SamplerFlags(False, False, False))
-    out = np.asarray(out)
-    return out, time.perf_counter() - t0
 
 
 def main():
@@ -86,11 +70,12 @@ def main():
     print(f"   {'batch':>5} {'bf16 tok/s':>11} {'fp8 tok/s':>10} {'fp8/bf16':>9} {'identical':>9}")
     for B in (int(b) for b in args.batch.split(",")):
         prompt = np.random.default_rng(B).integers(1, models["bf16"].config.vocab_size, (B, 16)).astype(np.int32)
-        outs = {k: decode(m.generator, prompt, args.steps)[0] for k, m in models.items()}      # compiles
+        cap = prompt.shape[1] + args.steps
+        outs = {k: decode(m.generator, prompt, cap, args.steps)[0] for k, m in models.items()}      # compiles
         times = {k: [] for k in models}
         for _ in range(args.repeats):
             for k, m in models.items():
-                times[k].append(decode(m.generator, prompt, args.steps)[1])
+                times[k].append(decode(m.generator, prompt, cap, args.steps)[1])
         rate = {k: B * args.steps / min(v) for k, v in times.items()}
         ratio = float(np.median([b / f for f, b in zip(times["fp8"], times["bf16"])]))
         same = np.array_equal(outs["bf16"], outs["fp8"])

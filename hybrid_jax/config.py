@@ -162,7 +162,7 @@ def parse_rope(d: dict[str, Any], family: str, *, partial_rotary_factor: float =
     partial_rotary_factor, max_position_embeddings (the family's default when absent) and, for YaRN,
     original_max_position_embeddings, as transformers reads them."""
     r = rope_dict(d)
-    if d.get("original_max_position_embeddings") is not None and (r.get("rope_type") or r.get("type")) == "yarn":
+    if d.get("original_max_position_embeddings") is not None and r.get("rope_type") == "yarn":
         r["original_max_position_embeddings"] = d["original_max_position_embeddings"]
     return RopeSpec.parse(r, family=family, theta=float(d.get("rope_theta") or 10000.0),
                           partial_rotary_factor=float(d.get("partial_rotary_factor") or partial_rotary_factor),

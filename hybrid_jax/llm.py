@@ -61,7 +61,8 @@ class LLM:
                  speculative_config: dict | None = None, quantization: str | None = None):
         if model is None:
             if quantization is not None:
-                raise ConfigError("quantization applies to a checkpoint's quantized weights; the embedded default has none")
+                raise ConfigError("quantization applies to a checkpoint's quantized weights; the embedded default "
+                                  "has none")
             self.config = default_config()
             self.model_name = DEFAULT_MODEL_NAME
             self.dtype = _resolve_dtype(dtype, self.config)

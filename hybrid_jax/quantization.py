@@ -11,10 +11,10 @@ The releases this project loads store their linear weights in two formats (confi
         weight [..., O, I/2] int8 (or safetensors' F4 [..., O, I]); scale [..., O, ceil(I/32)]
         float8_e8m0fnu, one per 32 inputs.
 
-`QuantConfig.parse` validates the config dict (an unknown method or key is a ConfigError naming it);
-`dequantize_fp8` / `dequantize_fp4` turn codes and scales into float32 values; `scale_map` spreads a
-block scale over every element (the kept-on-device mode carries it through the weight re-layout,
-see `weights.py`).
+`QuantConfig.parse` validates the config dict (an unknown method or key is a ConfigError naming it;
+`scale_fmt` "ue8m0" only says the scales are powers of two: they are used as stored). A tensor's
+value is its code (`unpack_fp4` for FP4) times `scale_map`, its block scale spread over every element;
+the kept-on-device mode carries that map through the weight re-layout (see `weights.py`).
 """
 from __future__ import annotations
 
@@ -130,19 +130,8 @@ def scale_map(scale: np.ndarray, shape: tuple[int, ...], block: tuple[int, int] 
     return s
 
 
-def dequantize_fp8(codes: np.ndarray, scale: np.ndarray, block: tuple[int, int] | None) -> np.ndarray:
-    """codes [..., O, I] float8 -> float32 values code * scale (scale per block, see `scale_map`)."""
-    return codes.astype(np.float32) * scale_map(scale, codes.shape, block)
-
-
 def unpack_fp4(packed: np.ndarray) -> np.ndarray:
     """Two e2m1 codes per byte, low nibble first: [..., n] bytes -> [..., 2n] float32 code values."""
     b = np.asarray(packed).view(np.uint8)
     codes = np.stack([b & 0x0F, b >> 4], axis=-1).reshape(b.shape[:-1] + (2 * b.shape[-1],))
     return FP4_VALUES[codes]
-
-
-def dequantize_fp4(packed: np.ndarray, scale: np.ndarray) -> np.ndarray:
-    """packed [..., O, I/2] bytes + scale [..., O, ceil(I/32)] -> float32 values [..., O, I]."""
-    vals = unpack_fp4(packed)
-    return vals * scale_map(scale, vals.shape, (1, FP4_BLOCK))

@@ -87,7 +87,8 @@ class _SafetensorsFile:
 class CheckpointReader:
     def __init__(self, path: str, quantization: str | None = None):
         if quantization not in QUANTIZATION_MODES:
-            raise ConfigError(f"quantization {quantization!r} is not supported; choose one of {list(QUANTIZATION_MODES)}")
+            raise ConfigError(f"quantization {quantization!r} is not supported; choose one of "
+                              f"{list(QUANTIZATION_MODES)}")
         if not os.path.isdir(path):
             raise CheckpointError(f"checkpoint directory {path!r} does not exist (models are only read from "
                                   f"local directories; nothing is downloaded)")

@@ -121,7 +121,8 @@ def compressed_attention(p: dict, x, layer_type: str, positions, valid, lengths,
         csa = layer_type == "compressed_sparse_attention"
         cs = comp_state
         ents, idx, tail, ov = compress(
-            linear(x, p["c_kv"]), linear(x, p["c_gate"]), cs["tail_kv"], cs["tail_gate"], cs["tail_count"], n_new, cs["count"],
+            linear(x, p["c_kv"]), linear(x, p["c_gate"]), cs["tail_kv"], cs["tail_gate"], cs["tail_count"], n_new,
+            cs["count"],
             cs.get("overlap_kv"), cs.get("overlap_gate"), p["c_bias"], p["c_norm"], freqs_comp, rate=m,
             overlap=csa, eps=eps, rope_scale=cfg.rope_compress.attention_factor, impl=impl)
         slot = cs["slot"] if pools_in_place else None
@@ -149,7 +150,8 @@ def _index(p, x, q_res, positions, valid, n_new, cs, new_state, freqs_comp, *, c
     B, T, _ = x.shape
     Hi, Di, eps = cfg.index_n_heads, cfg.index_head_dim, cfg.rms_norm_eps
     ents, idx, tail, ov = compress(
-        linear(x, p["i_kv"]), linear(x, p["i_gate"]), cs["idx_tail_kv"], cs["idx_tail_gate"], cs["idx_tail_count"], n_new,
+        linear(x, p["i_kv"]), linear(x, p["i_gate"]), cs["idx_tail_kv"], cs["idx_tail_gate"], cs["idx_tail_count"],
+        n_new,
         cs["idx_count"], cs["idx_overlap_kv"], cs["idx_overlap_gate"], p["i_bias"], p["i_norm"], freqs_comp,
         rate=rate, overlap=True, eps=eps, rope_scale=cfg.rope_compress.attention_factor, impl=impl)
     keys = write_entries(cs["idx_entries"], cs["idx_table"], ents, idx, slot)

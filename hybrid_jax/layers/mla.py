@@ -86,7 +86,7 @@ def sparse_attention(p: dict, x, cos, sin, positions, valid, lengths, n_new, lat
     topk = min(index_topk, index_table.shape[1] * one(ikeys).shape[1])     # Top-K >= context: all causal keys
     idx = indexer_topk(qi, w, one(ikeys), index_table, qpos, kv_len, topk=topk, k_scale=one(iscale), impl=impl)
 
-    q_lat = jnp.einsum("bthn,hnr->bthr", q_nope, dequantize(p["w_uk"], q_nope.dtype))                            # [B, T, H, R]
+    q_lat = jnp.einsum("bthn,hnr->bthr", q_nope, dequantize(p["w_uk"], q_nope.dtype))        # [B, T, H, R]
     o_lat = sparse_mla_attention(q_lat, q_rot, one(lat), one(rope), page_table, idx, kv_len,
                                  scale=scale or (nope + rope_dim) ** -0.5, impl=impl)           # [B, T, H, R] f32
     o = jnp.einsum("bthr,hvr->bthv", o_lat.astype(x.dtype), dequantize(p["w_uv"], x.dtype)).reshape(B, T, H * v_dim)

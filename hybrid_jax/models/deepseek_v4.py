@@ -336,7 +336,8 @@ def convert_hf_weights(cfg: DeepseekV4Config, get: Callable[[str], np.ndarray], 
         mo = {"router": mat(ml + "gate.weight", E, Hd, f32), "gate_up": to_device_linear(gate_up, dtype),
               "down": to_device_linear(down, dtype),
               "shared_gate_up": to_device_linear(concat([t(ml + "shared_experts.gate_proj.weight", (I, Hd)),
-                                                         t(ml + "shared_experts.up_proj.weight", (I, Hd))], 0).T, dtype),
+                                                         t(ml + "shared_experts.up_proj.weight", (I, Hd))], 0).T,
+                                                 dtype),
               "shared_down": lin(ml + "shared_experts.down_proj.weight", Hd, I)}
         if cfg.mlp_layer_types[i] == "hash_moe":
             tab = t(ml + "gate.tid2eid", (cfg.vocab_size, k))

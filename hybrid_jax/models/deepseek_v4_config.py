@@ -116,9 +116,11 @@ ROPE_TYPES = ("default", "linear", "yarn")     # dynamic NTK would need per-row 
 
 
 def _rope_spec(r: dict, d: dict, prf: float) -> RopeSpec:
-    """One of V4's nested rope dicts -> RopeSpec. transformers reads YaRN's `truncate` from the top-level
-    rope dict, which V4 nests: always truncated."""
-    spec = RopeSpec.parse(r, family="deepseek_v4", partial_rotary_factor=prf, types=ROPE_TYPES,
+    """One of V4's nested rope dicts -> RopeSpec (theta defaults to the top-level rope_theta, as in
+    transformers). transformers reads YaRN's `truncate` from the top-level rope dict, which V4 nests:
+    always truncated."""
+    spec = RopeSpec.parse(r, family="deepseek_v4", theta=float(d.get("rope_theta", 10000.0)),
+                          partial_rotary_factor=prf, types=ROPE_TYPES,
                           max_position_embeddings=int(d.get("max_position_embeddings", 1048576)))
     return dataclasses.replace(spec, truncate=True)
 

@@ -16,7 +16,8 @@ import re
 
 import numpy as np
 import pytest
-import torch
+from test_deepseek_v4 import make_checkpoint as make_v4
+from test_deepseek_v32 import make_checkpoint as make_v32
 
 from hybrid_jax import LLM
 from hybrid_jax.align import align
@@ -25,32 +26,22 @@ from hybrid_jax.layers.linear import Fp8Weight
 from release_formats import assert_matches_transformers, hf_load, quantize_release, read_config, write_reference
 
 CSA, HCA, SWA = "compressed_sparse_attention", "heavily_compressed_attention", "sliding_attention"
-V4_LEGACY = dict(vocab_size=97, hidden_size=32, moe_intermediate_size=16, num_hidden_layers=3, num_attention_heads=4,
-                 head_dim=16, q_lora_rank=24, num_experts_per_tok=2, n_routed_experts=8, sliding_window=16, o_groups=2,
-                 o_lora_rank=12, index_n_heads=32, index_head_dim=16, index_topk=8, hc_mult=2, hc_sinkhorn_iters=5,
+V4_LEGACY = dict(sliding_window=16, index_topk=8, hc_mult=2, max_position_embeddings=4096,   # on test_deepseek_v4's
                  compress_ratios=[0, 4, 128], num_hash_layers=1, qk_rope_head_dim=8, compress_rope_theta=40000.0,
-                 rope_theta=10000.0, max_position_embeddings=4096, eos_token_id=None, bos_token_id=None,
-                 pad_token_id=None,
                  rope_scaling={"type": "yarn", "factor": 4, "original_max_position_embeddings": 64, "beta_fast": 32,
                                "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0})
 V4_QUANT = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128],
             "scale_fmt": "ue8m0"}
-V32 = dict(vocab_size=97, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
-           num_attention_heads=4, n_shared_experts=1, n_routed_experts=8, n_group=4, topk_group=2, num_experts_per_tok=2,
-           kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, v_head_dim=12, qk_nope_head_dim=16, index_topk=16,
-           index_head_dim=16, index_n_heads=32, first_k_dense_replace=1, max_position_embeddings=2560,
-           eos_token_id=None, bos_token_id=None, pad_token_id=None,
+V32 = dict(num_hidden_layers=2, max_position_embeddings=2560,          # test_deepseek_v32's model, and:
            rope_scaling={"type": "yarn", "factor": 40, "original_max_position_embeddings": 64, "beta_fast": 32,
                          "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0})
 
 
-def _perturb(model, E, k):
-    with torch.no_grad():
-        for name, p in list(model.named_parameters()) + list(model.named_buffers()):
-            if name.endswith("tid2eid"):
-                p.copy_(torch.stack([torch.randperm(E)[:k] for _ in range(p.shape[0])]))
-            elif any(s in name for s in ("norm", "bias", "sinks", "base", "scale")):
-                p.add_(0.1 * torch.randn_like(p))
+def _release(root, src: str, **quantize) -> tuple[str, str]:
+    """(the release written from transformers' checkpoint src, the float32 reference of its values)."""
+    values = quantize_release(src, str(root / "release"), **quantize)
+    write_reference(src, values, str(root / "ref"))
+    return str(root / "release"), str(root / "ref")
 
 
 def v4_release_name(name: str) -> str:
@@ -63,22 +54,14 @@ def v4_release_name(name: str) -> str:
 
 @pytest.fixture(scope="module")
 def v4(tmp_path_factory):
-    from transformers import DeepseekV4Config, DeepseekV4ForCausalLM  # noqa: PLC0415
     root = tmp_path_factory.mktemp("v4rel")
-    torch.manual_seed(0)
-    model = DeepseekV4ForCausalLM(DeepseekV4Config(**V4_LEGACY)).eval()
-    _perturb(model, 8, 2)
-    model.save_pretrained(str(root / "src"))
-    values = quantize_release(
-        str(root / "src"), str(root / "release"), v4_names=True, rename=v4_release_name,
-        fp4=lambda n, a: re.search(r"\.ffn\.experts\.\d+\.w[123]\.weight$", n) is not None,
-        fp8=lambda n, a: a.ndim == 2 and n.endswith(".weight") and "weights_proj" not in n
-        and (".attn." in n or ".shared_experts." in n),
-        quantization_config=V4_QUANT,
-        config_update={**V4_LEGACY, "expert_dtype": "fp4", "layer_types": None, "mlp_layer_types": None,
-                       "rope_parameters": None, "partial_rotary_factor": None, "compress_rates": None})
-    write_reference(str(root / "src"), values, str(root / "ref"))
-    return str(root / "release"), str(root / "ref")
+    modern = {"layer_types": None, "compress_rates": None, "mlp_layer_types": None, "partial_rotary_factor": None}
+    src = make_v4(root / "src", seed=0, **{**V4_LEGACY, **modern})
+    return _release(root, src, v4_names=True, rename=v4_release_name, quantization_config=V4_QUANT,
+                    fp4=lambda n, a: re.search(r"\.ffn\.experts\.\d+\.w[123]\.weight$", n) is not None,
+                    fp8=lambda n, a: a.ndim == 2 and n.endswith(".weight") and "weights_proj" not in n
+                    and (".attn." in n or ".shared_experts." in n),
+                    config_update={**V4_LEGACY, "expert_dtype": "fp4", "rope_parameters": None, **modern})
 
 
 def test_v4_release_names_formats_and_legacy_config(v4):
@@ -112,21 +95,14 @@ def test_v4_release_kept_in_fp8_and_aligned(v4):
 
 @pytest.fixture(scope="module")
 def v32(tmp_path_factory):
-    from transformers import DeepseekV32Config, DeepseekV32ForCausalLM  # noqa: PLC0415
     root = tmp_path_factory.mktemp("v32rel")
-    torch.manual_seed(1)
-    model = DeepseekV32ForCausalLM(DeepseekV32Config(**V32)).eval()
-    _perturb(model, 8, 2)
-    model.save_pretrained(str(root / "src"))
+    src = make_v32(root / "src", seed=1, **V32)
     q = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128],
          "scale_fmt": "ue8m0"}
-    values = quantize_release(
-        str(root / "src"), str(root / "release"), quantization_config=q,
-        fp8=lambda n, a: a.ndim == 2 and n.endswith(".weight") and (".self_attn." in n or ".mlp." in n)
-        and not n.endswith("mlp.gate.weight") and "weights_proj" not in n,
-        config_update={"rope_scaling": V32["rope_scaling"], "rope_parameters": None})
-    write_reference(str(root / "src"), values, str(root / "ref"))
-    return str(root / "release"), str(root / "ref")
+    return _release(root, src, quantization_config=q,
+                    fp8=lambda n, a: a.ndim == 2 and n.endswith(".weight") and (".self_attn." in n or ".mlp." in n)
+                    and not n.endswith("mlp.gate.weight") and "weights_proj" not in n,
+                    config_update={"rope_scaling": V32["rope_scaling"], "rope_parameters": None})
 
 
 def test_v32_fp8_release_with_yarn(v32):

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from conftest import BASE, make_checkpoint
+from test_deepseek_v32 import make_checkpoint as make_v32
 from hybrid_jax import LLM
 from hybrid_jax.config import config_from_hf_dict
 from hybrid_jax.errors import ConfigError
@@ -132,20 +133,6 @@ def test_deepseek_v4_has_no_dynamic_ntk():
         config_from_hf_dict({**V4, "rope_scaling": {"type": "dynamic", "factor": 2.0}})
 
 
-def _deepseek_v32_checkpoint(path, rope_scaling):
-    from transformers import DeepseekV32Config, DeepseekV32ForCausalLM  # noqa: PLC0415
-    kw = {k: v for k, v in V32.items() if k != "model_type"}
-    torch.manual_seed(0)
-    model = DeepseekV32ForCausalLM(DeepseekV32Config(**kw, max_position_embeddings=2560, rope_scaling=rope_scaling,
-                                                     eos_token_id=None, bos_token_id=None, pad_token_id=None)).eval()
-    with torch.no_grad():
-        for name, p in list(model.named_parameters()) + list(model.named_buffers()):
-            if "norm" in name or name.endswith("bias"):
-                p.add_(0.1 * torch.randn_like(p))
-    model.save_pretrained(str(path))
-    return str(path)
-
-
 @pytest.mark.parametrize("family,rope", [("qwen3_next", {"rope_scaling": YARN}),
                                          ("qwen3_next", {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0},
                                                          "max_position_embeddings": 128}),
@@ -155,7 +142,7 @@ def test_scaled_rope_models_match_transformers_past_the_scaled_length(tmp_path, 
     if family == "qwen3_next":
         path = make_checkpoint(tmp_path / "m", seed=1, layer_types=QWEN["layer_types"], num_hidden_layers=2, **rope)
     else:
-        path = _deepseek_v32_checkpoint(tmp_path / "m", rope["rope_scaling"])
+        path = make_v32(tmp_path / "m", num_hidden_layers=1, max_position_embeddings=2560, **rope)
     llm = LLM(model=path, dtype="float32", max_model_len=512)
     assert llm.config.rope.rope_type == (rope.get("rope_scaling") or rope.get("rope_parameters")).get(
         "rope_type", "yarn")
