@@ -48,6 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompt")
     src.add_argument("--tokens")
     a.add_argument("--atol", type=float, default=1e-4)
+    a.add_argument("--quantization", default=None, choices=["fp8"],
+                   help="keep a quantized checkpoint's weights in FP8 (default: dequantized at load)")
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     _add_model_args(s)
     s.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
@@ -159,7 +161,7 @@ def _align(args) -> int:
     from hybrid_jax.llm import LLM  # noqa: PLC0415
     if args.model is None:
         raise HybridJaxError("align needs --model PATH (a checkpoint transformers can also load)")
-    llm = LLM(model=args.model, dtype="float32")
+    llm = LLM(model=args.model, dtype="float32", quantization=args.quantization)
     if args.tokens is not None:
         ids = _parse_tokens(args.tokens)
     else:

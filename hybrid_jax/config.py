@@ -11,6 +11,7 @@ import os
 from typing import Any
 
 from hybrid_jax.errors import ConfigError
+from hybrid_jax.layers.rope import ROPE_TYPES, RopeSpec, rope_dict
 from hybrid_jax.models.config_common import LayerPattern, common_fields
 
 # Every mixer the architecture family knows; SUPPORTED_LAYER_TYPES is what runs today.
@@ -30,8 +31,7 @@ class ModelConfig(LayerPattern):
     num_attention_heads: int
     num_key_value_heads: int
     head_dim: int
-    rope_theta: float = 10000.0
-    partial_rotary_factor: float = 0.25
+    rope: RopeSpec = RopeSpec(partial_rotary_factor=0.25)
     attention_bias: bool = False
     max_position_embeddings: int = 32768
     # Gated DeltaNet
@@ -91,7 +91,7 @@ class ModelConfig(LayerPattern):
 
     @property
     def rotary_dim(self) -> int:
-        return int(self.head_dim * self.partial_rotary_factor)
+        return self.rope.rotary_dim(self.head_dim)
 
     @property
     def linear_conv_dim(self) -> int:
@@ -125,12 +125,6 @@ def qwen3_next_config(d: dict[str, Any]) -> ModelConfig:
     if layer_types is None:
         interval = int(d.get("full_attention_interval", 4))
         layer_types = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(n_layers)]
-    rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in ("default", None):
-        raise ConfigError(f"rope_type {rope_type!r} is not supported (only 'default')")
-    rope_theta = float(rope.get("rope_theta", d.get("rope_theta", 10000.0)))
-    prf = float(rope.get("partial_rotary_factor", d.get("partial_rotary_factor", 0.25)))
     heads = int(d["num_attention_heads"])
     hidden = int(d["hidden_size"])
     return ModelConfig(
@@ -142,8 +136,7 @@ def qwen3_next_config(d: dict[str, Any]) -> ModelConfig:
         num_attention_heads=heads,
         num_key_value_heads=int(d.get("num_key_value_heads", heads)),
         head_dim=int(d.get("head_dim") or hidden // heads),
-        rope_theta=rope_theta,
-        partial_rotary_factor=prf,
+        rope=parse_rope(d, model_type, partial_rotary_factor=0.25),
         attention_bias=bool(d.get("attention_bias", False)),
         max_position_embeddings=int(d.get("max_position_embeddings", 32768)),
         linear_conv_kernel_dim=int(d.get("linear_conv_kernel_dim", 4)),
@@ -163,10 +156,26 @@ def qwen3_next_config(d: dict[str, Any]) -> ModelConfig:
     )
 
 
+def parse_rope(d: dict[str, Any], family: str, *, partial_rotary_factor: float = 1.0,
+               max_position_embeddings: int = 32768, types: tuple[str, ...] = ROPE_TYPES) -> RopeSpec:
+    """A config's RoPE: `rope_parameters` or the legacy `rope_scaling`, with the top-level rope_theta,
+    partial_rotary_factor, max_position_embeddings (the family's default when absent) and, for YaRN,
+    original_max_position_embeddings, as transformers reads them."""
+    r = rope_dict(d)
+    if d.get("original_max_position_embeddings") is not None and r.get("rope_type") == "yarn":
+        r["original_max_position_embeddings"] = d["original_max_position_embeddings"]
+    return RopeSpec.parse(r, family=family, theta=float(d.get("rope_theta") or 10000.0),
+                          partial_rotary_factor=float(d.get("partial_rotary_factor") or partial_rotary_factor),
+                          max_position_embeddings=int(d.get("max_position_embeddings") or max_position_embeddings),
+                          types=types)
+
+
 # model_type -> parser of its config.json; each family registers its own.
 CONFIG_PARSERS = {"qwen3_next": qwen3_next_config}
 CONFIG_PARSERS["deepseek_v32"] = lambda d: __import__("hybrid_jax.models.deepseek_v32_config", fromlist=["x"]).deepseek_v32_config(d)
 CONFIG_PARSERS["deepseek_v4"] = lambda d: __import__("hybrid_jax.models.deepseek_v4_config", fromlist=["x"]).deepseek_v4_config(d)
+for _t in ("qwen3_5", "qwen3_5_moe", "qwen3_5_text", "qwen3_5_moe_text"):
+    CONFIG_PARSERS[_t] = lambda d: __import__("hybrid_jax.models.qwen3_5_config", fromlist=["x"]).qwen3_5_config(d)
 
 
 def load_config(path: str) -> ModelConfig:

@@ -58,14 +58,19 @@ def _resolve_dtype(dtype: str, cfg: ModelConfig):
 
 class LLM:
     """Loads a local Hugging Face checkpoint directory (or, with model=None, the embedded untrained
-    default) and generates. Weight re-layout happens once, here."""
+    default) and generates. Weight re-layout happens once, here. A block-quantized checkpoint (FP8,
+    FP4 experts) is dequantized to `dtype` at load; quantization="fp8" keeps its linear weights in
+    FP8 on the device instead."""
 
     def __init__(self, model: str | None = None, *, dtype: str = "auto", tokenizer: str | None = None,
                  max_model_len: int | None = None, max_num_seqs: int = 16, seed: int = 0,
                  impl: str = "auto", progress: bool | None = None, enable_prefix_caching: bool = False,
                  kv_cache_dir: str | None = None, engine_config: dict | None = None,
-                 speculative_config: dict | None = None):
+                 speculative_config: dict | None = None, quantization: str | None = None):
         if model is None:
+            if quantization is not None:
+                raise ConfigError("quantization applies to a checkpoint's quantized weights; the embedded default "
+                                  "has none")
             self.config = default_config()
             self.model_name = DEFAULT_MODEL_NAME
             self.dtype = _resolve_dtype(dtype, self.config)
@@ -73,7 +78,7 @@ class LLM:
             self.tokenizer = ByteTokenizer()
         else:
             model = os.fspath(model)
-            reader = open_checkpoint(model)      # checks the directory and the weight files first
+            reader = open_checkpoint(model, quantization)   # checks the directory and the weight files first
             self.config = load_config(model)
             self.model_name = model
             self.dtype = _resolve_dtype(dtype, self.config)

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from cache.mla import write_paged
+from hybrid_jax.layers.linear import linear
 from hybrid_jax.layers.norms import rms_norm_zero_centered
 from hybrid_jax.layers.rope import apply_rope
 
@@ -147,7 +148,7 @@ def gated_attention(p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, posit
     instead of in every branch (XLA copies a cache that a conditional's branches update)."""
     B, T, _ = x.shape
     Hq, Hkv, D = num_heads, num_kv_heads, head_dim
-    qkv = x @ p["qkv"]
+    qkv = linear(x, p["qkv"])
     if "qkv_bias" in p:
         qkv = qkv + p["qkv_bias"]
     q, gate, k, v = jnp.split(qkv, [Hq * D, 2 * Hq * D, 2 * Hq * D + Hkv * D], axis=-1)
@@ -168,7 +169,7 @@ def gated_attention(p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, posit
         out = _prefill_attention(qg, k, v, k_pool, v_pool, page_table, positions, layer=layer)
     out = out.transpose(0, 3, 1, 2, 4).reshape(B, T, Hq * D).astype(x.dtype)
     out = out * jax.nn.sigmoid(gate)
-    out = out @ p["o_proj"]
+    out = linear(out, p["o_proj"])
     if "o_bias" in p:
         out = out + p["o_bias"]
     if defer_write:

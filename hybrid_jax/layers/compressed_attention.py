@@ -16,35 +16,21 @@ sum_h w_h relu(q_h . k_j) through the shared DSA indexer op (pallas_kernels.spar
 """
 from __future__ import annotations
 
-import math
-
 import jax.numpy as jnp
 
 from cache.compressed import write_entries
 from hybrid_jax.layers.hyper_connections import unweighted_rms
+from hybrid_jax.layers.linear import dequantize, linear
 from hybrid_jax.layers.mla import rms_norm
+from hybrid_jax.layers.rope import frequencies
 from pallas_kernels.compressed_attention import compress_windows, compressed_sparse_read
 from pallas_kernels.sparse_attention import indexer_topk, indexer_weights
 
 
 def inv_freq(spec, rope_dim: int):
-    """Inverse frequencies [rope_dim // 2] of a RopeSpec ('default' or YaRN as transformers computes it)."""
-    base = spec.theta
-    exps = jnp.arange(0, rope_dim, 2, dtype=jnp.float32) / rope_dim
-    extra = 1.0 / (base ** exps)
-    if spec.rope_type != "yarn":
-        return extra
-    inter = 1.0 / (spec.factor * base ** exps)
-
-    def corr(rot):
-        return rope_dim * math.log(spec.original_max_position_embeddings / (rot * 2 * math.pi)) / (2 * math.log(base))
-    # transformers reads `truncate` from the top-level rope dict, which V4 nests: always truncated
-    low, high = max(math.floor(corr(spec.beta_fast)), 0), min(math.ceil(corr(spec.beta_slow)), rope_dim - 1)
-    if low == high:
-        high += 0.001
-    ramp = jnp.clip((jnp.arange(rope_dim // 2, dtype=jnp.float32) - low) / (high - low), 0.0, 1.0)
-    keep = 1.0 - ramp
-    return inter * (1.0 - keep) + extra * keep
+    """Inverse frequencies [rope_dim // 2] of a RopeSpec (`layers.rope.frequencies`; V4's types need no
+    per-row length)."""
+    return frequencies(spec, rope_dim)
 
 
 def rope_tables(positions, freqs, scale: float = 1.0):
@@ -123,10 +109,10 @@ def compressed_attention(p: dict, x, layer_type: str, positions, valid, lengths,
     main = layer_type == "sliding_attention"
     spec = cfg.rope_main if main else cfg.rope_compress
     cos, sin = rope_tables(positions, freqs_main if main else freqs_comp, spec.attention_factor)
-    q_res = rms_norm(x @ p["q_a"], p["q_a_norm"], eps)
-    q = unweighted_rms((q_res @ p["q_b"]).reshape(B, T, H, D), eps).astype(x.dtype)
+    q_res = rms_norm(linear(x, p["q_a"]), p["q_a_norm"], eps)
+    q = unweighted_rms(linear(q_res, p["q_b"]).reshape(B, T, H, D), eps).astype(x.dtype)
     q = rope_trailing(q, cos, sin)
-    kv = rope_trailing(rms_norm(x @ p["kv"], p["kv_norm"], eps)[:, :, None], cos, sin)[:, :, 0]     # [B, T, D]
+    kv = rope_trailing(rms_norm(linear(x, p["kv"]), p["kv_norm"], eps)[:, :, None], cos, sin)[:, :, 0]     # [B, T, D]
     new_len = lengths + n_new
     new_state = dict(comp_state)
     pool = table = sel = count = hca_rate = None
@@ -135,7 +121,8 @@ def compressed_attention(p: dict, x, layer_type: str, positions, valid, lengths,
         csa = layer_type == "compressed_sparse_attention"
         cs = comp_state
         ents, idx, tail, ov = compress(
-            x @ p["c_kv"], x @ p["c_gate"], cs["tail_kv"], cs["tail_gate"], cs["tail_count"], n_new, cs["count"],
+            linear(x, p["c_kv"]), linear(x, p["c_gate"]), cs["tail_kv"], cs["tail_gate"], cs["tail_count"], n_new,
+            cs["count"],
             cs.get("overlap_kv"), cs.get("overlap_gate"), p["c_bias"], p["c_norm"], freqs_comp, rate=m,
             overlap=csa, eps=eps, rope_scale=cfg.rope_compress.attention_factor, impl=impl)
         slot = cs["slot"] if pools_in_place else None
@@ -153,8 +140,8 @@ def compressed_attention(p: dict, x, layer_type: str, positions, valid, lengths,
                window=cfg.sliding_window, scale=D ** -0.5, rate=hca_rate, impl=impl)
     o = rope_trailing(o, cos, -sin).astype(x.dtype)
     G = cfg.o_groups
-    g = jnp.einsum("btgi,gir->btgr", o.reshape(B, T, G, H * D // G), p["o_a"]).reshape(B, T, -1)
-    out = g @ p["o_b"]
+    g = jnp.einsum("btgi,gir->btgr", o.reshape(B, T, G, H * D // G), dequantize(p["o_a"], o.dtype)).reshape(B, T, -1)
+    out = linear(g, p["o_b"])
     return out.astype(x.dtype), window_update(ring, kv, positions, valid, new_len), new_state
 
 
@@ -163,7 +150,8 @@ def _index(p, x, q_res, positions, valid, n_new, cs, new_state, freqs_comp, *, c
     B, T, _ = x.shape
     Hi, Di, eps = cfg.index_n_heads, cfg.index_head_dim, cfg.rms_norm_eps
     ents, idx, tail, ov = compress(
-        x @ p["i_kv"], x @ p["i_gate"], cs["idx_tail_kv"], cs["idx_tail_gate"], cs["idx_tail_count"], n_new,
+        linear(x, p["i_kv"]), linear(x, p["i_gate"]), cs["idx_tail_kv"], cs["idx_tail_gate"], cs["idx_tail_count"],
+        n_new,
         cs["idx_count"], cs["idx_overlap_kv"], cs["idx_overlap_gate"], p["i_bias"], p["i_norm"], freqs_comp,
         rate=rate, overlap=True, eps=eps, rope_scale=cfg.rope_compress.attention_factor, impl=impl)
     keys = write_entries(cs["idx_entries"], cs["idx_table"], ents, idx, slot)
@@ -172,7 +160,7 @@ def _index(p, x, q_res, positions, valid, n_new, cs, new_state, freqs_comp, *, c
                      idx_tail_count=tail[2], idx_overlap_kv=ov[0], idx_overlap_gate=ov[1])
     keys = keys if slot is None else keys[slot]                        # this layer's keys, to read
     cos, sin = rope_tables(positions, freqs_comp, cfg.rope_compress.attention_factor)
-    qi = rope_trailing((q_res @ p["i_q"]).reshape(B, T, Hi, Di), cos, sin)
+    qi = rope_trailing(linear(q_res, p["i_q"]).reshape(B, T, Hi, Di), cos, sin)
     w = indexer_weights(x.astype(jnp.float32) @ p["i_w"].astype(jnp.float32), Hi, Di)
     table = cs["idx_table"]                                      # [B, NP]: keys [P, ps, Di] are paged
     NE = table.shape[1] * keys.shape[1]

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 import pallas_kernels
+from hybrid_jax.layers.linear import linear
 from hybrid_jax.layers.norms import gated_rms_norm
 
 
@@ -64,7 +65,7 @@ def gated_deltanet(p: dict, x: jax.Array, valid: jax.Array, n_new: jax.Array, co
     Padding positions (past n_new) have g = 0 and delta = 0: their state is the last real one."""
     B, T, _ = x.shape
     H, HV, K, V = num_k_heads, num_v_heads, head_k_dim, head_v_dim
-    proj = x @ p["in_proj"]
+    proj = linear(x, p["in_proj"])
     qkv, z, b, a = jnp.split(proj, [2 * H * K + HV * V, 2 * H * K + 2 * HV * V, 2 * H * K + 2 * HV * V + HV],
                              axis=-1)
     if per_token_states:
@@ -91,7 +92,7 @@ def gated_deltanet(p: dict, x: jax.Array, valid: jax.Array, n_new: jax.Array, co
             q, k, v, g, beta, initial_state=ssm_state, output_final_state=True,
             use_qk_l2norm_in_kernel=True, impl=impl)
     o = gated_rms_norm(o.astype(x.dtype), z.reshape(B, T, HV, V), p["norm"], eps)
-    out = o.reshape(B, T, HV * V) @ p["out_proj"]
+    out = linear(o.reshape(B, T, HV * V), p["out_proj"])
     if per_token_states:
         return out, conv_state, ssm_state, parts
     return out, conv_state, ssm_state

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from cache.mla import write_paged
+from hybrid_jax.layers.linear import dequantize, linear
 from hybrid_jax.layers.rope import apply_rope
 from pallas_kernels.sparse_attention import (
     indexer_topk,
@@ -51,25 +52,26 @@ def rope_interleaved(x, cos, sin):
 def sparse_attention(p: dict, x, cos, sin, positions, valid, lengths, n_new, lat, rope, ikeys, iscale,
                      page_table, index_table, page_resident, *, num_heads: int, nope: int, rope_dim: int,
                      v_dim: int, kv_lora_rank: int, index_heads: int, index_dim: int, index_topk: int,
-                     eps: float, impl: str = "auto", layer: int | None = None):
+                     eps: float, impl: str = "auto", layer: int | None = None, scale: float | None = None):
     """x [B, T, Hd]; cos, sin [B, T, Dr]; positions, valid [B, T]; lengths, n_new [B];
     lat [P, ps, R], rope [P, ps, Dr] (one layer's latent pools), ikeys [P2, ps2, Di], iscale [P2, ps2] | None,
     or with `layer` the groups' stacks of them ([L, ...]), written in place at that layer (`write_paged`).
+    scale: the attention softmax scale (default (nope + rope_dim)^-0.5; DeepSeek's YaRN corrects it).
     Returns (out [B, T, Hd], lat, rope, ikeys, iscale, hit_rate [B]), the pools as they came in."""
     B, T, _ = x.shape
     H, R = num_heads, kv_lora_rank
-    q_resid = rms_norm(x @ p["q_a"] + p.get("q_a_bias", 0.0), p["q_a_norm"], eps)
-    q = (q_resid @ p["q_b"]).reshape(B, T, H, nope + rope_dim)
+    q_resid = rms_norm(linear(x, p["q_a"]) + p.get("q_a_bias", 0.0), p["q_a_norm"], eps)
+    q = linear(q_resid, p["q_b"]).reshape(B, T, H, nope + rope_dim)
     q_nope, q_rot = q[..., :nope], rope_interleaved(q[..., nope:], cos, sin)
-    kv = x @ p["kv_a"] + p.get("kv_a_bias", 0.0)
+    kv = linear(x, p["kv_a"]) + p.get("kv_a_bias", 0.0)
     c = rms_norm(kv[..., :R], p["kv_a_norm"], eps)                                     # [B, T, R]
     k_rot = rope_interleaved(kv[..., None, R:], cos, sin)[:, :, 0]                      # [B, T, Dr]
     lat = write_paged(lat, c, page_table, positions, valid, layer)
     rope = write_paged(rope, k_rot, page_table, positions, valid, layer)
 
     # indexer: keys written first, so a query sees its own key
-    qi = apply_rope((q_resid @ p["idx_q"]).reshape(B, T, index_heads, index_dim), cos, sin)
-    ki = layer_norm(x @ p["idx_k"], p["idx_k_norm"], p["idx_k_norm_bias"])
+    qi = apply_rope(linear(q_resid, p["idx_q"]).reshape(B, T, index_heads, index_dim), cos, sin)
+    ki = layer_norm(linear(x, p["idx_k"]), p["idx_k_norm"], p["idx_k_norm_bias"])
     ki = apply_rope(ki[:, :, None], cos, sin)[:, :, 0]                                  # [B, T, Di]
     if iscale is not None:
         k8, sc = quantize_fp8(ki)
@@ -84,10 +86,10 @@ def sparse_attention(p: dict, x, cos, sin, positions, valid, lengths, n_new, lat
     topk = min(index_topk, index_table.shape[1] * one(ikeys).shape[1])     # Top-K >= context: all causal keys
     idx = indexer_topk(qi, w, one(ikeys), index_table, qpos, kv_len, topk=topk, k_scale=one(iscale), impl=impl)
 
-    q_lat = jnp.einsum("bthn,hnr->bthr", q_nope, p["w_uk"])                            # [B, T, H, R]
+    q_lat = jnp.einsum("bthn,hnr->bthr", q_nope, dequantize(p["w_uk"], q_nope.dtype))        # [B, T, H, R]
     o_lat = sparse_mla_attention(q_lat, q_rot, one(lat), one(rope), page_table, idx, kv_len,
-                                 scale=(nope + rope_dim) ** -0.5, impl=impl)           # [B, T, H, R] f32
-    o = jnp.einsum("bthr,hvr->bthv", o_lat.astype(x.dtype), p["w_uv"]).reshape(B, T, H * v_dim)
-    out = o @ p["o_proj"] + p.get("o_bias", 0.0)
+                                 scale=scale or (nope + rope_dim) ** -0.5, impl=impl)           # [B, T, H, R] f32
+    o = jnp.einsum("bthr,hvr->bthv", o_lat.astype(x.dtype), dequantize(p["w_uv"], x.dtype)).reshape(B, T, H * v_dim)
+    out = linear(o, p["o_proj"]) + p.get("o_bias", 0.0)
     hit = sparse_hit_rate(idx, page_table, page_resident, one(lat).shape[1], kv_len)
     return out.astype(x.dtype), lat, rope, ikeys, iscale, hit

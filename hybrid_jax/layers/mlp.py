@@ -11,18 +11,20 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from hybrid_jax.layers.linear import dequantize, linear, take
+
 
 def swiglu(x: jax.Array, gate_up: jax.Array, down: jax.Array) -> jax.Array:
-    """x: [..., Hd]; gate_up: [Hd, 2I]; down: [I, Hd]."""
-    g, u = jnp.split(x @ gate_up, 2, axis=-1)
-    return (jax.nn.silu(g) * u) @ down
+    """x: [..., Hd]; gate_up: [Hd, 2I]; down: [I, Hd] (arrays or `layers.linear` weights)."""
+    g, u = jnp.split(linear(x, gate_up), 2, axis=-1)
+    return linear(jax.nn.silu(g) * u, down)
 
 
 def _routed_gather(x, idx, w, gate_up, down):
-    # x: [M, Hd]; idx, w: [M, k]; gate_up: [E, Hd, 2I]; down: [E, I, Hd]
-    h = jnp.einsum("mh,mkhi->mki", x, gate_up[idx])
+    # x: [M, Hd]; idx, w: [M, k]; gate_up: [E, Hd, 2I]; down: [E, I, Hd] (only the chosen experts are decoded)
+    h = jnp.einsum("mh,mkhi->mki", x, dequantize(take(gate_up, idx), x.dtype))
     g, u = jnp.split(h, 2, axis=-1)
-    y = jnp.einsum("mki,mkih->mkh", jax.nn.silu(g) * u, down[idx])
+    y = jnp.einsum("mki,mkih->mkh", jax.nn.silu(g) * u, dequantize(take(down, idx), x.dtype))
     return jnp.einsum("mkh,mk->mh", y, w.astype(y.dtype))
 
 
@@ -37,6 +39,7 @@ def _routed_dense(x, idx, w, gate_up, down):
     # the experts side by side, which transposes gate_up first but runs at the GEMM's full rate. On
     # CPU, the whole layer: 8 rows 60 -> 39 us and 25 rows 116 -> 92 us batched; 256 rows 746 ->
     # 515 us and 512 rows 1591 -> 1020 us as one GEMM. The down projection is one GEMM either way.
+    gate_up, down = dequantize(gate_up, x.dtype), dequantize(down, x.dtype)
     E, Hd, I2 = gate_up.shape
     M = x.shape[0]
     combine = jnp.sum(jax.nn.one_hot(idx, E, dtype=x.dtype) * w[..., None].astype(x.dtype), axis=1)   # [M, E]
@@ -52,6 +55,7 @@ def _routed_dense(x, idx, w, gate_up, down):
 
 
 def _routed_sorted(x, idx, w, gate_up, down):
+    gate_up, down = dequantize(gate_up, x.dtype), dequantize(down, x.dtype)
     M, k = idx.shape
     E = gate_up.shape[0]
     flat_e = idx.reshape(-1)
@@ -68,7 +72,9 @@ def _routed_sorted(x, idx, w, gate_up, down):
 
 def routed_experts(x: jax.Array, idx: jax.Array, w: jax.Array, gate_up: jax.Array, down: jax.Array) -> jax.Array:
     """The routed experts' output: x [M, Hd]; idx, w [M, k] (chosen experts, their weights);
-    gate_up [E, Hd, 2I]; down [E, I, Hd]. Picks the form by shape (see the module docstring)."""
+    gate_up [E, Hd, 2I]; down [E, I, Hd] (arrays or `layers.linear` weights: an FP8 expert is decoded
+    inside the step, only the chosen ones on the gather path). Picks the form by shape (see the module
+    docstring)."""
     M, k = idx.shape
     E = gate_up.shape[0]
     if M * k <= E:
@@ -84,7 +90,7 @@ def sparse_moe(p: dict, x: jax.Array, *, num_experts: int, top_k: int, norm_topk
     B, T, Hd = x.shape
     x2 = x.reshape(B * T, Hd)
     E = num_experts
-    proj = x2 @ p["in_proj"]
+    proj = linear(x2, p["in_proj"])
     logits, sgate, shared_gu = proj[:, :E], proj[:, E:E + 1], proj[:, E + 1:]
     probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
     w, idx = jax.lax.top_k(probs, top_k)
@@ -93,5 +99,5 @@ def sparse_moe(p: dict, x: jax.Array, *, num_experts: int, top_k: int, norm_topk
     w = w.astype(logits.dtype)
     routed = routed_experts(x2, idx, w, p["gate_up"], p["down"])
     sg, su = jnp.split(shared_gu, 2, axis=-1)
-    shared = ((jax.nn.silu(sg) * su) @ p["shared_down"]) * jax.nn.sigmoid(sgate)
+    shared = linear(jax.nn.silu(sg) * su, p["shared_down"]) * jax.nn.sigmoid(sgate)
     return (routed + shared).reshape(B, T, Hd)

@@ -28,6 +28,8 @@ from hybrid_jax.errors import ConfigError
 FAMILIES = {"qwen3_next": "hybrid_jax.models.qwen3_next"}
 FAMILIES["deepseek_v32"] = "hybrid_jax.models.deepseek_v32"
 FAMILIES["deepseek_v4"] = "hybrid_jax.models.deepseek_v4"
+for _t in ("qwen3_5", "qwen3_5_moe", "qwen3_5_text", "qwen3_5_moe_text"):    # multimodal and text-only checkpoints
+    FAMILIES[_t] = "hybrid_jax.models.qwen3_5"
 
 
 def get_model(model_type: str) -> ModuleType:

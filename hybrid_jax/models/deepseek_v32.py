@@ -25,7 +25,7 @@ from hybrid_jax.layers import mlp as mlp_lib
 from hybrid_jax.layers.mla import rms_norm, sparse_attention
 from hybrid_jax.layers.rope import rope_cos_sin
 from hybrid_jax.models.common import finish_step, token_positions
-from hybrid_jax.weights import checked_getter, to_device
+from hybrid_jax.weights import checked_getter, concat, expert_weights, to_device, to_device_linear
 from hybrid_jax.models.deepseek_v32_config import DeepseekV32Config
 
 
@@ -75,7 +75,7 @@ def forward(cfg: DeepseekV32Config, params: dict, cache: ModelCache, tokens: jax
     positions, valid = token_positions(cache, T, n_new)                  # [B, T] each
     x = params["embed"][tokens]
     hidden = [x] if return_hidden else None
-    cos, sin = rope_cos_sin(positions, cfg.qk_rope_head_dim, cfg.rope_theta)
+    cos, sin = rope_cos_sin(positions, cfg.qk_rope_head_dim, cfg.rope, seq_len=cache.lengths + n_new)
     lg, ig = cache.groups["sparse_attention"], cache.groups["indexer"]
     # the pools are written in place in their [L, ...] stacks (slicing a layer out and stacking the
     # layers back copies every pool at every step)
@@ -88,7 +88,8 @@ def forward(cfg: DeepseekV32Config, params: dict, cache: ModelCache, tokens: jax
             lg.page_table, ig.page_table, lg.page_resident,
             num_heads=cfg.num_attention_heads, nope=cfg.qk_nope_head_dim, rope_dim=cfg.qk_rope_head_dim,
             v_dim=cfg.v_head_dim, kv_lora_rank=cfg.kv_lora_rank, index_heads=cfg.index_n_heads,
-            index_dim=cfg.index_head_dim, index_topk=cfg.index_topk, eps=cfg.rms_norm_eps, impl=impl, layer=s)
+            index_dim=cfg.index_head_dim, index_topk=cfg.index_topk, eps=cfg.rms_norm_eps, impl=impl, layer=s,
+            scale=cfg.softmax_scale)
         hits.append(hit)
         x = x + h
         y = rms_norm(x, lp["post_norm"], cfg.rms_norm_eps)
@@ -159,6 +160,9 @@ def convert_hf_weights(cfg: DeepseekV32Config, get: Callable[[str], np.ndarray],
     def dev(a, dt=None):
         return to_device(a, dt or dtype)
 
+    def lin(a):            # a weight the layers multiply through layers.linear (may stay FP8)
+        return to_device_linear(a, dtype)
+
     params = {"embed": dev(t("model.embed_tokens.weight", (cfg.vocab_size, Hd))),
               "final_norm": dev(t("model.norm.weight", (Hd,))), "layers": []}
     if not cfg.tie_word_embeddings:
@@ -169,15 +173,15 @@ def convert_hf_weights(cfg: DeepseekV32Config, get: Callable[[str], np.ndarray],
         lp = {"input_norm": dev(t(p + "input_layernorm.weight", (Hd,))),
               "post_norm": dev(t(p + "post_attention_layernorm.weight", (Hd,)))}
         kvb = t(a + "kv_b_proj.weight", (H * (s["nope"] + s["v"]), s["R"])).reshape(H, s["nope"] + s["v"], s["R"])
-        at = {"q_a": dev(t(a + "q_a_proj.weight", (s["Rq"], Hd)).T),
+        at = {"q_a": lin(t(a + "q_a_proj.weight", (s["Rq"], Hd)).T),
               "q_a_norm": dev(t(a + "q_a_layernorm.weight", (s["Rq"],))),
-              "q_b": dev(t(a + "q_b_proj.weight", (H * (s["nope"] + s["Dr"]), s["Rq"])).T),
-              "kv_a": dev(t(a + "kv_a_proj_with_mqa.weight", (s["R"] + s["Dr"], Hd)).T),
+              "q_b": lin(t(a + "q_b_proj.weight", (H * (s["nope"] + s["Dr"]), s["Rq"])).T),
+              "kv_a": lin(t(a + "kv_a_proj_with_mqa.weight", (s["R"] + s["Dr"], Hd)).T),
               "kv_a_norm": dev(t(a + "kv_a_layernorm.weight", (s["R"],))),
-              "w_uk": dev(kvb[:, :s["nope"]]), "w_uv": dev(kvb[:, s["nope"]:]),
-              "o_proj": dev(t(a + "o_proj.weight", (Hd, H * s["v"])).T),
-              "idx_q": dev(t(a + "indexer.wq_b.weight", (s["Hi"] * s["Di"], s["Rq"])).T),
-              "idx_k": dev(t(a + "indexer.wk.weight", (s["Di"], Hd)).T),
+              "w_uk": lin(kvb[:, :s["nope"]]), "w_uv": lin(kvb[:, s["nope"]:]),
+              "o_proj": lin(t(a + "o_proj.weight", (Hd, H * s["v"])).T),
+              "idx_q": lin(t(a + "indexer.wq_b.weight", (s["Hi"] * s["Di"], s["Rq"])).T),
+              "idx_k": lin(t(a + "indexer.wk.weight", (s["Di"], Hd)).T),
               "idx_k_norm": dev(t(a + "indexer.k_norm.weight", (s["Di"],))),
               "idx_k_norm_bias": dev(t(a + "indexer.k_norm.bias", (s["Di"],))),
               "idx_w": dev(t(a + "indexer.weights_proj.weight", (s["Hi"], Hd)).T, jnp.float32)}
@@ -190,25 +194,18 @@ def convert_hf_weights(cfg: DeepseekV32Config, get: Callable[[str], np.ndarray],
         if cfg.is_moe_layer(i):
             E, I = cfg.n_routed_experts, cfg.moe_intermediate_size
             Is = I * cfg.n_shared_experts
-            if has(m + "experts.gate_up_proj"):
-                gate_up = np.swapaxes(t(m + "experts.gate_up_proj", (E, 2 * I, Hd)), 1, 2)
-                down = np.swapaxes(t(m + "experts.down_proj", (E, Hd, I)), 1, 2)
-            else:
-                gate_up = np.stack([np.concatenate([t(f"{m}experts.{e}.gate_proj.weight", (I, Hd)),
-                                                    t(f"{m}experts.{e}.up_proj.weight", (I, Hd))], 0).T
-                                    for e in range(E)])
-                down = np.stack([t(f"{m}experts.{e}.down_proj.weight", (Hd, I)).T for e in range(E)])
+            gate_up, down = expert_weights(t, has, m, E, I, Hd)
             lp["moe"] = {
                 "router": dev(t(m + "gate.weight", (E, Hd)).T, jnp.float32),
                 "bias": dev(t(m + "gate.e_score_correction_bias", (E,)), jnp.float32),
-                "gate_up": dev(gate_up), "down": dev(down),
-                "shared_gate_up": dev(np.concatenate([t(m + "shared_experts.gate_proj.weight", (Is, Hd)),
-                                                      t(m + "shared_experts.up_proj.weight", (Is, Hd))], 0).T),
-                "shared_down": dev(t(m + "shared_experts.down_proj.weight", (Hd, Is)).T)}
+                "gate_up": lin(gate_up), "down": lin(down),
+                "shared_gate_up": lin(concat([t(m + "shared_experts.gate_proj.weight", (Is, Hd)),
+                                              t(m + "shared_experts.up_proj.weight", (Is, Hd))], 0).T),
+                "shared_down": lin(t(m + "shared_experts.down_proj.weight", (Hd, Is)).T)}
         else:
             I = cfg.intermediate_size
-            lp["mlp"] = {"gate_up": dev(np.concatenate([t(m + "gate_proj.weight", (I, Hd)),
-                                                        t(m + "up_proj.weight", (I, Hd))], 0).T),
-                         "down": dev(t(m + "down_proj.weight", (Hd, I)).T)}
+            lp["mlp"] = {"gate_up": lin(concat([t(m + "gate_proj.weight", (I, Hd)),
+                                                    t(m + "up_proj.weight", (I, Hd))], 0).T),
+                         "down": lin(t(m + "down_proj.weight", (Hd, I)).T)}
         params["layers"].append(lp)
     return params

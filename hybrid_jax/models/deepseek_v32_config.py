@@ -10,6 +10,7 @@ import dataclasses
 from typing import Any
 
 from hybrid_jax.errors import ConfigError
+from hybrid_jax.layers.rope import RopeSpec, softmax_scale
 from hybrid_jax.models.config_common import LayerPattern, common_fields
 
 _HF_LAYER_TYPES = {"indexed_attention": "sparse_attention", "sparse_attention": "sparse_attention"}
@@ -44,7 +45,7 @@ class DeepseekV32Config(LayerPattern):
     routed_scaling_factor: float
     norm_topk_prob: bool
     mlp_layer_types: tuple[str, ...]
-    rope_theta: float = 10000.0
+    rope: RopeSpec = RopeSpec()              # on the qk_rope_head_dim channels
     attention_bias: bool = False
     max_position_embeddings: int = 163840
     rms_norm_eps: float = 1e-6
@@ -96,6 +97,11 @@ class DeepseekV32Config(LayerPattern):
     def qk_head_dim(self) -> int:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
+    @property
+    def softmax_scale(self) -> float:
+        """qk_head_dim^-0.5, with YaRN's mscale correction (DeepSeek's definition)."""
+        return softmax_scale(self.rope, self.qk_head_dim)
+
 
 def deepseek_v32_config(d: dict[str, Any]) -> DeepseekV32Config:
     """config.json -> DeepseekV32Config (KeyError / ValueError / ConfigError on bad fields)."""
@@ -108,10 +114,7 @@ def deepseek_v32_config(d: dict[str, Any]) -> DeepseekV32Config:
     if mlp is None:
         k = min(int(d.get("first_k_dense_replace", 3)), n)
         mlp = ["dense"] * k + ["sparse"] * (n - k)
-    rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in ("default", None):
-        raise ConfigError(f"rope_type {rope_type!r} is not supported for deepseek_v32 yet (only 'default')")
+    from hybrid_jax.config import parse_rope  # noqa: PLC0415  (config imports this module's parser lazily)
     return DeepseekV32Config(
         model_type=d["model_type"], vocab_size=int(d["vocab_size"]), hidden_size=int(d["hidden_size"]),
         num_hidden_layers=n, layer_types=tuple(_HF_LAYER_TYPES[t] for t in raw),
@@ -127,7 +130,7 @@ def deepseek_v32_config(d: dict[str, Any]) -> DeepseekV32Config:
         n_group=int(d.get("n_group", 1) or 1), topk_group=int(d.get("topk_group", 1) or 1),
         routed_scaling_factor=float(d.get("routed_scaling_factor", 1.0)),
         norm_topk_prob=bool(d.get("norm_topk_prob", True)), mlp_layer_types=tuple(mlp),
-        rope_theta=float(rope.get("rope_theta", d.get("rope_theta", 10000.0))),
+        rope=parse_rope(d, "deepseek_v32", max_position_embeddings=163840),
         attention_bias=bool(d.get("attention_bias", False)),
         max_position_embeddings=int(d.get("max_position_embeddings", 163840)),
         **common_fields(d))

@@ -26,10 +26,11 @@ from cache import ModelCache
 from cache.compressed import init_compressed_groups
 from hybrid_jax.layers.compressed_attention import compressed_attention, inv_freq
 from hybrid_jax.layers.hyper_connections import hc_head, hc_merge, hc_weights
+from hybrid_jax.layers.linear import dequantize, linear, take
 from hybrid_jax.layers.mla import rms_norm
 from hybrid_jax.models.common import finish_step, token_positions
 from hybrid_jax.models.deepseek_v4_config import DeepseekV4Config
-from hybrid_jax.weights import checked_getter, to_device
+from hybrid_jax.weights import checked_getter, concat, expert_weights, to_device, to_device_linear
 
 CSA, HCA = "compressed_sparse_attention", "heavily_compressed_attention"
 # this family's cache group -> (field of the group, key in a layer's compressor state)
@@ -96,9 +97,10 @@ def _experts(x, idx, w, gate_up, down, limit):
     for two grouped matmuls (lax.ragged_dot). Repeated experts in a row (a hash table may hold them) add up."""
     M, k = idx.shape
     E = gate_up.shape[0]
-    if M * k <= E:
-        a = _clamped_swiglu(jnp.einsum("mh,mkhi->mki", x, gate_up[idx]), limit)
-        return jnp.einsum("mki,mkih,mk->mh", a, down[idx], w.astype(x.dtype))
+    if M * k <= E:         # only the chosen experts are decoded (FP8 weights kept on the device)
+        a = _clamped_swiglu(jnp.einsum("mh,mkhi->mki", x, dequantize(take(gate_up, idx), x.dtype)), limit)
+        return jnp.einsum("mki,mkih,mk->mh", a, dequantize(take(down, idx), x.dtype), w.astype(x.dtype))
+    gate_up, down = dequantize(gate_up, x.dtype), dequantize(down, x.dtype)
     if E <= 4 * k:         # few experts: every expert on every row, masked by the routing weights
         Hd, I2 = gate_up.shape[1:]
         h = (x @ gate_up.transpose(1, 0, 2).reshape(Hd, E * I2)).reshape(M, E, I2)
@@ -127,7 +129,7 @@ def moe(cfg: DeepseekV4Config, p: dict, x, tokens):
     w = jnp.take_along_axis(scores, idx, axis=1)
     w = w / (jnp.sum(w, axis=-1, keepdims=True) + 1e-20) * cfg.routed_scaling_factor
     routed = _experts(x2, idx, w, p["gate_up"], p["down"], cfg.swiglu_limit)
-    shared = _clamped_swiglu(x2 @ p["shared_gate_up"], cfg.swiglu_limit) @ p["shared_down"]
+    shared = linear(_clamped_swiglu(linear(x2, p["shared_gate_up"]), cfg.swiglu_limit), p["shared_down"])
     return (routed + shared).reshape(B, T, Hd).astype(x.dtype)
 
 
@@ -259,14 +261,17 @@ _ORIGINAL_NAMES = [(r"\.compressor\.indexer\.scorer\.weights_proj\.", ".indexer.
 
 
 def _resolver(has):
-    """native name -> the name this checkpoint stores it under (the native one when neither exists)."""
+    """native name -> the name this checkpoint stores it under (the native one when none exists): the
+    original DeepSeek name, with or without the "model." prefix (the published checkpoints have none),
+    and the attention's KV norm as `attn.norm` (what transformers writes back) or `attn.kv_norm`."""
     import re  # noqa: PLC0415
 
     def resolve(name: str) -> str:
-        orig = name
+        orig, orig_kv = name, name
         for pat, rep in _ORIGINAL_NAMES:
             orig = re.sub(pat, rep, orig)
-        for c in (name, orig, orig.removeprefix("model."), "model." + orig):
+            orig_kv = orig_kv if rep == ".norm." else re.sub(pat, rep, orig_kv)
+        for c in (name, orig, orig.removeprefix("model."), "model." + orig, orig_kv, orig_kv.removeprefix("model.")):
             if has(c):
                 return c
         return name
@@ -287,11 +292,14 @@ def convert_hf_weights(cfg: DeepseekV4Config, get: Callable[[str], np.ndarray], 
     def dev(a, dt=None):
         return to_device(a, dt or dtype)
 
-    def lin(name, out, inp, dt=None):          # torch Linear [out, in] -> [in, out]
+    def mat(name, out, inp, dt=None):          # torch Linear [out, in] -> [in, out]
         return dev(t(name, (out, inp)).T, dt)
 
+    def lin(name, out, inp):                   # the same, multiplied through layers.linear (may stay FP8)
+        return to_device_linear(t(name, (out, inp)).T, dtype)
+
     def hc(prefix, a, b, c, k):
-        return {"fn": lin(prefix + a, k, N * Hd, f32), "base": dev(t(prefix + b, (k,)), f32),
+        return {"fn": mat(prefix + a, k, N * Hd, f32), "base": dev(t(prefix + b, (k,)), f32),
                 "scale": dev(t(prefix + c, (3 if k != N else 1,)), f32)}
 
     m_ = "model."
@@ -299,7 +307,7 @@ def convert_hf_weights(cfg: DeepseekV4Config, get: Callable[[str], np.ndarray], 
               "final_norm": dev(t(m_ + "norm.weight", (Hd,))),
               "hc_head": hc(m_ + "hc_head.", "hc_fn", "hc_base", "hc_scale", N), "layers": []}
     if not cfg.tie_word_embeddings:
-        params["lm_head"] = lin("lm_head.weight", cfg.vocab_size, Hd)
+        params["lm_head"] = mat("lm_head.weight", cfg.vocab_size, Hd)
     for i in range(cfg.num_hidden_layers):
         p = f"{m_}layers.{i}."
         a = p + "self_attn."
@@ -307,7 +315,7 @@ def convert_hf_weights(cfg: DeepseekV4Config, get: Callable[[str], np.ndarray], 
         at = {"q_a": lin(a + "q_a_proj.weight", Rq, Hd), "q_a_norm": dev(t(a + "q_a_norm.weight", (Rq,))),
               "q_b": lin(a + "q_b_proj.weight", H * D, Rq), "kv": lin(a + "kv_proj.weight", D, Hd),
               "kv_norm": dev(t(a + "kv_norm.weight", (D,))), "sinks": dev(t(a + "sinks", (H,)), f32),
-              "o_a": dev(o_a), "o_b": lin(a + "o_b_proj.weight", Hd, G * r)}
+              "o_a": to_device_linear(o_a, dtype), "o_b": lin(a + "o_b_proj.weight", Hd, G * r)}
         lt = cfg.layer_types[i]
         if lt != "sliding_attention":
             c = a + "compressor."
@@ -319,20 +327,19 @@ def convert_hf_weights(cfg: DeepseekV4Config, get: Callable[[str], np.ndarray], 
                 at.update(i_kv=lin(ix + "kv_proj.weight", 2 * Di, Hd), i_gate=lin(ix + "gate_proj.weight", 2 * Di, Hd),
                           i_bias=dev(t(ix + "position_bias", (m, 2 * Di)), f32),
                           i_norm=dev(t(ix + "kv_norm.weight", (Di,))), i_q=lin(ix + "q_b_proj.weight", Hi * Di, Rq),
-                          i_w=lin(ix + "scorer.weights_proj.weight", Hi, Hd, f32))
+                          i_w=mat(ix + "scorer.weights_proj.weight", Hi, Hd, f32))
         ml = p + "mlp."
         E, I, k = s["E"], s["I"], s["k"]
         if has(ml + "experts.gate_up_proj"):
-            gate_up = np.swapaxes(t(ml + "experts.gate_up_proj", (E, 2 * I, Hd)), 1, 2)
-            down = np.swapaxes(t(ml + "experts.down_proj", (E, Hd, I)), 1, 2)
+            gate_up, down = expert_weights(t, has, ml, E, I, Hd)
         else:       # original layout: per expert w1 (gate), w3 (up) [I, Hd], w2 (down) [Hd, I]
-            ex = resolve(ml + "shared_experts.gate_proj.weight").replace("shared_experts.w1.weight", "experts.")
-            gate_up = np.stack([np.concatenate([t0(f"{ex}{e}.w1.weight", (I, Hd)), t0(f"{ex}{e}.w3.weight", (I, Hd))],
-                                               0).T for e in range(E)])
-            down = np.stack([t0(f"{ex}{e}.w2.weight", (Hd, I)).T for e in range(E)])
-        mo = {"router": lin(ml + "gate.weight", E, Hd, f32), "gate_up": dev(gate_up), "down": dev(down),
-              "shared_gate_up": dev(np.concatenate([t(ml + "shared_experts.gate_proj.weight", (I, Hd)),
-                                                    t(ml + "shared_experts.up_proj.weight", (I, Hd))], 0).T),
+            ex = resolve(ml + "shared_experts.gate_proj.weight").replace("shared_experts.w1.weight", "")
+            gate_up, down = expert_weights(t0, has, ex, E, I, Hd, names=("w1", "w3", "w2"))
+        mo = {"router": mat(ml + "gate.weight", E, Hd, f32), "gate_up": to_device_linear(gate_up, dtype),
+              "down": to_device_linear(down, dtype),
+              "shared_gate_up": to_device_linear(concat([t(ml + "shared_experts.gate_proj.weight", (I, Hd)),
+                                                         t(ml + "shared_experts.up_proj.weight", (I, Hd))], 0).T,
+                                                 dtype),
               "shared_down": lin(ml + "shared_experts.down_proj.weight", Hd, I)}
         if cfg.mlp_layer_types[i] == "hash_moe":
             tab = t(ml + "gate.tid2eid", (cfg.vocab_size, k))

@@ -16,25 +16,13 @@ import dataclasses
 from typing import Any
 
 from hybrid_jax.errors import ConfigError
+from hybrid_jax.layers.rope import RopeSpec, rope_dict
 from hybrid_jax.models.config_common import LayerPattern, common_fields
 
 LAYER_TYPES = ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention")
 MLP_LAYER_TYPES = ("hash_moe", "moe")
 SCORING_FUNCS = ("sqrtsoftplus", "softmax", "sigmoid")
 _RATIO_TO_TYPE = {0: "sliding_attention", 4: "compressed_sparse_attention", 128: "heavily_compressed_attention"}
-
-
-@dataclasses.dataclass(frozen=True)
-class RopeSpec:
-    """One rope type: inverse frequencies from theta (and YaRN's factor / betas when rope_type='yarn')."""
-    rope_type: str = "default"
-    theta: float = 10000.0
-    partial_rotary_factor: float = 0.125
-    factor: float = 1.0
-    original_max_position_embeddings: int = 0
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-    attention_factor: float = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,9 +94,6 @@ class DeepseekV4Config(LayerPattern):
             d = self.rope_dim(label)
             if d % 2 or not 0 <= d <= self.head_dim:
                 raise ConfigError(f"rope '{label}' rotates {d} channels: must be even and <= head_dim={self.head_dim}")
-            if r.rope_type not in ("default", "yarn"):
-                raise ConfigError(f"rope_type {r.rope_type!r} ('{label}') is not supported for deepseek_v4 "
-                                  f"(only 'default' and 'yarn')")
         if "compressed_sparse_attention" in self.layer_types:
             if self.csa_rate <= 0 or self.index_topk <= 0 or self.index_n_heads <= 0:
                 raise ConfigError(f"CSA needs positive compress rate, index_topk and index_n_heads; got "
@@ -127,31 +112,23 @@ class DeepseekV4Config(LayerPattern):
         return {"compressed_sparse_attention": self.csa_rate, "heavily_compressed_attention": self.hca_rate}[layer_type]
 
 
+ROPE_TYPES = ("default", "linear", "yarn")     # dynamic NTK would need per-row frequencies in the compressor
+
+
 def _rope_spec(r: dict, d: dict, prf: float) -> RopeSpec:
-    rt = r.get("rope_type", r.get("type", "default")) or "default"
-    if rt not in ("default", "yarn"):
-        raise ConfigError(f"rope_type {rt!r} is not supported for deepseek_v4 (only 'default' and 'yarn')")
-    prf = float(r.get("partial_rotary_factor", prf))
-    if rt == "default":
-        return RopeSpec("default", float(r["rope_theta"]), prf)
-    factor = r.get("factor")
-    omax = r.get("original_max_position_embeddings") or d.get("max_position_embeddings", 1048576)
-    if factor is None:
-        factor = int(d.get("max_position_embeddings", 1048576)) / int(omax)
-    af = r.get("attention_factor")
-    if af is None:    # transformers' YaRN default (V4 configs force 1.0 on the compress rope)
-        import math  # noqa: PLC0415
-        ms, msa = r.get("mscale"), r.get("mscale_all_dim")
-        g = (lambda s, m=1.0: 1.0 if s <= 1 else 0.1 * m * math.log(s) + 1.0)
-        af = g(factor, ms) / g(factor, msa) if ms and msa else g(factor)
-    return RopeSpec("yarn", float(r["rope_theta"]), prf, float(factor), int(omax),
-                    float(r.get("beta_fast") or 32), float(r.get("beta_slow") or 1), float(af))
+    """One of V4's nested rope dicts -> RopeSpec (theta defaults to the top-level rope_theta, as in
+    transformers). transformers reads YaRN's `truncate` from the top-level rope dict, which V4 nests:
+    always truncated."""
+    spec = RopeSpec.parse(r, family="deepseek_v4", theta=float(d.get("rope_theta", 10000.0)),
+                          partial_rotary_factor=prf, types=ROPE_TYPES,
+                          max_position_embeddings=int(d.get("max_position_embeddings", 1048576)))
+    return dataclasses.replace(spec, truncate=True)
 
 
 def deepseek_v4_config(d: dict[str, Any]) -> DeepseekV4Config:
     """config.json -> DeepseekV4Config (KeyError / ValueError / ConfigError on bad fields). Accepts the
     legacy keys transformers folds in (compress_ratios, compress_rate_csa/hca, num_hash_layers,
-    qk_rope_head_dim)."""
+    qk_rope_head_dim, compress_rope_theta, rope_scaling)."""
     n = int(d["num_hidden_layers"])
     rates = dict(d.get("compress_rates") or {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128})
     if d.get("compress_rate_csa") is not None:
@@ -182,7 +159,7 @@ def deepseek_v4_config(d: dict[str, Any]) -> DeepseekV4Config:
     if prf is None:
         prf = int(d["qk_rope_head_dim"]) / head_dim if d.get("qk_rope_head_dim") is not None else 64 / 512
     prf = float(prf)
-    rp = d.get("rope_parameters") or {}
+    rp = rope_dict(d)          # rope_parameters, or DeepSeek's legacy rope_scaling (its YaRN is the compress rope's)
     if isinstance(rp.get("main"), dict) and isinstance(rp.get("compress"), dict):
         main, comp = rp["main"], rp["compress"]
     else:

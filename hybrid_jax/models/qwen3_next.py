@@ -30,7 +30,7 @@ from hybrid_jax.layers.mlp import sparse_moe, swiglu
 from hybrid_jax.layers.norms import rms_norm_zero_centered
 from hybrid_jax.layers.rope import rope_cos_sin
 from hybrid_jax.models.common import finish_step, token_positions
-from hybrid_jax.weights import checked_getter, to_device
+from hybrid_jax.weights import checked_getter, concat, expert_weights, to_device, to_device_linear
 
 
 def new_cache(cfg: ModelConfig, batch_size: int, capacity: int, dtype, page_size: int = DEFAULT_KV_PAGE_SIZE
@@ -72,7 +72,7 @@ def forward(cfg: ModelConfig, params: dict, cache: ModelCache, tokens: jax.Array
     positions, valid = token_positions(cache, T, n_new)                  # [B, T] each
     x = params["embed"][tokens]
     hidden = [x] if return_hidden else None
-    cos, sin = rope_cos_sin(positions, cfg.rotary_dim, cfg.rope_theta)
+    cos, sin = rope_cos_sin(positions, cfg.rotary_dim, cfg.rope, seq_len=cache.lengths + n_new)
     groups = dict(cache.groups)
     rec = groups.get("linear_attention")
     kv = groups.get("full_attention")
@@ -212,12 +212,28 @@ def expected_hf_keys(cfg: ModelConfig) -> list[str]:
     return keys
 
 
+def grouped_in_proj(cfg: ModelConfig, t, a: str) -> np.ndarray:
+    """Qwen3-Next's Gated DeltaNet input projections, grouped per key head (in_proj_qkvz [H, (K | K | r*V |
+    r*V)], in_proj_ba [H, (r | r)], torch layout [out, Hd]) -> rows q | k | v | z | b | a [2HK + 2HV*V + 2HV, Hd]."""
+    Hd, H, HV, K, V = (cfg.hidden_size, cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                       cfg.linear_value_head_dim)
+    r = HV // H
+    qkvz = t(a + "in_proj_qkvz.weight", (2 * H * K + 2 * HV * V, Hd)).reshape(H, 2 * K + 2 * r * V, Hd)
+    q, k, v, z = np.split(qkvz, [K, 2 * K, 2 * K + r * V], axis=1)
+    ba = t(a + "in_proj_ba.weight", (2 * HV, Hd)).reshape(H, 2 * r, Hd)
+    b, a_ = np.split(ba, [r], axis=1)
+    return concat([x.reshape(-1, Hd) for x in (q, k, v, z, b, a_)], axis=0)
+
+
 def convert_hf_weights(cfg: ModelConfig, get: Callable[[str], np.ndarray], has: Callable[[str], bool],
-                       dtype, progress: Callable[[], None] = lambda: None) -> dict:
+                       dtype, progress: Callable[[], None] = lambda: None, *, prefix: str = "model.",
+                       gdn_in_proj: Callable = grouped_in_proj) -> dict:
     """Re-lays a Hugging Face Qwen3-Next checkpoint into the layout above, once, at load.
 
     get(name) -> numpy array; has(name) -> bool. Raises CheckpointError naming a missing or
-    misshapen tensor."""
+    misshapen tensor. A family with Qwen3-Next's layers and another checkpoint layout (Qwen3.5) passes
+    the prefix of its text model's tensors and gdn_in_proj(cfg, t, "<layer>.linear_attn.") -> the fused
+    input projection's rows q | k | v | z | b | a [2HK + 2HV*V + 2HV, Hd]."""
     s = _shapes(cfg)
     Hd = s["Hd"]
 
@@ -226,31 +242,27 @@ def convert_hf_weights(cfg: ModelConfig, get: Callable[[str], np.ndarray], has: 
     def dev(a):
         return to_device(a, dtype)
 
-    params = {"embed": dev(t("model.embed_tokens.weight", (cfg.vocab_size, Hd))),
-              "final_norm": dev(t("model.norm.weight", (Hd,))), "layers": []}
+    def lin(a):            # a weight the layers multiply through layers.linear (may stay FP8)
+        return to_device_linear(a, dtype)
+
+    params = {"embed": dev(t(prefix + "embed_tokens.weight", (cfg.vocab_size, Hd))),
+              "final_norm": dev(t(prefix + "norm.weight", (Hd,))), "layers": []}
     if not cfg.tie_word_embeddings:
         params["lm_head"] = dev(t("lm_head.weight", (cfg.vocab_size, Hd)).T)
     for i, kind in enumerate(cfg.layer_types):
-        p = f"model.layers.{i}."
+        p = f"{prefix}layers.{i}."
         lp = {"input_norm": dev(t(p + "input_layernorm.weight", (Hd,))),
               "post_norm": dev(t(p + "post_attention_layernorm.weight", (Hd,)))}
         if kind == "linear_attention":
-            H, HV, K, V = s["H"], s["HV"], s["K"], s["V"]
-            r = HV // H
+            HV, V = s["HV"], s["V"]
             a = p + "linear_attn."
-            # HF groups qkvz per key head: [H, (K | K | r*V | r*V)]; ba per key head: [H, (r | r)].
-            qkvz = t(a + "in_proj_qkvz.weight", (2 * H * K + 2 * HV * V, Hd)).reshape(H, 2 * K + 2 * r * V, Hd)
-            q, k, v, z = np.split(qkvz, [K, 2 * K, 2 * K + r * V], axis=1)
-            ba = t(a + "in_proj_ba.weight", (2 * HV, Hd)).reshape(H, 2 * r, Hd)
-            b, a_ = np.split(ba, [r], axis=1)
-            fused = np.concatenate([x.reshape(-1, Hd) for x in (q, k, v, z, b, a_)], axis=0)
             conv = t(a + "conv1d.weight", (cfg.linear_conv_dim, 1, cfg.linear_conv_kernel_dim))
             lp["gdn"] = {
-                "in_proj": dev(fused.T), "conv": dev(conv[:, 0, :].T),
+                "in_proj": lin(gdn_in_proj(cfg, t, a).T), "conv": dev(conv[:, 0, :].T),
                 "A_log": jnp.asarray(t(a + "A_log", (HV,)), jnp.float32),
                 "dt_bias": jnp.asarray(t(a + "dt_bias", (HV,)), jnp.float32),
                 "norm": dev(t(a + "norm.weight", (V,))),
-                "out_proj": dev(t(a + "out_proj.weight", (Hd, HV * V)).T),
+                "out_proj": lin(t(a + "out_proj.weight", (Hd, HV * V)).T),
             }
         else:
             Hq, Hkv, D = s["Hq"], s["Hkv"], s["D"]
@@ -260,9 +272,9 @@ def convert_hf_weights(cfg: ModelConfig, get: Callable[[str], np.ndarray], has: 
             q, gate = qg[:, :D].reshape(-1, Hd), qg[:, D:].reshape(-1, Hd)
             k = t(a + "k_proj.weight", (Hkv * D, Hd))
             v = t(a + "v_proj.weight", (Hkv * D, Hd))
-            lp["attn"] = {"qkv": dev(np.concatenate([q, gate, k, v], axis=0).T),
+            lp["attn"] = {"qkv": lin(concat([q, gate, k, v], axis=0).T),
                           "q_norm": dev(t(a + "q_norm.weight", (D,))), "k_norm": dev(t(a + "k_norm.weight", (D,))),
-                          "o_proj": dev(t(a + "o_proj.weight", (Hd, Hq * D)).T)}
+                          "o_proj": lin(t(a + "o_proj.weight", (Hd, Hq * D)).T)}
             if cfg.attention_bias:
                 qb = t(a + "q_proj.bias", (2 * Hq * D,)).reshape(Hq, 2 * D)
                 lp["attn"]["qkv_bias"] = dev(np.concatenate([qb[:, :D].reshape(-1), qb[:, D:].reshape(-1),
@@ -275,21 +287,14 @@ def convert_hf_weights(cfg: ModelConfig, get: Callable[[str], np.ndarray], has: 
             sgate = t(m + "shared_expert_gate.weight", (1, Hd))
             sg = t(m + "shared_expert.gate_proj.weight", (Is, Hd))
             su = t(m + "shared_expert.up_proj.weight", (Is, Hd))
-            if has(m + "experts.gate_up_proj"):          # fused 3-D layout
-                gate_up = np.swapaxes(t(m + "experts.gate_up_proj", (E, 2 * I, Hd)), 1, 2)
-                down = np.swapaxes(t(m + "experts.down_proj", (E, Hd, I)), 1, 2)
-            else:                                        # per-expert layout
-                gate_up = np.stack([np.concatenate([t(f"{m}experts.{e}.gate_proj.weight", (I, Hd)),
-                                                    t(f"{m}experts.{e}.up_proj.weight", (I, Hd))], 0).T
-                                    for e in range(E)])
-                down = np.stack([t(f"{m}experts.{e}.down_proj.weight", (Hd, I)).T for e in range(E)])
-            lp["moe"] = {"in_proj": dev(np.concatenate([router, sgate, sg, su], axis=0).T),
-                         "shared_down": dev(t(m + "shared_expert.down_proj.weight", (Hd, Is)).T),
-                         "gate_up": dev(gate_up), "down": dev(down)}
+            gate_up, down = expert_weights(t, has, m, E, I, Hd)
+            lp["moe"] = {"in_proj": lin(concat([router, sgate, sg, su], axis=0).T),
+                         "shared_down": lin(t(m + "shared_expert.down_proj.weight", (Hd, Is)).T),
+                         "gate_up": lin(gate_up), "down": lin(down)}
         else:
             I = cfg.intermediate_size
-            lp["mlp"] = {"gate_up": dev(np.concatenate([t(m + "gate_proj.weight", (I, Hd)),
-                                                        t(m + "up_proj.weight", (I, Hd))], 0).T),
-                         "down": dev(t(m + "down_proj.weight", (Hd, I)).T)}
+            lp["mlp"] = {"gate_up": lin(concat([t(m + "gate_proj.weight", (I, Hd)),
+                                                    t(m + "up_proj.weight", (I, Hd))], 0).T),
+                         "down": lin(t(m + "down_proj.weight", (Hd, I)).T)}
         params["layers"].append(lp)
     return params

@@ -41,7 +41,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.gated_delta_rule.common import IMPLS, resolve_impl  # noqa: F401  (one impl rule)
 
 
 @dataclasses.dataclass(frozen=True)

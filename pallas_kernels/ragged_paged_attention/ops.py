@@ -5,6 +5,7 @@
   impl="pallas"     the Pallas kernel: Mosaic TPU (page DMAs from HBM, double-buffered) or Triton on GPU;
                     interpret mode on CPU (pallas_tpu.py, pallas_gpu.py)
   impl="auto"       Pallas on GPU/TPU, XLA on CPU
+The kernel follows the platform the program is lowered for (pallas_kernels.dispatch), not the host's.
 
 Layouts and the masking contract are in common.py. The op only reads the KV pool, in the layout named by the
 kernel ABI `pallas_kernels.abi.RAGGED_PAGED_ATTENTION`: the full-attention KV group that writes pages for it
@@ -12,22 +13,27 @@ records that id as its writer.
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 
-from pallas_kernels import abi
+from pallas_kernels import abi, dispatch
 from pallas_kernels.ragged_paged_attention import naive, xla
-from pallas_kernels.ragged_paged_attention.common import check_inputs, resolve_impl
+from pallas_kernels.ragged_paged_attention.common import check_inputs
 
 ABI = abi.RAGGED_PAGED_ATTENTION
 
 
-def pallas_target() -> tuple[str, bool]:
-    """(kernel variant, interpret) for impl="pallas": the Triton kernel on GPUs, the Mosaic TPU kernel
-    otherwise, interpreted on CPU."""
-    platform = jax.default_backend()
-    if platform in ("gpu", "cuda", "rocm"):
-        return "gpu", False
-    return "tpu", platform == "cpu"
+def _kernel(**kw):
+    """The Pallas kernel as `pallas_kernels.dispatch.run` calls it: backend "tpu" (Mosaic; interpreted on
+    the CPU) or "gpu" (Triton)."""
+    def run(*args, backend: str, interpret: bool):
+        if backend == "gpu":
+            from pallas_kernels.ragged_paged_attention import pallas_gpu  # noqa: PLC0415
+            return pallas_gpu.ragged_paged_attention_gpu(*args, **kw, interpret=interpret)
+        from pallas_kernels.ragged_paged_attention import pallas_tpu  # noqa: PLC0415
+        return pallas_tpu.ragged_paged_attention_tpu(*args, **kw, interpret=interpret)
+    return run
 
 
 def ragged_paged_attention(
@@ -60,17 +66,9 @@ def ragged_paged_attention(
     args = (q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
     kw = dict(sm_scale=float(sm_scale), sliding_window=sliding_window,
               soft_cap=None if soft_cap is None else float(soft_cap))
-    impl = resolve_impl(impl)
-    if impl == "reference":
-        return naive.ragged_paged_attention_reference(*args, **kw)
-    if impl == "xla":
-        return xla.ragged_paged_attention_xla(*args, **kw, max_q_len=max_q_len)
-    backend, interpret = pallas_target()
     blocks = dict(num_kv_pages_per_block=num_kv_pages_per_block, num_queries_per_block=num_queries_per_block,
                   decode_queries_per_block=decode_queries_per_block)
-    if backend == "gpu":
-        from pallas_kernels.ragged_paged_attention import pallas_gpu  # noqa: PLC0415
-        return pallas_gpu.ragged_paged_attention_gpu(*args, **kw, max_q_len=max_q_len, **blocks,
-                                                     interpret=interpret)
-    from pallas_kernels.ragged_paged_attention import pallas_tpu  # noqa: PLC0415
-    return pallas_tpu.ragged_paged_attention_tpu(*args, **kw, max_q_len=max_q_len, **blocks, interpret=interpret)
+    return dispatch.run("ragged_paged_attention", impl, args,
+                        reference=functools.partial(naive.ragged_paged_attention_reference, **kw),
+                        xla=functools.partial(xla.ragged_paged_attention_xla, **kw, max_q_len=max_q_len),
+                        pallas=lambda: _kernel(**kw, max_q_len=max_q_len, **blocks))

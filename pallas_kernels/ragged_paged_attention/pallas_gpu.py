@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels import abi
+from pallas_kernels.dispatch import KernelUnsupported
 from pallas_kernels.gated_delta_rule.pallas_recurrent import compiler_params
 from pallas_kernels.ragged_paged_attention import kernel_io
 from pallas_kernels.ragged_paged_attention.common import Dims, as_int32, cap_scores, softmax_fold, visible
@@ -37,7 +38,8 @@ def _pow2(x: int, floor: int = 16) -> int:
 def check_gpu_layout(dims: Dims):
     for name, x in (("head dim", dims.head_dim), ("page size", dims.page_size)):
         if x < 16 or x & (x - 1):
-            raise ValueError(f"the Triton ragged paged attention kernel needs the {name} a power of two >= 16; got {x}")
+            raise KernelUnsupported(f"the Triton ragged paged attention kernel needs the {name} a power of two >= 16;"
+                                    f" got {x}")
 
 
 def _kernel(meta_ref,                 # [8] int32: this tile's metadata row
@@ -95,7 +97,7 @@ def ragged_paged_attention_gpu(q, k_pages, v_pages, kv_lens, page_indices, cu_q_
     if not interpret:
         check_gpu_layout(dims)
     if num_kv_pages_per_block not in (None, 1):
-        raise ValueError(f"the Triton kernel reads one page per step: num_kv_pages_per_block must be None or 1; "
+        raise KernelUnsupported(f"the Triton kernel reads one page per step: num_kv_pages_per_block must be None or 1; "
                          f"got {num_kv_pages_per_block}")
     prefill = min(num_queries_per_block or max(1, TARGET_ROWS // dims.group), N)
     decode = min(decode_queries_per_block or max_q_len or 1, prefill)

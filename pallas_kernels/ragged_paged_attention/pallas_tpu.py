@@ -35,6 +35,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import abi
+from pallas_kernels.dispatch import KernelUnsupported
 from pallas_kernels.gated_delta_rule.pallas_recurrent import compiler_params
 from pallas_kernels.ragged_paged_attention import kernel_io
 from pallas_kernels.ragged_paged_attention.common import Dims, as_int32, cap_scores, softmax_fold, visible
@@ -51,14 +52,15 @@ def sublanes(dtype) -> int:
 
 
 def check_tpu_layout(dims: Dims, q_dtype, kv_dtype):
-    """The shapes the Mosaic kernel can lay out; ValueError otherwise (interpret mode takes any)."""
+    """The shapes the Mosaic kernel can lay out; KernelUnsupported (a ValueError) otherwise (interpret mode
+    takes any)."""
     if dims.head_dim % LANES:
-        raise ValueError(f"the TPU ragged paged attention kernel needs the head dim a multiple of {LANES} (a head "
-                         f"is a lane slice of a page); got {dims.head_dim}")
+        raise KernelUnsupported(f"the TPU ragged paged attention kernel needs the head dim a multiple of {LANES} (a head "
+                                f"is a lane slice of a page); got {dims.head_dim}")
     tile = max(sublanes(q_dtype), sublanes(kv_dtype))
     if dims.page_size % tile:
-        raise ValueError(f"the TPU ragged paged attention kernel needs the page size a multiple of {tile} for "
-                         f"{jnp.dtype(kv_dtype).name} pages; got {dims.page_size}")
+        raise KernelUnsupported(f"the TPU ragged paged attention kernel needs the page size a multiple of {tile} for "
+                                f"{jnp.dtype(kv_dtype).name} pages; got {dims.page_size}")
 
 
 def _kernel(meta_ref, pages_ref, active_ref,          # SMEM: [W * 8], [R * NP], [1] int32

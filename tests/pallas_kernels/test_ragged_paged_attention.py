@@ -125,7 +125,6 @@ def test_xla_matches_reference(cfg_name):
 def test_pallas_tpu_kernel_matches_reference(cfg_name):
     """impl="pallas" on CPU: the Mosaic TPU kernel in interpret mode (page DMAs, double buffering, the prefetch
     across tiles). Two pages per key block, so tiles span several blocks."""
-    assert ops.pallas_target() == ("tpu", True)
     _check_cases(ragged_paged_attention, cfg_name, impl="pallas", num_kv_pages_per_block=2, num_queries_per_block=16)
 
 

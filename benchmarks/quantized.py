@@ -1,0 +1,86 @@
+"""FP8 weights kept on the device vs the same FP8 release dequantized to bf16 at load, side by side in
+one run: the parameters' device bytes and the decode throughput of the on-device decode loop
+(Generator), on the shared tiny Qwen3-Next (benchmarks/tiny_qwen3_next.py) written as an FP8 release
+(every linear weight FP8 in 128 x 128 blocks; embeddings, LM head, routers and norms in bf16, as in
+the Qwen -FP8 and DeepSeek releases).
+
+Both models decode the same greedy tokens from the same prompts; the two run alternately, each
+timing is the best of --repeats, and the ratio is the median of the back-to-back ratios. On CPU the
+FP8 weights are decoded to bf16 inside every step (XLA:CPU has no FP8 matmul), so the FP8 column
+pays that conversion; what it saves is memory.
+
+    python benchmarks/quantized.py [--batch 1,8] [--steps 64] [--repeats 7]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "hybrid_jax"))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+from cache_writes import decode  # noqa: E402
+from release_formats import quantize_release  # noqa: E402  (the tests' FP8 release writer)
+from tiny_qwen3_next import write_checkpoint  # noqa: E402
+
+from hybrid_jax import LLM  # noqa: E402
+from hybrid_jax.layers.linear import Fp8Weight, weight_bytes  # noqa: E402
+
+NOT_CONVERTED = ("lm_head", "model.embed_tokens", "mlp.gate", "mlp.shared_expert_gate")
+
+
+def fp8_release(root: str) -> str:
+    src = write_checkpoint(os.path.join(root, "bf16"))
+    dst = os.path.join(root, "fp8")
+    quantize_release(src, dst, fp8=lambda n, a: n.endswith(".weight") and a.ndim == 2 and not any(
+        n.rsplit(".", 1)[0].endswith(s) for s in NOT_CONVERTED),
+        quantization_config={"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                             "weight_block_size": [128, 128], "modules_to_not_convert": list(NOT_CONVERTED)})
+    return dst
+
+
+def fp8_weights(params) -> list[Fp8Weight]:
+    """The weights held in FP8 on the device."""
+    return [x for x in jax.tree_util.tree_leaves(params, is_leaf=lambda x: isinstance(x, Fp8Weight))
+            if isinstance(x, Fp8Weight)]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", default="1,8")
+    ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=7)
+    args = ap.parse_args()
+    path = fp8_release(tempfile.mkdtemp())
+    models = {"bf16": LLM(model=path, dtype="bfloat16"), "fp8": LLM(model=path, dtype="bfloat16", quantization="fp8")}
+    total = {k: weight_bytes(m.params) for k, m in models.items()}
+    held = fp8_weights(models["fp8"].params)
+    n_held = sum(x.w.size for x in held)
+    print(f"jax {jax.__version__} on {jax.devices()[0].platform}; tiny Qwen3-Next FP8 release (128 x 128 blocks), "
+          f"run dtype bf16; decode loop of {args.steps} steps after a 16-token prompt; best of {args.repeats}, "
+          f"the two alternating; ratio = median of back-to-back ratios")
+    print(f"device weight bytes: bf16 {total['bf16'] / 2**20:.3f} MiB, fp8 {total['fp8'] / 2**20:.3f} MiB "
+          f"({total['fp8'] / total['bf16']:.3f}x); the {n_held} weights held in FP8: "
+          f"{weight_bytes(held) / 2**20:.3f} MiB vs {2 * n_held / 2**20:.3f} MiB in bf16 "
+          f"({weight_bytes(held) / (2 * n_held):.3f}x; the rest, embeddings / LM head / routers / norms, stays bf16)")
+    print(f"   {'batch':>5} {'bf16 tok/s':>11} {'fp8 tok/s':>10} {'fp8/bf16':>9} {'identical':>9}")
+    for B in (int(b) for b in args.batch.split(",")):
+        prompt = np.random.default_rng(B).integers(1, models["bf16"].config.vocab_size, (B, 16)).astype(np.int32)
+        cap = prompt.shape[1] + args.steps
+        outs = {k: decode(m.generator, prompt, cap, args.steps)[0] for k, m in models.items()}      # compiles
+        times = {k: [] for k in models}
+        for _ in range(args.repeats):
+            for k, m in models.items():
+                times[k].append(decode(m.generator, prompt, cap, args.steps)[1])
+        rate = {k: B * args.steps / min(v) for k, v in times.items()}
+        ratio = float(np.median([b / f for f, b in zip(times["fp8"], times["bf16"])]))
+        same = np.array_equal(outs["bf16"], outs["fp8"])
+        print(f"   {B:>5} {rate['bf16']:>11.0f} {rate['fp8']:>10.0f} {ratio:>8.2f}x {str(same):>9}")
+
+
+if __name__ == "__main__":
+    main()
