@@ -65,8 +65,8 @@ def _paged_partial(qg, k_pool, v_pool, page_table, limit, inclusive: bool, layer
     """Unnormalised softmax pieces (m, l, o) of qg [B, G, R, T, D] over the paged keys of each row at
     positions <= (inclusive) or < `limit` [B, T]. k_pool, v_pool: [P, ps, G, D], or with `layer` the
     stacks [L, P, ps, G, D] read at that layer; page_table [B, NP]. Keys are read a block of pages at
-    a time, only as far as the largest limit of the step; table entries past a row's limit are never
-    used (masked)."""
+    a time, only as far as the largest limit of the step (a loop with a run-time trip count; a table
+    that fits one block is read in one go); table entries past a row's limit are never used (masked)."""
     B, G, R, T, D = qg.shape
     NP = page_table.shape[1]
     ps = k_pool.shape[-3]
@@ -87,6 +87,8 @@ def _paged_partial(qg, k_pool, v_pool, page_table, limit, inclusive: bool, layer
 
     shape = qg.shape[:-1] + (1,)
     init = (jnp.full(shape, -jnp.inf, jnp.float32), jnp.zeros(shape, jnp.float32), jnp.zeros(qg.shape, jnp.float32))
+    if nblk == 1:          # the whole table is one block: read it (masked) unless no row reaches a key
+        return jax.lax.cond(n > 0, lambda c: body(0, c), lambda c: c, init)
     return jax.lax.fori_loop(0, n, body, init)
 
 
