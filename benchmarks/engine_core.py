@@ -10,10 +10,11 @@ prefix, and serving throughput, on the benchmark's tiny Qwen3-Next checkpoint, i
    pools' shapes.
 3. TTFT of a 4,096-token prompt whose first 3,584 tokens are cached, against cold (target >= 7x).
 4. Throughput at concurrency 1 / 8 / 32 through the async engine (as benchmarks/serving.py runs it),
-   beside the row layout's figures recorded on this machine before the change (the layout is gone,
-   so they cannot run in the same process).
+   beside the row layout it replaced: the same measuring code runs in child processes against this
+   tree and against a checkout of the row layout (--baseline-tree), alternating.
 
-    python benchmarks/engine_core.py [--section capacity,hit,ttft,throughput]
+    git worktree add /tmp/rows 4a562d0        # the row layout, for section 4
+    python benchmarks/engine_core.py [--section capacity,hit,ttft,throughput] [--baseline-tree /tmp/rows]
 """
 from __future__ import annotations
 
@@ -33,20 +34,15 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from tiny_qwen3_next import CONFIG, CONFIGS, write_checkpoint  # noqa: E402
 
-from cache.pools import page_nbytes, row_nbytes  # noqa: E402
 from hybrid_jax import LLM, SamplingParams  # noqa: E402
-from hybrid_jax.bench import Workload, run_load, summarize  # noqa: E402
 from hybrid_jax.engine import EngineConfig, LLMEngine  # noqa: E402
-from hybrid_jax.engine.async_engine import AsyncEngine  # noqa: E402
-from hybrid_jax.engine.runner import default_budget  # noqa: E402
 from hybrid_jax.models import get_model  # noqa: E402
-
-# benchmarks/serving.py on the row layout (commit 4a562d0), this machine, --requests 64 --output-len 32
-ROW_LAYOUT_TOK_S = {1: None, 8: None, 32: None}
 
 
 def capacity(llm, max_model_len=32768, rows=8, seed=0):
     """Requests of 300-2,000 tokens admitted at once into pools of the 8-row budget."""
+    from cache.pools import row_nbytes  # noqa: PLC0415
+    from hybrid_jax.engine.runner import default_budget  # noqa: PLC0415
     model = get_model(llm.config.model_type)
     abstract = jax.eval_shape(lambda: model.new_cache(llm.config, 1, max_model_len, llm.dtype, page_size=64))
     budget = default_budget(abstract, rows, max_model_len)
@@ -74,6 +70,7 @@ def capacity(llm, max_model_len=32768, rows=8, seed=0):
 
 def hit_cost(llm, prompt_len=4096, cached=3584):
     """What a 3,584-token hit moves: checkpoint units only; the pages are shared."""
+    from cache.pools import page_nbytes, row_nbytes  # noqa: PLC0415
     eng = LLMEngine(llm, EngineConfig(max_num_seqs=2, max_num_batched_tokens=512, max_model_len=prompt_len + 64,
                                       enable_prefix_caching=True, compilation_cache_dir=None, warmup="none"))
     rng = np.random.default_rng(1)
@@ -124,8 +121,14 @@ def ttft(llm, prompt_len=4096, cached=3584, repeats=5):
           f" ideal {prompt_len / (prompt_len - cached):.1f}x)")
 
 
-def throughput(path, requests=64, out_len=32):
-    llm = LLM(model=path)
+def throughput_child(concurrency: str, requests: int, out_len: int):
+    """One process: output tok/s and TTFT p50 of the async engine at each concurrency, printed as one
+    JSON line. Uses only the API the row layout had too, so the same code runs against either tree."""
+    import json  # noqa: PLC0415
+
+    from hybrid_jax.bench import Workload, run_load, summarize  # noqa: PLC0415
+    from hybrid_jax.engine.async_engine import AsyncEngine  # noqa: PLC0415
+    llm = LLM(model=write_checkpoint(os.path.join(tempfile.mkdtemp(), "s")))
     rng = np.random.default_rng(0)
     prompts = [rng.integers(1, CONFIG["vocab_size"], int(n)).tolist() for n in rng.integers(16, 65, requests)]
     wl = Workload(prompts, [out_len] * len(prompts))
@@ -134,26 +137,56 @@ def throughput(path, requests=64, out_len=32):
     engine.warmup()
     ae = AsyncEngine(engine)
     ae.start()
-    rows = []
+    out = {}
     try:
-        for c in (1, 8, 32):
+        for c in map(int, concurrency.split(",")):
             results, secs = asyncio.run(run_load(wl, c, engine=ae, progress=False))
             s = summarize(results, secs)
-            rows.append((c, s["throughput_tok_s"], s["ttft_ms"]["p50"]))
+            out[c] = (s["throughput_tok_s"], s["ttft_ms"]["p50"])
     finally:
         ae.shutdown()
-    print("\n4. throughput (async engine, 64 requests of 16-64 prompt tokens, 32 output tokens)")
-    print(f"   {'concurrency':>12}{'paged tok/s':>14}{'rows tok/s':>14}{'ratio':>8}{'TTFT p50 ms':>13}")
-    for c, tps, t50 in rows:
-        old = ROW_LAYOUT_TOK_S.get(c)
-        print(f"   {c:>12}{tps:>14.1f}{old if old else float('nan'):>14.1f}"
-              f"{(tps / old if old else float('nan')):>7.2f}x{t50:>13.1f}")
+    print("RESULT " + json.dumps(out))
+
+
+def throughput(baseline_tree: str | None, rounds=3, concurrency="1,8,32", requests=64, out_len=32):
+    """Paged core vs the row layout (a checkout of commit 4a562d0 at `baseline_tree`), each in its
+    own process with the same script, alternating, `rounds` each; medians."""
+    import json  # noqa: PLC0415
+    import subprocess  # noqa: PLC0415
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    trees = [("paged", here)] + ([("rows", os.path.abspath(baseline_tree))] if baseline_tree else [])
+    got = {name: [] for name, _ in trees}
+    for _ in range(rounds):
+        for name, tree in trees:
+            env = dict(os.environ, PYTHONPATH=tree, HF_HUB_OFFLINE="1")
+            r = subprocess.run([sys.executable, os.path.abspath(__file__), "--child-throughput", concurrency,
+                                "--requests", str(requests), "--output-len", str(out_len)],
+                               env=env, cwd=tree, capture_output=True, text=True, check=True)
+            line = next(x for x in r.stdout.splitlines() if x.startswith("RESULT "))
+            got[name].append({int(k): v for k, v in json.loads(line[7:]).items()})
+    print(f"\n4. throughput (async engine, {requests} requests of 16-64 prompt tokens, {out_len} output tokens; "
+          f"median of {rounds} processes per layout, alternating)")
+    print(f"   {'concurrency':>12}{'paged tok/s':>14}{'rows tok/s':>14}{'ratio':>8}{'paged TTFT p50 ms':>19}")
+    for c in map(int, concurrency.split(",")):
+        tps = statistics.median(r[c][0] for r in got["paged"])
+        t50 = statistics.median(r[c][1] for r in got["paged"])
+        old = statistics.median(r[c][0] for r in got["rows"]) if "rows" in got else float("nan")
+        print(f"   {c:>12}{tps:>14.1f}{old:>14.1f}{tps / old:>7.2f}x{t50:>19.1f}")
+    if not baseline_tree:
+        print("   (rows: pass --baseline-tree, a checkout of 4a562d0, e.g. `git worktree add /tmp/rows 4a562d0`)")
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--section", default="capacity,hit,ttft,throughput")
+    ap.add_argument("--baseline-tree", default=None, help="a checkout of the row layout (commit 4a562d0)")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--child-throughput", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--output-len", type=int, default=32)
     args = ap.parse_args()
+    if args.child_throughput:
+        return throughput_child(args.child_throughput, args.requests, args.output_len)
     sections = set(args.section.split(","))
     tmp = tempfile.mkdtemp()
     path = write_checkpoint(os.path.join(tmp, "m"), config=dict(CONFIGS["heads64"], max_position_embeddings=40000))
@@ -166,7 +199,7 @@ def main():
     if "ttft" in sections:
         ttft(llm)
     if "throughput" in sections:
-        throughput(write_checkpoint(os.path.join(tmp, "s")))
+        throughput(args.baseline_tree, args.rounds, requests=args.requests, out_len=args.output_len)
     print(f"\n({time.perf_counter() - t0:.0f} s)")
 
 
