@@ -33,6 +33,7 @@ Section 1 runs at batch 1 and at batch 8 (--batch); sections 2 and 3 on the tiny
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import tempfile
 import time
@@ -46,7 +47,6 @@ from tiny_qwen3_next import CONFIG  # noqa: E402
 
 from hybrid_jax import LLM, SamplingParams  # noqa: E402
 from hybrid_jax.sampling import SamplerFlags  # noqa: E402
-from hybrid_jax.speculative import SpeculativeDecoder  # noqa: E402
 from hybrid_jax.speculative import verify  # noqa: E402
 
 
@@ -80,6 +80,17 @@ def write_cycle_checkpoint(path: str, seed: int = 0, config: dict | None = None)
         model.lm_head.weight.copy_(8.0 * W)
     model.save_pretrained(path)
     return order
+
+
+def spec_llm(llm, config: dict) -> LLM:
+    """An LLM over llm's weights that speculates with `config` (its engine core runs the on-device
+    n-gram loop or the verify step, whichever the config asks for)."""
+    return LLM.from_params(llm.config, llm.params, dtype="float32", max_model_len=llm.max_model_len,
+                           speculative_config=config)
+
+
+def run(llm, prompts, sp) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], sp)]
 
 
 def timed(fn, repeats=3):
@@ -118,10 +129,11 @@ def draft_cost(llm, k, B=1, cap=512) -> float:
     samp = (jnp.zeros((B,), jnp.uint32), jnp.zeros((B,), jnp.float32), z, jnp.ones((B,), jnp.float32))
     kw = dict(cfg=llm.config, impl="auto", flags=flags)
     cache = [llm.new_cache(B, cap)]
+    select = jax.jit(functools.partial(verify.select_verified, **kw), donate_argnums=(1,))
 
     def step(kk):
         meta = jnp.asarray(np.stack([np.full(B, kk + 1), np.full(B, kk), np.zeros(B)]).astype(np.int32))
-        n_acc, _, c = verify.verify_select(llm.params, cache[0], jnp.ones((B, kk + 1), jnp.int32), meta, None, *samp, **kw)
+        n_acc, _, c = select(llm.params, cache[0], jnp.ones((B, kk + 1), jnp.int32), meta, None, *samp)
         cache[0] = c.replace(lengths=jnp.full((B,), cap // 2, jnp.int32))
         np.asarray(n_acc)
 
@@ -199,17 +211,14 @@ def main():
             llm, tiny_cost, wls = mllm, cost, workloads(order, batches[0], np.random.default_rng(1))[0]
         for B in batches:
             for name, prompts in workloads(order, B, np.random.default_rng(1))[0].items():
-                dec = SpeculativeDecoder(mllm.config, mllm.params, mllm.dtype,
-                                         {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": 4,
-                                          "draft_cost": cost})
-                dec.generate(prompts, [sp] * len(prompts))          # warm-up: compiles every bucket this run visits
-                dec.reset_stats()
-                t_plain, base, t_spec, got, pair = timed_pair(
-                    lambda: [o.outputs[0].token_ids for o in mllm.generate([{"prompt_token_ids": p} for p in prompts],
-                                                                           sp)],
-                    lambda: [t for t, _ in dec.generate(prompts, [sp] * len(prompts))], repeats=repeats)
+                sllm = spec_llm(mllm, {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": 4,
+                                       "draft_cost": cost})
+                run(sllm, prompts, sp)                      # warm-up: compiles every bucket this run visits
+                sllm.engine.spec.reset_stats()
+                t_plain, base, t_spec, got, pair = timed_pair(lambda: run(mllm, prompts, sp),
+                                                              lambda: run(sllm, prompts, sp), repeats=repeats)
                 n = sum(len(t) for t in base)
-                s = dec.stats()
+                s = sllm.spec_stats()
                 print(f"   {model:<6} {mib:>5.1f}Mi {B:>5} {name:<15} {n / t_plain:>11.1f} {n / t_spec:>10.1f} "
                       f"{t_plain / t_spec:>5.2f}x {pair:>5.2f}x {str(got == base):>9} {s['acceptance_rate']:>6.2f} "
                       f"{s['mean_accepted_length']:>10.2f} {s['emitted_tokens']:>11d}/{s['fallback_tokens']:<10d}",
@@ -225,20 +234,19 @@ def main():
     cost = tiny_cost
 
     print("\n2. rollback by selection vs snapshot + replay (tiny model, the workloads above at batch "
-          f"{batches[0]}, per rollback mode; both in the host loop, since replay has no on-device loop; best of 7, "
-          "the two alternating; pairs = median of the back-to-back ratios)")
+          f"{batches[0]}, per rollback mode; both through the engine's verify step, since replay has no on-device "
+          "loop; best of 7, the two alternating; pairs = median of the back-to-back ratios)")
     for name, prompts in wls.items():
-        decs = {}
+        llms = {}
         for mode in ("selection", "replay"):
-            decs[mode] = SpeculativeDecoder(llm.config, llm.params, llm.dtype,
-                                            {"method": "ngram", "rollback": mode, "device_loop": False,
-                                             "num_speculative_tokens": args.k, "draft_cost": cost})
-            decs[mode].generate(prompts, [sp] * len(prompts))      # compiles
-            decs[mode].reset_stats()
-        run = {mode: (lambda d=d: [t for t, _ in d.generate(prompts, [sp] * len(prompts))]) for mode, d in decs.items()}
+            llms[mode] = spec_llm(llm, {"method": "ngram", "rollback": mode, "device_loop": False,
+                                        "num_speculative_tokens": args.k, "draft_cost": cost})
+            run(llms[mode], prompts, sp)                                # compiles
+            llms[mode].engine.spec.reset_stats()
         R = 7
-        ts, got_s, tr, got_r, pair = timed_pair(run["selection"], run["replay"], repeats=R)
-        sr = decs["replay"].stats()       # R + 1 runs since reset_stats (timed_pair's warm-up included)
+        ts, got_s, tr, got_r, pair = timed_pair(lambda: run(llms["selection"], prompts, sp),
+                                                lambda: run(llms["replay"], prompts, sp), repeats=R)
+        sr = llms["replay"].spec_stats()     # R + 1 runs since reset_stats (timed_pair's warm-up included)
         print(f"   {name:<15} selection {ts * 1e3:7.1f} ms   replay {tr * 1e3:7.1f} ms   replay/selection "
               f"{tr / ts:4.2f}x (pairs {1 / pair:4.2f}x)   identical {got_s == got_r}   replays "
               f"{sr['replays'] // (R + 1)} per run of {sr['verify_steps'] // (R + 1)} verify steps")
@@ -261,27 +269,27 @@ def memory(llm, k):
     B = 4
     flags = SamplerFlags(False, False, False)
     z = jnp.zeros((B,), jnp.int32)
-    kw = dict(cfg=llm.config, impl="auto")
+    kw = dict(cfg=llm.config, impl="auto", flags=flags)
 
-    def new_bytes(fn, *a, **k2):
-        m = fn.lower(*a, **k2).compile().memory_analysis()
+    def new_bytes(fn, *a):
+        m = jax.jit(functools.partial(fn, **kw), donate_argnums=(1,)).lower(*a).compile().memory_analysis()
         if m is None:
             return float("nan")
         return (m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes) / 2**20
 
     print(f"   memory (batch {B}, K {k}): MiB a verify step allocates (both include the attention's temporaries over"
           f"\n   the whole capacity); selection adds per-token state updates (scale with K), replay a whole new cache"
-          f"\n   (the snapshot is kept, so the verify cannot write in place: scales with the cache)")
-    print(f"   {'capacity':>8} {'cache MiB':>9} {'selection':>9} {'replay: verify':>14} {'+ replay step':>13}")
+          f"\n   (the snapshot is kept until the replay has run, so the verify cannot write in place: scales with"
+          f"\n   the cache)")
+    print(f"   {'capacity':>8} {'cache MiB':>9} {'selection':>9} {'replay (verify + replay)':>24}")
     for cap in (1024, 16384):
         cache = llm.new_cache(B, cap)
         args = (llm.params, cache, jnp.zeros((B, k + 1), jnp.int32), jnp.stack([z + k + 1, z + k, z]), None,
                 jnp.zeros((B,), jnp.uint32), jnp.zeros((B,), jnp.float32), z, jnp.ones((B,), jnp.float32))
         mib = sum(x.nbytes for x in jax.tree_util.tree_leaves(cache)) / 2**20
-        sel = new_bytes(verify.verify_select, *args, flags=flags, **kw)
-        keep = new_bytes(verify.verify_keep, *args, flags=flags, **kw)
-        rep = new_bytes(verify.replay, llm.params, cache, args[2], args[3], z + k + 1, z, **kw)
-        print(f"   {cap:>8} {mib:>9.2f} {sel:>9.2f} {keep:>14.2f} {rep:>13.2f}")
+        sel = new_bytes(verify.select_verified, *args)
+        rep = new_bytes(verify.replay_verified, *args)
+        print(f"   {cap:>8} {mib:>9.2f} {sel:>9.2f} {rep:>24.2f}")
 
 
 if __name__ == "__main__":

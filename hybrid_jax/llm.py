@@ -3,7 +3,9 @@
 `LLM` loads a checkpoint and is a client of the engine core (hybrid_jax.engine.LLMEngine), like the
 server: `generate` adds its requests and steps the engine until they finish. The engine runs with
 `run_to_completion` (a decode step takes every decoding row to its end in one device call), so an
-offline batch costs a prefill and one decode call per wave of `max_num_seqs` requests."""
+offline batch costs a prefill and one decode call per wave of `max_num_seqs` requests. With a
+speculative_config the same engine speculates (n-gram drafting with rollback by selection as one
+on-device loop per wave; other proposers and rollback by replay through the engine's verify step)."""
 from __future__ import annotations
 
 import dataclasses
@@ -117,14 +119,6 @@ class LLM:
         self.seed = seed
         self.generator = Generator(self.config, params, self.dtype, impl=impl)
         self._fingerprint: str | None = None
-        self._spec = None
-        if speculative_config is not None and not enable_prefix_caching:
-            # Offline speculation still runs its own loops (the host loop and the on-device n-gram
-            # loop) until they become modes of the engine core; with prefix caching it is the engine's.
-            from hybrid_jax.speculative import SpeculativeDecoder  # noqa: PLC0415
-            self._spec = SpeculativeDecoder(self.config, params, self.dtype, speculative_config, impl=impl,
-                                            max_num_seqs=max_num_seqs)
-            self._rng = np.random.default_rng(seed)
         if kv_cache_dir is not None and not enable_prefix_caching:
             raise InputError("kv_cache_dir needs enable_prefix_caching=True")
         from hybrid_jax.engine import EngineConfig  # noqa: PLC0415
@@ -236,8 +230,6 @@ class LLM:
             if len(ids) + sp.max_tokens > self.max_model_len:
                 raise InputError(f"prompt ({len(ids)} tokens) + max_tokens ({sp.max_tokens}) exceeds "
                                  f"max_model_len {self.max_model_len}")
-        if self._spec is not None:
-            return self._generate_speculative(encoded, sps)
         eng = self.engine
         rids = [f"llm-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
         final: dict[str, object] = {}
@@ -264,19 +256,9 @@ class LLM:
                                       outputs=[CompletionOutput(0, o.text, list(o.token_ids), o.finish_reason, cum, lps)]))
         return outs
 
-    def _generate_speculative(self, encoded, sps) -> list[RequestOutput]:
-        seeds = self._rng.integers(0, 2**32, len(encoded)).tolist()
-        res = self._spec.generate([ids for _, ids in encoded], list(sps), self.eos_token_ids(), seeds=seeds)
-        return [RequestOutput(request_id=str(i), prompt=encoded[i][0], prompt_token_ids=encoded[i][1],
-                              outputs=[CompletionOutput(0, self.tokenizer.decode(toks) if self.tokenizer else "",
-                                                        list(toks), reason)])
-                for i, (toks, reason) in enumerate(res)]
-
     def spec_stats(self) -> dict:
         """Speculative decoding figures (acceptance rate, mean accepted length, draft and verify
         time, ...); {"enabled": False} without a speculative_config."""
-        if self._spec is not None:
-            return {"enabled": True, **self._spec.stats()}
         if self.engine_config.speculative_config is None:
             return {"enabled": False}
         return self.engine.spec_stats()

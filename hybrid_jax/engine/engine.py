@@ -216,21 +216,19 @@ class LLMEngine:
         t0 = time.perf_counter()
         if plan.is_decode_only:
             reqs = [p.request for p in plan.rows]
-            t_draft = time.perf_counter()
-            drafts, shadows = self.spec.plan(reqs) if self.spec is not None else (None, None)
-            if self.spec is not None:
-                self.metrics.spec_draft_seconds.inc(time.perf_counter() - t_draft)
-            if drafts is not None and any(len(d) for d in drafts):
-                toks, lps = self._verify(reqs, drafts)
+            if self._loop_mode(reqs):
+                toks, lps = self._ngram_loop(reqs)
             else:
-                steps = self.config.decode_steps
-                if self.config.run_to_completion:     # every row to its end in one call (bucketed)
-                    steps = bucket(max(q.remaining_tokens for q in reqs), 16)
-                toks, lps = self.runner.run_decode(reqs, self._eos, steps)
-                for q, row in zip(reqs, toks):
-                    q.num_computed += int(np.sum(row >= 0))   # each iteration fed one token, then sampled one
-                if shadows is not None:
-                    self.spec.record_shadow(reqs, shadows, toks)
+                t_draft = time.perf_counter()
+                drafts, shadows = self.spec.plan(reqs) if self.spec is not None else (None, None)
+                if self.spec is not None:
+                    dt = time.perf_counter() - t_draft
+                    self.spec.metrics.draft_time_s += dt
+                    self.metrics.spec_draft_seconds.inc(dt)
+                if drafts is not None and any(len(d) for d in drafts):
+                    toks, lps = self._verify(reqs, drafts)
+                else:
+                    toks, lps = self._decode(reqs, shadows)
         else:
             toks, lps = self.runner.run_mixed(plan.rows)
             for p in plan.rows:
@@ -275,20 +273,58 @@ class LLMEngine:
         if copies:
             self.runner.copy_on_write(copies)
 
+    def _loop_mode(self, reqs) -> bool:
+        """Offline n-gram speculation with rollback by selection runs as the runner's on-device loop
+        (every request to its end in one call); a request asking for logprobs keeps the host path."""
+        return (self.spec is not None and self.spec.uses_device_loop and self.config.run_to_completion
+                and all(q.params.logprobs is None for q in reqs))
+
+    def _ngram_loop(self, reqs):
+        t0 = time.perf_counter()
+        toks, log, branch = self.runner.run_ngram_loop(reqs, self._eos, self.spec.spec)
+        dt = time.perf_counter() - t0
+        self.spec.record_loop(reqs, log, branch, dt)
+        self.metrics.spec_verify_seconds.inc(dt)
+        self._spec_gauges()
+        for q, row in zip(reqs, toks):
+            q.num_computed += int(np.sum(row >= 0))   # each emitted token but the new pending one was fed
+        n, T = toks.shape
+        return toks, (np.zeros((n, T), np.float32), np.zeros((n, T, 0), np.float32), np.zeros((n, T, 0), np.int32))
+
+    def _decode(self, reqs, shadows):
+        """Plain decode iterations: `decode_steps` of them, or offline every row to its end in one call
+        (with speculation, a chunk of `EngineSpeculator.fallback_steps`, checked against the
+        proposals `shadows`)."""
+        steps = self.config.decode_steps
+        if self.config.run_to_completion:
+            steps = (self.spec.fallback_steps(reqs) if self.spec is not None
+                     else bucket(max(q.remaining_tokens for q in reqs), 16))
+        t0 = time.perf_counter()
+        toks, lps = self.runner.run_decode(reqs, self._eos, steps)
+        for q, row in zip(reqs, toks):
+            q.num_computed += int(np.sum(row >= 0))   # each iteration fed one token, then sampled one
+        if shadows is not None:
+            self.spec.record_shadow(reqs, shadows, toks, time.perf_counter() - t0)
+        return toks, lps
+
+    def _spec_gauges(self):
+        figures = self.spec.metrics.as_dict()
+        self.metrics.spec_acceptance.set(figures["acceptance_rate"])
+        self.metrics.spec_accepted_length.set(figures["mean_accepted_length"])
+
     def _verify(self, reqs, drafts):
         """One speculative verify step: every row emits its accepted drafts plus one token."""
         K = self.spec.k_bucket(max(len(d) for d in drafts))
         t0 = time.perf_counter()
         n_acc, out = self.runner.run_verify(reqs, drafts, K, replay=self.spec.spec.rollback == "replay")
-        self.metrics.spec_verify_seconds.inc(time.perf_counter() - t0)
+        dt = time.perf_counter() - t0
+        self.metrics.spec_verify_seconds.inc(dt)
         toks = np.full(out.shape, -1, np.int32)
         for i, (q, a) in enumerate(zip(reqs, n_acc)):
             toks[i, :a + 1] = out[i, :a + 1]
             q.num_computed += int(a) + 1             # the pending token and the accepted drafts
-        self.spec.record_verify(reqs, drafts, n_acc)
-        figures = self.spec.counters.as_dict()
-        self.metrics.spec_acceptance.set(figures["acceptance_rate"])
-        self.metrics.spec_accepted_length.set(figures["mean_accepted_length"])
+        self.spec.record_verify(reqs, drafts, n_acc, dt)
+        self._spec_gauges()
         n, T = toks.shape
         return toks, (np.zeros((n, T), np.float32), np.zeros((n, T, 0), np.float32), np.zeros((n, T, 0), np.int32))
 

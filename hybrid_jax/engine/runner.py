@@ -86,6 +86,7 @@ class ModelRunner:
                                donate_argnames=("cache", "dcache"))
         self._verify = jax.jit(self._verify_fn, static_argnames=("flags", "replay"),
                                donate_argnames=("cache", "dcache"))
+        self._loop = jax.jit(self._loop_fn, static_argnames=("lc",), donate_argnames=("cache",))
         self._copy_pages = jax.jit(copy_pages, donate_argnames=("pools",))
         # A draft model (speculative decoding) keeps its own cache rows in step with the target's:
         # every prefill chunk and decode iteration feeds it the same tokens.
@@ -136,7 +137,8 @@ class ModelRunner:
 
     def num_compiled(self) -> int:
         """Programs compiled so far by this runner (one per bucket and static option)."""
-        return self._mixed._cache_size() + self._decode._cache_size() + self._verify._cache_size()
+        return (self._mixed._cache_size() + self._decode._cache_size() + self._verify._cache_size()
+                + self._loop._cache_size())
 
     # --- traced step functions ---------------------------------------------------------------------
     def _sample(self, logits, r, flags, top_n):
@@ -231,8 +233,7 @@ class ModelRunner:
         back by selection of the recurrent state after the last kept token, or (replay) by running the kept tokens
         from the pre-verify rows again; the rows' versions change when anything was rejected.
         Returns (n_accepted [Bb], tokens [Bb, K+1]: the first n_accepted + 1 are emitted, cache)."""
-        from hybrid_jax.speculative.acceptance import accept  # noqa: PLC0415
-        from hybrid_jax.speculative.rollback import finish_replay, rollback_by_selection  # noqa: PLC0415
+        from hybrid_jax.speculative.verify import replay_verified, select_verified  # noqa: PLC0415
         sub = take_view(cache, r["rows"], r["tables"], r["lengths"])   # the snapshot, for replay (never donated)
         n_fed, n_draft = meta[0], meta[1]
         draft_probs = None
@@ -241,18 +242,10 @@ class ModelRunner:
             drafts, draft_probs = self._draft(dparams, dsub, r, tokens[:, 0], (n_fed > 0).astype(jnp.int32),
                                               tokens.shape[1] - 1, flags)
             tokens = tokens.at[:, 1:].set(drafts)
-        out = self.model.forward(self.cfg, params, sub, tokens, n_fed, logits_at="all", impl=self.impl,
-                                 fused_recurrent=True, per_token_states=not replay)
-        logits, new = out[0], out[1]
-        keys = jax.vmap(jax.random.key)(r["seeds"])
-        n_acc, out_tok = accept(logits, tokens[:, 1:], draft_probs, n_draft, keys, r["steps"], r["temperature"],
-                                r["top_k"], r["top_p"], flags)
+        verified = replay_verified if replay else select_verified
+        n_acc, out_tok, new = verified(params, sub, tokens, jnp.stack([n_fed, n_draft, r["steps"]]), draft_probs,
+                                       r["seeds"], r["temperature"], r["top_k"], r["top_p"], self.cfg, self.impl, flags)
         n_keep = jnp.where(n_fed > 0, 1 + n_acc, 0).astype(jnp.int32)
-        if replay:
-            _, rep = self.model.forward(self.cfg, params, sub, tokens, n_keep, impl=self.impl, fused_recurrent=True)
-            new = finish_replay(rep, new.version, n_fed, n_keep)
-        else:
-            new = rollback_by_selection(new, out[2], sub.lengths, n_fed, n_keep)
         if dcache is not None:                     # the draft takes the kept tokens from its resume point
             _, dnew = self._dfwd(dparams, dsub, tokens, n_keep)
             dcache = put_rows(dcache, r["rows"], dnew)
@@ -274,6 +267,46 @@ class ModelRunner:
             self.dcache, flags=self._flags(reqs), replay=replay)
         return np.asarray(n_acc)[:n], np.asarray(out)[:n]
 
+    def _loop_fn(self, params, cache, r, hist, first, rows, tune, stop_ids, *, lc):
+        """`speculative.device_loop.ngram_generate` over the rows' view of the pools."""
+        from hybrid_jax.speculative.device_loop import ngram_generate  # noqa: PLC0415
+        sub = take_view(cache, r["rows"], r["tables"], r["lengths"])
+        out, n_out, _, log, branch, sub = ngram_generate(
+            params, sub, hist, first, rows, tune, stop_ids, r["seeds"], r["temperature"], r["top_k"], r["top_p"],
+            cfg=self.cfg, impl=self.impl, flags=FULL_SAMPLER, lc=lc)
+        return out, n_out, log, branch, put_view(cache, r["rows"], sub)
+
+    def run_ngram_loop(self, reqs, eos_ids, spec):
+        """Runs decoding requests to their ends with n-gram speculation in ONE on-device loop (draft,
+        verify, accept, roll back by selection, emit: no host round trip per step), over their rows
+        and pages (all of them allocated up to each request's limit). spec: the SpeculativeConfig.
+        Returns (tokens [n, W] int32 emitted, -1 past a row's end; log [4, N, n]; branch [N]; see
+        `ngram_generate`)."""
+        from hybrid_jax.speculative.device_loop import LoopConfig, loop_buckets  # noqa: PLC0415
+        n = len(reqs)
+        Bb = bucket(n)
+        K = spec.num_speculative_tokens
+        lc = LoopConfig(K=K, buckets=loop_buckets(K, spec.dynamic_k), lookup_min=spec.prompt_lookup_min,
+                        lookup_max=spec.prompt_lookup_max, dynamic_k=spec.dynamic_k,
+                        max_new=bucket(max(q.remaining_tokens for q in reqs) + 1, 16), chunk=spec.fallback_steps,
+                        max_chunk=max(spec.fallback_steps, 128))
+        W = max(K + 1, lc.max_chunk)
+        hist = np.zeros((Bb, bucket(max(len(q.all_ids) for q in reqs) + lc.max_new + W, 64)), np.int32)
+        first = np.zeros((Bb,), np.int32)
+        rows = np.zeros((4, Bb), np.int32)
+        for i, q in enumerate(reqs):
+            # The loop emits its first token itself: that is the request's pending token, already out.
+            ids = q.all_ids
+            hist[i, :len(ids) - 1] = ids[:-1]
+            first[i] = ids[-1]
+            rows[:, i] = (len(ids) - 1, 1, len(q.output_ids) - 1, q.remaining_tokens + 1)
+        tune = np.asarray([spec.draft_cost, spec.ewma_decay], np.float32)
+        out, n_out, log, branch, self.cache = self._loop(self.params, self.cache, self._rows(reqs, Bb), hist, first,
+                                                         rows, tune, self._stop_ids(reqs, Bb, eos_ids), lc=lc)
+        out, n_out = np.asarray(out)[:n], np.asarray(n_out)[:n]
+        toks = np.where(np.arange(out.shape[1] - 1)[None] < (n_out - 1)[:, None], out[:, 1:], -1)
+        return toks, np.asarray(log)[:, :, :n], np.asarray(branch)
+
     # --- host calls --------------------------------------------------------------------------------
     def _rows(self, reqs, Bb) -> dict:
         """The step's per-row inputs, padded to the batch bucket Bb: rows, block tables [Bb, NP_g],
@@ -294,6 +327,16 @@ class ModelRunner:
         ra["top_k"][:n] = [q.params.top_k for q in reqs]
         ra["top_p"][:n] = [q.params.top_p for q in reqs]
         return ra
+
+    def _stop_ids(self, reqs, Bb, eos_ids) -> np.ndarray:
+        """[Bb, max_stop_ids] int32, -1 padded: each request's stop token ids and (unless ignore_eos)
+        the model's end-of-sequence ids."""
+        S = self.ecfg.max_stop_ids
+        stop_ids = np.full((Bb, S), -1, np.int32)
+        for i, q in enumerate(reqs):
+            ids = list(q.params.stop_token_ids) + ([] if q.params.ignore_eos else list(eos_ids))
+            stop_ids[i, :len(ids[:S])] = ids[:S]
+        return stop_ids
 
     @staticmethod
     def _flags(reqs):
@@ -331,15 +374,12 @@ class ModelRunner:
         on device). Returns (tokens [n, steps], -1 past a row's end, logprobs)."""
         n = len(reqs)
         Bb = bucket(n)
-        S = self.ecfg.max_stop_ids
         last = np.zeros((Bb,), np.int32)
         active = np.zeros((Bb,), bool)
         remaining = np.zeros((Bb,), np.int32)
-        stop_ids = np.full((Bb, S), -1, np.int32)
         for i, q in enumerate(reqs):
             last[i], active[i], remaining[i] = q.output_ids[-1], True, q.remaining_tokens
-            ids = list(q.params.stop_token_ids) + ([] if q.params.ignore_eos else list(eos_ids))
-            stop_ids[i, :len(ids[:S])] = ids[:S]
+        stop_ids = self._stop_ids(reqs, Bb, eos_ids)
         out, lps, self.cache, self.dcache = self._decode(
             self.params, self.cache, self._rows(reqs, Bb), jnp.asarray(last), jnp.asarray(active), jnp.asarray(stop_ids),
             jnp.asarray(remaining), self.dparams, self.dcache, steps=steps, flags=self._flags(reqs),

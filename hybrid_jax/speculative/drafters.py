@@ -4,28 +4,33 @@
   longest suffix n-gram (prompt_lookup_max .. prompt_lookup_min tokens) of a row's history and
   proposes the tokens that followed it, reading on through its own proposal when the match is
   close to the end (so a loop shorter than K still yields K tokens). Deterministic: q is one-hot.
-  The decoder also keeps each row's place in the copied text: when a draft was rejected at an
+  The engine also keeps each request's place in the copied text: when a draft was rejected at an
   edit (the model wrote another token where the source had one) and no n-gram matches yet, it
   proposes the source's tokens after the edited one (`read_from`), as code editing continues.
-* `DraftModelDrafter` (device side): a smaller checkpoint of any family the loader accepts, with its
-  own cache. Each call first catches up on the tokens emitted since its previous call (one forward:
-  the cache after it is the draft's rollback point, so rejected drafts never reach it), then runs
-  K - 1 more single-token steps whose caches are thrown away. Returns its distributions q for
-  rejection sampling.
+* A draft model (`load_draft_model`): a smaller checkpoint of any family the loader accepts; the
+  engine's runner keeps its cache rows in step with the target's and drafts on device
+  (`ModelRunner._draft`), returning its distributions q for rejection sampling.
 """
 from __future__ import annotations
 
-import functools
-
-import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hybrid_jax.models import empty_cache, get_model
-from hybrid_jax.sampling import SamplerFlags, sample
-from hybrid_jax.speculative.acceptance import processed_logits
+from hybrid_jax.config import load_config
+from hybrid_jax.models import get_model
+from hybrid_jax.weights import open_checkpoint
 
 DRAFT_SALT = 0x5EED
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+def load_draft_model(path: str, dtype: str = "auto"):
+    """Reads a draft checkpoint the loader accepts. Returns (cfg, params, jnp dtype)."""
+    reader = open_checkpoint(path)
+    cfg = load_config(path)
+    dt = _DTYPES[cfg.dtype if dtype == "auto" else dtype]
+    params = get_model(cfg.model_type).convert_hf_weights(cfg, reader.get, reader.has, dt)
+    return cfg, params, dt
 
 
 class NgramDrafter:
@@ -75,59 +80,3 @@ class NgramDrafter:
             idx = start + j
             out[j] = history[idx] if idx < n else out[idx - n]
         return out
-
-
-def _fwd(cfg, impl, params, cache, tokens, n_new, **kw):
-    return get_model(cfg.model_type).forward(cfg, params, cache, tokens, n_new, impl=impl, **kw)
-
-
-@functools.partial(jax.jit, static_argnames=("cfg", "impl"), donate_argnums=(1,))
-def draft_prefill(params, cache, tokens, n_prompt, *, cfg, impl):
-    """tokens [B, Tp]; n_prompt [B]. Returns the draft cache after the prompt."""
-    return _fwd(cfg, impl, params, cache, tokens, n_prompt)[1]
-
-
-@functools.partial(jax.jit, static_argnames=("cfg", "impl", "k", "flags"), donate_argnums=(1,))
-def draft_tokens(params, cache, catchup, n_catchup, seeds, step, temperature, top_k, top_p, *, cfg, impl, k: int,
-                 flags: SamplerFlags):
-    """catchup [B, Tc] int32: tokens emitted since the previous call, the pending one last;
-    n_catchup [B] (0 for finished rows); seeds [B] uint32; step [B] int32 (tokens generated so far);
-    temperature, top_p [B] f32; top_k [B] int32.
-    Returns (drafts [B, k] int32, q [B, k, V] f32 or None for all-greedy batches, cache after the
-    catch-up: the draft's state at the pending token, the point every later call resumes from)."""
-    keys = jax.vmap(lambda s: jax.random.fold_in(jax.random.key(s), DRAFT_SALT))(seeds)
-    logits, snapshot = _fwd(cfg, impl, params, cache, catchup, n_catchup)
-    run = (n_catchup > 0).astype(jnp.int32)
-    B, V = logits.shape
-
-    def draw(j, logits):
-        tok = sample(logits, keys, step + j, temperature, top_k, top_p, flags)
-        q = (jax.nn.softmax(processed_logits(logits[:, None], temperature, top_k, top_p, flags)[:, 0], axis=-1)
-             if flags.any_random else jnp.zeros((B, 0), jnp.float32))
-        return tok, q
-
-    tok0, q0 = draw(0, logits)
-    toks = jnp.zeros((B, k), jnp.int32).at[:, 0].set(tok0)
-    qs = jnp.zeros((B, k) + q0.shape[1:], jnp.float32).at[:, 0].set(q0)
-
-    def body(j, carry):           # single-token steps on a scratch copy of the cache
-        c, toks, qs = carry
-        logits, c = _fwd(cfg, impl, params, c, toks[:, j - 1][:, None], run)
-        tok, q = draw(j, logits)
-        return c, toks.at[:, j].set(tok), qs.at[:, j].set(q)
-
-    _, toks, qs = jax.lax.fori_loop(1, k, body, (snapshot, toks, qs))
-    return toks, (qs if flags.any_random else None), snapshot
-
-
-class DraftModelDrafter:
-    """A small draft model with its own cache (cfg, params, dtype as LLM holds them)."""
-
-    def __init__(self, cfg, params, dtype, impl: str = "auto"):
-        self.cfg, self.params, self.dtype, self.impl = cfg, params, dtype, impl
-        self.model = get_model(cfg.model_type)
-        self.prefill = functools.partial(draft_prefill, cfg=cfg, impl=impl)
-        self.draft = functools.partial(draft_tokens, cfg=cfg, impl=impl)
-
-    def new_cache(self, batch_size: int, capacity: int):
-        return empty_cache(self.cfg, batch_size, capacity, self.dtype)

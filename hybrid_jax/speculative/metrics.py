@@ -6,7 +6,7 @@ import dataclasses
 
 @dataclasses.dataclass
 class SpecMetrics:
-    """Counters summed over every generate() call since construction or reset()."""
+    """Counters of one engine's speculation since it started or `EngineSpeculator.reset_stats()`."""
     verify_steps: int = 0          # verify forwards (one per batch step that speculated)
     row_verifies: int = 0          # (row, verify step) pairs with at least one draft
     draft_tokens: int = 0          # drafts proposed and verified
@@ -14,15 +14,14 @@ class SpecMetrics:
     emitted_tokens: int = 0        # tokens emitted by verify steps (accepted + one per row-verify)
     fallback_chunks: int = 0       # plain decode chunks run because no row speculated
     fallback_tokens: int = 0
-    replays: int = 0               # snapshot restores + replays (rollback="replay")
+    replays: int = 0               # verify steps that rolled a rejection back by replay (rollback="replay")
     draft_time_s: float = 0.0
     verify_time_s: float = 0.0     # verify forwards, acceptance, rollback (selection or replay)
     decode_time_s: float = 0.0     # fallback plain decode chunks
-    prefill_time_s: float = 0.0
-    # One entry per (row, verify step): (request index, tokens generated before, k, accepted).
+    # One entry per (row, verify step): (request id, tokens generated before, k, accepted).
     log: list = dataclasses.field(default_factory=list)
 
-    def record(self, request: int, position: int, k: int, accepted: int):
+    def record(self, request: str, position: int, k: int, accepted: int):
         self.row_verifies += 1
         self.draft_tokens += k
         self.accepted_tokens += accepted

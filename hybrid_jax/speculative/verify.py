@@ -1,20 +1,17 @@
-"""The target model's jitted steps for speculative decoding, with static bucketed shapes.
+"""The target model's speculative steps, traced inside the engine runner's verify step and the
+on-device n-gram loop (one body each, whoever calls it):
 
-  prefill       prompt -> first sampled token + cache                         (cache donated)
-  verify_select [pending, drafts] in ONE forward, acceptance, and rollback by selection of the
-                recurrent state after the last kept token (rebuilt from the per-token updates the
-                forward emits), all on device                                 (cache donated)
-  verify_keep   the same forward and acceptance, the input cache NOT donated: it stays alive as
-                the snapshot for rollback by replay
-  replay        snapshot + the kept tokens through the same token-level kernel (snapshot donated)
-  decode_chunk  up to `steps` plain decode steps in an on-device loop: what a batch runs when no
-                row speculates (dynamic K chose 0), so it costs what plain decoding costs
+  select_verified  [pending, drafts] in ONE forward, acceptance, and rollback by selection of the
+                   recurrent state after the last kept token (rebuilt from the per-token updates
+                   the forward emits), all on device
+  replay_verified  the same forward and acceptance; rollback by running the kept tokens again from
+                   the pre-verify cache (the snapshot, which the forward never wrote)
+  decode_chunk     up to `steps` plain decode steps in an on-device loop: what the n-gram loop runs
+                   when no row speculates (dynamic K chose 0), so it costs what plain decoding costs
 
 Verify and replay run the linear-attention layers with the token-level (fused recurrent) kernel,
 numerically the same recurrence a decode step runs, so greedy output matches plain decoding.
 Shapes: B rows (bucketed), T = K + 1 fed positions (K a draft-length bucket), V vocabulary.
-The functions are jitted once at module level with the model config and kernel choice static, so
-every decoder of the same model shares their compiled programs.
 """
 from __future__ import annotations
 
@@ -36,15 +33,6 @@ def _fwd(cfg, impl, params, cache, tokens, n_new, **kw):
     return get_model(cfg.model_type).forward(cfg, params, cache, tokens, n_new, impl=impl, **kw)
 
 
-@functools.partial(jax.jit, static_argnames=STATIC, donate_argnums=(1,))
-def prefill(params, cache, tokens, n_prompt, seeds, temperature, top_k, top_p, *, cfg, impl, flags: SamplerFlags):
-    """tokens [B, Tp] int32; n_prompt [B]; seeds [B] uint32; temperature, top_p [B] f32; top_k [B] int32.
-    Returns (first token [B] int32, sampled at step 0 like plain decoding, cache)."""
-    logits, cache = _fwd(cfg, impl, params, cache, tokens, n_prompt)
-    keys = jax.vmap(jax.random.key)(seeds)
-    return sample(logits, keys, 0, temperature, top_k, top_p, flags), cache
-
-
 def _verify(params, cache, tokens, meta, draft_probs, seeds, temperature, top_k, top_p, cfg, impl, flags,
             per_token_states, defer_kv_write: bool = False):
     """The verify forward and acceptance. Returns (n_acc, out_tok, n_fed, n_keep, cache after all fed
@@ -64,45 +52,27 @@ def _verify(params, cache, tokens, meta, draft_probs, seeds, temperature, top_k,
 
 def select_verified(params, cache, tokens, meta, draft_probs, seeds, temperature, top_k, top_p, cfg, impl, flags,
                     defer_kv_write: bool = False):
-    """The verify forward, acceptance and rollback by selection (`verify_select`'s body, also traced
-    inside the device loop). Returns (n_acc, out_tok, the cache holding exactly the kept tokens) and,
-    with defer_kv_write, the KV entries the forward did not write."""
+    """The verify forward, acceptance and rollback by selection. tokens [B, K+1] int32 = [pending,
+    d_1 .. d_K] (drafts past n_draft[b] are padding); meta [3, B] int32 = (n_fed: 1 + n_draft for
+    running rows, 0 for the others; n_draft; step: tokens generated so far); draft_probs [B, K, V]
+    f32 or None; seeds [B] uint32; temperature, top_p [B] f32; top_k [B] int32.
+    Returns (n_accepted [B], tokens [B, K+1] (the first n_accepted + 1 are emitted), the cache
+    holding exactly the kept tokens) and, with defer_kv_write, the KV entries the forward did not
+    write."""
     res = _verify(params, cache, tokens, meta, draft_probs, seeds, temperature, top_k, top_p, cfg, impl, flags,
                   True, defer_kv_write=defer_kv_write)
     n_acc, out_tok, n_fed, n_keep, new, states = res[:6]
     return (n_acc, out_tok, rollback_by_selection(new, states, cache.lengths, n_fed, n_keep)) + res[6:]
 
 
-@functools.partial(jax.jit, static_argnames=STATIC, donate_argnums=(1,))
-def verify_select(params, cache, tokens, meta, draft_probs, seeds, temperature, top_k, top_p, *, cfg, impl,
-                  flags: SamplerFlags):
-    """tokens [B, K+1] int32 = [pending, d_1 .. d_K] (drafts past n_draft[b] are padding);
-    meta [3, B] int32 = (n_fed: 1 + n_draft for running rows, 0 for finished ones; n_draft; step:
-    tokens generated so far), one host-to-device copy; draft_probs [B, K, V] f32 or None;
-    seeds [B] uint32; temperature, top_p [B] f32; top_k [B] int32.
-    Returns (n_accepted [B], tokens [B, K+1] (the first n_accepted + 1 are emitted), cache holding
-    exactly the kept tokens)."""
-    return select_verified(params, cache, tokens, meta, draft_probs, seeds, temperature, top_k, top_p, cfg, impl,
-                           flags)
-
-
-@functools.partial(jax.jit, static_argnames=STATIC)
-def verify_keep(params, cache, tokens, meta, draft_probs, seeds, temperature, top_k, top_p, *, cfg, impl,
-                flags: SamplerFlags):
-    """Same arguments as verify_select; the input cache is not donated (it is the snapshot).
-    Returns (n_accepted [B], tokens [B, K+1], cache after ALL fed tokens, n_keep [B])."""
-    n_acc, out_tok, _, n_keep, new, _ = _verify(params, cache, tokens, meta, draft_probs, seeds, temperature, top_k,
-                                                top_p, cfg, impl, flags, False)
-    return n_acc, out_tok, new, n_keep
-
-
-@functools.partial(jax.jit, static_argnames=("cfg", "impl"), donate_argnums=(1,))
-def replay(params, snapshot, tokens, meta, n_keep, verify_version, *, cfg, impl):
-    """snapshot: the pre-verify cache; tokens [B, K+1] and meta [3, B] the verify step's inputs;
-    n_keep [B]; verify_version [B]. Returns the cache holding exactly the kept tokens."""
-    n_fed = meta[0]
-    _, new = _fwd(cfg, impl, params, snapshot, tokens, n_keep, fused_recurrent=True)
-    return finish_replay(new, verify_version, n_fed, n_keep)
+def replay_verified(params, cache, tokens, meta, draft_probs, seeds, temperature, top_k, top_p, cfg, impl, flags):
+    """The verify forward and acceptance with rollback by snapshot + replay: `cache` (the snapshot,
+    never written) runs again over the kept tokens only. Same arguments and results as
+    `select_verified`."""
+    n_acc, out_tok, n_fed, n_keep, new, _ = _verify(params, cache, tokens, meta, draft_probs, seeds, temperature,
+                                                    top_k, top_p, cfg, impl, flags, False)
+    _, rep = _fwd(cfg, impl, params, cache, tokens, n_keep, fused_recurrent=True)
+    return n_acc, out_tok, finish_replay(rep, new.version, n_fed, n_keep)
 
 
 @functools.partial(jax.jit, static_argnames=STATIC + ("steps",), donate_argnums=(1,))
@@ -155,15 +125,3 @@ def decode_from(params, cache, logits, rows, stop_ids, seeds, temperature, top_k
     i, logits, cache, out, done = jax.lax.while_loop(cond, body, (jnp.int32(0), logits, cache, out, done))
     _, out, _ = emit(i, logits, out, done)
     return out, cache
-
-
-class TargetSteps:
-    """The steps above bound to one target model: `steps.verify_select(params, cache, ..., flags=...)`."""
-
-    def __init__(self, cfg, impl: str = "auto"):
-        kw = dict(cfg=cfg, impl=impl)
-        self.prefill = functools.partial(prefill, **kw)
-        self.verify_select = functools.partial(verify_select, **kw)
-        self.verify_keep = functools.partial(verify_keep, **kw)
-        self.replay = functools.partial(replay, **kw)
-        self.decode_chunk = functools.partial(decode_chunk, **kw)

@@ -24,7 +24,7 @@ from hybrid_jax import LLM, SamplingParams
 from hybrid_jax.errors import InputError
 from hybrid_jax.models import get_model
 from hybrid_jax.sampling import SamplerFlags
-from hybrid_jax.speculative import SpeculativeDecoder, parse_speculative_config
+from hybrid_jax.speculative import parse_speculative_config
 from hybrid_jax.speculative import verify
 from hybrid_jax.speculative.acceptance import rejection_sample
 from hybrid_jax.speculative.device_loop import choose_k as device_choose_k, loop_buckets, ngram_propose, prompt_tail_checks
@@ -82,9 +82,31 @@ def _plain(llm, prompts, sp=GREEDY):
     return _BASELINES[key]
 
 
-def _spec(llm, prompts, config, sp=GREEDY, **kw):
-    dec = SpeculativeDecoder(llm.config, llm.params, llm.dtype, config, **kw)
-    return [t for t, _ in dec.generate(prompts, [sp] * len(prompts), llm.eos_token_ids())], dec
+_SPEC_LLMS: dict = {}
+
+
+def _spec_llm(llm, config):
+    """An LLM over the same weights with a speculative config, and its engine's speculator with fresh
+    counters (memoised per checked config: its engine's programs compile once for every test using it)."""
+    key = (id(llm), parse_speculative_config(config))
+    if key not in _SPEC_LLMS:
+        _SPEC_LLMS[key] = LLM.from_params(llm.config, llm.params, dtype=jnp.dtype(llm.dtype).name,
+                                          max_model_len=llm.max_model_len, speculative_config=config)
+    s = _SPEC_LLMS[key]
+    s.engine.spec.reset_stats()
+    return s, s.engine.spec
+
+
+def _spec_out(llm, prompts, config, sp=GREEDY):
+    """[(token ids, finish reason)] per prompt from the speculating LLM, and its speculator."""
+    s, dec = _spec_llm(llm, config)
+    outs = s.generate([{"prompt_token_ids": p} for p in prompts], sp)
+    return [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outs], dec
+
+
+def _spec(llm, prompts, config, sp=GREEDY):
+    got, dec = _spec_out(llm, prompts, config, sp)
+    return [t for t, _ in got], dec
 
 
 # The tests share batch buckets, capacities and K where they can, so programs compile once for all.
@@ -93,17 +115,18 @@ LENS = [5, 12, 20]        # 3 prompts: batch bucket 4, prompt bucket 32
 
 # --- greedy equality -------------------------------------------------------------------------------
 
-# selection runs the on-device loop (dynamic K there: its program is shared with the stop-token test;
-# the DeepSeek test runs it with a fixed K), replay the host loop.
+# selection runs the engine's on-device loop (dynamic K there; the DeepSeek test runs it with a fixed
+# K), replay the engine's verify step.
 @pytest.mark.parametrize("rollback,dynamic,batches", [("selection", True, (LENS, [9])), ("replay", False, (LENS,))])
 def test_qwen3_next_greedy_identical(qwen, rollback, dynamic, batches):
     # A low draft cost makes dynamic K speculate from the first step, so short runs verify a lot.
     cfg = {"method": "ngram", "num_speculative_tokens": 3, "rollback": rollback, "dynamic_k": dynamic,
            "draft_cost": 0.05}
-    dec = SpeculativeDecoder(qwen.config, qwen.params, qwen.dtype, cfg)
+    llm, dec = _spec_llm(qwen, cfg)
     for i, lens in enumerate(batches):
         prompts = _prompts(64, lens, seed=i)
-        assert [t for t, _ in dec.generate(prompts, [GREEDY] * len(prompts))] == _plain(qwen, prompts)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+        assert [o.outputs[0].token_ids for o in outs] == _plain(qwen, prompts)
     s = dec.stats()
     assert 0 < s["accepted_tokens"] < s["draft_tokens"]           # both acceptance and rollback ran
     assert (s["replays"] > 0) == (rollback == "replay")
@@ -134,17 +157,16 @@ def test_draft_model_greedy_identical_and_sampling_runs(qwen, qwen_draft):
 
 @pytest.mark.parametrize("device_loop", [True, False])
 def test_first_token_stop_and_one_token_budget_like_plain(qwen, device_loop):
-    """The first token comes from prefill (the on-device loop emits it itself): a stop token there,
+    """The first token comes from prefill (the on-device loop starts after it): a stop token there,
     or max_tokens = 1, ends the row at once, as in plain decoding."""
     prompts = _prompts(64, LENS)
     first = [t[0] for t in _plain(qwen, prompts)]
-    dec = SpeculativeDecoder(qwen.config, qwen.params, qwen.dtype,
-                             {"method": "ngram", "num_speculative_tokens": 3, "device_loop": device_loop})
+    cfg = {"method": "ngram", "num_speculative_tokens": 3, "device_loop": device_loop}
     sp = SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[first[1]])
-    got = dec.generate(prompts, [sp] * len(prompts))
+    got, _ = _spec_out(qwen, prompts, cfg, sp)
     assert [t for t, _ in got] == _plain(qwen, prompts, sp)
     assert got[1] == ([first[1]], "stop") and all(len(t) > 1 for t, _ in got[:1] + got[2:] if t[0] != first[1])
-    one = dec.generate(prompts, [SamplingParams(temperature=0, max_tokens=1)] * len(prompts))
+    one, _ = _spec_out(qwen, prompts, cfg, SamplingParams(temperature=0, max_tokens=1))
     assert one == [([f], "length") for f in first]
 
 
@@ -209,26 +231,26 @@ def test_rollback_selection_and_replay_equal_plain_decode(qwen):
     flags = SamplerFlags(False, False, False)
     z = jnp.zeros((4,), jnp.int32)
     seeds, temp, top_p = jnp.zeros((4,), jnp.uint32), jnp.zeros((4,), jnp.float32), jnp.ones((4,), jnp.float32)
-    kw = dict(cfg=cfg, impl="auto")
 
-    def prefilled():          # the same buckets as the decoder's: prompt 32, capacity 32 + 32
+    fwd = jax.jit(lambda c, t, n: get_model(cfg.model_type).forward(cfg, params, c, t, n)[1])
+
+    def prefilled():
         c = get_model(cfg.model_type).new_cache(cfg, 4, 64, qwen.dtype)
         t = np.zeros((4, 32), np.int32)
         for i, p in enumerate(prompts):
             t[i, :len(p)] = p
-        n = jnp.asarray(LENS + [0], jnp.int32)
-        return verify.prefill(params, c, jnp.asarray(t), n, seeds, temp, z, top_p, flags=flags, **kw)[1]
+        return fwd(c, jnp.asarray(t), jnp.asarray(LENS + [0], jnp.int32))
 
     meta = jnp.stack([n_fed, jnp.asarray(n_draft), z])                        # n_fed, n_draft, step
-    args = (tokens, meta, None, seeds, temp, z, top_p)
+    args = (tokens, meta, None, seeds, temp, z, top_p, cfg, "auto", flags)
     base = prefilled()
     v0 = np.asarray(base.version)
-    n_acc, out, sel = verify.verify_select(params, prefilled(), *args, flags=flags, **kw)
+    n_acc, out, sel = jax.jit(lambda c: verify.select_verified(params, c, *args))(prefilled())
     assert np.asarray(n_acc)[:3].tolist() == [3, 1, 0]
     emitted = [np.asarray(out)[i, :a + 1].tolist() for i, a in enumerate([3, 1, 0])]
     assert emitted == [c[1:a + 2] for c, a in zip(cont, [3, 1, 0])]         # kept drafts, then the target's token
-    n_acc, _, full, n_keep = verify.verify_keep(params, base, *args, flags=flags, **kw)
-    rep = verify.replay(params, base, tokens, meta, n_keep, full.version, **kw)
+    n_acc, _, rep = jax.jit(lambda c: verify.replay_verified(params, c, *args))(base)
+    assert np.asarray(n_acc)[:3].tolist() == [3, 1, 0]
     ref = _decode_steps(cfg, params, prefilled(), [c[:a + 1] for c, a in zip(cont, [3, 1, 0])] + [[]])
     for got in (sel, rep):
         np.testing.assert_array_equal(np.asarray(got.lengths), np.asarray(ref.lengths))
