@@ -1,10 +1,11 @@
-"""Speculative decoding inside the continuous-batching engine (n-gram or draft-model drafts).
+"""Speculative decoding inside the continuous-batching engine (n-gram, draft-model or MTP drafts).
 
 A decode-only engine step normally runs `decode_steps` plain iterations on device. With a
 speculative config, each running request first gets a draft length k from its own acceptance rate
 (dynamic K, `hybrid_jax.speculative.dynamic_k`) and an n-gram proposal from its history; if any row
 has a draft, the step is ONE verify forward of [pending, d_1 .. d_K] over the slot rows instead
-(a draft model writes its drafts on device just before, from cache rows kept in step with the target's)
+(a draft model or the checkpoint's MTP block writes its drafts on device just before, from state kept
+in step with the target's rows)
 (`ModelRunner.run_verify`), with acceptance and rollback (selection or snapshot + replay) on device.
 Rows without a draft ride along with k = 0 (they emit one token, like a plain step). When no row
 drafts, the plain multi-step decode runs and the proposals made before it are checked against what
@@ -38,12 +39,17 @@ class SpecCounters:
 
 
 PROBE_EVERY = 8      # a draft-model row at k = 0 drafts one token every PROBE_EVERY decode steps
+# The MTP block is the drafter the model was trained with (published acceptance of its first draft:
+# 0.6 - 0.9): a new request's dynamic K starts from this rate, so it speculates from its first step
+# (the default prior, 0.2, waits for evidence), and then follows what its drafts actually do.
+MTP_PRIOR_RATE = 0.6
 
 
 class EngineSpeculator:
     """Host side of speculation in the engine: per-request draft lengths and n-gram drafts. With
     method "draft_model" the drafts are written on device by the runner's draft model; here only
-    their lengths are chosen (a row at k = 0 probes with one draft now and then, so it can climb)."""
+    their lengths are chosen (a row at k = 0 probes with one draft now and then, so it can climb); the
+    same for method "mtp", whose drafter is the target's own MTP block (`speculative/mtp.py`)."""
 
     def __init__(self, config: dict | SpeculativeConfig, target_vocab: int):
         self.spec = parse_speculative_config(config)
@@ -51,7 +57,7 @@ class EngineSpeculator:
         self.draft = None
         if self.spec.method == "ngram":
             self.drafter = NgramDrafter(self.spec.prompt_lookup_min, self.spec.prompt_lookup_max)
-        else:
+        elif self.spec.method == "draft_model":
             from hybrid_jax.speculative import load_draft_model  # noqa: PLC0415
             self.draft = load_draft_model(self.spec.model, self.spec.draft_dtype)
             if self.draft[0].vocab_size != target_vocab:
@@ -70,7 +76,8 @@ class EngineSpeculator:
         would have predicted the tail of its text so far, ids [N] (`dynamic_k.tail_checks`)."""
         t = self.trackers.get(rid)
         if t is None:
-            t = self.trackers[rid] = AcceptanceTracker(1, self.spec.ewma_decay)
+            prior = {"prior_rate": MTP_PRIOR_RATE} if self.spec.method == "mtp" else {}
+            t = self.trackers[rid] = AcceptanceTracker(1, self.spec.ewma_decay, **prior)
             if self.drafter is not None and ids is not None:
                 t.warm_start(0, *tail_checks(np.asarray(ids, np.int64), self.drafter))
         return t
@@ -83,7 +90,7 @@ class EngineSpeculator:
         for q in reqs:
             if self.drafter is not None:
                 prop = self.drafter.propose(np.asarray(q.all_ids, np.int64), K)
-            else:                     # the draft model writes them on device; only the length matters here
+            else:                     # written on device (draft model, MTP); only the length matters here
                 prop = np.zeros((K,), np.int32)
             k = K
             if self.spec.dynamic_k:

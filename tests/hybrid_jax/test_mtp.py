@@ -1,0 +1,162 @@
+"""MTP heads: the multi-token-prediction block of Qwen3-Next / Qwen3.5 (`mtp.*`) is loaded, and
+`speculative_config={"method": "mtp"}` drafts with it in the engine. Greedy output equals plain
+decoding (both rollbacks, chunked prefill, requests joining and leaving); on a checkpoint whose MTP
+block is a copy of the target's attention layer fed the next token's embedding, drafts are
+meaningful and mostly accepted. An MTP layout the loader does not know, a missing MTP tensor, or
+method "mtp" on a checkpoint without the block each fail naming the problem.
+
+The tiny checkpoints are written by transformers (which drops MTP weights) and get their `mtp.*`
+tensors here, by hand, in the published layout."""
+from __future__ import annotations
+
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+from conftest import make_checkpoint
+from hybrid_jax import LLM, SamplingParams
+from hybrid_jax.engine import EngineConfig, LLMEngine
+from hybrid_jax.errors import CheckpointError, InputError
+from release_formats import load, read_config, save, write_config
+
+LIN, FULL = "linear_attention", "full_attention"
+
+
+def with_mtp(src: str, dst: str, *, prefix: str = "model.", layer: int, mode: str = "copy", drop=(), extra=None,
+             seed: int = 0) -> str:
+    """src's tensors plus an MTP block `mtp.*` (Qwen3-Next / Qwen3.5 layout) whose decoder layer is a copy
+    of layer `layer`. mode "copy": a meaningful drafter: every layer but `layer` is silenced (its
+    outputs zeroed, so the target is that one attention layer over the embeddings), the embedding rows
+    get RMS 1 and fc passes the (normalised) embedding of the next token through, so the block computes
+    what the target computes one position later. mode "random": fc and norms random (drafts are noise).
+    drop: MTP tensors left out; extra: tensors added."""
+    t = load(src)
+    Hd = t[prefix + "embed_tokens.weight"].shape[1]
+    rng = np.random.default_rng(seed)
+    lp = f"{prefix}layers.{layer}."
+    mtp = {"mtp." + "layers.0." + k[len(lp):]: v.copy() for k, v in t.items() if k.startswith(lp)}
+    if mode == "copy":
+        e = t[prefix + "embed_tokens.weight"]
+        t[prefix + "embed_tokens.weight"] = e / np.sqrt(np.mean(e * e, axis=1, keepdims=True))
+        for k in list(t):
+            if k.startswith(prefix + "layers.") and not k.startswith(lp) and (
+                    k.endswith(("out_proj.weight", "o_proj.weight", "down_proj.weight", "down_proj"))):
+                t[k] = np.zeros_like(t[k])
+        mtp["mtp.fc.weight"] = np.concatenate([np.eye(Hd), np.zeros((Hd, Hd))], axis=1).astype(np.float32)
+        for n in ("pre_fc_norm_embedding", "pre_fc_norm_hidden"):
+            mtp[f"mtp.{n}.weight"] = np.zeros((Hd,), np.float32)          # zero-centred: scale 1
+        mtp["mtp.norm.weight"] = t[prefix + "norm.weight"].copy()
+    else:
+        mtp["mtp.fc.weight"] = rng.normal(0, 0.05, (Hd, 2 * Hd)).astype(np.float32)
+        for n in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+            mtp[f"mtp.{n}.weight"] = rng.normal(0, 0.1, (Hd,)).astype(np.float32)
+    for k in drop:
+        mtp.pop(k)
+    save(dst, {**t, **mtp, **(extra or {})})
+    write_config(dst, read_config(src))
+    for f in os.listdir(src):
+        if f not in ("model.safetensors", "config.json"):
+            shutil.copy(os.path.join(src, f), os.path.join(dst, f))
+    return dst
+
+
+@pytest.fixture(scope="module")
+def qwen_mtp(tmp_path_factory):
+    """Qwen3-Next: [linear_attention (dense MLP), full_attention (MoE)], MTP layer = the MoE attention layer."""
+    root = tmp_path_factory.mktemp("mtp")
+    src = make_checkpoint(root / "src", seed=5, layer_types=[LIN, FULL], num_hidden_layers=2, mlp_only_layers=[0])
+    return {"copy": with_mtp(src, str(root / "copy"), layer=1),
+            "random": with_mtp(src, str(root / "random"), layer=1, mode="random"),
+            "none": src, "root": root}
+
+
+def _prompts(n, vocab=211, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, vocab, int(k)).tolist() for k in rng.integers(5, 40, n)]
+
+
+def _engine(llm, **spec):
+    return LLMEngine(llm, EngineConfig(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128, decode_steps=1,
+                                       compilation_cache_dir=None, warmup="none",
+                                       speculative_config={"method": "mtp", **spec}))
+
+
+def test_mtp_block_is_loaded(qwen_mtp):
+    llm = LLM(model=qwen_mtp["copy"], max_model_len=128)
+    mp, Hd = llm.params["mtp"], llm.config.hidden_size
+    assert mp["fc"].shape == (2 * Hd, Hd) and len(mp["layers"]) == 1
+    assert set(mp["layers"][0]) == {"input_norm", "post_norm", "attn", "moe"}
+    np.testing.assert_array_equal(np.asarray(mp["fc"])[:Hd], np.eye(Hd))        # fc over [embedding | hidden]
+    for a, b in zip(np.asarray(mp["layers"][0]["moe"]["down"]), np.asarray(llm.params["layers"][1]["moe"]["down"])):
+        np.testing.assert_array_equal(a, b)
+    assert "mtp" not in LLM(model=qwen_mtp["none"], max_model_len=128).params
+
+
+@pytest.mark.parametrize("kind,rollback,k", [("copy", "selection", 3), ("copy", "replay", 2), ("random", "selection", 2)])
+def test_mtp_greedy_output_equals_plain_decoding(qwen_mtp, kind, rollback, k):
+    """Prompts longer than the token budget (chunked prefill), four requests sharing steps; the
+    meaningful MTP block's drafts are mostly accepted."""
+    llm = LLM(model=qwen_mtp[kind], max_model_len=128)
+    prompts = [{"prompt_token_ids": p} for p in _prompts(5, seed=1)]
+    sp = SamplingParams(max_tokens=14, temperature=0, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
+    eng = _engine(llm, num_speculative_tokens=k, dynamic_k=False, rollback=rollback)
+    assert [o.token_ids for o in eng.generate(prompts, sp)] == want
+    st = eng.spec_stats()
+    assert st["method"] == "mtp" and st["verify_steps"] > 0 and st["draft_tokens"] > 0
+    if kind == "copy":
+        assert st["acceptance_rate"] > 0.5, st
+        assert st["mean_accepted_length"] > 1.5, st
+    else:
+        assert st["acceptance_rate"] < 0.5, st            # noise drafts: the copy's acceptance is the block's doing
+
+
+def test_llm_with_method_mtp(qwen_mtp):
+    """LLM(speculative_config={"method": "mtp"}) generates through the engine, dynamic K included."""
+    plain = LLM(model=qwen_mtp["copy"], max_model_len=128)
+    prompts = [{"prompt_token_ids": p} for p in _prompts(3, seed=2)]
+    sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, sp)]
+    llm = LLM(model=qwen_mtp["copy"], max_model_len=128, speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    assert llm._spec is None                               # not the offline SpeculativeDecoder
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, sp)] == want
+    st = llm.spec_stats()
+    assert st["enabled"] and st["method"] == "mtp" and st["accepted_tokens"] > 0
+    sampled = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0.8, seed=3, ignore_eos=True))
+    assert all(len(o.outputs[0].token_ids) == 8 for o in sampled)
+
+
+def test_mtp_errors(qwen_mtp):
+    root = qwen_mtp["root"]
+    with pytest.raises(InputError, match="method 'mtp' needs the checkpoint's multi-token-prediction block") as e:
+        LLM(model=qwen_mtp["none"], max_model_len=128, speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    assert qwen_mtp["none"] in str(e.value)
+    with pytest.raises(InputError, match="only used with method 'draft_model'"):
+        LLM(model=qwen_mtp["copy"], speculative_config={"method": "mtp", "num_speculative_tokens": 2, "model": "x"})
+    bad = with_mtp(qwen_mtp["none"], str(root / "unknown"), layer=1, extra={"mtp.layers.0.mystery.weight": np.ones(4)})
+    with pytest.raises(CheckpointError, match="mtp.layers.0.mystery.weight"):
+        LLM(model=bad, max_model_len=128)
+    missing = with_mtp(qwen_mtp["none"], str(root / "missing"), layer=1, drop=("mtp.norm.weight",))
+    with pytest.raises(CheckpointError, match="mtp.norm.weight"):
+        LLM(model=missing, max_model_len=128)
+    no_fc = with_mtp(qwen_mtp["none"], str(root / "no_fc"), layer=1, drop=("mtp.fc.weight",))
+    with pytest.raises(CheckpointError, match="MTP tensors"):
+        LLM(model=no_fc, max_model_len=128)
+
+
+def test_qwen3_5_mtp_block(tmp_path):
+    """Qwen3.5's multimodal release keeps the text model under model.language_model.* and the MTP block
+    (`mtp_num_hidden_layers: 1`) at the top level, `mtp.*`, in Qwen3-Next's layout."""
+    from test_qwen3_5 import _write  # noqa: PLC0415
+    src = _write(tmp_path / "src", moe=False, seed=0, tie=True)
+    ckpt = with_mtp(src, str(tmp_path / "mtp"), prefix="model.language_model.", layer=2)
+    llm = LLM(model=ckpt, max_model_len=128)
+    assert set(llm.params["mtp"]["layers"][0]) == {"input_norm", "post_norm", "attn", "mlp"}
+    prompts = [{"prompt_token_ids": p} for p in _prompts(3, vocab=97, seed=5)]
+    sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
+    eng = _engine(llm, num_speculative_tokens=2, dynamic_k=False)
+    assert [o.token_ids for o in eng.generate(prompts, sp)] == want
+    assert eng.spec_stats()["acceptance_rate"] > 0.5, eng.spec_stats()
