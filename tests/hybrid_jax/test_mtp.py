@@ -146,6 +146,82 @@ def test_mtp_errors(qwen_mtp):
         LLM(model=no_fc, max_model_len=128)
 
 
+# --- DeepSeek-V3.2: the MTP module as layer num_hidden_layers (enorm / hnorm / eh_proj / shared_head) ---
+
+def with_deepseek_mtp(src: str, dst: str, *, mode: str = "copy", drop=(), extra=None, seed: int = 0) -> str:
+    """src (DeepSeek-V3.2, two layers: dense, MoE) plus an MTP layer `model.layers.2.*` whose decoder
+    layer is a copy of layer 1; mode "copy" silences layer 0 and makes enorm / eh_proj pass the next
+    token's (RMS-1) embedding through, as in `with_mtp`."""
+    t = load(src)
+    cfg = read_config(src)
+    n = cfg["num_hidden_layers"]
+    Hd = cfg["hidden_size"]
+    last, p = f"model.layers.{n - 1}.", f"model.layers.{n}."
+    mtp = {p + k[len(last):]: v.copy() for k, v in t.items() if k.startswith(last)}
+    rng = np.random.default_rng(seed)
+    if mode == "copy":
+        e = t["model.embed_tokens.weight"]
+        t["model.embed_tokens.weight"] = e / np.sqrt(np.mean(e * e, axis=1, keepdims=True))
+        for k in list(t):
+            if k.startswith("model.layers.") and not k.startswith(last) and k.endswith(("o_proj.weight",
+                                                                                     "down_proj.weight")):
+                t[k] = np.zeros_like(t[k])
+        mtp[p + "eh_proj.weight"] = np.concatenate([np.eye(Hd), np.zeros((Hd, Hd))], axis=1).astype(np.float32)
+        mtp[p + "enorm.weight"], mtp[p + "hnorm.weight"] = np.ones((Hd,), np.float32), np.ones((Hd,), np.float32)
+        mtp[p + "shared_head.norm.weight"] = t["model.norm.weight"].copy()
+    else:
+        mtp[p + "eh_proj.weight"] = rng.normal(0, 0.05, (Hd, 2 * Hd)).astype(np.float32)
+        for k in ("enorm", "hnorm", "shared_head.norm"):
+            mtp[f"{p}{k}.weight"] = (1 + rng.normal(0, 0.1, (Hd,))).astype(np.float32)
+    mtp[p + "shared_head.head.weight"] = t["lm_head.weight"].copy()
+    mtp[p + "embed_tokens.weight"] = t["model.embed_tokens.weight"].copy()
+    for k in drop:
+        mtp.pop(p + k)
+    save(dst, {**t, **mtp, **(extra or {})})
+    write_config(dst, cfg)
+    return dst
+
+
+@pytest.fixture(scope="module")
+def deepseek_mtp(tmp_path_factory):
+    from test_deepseek_v32 import make_checkpoint as make_deepseek  # noqa: PLC0415
+    root = tmp_path_factory.mktemp("mtp_dsv32")
+    src = make_deepseek(root / "src", seed=3, num_hidden_layers=2, first_k_dense_replace=1)
+    return {"copy": with_deepseek_mtp(src, str(root / "copy")), "none": src, "root": root,
+            "random": with_deepseek_mtp(src, str(root / "random"), mode="random")}
+
+
+def test_deepseek_mtp_layer_is_loaded(deepseek_mtp):
+    llm = LLM(model=deepseek_mtp["copy"], max_model_len=128)
+    mp, Hd = llm.params["mtp"], llm.config.hidden_size
+    assert mp["eh_proj"].shape == (2 * Hd, Hd) and set(mp["layers"][0]) == {"input_norm", "post_norm", "attn", "moe"}
+    assert "head" not in mp and "embed" not in mp          # the release's copies of the shared head / embedding
+    assert llm.config.num_hidden_layers == 2 and len(llm.params["layers"]) == 2
+    root = deepseek_mtp["root"]
+    other = with_deepseek_mtp(deepseek_mtp["none"], str(root / "own_head"), mode="random",
+                              extra={"model.layers.2.shared_head.head.weight": np.ones((97, Hd), np.float32)})
+    np.testing.assert_array_equal(np.asarray(LLM(model=other, max_model_len=128).params["mtp"]["head"]), 1.0)
+    with pytest.raises(CheckpointError, match="model.layers.2.hnorm.weight"):
+        LLM(model=with_deepseek_mtp(deepseek_mtp["none"], str(root / "missing"), drop=("hnorm.weight",)))
+    with pytest.raises(CheckpointError, match="model.layers.2.mystery"):
+        LLM(model=with_deepseek_mtp(deepseek_mtp["none"], str(root / "unknown"),
+                                    extra={"model.layers.2.mystery": np.ones(3, np.float32)}))
+
+
+@pytest.mark.parametrize("kind", ["copy", "random"])
+def test_deepseek_mtp_greedy_output_equals_plain_decoding(deepseek_mtp, kind):
+    llm = LLM(model=deepseek_mtp[kind], max_model_len=128)
+    prompts = [{"prompt_token_ids": p} for p in _prompts(4, vocab=97, seed=4)]
+    sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
+    eng = _engine(llm, num_speculative_tokens=2, dynamic_k=False)
+    assert [o.token_ids for o in eng.generate(prompts, sp)] == want
+    st = eng.spec_stats()
+    assert st["verify_steps"] > 0 and st["draft_tokens"] > 0
+    if kind == "copy":
+        assert st["acceptance_rate"] > 0.5, st
+
+
 def test_qwen3_5_mtp_block(tmp_path):
     """Qwen3.5's multimodal release keeps the text model under model.language_model.* and the MTP block
     (`mtp_num_hidden_layers: 1`) at the top level, `mtp.*`, in Qwen3-Next's layout."""
