@@ -24,12 +24,16 @@ RoPE's relative form makes harmless), which can lower acceptance, never change o
 """
 from __future__ import annotations
 
+import logging
+
 import jax
 import jax.numpy as jnp
 
 from cache import put_rows, take_rows
 from hybrid_jax.errors import CheckpointError, InputError
 from hybrid_jax.quantization import scale_names
+
+log = logging.getLogger(__name__)
 
 
 def check_mtp(model, cfg, params: dict, name: str):
@@ -52,7 +56,11 @@ def check_all_read(model, cfg, keys, read: set[str]):
     read (or is the scale of one that was). An MTP layout the loader does not understand is a
     CheckpointError naming the tensors, never silently dropped."""
     prefixes = tuple(model.mtp_prefixes(cfg)) if hasattr(model, "mtp_prefixes") else ()
-    if not prefixes:
+    if not prefixes:                 # a family without MTP support (DeepSeek-V4): said, not silent
+        n = sum(1 for k in keys if k.startswith("mtp."))
+        if n:
+            log.warning("%s: the checkpoint's MTP block (%d mtp.* tensors) is not loaded: this family has no MTP "
+                        "drafting yet; the model itself is complete", cfg.model_type, n)
         return
     scales = {s for k in read for s in scale_names(k)}
     left = sorted(k for k in keys if k.startswith(prefixes) and k not in read and k not in scales)
