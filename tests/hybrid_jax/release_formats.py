@@ -194,7 +194,8 @@ def with_mtp(src: str, dst: str, *, prefix: str = "model.", layer: int, mode: st
     mtp = {"mtp." + "layers.0." + k[len(lp):]: v.copy() for k, v in t.items() if k.startswith(lp)}
     if mode == "copy":
         e = t[prefix + "embed_tokens.weight"]
-        t[prefix + "embed_tokens.weight"] = e / np.sqrt(np.mean(e * e, axis=1, keepdims=True))
+        rms = np.sqrt(np.mean(e * e, axis=1, keepdims=True))
+        t[prefix + "embed_tokens.weight"] = e / np.where(rms > 0, rms, 1.0)       # a zero (padding) row stays
         for k in list(t):
             if k.startswith(prefix + "layers.") and not k.startswith(lp) and (
                     k.endswith(("out_proj.weight", "o_proj.weight", "down_proj.weight", "down_proj"))):

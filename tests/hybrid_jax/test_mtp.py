@@ -149,7 +149,8 @@ def with_deepseek_mtp(src: str, dst: str, *, mode: str = "copy", drop=(), extra=
     rng = np.random.default_rng(seed)
     if mode == "copy":
         e = t["model.embed_tokens.weight"]
-        t["model.embed_tokens.weight"] = e / np.sqrt(np.mean(e * e, axis=1, keepdims=True))
+        rms = np.sqrt(np.mean(e * e, axis=1, keepdims=True))
+        t["model.embed_tokens.weight"] = e / np.where(rms > 0, rms, 1.0)
         for k in list(t):
             if k.startswith("model.layers.") and not k.startswith(last) and k.endswith(("o_proj.weight",
                                                                                      "down_proj.weight")):
