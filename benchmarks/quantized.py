@@ -9,7 +9,15 @@ timing is the best of --repeats, and the ratio is the median of the back-to-back
 FP8 weights are decoded to bf16 inside every step (XLA:CPU has no FP8 matmul), so the FP8 column
 pays that conversion; what it saves is memory.
 
-    python benchmarks/quantized.py [--batch 1,8] [--steps 64] [--repeats 7]
+Then MTP drafting (speculative_config method "mtp") on the same tiny model with an MTP block added
+in the published layout (`mtp.*`), two ways: a random block (drafts are noise: the floor) and a copy
+of its attention layer fed the next token's embedding, with the other layers silenced (the tests'
+meaningful drafter, `release_formats.with_mtp`; a trained release's block is what this stands in
+for). Per row: acceptance rate, tokens emitted per verify, verify steps, and whether the greedy output
+equals plain decoding, through the engine (fixed K, every decode step a verify), in float32.
+
+    python benchmarks/quantized.py [--sections fp8,mtp] [--batch 1,8] [--steps 64] [--repeats 7] [--mtp-k 2]
+                                   [--mtp-tokens 48] [--mtp-batch 4]
 """
 from __future__ import annotations
 
@@ -23,11 +31,12 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
-from cache_writes import decode  # noqa: E402
-from release_formats import quantize_release  # noqa: E402  (the tests' FP8 release writer)
-from tiny_qwen3_next import write_checkpoint  # noqa: E402
+from cache_writes import decode, decode_engine  # noqa: E402
+from release_formats import quantize_release, with_mtp  # noqa: E402  (the tests' release writers)
+from tiny_qwen3_next import CONFIG, write_checkpoint  # noqa: E402
 
-from hybrid_jax import LLM  # noqa: E402
+from hybrid_jax import LLM, SamplingParams  # noqa: E402
+from hybrid_jax.engine import EngineConfig, LLMEngine  # noqa: E402
 from hybrid_jax.layers.linear import Fp8Weight, weight_bytes  # noqa: E402
 
 NOT_CONVERTED = ("lm_head", "model.embed_tokens", "mlp.gate", "mlp.shared_expert_gate")
@@ -49,12 +58,49 @@ def fp8_weights(params) -> list[Fp8Weight]:
             if isinstance(x, Fp8Weight)]
 
 
+def mtp_rows(root: str, k: int, tokens: int, batch: int):
+    """Acceptance and tokens per verify of MTP drafting on the tiny model with a random and a copied
+    MTP block (see the module docstring); greedy output checked against plain decoding."""
+    src = write_checkpoint(os.path.join(root, "mtp_src"))
+    last = max(i for i, t in enumerate(CONFIG["layer_types"]) if t == "full_attention")
+    print(f"MTP drafting (speculative_config method 'mtp', K = {k} fixed), tiny Qwen3-Next + an mtp.* block, "
+          f"run dtype float32 (in bf16 a multi-token verify rounds differently from one-token decode, n-gram "
+          f"drafts included, so greedy ties can flip), {batch} requests of {tokens} greedy tokens (16-token prompts), through the engine")
+    print(f"   {'MTP block':<26} {'acceptance':>10} {'tokens/verify':>13} {'verify steps':>12} {'identical':>9}")
+    for kind, label in (("random", "random (noise drafts)"), ("copy", f"copy of layer {last}")):
+        llm = LLM(model=with_mtp(src, os.path.join(root, f"mtp_{kind}"), layer=last, mode=kind), dtype="float32",
+                  max_model_len=256)
+        prompts = [{"prompt_token_ids": np.random.default_rng(i).integers(1, CONFIG["vocab_size"], 16).tolist()}
+                   for i in range(batch)]
+        sp = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
+        want = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
+        eng = LLMEngine(llm, EngineConfig(max_num_seqs=batch, max_model_len=256, decode_steps=1, warmup="none",
+                                          compilation_cache_dir=None, speculative_config={
+                                              "method": "mtp", "num_speculative_tokens": k, "dynamic_k": False}))
+        got = [o.token_ids for o in eng.generate(prompts, sp)]
+        st = eng.spec_stats()
+        print(f"   {label:<26} {st['acceptance_rate']:>10.3f} {st['mean_accepted_length']:>13.2f} "
+              f"{st['verify_steps']:>12} {str(got == want):>9}")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", default="1,8")
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--mtp-k", type=int, default=2)
+    ap.add_argument("--mtp-tokens", type=int, default=48)
+    ap.add_argument("--mtp-batch", type=int, default=4)
+    ap.add_argument("--sections", default="fp8,mtp", help="fp8: bf16 vs FP8-on-device; mtp: MTP drafting")
     args = ap.parse_args()
+    sections = set(args.sections.split(","))
+    if "fp8" in sections:
+        fp8_section(args)
+    if "mtp" in sections:
+        mtp_rows(tempfile.mkdtemp(), args.mtp_k, args.mtp_tokens, args.mtp_batch)
+
+
+def fp8_section(args):
     path = fp8_release(tempfile.mkdtemp())
     models = {"bf16": LLM(model=path, dtype="bfloat16"), "fp8": LLM(model=path, dtype="bfloat16", quantization="fp8")}
     total = {k: weight_bytes(m.params) for k, m in models.items()}
@@ -70,12 +116,13 @@ def main():
     print(f"   {'batch':>5} {'bf16 tok/s':>11} {'fp8 tok/s':>10} {'fp8/bf16':>9} {'identical':>9}")
     for B in (int(b) for b in args.batch.split(",")):
         prompt = np.random.default_rng(B).integers(1, models["bf16"].config.vocab_size, (B, 16)).astype(np.int32)
-        cap = prompt.shape[1] + args.steps
-        outs = {k: decode(m.generator, prompt, cap, args.steps)[0] for k, m in models.items()}      # compiles
+        cap = prompt.shape[1] + args.steps + 1
+        engines = {k: decode_engine(m, B, cap, args.steps) for k, m in models.items()}
+        outs = {k: decode(e, prompt, args.steps)[0] for k, e in engines.items()}      # compiles
         times = {k: [] for k in models}
         for _ in range(args.repeats):
-            for k, m in models.items():
-                times[k].append(decode(m.generator, prompt, cap, args.steps)[1])
+            for k in models:
+                times[k].append(decode(engines[k], prompt, args.steps)[1])
         rate = {k: B * args.steps / min(v) for k, v in times.items()}
         ratio = float(np.median([b / f for f, b in zip(times["fp8"], times["bf16"])]))
         same = np.array_equal(outs["bf16"], outs["fp8"])

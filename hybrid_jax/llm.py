@@ -86,9 +86,17 @@ class LLM:
             self.dtype = _resolve_dtype(dtype, self.config)
             n = len(reader.keys())
             show = reader.total_bytes >= LARGE_CHECKPOINT_BYTES if progress is None else progress
+            family = get_model(self.config.model_type)
+            read: set[str] = set()
+
+            def get(name):
+                read.add(name)
+                return reader.get(name)
             with tqdm(total=n, desc="loading weights", unit="tensor", disable=not show, file=sys.stderr) as bar:
-                params = get_model(self.config.model_type).convert_hf_weights(self.config, reader.get, reader.has, self.dtype,
-                                                       progress=lambda: bar.update(1))
+                params = family.convert_hf_weights(self.config, get, reader.has, self.dtype,
+                                                   progress=lambda: bar.update(1))
+            from hybrid_jax.speculative.mtp import check_all_read  # noqa: PLC0415
+            check_all_read(family, self.config, reader.keys(), read)     # an MTP layout it does not know fails
             if tokenizer == "byte":
                 self.tokenizer = ByteTokenizer()
             else:
@@ -119,6 +127,12 @@ class LLM:
         self.seed = seed
         self.generator = Generator(self.config, params, self.dtype, impl=impl)
         self._fingerprint: str | None = None
+        method = speculative_config.get("method") if isinstance(speculative_config, dict) else None
+        if method == "mtp":         # fail at construction, not at the first request
+            from hybrid_jax.speculative.config import parse_speculative_config  # noqa: PLC0415
+            from hybrid_jax.speculative.mtp import check_mtp  # noqa: PLC0415
+            parse_speculative_config(speculative_config)
+            check_mtp(get_model(self.config.model_type), self.config, params, self.model_name)
         if kv_cache_dir is not None and not enable_prefix_caching:
             raise InputError("kv_cache_dir needs enable_prefix_caching=True")
         from hybrid_jax.engine import EngineConfig  # noqa: PLC0415

@@ -52,6 +52,10 @@ class LLMEngine:
             if self.spec.draft is not None:
                 dcfg, dparams, ddtype = self.spec.draft
                 self.runner.set_draft(dcfg, dparams, ddtype, extra=self.spec.spec.num_speculative_tokens + 1)
+            elif self.spec.spec.method == "mtp":
+                from hybrid_jax.speculative.mtp import check_mtp  # noqa: PLC0415
+                check_mtp(self.runner.model, llm.config, llm.params, llm.model_name)
+                self.runner.set_mtp(extra=self.spec.spec.num_speculative_tokens + 1)
         self._pending: list[tuple[int, str, list[int], int]] = []   # (row, request, prompt ids, boundary)
         k_max = self.spec.spec.num_speculative_tokens + 1 if self.spec is not None else 1
         # pages a decoding request gets ahead of its writes: a decode call's tokens or a verify's

@@ -12,6 +12,9 @@ forward reads (`take_view`), runs the model, samples on device and scatters the 
                ids and max-token limits checked on device
   verify step  [Bb, K+1] tokens: speculative drafts checked in one forward, rejected ones rolled back
 
+A drafter with state on device rides along in every step: a draft model's own cache rows, or the MTP
+block's state (`hybrid_jax.speculative.mtp`), which also reads the target's hidden states.
+
 Bb is a power of two up to the row count, T one of a few token buckets up to the token budget, so
 the set of programs is finite and `warmup` can compile all of them before the first request.
 """
@@ -89,8 +92,10 @@ class ModelRunner:
         self._loop = jax.jit(self._loop_fn, static_argnames=("lc",), donate_argnames=("cache",))
         self._copy_pages = jax.jit(copy_pages, donate_argnames=("pools",))
         # A draft model (speculative decoding) keeps its own cache rows in step with the target's:
-        # every prefill chunk and decode iteration feeds it the same tokens.
+        # every prefill chunk and decode iteration feeds it the same tokens. With the MTP drafter
+        # (self.mtp), dcache holds the MTP state instead and dparams stays None.
         self.dcfg = self.dparams = self.dmodel = self.dcache = None
+        self.mtp = False
 
     def geometry(self) -> list[GroupGeometry]:
         """What the block manager hands out: every paged group's pages, every slot group's checkpoint
@@ -153,24 +158,53 @@ class ModelRunner:
         capacity = self.ecfg.max_model_len + extra
         self.dcache = self.dmodel.new_cache(dcfg, cap, capacity, ddtype)
 
+    def set_mtp(self, extra: int):
+        """Drafts with the target's own MTP block (params["mtp"]); its cache rows hold `extra` more
+        positions (scratch drafts)."""
+        from hybrid_jax.speculative import mtp  # noqa: PLC0415
+        self.mtp = True
+        self.dcache = mtp.new_state(self.model, self.cfg, self.cache.lengths.shape[0], self.ecfg.max_model_len + extra,
+                                    self.dtype)
+
+    def _target(self, params, sub, tokens, n_new, **kw):
+        """The target's forward; with the MTP drafter it also returns the hidden states the block reads
+        ([B, T, Hd]) as the third entry, before anything else the options append."""
+        out = self.model.forward(self.cfg, params, sub, tokens, n_new, impl=self.impl, return_hidden=self.mtp, **kw)
+        if self.mtp:
+            out = out[:2] + (self.model.target_hidden(self.cfg, params, out[2]),) + out[3:]
+        return out
+
+    def _mtp_advance(self, params, dsub, tokens, hidden, n_new, fresh=None):
+        from hybrid_jax.speculative import mtp  # noqa: PLC0415
+        return mtp.advance(self.model, self.cfg, params, dsub, tokens, hidden, n_new, fresh, impl=self.impl)
+
     def _dfwd(self, dparams, dsub, tokens, n_new, **kw):
         return self.dmodel.forward(self.dcfg, dparams, dsub, tokens, n_new, impl=self.impl, **kw)
 
     def _mixed_fn(self, params, cache, r, reset, tokens, n_new, do_sample, dparams=None, dcache=None, *, flags,
                   top_n):
         sub = take_view(cache, r["rows"], r["tables"], r["lengths"], reset)
-        logits, sub = self.model.forward(self.cfg, params, sub, tokens, n_new, impl=self.impl)
+        out = self._target(params, sub, tokens, n_new)
+        logits, sub = out[0], out[1]
         tok, lps = self._sample(logits, r, flags, top_n)
         tok = jnp.where(do_sample, tok, -1)
-        if dcache is not None:
+        if self.mtp:
+            from hybrid_jax.speculative import mtp  # noqa: PLC0415
+            fresh = r["mtp_fresh"]
+            dsub = self._mtp_advance(params, mtp.take(dcache, r["rows"], fresh), tokens, out[2], n_new, fresh)
+            dcache = mtp.put(dcache, r["rows"], dsub)
+        elif dcache is not None:
             _, dsub = self._dfwd(dparams, take_rows(dcache, r["rows"], reset), tokens, n_new)
             dcache = put_rows(dcache, r["rows"], dsub)
         return tok, lps, put_view(cache, r["rows"], sub), dcache
 
     def _decode_fn(self, params, cache, r, last_tok, active, stop_ids, remaining, dparams=None, dcache=None, *,
                    steps, flags, top_n):
+        from hybrid_jax.speculative import mtp  # noqa: PLC0415
         sub = take_view(cache, r["rows"], r["tables"], r["lengths"])
-        dsub = take_rows(dcache, r["rows"]) if dcache is not None else None
+        dsub = None
+        if dcache is not None:
+            dsub = mtp.take(dcache, r["rows"]) if self.mtp else take_rows(dcache, r["rows"])
         Bb = last_tok.shape[0]
         out = jnp.full((Bb, steps), -1, jnp.int32)
         lp_c = jnp.zeros((Bb, steps), jnp.float32)
@@ -179,10 +213,13 @@ class ModelRunner:
 
         def body(state):
             j, tok, active, sub, dsub, out, lp_c, lp_v, lp_i = state
-            logits, sub = self.model.forward(self.cfg, params, sub, jnp.maximum(tok, 0)[:, None],
-                                             active.astype(jnp.int32), impl=self.impl)
-            if dsub is not None:
-                _, dsub = self._dfwd(dparams, dsub, jnp.maximum(tok, 0)[:, None], active.astype(jnp.int32))
+            fed, n = jnp.maximum(tok, 0)[:, None], active.astype(jnp.int32)
+            o = self._target(params, sub, fed, n)
+            logits, sub = o[0], o[1]
+            if self.mtp:
+                dsub = self._mtp_advance(params, dsub, fed, o[2], n)
+            elif dsub is not None:
+                _, dsub = self._dfwd(dparams, dsub, fed, n)
             rj = dict(r, steps=r["steps"] + j)
             new, (c, v, i) = self._sample(logits, rj, flags, top_n)
             new = jnp.where(active, new, -1)
@@ -197,12 +234,13 @@ class ModelRunner:
         state = (jnp.int32(0), last_tok, active & (remaining > 0), sub, dsub, out, lp_c, lp_v, lp_i)
         _, _, _, sub, dsub, out, lp_c, lp_v, lp_i = jax.lax.while_loop(cond, body, state)
         if dcache is not None:
-            dcache = put_rows(dcache, r["rows"], dsub)
+            dcache = mtp.put(dcache, r["rows"], dsub) if self.mtp else put_rows(dcache, r["rows"], dsub)
         return out, (lp_c, lp_v, lp_i), put_view(cache, r["rows"], sub), dcache
 
-    def _draft(self, dparams, dsub, r, pending, run, K, flags):
-        """K draft tokens per row from the draft model, on a scratch copy of its rows: dsub is left as
-        it was (the point the draft resumes from). Returns (drafts [Bb, K], q [Bb, K, V])."""
+    def _draft(self, step, carry, r, pending, K, flags):
+        """K draft tokens per row: step(carry, token [Bb]) -> (logits [Bb, V], carry) is the drafter (a
+        draft model on a scratch copy of its rows, or the MTP block), fed the pending token first and
+        then its own drafts. Returns (drafts [Bb, K], q [Bb, K, V])."""
         from hybrid_jax.speculative.acceptance import processed_logits  # noqa: PLC0415
         from hybrid_jax.speculative.drafters import DRAFT_SALT  # noqa: PLC0415
         keys = jax.vmap(lambda s: jax.random.fold_in(jax.random.key(s), DRAFT_SALT))(r["seeds"])
@@ -213,18 +251,18 @@ class ModelRunner:
                                axis=-1)
             return tok, q
 
-        logits, scratch = self._dfwd(dparams, dsub, pending[:, None], run)
+        logits, carry = step(carry, pending)
         t0, q0 = draw(0, logits)
         drafts = jnp.zeros((t0.shape[0], K), jnp.int32).at[:, 0].set(t0)
         qs = jnp.zeros((t0.shape[0], K) + q0.shape[1:], jnp.float32).at[:, 0].set(q0)
 
-        def body(j, carry):
-            scratch, drafts, qs = carry
-            logits, scratch = self._dfwd(dparams, scratch, drafts[:, j - 1][:, None], run)
+        def body(j, state):
+            carry, drafts, qs = state
+            logits, carry = step(carry, drafts[:, j - 1])
             t, q = draw(j, logits)
-            return scratch, drafts.at[:, j].set(t), qs.at[:, j].set(q)
+            return carry, drafts.at[:, j].set(t), qs.at[:, j].set(q)
 
-        _, drafts, qs = jax.lax.fori_loop(1, K, body, (scratch, drafts, qs))
+        _, drafts, qs = jax.lax.fori_loop(1, K, body, (carry, drafts, qs))
         return drafts, qs
 
     def _verify_fn(self, params, cache, r, tokens, meta, dparams=None, dcache=None, *, flags, replay):
@@ -235,18 +273,31 @@ class ModelRunner:
         Returns (n_accepted [Bb], tokens [Bb, K+1]: the first n_accepted + 1 are emitted, cache)."""
         from hybrid_jax.speculative.verify import replay_verified, select_verified  # noqa: PLC0415
         sub = take_view(cache, r["rows"], r["tables"], r["lengths"])   # the snapshot, for replay (never donated)
+        from hybrid_jax.speculative import mtp  # noqa: PLC0415
         n_fed, n_draft = meta[0], meta[1]
         draft_probs = None
-        if dcache is not None:                     # a draft model writes the drafts (host sent the pending token)
-            dsub = take_rows(dcache, r["rows"])
-            drafts, draft_probs = self._draft(dparams, dsub, r, tokens[:, 0], (n_fed > 0).astype(jnp.int32),
-                                              tokens.shape[1] - 1, flags)
+        run = (n_fed > 0).astype(jnp.int32)
+        if dcache is not None:                     # the drafter writes the drafts (host sent the pending token)
+            if self.mtp:
+                dsub = mtp.take(dcache, r["rows"])
+                step, carry = mtp.draft_step(self.model, self.cfg, params, run, self.impl), mtp.draft_carry(dsub)
+            else:
+                dsub = take_rows(dcache, r["rows"])
+
+                def step(c, tok):
+                    return self._dfwd(dparams, c, tok[:, None], run)
+                carry = dsub
+            drafts, draft_probs = self._draft(step, carry, r, tokens[:, 0], tokens.shape[1] - 1, flags)
             tokens = tokens.at[:, 1:].set(drafts)
         verified = replay_verified if replay else select_verified
-        n_acc, out_tok, new = verified(params, sub, tokens, jnp.stack([n_fed, n_draft, r["steps"]]), draft_probs,
-                                       r["seeds"], r["temperature"], r["top_k"], r["top_p"], self.cfg, self.impl, flags)
+        n_acc, out_tok, new, *hidden = verified(params, sub, tokens, jnp.stack([n_fed, n_draft, r["steps"]]),
+                                                draft_probs, r["seeds"], r["temperature"], r["top_k"], r["top_p"],
+                                                self.cfg, self.impl, flags, return_hidden=self.mtp)
         n_keep = jnp.where(n_fed > 0, 1 + n_acc, 0).astype(jnp.int32)
-        if dcache is not None:                     # the draft takes the kept tokens from its resume point
+        if self.mtp:                               # the MTP block takes the kept tokens from its resume point
+            h = self.model.target_hidden(self.cfg, params, hidden[0])
+            dcache = mtp.put(dcache, r["rows"], self._mtp_advance(params, dsub, tokens, h, n_keep))
+        elif dcache is not None:                   # the draft takes the kept tokens from its resume point
             _, dnew = self._dfwd(dparams, dsub, tokens, n_keep)
             dcache = put_rows(dcache, r["rows"], dnew)
         return n_acc, out_tok, put_view(cache, r["rows"], new), dcache
@@ -356,14 +407,20 @@ class ModelRunner:
         n_new = np.zeros((Bb,), np.int32)
         reset = np.zeros((Bb,), bool)
         do_sample = np.zeros((Bb,), bool)
+        fresh = np.zeros((Bb,), bool)
         for i, p in enumerate(plan_rows):
             q = p.request
             ids = q.all_ids[q.num_computed:q.num_computed + p.num_tokens]
             tokens[i, :len(ids)] = ids
             n_new[i], reset[i], do_sample[i] = p.num_tokens, p.reset, p.sample
+            # the MTP state starts over with the row, and after a prefix hit (it holds no prefix)
+            fresh[i] = p.reset or (q.num_cached_tokens > 0 and q.num_computed == q.num_cached_tokens)
         top_n = self._top_n(reqs)
+        r = self._rows(reqs, Bb)
+        if self.mtp:
+            r["mtp_fresh"] = fresh
         tok, lps, self.cache, self.dcache = self._mixed(
-            self.params, self.cache, self._rows(reqs, Bb), jnp.asarray(reset), jnp.asarray(tokens), jnp.asarray(n_new),
+            self.params, self.cache, r, jnp.asarray(reset), jnp.asarray(tokens), jnp.asarray(n_new),
             jnp.asarray(do_sample), self.dparams, self.dcache, flags=self._flags(reqs), top_n=top_n)
         tok = np.asarray(tok)[:n]
         c, v, i = (np.asarray(a)[:n] for a in lps)
@@ -398,10 +455,11 @@ class ModelRunner:
         for Bb in self.batch_buckets():
             r = self._rows([], Bb)
             z = jnp.zeros((Bb,), bool)
+            rm = dict(r, mtp_fresh=np.zeros((Bb,), bool)) if self.mtp else r
             for top_n in widths:
                 for T in tbs:
                     _, _, self.cache, self.dcache = self._mixed(
-                        self.params, self.cache, r, z, jnp.zeros((Bb, T), jnp.int32), jnp.zeros((Bb,), jnp.int32), z,
+                        self.params, self.cache, rm, z, jnp.zeros((Bb, T), jnp.int32), jnp.zeros((Bb,), jnp.int32), z,
                         self.dparams, self.dcache, flags=FULL_SAMPLER, top_n=top_n)
                 _, _, self.cache, self.dcache = self._decode(
                     self.params, self.cache, r, jnp.zeros((Bb,), jnp.int32), z,

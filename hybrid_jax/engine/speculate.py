@@ -4,7 +4,8 @@ A decode-only engine step normally runs plain decode iterations on device. With 
 config, each running request first gets a draft length k from its own acceptance rate (dynamic K,
 `hybrid_jax.speculative.dynamic_k`) and a proposal: n-gram prompt lookup over its history (and,
 past a rejected draft of copied text, the source text after the edit: the request's cursor), or
-drafts written on device by a draft model. If any row has a draft, the step is ONE verify forward
+drafts written on device by a draft model or the checkpoint's MTP block (from state kept in
+step with the target's rows). If any row has a draft, the step is ONE verify forward
 of [pending, d_1 .. d_K] (`ModelRunner.run_verify`), with acceptance and rollback (selection or
 snapshot + replay) on device; rows without a draft ride along with k = 0. When no row drafts, a
 chunk of plain decode steps runs and the proposals made before it are checked against what it
@@ -27,6 +28,10 @@ from hybrid_jax.speculative.dynamic_k import AcceptanceTracker, cold_tail, tail_
 from hybrid_jax.speculative.metrics import SpecMetrics
 
 PROBE_EVERY = 8          # a draft-model row at k = 0 drafts one token every PROBE_EVERY decode steps
+# The MTP block is the drafter the model was trained with (published acceptance of its first draft:
+# 0.6 - 0.9): a new request's dynamic K starts from this rate, so it speculates from its first step
+# (the default prior, 0.2, waits for evidence), and then follows what its drafts actually do.
+MTP_PRIOR_RATE = 0.6
 MAX_CHUNK_GROWTH = 32    # offline fallback chunks grow 4x per quiet chunk, to at most 32 x fallback_steps
 QUIET_MAX = 3            # quiet chunks in a row that reach it (4 ** 3 >= 32)
 
@@ -34,7 +39,8 @@ QUIET_MAX = 3            # quiet chunks in a row that reach it (4 ** 3 >= 32)
 class EngineSpeculator:
     """Per-request draft lengths, n-gram proposals and acceptance statistics. With method
     "draft_model" the drafts are written on device by the runner's draft model; here only their
-    lengths are chosen (a row at k = 0 probes with one draft now and then, so it can climb)."""
+    lengths are chosen (a row at k = 0 probes with one draft now and then, so it can climb); the same
+    for method "mtp", whose drafter is the target's own MTP block (`speculative/mtp.py`)."""
 
     def __init__(self, config: dict | SpeculativeConfig, target_vocab: int):
         self.spec = parse_speculative_config(config)
@@ -42,7 +48,7 @@ class EngineSpeculator:
         self.draft = None
         if self.spec.method == "ngram":
             self.drafter = NgramDrafter(self.spec.prompt_lookup_min, self.spec.prompt_lookup_max)
-        else:
+        elif self.spec.method == "draft_model":
             self.draft = load_draft_model(self.spec.model, self.spec.draft_dtype)
             if self.draft[0].vocab_size != target_vocab:
                 raise InputError(f"draft model vocabulary ({self.draft[0].vocab_size}) differs from the target's "
@@ -72,7 +78,8 @@ class EngineSpeculator:
         would have predicted the tail of its text so far, ids [N] (`dynamic_k.tail_checks`)."""
         t = self.trackers.get(rid)
         if t is None:
-            t = self.trackers[rid] = AcceptanceTracker(1, self.spec.ewma_decay)
+            prior = {"prior_rate": MTP_PRIOR_RATE} if self.spec.method == "mtp" else {}
+            t = self.trackers[rid] = AcceptanceTracker(1, self.spec.ewma_decay, **prior)
             if self.drafter is not None and ids is not None:
                 hits, checks, run = tail_checks(np.asarray(ids, np.int64), self.drafter)
                 t.warm_start(0, hits, checks, run)
@@ -99,7 +106,7 @@ class EngineSpeculator:
             if self.drafter is not None:
                 self._tracker(q.request_id, q.all_ids)
                 prop = self._propose(q, min(K, max(q.remaining_tokens - 1, 0)))
-            else:                     # the draft model writes them on device; only the length matters here
+            else:                     # written on device (draft model, MTP); only the length matters here
                 prop = np.zeros((K,), np.int32)
             k = K
             if self.spec.dynamic_k:

@@ -9,10 +9,12 @@ Parameters (converted once at load by `convert_hf_weights`):
     dense MLP: mlp.gate_up [Hd, 2I], mlp.down [I, Hd]
     MoE:       moe.router [Hd, E] f32, moe.bias [E] f32, moe.gate_up [E, Hd, 2Im], moe.down [E, Im, Hd],
                moe.shared_gate_up [Hd, 2*Im*n_shared], moe.shared_down [Im*n_shared, Hd]
+  mtp (when the checkpoint has the MTP layer): see `_convert_mtp`
 Cache: groups "sparse_attention" (paged latent + RoPE key) and "indexer" (paged indexer keys).
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import jax
@@ -21,7 +23,9 @@ import numpy as np
 
 from cache import ModelCache
 from cache.mla import init_mla_groups
+from hybrid_jax.errors import CheckpointError
 from hybrid_jax.layers import mlp as mlp_lib
+from hybrid_jax.layers.linear import linear
 from hybrid_jax.layers.mla import rms_norm, sparse_attention
 from hybrid_jax.layers.rope import rope_cos_sin
 from hybrid_jax.models.common import finish_step, token_positions
@@ -67,13 +71,14 @@ def deepseek_moe(cfg: DeepseekV32Config, p: dict, x: jax.Array) -> jax.Array:
 
 def forward(cfg: DeepseekV32Config, params: dict, cache: ModelCache, tokens: jax.Array, n_new: jax.Array, *,
             logits_at: str = "last", impl: str = "auto", return_hidden: bool = False,
-            fused_recurrent: bool = False, per_token_states: bool = False):
-    """tokens [B, T] int32 (right-padded), n_new [B]. Same contract as qwen3_next.forward. The latent
-    group's `hit_rate` [B] holds the step's resident fraction of selected positions (mean over layers).
-    The family has no recurrent layers: fused_recurrent changes nothing and per_token_states appends {}."""
+            fused_recurrent: bool = False, per_token_states: bool = False, inputs_embeds: jax.Array | None = None):
+    """tokens [B, T] int32 (right-padded), n_new [B]. Same contract as qwen3_next.forward (inputs_embeds
+    too). The latent group's `hit_rate` [B] holds the step's resident fraction of selected positions
+    (mean over layers). The family has no recurrent layers: fused_recurrent changes nothing and
+    per_token_states appends {}."""
     B, T = tokens.shape
     positions, valid = token_positions(cache, T, n_new)                  # [B, T] each
-    x = params["embed"][tokens]
+    x = params["embed"][tokens] if inputs_embeds is None else inputs_embeds
     hidden = [x] if return_hidden else None
     cos, sin = rope_cos_sin(positions, cfg.qk_rope_head_dim, cfg.rope, seq_len=cache.lengths + n_new)
     lg, ig = cache.groups["sparse_attention"], cache.groups["indexer"]
@@ -107,6 +112,56 @@ def forward(cfg: DeepseekV32Config, params: dict, cache: ModelCache, tokens: jax
 
 def final_norm(cfg: DeepseekV32Config, params: dict, x: jax.Array) -> jax.Array:
     return rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+
+
+# ------------------------------------------------------------------------------------------------
+# The multi-token-prediction block (`params["mtp"]`), stored as decoder layer `num_hidden_layers`
+# with enorm / hnorm / eh_proj / shared_head (DeepSeek-V3's MTP module), run by
+# hybrid_jax.speculative.mtp as a drafter.
+
+def mtp_prefixes(cfg: DeepseekV32Config) -> tuple[str, ...]:
+    """Where the checkpoint keeps the MTP block: every tensor there must be read by the loader."""
+    return (f"model.layers.{cfg.num_hidden_layers}.",)
+
+
+def mtp_config(cfg: DeepseekV32Config) -> DeepseekV32Config:
+    """The MTP block's decoder layer as a one-layer model (its FFN follows its params: MoE or dense)."""
+    return dataclasses.replace(cfg, num_hidden_layers=1, layer_types=("sparse_attention",), mlp_layer_types=("dense",))
+
+
+def mtp_new_cache(cfg: DeepseekV32Config, batch_size: int, capacity: int, dtype) -> ModelCache:
+    return new_cache(mtp_config(cfg), batch_size, capacity, dtype)
+
+
+def target_hidden(cfg: DeepseekV32Config, params: dict, hidden: list) -> jax.Array:
+    """The hidden state the MTP block reads: the last layer's output after the final norm [B, T, Hd]."""
+    return final_norm(cfg, params, hidden[-1])
+
+
+def mtp_step(cfg: DeepseekV32Config, params: dict, cache: ModelCache, tokens: jax.Array, hidden: jax.Array,
+             n_new: jax.Array, *, impl: str = "auto"):
+    """One pass of the MTP block over tokens [B, T] (the token after each position) and hidden [B, T, Hd]:
+    eh_proj([enorm(embed(tokens)) | hnorm(hidden)]) -> its decoder layer (MLA + indexer over its own
+    cache, MoE) -> the residual stream, which a further draft reads and `mtp_logits` normalises
+    (shared_head.norm). The embedding at position 0 is zeroed, as vLLM's DeepSeek MTP does."""
+    mp = params["mtp"]
+    eps = cfg.rms_norm_eps
+    positions, _ = token_positions(cache, tokens.shape[1], n_new)
+    e = mp.get("embed", params["embed"])[tokens]
+    e = rms_norm(jnp.where((positions == 0)[..., None], 0, e).astype(e.dtype), mp["enorm"], eps)
+    h = rms_norm(hidden.astype(e.dtype), mp["hnorm"], eps)
+    x = linear(jnp.concatenate([e, h], axis=-1), mp["eh_proj"])
+    block = {"embed": params["embed"], "final_norm": mp["head_norm"], "layers": mp["layers"][:1]}
+    _, cache, hs = forward(mtp_config(cfg), block, cache, tokens, n_new, impl=impl, return_hidden=True,
+                           inputs_embeds=x)
+    return hs[-1], cache
+
+
+def mtp_logits(cfg: DeepseekV32Config, params: dict, h: jax.Array) -> jax.Array:
+    """shared_head: its norm, then its head (the target's LM head when the checkpoint's is the same)."""
+    mp = params["mtp"]
+    head = mp.get("head", params["lm_head"] if "lm_head" in params else params["embed"].T)
+    return jnp.dot(rms_norm(h, mp["head_norm"], cfg.rms_norm_eps), head, preferred_element_type=jnp.float32)
 
 
 def _attn_shapes(cfg):
@@ -152,9 +207,7 @@ def convert_hf_weights(cfg: DeepseekV32Config, get: Callable[[str], np.ndarray],
                        dtype, progress: Callable[[], None] = lambda: None) -> dict:
     """Re-lays a transformers DeepseekV32ForCausalLM checkpoint into the layout above, once.
     Raises CheckpointError naming a missing or misshapen tensor."""
-    s = _attn_shapes(cfg)
-    Hd, H = s["Hd"], s["H"]
-
+    Hd = cfg.hidden_size
     t = checked_getter(get, has, progress)
 
     def dev(a, dt=None):
@@ -168,44 +221,78 @@ def convert_hf_weights(cfg: DeepseekV32Config, get: Callable[[str], np.ndarray],
     if not cfg.tie_word_embeddings:
         params["lm_head"] = dev(t("lm_head.weight", (cfg.vocab_size, Hd)).T)
     for i in range(cfg.num_hidden_layers):
-        p = f"model.layers.{i}."
-        a = p + "self_attn."
-        lp = {"input_norm": dev(t(p + "input_layernorm.weight", (Hd,))),
-              "post_norm": dev(t(p + "post_attention_layernorm.weight", (Hd,)))}
-        kvb = t(a + "kv_b_proj.weight", (H * (s["nope"] + s["v"]), s["R"])).reshape(H, s["nope"] + s["v"], s["R"])
-        at = {"q_a": lin(t(a + "q_a_proj.weight", (s["Rq"], Hd)).T),
-              "q_a_norm": dev(t(a + "q_a_layernorm.weight", (s["Rq"],))),
-              "q_b": lin(t(a + "q_b_proj.weight", (H * (s["nope"] + s["Dr"]), s["Rq"])).T),
-              "kv_a": lin(t(a + "kv_a_proj_with_mqa.weight", (s["R"] + s["Dr"], Hd)).T),
-              "kv_a_norm": dev(t(a + "kv_a_layernorm.weight", (s["R"],))),
-              "w_uk": lin(kvb[:, :s["nope"]]), "w_uv": lin(kvb[:, s["nope"]:]),
-              "o_proj": lin(t(a + "o_proj.weight", (Hd, H * s["v"])).T),
-              "idx_q": lin(t(a + "indexer.wq_b.weight", (s["Hi"] * s["Di"], s["Rq"])).T),
-              "idx_k": lin(t(a + "indexer.wk.weight", (s["Di"], Hd)).T),
-              "idx_k_norm": dev(t(a + "indexer.k_norm.weight", (s["Di"],))),
-              "idx_k_norm_bias": dev(t(a + "indexer.k_norm.bias", (s["Di"],))),
-              "idx_w": dev(t(a + "indexer.weights_proj.weight", (s["Hi"], Hd)).T, jnp.float32)}
-        if cfg.attention_bias:
-            at["q_a_bias"] = dev(t(a + "q_a_proj.bias", (s["Rq"],)))
-            at["kv_a_bias"] = dev(t(a + "kv_a_proj_with_mqa.bias", (s["R"] + s["Dr"],)))
-            at["o_bias"] = dev(t(a + "o_proj.bias", (Hd,)))
-        lp["attn"] = at
-        m = p + "mlp."
-        if cfg.is_moe_layer(i):
-            E, I = cfg.n_routed_experts, cfg.moe_intermediate_size
-            Is = I * cfg.n_shared_experts
-            gate_up, down = expert_weights(t, has, m, E, I, Hd)
-            lp["moe"] = {
-                "router": dev(t(m + "gate.weight", (E, Hd)).T, jnp.float32),
-                "bias": dev(t(m + "gate.e_score_correction_bias", (E,)), jnp.float32),
-                "gate_up": lin(gate_up), "down": lin(down),
-                "shared_gate_up": lin(concat([t(m + "shared_experts.gate_proj.weight", (Is, Hd)),
-                                              t(m + "shared_experts.up_proj.weight", (Is, Hd))], 0).T),
-                "shared_down": lin(t(m + "shared_experts.down_proj.weight", (Hd, Is)).T)}
-        else:
-            I = cfg.intermediate_size
-            lp["mlp"] = {"gate_up": lin(concat([t(m + "gate_proj.weight", (I, Hd)),
-                                                    t(m + "up_proj.weight", (I, Hd))], 0).T),
-                         "down": lin(t(m + "down_proj.weight", (Hd, I)).T)}
-        params["layers"].append(lp)
+        params["layers"].append(_convert_layer(cfg, t, has, f"model.layers.{i}.", cfg.is_moe_layer(i), dev, lin))
+    if has(mtp_prefixes(cfg)[0] + "eh_proj.weight"):
+        params["mtp"] = _convert_mtp(cfg, t, has, params, dev, lin)
     return params
+
+
+def _convert_mtp(cfg: DeepseekV32Config, t, has, params: dict, dev, lin) -> dict:
+    """DeepSeek-V3's MTP module, stored as layer `num_hidden_layers`: enorm, hnorm [Hd], eh_proj [Hd, 2Hd]
+    over [embedding | hidden], shared_head.norm, shared_head.head [V, Hd], an optional copy of the
+    embedding (`embed_tokens`), and a decoder layer (MoE when it has a router). The head and the
+    embedding copy are kept only where they differ from the target's (they are shared in the releases).
+    Params: eh_proj [2Hd, Hd], enorm, hnorm, head_norm [Hd], layers [one layer], optional head [Hd, V]
+    and embed [V, Hd]."""
+    Hd, V = cfg.hidden_size, cfg.vocab_size
+    (p,) = mtp_prefixes(cfg)
+    if has(f"model.layers.{cfg.num_hidden_layers + 1}.eh_proj.weight"):
+        raise CheckpointError(f"checkpoint has more than one MTP layer (model.layers.{cfg.num_hidden_layers + 1}.*); "
+                              f"DeepSeek-V3.2 releases have one")
+    mp = {"eh_proj": lin(t(p + "eh_proj.weight", (Hd, 2 * Hd)).T), "enorm": dev(t(p + "enorm.weight", (Hd,))),
+          "hnorm": dev(t(p + "hnorm.weight", (Hd,))), "head_norm": dev(t(p + "shared_head.norm.weight", (Hd,))),
+          "layers": [_convert_layer(cfg, t, has, p, has(p + "mlp.gate.weight"), dev, lin)]}
+    head = t(p + "shared_head.head.weight", (V, Hd))
+    target_head = t("model.embed_tokens.weight") if cfg.tie_word_embeddings else t("lm_head.weight")
+    if not np.array_equal(np.asarray(head), np.asarray(target_head)):
+        mp["head"] = dev(head.T)
+    if has(p + "embed_tokens.weight"):
+        embed = t(p + "embed_tokens.weight", (V, Hd))
+        if not np.array_equal(np.asarray(embed), np.asarray(t("model.embed_tokens.weight"))):
+            mp["embed"] = dev(embed)
+    return mp
+
+
+def _convert_layer(cfg: DeepseekV32Config, t, has, p: str, moe: bool, dev, lin) -> dict:
+    """One decoder layer's tensors under prefix p (`model.layers.3.`) -> its params."""
+    s = _attn_shapes(cfg)
+    Hd, H = s["Hd"], s["H"]
+    a = p + "self_attn."
+    lp = {"input_norm": dev(t(p + "input_layernorm.weight", (Hd,))),
+          "post_norm": dev(t(p + "post_attention_layernorm.weight", (Hd,)))}
+    kvb = t(a + "kv_b_proj.weight", (H * (s["nope"] + s["v"]), s["R"])).reshape(H, s["nope"] + s["v"], s["R"])
+    at = {"q_a": lin(t(a + "q_a_proj.weight", (s["Rq"], Hd)).T),
+          "q_a_norm": dev(t(a + "q_a_layernorm.weight", (s["Rq"],))),
+          "q_b": lin(t(a + "q_b_proj.weight", (H * (s["nope"] + s["Dr"]), s["Rq"])).T),
+          "kv_a": lin(t(a + "kv_a_proj_with_mqa.weight", (s["R"] + s["Dr"], Hd)).T),
+          "kv_a_norm": dev(t(a + "kv_a_layernorm.weight", (s["R"],))),
+          "w_uk": lin(kvb[:, :s["nope"]]), "w_uv": lin(kvb[:, s["nope"]:]),
+          "o_proj": lin(t(a + "o_proj.weight", (Hd, H * s["v"])).T),
+          "idx_q": lin(t(a + "indexer.wq_b.weight", (s["Hi"] * s["Di"], s["Rq"])).T),
+          "idx_k": lin(t(a + "indexer.wk.weight", (s["Di"], Hd)).T),
+          "idx_k_norm": dev(t(a + "indexer.k_norm.weight", (s["Di"],))),
+          "idx_k_norm_bias": dev(t(a + "indexer.k_norm.bias", (s["Di"],))),
+          "idx_w": dev(t(a + "indexer.weights_proj.weight", (s["Hi"], Hd)).T, jnp.float32)}
+    if cfg.attention_bias:
+        at["q_a_bias"] = dev(t(a + "q_a_proj.bias", (s["Rq"],)))
+        at["kv_a_bias"] = dev(t(a + "kv_a_proj_with_mqa.bias", (s["R"] + s["Dr"],)))
+        at["o_bias"] = dev(t(a + "o_proj.bias", (Hd,)))
+    lp["attn"] = at
+    m = p + "mlp."
+    if moe:
+        E, I = cfg.n_routed_experts, cfg.moe_intermediate_size
+        Is = I * cfg.n_shared_experts
+        gate_up, down = expert_weights(t, has, m, E, I, Hd)
+        lp["moe"] = {
+            "router": dev(t(m + "gate.weight", (E, Hd)).T, jnp.float32),
+            "bias": dev(t(m + "gate.e_score_correction_bias", (E,)), jnp.float32),
+            "gate_up": lin(gate_up), "down": lin(down),
+            "shared_gate_up": lin(concat([t(m + "shared_experts.gate_proj.weight", (Is, Hd)),
+                                          t(m + "shared_experts.up_proj.weight", (Is, Hd))], 0).T),
+            "shared_down": lin(t(m + "shared_experts.down_proj.weight", (Hd, Is)).T)}
+    else:
+        I = cfg.intermediate_size
+        lp["mlp"] = {"gate_up": lin(concat([t(m + "gate_proj.weight", (I, Hd)),
+                                                t(m + "up_proj.weight", (I, Hd))], 0).T),
+                     "down": lin(t(m + "down_proj.weight", (Hd, I)).T)}
+    return lp

@@ -8,7 +8,8 @@ checkpoint (`convert_hf_weights`):
   - the Gated DeltaNet input projection split in four, not grouped per key head:
     in_proj_qkv [2*H*K + HV*V, Hd] (q | k | v), in_proj_z [HV*V, Hd], in_proj_b, in_proj_a [HV, Hd];
   - MoE experts as fused 3-D tensors (experts.gate_up_proj [E, 2I, Hd], experts.down_proj [E, Hd, I])
-    or per expert.
+    or per expert;
+  - the MTP block (`mtp_num_hidden_layers`) at the top level, `mtp.*`, in Qwen3-Next's layout.
 """
 from __future__ import annotations
 
@@ -24,12 +25,19 @@ from hybrid_jax.models.qwen3_next import (
     final_norm,
     forward,
     init_params,
+    mtp_config,
+    mtp_logits,
+    mtp_new_cache,
+    mtp_prefixes,
+    mtp_step,
     new_cache,
+    target_hidden,
     write_deferred_kv,
 )
 from hybrid_jax.weights import concat
 
-__all__ = ["DEFERRED_GROUPS", "convert_hf_weights", "final_norm", "forward", "init_params", "new_cache",
+__all__ = ["DEFERRED_GROUPS", "convert_hf_weights", "final_norm", "forward", "init_params", "mtp_config", "mtp_logits",
+           "mtp_new_cache", "mtp_prefixes", "mtp_step", "new_cache", "target_hidden",
            "write_deferred_kv"]           # all but the weight map are Qwen3-Next's
 log = logging.getLogger(__name__)
 TEXT_PREFIXES = ("model.language_model.", "model.")

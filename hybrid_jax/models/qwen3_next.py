@@ -12,9 +12,12 @@ different T. Parameters use the layout below, produced once at load by `convert_
     dense MLP:        mlp.gate_up [Hd, 2I], mlp.down [I, Hd]
     MoE:              moe.in_proj [Hd, E+1+2Is], moe.shared_down [Is, Hd], moe.gate_up [E, Hd, 2I],
                       moe.down [E, I, Hd]
+  mtp (when the checkpoint has `mtp.*`): fc [2Hd, Hd], enorm, hnorm, norm [Hd], layers [full-attention
+                      layers as above]; drafts for speculative decoding (`mtp_step`)
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import jax
@@ -26,10 +29,12 @@ from cache.state import DEFAULT_KV_PAGE_SIZE
 from hybrid_jax.config import ModelConfig
 from hybrid_jax.layers.attention import gated_attention, write_kv
 from hybrid_jax.layers.gated_deltanet import gated_deltanet
+from hybrid_jax.layers.linear import linear
 from hybrid_jax.layers.mlp import sparse_moe, swiglu
 from hybrid_jax.layers.norms import rms_norm_zero_centered
 from hybrid_jax.layers.rope import rope_cos_sin
 from hybrid_jax.models.common import finish_step, token_positions
+from hybrid_jax.errors import CheckpointError
 from hybrid_jax.weights import checked_getter, concat, expert_weights, to_device, to_device_linear
 
 
@@ -52,7 +57,8 @@ def _ffn(cfg: ModelConfig, lp: dict, x: jax.Array) -> jax.Array:
 
 def forward(cfg: ModelConfig, params: dict, cache: ModelCache, tokens: jax.Array, n_new: jax.Array, *,
             logits_at: str = "last", impl: str = "auto", return_hidden: bool = False,
-            fused_recurrent: bool = False, per_token_states: bool = False, defer_kv_write: bool = False):
+            fused_recurrent: bool = False, per_token_states: bool = False, defer_kv_write: bool = False,
+            inputs_embeds: jax.Array | None = None):
     """Runs tokens through the model.
 
     tokens: [B, T] int32 (row b's first n_new[b] entries are real, the rest padding); n_new: [B] int32.
@@ -67,10 +73,11 @@ def forward(cfg: ModelConfig, params: dict, cache: ModelCache, tokens: jax.Array
     defer_kv_write: the KV group is only read; the new entries {"k", "v": [L, B, T, Hkv, D]} are
     appended to the returned tuple (last) for `write_deferred_kv`, and the returned cache holds the
     input's KV arrays (its lengths and recurrent states are the step's).
+    inputs_embeds [B, T, Hd]: the first layer's input instead of the tokens' embeddings (the MTP block).
     """
     B, T = tokens.shape
     positions, valid = token_positions(cache, T, n_new)                  # [B, T] each
-    x = params["embed"][tokens]
+    x = params["embed"][tokens] if inputs_embeds is None else inputs_embeds
     hidden = [x] if return_hidden else None
     cos, sin = rope_cos_sin(positions, cfg.rotary_dim, cfg.rope, seq_len=cache.lengths + n_new)
     groups = dict(cache.groups)
@@ -144,6 +151,58 @@ def write_deferred_kv(cache: ModelCache, pending: dict, positions: jax.Array, va
 
 def final_norm(cfg: ModelConfig, params: dict, x: jax.Array) -> jax.Array:
     return rms_norm_zero_centered(x, params["final_norm"], cfg.rms_norm_eps)
+
+
+# ------------------------------------------------------------------------------------------------
+# The multi-token-prediction block (`params["mtp"]`, loaded from `mtp.*`), run by
+# hybrid_jax.speculative.mtp as a drafter: at position i it reads the token at i + 1 and a hidden
+# state of position i, and predicts the token at i + 2.
+
+MTP_PREFIX = "mtp."
+
+
+def mtp_prefixes(cfg: ModelConfig) -> tuple[str, ...]:
+    """Where the checkpoint keeps the MTP block: every tensor there must be read by the loader."""
+    return (MTP_PREFIX,)
+
+
+def mtp_config(cfg: ModelConfig) -> ModelConfig:
+    """The MTP block's decoder layer as a one-layer model of the family (its cache is that model's)."""
+    return dataclasses.replace(cfg, num_hidden_layers=1, layer_types=("full_attention",), mlp_only_layers=())
+
+
+def mtp_new_cache(cfg: ModelConfig, batch_size: int, capacity: int, dtype) -> ModelCache:
+    return new_cache(mtp_config(cfg), batch_size, capacity, dtype)
+
+
+def target_hidden(cfg: ModelConfig, params: dict, hidden: list) -> jax.Array:
+    """The hidden state the MTP block reads from the target: the last layer's output after the final
+    norm, [B, T, Hd], from forward(..., return_hidden=True)'s list."""
+    return final_norm(cfg, params, hidden[-1])
+
+
+def mtp_step(cfg: ModelConfig, params: dict, cache: ModelCache, tokens: jax.Array, hidden: jax.Array,
+             n_new: jax.Array, *, impl: str = "auto"):
+    """One pass of the MTP block over tokens [B, T] (the token after each position) and hidden [B, T, Hd]
+    (the target's `target_hidden` at each position, or the block's own output for a further draft):
+    fc([pre_fc_norm_embedding(embed(tokens)) | pre_fc_norm_hidden(hidden)]) -> the block's full-attention
+    layer (over its own KV cache) -> its norm. Returns (hidden out [B, T, Hd], the block's next input
+    and what `mtp_logits` reads; cache)."""
+    mp = params["mtp"]
+    eps = cfg.rms_norm_eps
+    e = rms_norm_zero_centered(params["embed"][tokens], mp["enorm"], eps)
+    h = rms_norm_zero_centered(hidden.astype(e.dtype), mp["hnorm"], eps)
+    x = linear(jnp.concatenate([e, h], axis=-1), mp["fc"])
+    block = {"embed": params["embed"], "final_norm": mp["norm"], "layers": mp["layers"][:1]}
+    _, cache, hs = forward(mtp_config(cfg), block, cache, tokens, n_new, impl=impl, return_hidden=True,
+                           inputs_embeds=x)
+    return final_norm(cfg, block, hs[-1]), cache
+
+
+def mtp_logits(cfg: ModelConfig, params: dict, h: jax.Array) -> jax.Array:
+    """The target's LM head over the MTP block's output h [..., Hd] -> float32 logits [..., V]."""
+    head = params["lm_head"] if "lm_head" in params else params["embed"].T
+    return jnp.dot(h, head, preferred_element_type=jnp.float32)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -250,51 +309,78 @@ def convert_hf_weights(cfg: ModelConfig, get: Callable[[str], np.ndarray], has: 
     if not cfg.tie_word_embeddings:
         params["lm_head"] = dev(t("lm_head.weight", (cfg.vocab_size, Hd)).T)
     for i, kind in enumerate(cfg.layer_types):
-        p = f"{prefix}layers.{i}."
-        lp = {"input_norm": dev(t(p + "input_layernorm.weight", (Hd,))),
-              "post_norm": dev(t(p + "post_attention_layernorm.weight", (Hd,)))}
-        if kind == "linear_attention":
-            HV, V = s["HV"], s["V"]
-            a = p + "linear_attn."
-            conv = t(a + "conv1d.weight", (cfg.linear_conv_dim, 1, cfg.linear_conv_kernel_dim))
-            lp["gdn"] = {
-                "in_proj": lin(gdn_in_proj(cfg, t, a).T), "conv": dev(conv[:, 0, :].T),
-                "A_log": jnp.asarray(t(a + "A_log", (HV,)), jnp.float32),
-                "dt_bias": jnp.asarray(t(a + "dt_bias", (HV,)), jnp.float32),
-                "norm": dev(t(a + "norm.weight", (V,))),
-                "out_proj": lin(t(a + "out_proj.weight", (Hd, HV * V)).T),
-            }
-        else:
-            Hq, Hkv, D = s["Hq"], s["Hkv"], s["D"]
-            a = p + "self_attn."
-            # q_proj interleaves per head: [Hq, (query D | gate D)].
-            qg = t(a + "q_proj.weight", (2 * Hq * D, Hd)).reshape(Hq, 2 * D, Hd)
-            q, gate = qg[:, :D].reshape(-1, Hd), qg[:, D:].reshape(-1, Hd)
-            k = t(a + "k_proj.weight", (Hkv * D, Hd))
-            v = t(a + "v_proj.weight", (Hkv * D, Hd))
-            lp["attn"] = {"qkv": lin(concat([q, gate, k, v], axis=0).T),
-                          "q_norm": dev(t(a + "q_norm.weight", (D,))), "k_norm": dev(t(a + "k_norm.weight", (D,))),
-                          "o_proj": lin(t(a + "o_proj.weight", (Hd, Hq * D)).T)}
-            if cfg.attention_bias:
-                qb = t(a + "q_proj.bias", (2 * Hq * D,)).reshape(Hq, 2 * D)
-                lp["attn"]["qkv_bias"] = dev(np.concatenate([qb[:, :D].reshape(-1), qb[:, D:].reshape(-1),
-                                                             t(a + "k_proj.bias"), t(a + "v_proj.bias")]))
-                lp["attn"]["o_bias"] = dev(t(a + "o_proj.bias", (Hd,)))
-        m = p + "mlp."
-        if cfg.is_moe_layer(i):
-            E, I, Is = cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
-            router = t(m + "gate.weight", (E, Hd))
-            sgate = t(m + "shared_expert_gate.weight", (1, Hd))
-            sg = t(m + "shared_expert.gate_proj.weight", (Is, Hd))
-            su = t(m + "shared_expert.up_proj.weight", (Is, Hd))
-            gate_up, down = expert_weights(t, has, m, E, I, Hd)
-            lp["moe"] = {"in_proj": lin(concat([router, sgate, sg, su], axis=0).T),
-                         "shared_down": lin(t(m + "shared_expert.down_proj.weight", (Hd, Is)).T),
-                         "gate_up": lin(gate_up), "down": lin(down)}
-        else:
-            I = cfg.intermediate_size
-            lp["mlp"] = {"gate_up": lin(concat([t(m + "gate_proj.weight", (I, Hd)),
-                                                    t(m + "up_proj.weight", (I, Hd))], 0).T),
-                         "down": lin(t(m + "down_proj.weight", (Hd, I)).T)}
-        params["layers"].append(lp)
+        params["layers"].append(_convert_layer(cfg, t, has, f"{prefix}layers.{i}.", kind, cfg.is_moe_layer(i), dev,
+                                               lin, gdn_in_proj))
+    if has(MTP_PREFIX + "fc.weight"):
+        params["mtp"] = _convert_mtp(cfg, t, has, dev, lin)
     return params
+
+
+def _convert_mtp(cfg: ModelConfig, t, has, dev, lin) -> dict:
+    """The MTP block (`mtp.*`, Qwen3-Next and Qwen3.5 alike): fc [Hd, 2Hd] over [embedding | hidden],
+    pre_fc_norm_embedding / pre_fc_norm_hidden, full-attention decoder layers `mtp.layers.<i>.*` (MoE
+    when a layer has a router, else a dense MLP), and its final norm. Params: fc [2Hd, Hd], enorm,
+    hnorm, norm [Hd], layers [a layer's params, like the target's full-attention layers]."""
+    Hd, p = cfg.hidden_size, MTP_PREFIX
+    n = 0
+    while has(f"{p}layers.{n}.input_layernorm.weight"):
+        n += 1
+    if n == 0:
+        raise CheckpointError(f"checkpoint has {p}fc.weight but no MTP decoder layer ({p}layers.0.*)")
+    return {"fc": lin(t(p + "fc.weight", (Hd, 2 * Hd)).T), "enorm": dev(t(p + "pre_fc_norm_embedding.weight", (Hd,))),
+            "hnorm": dev(t(p + "pre_fc_norm_hidden.weight", (Hd,))), "norm": dev(t(p + "norm.weight", (Hd,))),
+            "layers": [_convert_layer(cfg, t, has, f"{p}layers.{i}.", "full_attention",
+                                      has(f"{p}layers.{i}.mlp.gate.weight"), dev, lin) for i in range(n)]}
+
+
+def _convert_layer(cfg: ModelConfig, t, has, p: str, kind: str, moe: bool, dev, lin, gdn_in_proj=grouped_in_proj
+                   ) -> dict:
+    """One decoder layer's tensors under prefix p (`model.layers.3.`, `mtp.layers.0.`) -> its params."""
+    s = _shapes(cfg)
+    Hd = s["Hd"]
+    lp = {"input_norm": dev(t(p + "input_layernorm.weight", (Hd,))),
+          "post_norm": dev(t(p + "post_attention_layernorm.weight", (Hd,)))}
+    if kind == "linear_attention":
+        HV, V = s["HV"], s["V"]
+        a = p + "linear_attn."
+        conv = t(a + "conv1d.weight", (cfg.linear_conv_dim, 1, cfg.linear_conv_kernel_dim))
+        lp["gdn"] = {
+            "in_proj": lin(gdn_in_proj(cfg, t, a).T), "conv": dev(conv[:, 0, :].T),
+            "A_log": jnp.asarray(t(a + "A_log", (HV,)), jnp.float32),
+            "dt_bias": jnp.asarray(t(a + "dt_bias", (HV,)), jnp.float32),
+            "norm": dev(t(a + "norm.weight", (V,))),
+            "out_proj": lin(t(a + "out_proj.weight", (Hd, HV * V)).T),
+        }
+    else:
+        Hq, Hkv, D = s["Hq"], s["Hkv"], s["D"]
+        a = p + "self_attn."
+        # q_proj interleaves per head: [Hq, (query D | gate D)].
+        qg = t(a + "q_proj.weight", (2 * Hq * D, Hd)).reshape(Hq, 2 * D, Hd)
+        q, gate = qg[:, :D].reshape(-1, Hd), qg[:, D:].reshape(-1, Hd)
+        k = t(a + "k_proj.weight", (Hkv * D, Hd))
+        v = t(a + "v_proj.weight", (Hkv * D, Hd))
+        lp["attn"] = {"qkv": lin(concat([q, gate, k, v], axis=0).T),
+                      "q_norm": dev(t(a + "q_norm.weight", (D,))), "k_norm": dev(t(a + "k_norm.weight", (D,))),
+                      "o_proj": lin(t(a + "o_proj.weight", (Hd, Hq * D)).T)}
+        if cfg.attention_bias:
+            qb = t(a + "q_proj.bias", (2 * Hq * D,)).reshape(Hq, 2 * D)
+            lp["attn"]["qkv_bias"] = dev(np.concatenate([qb[:, :D].reshape(-1), qb[:, D:].reshape(-1),
+                                                         t(a + "k_proj.bias"), t(a + "v_proj.bias")]))
+            lp["attn"]["o_bias"] = dev(t(a + "o_proj.bias", (Hd,)))
+    m = p + "mlp."
+    if moe:
+        E, I, Is = cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
+        router = t(m + "gate.weight", (E, Hd))
+        sgate = t(m + "shared_expert_gate.weight", (1, Hd))
+        sg = t(m + "shared_expert.gate_proj.weight", (Is, Hd))
+        su = t(m + "shared_expert.up_proj.weight", (Is, Hd))
+        gate_up, down = expert_weights(t, has, m, E, I, Hd)
+        lp["moe"] = {"in_proj": lin(concat([router, sgate, sg, su], axis=0).T),
+                     "shared_down": lin(t(m + "shared_expert.down_proj.weight", (Hd, Is)).T),
+                     "gate_up": lin(gate_up), "down": lin(down)}
+    else:
+        I = cfg.intermediate_size
+        lp["mlp"] = {"gate_up": lin(concat([t(m + "gate_proj.weight", (I, Hd)),
+                                                t(m + "up_proj.weight", (I, Hd))], 0).T),
+                     "down": lin(t(m + "down_proj.weight", (Hd, I)).T)}
+    return lp

@@ -2,6 +2,7 @@
 
   {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
   {"method": "draft_model", "model": "/path/to/small/checkpoint", "num_speculative_tokens": 4}
+  {"method": "mtp", "num_speculative_tokens": 2}     # the checkpoint's own MTP block drafts (engine only)
 
 plus this project's options:
   "rollback":  "selection" (default: the verify step emits the recurrent state after every draft
@@ -28,7 +29,7 @@ from typing import Any
 
 from hybrid_jax.errors import InputError
 
-METHODS = ("ngram", "draft_model")
+METHODS = ("ngram", "draft_model", "mtp")
 ROLLBACKS = ("selection", "replay")
 _KEYS = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model", "rollback",
          "dynamic_k", "fallback_steps", "draft_cost", "ewma_decay", "draft_dtype", "device_loop"}

@@ -34,45 +34,53 @@ def _fwd(cfg, impl, params, cache, tokens, n_new, **kw):
 
 
 def _verify(params, cache, tokens, meta, draft_probs, seeds, temperature, top_k, top_p, cfg, impl, flags,
-            per_token_states, defer_kv_write: bool = False):
+            per_token_states, defer_kv_write: bool = False, return_hidden: bool = False):
     """The verify forward and acceptance. Returns (n_acc, out_tok, n_fed, n_keep, cache after all fed
-    tokens, per-token states or None) and, with defer_kv_write, the KV entries the forward did not
-    write (the model's `write_deferred_kv`)."""
+    tokens, per-token states or None, hidden states [B, T, Hd] or None) and, with defer_kv_write, the
+    KV entries the forward did not write (the model's `write_deferred_kv`)."""
     n_fed, n_draft, step = meta[0], meta[1], meta[2]
     kw = dict(defer_kv_write=True) if defer_kv_write else {}
+    if return_hidden:
+        kw["return_hidden"] = True
     out = _fwd(cfg, impl, params, cache, tokens, n_fed, logits_at="all", fused_recurrent=True,
                per_token_states=per_token_states, **kw)
     logits, new = out[0], out[1]
+    extra = list(out[2:])                    # [hidden], [states], [deferred], in that order
+    hidden = extra.pop(0) if return_hidden else None
+    states = extra.pop(0) if per_token_states else None
     keys = jax.vmap(jax.random.key)(seeds)
     n_acc, out_tok = accept(logits, tokens[:, 1:], draft_probs, n_draft, keys, step, temperature, top_k, top_p, flags)
     n_keep = jnp.where(n_fed > 0, 1 + n_acc, 0).astype(jnp.int32)
-    res = n_acc, out_tok, n_fed, n_keep, new, (out[2] if per_token_states else None)
-    return res + (out[-1],) if defer_kv_write else res
+    res = n_acc, out_tok, n_fed, n_keep, new, states, hidden
+    return res + (extra[0],) if defer_kv_write else res
 
 
 def select_verified(params, cache, tokens, meta, draft_probs, seeds, temperature, top_k, top_p, cfg, impl, flags,
-                    defer_kv_write: bool = False):
+                    defer_kv_write: bool = False, return_hidden: bool = False):
     """The verify forward, acceptance and rollback by selection. tokens [B, K+1] int32 = [pending,
     d_1 .. d_K] (drafts past n_draft[b] are padding); meta [3, B] int32 = (n_fed: 1 + n_draft for
     running rows, 0 for the others; n_draft; step: tokens generated so far); draft_probs [B, K, V]
     f32 or None; seeds [B] uint32; temperature, top_p [B] f32; top_k [B] int32.
     Returns (n_accepted [B], tokens [B, K+1] (the first n_accepted + 1 are emitted), the cache
-    holding exactly the kept tokens) and, with defer_kv_write, the KV entries the forward did not
-    write."""
-    res = _verify(params, cache, tokens, meta, draft_probs, seeds, temperature, top_k, top_p, cfg, impl, flags,
-                  True, defer_kv_write=defer_kv_write)
-    n_acc, out_tok, n_fed, n_keep, new, states = res[:6]
-    return (n_acc, out_tok, rollback_by_selection(new, states, cache.lengths, n_fed, n_keep)) + res[6:]
+    holding exactly the kept tokens), then with return_hidden the forward's hidden states [B, K+1, Hd]
+    (an MTP drafter reads them), and with defer_kv_write the KV entries the forward did not write."""
+    n_acc, out_tok, n_fed, n_keep, new, states, hidden, *pend = _verify(
+        params, cache, tokens, meta, draft_probs, seeds, temperature, top_k, top_p, cfg, impl, flags, True,
+        defer_kv_write=defer_kv_write, return_hidden=return_hidden)
+    out = (n_acc, out_tok, rollback_by_selection(new, states, cache.lengths, n_fed, n_keep))
+    return out + ((hidden,) if return_hidden else ()) + tuple(pend)
 
 
-def replay_verified(params, cache, tokens, meta, draft_probs, seeds, temperature, top_k, top_p, cfg, impl, flags):
+def replay_verified(params, cache, tokens, meta, draft_probs, seeds, temperature, top_k, top_p, cfg, impl, flags,
+                    return_hidden: bool = False):
     """The verify forward and acceptance with rollback by snapshot + replay: `cache` (the snapshot,
     never written) runs again over the kept tokens only. Same arguments and results as
     `select_verified`."""
-    n_acc, out_tok, n_fed, n_keep, new, _ = _verify(params, cache, tokens, meta, draft_probs, seeds, temperature,
-                                                    top_k, top_p, cfg, impl, flags, False)
+    n_acc, out_tok, n_fed, n_keep, new, _, hidden = _verify(params, cache, tokens, meta, draft_probs, seeds,
+                                                            temperature, top_k, top_p, cfg, impl, flags, False,
+                                                            return_hidden=return_hidden)
     _, rep = _fwd(cfg, impl, params, cache, tokens, n_keep, fused_recurrent=True)
-    return n_acc, out_tok, finish_replay(rep, new.version, n_fed, n_keep)
+    return (n_acc, out_tok, finish_replay(rep, new.version, n_fed, n_keep)) + ((hidden,) if return_hidden else ())
 
 
 @functools.partial(jax.jit, static_argnames=STATIC + ("steps",), donate_argnums=(1,))

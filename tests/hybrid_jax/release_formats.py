@@ -177,3 +177,42 @@ def assert_matches_transformers(llm, hf, lengths=(7, 300), n_tokens: int = 16, t
         with torch.no_grad():
             ref = hf.generate(torch.tensor([ids]), max_new_tokens=n_tokens, min_new_tokens=n_tokens, do_sample=False)
         assert o.outputs[0].token_ids == ref[0, len(ids):].tolist(), f"greedy tokens differ for T={len(ids)}"
+
+
+def with_mtp(src: str, dst: str, *, prefix: str = "model.", layer: int, mode: str = "copy", drop=(), extra=None,
+             seed: int = 0) -> str:
+    """src's tensors plus an MTP block `mtp.*` (Qwen3-Next / Qwen3.5 layout) whose decoder layer is a copy
+    of layer `layer`. mode "copy": a meaningful drafter: every layer but `layer` is silenced (its
+    outputs zeroed, so the target is that one attention layer over the embeddings), the embedding rows
+    get RMS 1 and fc passes the (normalised) embedding of the next token through, so the block computes
+    what the target computes one position later. mode "random": fc and norms random (drafts are noise).
+    drop: MTP tensors left out; extra: tensors added."""
+    t = load(src)
+    Hd = t[prefix + "embed_tokens.weight"].shape[1]
+    rng = np.random.default_rng(seed)
+    lp = f"{prefix}layers.{layer}."
+    mtp = {"mtp." + "layers.0." + k[len(lp):]: v.copy() for k, v in t.items() if k.startswith(lp)}
+    if mode == "copy":
+        e = t[prefix + "embed_tokens.weight"]
+        rms = np.sqrt(np.mean(e * e, axis=1, keepdims=True))
+        t[prefix + "embed_tokens.weight"] = e / np.where(rms > 0, rms, 1.0)       # a zero (padding) row stays
+        for k in list(t):
+            if k.startswith(prefix + "layers.") and not k.startswith(lp) and (
+                    k.endswith(("out_proj.weight", "o_proj.weight", "down_proj.weight", "down_proj"))):
+                t[k] = np.zeros_like(t[k])
+        mtp["mtp.fc.weight"] = np.concatenate([np.eye(Hd), np.zeros((Hd, Hd))], axis=1).astype(np.float32)
+        for n in ("pre_fc_norm_embedding", "pre_fc_norm_hidden"):
+            mtp[f"mtp.{n}.weight"] = np.zeros((Hd,), np.float32)          # zero-centred: scale 1
+        mtp["mtp.norm.weight"] = t[prefix + "norm.weight"].copy()
+    else:
+        mtp["mtp.fc.weight"] = rng.normal(0, 0.05, (Hd, 2 * Hd)).astype(np.float32)
+        for n in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+            mtp[f"mtp.{n}.weight"] = rng.normal(0, 0.1, (Hd,)).astype(np.float32)
+    for k in drop:
+        mtp.pop(k)
+    save(dst, {**t, **mtp, **(extra or {})})
+    write_config(dst, read_config(src))
+    for f in os.listdir(src):
+        if f not in ("model.safetensors", "config.json"):
+            shutil.copy(os.path.join(src, f), os.path.join(dst, f))
+    return dst
