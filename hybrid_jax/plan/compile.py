@@ -21,6 +21,7 @@ once; tests/hybrid_jax/test_plan.py checks the two agree on a tiny model.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -92,7 +93,7 @@ class Shapes:
     dtype: object
     quantization: str | None
     rows: int                  # engine rows (max_num_seqs + the null row)
-    pages: dict                # paged group -> pages in its pool
+    pages: tuple               # (paged group, pages in its pool) pairs
     max_model_len: int
     page_size: int
     decode_batch: int          # Bb of the decode step
@@ -105,12 +106,23 @@ def _row_args(layout, Bb: int):
     return S((Bb,), jnp.int32), tables, S((Bb,), jnp.int32)
 
 
+_COMPILED: dict[tuple, tuple[StepCost, StepCost]] = {}
+
+
 def compile_model(cfg, sh: Shapes, device, impl: str = "auto") -> tuple[StepCost, StepCost]:
-    """(decode, prefill chunk) costs of cfg's model part (no sampler), each compiled once for `device`."""
+    """(decode, prefill chunk) costs of cfg's model part (no sampler), each compiled once for `device`
+    (remembered per process: plans of the same model at other splits compile nothing again)."""
+    key = (repr(cfg), repr(sh), str(device), impl)
+    if key not in _COMPILED:
+        _COMPILED[key] = _compile_model(cfg, sh, device, impl)
+    return _COMPILED[key]
+
+
+def _compile_model(cfg, sh: Shapes, device, impl: str) -> tuple[StepCost, StepCost]:
     model = get_model(cfg.model_type)
     params = abstract_params(cfg, sh.dtype, sh.quantization)
     layout = abstract_layout(cfg, sh.dtype, sh.max_model_len, sh.page_size)
-    pools = abstract_pools(layout, sh.rows, sh.pages)
+    pools = abstract_pools(layout, sh.rows, dict(sh.pages))
     S = jax.ShapeDtypeStruct
     out = []
     for step, Bb, extra in ((_decode_step, sh.decode_batch, (S((sh.decode_batch,), jnp.int32),
@@ -122,6 +134,7 @@ def compile_model(cfg, sh: Shapes, device, impl: str = "auto") -> tuple[StepCost
     return out[0], out[1]
 
 
+@functools.lru_cache(maxsize=16)
 def compile_sampler(batch: int, vocab: int, device) -> StepCost:
     """The engine's full sampler on [batch, vocab] float32 logits."""
     S = jax.ShapeDtypeStruct

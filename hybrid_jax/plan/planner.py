@@ -168,8 +168,8 @@ def plan(model: str, topology_name: str, *, max_num_seqs: int = 64, max_model_le
     by_kind = bytes_by_kind(pools)
 
     Bb = bucket(max_num_seqs)
-    sh = Shapes(dtype=dt, quantization=quantization, rows=rows, pages=pages, max_model_len=max_model_len,
-                page_size=page_size, decode_batch=Bb, chunk=chunk)
+    sh = Shapes(dtype=dt, quantization=quantization, rows=rows, pages=tuple(sorted(pages.items())),
+                max_model_len=max_model_len,                page_size=page_size, decode_batch=Bb, chunk=chunk)
     if layers == "auto" and weights > chip.hbm_bytes:
         layers = "reduced"            # a whole model beyond one chip's HBM is not worth compiling whole
     try:
@@ -177,7 +177,11 @@ def plan(model: str, topology_name: str, *, max_num_seqs: int = 64, max_model_le
     except HybridJaxError:
         raise
     except Exception as e:  # noqa: BLE001  (compiler errors: say what was being compiled)
-        raise PlanError(f"the TPU compiler failed on {label} for {topology_name}: {str(e).splitlines()[0]}") from e
+        msg = str(e).splitlines()[0]
+        if "RESOURCE_EXHAUSTED" in msg:
+            raise PlanError(f"{label} does not fit one {chip.name} chip at max_num_seqs {max_num_seqs} x max_model_len "
+                            f"{max_model_len}: the TPU compiler says: {msg}") from None
+        raise PlanError(f"the TPU compiler failed on {label} for {topology_name}: {msg}") from e
     sampler = compile_sampler(Bb, cfg.vocab_size, topo.device)
     decode = costs.decode + dataclasses.replace(sampler, temp_bytes=0.0)
     temps = max(costs.decode.temp_bytes, sampler.temp_bytes, costs.prefill.temp_bytes)
