@@ -170,8 +170,7 @@ def plan(model: str, topology_name: str, *, max_num_seqs: int = 64, max_model_le
     Bb = bucket(max_num_seqs)
     sh = Shapes(dtype=dt, quantization=quantization, rows=rows, pages=tuple(sorted(pages.items())),
                 max_model_len=max_model_len,                page_size=page_size, decode_batch=Bb, chunk=chunk)
-    if layers == "auto" and weights > chip.hbm_bytes:
-        layers = "reduced"            # a whole model beyond one chip's HBM is not worth compiling whole
+    layers = costs_mode(layers, cfg, weights, chip)
     try:
         costs = model_costs(cfg, sh, topo.device, layers=layers, impl=impl)
     except HybridJaxError:
@@ -179,8 +178,11 @@ def plan(model: str, topology_name: str, *, max_num_seqs: int = 64, max_model_le
     except Exception as e:  # noqa: BLE001  (compiler errors: say what was being compiled)
         msg = str(e).splitlines()[0]
         if "RESOURCE_EXHAUSTED" in msg:
+            what = ("the compiled programs (one layer of each kind, and one more)" if costs_mode(layers, cfg, weights, chip)
+                    == "reduced" else "the model")
             raise PlanError(f"{label} does not fit one {chip.name} chip at max_num_seqs {max_num_seqs} x max_model_len "
-                            f"{max_model_len}: the TPU compiler says: {msg}") from None
+                            f"{max_model_len}: {what} must fit one chip until sharding exists, and the TPU compiler "
+                            f"says: {msg}") from None
         raise PlanError(f"the TPU compiler failed on {label} for {topology_name}: {msg}") from e
     sampler = compile_sampler(Bb, cfg.vocab_size, topo.device)
     decode = costs.decode + dataclasses.replace(sampler, temp_bytes=0.0)
@@ -218,6 +220,16 @@ def plan(model: str, topology_name: str, *, max_num_seqs: int = 64, max_model_le
                 split=n, dtype=dtype, quantization=quantization, max_num_seqs=max_num_seqs,
                 max_model_len=max_model_len, decode_batch=Bb, chunk=chunk, num_params=num_params, costs=costs,
                 sampler=sampler, memory=memory, capacity=capacity, roofline=roof, notes=tuple(notes))
+
+
+def costs_mode(layers: str, cfg, weights: int, chip: Chip) -> str:
+    """'full' or 'reduced' for layers='auto': reduced when the weights exceed one chip's HBM (a whole model
+    beyond it cannot be compiled for one chip) or when it saves programs (compile.model_costs)."""
+    if layers != "auto":
+        return layers
+    if weights > chip.hbm_bytes:
+        return "reduced"
+    return "full" if cfg.num_hidden_layers <= 2 * len(layer_counts(cfg)) + 2 else "reduced"
 
 
 def _param_leaves(params):
