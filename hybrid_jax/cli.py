@@ -1,10 +1,11 @@
-"""Command line: `hybrid-jax generate | align | serve | bench`.
+"""Command line: `hybrid-jax generate | align | serve | bench | plan`.
 
     hybrid-jax generate --prompt "Hello"                 # the embedded default model (untrained)
     hybrid-jax generate --model PATH --prompt "Hello" --max-tokens 64 --temperature 0
     hybrid-jax align --model PATH --tokens 1,2,3
     hybrid-jax serve --model PATH --port 8000
     hybrid-jax bench --url http://127.0.0.1:8000 --num-requests 64 --concurrency 8
+    hybrid-jax plan --model qwen3_next_80b_a3b_instruct --topology v6e:2x4 --tensor-parallel-size 8
 """
 from __future__ import annotations
 
@@ -70,6 +71,19 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--shared-prefix", type=float, default=0.0, help="fraction of each prompt shared by all")
     b.add_argument("--seed", type=int, default=0)
     _add_engine_args(b)
+    p = sub.add_parser("plan", help="per-chip HBM, capacity and roofline on a TPU topology (TPU compiler, no TPU)")
+    p.add_argument("--model", required=True, help="a config.json, a checkpoint directory, or a published config's "
+                   "name (hybrid_jax/published_configs, e.g. qwen3_next_80b_a3b_instruct)")
+    p.add_argument("--topology", required=True, help="TPU slice as libtpu names it, e.g. v6e:2x4, v5e:2x2, v5p:2x2x2")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="chips one replica is split over (an ideal split until sharding exists)")
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-model-len", type=int, default=32768)
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    p.add_argument("--quantization", default=None, choices=["fp8"], help="linear weights in FP8 (block scales)")
+    p.add_argument("--prefill-chunk", type=int, default=2048, help="tokens of the compiled prefill chunk")
+    p.add_argument("--layers", default="auto", choices=["auto", "full", "reduced"],
+                   help="compile every layer, or one of each kind scaled by the layer counts (auto: by size)")
     return ap
 
 
@@ -173,11 +187,33 @@ def _align(args) -> int:
     return 0 if report.first_divergent is None else 1
 
 
+def _plan(args) -> int:
+    # The TPU compiler is reached through jax.experimental.topologies; no TPU is probed for, and libtpu's
+    # one-process lock is not taken (nothing is shared without a TPU attached).
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    import jax  # noqa: PLC0415
+    if not os.environ.get("JAX_PLATFORMS"):
+        jax.config.update("jax_platforms", "cpu")
+    from hybrid_jax.plan import format_plan, plan  # noqa: PLC0415
+    p = plan(args.model, args.topology, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+             tensor_parallel_size=args.tensor_parallel_size, dtype=args.dtype, quantization=args.quantization,
+             chunk=args.prefill_chunk, layers=args.layers)
+    print(format_plan(p))
+    if not p.fits:
+        print(f"hybrid-jax: error: {p.model} does not fit {p.split} x {p.chip.name} at max_num_seqs "
+              f"{p.max_num_seqs} x max_model_len {p.max_model_len}: {-p.memory.free / 2**30:.2f} GiB per chip short "
+              f"(raise --tensor-parallel-size, lower --max-num-seqs / --max-model-len, or use --quantization fp8)",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     args = build_parser().parse_args(argv)
     try:
-        return {"generate": _generate, "align": _align, "serve": _serve, "bench": _bench}[args.command](args)
+        return {"generate": _generate, "align": _align, "serve": _serve, "bench": _bench,
+                "plan": _plan}[args.command](args)
     except HybridJaxError as e:
         print(f"hybrid-jax: error: {e}", file=sys.stderr)
         return 2

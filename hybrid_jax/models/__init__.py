@@ -4,7 +4,7 @@
       -> (logits, cache[, hidden])
   new_cache(cfg, batch_size, capacity, dtype, page_size=None) -> cache.ModelCache
       (page_size: tokens per full-KV page, for the families with full attention)
-  init_params(cfg, seed, dtype) -> params        (deterministic random init)
+  init_params(cfg, seed, dtype, rng=None) -> params   (deterministic random init)
   convert_hf_weights(cfg, get, has, dtype, progress) -> params   (the one-time HF re-layout)
   final_norm(cfg, params, x) -> x                (the norm before the LM head; used by align)
 

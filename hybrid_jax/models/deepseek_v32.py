@@ -170,10 +170,12 @@ def _attn_shapes(cfg):
                 nope=cfg.qk_nope_head_dim, v=cfg.v_head_dim, Hi=cfg.index_n_heads, Di=cfg.index_head_dim)
 
 
-def init_params(cfg: DeepseekV32Config, seed: int = 0, dtype=jnp.float32) -> dict:
-    """Deterministic random parameters in the converted layout (std 0.02; norms at 1)."""
+def init_params(cfg: DeepseekV32Config, seed: int = 0, dtype=jnp.float32, rng=None) -> dict:
+    """Deterministic random parameters in the converted layout (std 0.02; norms at 1).
+    rng: the numpy Generator to draw from (default_rng(seed) when None; `hybrid_jax.plan` passes one that
+    returns traced zeros, so that under jax.eval_shape nothing is drawn or allocated)."""
     s = _attn_shapes(cfg)
-    rng = np.random.default_rng(seed)
+    rng = np.random.default_rng(seed) if rng is None else rng
 
     def n(*shape, std=0.02, dt=dtype):
         return jnp.asarray(rng.normal(0.0, std, shape), dt)

@@ -216,10 +216,12 @@ def _shapes(cfg: ModelConfig) -> dict:
     return dict(Hd=Hd, H=H, HV=HV, K=K, V=V, Hq=Hq, Hkv=Hkv, D=D)
 
 
-def init_params(cfg: ModelConfig, seed: int = 0, dtype=jnp.float32) -> dict:
-    """Deterministic random parameters in the converted layout (std 0.02, like HF's init)."""
+def init_params(cfg: ModelConfig, seed: int = 0, dtype=jnp.float32, rng=None) -> dict:
+    """Deterministic random parameters in the converted layout (std 0.02, like HF's init).
+    rng: the numpy Generator to draw from (default_rng(seed) when None; `hybrid_jax.plan` passes one that
+    returns traced zeros, so that under jax.eval_shape nothing is drawn or allocated)."""
     s = _shapes(cfg)
-    rng = np.random.default_rng(seed)
+    rng = np.random.default_rng(seed) if rng is None else rng
 
     def n(*shape, std=0.02):
         return jnp.asarray(rng.normal(0.0, std, shape), dtype)

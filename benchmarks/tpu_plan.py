@@ -1,0 +1,87 @@
+"""Plans of two real models on TPU slices, built by the TPU compiler on this CPU host (no TPU, no weights).
+
+    python benchmarks/tpu_plan.py
+
+- Qwen3-Next-80B-A3B-Instruct on v6e:2x4, split over its 8 chips;
+- DeepSeek-V3.2 (FP8 weights, as released) on the smallest v5p slice that holds it at 32k context (v5p,
+  not v6e: the reduced programs hold two of its 11 GB FP8 MoE layers plus 32k-context pools, which one
+  v6e chip's 32 GB cannot take, and until sharding exists the programs are compiled for one chip);
+
+each at max_num_seqs 64 and 32k context: per-chip HBM, the batch that fits at 32k, decode bytes per step
+against the minimum (weights + cache read once; the goal is <= 1.2x) and the modeled decode tok/s per
+chip. Multi-device sharding does not exist yet: the programs are compiled for one device and a split
+over N chips is an ideal one (every byte and FLOP / N). Both models are compiled with one layer of each
+kind and scaled by the layer counts (hybrid_jax/plan/compile.py). Beside them, a figure MEASURED
+ELSEWHERE on real TPUs by tpu-inference, for scale only.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from hybrid_jax.plan import CHIPS, format_plan, parse_topology, plan  # noqa: E402
+from hybrid_jax.plan.planner import DTYPES, resolve_model  # noqa: E402
+from hybrid_jax.plan.shapes import abstract_params, tree_nbytes  # noqa: E402
+
+CONTEXT, SEQS = 32768, 64
+# slices libtpu names, smallest first
+SLICES = {"v6e": ("v6e:2x2", "v6e:2x4", "v6e:4x4", "v6e:4x8", "v6e:8x8", "v6e:8x16", "v6e:16x16"),
+          "v5p": ("v5p:2x2x1", "v5p:2x2x2", "v5p:2x2x4", "v5p:2x4x4", "v5p:4x4x4", "v5p:4x4x8")}
+PUBLISHED = ("tpu-inference (vLLM TPU), Qwen3.5-397B-A17B-FP8, 8k in / 1k out, concurrency 256: 3,161 output tok/s "
+             "(tpu-inference issue 3050) -- MEASURED ELSEWHERE on real TPUs, not by this script")
+
+
+def smallest_slice(model: str, quantization: str | None, chip: str) -> tuple[str, int]:
+    """The first slice of `chip` whose chips hold the weights with at least a fifth of HBM left for cache
+    and temporaries (an ideal split), and its chip count."""
+    _, cfg = resolve_model(model)
+    w = tree_nbytes(abstract_params(cfg, DTYPES["bfloat16"], quantization))
+    for name in SLICES[chip]:
+        n = parse_topology(name)[1]
+        if w / n <= 0.8 * CHIPS[chip].hbm_bytes:
+            return name, n
+    raise SystemExit(f"{model} does not fit the largest {chip} slice")
+
+
+def run(label: str, model: str, topo: str, n: int, quantization: str | None = None):
+    t = time.perf_counter()
+    p = plan(model, topo, tensor_parallel_size=n, max_num_seqs=SEQS, max_model_len=CONTEXT,
+             quantization=quantization, layers="reduced")
+    print(f"==== {label} ({time.perf_counter() - t:.0f} s to compile and plan)")
+    print(format_plan(p))
+    print()
+    return p
+
+
+def main(argv: list[str]):
+    """argv: which models to plan ("qwen", "deepseek"; default both)."""
+    which = set(argv) or {"qwen", "deepseek"}
+    rows = []
+    if "qwen" in which:
+        p = run("Qwen3-Next-80B-A3B on v6e:2x4", "qwen3_next_80b_a3b_instruct", "v6e:2x4", 8)
+        rows.append(("Qwen3-Next-80B-A3B bf16", p))
+    if "deepseek" in which:
+        topo, n = smallest_slice("deepseek_v32", "fp8", "v5p")
+        p = run(f"DeepSeek-V3.2 FP8 on {topo} (smallest v5p slice holding it)", "deepseek_v32", topo, n, "fp8")
+        rows.append(("DeepSeek-V3.2 fp8", p))
+    print("==== summary (per chip; ESTIMATES from the TPU compiler's cost analysis and published chip peaks)")
+    print(f"{'model':<26}{'slice':<10}{'HBM used':>10}{'of':>8}{'batch@32k':>11}{'bytes/min':>11}"
+          f"{'decode tok/s/chip':>19}{'at min bytes':>14}")
+    for label, p in rows:
+        used = p.memory.capacity - p.memory.free
+        print(f"{label:<26}{p.topology:<10}{used / 2**30:>8.1f}Gi{p.memory.capacity / 2**30:>6.1f}Gi"
+              f"{p.capacity.batch_at_context:>11}{p.roofline.bytes_over_min:>10.2f}x{p.roofline.decode_tok_s:>19,.0f}"
+              f"{p.roofline.decode_tok_s_at_min:>14,.0f}")
+    print("goal: decode bytes accessed <= 1.2x the minimum")
+    print()
+    print("for scale:", PUBLISHED)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

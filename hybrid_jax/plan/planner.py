@@ -1,0 +1,261 @@
+"""`plan()`: a model's per-chip HBM, capacity and roofline on a TPU topology, from the TPU compiler.
+
+Every figure is for one replica of the model spread over `split` chips (`--tensor-parallel-size`,
+default 1). Multi-device sharding does not exist yet in this project, so the programs are compiled for
+ONE device of the topology and a split over N chips is an *ideal split*: every byte and FLOP divided
+evenly by N, no replicated weights, no collectives. With N = 1 the figures are those of the compiled
+program itself. Speeds are roofline estimates from the chip's published peaks (`chips.py`), not
+measurements.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import pathlib
+import re
+
+import jax.numpy as jnp
+
+from hybrid_jax.config import config_from_hf_dict, load_config
+from hybrid_jax.errors import ConfigError, HybridJaxError
+from hybrid_jax.generate import bucket
+from hybrid_jax.plan.chips import Chip, PlanError, topology
+from hybrid_jax.plan.compile import (
+    ModelCosts,
+    Shapes,
+    StepCost,
+    compile_sampler,
+    model_costs,
+)
+from hybrid_jax.plan.shapes import (
+    abstract_layout,
+    abstract_params,
+    abstract_pools,
+    bytes_by_kind,
+    pool_pages,
+    request_bytes,
+    tree_nbytes,
+)
+
+PUBLISHED = pathlib.Path(__file__).parents[1] / "published_configs"
+DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "float16": jnp.float16}
+
+
+@dataclasses.dataclass(frozen=True)
+class Memory:
+    """HBM of one chip, bytes."""
+    capacity: int
+    weights: float
+    cache_by_kind: dict[str, float]      # kind -> bytes (shapes.KIND_LABELS names them)
+    temporaries: float                   # compiler temporaries (the larger of decode and prefill)
+
+    @property
+    def cache(self) -> float:
+        return sum(self.cache_by_kind.values())
+
+    @property
+    def free(self) -> float:
+        return self.capacity - self.weights - self.cache - self.temporaries
+
+
+@dataclasses.dataclass(frozen=True)
+class Capacity:
+    """How many requests fit beside the weights and temporaries (the pools resized to what is left)."""
+    context: int                         # max_model_len
+    batch_at_context: int                # requests of `context` tokens that fit
+    batch: int                           # max_num_seqs
+    context_at_batch: int                # tokens each of `batch` requests can hold
+
+
+@dataclasses.dataclass(frozen=True)
+class Roofline:
+    """Per decode step and prefill chunk: compiler costs, minimum bytes, and estimated speeds per chip."""
+    decode_flops: float                  # per step, all chips of the replica
+    decode_bytes: float                  # HBM bytes accessed per step (compiler cost analysis)
+    min_decode_bytes: float              # weights + the batch's cache at max_model_len, each read once
+    decode_tok_s: float                  # estimate per chip, from the compiled bytes and FLOPs
+    decode_tok_s_at_min: float           # estimate per chip, if the step read only the minimum bytes
+    decode_bound: str                    # "memory" or "compute"
+    prefill_flops: float
+    prefill_bytes: float
+    prefill_tok_s: float                 # estimate per chip
+    prefill_bound: str
+
+    @property
+    def bytes_over_min(self) -> float:
+        return self.decode_bytes / self.min_decode_bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    model: str
+    model_type: str
+    topology: str
+    chip: Chip
+    num_chips: int
+    split: int
+    dtype: str
+    quantization: str | None
+    max_num_seqs: int
+    max_model_len: int
+    decode_batch: int
+    chunk: int
+    num_params: int
+    costs: ModelCosts
+    sampler: StepCost
+    memory: Memory
+    capacity: Capacity
+    roofline: Roofline
+    notes: tuple[str, ...]
+
+    @property
+    def fits(self) -> bool:
+        return self.memory.free >= 0
+
+
+def resolve_model(spec: str):
+    """A config.json file, a checkpoint directory, or a published config's name (a file stem in
+    hybrid_jax/published_configs, case and '-' / '.' / '_' ignored) -> (label, config)."""
+    if os.path.exists(spec):
+        return spec, load_config(spec)
+    key = _norm(spec.split("/")[-1])
+    names = {_norm(p.stem): p for p in PUBLISHED.glob("*.json")}
+    hits = [p for k, p in names.items() if k == key] or [p for k, p in names.items() if k.startswith(key)]
+    if len(hits) != 1:
+        raise ConfigError(f"--model {spec!r} is neither a path nor {'a unique' if hits else 'a'} published config; "
+                          f"published: {sorted(p.stem for p in PUBLISHED.glob('*.json'))}")
+    import json  # noqa: PLC0415
+    return hits[0].stem, config_from_hf_dict(json.loads(hits[0].read_text()))
+
+
+def _norm(s: str) -> str:
+    return re.sub(r"[-._]", "", s.lower())
+
+
+def _time(flops: float, nbytes: float, chip: Chip, n: int) -> tuple[float, str]:
+    tc, tm = flops / (n * chip.peak_bf16_flops), nbytes / (n * chip.hbm_bandwidth)
+    return max(tc, tm), "compute" if tc > tm else "memory"
+
+
+def plan(model: str, topology_name: str, *, max_num_seqs: int = 64, max_model_len: int = 32768,
+         tensor_parallel_size: int = 1, dtype: str = "bfloat16", quantization: str | None = None,
+         chunk: int = 2048, page_size: int = 64, layers: str = "auto", impl: str = "auto", config=None) -> Plan:
+    """Compiles the model's decode and prefill-chunk steps for one device of `topology_name` with abstract
+    weights and pools, and returns the per-chip figures (module docstring: what `split` means).
+    config: a config object to plan instead of resolving `model` (tests). Raises PlanError / ConfigError
+    for bad input; a model that does not fit comes back with `fits` False."""
+    for name, v in (("max_num_seqs", max_num_seqs), ("max_model_len", max_model_len), ("chunk", chunk),
+                    ("tensor_parallel_size", tensor_parallel_size), ("page_size", page_size)):
+        if int(v) <= 0:
+            raise PlanError(f"{name} must be positive; got {v}")
+    if dtype not in DTYPES:
+        raise PlanError(f"dtype {dtype!r} is not supported; choose one of {sorted(DTYPES)}")
+    if quantization not in (None, "fp8"):
+        raise PlanError(f"quantization {quantization!r} is not supported by plan; known: fp8")
+    topo = topology(topology_name)
+    if tensor_parallel_size > topo.num_chips:
+        raise PlanError(f"--tensor-parallel-size {tensor_parallel_size} exceeds the {topo.num_chips} chips of "
+                        f"{topology_name}")
+    label, cfg = (model, config) if config is not None else resolve_model(model)
+    dt, n, chip = DTYPES[dtype], tensor_parallel_size, topo.chip
+
+    params = abstract_params(cfg, dt, quantization)
+    weights = tree_nbytes(params)
+    num_params = sum(x.size for x in _param_leaves(params))
+    layout = abstract_layout(cfg, dt, max_model_len, page_size)
+    rows, pages = max_num_seqs + 1, pool_pages(layout, max_num_seqs, max_model_len)
+    pools = abstract_pools(layout, rows, pages)
+    by_kind = bytes_by_kind(pools)
+
+    Bb = bucket(max_num_seqs)
+    sh = Shapes(dtype=dt, quantization=quantization, rows=rows, pages=tuple(sorted(pages.items())),
+                max_model_len=max_model_len,                page_size=page_size, decode_batch=Bb, chunk=chunk)
+    layers = costs_mode(layers, cfg, weights, chip)
+    try:
+        costs = model_costs(cfg, sh, topo.device, layers=layers, impl=impl)
+    except HybridJaxError:
+        raise
+    except Exception as e:  # noqa: BLE001  (compiler errors: say what was being compiled)
+        msg = str(e).splitlines()[0]
+        if "RESOURCE_EXHAUSTED" in msg:
+            what = ("the compiled programs (one layer of each kind, and one more)" if costs_mode(layers, cfg, weights, chip)
+                    == "reduced" else "the model")
+            raise PlanError(f"{label} does not fit one {chip.name} chip at max_num_seqs {max_num_seqs} x max_model_len "
+                            f"{max_model_len}: {what} must fit one chip until sharding exists, and the TPU compiler "
+                            f"says: {msg}") from None
+        raise PlanError(f"the TPU compiler failed on {label} for {topology_name}: {msg}") from e
+    sampler = compile_sampler(Bb, cfg.vocab_size, topo.device)
+    decode = costs.decode + dataclasses.replace(sampler, temp_bytes=0.0)
+    temps = max(costs.decode.temp_bytes, sampler.temp_bytes, costs.prefill.temp_bytes)
+
+    memory = Memory(capacity=chip.hbm_bytes, weights=weights / n,
+                    cache_by_kind={k: v / n for k, v in by_kind.items()}, temporaries=temps / n)
+    capacity = _capacity(layout, pools, n * chip.hbm_bytes - weights - temps, max_num_seqs, max_model_len)
+
+    min_bytes = weights + max_num_seqs * request_bytes(layout, max_model_len)
+    t, bound = _time(decode.flops, decode.bytes_accessed, chip, n)
+    t_min, _ = _time(decode.flops, min_bytes, chip, n)
+    tp, pbound = _time(costs.prefill.flops, costs.prefill.bytes_accessed, chip, n)
+    roof = Roofline(decode_flops=decode.flops, decode_bytes=decode.bytes_accessed, min_decode_bytes=min_bytes,
+                    decode_tok_s=max_num_seqs / t / n, decode_tok_s_at_min=max_num_seqs / t_min / n,
+                    decode_bound=bound, prefill_flops=costs.prefill.flops, prefill_bytes=costs.prefill.bytes_accessed,
+                    prefill_tok_s=chunk / tp / n, prefill_bound=pbound)
+
+    notes = []
+    if costs.layers == "reduced":
+        notes.append(f"compiled with one layer of each kind ({len(costs.per_layer)} kinds, programs of "
+                     f"{', '.join(map(str, costs.compiled_layers))} layers) and scaled to {cfg.num_hidden_layers} "
+                     f"layers by per-layer differences; temporaries extrapolated the same way")
+    if topo.num_chips > 1 or n > 1:
+        notes.append(f"multi-device sharding does not exist yet: compiled for one device of {topology_name}; "
+                     + (f"figures per chip assume an ideal split over {n} chips (bytes and FLOPs / {n}, "
+                        f"no replication, no collectives)" if n > 1 else
+                        f"figures are for one chip holding the whole model ({topo.num_chips} chips in the slice)"))
+    if quantization:
+        notes.append("fp8: every linear weight of the layers in FP8 with 128x128 block scales (float32); "
+                     "embeddings, norms and the LM head in " + dtype)
+    notes.append("tok/s are roofline estimates from the chip's published peak bf16 FLOP/s and HBM bandwidth "
+                 f"({chip.source}), not measurements")
+    return Plan(model=label, model_type=cfg.model_type, topology=topology_name, chip=chip, num_chips=topo.num_chips,
+                split=n, dtype=dtype, quantization=quantization, max_num_seqs=max_num_seqs,
+                max_model_len=max_model_len, decode_batch=Bb, chunk=chunk, num_params=num_params, costs=costs,
+                sampler=sampler, memory=memory, capacity=capacity, roofline=roof, notes=tuple(notes))
+
+
+def costs_mode(layers: str, cfg, weights: int, chip: Chip) -> str:
+    """'full' or 'reduced' for layers='auto': reduced when the weights exceed one chip's HBM (a whole model
+    beyond it cannot be compiled for one chip) or when it saves programs (compile.model_costs)."""
+    if layers != "auto":
+        return layers
+    if weights > chip.hbm_bytes:
+        return "reduced"
+    return "full" if cfg.num_hidden_layers <= 2 * len(layer_counts(cfg)) + 2 else "reduced"
+
+
+def _param_leaves(params):
+    import jax  # noqa: PLC0415
+
+    from hybrid_jax.layers.linear import Fp8Weight  # noqa: PLC0415
+    # an FP8 weight counts its codes, not its scales
+    leaves = jax.tree_util.tree_leaves(params, is_leaf=lambda x: isinstance(x, Fp8Weight))
+    return [x.w if isinstance(x, Fp8Weight) else x for x in leaves]
+
+
+def _capacity(layout, pools, budget: float, batch: int, context: int) -> Capacity:
+    """Requests that fit in `budget` bytes of cache (all chips of the replica): each holds its row of fixed
+    state, its pages and its page-table row; the engine's null row comes first."""
+    meta = (bytes_by_kind(pools)["row_metadata"]) / pools.lengths.shape[0]        # per engine row
+    left = budget - request_bytes(layout, 0) - meta                               # the null row
+
+    def per_request(c):
+        return request_bytes(layout, c) + meta
+
+    at_context = max(int(left // per_request(context)), 0)
+    lo, hi = 0, 1 << 26
+    while lo < hi:                     # the longest context of which `batch` requests fit
+        mid = (lo + hi + 1) // 2
+        if batch * per_request(mid) <= left:
+            lo = mid
+        else:
+            hi = mid - 1
+    return Capacity(context=context, batch_at_context=at_context, batch=batch, context_at_batch=lo)

@@ -1,0 +1,232 @@
+"""`hybrid-jax plan` on tiny models: cache bytes by kind against really allocated pools, weights against
+real parameters, the capacity arithmetic, layer scaling against a whole-model compile, the CLI's table
+and its errors. The programs are compiled by libtpu for a v6e device; without libtpu the tests skip."""
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from cache.pools import build_pools, page_fields, row_fields
+from hybrid_jax.config import config_from_hf_dict
+from hybrid_jax.models import get_model
+from hybrid_jax.plan import PlanError, parse_topology, plan
+from hybrid_jax.plan.shapes import (abstract_layout, abstract_params, bytes_by_kind, field_kind, layer_counts,
+                                    pool_pages, request_bytes, select_layers, tree_nbytes)
+from hybrid_jax.plan.planner import resolve_model
+from conftest import BASE
+
+try:
+    import libtpu  # noqa: F401
+    HAVE_LIBTPU = True
+except ImportError:
+    HAVE_LIBTPU = False
+needs_libtpu = pytest.mark.skipif(not HAVE_LIBTPU, reason="libtpu (the TPU compiler, pip install -e '.[tpu-aot]') "
+                                  "is not installed")
+
+# Eight layers of three kinds: GDN + MoE, GDN + dense MLP, full attention + MoE.
+TINY = dict(BASE, model_type="qwen3_next", num_hidden_layers=8, mlp_only_layers=[1],
+            layer_types=["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 3 + ["full_attention"])
+SHAPES = dict(max_num_seqs=4, max_model_len=256, chunk=64)
+V32_TINY = dict(model_type="deepseek_v32", vocab_size=211, hidden_size=64, intermediate_size=96,
+                moe_intermediate_size=32, num_hidden_layers=3, first_k_dense_replace=1, num_attention_heads=4,
+                num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                v_head_dim=16, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, n_group=1, topk_group=1,
+                index_n_heads=2, index_head_dim=32, index_topk=64, max_position_embeddings=1024)
+
+
+def _real_bytes_by_kind(pools) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for g in pools.groups.values():
+        for f in {**page_fields(g), **row_fields(g)}:
+            a = getattr(g, f)
+            out[field_kind(g, f)] = out.get(field_kind(g, f), 0) + a.size * a.dtype.itemsize
+    out["row_metadata"] = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(pools)) - sum(out.values())
+    return out
+
+
+@pytest.mark.parametrize("d", [TINY, V32_TINY], ids=["qwen3_next", "deepseek_v32"])
+def test_cache_bytes_by_kind_are_those_of_allocated_pools(d):
+    cfg = config_from_hf_dict(d)
+    layout = abstract_layout(cfg, jnp.bfloat16, 256, 64)
+    pages = pool_pages(layout, 4, 256)
+    from hybrid_jax.plan.shapes import abstract_pools  # noqa: PLC0415
+    planned = bytes_by_kind(abstract_pools(layout, 5, pages))
+    real = _real_bytes_by_kind(build_pools(layout, 5, pages, {}))       # allocated arrays
+    assert planned == real
+    if d is TINY:
+        assert {"full_kv", "recurrent_state", "conv_state"} <= set(planned)
+    else:
+        assert {"mla_latent", "indexer_keys"} <= set(planned)
+
+
+@pytest.mark.parametrize("d", [TINY, V32_TINY], ids=["qwen3_next", "deepseek_v32"])
+def test_weights_bytes_are_those_of_real_params(d):
+    cfg = config_from_hf_dict(d)
+    model = get_model(cfg.model_type)
+    for dt in (jnp.bfloat16, jnp.float32):
+        real = model.init_params(cfg, seed=0, dtype=dt)
+        abstract = abstract_params(cfg, dt)
+        assert tree_nbytes(abstract) == sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(real))
+        assert jax.tree.structure(abstract) == jax.tree.structure(real)
+
+
+def test_fp8_weights_are_one_byte_plus_block_scales():
+    cfg = config_from_hf_dict(TINY)
+    bf16, fp8 = tree_nbytes(abstract_params(cfg, jnp.bfloat16)), tree_nbytes(abstract_params(cfg, jnp.bfloat16, "fp8"))
+    gu = abstract_params(cfg, jnp.bfloat16, "fp8")["layers"][0]["moe"]["gate_up"]      # [E, Hd, 2I] = [4, 64, 64]
+    assert gu.w.dtype == jnp.float8_e4m3fn and gu.scale.shape == (4, 1, 1)
+    assert 0.5 * bf16 < fp8 < bf16
+
+
+def test_real_sizes_cost_no_memory():
+    """The 80B model's parameters and 64 x 32k pools as shapes: the byte counts of the real model."""
+    _, cfg = resolve_model("Qwen3-Next-80B-A3B-Instruct")
+    w = tree_nbytes(abstract_params(cfg, jnp.bfloat16))
+    assert 79e9 * 2 < w < 82e9 * 2
+    layout = abstract_layout(cfg, jnp.bfloat16, 32768, 64)
+    # 12 full-attention layers x 2 KV heads x 256 x (K, V) bf16 per token, plus 36 GDN states per request
+    per_token = 12 * 2 * 256 * 2 * 2
+    gdn = 36 * (32 * 128 * 128 * 4 + 3 * (2 * 16 * 128 + 32 * 128) * 2)
+    assert request_bytes(layout, 32768) == 32768 * per_token + gdn
+
+
+def test_select_layers_keeps_each_layers_kind():
+    cfg = config_from_hf_dict(TINY)
+    counts = layer_counts(cfg)
+    assert counts == {("linear_attention", "moe"): 5, ("linear_attention", "dense"): 1, ("full_attention", "moe"): 2}
+    sub = select_layers(cfg, [3, 1, 1, 0])
+    assert layer_counts(sub) == {("full_attention", "moe"): 1, ("linear_attention", "dense"): 2,
+                                 ("linear_attention", "moe"): 1}
+    v = config_from_hf_dict(V32_TINY)
+    assert layer_counts(select_layers(v, [2, 0])) == {("sparse_attention", "sparse"): 1, ("sparse_attention", "dense"): 1}
+
+
+def test_resolve_model_and_bad_input():
+    assert resolve_model("qwen3_next_80b_a3b_instruct")[0] == "qwen3_next_80b_a3b_instruct"
+    assert resolve_model("deepseek-ai/DeepSeek-V3.2")[0] == "deepseek_v32"
+    with pytest.raises(Exception, match="published"):
+        resolve_model("no-such-model")
+    assert parse_topology("v6e:2x4")[1] == 8 and parse_topology("v5p:2x2x2")[1] == 8
+    for bad in ("v6e", "v9x:2x2", "v6e:2"):
+        with pytest.raises(PlanError):
+            parse_topology(bad)
+
+
+# ---- compiled -------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def plans():
+    cfg = config_from_hf_dict(TINY)
+    return {layers: plan("tiny", "v6e:2x2", layers=layers, config=cfg, **SHAPES) for layers in ("full", "reduced")}
+
+
+@needs_libtpu
+def test_plan_memory_and_capacity_arithmetic(plans):
+    p = plans["full"]
+    cfg = config_from_hf_dict(TINY)
+    m = p.memory
+    assert m.weights == tree_nbytes(abstract_params(cfg, jnp.bfloat16))
+    assert m.free == pytest.approx(m.capacity - m.weights - m.cache - m.temporaries)
+    assert m.temporaries > 0 and p.roofline.decode_flops > 0 and p.roofline.prefill_flops > 0
+    layout = abstract_layout(cfg, jnp.bfloat16, 256, 64)
+    # the pools hold max_num_seqs requests of max_model_len, plus the null row
+    assert m.cache_by_kind["full_kv"] == 4 * request_bytes(layout, 256) - 4 * request_bytes(layout, 0)
+    # capacity: the batch at 256 tokens fills what the weights and temporaries leave, one more would not
+    meta = m.cache_by_kind["row_metadata"] / 5
+    left = m.capacity - m.weights - m.temporaries - request_bytes(layout, 0) - meta
+    per = request_bytes(layout, 256) + meta
+    c = p.capacity
+    assert c.batch_at_context * per <= left < (c.batch_at_context + 1) * per
+    assert 4 * (request_bytes(layout, c.context_at_batch) + meta) <= left
+    assert 4 * (request_bytes(layout, c.context_at_batch + 64) + meta) > left
+    # minimum bytes: weights + 4 requests' cache at 256 tokens
+    assert p.roofline.min_decode_bytes == m.weights + 4 * request_bytes(layout, 256)
+    chip = p.chip
+    t = max(p.roofline.decode_flops / chip.peak_bf16_flops, p.roofline.decode_bytes / chip.hbm_bandwidth)
+    assert p.roofline.decode_tok_s == pytest.approx(4 / t)
+
+
+@needs_libtpu
+def test_ideal_split_divides_per_chip_figures(plans):
+    cfg = config_from_hf_dict(TINY)
+    p2 = plan("tiny", "v6e:2x2", layers="full", tensor_parallel_size=2, config=cfg, **SHAPES)
+    p1 = plans["full"]
+    assert p2.memory.weights == p1.memory.weights / 2
+    assert p2.memory.cache == pytest.approx(p1.memory.cache / 2)
+    assert p2.roofline.decode_tok_s == pytest.approx(p1.roofline.decode_tok_s)      # per chip: 2x the rate on 2 chips
+    assert any("ideal split over 2" in n for n in p2.notes)
+    with pytest.raises(PlanError, match="exceeds"):
+        plan("tiny", "v6e:2x2", tensor_parallel_size=8, config=cfg, **SHAPES)
+
+
+@needs_libtpu
+def test_layer_scaling_matches_a_whole_model_compile(plans):
+    full, red = plans["full"].costs, plans["reduced"].costs
+    assert red.layers == "reduced" and len(red.per_layer) == 3 and red.compiled_layers == (3, 4, 4, 4)
+    for a, b in ((full.decode, red.decode), (full.prefill, red.prefill)):
+        assert b.flops == pytest.approx(a.flops, rel=0.05)
+        assert b.bytes_accessed == pytest.approx(a.bytes_accessed, rel=0.05)
+        assert b.temp_bytes == pytest.approx(a.temp_bytes, rel=0.5)        # extrapolated: an approximation
+    assert any("one layer of each kind" in n for n in plans["reduced"].notes)
+
+
+@needs_libtpu
+def test_unknown_topology_is_an_error():
+    cfg = config_from_hf_dict(TINY)
+    with pytest.raises(PlanError, match="refused"):
+        plan("tiny", "v6e:3x3", config=cfg, **SHAPES)
+
+
+@needs_libtpu
+def test_cli_prints_the_plan(tmp_path, capsys):
+    from hybrid_jax.cli import main  # noqa: PLC0415
+    (tmp_path / "config.json").write_text(json.dumps(TINY))
+    rc = main(["plan", "--model", str(tmp_path), "--topology", "v6e:2x2", "--max-num-seqs", "4",
+               "--max-model-len", "256", "--prefill-chunk", "64", "--layers", "full"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    for s in ("HBM per chip", "weights", "cache: full KV", "cache: recurrent state", "cache: conv state",
+              "compiler temporaries", "free", "largest batch at 256 tokens", "context at batch 4", "FLOPs",
+              "bytes accessed", "minimum bytes", "roofline ESTIMATE", "decode", "prefill"):
+        assert s in out, s
+    assert main(["plan", "--model", str(tmp_path), "--topology", "v9:2x2"]) == 2
+    assert "unknown TPU chip" in capsys.readouterr().err
+
+
+@needs_libtpu
+def test_cli_says_when_the_model_does_not_fit(tmp_path, capsys):
+    from hybrid_jax.cli import main  # noqa: PLC0415
+    (tmp_path / "config.json").write_text(json.dumps(TINY))
+    # 4 requests of 2^24 tokens: the compiler's temporaries alone exceed a v5e's 16 GB
+    rc = main(["plan", "--model", str(tmp_path), "--topology", "v5e:2x2", "--max-num-seqs", "4", "--max-model-len",
+               str(1 << 24), "--prefill-chunk", "64", "--layers", "full"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "does not fit one v5e chip" in err and "exceeds available HBM" in err
+
+
+def test_memory_that_does_not_fit_has_negative_free():
+    from hybrid_jax.plan import Memory  # noqa: PLC0415
+    m = Memory(capacity=100, weights=60, cache_by_kind={"full_kv": 30, "recurrent_state": 5}, temporaries=10)
+    assert m.cache == 35 and m.free == -5
+
+
+def test_no_libtpu_is_a_clear_error(monkeypatch):
+    import builtins  # noqa: PLC0415
+
+    from hybrid_jax.plan import chips  # noqa: PLC0415
+    real_import = builtins.__import__
+
+    def fake(name, *a, **k):
+        if name == "libtpu":
+            raise ImportError("no libtpu here")
+        return real_import(name, *a, **k)
+    monkeypatch.setattr(builtins, "__import__", fake)
+    chips.topology.cache_clear()
+    try:
+        with pytest.raises(PlanError, match="not installed"):
+            chips.topology("v6e:2x2")
+    finally:
+        chips.topology.cache_clear()
