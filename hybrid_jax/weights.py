@@ -254,6 +254,13 @@ def expert_weights(t, has, prefix: str, E: int, I: int, Hd: int, names=("gate_pr
     return gate_up, np.stack([t(d.format(e), (Hd, I)).T for e in range(E)])
 
 
+def dense_mlp_weights(t, prefix: str, I: int, Hd: int):
+    """A dense SwiGLU MLP's weights (`<prefix>gate_proj.weight` [I, Hd], `up_proj` [I, Hd],
+    `down_proj` [Hd, I]). t: `checked_getter`. Returns (gate_up [Hd, 2I], down [I, Hd]) host arrays."""
+    return (concat([t(prefix + "gate_proj.weight", (I, Hd)), t(prefix + "up_proj.weight", (I, Hd))], 0).T,
+            t(prefix + "down_proj.weight", (Hd, I)).T)
+
+
 def to_device(a: np.ndarray, dtype):
     """A checkpoint array as a jax array of `dtype` (integer-typed tensors go through fp32; QUANTIZED
     records are dequantized)."""

@@ -29,7 +29,7 @@ from hybrid_jax.layers.linear import linear
 from hybrid_jax.layers.mla import rms_norm, sparse_attention
 from hybrid_jax.layers.rope import rope_cos_sin
 from hybrid_jax.models.common import finish_step, token_positions
-from hybrid_jax.weights import checked_getter, concat, expert_weights, to_device, to_device_linear
+from hybrid_jax.weights import checked_getter, concat, dense_mlp_weights, expert_weights, to_device, to_device_linear
 from hybrid_jax.models.deepseek_v32_config import DeepseekV32Config
 
 
@@ -293,8 +293,6 @@ def _convert_layer(cfg: DeepseekV32Config, t, has, p: str, moe: bool, dev, lin) 
                                           t(m + "shared_experts.up_proj.weight", (Is, Hd))], 0).T),
             "shared_down": lin(t(m + "shared_experts.down_proj.weight", (Hd, Is)).T)}
     else:
-        I = cfg.intermediate_size
-        lp["mlp"] = {"gate_up": lin(concat([t(m + "gate_proj.weight", (I, Hd)),
-                                                t(m + "up_proj.weight", (I, Hd))], 0).T),
-                     "down": lin(t(m + "down_proj.weight", (Hd, I)).T)}
+        gate_up, down = dense_mlp_weights(t, m, cfg.intermediate_size, Hd)
+        lp["mlp"] = {"gate_up": lin(gate_up), "down": lin(down)}
     return lp

@@ -35,7 +35,7 @@ from hybrid_jax.layers.norms import rms_norm_zero_centered
 from hybrid_jax.layers.rope import rope_cos_sin
 from hybrid_jax.models.common import finish_step, token_positions
 from hybrid_jax.errors import CheckpointError
-from hybrid_jax.weights import checked_getter, concat, expert_weights, to_device, to_device_linear
+from hybrid_jax.weights import checked_getter, concat, dense_mlp_weights, expert_weights, to_device, to_device_linear
 
 
 def new_cache(cfg: ModelConfig, batch_size: int, capacity: int, dtype, page_size: int = DEFAULT_KV_PAGE_SIZE
@@ -381,8 +381,6 @@ def _convert_layer(cfg: ModelConfig, t, has, p: str, kind: str, moe: bool, dev, 
                      "shared_down": lin(t(m + "shared_expert.down_proj.weight", (Hd, Is)).T),
                      "gate_up": lin(gate_up), "down": lin(down)}
     else:
-        I = cfg.intermediate_size
-        lp["mlp"] = {"gate_up": lin(concat([t(m + "gate_proj.weight", (I, Hd)),
-                                                t(m + "up_proj.weight", (I, Hd))], 0).T),
-                     "down": lin(t(m + "down_proj.weight", (Hd, I)).T)}
+        gate_up, down = dense_mlp_weights(t, m, cfg.intermediate_size, Hd)
+        lp["mlp"] = {"gate_up": lin(gate_up), "down": lin(down)}
     return lp

@@ -32,6 +32,7 @@ from hybrid_jax.plan.shapes import (
     abstract_params,
     abstract_pools,
     bytes_by_kind,
+    layer_counts,
     pool_pages,
     request_bytes,
     tree_nbytes,

@@ -174,6 +174,18 @@ def test_layer_scaling_matches_a_whole_model_compile(plans):
 
 
 @needs_libtpu
+def test_auto_layers_compiles_small_models_whole_and_large_ones_reduced():
+    from hybrid_jax.plan.chips import parse_topology as chip_of  # noqa: PLC0415
+    from hybrid_jax.plan.planner import costs_mode  # noqa: PLC0415
+    chip = chip_of("v6e:2x2")[0]
+    small = config_from_hf_dict(dict(TINY, num_hidden_layers=4, layer_types=TINY["layer_types"][:4]))
+    assert costs_mode("auto", small, 10 << 20, chip) == "full"                  # fewer layers than the reduced set
+    deep = config_from_hf_dict(dict(TINY, num_hidden_layers=12, layer_types=TINY["layer_types"] + TINY["layer_types"][:4]))
+    assert costs_mode("auto", deep, 10 << 20, chip) == "reduced"               # 12 layers of 3 kinds: fewer compiled
+    assert costs_mode("auto", small, chip.hbm_bytes + 1, chip) == "reduced"      # whole weights exceed one chip
+    assert costs_mode("full", config_from_hf_dict(TINY), chip.hbm_bytes + 1, chip) == "full"
+
+
 def test_unknown_topology_is_an_error():
     cfg = config_from_hf_dict(TINY)
     with pytest.raises(PlanError, match="refused"):
