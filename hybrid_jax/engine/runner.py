@@ -27,6 +27,8 @@ from cache.block_manager import BlockManager, GroupGeometry
 from cache.pools import (build_pools, copy_pages, is_paged, page_nbytes, page_tokens, pool_geometry, put_view,
                          row_nbytes, size_pools, take_view)
 from hybrid_jax.engine.config import EngineConfig
+from hybrid_jax.engine.limits import row_temperature, row_top_k
+from hybrid_jax.engine.request import attributed
 from hybrid_jax.errors import InputError
 from hybrid_jax.generate import bucket
 from hybrid_jax.models import get_model
@@ -148,8 +150,15 @@ class ModelRunner:
         """Attaches a draft model; its cache rows hold `extra` more positions (scratch drafts)."""
         self.dcfg, self.dparams, self.dmodel = dcfg, dparams, get_model(dcfg.model_type)
         cap = self.cache.lengths.shape[0]
-        capacity = self.ecfg.max_model_len + extra
-        self.dcache = self.dmodel.new_cache(dcfg, cap, capacity, ddtype)
+        self._draft_shape = (cap, self.ecfg.max_model_len + extra, ddtype)
+        self.dcache = self.dmodel.new_cache(dcfg, *self._draft_shape)
+
+    def reset_pools(self):
+        """Fresh, empty pools (and draft rows): after a failed step, whose call may have consumed the
+        donated ones. The compiled programs stay."""
+        self.cache = build_pools(self.layout, self.ecfg.max_num_seqs + 1, self.pages, self.units)
+        if self.dcache is not None:
+            self.dcache = self.dmodel.new_cache(self.dcfg, *self._draft_shape)
 
     def _dfwd(self, dparams, dsub, tokens, n_new, **kw):
         return self.dmodel.forward(self.dcfg, dparams, dsub, tokens, n_new, impl=self.impl, **kw)
@@ -266,9 +275,10 @@ class ModelRunner:
         tokens = np.zeros((Bb, K + 1), np.int32)
         meta = np.zeros((2, Bb), np.int32)
         for i, (q, d) in enumerate(zip(reqs, drafts)):
-            tokens[i, 0] = q.output_ids[-1]
-            tokens[i, 1:1 + len(d)] = d
-            meta[0, i], meta[1, i] = 1 + len(d), len(d)
+            with attributed(q):
+                tokens[i, 0] = q.output_ids[-1]
+                tokens[i, 1:1 + len(d)] = d
+                meta[0, i], meta[1, i] = 1 + len(d), len(d)
         n_acc, out, self.cache, self.dcache = self._verify(
             self.params, self.cache, self._rows(reqs, Bb), jnp.asarray(tokens), jnp.asarray(meta), self.dparams,
             self.dcache, flags=self._flags(reqs), replay=replay)
@@ -286,13 +296,14 @@ class ModelRunner:
         ids = [q.request_id for q in reqs] + [None] * (Bb - n)
         ra["tables"] = (self.blocks.block_tables(ids, self.widths) if self.blocks is not None
                         else {g: np.full((Bb, w), -1, np.int32) for g, w in self.widths.items()})
-        ra["rows"][:n] = [q.slot for q in reqs]
-        ra["lengths"][:n] = [q.num_computed for q in reqs]
-        ra["seeds"][:n] = [q.seed % 2**32 for q in reqs]
-        ra["steps"][:n] = [len(q.output_ids) for q in reqs]
-        ra["temperature"][:n] = [q.params.temperature for q in reqs]
-        ra["top_k"][:n] = [q.params.top_k for q in reqs]
-        ra["top_p"][:n] = [q.params.top_p for q in reqs]
+        V = self.cfg.vocab_size
+        for i, q in enumerate(reqs):
+            with attributed(q):
+                ra["rows"][i], ra["lengths"][i] = q.slot, q.num_computed
+                ra["seeds"][i], ra["steps"][i] = q.seed % 2**32, len(q.output_ids)
+                ra["temperature"][i] = row_temperature(q.params.temperature)
+                ra["top_k"][i] = row_top_k(q.params.top_k, V)
+                ra["top_p"][i] = q.params.top_p
         return ra
 
     @staticmethod
@@ -315,9 +326,10 @@ class ModelRunner:
         do_sample = np.zeros((Bb,), bool)
         for i, p in enumerate(plan_rows):
             q = p.request
-            ids = q.all_ids[q.num_computed:q.num_computed + p.num_tokens]
-            tokens[i, :len(ids)] = ids
-            n_new[i], reset[i], do_sample[i] = p.num_tokens, p.reset, p.sample
+            with attributed(q):
+                ids = q.all_ids[q.num_computed:q.num_computed + p.num_tokens]
+                tokens[i, :len(ids)] = ids
+                n_new[i], reset[i], do_sample[i] = p.num_tokens, p.reset, p.sample
         top_n = self._top_n(reqs)
         tok, lps, self.cache, self.dcache = self._mixed(
             self.params, self.cache, self._rows(reqs, Bb), jnp.asarray(reset), jnp.asarray(tokens), jnp.asarray(n_new),
@@ -337,9 +349,10 @@ class ModelRunner:
         remaining = np.zeros((Bb,), np.int32)
         stop_ids = np.full((Bb, S), -1, np.int32)
         for i, q in enumerate(reqs):
-            last[i], active[i], remaining[i] = q.output_ids[-1], True, q.remaining_tokens
-            ids = list(q.params.stop_token_ids) + ([] if q.params.ignore_eos else list(eos_ids))
-            stop_ids[i, :len(ids[:S])] = ids[:S]
+            with attributed(q):
+                last[i], active[i], remaining[i] = q.output_ids[-1], True, q.remaining_tokens
+                ids = list(q.params.stop_token_ids) + ([] if q.params.ignore_eos else list(eos_ids))
+                stop_ids[i, :len(ids[:S])] = ids[:S]
         out, lps, self.cache, self.dcache = self._decode(
             self.params, self.cache, self._rows(reqs, Bb), jnp.asarray(last), jnp.asarray(active), jnp.asarray(stop_ids),
             jnp.asarray(remaining), self.dparams, self.dcache, steps=steps, flags=self._flags(reqs),
