@@ -177,17 +177,17 @@ def test_client_disconnect_frees_request(server):
     deadline = time.time() + 30
     while time.time() < deadline:
         if (_metric(server, "hybrid_jax_requests_aborted_total") > aborted
-                and _metric(server, "hybrid_jax_running_requests") == 0):
+                and _metric(server, "hybrid_jax_num_requests_running") == 0):
             break
         time.sleep(0.2)
     assert _metric(server, "hybrid_jax_requests_aborted_total") > aborted
-    assert _metric(server, "hybrid_jax_running_requests") == 0
+    assert _metric(server, "hybrid_jax_num_requests_running") == 0
 
 
 def test_metrics_exposes_the_promised_series(server):
     text = httpx.get(server + "/metrics").text
     for name in ("time_to_first_token_seconds_bucket", "inter_token_latency_seconds_bucket",
-                 "generation_throughput_tokens_per_second", "queue_length", "running_requests",
+                 "generation_throughput_tokens_per_second", "num_requests_waiting", "num_requests_running",
                  "prefix_cache_hit_rate", "prefix_cache_validation_pass_rate", "prefix_cache_effective_reuse",
                  "sparse_attention_hit_rate", "spec_decode_acceptance_rate"):
         assert "hybrid_jax_" + name in text, name
