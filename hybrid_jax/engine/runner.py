@@ -138,7 +138,8 @@ class ModelRunner:
 
     def num_compiled(self) -> int:
         """Programs compiled so far by this runner (one per bucket and static option)."""
-        return self._mixed._cache_size() + self._decode._cache_size() + self._verify._cache_size()
+        return (self._mixed._cache_size() + self._decode._cache_size() + self._verify._cache_size()
+                + self._copy_pages._cache_size())
 
     # --- traced step functions ---------------------------------------------------------------------
     def _sample(self, logits, r, flags, top_n):
@@ -362,10 +363,15 @@ class ModelRunner:
     # --- warm-up -----------------------------------------------------------------------------------
     def warmup(self, mode: str):
         """Compiles the step programs ahead of serving: `minimal` = every decode bucket and the mixed
-        step at the smallest token bucket; `all` = every (batch, token) bucket. The cache comes back
-        untouched: every row points at the null slot."""
+        step at the smallest token bucket; `all` = every (batch, token) bucket, with and without
+        logprobs, and (with prefix caching) the copy-on-write of shared pages: every program a step
+        can run. The cache comes back untouched: every row points at the null slot."""
         if mode == "none":
             return
+        if mode == "all" and self.ecfg.enable_prefix_caching and self.widths:
+            W = self.ecfg.max_num_seqs
+            pad = (np.full((W,), -1, np.int32), np.full((W,), -1, np.int32))
+            self.cache = self._copy_pages(self.cache, {n: pad for n in self.widths})
         tbs = self.token_buckets() if mode == "all" else self.token_buckets()[:1]
         widths = (0, LOGPROBS_WIDTH) if mode == "all" else (0,)
         for Bb in self.batch_buckets():
