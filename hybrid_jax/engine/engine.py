@@ -146,6 +146,7 @@ class LLMEngine:
             except RuntimeError:
                 usage = {}
         return {"waiting": len(self.scheduler.waiting), "running": len(self.scheduler.running), "cache_usage": usage,
+                "compiled": self.num_compiled(),
                 "paged_groups": {n for n, g in self.blocks.groups.items() if g.paged}, "prefix_misses": misses}
 
     def num_waiting(self) -> int:
@@ -362,7 +363,6 @@ class LLMEngine:
                 out = self._fail(q, str(e))
             if out is not None:
                 outs.append(out)
-        self.metrics.compilations.set(self.num_compiled())
         self._sparse_hit_rate([p.request.slot for p in plan.rows if p.request.slot is not None])
         self.metrics.note_tokens(sum(len(o.new_token_ids) for o in outs))
         return outs

@@ -62,7 +62,6 @@ class EngineMetrics:
                                       registry=r)
         self.prefix_hits = Counter(p + "prefix_cache_hits", "Looked-up tokens served from the prefix cache",
                                    registry=r)
-        self.compilations = Gauge(p + "compiled_programs", "Step programs compiled so far", registry=r)
         # Rates kept by the components that own them; NaN until they exist.
         self.prefix_hit_rate = Gauge(p + "prefix_cache_hit_rate", "Prefix cache hit rate", registry=r)
         self.validation_pass_rate = Gauge(p + "prefix_cache_validation_pass_rate",
@@ -124,6 +123,8 @@ class EngineMetrics:
                               f"Output tokens per second over the last {THROUGHPUT_WINDOW_S:g} s",
                               value=self.throughput()),
         ]
+        out.append(GaugeMetricFamily(P + "compiled_programs", "Programs compiled so far (steps, copies, prefix "
+                                     "store)", value=v.get("compiled", 0)))
         usage = v.get("cache_usage", {})
         paged = v.get("paged_groups", set())
         out.append(GaugeMetricFamily(P + "kv_cache_usage_ratio", "Share of the paged pools' pages in use (fullest "
