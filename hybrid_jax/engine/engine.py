@@ -67,7 +67,8 @@ class LLMEngine:
                                    chunk_cap=self.runner.chunk_cap,
                                    on_admit=self._reuse_prefix if self.prefix else None,
                                    next_stop=self._next_publish if self.prefix else None,
-                                   on_release=self._before_release if self.prefix else None)
+                                   on_release=self._before_release if self.prefix else None,
+                                   isolate=lambda q: q.strikes > 0)
         self.metrics = EngineMetrics()
         self.metrics.bind(self.live_figures)
         self.requests: dict[str, Request] = {}
@@ -274,8 +275,10 @@ class LLMEngine:
         the failed call, so they are rebuilt empty (with the block manager and the prefix store),
         and every running request goes back to the queue to be recomputed from its tokens (its
         output so far is kept; sampling resumes at the same step, so the outputs do not change).
-        A request that was in two failed steps fails, so a request that always breaks a step
-        cannot wedge the engine."""
+        The requests of the failed step become suspects: each then runs alone to its end (the
+        scheduler's `isolate`; slower, and only after such a failure), and a suspect whose step
+        fails again fails. So a request that always breaks a step fails by itself and cannot wedge
+        the engine, while the innocents of its step go on, with unchanged outputs."""
         self.metrics.step_failures.labels(attributable="false").inc()
         planned = list(self._planned)
         for q in planned:
@@ -284,7 +287,8 @@ class LLMEngine:
         for q in list(self.scheduler.running):
             self.scheduler._preempt(q)
         self._reset_pools()
-        outs = [self._fail(q, f"request {q.request_id!r}: failed in two engine steps ({type(exc).__name__}: {exc})")
+        outs = [self._fail(q, f"request {q.request_id!r}: its step failed again when it ran alone "
+                              f"({type(exc).__name__}: {exc})")
                 for q in planned if q.strikes >= 2 and not q.finished]
         log.error("engine step failed (%s: %s), not attributable to one request: step state reset (pools, "
                   "block manager%s rebuilt); %d requests requeued for recompute, %d failed",

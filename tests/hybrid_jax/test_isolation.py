@@ -116,23 +116,25 @@ def test_unattributable_failure_resets_and_the_requests_go_on(engine, baseline, 
     assert engine.metrics.step_failures.labels(attributable="false")._value.get() >= 1
 
 
-def test_a_request_that_always_breaks_a_step_fails_alone(engine, baseline, monkeypatch):
-    real = engine.runner.run_mixed
+@pytest.mark.parametrize("where", ["run_mixed", "run_decode"])
+def test_a_request_that_always_breaks_a_step_fails_alone(engine, baseline, monkeypatch, where):
+    """A request whose rows always break the device step (no host work names it) runs beside the
+    innocents: the step fails, everyone is requeued, the suspects run alone, and only it fails."""
+    real = getattr(engine.runner, where)
 
     def poisoned(rows, *a, **kw):
-        if any(p.request.request_id == "poison" for p in rows):
+        reqs = [getattr(r, "request", r) for r in rows]
+        if any(q.request_id == "poison" for q in reqs):
             raise RuntimeError("cannot run this row")
         return real(rows, *a, **kw)
 
-    monkeypatch.setattr(engine.runner, "run_mixed", poisoned)
-    engine.add_request("poison", {"prompt_token_ids": [9, 9, 9]}, SamplingParams(max_tokens=4, temperature=0))
-    outs = []
-    for _ in range(5):
-        outs += engine.step()
-    assert [o.finish_reason for o in outs if o.request_id == "poison"] == ["error"]
-    assert not engine.has_unfinished()
-    done = _run(engine)                        # and the engine serves the next requests as before
-    assert {rid: o.token_ids for rid, o in done.items()} == baseline
+    monkeypatch.setattr(engine.runner, where, poisoned)
+    done = _run(engine, [("poison", [9, 9, 9], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))])
+    assert done["poison"].finish_reason == "error" and "ran alone" in done["poison"].error
+    assert {rid: o.token_ids for rid, o in done.items() if rid != "poison"} == baseline
+    assert all(o.error is None for rid, o in done.items() if rid != "poison")
+    monkeypatch.undo()
+    assert {rid: o.token_ids for rid, o in _run(engine).items()} == baseline     # and it serves as before
 
 
 def test_gauges_are_read_at_scrape_time(engine):
