@@ -181,11 +181,12 @@ def main():
     ckpt = write_checkpoint(os.path.join(tmp, "model"))
     port = _port()
     cmd = [sys.executable, "-m", "hybrid_jax.cli", "serve", "--model", ckpt, "--port", str(port),
-           "--max-num-seqs", "8", "--max-num-batched-tokens", "128", "--max-model-len", "512",
+           "--max-num-seqs", "8", "--max-num-batched-tokens", "32", "--max-model-len", "512",
            "--enable-prefix-caching", "--shutdown-timeout", "5"]
     if args.speculative:
         cmd += ["--speculative-config", json.dumps({"method": "ngram", "num_speculative_tokens": 4})]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    server_log = open(os.path.join(tmp, "server.log"), "wb")
+    proc = subprocess.Popen(cmd, stdout=server_log, stderr=subprocess.STDOUT,
                             env={**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")})
     url = f"http://127.0.0.1:{port}"
     t0 = time.time()
@@ -196,8 +197,8 @@ def main():
                     break
             except httpx.HTTPError:
                 pass
-            if proc.poll() is not None or time.time() - t0 > 900:
-                raise SystemExit("the server did not start")
+            if proc.poll() is not None or time.time() - t0 > 1800:
+                raise SystemExit(f"the server did not start (log: {server_log.name})")
             time.sleep(1)
         print(f"server ready in {time.time() - t0:.0f} s: {httpx.get(url + '/health').text}")
         mismatches = asyncio.run(_run(args, url, proc))

@@ -111,6 +111,7 @@ class LLMEngine:
         self.requests.pop(req.request_id, None)
         self.scheduler.release(req)
         req.status, req.finish_reason = RequestStatus.ABORTED, reason
+        self.metrics.success.labels(finished_reason=reason).inc()
         self._detok.pop(req.request_id, None)
         self._stops.pop(req.request_id, None)
         self._pending = [x for x in self._pending if x[1] != req.request_id]

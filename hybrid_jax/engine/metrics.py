@@ -50,7 +50,8 @@ class EngineMetrics:
         self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens prefilled", registry=r)
         self.generation_tokens = Counter(p + "generation_tokens", "Tokens generated", registry=r)
         self.finished = Counter(p + "requests_finished", "Requests finished (stop or length)", registry=r)
-        self.success = Counter(p + "request_success", "Requests finished, by finish reason", ["finished_reason"],
+        self.success = Counter(p + "request_success", "Requests ended, by finish reason (stop, length, abort, error)",
+                               ["finished_reason"],
                                registry=r)
         self.aborted = Counter(p + "requests_aborted", "Requests aborted (client gone or cancelled)", registry=r)
         self.step_failures = Counter(p + "engine_step_failures", "Engine step failures: attributable ones failed "

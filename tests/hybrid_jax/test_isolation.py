@@ -155,6 +155,7 @@ def test_gauges_are_read_at_scrape_time(engine):
     assert value("hybrid_jax_num_requests_waiting") == 0
     assert value("hybrid_jax_num_requests_running") == 0
     assert value("hybrid_jax_kv_cache_usage_ratio") == 0
+    assert value('hybrid_jax_request_success_total{finished_reason="abort"}') >= 6
     engine.metrics._recent.clear()              # as if 10 s went by: the idle throughput is 0, not stale
     assert value("hybrid_jax_generation_throughput_tokens_per_second") == 0
     assert np.isfinite(value("hybrid_jax_request_queue_time_seconds_sum"))
