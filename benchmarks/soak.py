@@ -126,6 +126,7 @@ def _metric(url, name) -> float:
 
 async def _run(args, url, proc):
     soak = Soak(url)
+    compiled = _metric(url, "hybrid_jax_compiled_programs")
     prompts = _prompts(args.requests, args.seed)
     lens = [int(x) for x in np.random.default_rng(args.seed + 1).integers(8, 48, len(prompts))]
     limits = httpx.Limits(max_connections=args.concurrency * 2)
@@ -166,6 +167,8 @@ async def _run(args, url, proc):
           f"{_metric(url, 'hybrid_jax_prefix_cache_hits_total'):.0f} / "
           f"{_metric(url, 'hybrid_jax_prefix_cache_queries_total'):.0f}, aborted "
           f"{_metric(url, 'hybrid_jax_requests_aborted_total'):.0f}")
+    print(f"programs compiled: {compiled:.0f} at /health 200, {_metric(url, 'hybrid_jax_compiled_programs'):.0f} "
+          "after the soak")
     return mismatches
 
 

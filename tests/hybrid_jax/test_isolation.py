@@ -159,3 +159,26 @@ def test_gauges_are_read_at_scrape_time(engine):
     engine.metrics._recent.clear()              # as if 10 s went by: the idle throughput is 0, not stale
     assert value("hybrid_jax_generation_throughput_tokens_per_second") == 0
     assert np.isfinite(value("hybrid_jax_request_queue_time_seconds_sum"))
+
+
+def test_reset_with_prefix_caching_keeps_outputs(llm, baseline, monkeypatch):
+    """The reset rebuilds the prefix store with the pools (its pages lived there): the requests
+    recompute, stored prefixes are gone, and every output is unchanged."""
+    eng = LLMEngine(llm, EngineConfig(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=256, decode_steps=4,
+                                      compilation_cache_dir=None, warmup="none", enable_prefix_caching=True,
+                                      prefix_block_size=16, prefix_checkpoint_interval=1))
+    assert {rid: o.token_ids for rid, o in _run(eng).items()} == baseline        # publishes prefixes
+    real, calls = eng.runner.run_decode, {"n": 0}
+
+    def flaky(*a, **kw):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("device fault")
+        return real(*a, **kw)
+
+    monkeypatch.setattr(eng.runner, "run_decode", flaky)
+    old_store = eng.prefix
+    assert {rid: o.token_ids for rid, o in _run(eng).items()} == baseline        # hits, then the reset
+    assert eng.prefix is not old_store and calls["n"] > 3
+    monkeypatch.undo()
+    assert {rid: o.token_ids for rid, o in _run(eng).items()} == baseline

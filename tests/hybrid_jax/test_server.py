@@ -340,3 +340,39 @@ def test_latency_metrics_count_from_arrival_and_gauges_return_to_zero(server):
     assert _metric(server, "hybrid_jax_kv_cache_usage_ratio") == 0
     assert _metric(server, 'hybrid_jax_request_success_total{finished_reason="length"}') >= 6
     assert _metric(server, 'hybrid_jax_request_errors_total{type="invalid_request_error"}') >= 1
+
+
+def test_official_openai_client_bounded_load_and_errors(server, offline):
+    """The official client at concurrency 32 (streams and not): every output equals the offline
+    engine's; our errors are the ones it understands (NotFoundError, BadRequestError with the body)."""
+    import openai  # noqa: PLC0415
+
+    wl = make_workload(96, (4, 40), (2, 8), shared_prefix=0.3, vocab=211, seed=5)
+
+    async def main():
+        client = openai.AsyncOpenAI(base_url=server + "/v1", api_key=KEY, max_retries=0, timeout=300)
+        model = (await client.models.list()).data[0].id
+        sem = asyncio.Semaphore(32)
+
+        async def one(i, prompt, n):
+            kw = dict(model=model, prompt=prompt, max_tokens=n, temperature=0, extra_body={"ignore_eos": True})
+            async with sem:
+                if i % 2:
+                    return (await client.completions.create(**kw)).choices[0].token_ids
+                toks = []
+                async for chunk in await client.completions.create(stream=True, **kw):
+                    toks += chunk.choices[0].token_ids
+                return toks
+
+        got = await asyncio.gather(*(one(i, p, n) for i, (p, n) in enumerate(zip(wl.prompts, wl.output_lens))))
+        with pytest.raises(openai.NotFoundError) as e:
+            await client.completions.create(model="gpt-4-does-not-exist", prompt=[1], max_tokens=2)
+        assert e.value.body["code"] == "model_not_found"
+        with pytest.raises(openai.BadRequestError) as e:
+            await client.completions.create(model=model, prompt=[1], max_tokens=2,
+                                            extra_body={"stop_token_ids": [10**12]})
+        assert "outside the vocabulary" in e.value.body["message"]
+        await client.close()
+        return got
+
+    assert asyncio.run(main()) == _greedy(offline, wl.prompts, wl.output_lens)
