@@ -1,5 +1,7 @@
-"""A real server process on loopback, driven over HTTP: concurrent streams, a bounded load test
-whose every completion matches the offline engine, malformed requests, a client disconnect."""
+"""A real server process on loopback, driven over HTTP: concurrent streams, bounded load tests (ours
+and the official OpenAI client's) whose every completion matches the offline engine, malformed and
+out-of-range requests beside innocent ones, OpenAI's error shape, body limits, disconnects of
+streaming and non-streaming clients, latency metrics from HTTP arrival."""
 from __future__ import annotations
 
 import asyncio
@@ -66,11 +68,13 @@ def offline(tiny_checkpoint):
     return LLM(model=tiny_checkpoint)
 
 
-def _metric(url, name) -> float:
+def _metric(url, name, default=None) -> float:
     text = httpx.get(url + "/metrics", timeout=10).text
     for line in text.splitlines():
         if line.startswith(name + " "):
             return float(line.split()[1])
+    if default is not None:             # a labelled series appears with its first count
+        return default
     raise AssertionError(f"metric {name} not exported")
 
 
@@ -339,7 +343,9 @@ def test_latency_metrics_count_from_arrival_and_gauges_return_to_zero(server):
     assert _metric(server, "hybrid_jax_num_requests_running") == 0
     assert _metric(server, "hybrid_jax_kv_cache_usage_ratio") == 0
     assert _metric(server, 'hybrid_jax_request_success_total{finished_reason="length"}') >= 6
-    assert _metric(server, 'hybrid_jax_request_errors_total{type="invalid_request_error"}') >= 1
+    errors = _metric(server, 'hybrid_jax_request_errors_total{type="invalid_request_error"}', default=0.0)
+    assert httpx.post(server + "/v1/completions", headers=H, json={"prompt": [1], "top_k": -5}).status_code == 400
+    assert _metric(server, 'hybrid_jax_request_errors_total{type="invalid_request_error"}') == errors + 1
 
 
 def test_official_openai_client_bounded_load_and_errors(server, offline):
