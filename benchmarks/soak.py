@@ -95,7 +95,7 @@ class Soak:
     async def abort_stream(self, c, prompt):
         self.sent += 1
         async with c.stream("POST", self.url + "/v1/completions",
-                            json={"prompt": prompt, "max_tokens": 200, "ignore_eos": True, "stream": True}) as r:
+                            json={"prompt": prompt, "max_tokens": 300, "ignore_eos": True, "stream": True}) as r:
             async for line in r.aiter_lines():
                 if line.startswith("data: "):
                     break
@@ -105,7 +105,7 @@ class Soak:
         self.sent += 1
         try:
             await c.post(self.url + "/v1/completions", timeout=0.3,
-                         json={"prompt": prompt, "max_tokens": 200, "ignore_eos": True})
+                         json={"prompt": prompt, "max_tokens": 300, "ignore_eos": True})
             self.outcomes["completed before the client gave up"] += 1
         except httpx.TimeoutException:
             self.outcomes["aborted by the client (non-stream)"] += 1
@@ -169,6 +169,11 @@ async def _run(args, url, proc):
           f"{_metric(url, 'hybrid_jax_requests_aborted_total'):.0f}")
     print(f"programs compiled: {compiled:.0f} at /health 200, {_metric(url, 'hybrid_jax_compiled_programs'):.0f} "
           "after the soak")
+    text = httpx.get(url + "/metrics", timeout=10).text
+    ended = {line.split('"')[1]: float(line.split()[-1]) for line in text.splitlines()
+             if line.startswith("hybrid_jax_request_success_total{")}
+    print("server side, requests ended by reason (baseline included): "
+          + ", ".join(f"{k} {v:.0f}" for k, v in sorted(ended.items())))
     return mismatches
 
 

@@ -86,6 +86,12 @@ def error_body(message: str, kind: str, param: str | None = None, code: str | No
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
+async def _wait_disconnect(request: Request):
+    """Returns when the server reports the client gone (the body was read already)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
 def _render_chat(tokenizer, messages) -> str:
     template = getattr(tokenizer, "chat_template", None)
     if not template:
@@ -209,27 +215,37 @@ def build_app(state: ServerState) -> FastAPI:
 
     async def guarded(gen, request: Request | None):
         """The engine's outputs, until the generator ends, the drain deadline passes (_Shutdown) or,
-        with `request`, the client disconnects (_Gone); both abort the request."""
+        with `request`, the client disconnects (_Gone: a task waits for the server's
+        `http.disconnect`, whether or not outputs are flowing); both abort the request."""
         deadline = state.deadline()
-        while True:
-            nxt = asyncio.ensure_future(gen.__anext__())
-            try:
-                while True:
-                    done, _ = await asyncio.wait({nxt, deadline}, timeout=0.25 if request is not None else None,
-                                                 return_when=asyncio.FIRST_COMPLETED)
-                    if nxt in done:
-                        break
-                    if deadline.done() or (request is not None and await request.is_disconnected()):
-                        nxt.cancel()                          # the generator's cleanup aborts the request
-                        await asyncio.gather(nxt, return_exceptions=True)
+        gone = asyncio.ensure_future(_wait_disconnect(request)) if request is not None else None
+        watch = {deadline} | ({gone} if gone is not None else set())
+
+        async def stop(nxt):
+            if nxt.done():
+                await gen.aclose()                    # suspended at a yield: closing it aborts the request
+            else:
+                nxt.cancel()                          # waiting for output: the cancellation aborts it
+                await asyncio.gather(nxt, return_exceptions=True)
+
+        try:
+            while True:
+                nxt = asyncio.ensure_future(gen.__anext__())
+                try:
+                    await asyncio.wait({nxt} | watch, return_when=asyncio.FIRST_COMPLETED)
+                    if deadline.done() or (gone is not None and gone.done()):
+                        await stop(nxt)
                         raise _Shutdown() if deadline.done() else _Gone()
-            finally:
-                if not nxt.done():            # we were cancelled (a stream's client went away)
-                    nxt.cancel()
-            try:
-                yield nxt.result()
-            except StopAsyncIteration:
-                return
+                finally:
+                    if not nxt.done():            # we were cancelled (a stream's client went away)
+                        nxt.cancel()
+                try:
+                    yield nxt.result()
+                except StopAsyncIteration:
+                    return
+        finally:
+            if gone is not None:
+                gone.cancel()
 
     async def serve(request: Request, chat: bool):
         arrival = time.monotonic()
