@@ -55,11 +55,21 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(s)
     s.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*, /docs and "
+                   "/openapi.json (visible in ps: prefer $HYBRID_JAX_API_KEY or --api-key-file)")
+    s.add_argument("--api-key-file", default=None, help="read the API key from this file (first line)")
     s.add_argument("--served-model-name", default=None)
     s.add_argument("--max-request-bytes", type=int, default=1 << 20)
     s.add_argument("--max-tokens-limit", type=int, default=4096, help="largest max_tokens a request may ask")
+    s.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="on SIGTERM, seconds the requests in flight get to finish (default 30)")
+    s.add_argument("--timeout-header", type=float, default=10.0,
+                   help="close connections whose request headers take longer (seconds)")
+    s.add_argument("--timeout-body", type=float, default=30.0,
+                   help="408 when a request body stops arriving for this long (seconds)")
+    s.add_argument("--timeout-keep-alive", type=float, default=5.0, help="close idle keep-alive connections")
     _add_engine_args(s)
+    s.set_defaults(warmup="all")      # no request compiles on the serving path (see /health)
     b = sub.add_parser("bench", help="load generator: TTFT / ITL percentiles and throughput")
     _add_model_args(b)
     b.add_argument("--url", default=None, help="a running server (http://127.0.0.1:8000); default: offline engine")
@@ -93,7 +103,9 @@ def _add_engine_args(p: argparse.ArgumentParser):
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--decode-steps", type=int, default=4)
     p.add_argument("--kv-cache-bytes", type=int, default=None)
-    p.add_argument("--warmup", default="minimal", choices=["none", "minimal", "all"])
+    p.add_argument("--warmup", default="minimal", choices=["none", "minimal", "all"],
+                   help="programs compiled before serving: all = every shape (serve's default), minimal = "
+                   "decode shapes, none")
     p.add_argument("--compilation-cache-dir", default=None,
                    help="JAX persistent compilation cache (default: a per-user cache dir; 'none' disables)")
     p.add_argument("--enable-prefix-caching", action="store_true",
@@ -141,11 +153,34 @@ def _serve(args) -> int:
     if args.model is None:
         print("hybrid-jax: serving the embedded default model (UNTRAINED: its output is noise).", file=sys.stderr)
     name = args.served_model_name or (args.model or "hybrid-jax-default")
-    serve(model=args.model, host=args.host, port=args.port, dtype=args.dtype, engine_config=_engine_config(args),
-          server_config=ServerConfig(model_name=name, api_key=args.api_key,
-                                     max_request_bytes=args.max_request_bytes,
-                                     max_tokens_limit=args.max_tokens_limit))
-    return 0
+    return serve(model=args.model, host=args.host, port=args.port, dtype=args.dtype,
+                 engine_config=_engine_config(args),
+                 server_config=ServerConfig(model_name=name, api_key=_api_key(args),
+                                            max_request_bytes=args.max_request_bytes,
+                                            max_tokens_limit=args.max_tokens_limit, body_timeout_s=args.timeout_body),
+                 shutdown_timeout_s=args.shutdown_timeout, header_timeout_s=args.timeout_header,
+                 keep_alive_timeout_s=args.timeout_keep_alive)
+
+
+API_KEY_ENV = "HYBRID_JAX_API_KEY"
+
+
+def _api_key(args) -> str | None:
+    """--api-key, else --api-key-file, else $HYBRID_JAX_API_KEY, else None (no key)."""
+    if args.api_key is not None and args.api_key_file is not None:
+        raise HybridJaxError("give --api-key or --api-key-file, not both")
+    key = args.api_key
+    if args.api_key_file is not None:
+        try:
+            with open(args.api_key_file, encoding="utf-8") as f:
+                key = f.readline().strip()
+        except OSError as e:
+            raise HybridJaxError(f"--api-key-file: {e.strerror}: {args.api_key_file}") from None
+    if key is None:
+        key = os.environ.get(API_KEY_ENV) or None
+    if key is not None and not key:
+        raise HybridJaxError("the API key is empty")
+    return key
 
 
 def _bench(args) -> int:

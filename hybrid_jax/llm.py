@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 
 from hybrid_jax.config import ModelConfig, load_config
 from hybrid_jax.default_model import DEFAULT_MODEL_NAME, DEFAULT_SEED, default_config
+from hybrid_jax.engine.limits import check_request
 from hybrid_jax.errors import ConfigError, InputError
 from hybrid_jax.generate import Generator
 from hybrid_jax.models import get_model
@@ -238,7 +239,7 @@ class LLM:
         for sp in sps:
             if not isinstance(sp, SamplingParams):
                 raise InputError(f"sampling_params must be SamplingParams; got {type(sp).__name__}")
-            sp.validate()
+            check_request(sp, self.config.vocab_size)     # the engine's admission limits, before any is queued
         encoded = [self._encode(p) for p in prompts]
         for (_, ids), sp in zip(encoded, sps):
             if len(ids) + sp.max_tokens > self.max_model_len:

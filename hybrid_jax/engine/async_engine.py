@@ -3,10 +3,15 @@
 The engine thread owns the LLMEngine (no locks inside it): commands (add, abort) arrive on a
 queue, outputs leave through each request's asyncio.Queue on the server's event loop. A stream
 that is closed early (client gone) aborts its request, which frees its cache slot.
+
+A request that fails inside a step (the engine could attribute the failure to it) gets an
+EngineRequestError on its stream; the others go on. `shutdown` stops the thread and closes the
+prefix store (waiting for the disk tier's pending writes).
 """
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import threading
 from collections.abc import AsyncIterator
@@ -15,6 +20,12 @@ from typing import Any
 from hybrid_jax.engine.engine import LLMEngine
 from hybrid_jax.engine.request import RequestOutput
 from hybrid_jax.sampling import SamplingParams
+
+log = logging.getLogger("hybrid_jax.engine")
+
+
+class EngineRequestError(RuntimeError):
+    """This request failed inside the engine (the server answers 500 naming it)."""
 
 
 class AsyncEngine:
@@ -25,38 +36,49 @@ class AsyncEngine:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="hybrid-jax-engine", daemon=True)
         self.error: BaseException | None = None
+        self._sent = self._picked = 0   # adds queued (event loop) / taken (engine thread): each written by one thread
+        engine.metrics.bind(self._live)
+
+    def _live(self) -> dict:
+        figures = self.engine.live_figures()
+        figures["waiting"] += max(self._sent - self._picked, 0)
+        return figures
 
     def start(self):
         self._thread.start()
 
-    def shutdown(self):
+    def shutdown(self, timeout: float = 30.0):
+        """Stops the engine thread (after its current step) and closes the prefix store, which
+        waits for the disk tier's pending writes."""
         self._stop.set()
         self._commands.put(("wake",))
-        self._thread.join(timeout=30)
+        self._thread.join(timeout=timeout)
+        if self.engine.prefix is not None:
+            self.engine.prefix.close()
 
     # --- called from the event loop ----------------------------------------------------------------
     def validate(self, prompt: Any, params: SamplingParams) -> list[int]:
         """Raises InputError for a prompt or parameters the engine would refuse (before streaming)."""
-        params.validate()
-        _, ids = self.engine.llm._encode(prompt)
-        limit = self.engine.config.max_model_len
-        if len(ids) + params.max_tokens > limit:
-            from hybrid_jax.errors import InputError  # noqa: PLC0415
-            raise InputError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
-                             f"max_model_len {limit}")
-        return ids
+        return self.engine.check(prompt, params)[1]
 
-    async def generate(self, request_id: str, prompt: Any, params: SamplingParams) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request_id: str, prompt: Any, params: SamplingParams,
+                       arrival: float | None = None) -> AsyncIterator[RequestOutput]:
+        """Streams the request's outputs. `arrival` (time.monotonic()) is when the client sent it."""
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (loop, q)
-        self._commands.put(("add", request_id, prompt, params))
+        self._sent += 1
+        self._commands.put(("add", request_id, prompt, params, arrival))
         finished = False
         try:
             while True:
                 item = await q.get()
                 if isinstance(item, BaseException):
+                    finished = True          # the engine already dropped it
                     raise item
+                if item.error is not None:
+                    finished = True
+                    raise EngineRequestError(item.error)
                 finished = item.finished
                 yield item
                 if finished:
@@ -80,9 +102,10 @@ class AsyncEngine:
             return
         while True:
             if cmd[0] == "add":
-                _, rid, prompt, params = cmd
+                _, rid, prompt, params, arrival = cmd
+                self._picked += 1
                 try:
-                    self.engine.add_request(rid, prompt, params)
+                    self.engine.add_request(rid, prompt, params, arrival=arrival)
                 except Exception as e:  # noqa: BLE001  (reported to the request's stream)
                     self._deliver(rid, e)
             elif cmd[0] == "abort":
@@ -99,10 +122,11 @@ class AsyncEngine:
                 continue
             try:
                 outs = self.engine.step()
-            except Exception as e:  # noqa: BLE001  (a failed step fails its requests, not the server)
+            except Exception as e:  # noqa: BLE001  (step() isolates failures itself: this is a last resort)
                 self.error = e
+                log.exception("engine step raised; failing every request it held and going on")
                 for rid in list(self.engine.requests):
-                    self._deliver(rid, RuntimeError(f"engine step failed: {e}"))
+                    self._deliver(rid, EngineRequestError(f"request {rid!r}: engine step failed: {e}"))
                     self.engine.abort_request(rid)
                 continue
             for o in outs:

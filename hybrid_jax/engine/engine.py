@@ -10,6 +10,7 @@ stored pages with the requests that hit them.
 """
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
@@ -21,14 +22,17 @@ from cache.prefix_cache import PrefixCache, PrefixCacheConfig
 from cache.prefix_disk import DiskConfig
 from hybrid_jax.engine.config import EngineConfig
 from hybrid_jax.engine.detokenize import IncrementalDetokenizer
+from hybrid_jax.engine.limits import check_request
 from hybrid_jax.engine.metrics import EngineMetrics
-from hybrid_jax.engine.request import Request, RequestOutput, RequestStatus
+from hybrid_jax.engine.request import Request, RequestFailed, RequestOutput, RequestStatus, attributed
 from hybrid_jax.engine.runner import ModelRunner, enable_persistent_compilation_cache
 from hybrid_jax.engine.scheduler import Scheduler
 from hybrid_jax.engine.speculate import EngineSpeculator
 from hybrid_jax.errors import InputError
 from hybrid_jax.generate import bucket
 from hybrid_jax.sampling import SamplingParams
+
+log = logging.getLogger("hybrid_jax.engine")
 
 
 class LLMEngine:
@@ -67,47 +71,95 @@ class LLMEngine:
                                    chunk_cap=self.runner.chunk_cap,
                                    on_admit=self._reuse_prefix if self.prefix else None,
                                    next_stop=self._next_publish if self.prefix else None,
-                                   on_release=self._before_release if self.prefix else None)
+                                   on_release=self._before_release if self.prefix else None,
+                                   isolate=lambda q: q.strikes > 0)
         self.metrics = EngineMetrics()
+        self.metrics.bind(self.live_figures)
         self.requests: dict[str, Request] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._eos = llm.eos_token_ids()
         self._rng = np.random.default_rng(self.config.seed)   # seeds of requests that bring none
 
     # --- requests ----------------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt: Any, params: SamplingParams | None = None) -> Request:
-        params = params or SamplingParams()
-        params.validate()
-        if request_id in self.requests:
-            raise InputError(f"request id {request_id!r} is already in use")
+    def check(self, prompt: Any, params: SamplingParams) -> tuple[str | None, list[int]]:
+        """Admission: raises InputError for a prompt or parameters this model and engine cannot
+        serve (see engine/limits.py); returns the prompt's text and token ids."""
+        check_request(params, self.llm.config.vocab_size)
         text, ids = self.llm._encode(prompt)
         if len(ids) + params.max_tokens > self.config.max_model_len:
             raise InputError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
                              f"max_model_len {self.config.max_model_len}")
+        return text, ids
+
+    def add_request(self, request_id: str, prompt: Any, params: SamplingParams | None = None,
+                    arrival: float | None = None) -> Request:
+        """Queues a request. `arrival` (time.monotonic()) is when its client sent it: latency figures
+        count from there (default: now)."""
+        params = params or SamplingParams()
+        if request_id in self.requests:
+            raise InputError(f"request id {request_id!r} is already in use")
+        text, ids = self.check(prompt, params)
         seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2**32))
-        req = Request(request_id=request_id, prompt_ids=ids, params=params, seed=seed, prompt_text=text)
+        req = Request(request_id=request_id, prompt_ids=ids, params=params, seed=seed, prompt_text=text,
+                      arrival=time.monotonic() if arrival is None else arrival)
         self.requests[request_id] = req
         if self.llm.tokenizer is not None:
             self._detok[request_id] = IncrementalDetokenizer(self.llm.tokenizer)
         if self.prefix is not None:
             self.prefix.prefetch(request_id, ids)    # a disk hit starts loading now, overlapping other work
         self.scheduler.add(req)
-        self.metrics.queue_length.set(len(self.scheduler.waiting))
         return req
 
+    def _drop(self, req: Request, reason: str):
+        """Ends a request that did not finish by itself (aborted, failed): row, pages and state back."""
+        self.requests.pop(req.request_id, None)
+        self.scheduler.release(req)
+        req.status, req.finish_reason = RequestStatus.ABORTED, reason
+        self.metrics.success.labels(finished_reason=reason).inc()
+        self._detok.pop(req.request_id, None)
+        self._stops.pop(req.request_id, None)
+        self._pending = [x for x in self._pending if x[1] != req.request_id]
+        if self.spec is not None:
+            self.spec.forget(req.request_id)
+        if self.prefix is not None and self.prefix.disk is not None:
+            self.prefix.disk.forget(req.request_id)
+
     def abort_request(self, request_id: str):
-        req = self.requests.pop(request_id, None)
+        req = self.requests.get(request_id)
         if req is not None and not req.finished:
-            self.scheduler.release(req)
-            req.status, req.finish_reason = RequestStatus.ABORTED, "abort"
-            self._detok.pop(request_id, None)
-            self._stops.pop(request_id, None)
-            if self.spec is not None:
-                self.spec.forget(request_id)
-            if self.prefix is not None and self.prefix.disk is not None:
-                self.prefix.disk.forget(request_id)
+            self._drop(req, "abort")
             self.metrics.aborted.inc()
-            self.metrics.running.set(len(self.scheduler.running))
+
+    def _fail(self, req: Request, message: str) -> RequestOutput:
+        """Fails one request (finish_reason "error"); the engine and every other request go on."""
+        if not req.finished:
+            self._drop(req, "error")
+            self.metrics.step_failures.labels(attributable="true").inc()
+        return RequestOutput(req.request_id, [], "", list(req.output_ids), req.text, True, "error", req.prompt_ids,
+                             [], error=message)
+
+    def live_figures(self) -> dict:
+        """What /metrics shows of the present (read from another thread: plain reads, retried if a
+        dict changed size under us)."""
+        misses: dict[str, int] = {}
+        for _ in range(3):
+            try:
+                if self.prefix is not None:
+                    misses = {**dict(self.prefix.stats.misses_by_reason),
+                              **(dict(self.prefix.disk.reasons) if self.prefix.disk else {})}
+                usage = self.cache_usage()
+                break
+            except RuntimeError:
+                usage = {}
+        return {"waiting": len(self.scheduler.waiting), "running": len(self.scheduler.running), "cache_usage": usage,
+                "compiled": self.num_compiled(),
+                "paged_groups": {n for n, g in self.blocks.groups.items() if g.paged}, "prefix_misses": misses}
+
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
 
     def has_unfinished(self) -> bool:
         return bool(self.scheduler.waiting or self.scheduler.running)
@@ -155,6 +207,8 @@ class LLMEngine:
         (the stored pages in its block tables, the checkpoints in its row)."""
         self.runner.cache, n = self.prefix.reuse(self.runner.cache, q.slot, q.request_id, q.all_ids)
         q.num_cached_tokens = n
+        self.metrics.prefix_queries.inc(len(q.all_ids))
+        self.metrics.prefix_hits.inc(n)
         st = self.prefix.stats
         self.metrics.prefix_hit_rate.set(st.hit_rate)
         self.metrics.validation_pass_rate.set(st.validation_pass_rate)
@@ -207,15 +261,73 @@ class LLMEngine:
 
     # --- one step ----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One scheduler step. A failure attributable to one request fails only that request (an
+        output with finish_reason "error"); any other failure resets the step state (`_recover`)
+        and the requests go on. Nothing a request sends makes this raise."""
+        self._planned: list[Request] = []
+        try:
+            return self._step()
+        except RequestFailed as e:
+            log.error("request %s failed in an engine step; the other requests go on", e.request_id,
+                      exc_info=e.cause)
+            req = self.requests.get(e.request_id)
+            return [self._fail(req, str(e))] if req is not None else []
+        except Exception as e:  # noqa: BLE001  (no client input reaches here unchecked: recover, keep serving)
+            return self._recover(e)
+
+    def _recover(self, exc: BaseException) -> list[RequestOutput]:
+        """A step failed and no single request can be blamed: the pools may have been consumed by
+        the failed call, so they are rebuilt empty (with the block manager and the prefix store),
+        and every running request goes back to the queue to be recomputed from its tokens (its
+        output so far is kept; sampling resumes at the same step, so the outputs do not change).
+        The requests of the failed step become suspects: each then runs alone to its end (the
+        scheduler's `isolate`; slower, and only after such a failure), and a suspect whose step
+        fails again fails. So a request that always breaks a step fails by itself and cannot wedge
+        the engine, while the innocents of its step go on, with unchanged outputs."""
+        self.metrics.step_failures.labels(attributable="false").inc()
+        planned = list(self._planned)
+        for q in planned:
+            q.strikes += 1
+        self._pending = []
+        for q in list(self.scheduler.running):
+            self.scheduler._preempt(q)
+        self._reset_pools()
+        outs = [self._fail(q, f"request {q.request_id!r}: its step failed again when it ran alone "
+                              f"({type(exc).__name__}: {exc})")
+                for q in planned if q.strikes >= 2 and not q.finished]
+        log.error("engine step failed (%s: %s), not attributable to one request: step state reset (pools, "
+                  "block manager%s rebuilt); %d requests requeued for recompute, %d failed",
+                  type(exc).__name__, exc, ", prefix store" if self.prefix is not None else "",
+                  len(self.scheduler.waiting), len(outs), exc_info=exc)
+        return outs
+
+    def _reset_pools(self):
+        self.runner.reset_pools()
+        self.blocks = BlockManager(self.runner.geometry(), num_rows=self.config.max_num_seqs)
+        self.runner.blocks = self.scheduler.blocks = self.blocks
+        if self.prefix is not None:
+            try:
+                self.prefix.close()
+            except Exception:  # noqa: BLE001  (the old store's pools are gone; only the disk flush matters)
+                log.exception("closing the prefix store after a failed step")
+            self.prefix = self._new_prefix_cache(self.prefix.config.cap_bytes)
+        self._stops.clear()
+
+    def _step(self) -> list[RequestOutput]:
         if self._pending:
             self.flush_publishes()
         plan = self.scheduler.schedule()
         for r in plan.preempted:
             self.metrics.preemptions.inc()
-        self.metrics.queue_length.set(len(self.scheduler.waiting))
-        self.metrics.running.set(len(self.scheduler.running))
         if not plan.rows:
             return []
+        now = time.monotonic()
+        for p in plan.rows:
+            q = p.request
+            self._planned.append(q)
+            if q.scheduled_time is None:
+                q.scheduled_time = now
+                self.metrics.queue_time.observe(now - q.arrival)
         self._copy_on_write(plan)
         t0 = time.perf_counter()
         if plan.is_decode_only:
@@ -249,17 +361,23 @@ class LLMEngine:
             new = [int(t) for t in toks[i] if t >= 0]
             if not new:
                 continue
-            out = self._append(q, new, tuple(a[i] for a in lps), now)
+            try:
+                with attributed(q):
+                    out = self._append(q, new, tuple(a[i] for a in lps), now)
+            except RequestFailed as e:
+                log.error("request %s failed after a step; the other requests go on", q.request_id,
+                          exc_info=e.cause)
+                out = self._fail(q, str(e))
             if out is not None:
                 outs.append(out)
-        self.metrics.compilations.set(self.num_compiled())
-        self.metrics.cache_usage.set(max((self.blocks.used_units(n) / g.num_units for n, g in self.blocks.groups.items()
-                                          if g.paged and g.num_units), default=0.0))
         self._sparse_hit_rate([p.request.slot for p in plan.rows if p.request.slot is not None])
-        self.metrics.queue_length.set(len(self.scheduler.waiting))
-        self.metrics.running.set(len(self.scheduler.running))
         self.metrics.note_tokens(sum(len(o.new_token_ids) for o in outs))
         return outs
+
+    def cache_usage(self) -> dict[str, float]:
+        """Share of each cache group's pages (or checkpoint units) in use."""
+        b = self.blocks
+        return {n: b.used_units(n) / g.num_units for n, g in b.groups.items() if g.num_units}
 
     def _copy_on_write(self, plan):
         """Pages the step will write that a request shares (a prefix whose last page it continues)
@@ -391,7 +509,7 @@ class LLMEngine:
             q.status = RequestStatus.FINISHED
             self.scheduler.release(q)
             self.requests.pop(q.request_id, None)
-            self.metrics.finished.inc()
+            self.metrics.note_finished(q, now)
         new_text = q.text[len(old_text):] if q.text.startswith(old_text) else q.text
         return RequestOutput(q.request_id, accepted, new_text, list(q.output_ids), q.text, q.finished,
                              q.finish_reason, q.prompt_ids, new_lps, list(q.logprobs) if q.finished else [])

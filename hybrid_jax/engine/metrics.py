@@ -1,37 +1,69 @@
-"""Engine metrics in Prometheus form, on a registry owned by the engine (no global state)."""
+"""Engine metrics in Prometheus form, on a registry owned by the engine (no global state).
+
+Latencies count from the request's arrival (for the server: when its HTTP request came in), not
+from when the engine thread picked it up. Names follow Prometheus conventions (base units,
+`_total` counters, `_seconds` histograms) and vLLM's names where vLLM has the figure, with this
+project's `hybrid_jax_` prefix instead of `vllm:`. Everything that describes the present (queue,
+running requests, cache usage, throughput over the last 10 s, cache misses by reason) is computed
+when /metrics is scraped, so an idle server shows 0 and never a stale value.
+"""
 from __future__ import annotations
 
 import collections
+import threading
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-_LAT = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+_LAT = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_REQ = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
+P = "hybrid_jax_"
+THROUGHPUT_WINDOW_S = 10.0
+
+
+class _Live:
+    """A collector whose values are read at scrape time from a callback (the engine binds it)."""
+
+    def __init__(self, read):
+        self.read = read
+
+    def collect(self):
+        return self.read()
 
 
 class EngineMetrics:
     def __init__(self):
         r = self.registry = CollectorRegistry()
-        p = "hybrid_jax_"
+        p = P
         self.ttft = Histogram(p + "time_to_first_token_seconds", "Arrival to first token", buckets=_LAT, registry=r)
         self.itl = Histogram(p + "inter_token_latency_seconds", "Time between output tokens", buckets=_LAT,
                              registry=r)
+        self.e2e = Histogram(p + "e2e_request_latency_seconds", "Arrival to the last token of a finished request",
+                             buckets=_REQ, registry=r)
+        self.queue_time = Histogram(p + "request_queue_time_seconds", "Arrival to the first step that ran the "
+                                    "request", buckets=_REQ, registry=r)
+        self.tpot = Histogram(p + "request_time_per_output_token_seconds", "A finished request's (last token - first"
+                              " token) / (output tokens - 1)", buckets=_LAT, registry=r)
         self.step_seconds = Histogram(p + "step_seconds", "Device time of one engine step", buckets=_LAT,
                                       registry=r)
         self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens prefilled", registry=r)
         self.generation_tokens = Counter(p + "generation_tokens", "Tokens generated", registry=r)
-        self.finished = Counter(p + "requests_finished", "Requests finished", registry=r)
+        self.finished = Counter(p + "requests_finished", "Requests finished (stop or length)", registry=r)
+        self.success = Counter(p + "request_success", "Requests ended, by finish reason (stop, length, abort, error)",
+                               ["finished_reason"],
+                               registry=r)
         self.aborted = Counter(p + "requests_aborted", "Requests aborted (client gone or cancelled)", registry=r)
+        self.step_failures = Counter(p + "engine_step_failures", "Engine step failures: attributable ones failed "
+                                     "one request, the others reset the step state", ["attributable"], registry=r)
+        self.errors = Counter(p + "request_errors", "Requests answered with an error, by OpenAI error type",
+                              ["type"], registry=r)
         self.preemptions = Counter(p + "preemptions", "Requests preempted for recompute", registry=r)
-        self.queue_length = Gauge(p + "queue_length", "Requests waiting", registry=r)
-        self.running = Gauge(p + "running_requests", "Requests holding a cache slot", registry=r)
-        self.throughput = Gauge(p + "generation_throughput_tokens_per_second",
-                                "Output tokens per second over the last 10 s", registry=r)
-        self._recent: collections.deque = collections.deque()
-        self.compilations = Gauge(p + "compiled_programs", "Step programs compiled so far", registry=r)
-        self.cache_usage = Gauge(p + "kv_cache_usage_ratio", "Share of the paged pools' pages in use (fullest group)",
-                                 registry=r)
-        # Cache and speculation figures: set by the components that own them; NaN until they exist.
+        self.prefix_queries = Counter(p + "prefix_cache_queries", "Tokens looked up in the prefix cache",
+                                      registry=r)
+        self.prefix_hits = Counter(p + "prefix_cache_hits", "Looked-up tokens served from the prefix cache",
+                                   registry=r)
+        # Rates kept by the components that own them; NaN until they exist.
         self.prefix_hit_rate = Gauge(p + "prefix_cache_hit_rate", "Prefix cache hit rate", registry=r)
         self.validation_pass_rate = Gauge(p + "prefix_cache_validation_pass_rate",
                                           "Share of prefix hits that passed every validation", registry=r)
@@ -45,17 +77,70 @@ class EngineMetrics:
                                           "Tokens emitted per row-verify (accepted drafts + 1)", registry=r)
         self.spec_draft_seconds = Counter(p + "spec_decode_draft_seconds", "Host time spent drafting", registry=r)
         self.spec_verify_seconds = Counter(p + "spec_decode_verify_seconds", "Time of verify steps", registry=r)
-        for g in (self.spec_accepted_length, self.prefix_hit_rate, self.validation_pass_rate, self.effective_reuse, self.sparse_hit_rate,
-                  self.spec_acceptance):
+        for g in (self.spec_accepted_length, self.prefix_hit_rate, self.validation_pass_rate, self.effective_reuse,
+                  self.sparse_hit_rate, self.spec_acceptance):
             g.set(float("nan"))
+        self._recent: collections.deque = collections.deque()
+        self._lock = threading.Lock()
+        self._live = None            # () -> dict of present figures (bound by the engine / server)
+        r.register(_Live(self._collect_live))
 
-    def note_tokens(self, n: int, window: float = 10.0):
+    # --- recorded by the engine --------------------------------------------------------------------
+    def note_tokens(self, n: int):
+        if n:
+            with self._lock:
+                self._recent.append((time.monotonic(), n))
+
+    def note_finished(self, req, now: float):
+        self.finished.inc()
+        self.success.labels(finished_reason=req.finish_reason).inc()
+        self.e2e.observe(now - req.arrival)
+        n = len(req.output_ids)
+        if n > 1 and req.first_token_time is not None:
+            self.tpot.observe((now - req.first_token_time) / (n - 1))
+
+    def throughput(self, window: float = THROUGHPUT_WINDOW_S) -> float:
+        """Output tokens per second over the last `window` seconds (0 when idle)."""
         now = time.monotonic()
-        self._recent.append((now, n))
-        while self._recent and self._recent[0][0] < now - window:
-            self._recent.popleft()
-        span = max(now - self._recent[0][0], 1e-3) if len(self._recent) > 1 else window
-        self.throughput.set(sum(k for _, k in self._recent) / span)
+        with self._lock:
+            while self._recent and self._recent[0][0] < now - window:
+                self._recent.popleft()
+            return sum(k for _, k in self._recent) / window
+
+    # --- read at scrape time -----------------------------------------------------------------------
+    def bind(self, live):
+        """live() -> {"waiting": int, "running": int, "cache_usage": {group: ratio},
+        "prefix_misses": {reason: count}} read at every scrape."""
+        self._live = live
+
+    def _collect_live(self):
+        v = self._live() if self._live is not None else {}
+        out = [
+            GaugeMetricFamily(P + "num_requests_waiting", "Requests waiting for a row (queued or preempted), "
+                              "including those not yet handed to the engine thread", value=v.get("waiting", 0)),
+            GaugeMetricFamily(P + "num_requests_running", "Requests holding a cache row",
+                              value=v.get("running", 0)),
+            GaugeMetricFamily(P + "generation_throughput_tokens_per_second",
+                              f"Output tokens per second over the last {THROUGHPUT_WINDOW_S:g} s",
+                              value=self.throughput()),
+        ]
+        out.append(GaugeMetricFamily(P + "compiled_programs", "Programs compiled so far (steps, copies, prefix "
+                                     "store)", value=v.get("compiled", 0)))
+        usage = v.get("cache_usage", {})
+        paged = v.get("paged_groups", set())
+        out.append(GaugeMetricFamily(P + "kv_cache_usage_ratio", "Share of the paged pools' pages in use (fullest "
+                                     "group)", value=max([u for g, u in usage.items() if g in paged] or [0.0])))
+        per = GaugeMetricFamily(P + "cache_usage_ratio", "Share of each cache group's pages or checkpoint units in "
+                                "use", labels=["group"])
+        for g, u in sorted(usage.items()):
+            per.add_metric([g], u)
+        out.append(per)
+        miss = CounterMetricFamily(P + "prefix_cache_misses", "Prefix-cache lookups that were refused or missed, "
+                                   "by reason (disk-tier refusals included)", labels=["reason"])
+        for reason, n in sorted(v.get("prefix_misses", {}).items()):
+            miss.add_metric([reason], n)
+        out.append(miss)
+        return out
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,6 +1,7 @@
 """A request's life on the host: tokens known, tokens already in the cache, what was streamed."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import time
@@ -34,6 +35,8 @@ class Request:
     last_token_time: float | None = None
     num_preemptions: int = 0
     num_cached_tokens: int = 0             # prompt tokens the last admission took from the prefix cache
+    scheduled_time: float | None = None    # first admission into a row (queue time ends here)
+    strikes: int = 0                       # unattributable step failures this request was part of
 
     @property
     def all_ids(self) -> list[int]:
@@ -66,3 +69,23 @@ class RequestOutput:
     prompt_token_ids: list[int]
     new_logprobs: list[dict]
     logprobs: list[dict] = dataclasses.field(default_factory=list)   # every token's so far (logprobs requests)
+    error: str | None = None        # finish_reason "error": why this request failed (the others go on)
+
+
+class RequestFailed(RuntimeError):
+    """A failure inside a step that belongs to one request: only that request fails."""
+
+    def __init__(self, request_id: str, cause: BaseException):
+        super().__init__(f"request {request_id!r}: {type(cause).__name__}: {cause}")
+        self.request_id, self.cause = request_id, cause
+
+
+@contextlib.contextmanager
+def attributed(req: "Request"):
+    """Host work on one request's row: an exception in it is that request's failure."""
+    try:
+        yield
+    except RequestFailed:
+        raise
+    except Exception as e:  # noqa: BLE001
+        raise RequestFailed(req.request_id, e) from e

@@ -30,6 +30,8 @@ from cache.block_manager import BlockManager, GroupGeometry
 from cache.pools import (build_pools, copy_pages, is_paged, page_nbytes, page_tokens, pool_geometry, put_view,
                          row_nbytes, size_pools, take_view)
 from hybrid_jax.engine.config import EngineConfig
+from hybrid_jax.engine.limits import row_temperature, row_top_k
+from hybrid_jax.engine.request import attributed
 from hybrid_jax.errors import InputError
 from hybrid_jax.generate import bucket
 from hybrid_jax.models import get_model
@@ -143,7 +145,7 @@ class ModelRunner:
     def num_compiled(self) -> int:
         """Programs compiled so far by this runner (one per bucket and static option)."""
         return (self._mixed._cache_size() + self._decode._cache_size() + self._verify._cache_size()
-                + self._loop._cache_size())
+                + self._loop._cache_size() + self._copy_pages._cache_size())
 
     # --- traced step functions ---------------------------------------------------------------------
     def _sample(self, logits, r, flags, top_n):
@@ -155,8 +157,15 @@ class ModelRunner:
         """Attaches a draft model; its cache rows hold `extra` more positions (scratch drafts)."""
         self.dcfg, self.dparams, self.dmodel = dcfg, dparams, get_model(dcfg.model_type)
         cap = self.cache.lengths.shape[0]
-        capacity = self.ecfg.max_model_len + extra
-        self.dcache = self.dmodel.new_cache(dcfg, cap, capacity, ddtype)
+        self._draft_shape = (cap, self.ecfg.max_model_len + extra, ddtype)
+        self.dcache = self.dmodel.new_cache(dcfg, *self._draft_shape)
+
+    def reset_pools(self):
+        """Fresh, empty pools (and draft rows): after a failed step, whose call may have consumed the
+        donated ones. The compiled programs stay."""
+        self.cache = build_pools(self.layout, self.ecfg.max_num_seqs + 1, self.pages, self.units)
+        if self.dcache is not None:
+            self.dcache = self.dmodel.new_cache(self.dcfg, *self._draft_shape)
 
     def set_mtp(self, extra: int):
         """Drafts with the target's own MTP block (params["mtp"]); its cache rows hold `extra` more
@@ -310,9 +319,10 @@ class ModelRunner:
         tokens = np.zeros((Bb, K + 1), np.int32)
         meta = np.zeros((2, Bb), np.int32)
         for i, (q, d) in enumerate(zip(reqs, drafts)):
-            tokens[i, 0] = q.output_ids[-1]
-            tokens[i, 1:1 + len(d)] = d
-            meta[0, i], meta[1, i] = 1 + len(d), len(d)
+            with attributed(q):
+                tokens[i, 0] = q.output_ids[-1]
+                tokens[i, 1:1 + len(d)] = d
+                meta[0, i], meta[1, i] = 1 + len(d), len(d)
         n_acc, out, self.cache, self.dcache = self._verify(
             self.params, self.cache, self._rows(reqs, Bb), jnp.asarray(tokens), jnp.asarray(meta), self.dparams,
             self.dcache, flags=self._flags(reqs), replay=replay)
@@ -347,10 +357,11 @@ class ModelRunner:
         rows = np.zeros((4, Bb), np.int32)
         for i, q in enumerate(reqs):
             # The loop emits its first token itself: that is the request's pending token, already out.
-            ids = q.all_ids
-            hist[i, :len(ids) - 1] = ids[:-1]
-            first[i] = ids[-1]
-            rows[:, i] = (len(ids) - 1, 1, len(q.output_ids) - 1, q.remaining_tokens + 1)
+            with attributed(q):
+                ids = q.all_ids
+                hist[i, :len(ids) - 1] = ids[:-1]
+                first[i] = ids[-1]
+                rows[:, i] = (len(ids) - 1, 1, len(q.output_ids) - 1, q.remaining_tokens + 1)
         tune = np.asarray([spec.draft_cost, spec.ewma_decay], np.float32)
         out, n_out, log, branch, self.cache = self._loop(self.params, self.cache, self._rows(reqs, Bb), hist, first,
                                                          rows, tune, self._stop_ids(reqs, Bb, eos_ids), lc=lc)
@@ -370,13 +381,14 @@ class ModelRunner:
         ids = [q.request_id for q in reqs] + [None] * (Bb - n)
         ra["tables"] = (self.blocks.block_tables(ids, self.widths) if self.blocks is not None
                         else {g: np.full((Bb, w), -1, np.int32) for g, w in self.widths.items()})
-        ra["rows"][:n] = [q.slot for q in reqs]
-        ra["lengths"][:n] = [q.num_computed for q in reqs]
-        ra["seeds"][:n] = [q.seed % 2**32 for q in reqs]
-        ra["steps"][:n] = [len(q.output_ids) for q in reqs]
-        ra["temperature"][:n] = [q.params.temperature for q in reqs]
-        ra["top_k"][:n] = [q.params.top_k for q in reqs]
-        ra["top_p"][:n] = [q.params.top_p for q in reqs]
+        V = self.cfg.vocab_size
+        for i, q in enumerate(reqs):
+            with attributed(q):
+                ra["rows"][i], ra["lengths"][i] = q.slot, q.num_computed
+                ra["seeds"][i], ra["steps"][i] = q.seed % 2**32, len(q.output_ids)
+                ra["temperature"][i] = row_temperature(q.params.temperature)
+                ra["top_k"][i] = row_top_k(q.params.top_k, V)
+                ra["top_p"][i] = q.params.top_p
         return ra
 
     def _stop_ids(self, reqs, Bb, eos_ids) -> np.ndarray:
@@ -385,8 +397,9 @@ class ModelRunner:
         S = self.ecfg.max_stop_ids
         stop_ids = np.full((Bb, S), -1, np.int32)
         for i, q in enumerate(reqs):
-            ids = list(q.params.stop_token_ids) + ([] if q.params.ignore_eos else list(eos_ids))
-            stop_ids[i, :len(ids[:S])] = ids[:S]
+            with attributed(q):
+                ids = list(q.params.stop_token_ids) + ([] if q.params.ignore_eos else list(eos_ids))
+                stop_ids[i, :len(ids[:S])] = ids[:S]
         return stop_ids
 
     @staticmethod
@@ -410,11 +423,12 @@ class ModelRunner:
         fresh = np.zeros((Bb,), bool)
         for i, p in enumerate(plan_rows):
             q = p.request
-            ids = q.all_ids[q.num_computed:q.num_computed + p.num_tokens]
-            tokens[i, :len(ids)] = ids
-            n_new[i], reset[i], do_sample[i] = p.num_tokens, p.reset, p.sample
-            # the MTP state starts over with the row, and after a prefix hit (it holds no prefix)
-            fresh[i] = p.reset or (q.num_cached_tokens > 0 and q.num_computed == q.num_cached_tokens)
+            with attributed(q):
+                ids = q.all_ids[q.num_computed:q.num_computed + p.num_tokens]
+                tokens[i, :len(ids)] = ids
+                n_new[i], reset[i], do_sample[i] = p.num_tokens, p.reset, p.sample
+                # the MTP state starts over with the row, and after a prefix hit (it holds no prefix)
+                fresh[i] = p.reset or (q.num_cached_tokens > 0 and q.num_computed == q.num_cached_tokens)
         top_n = self._top_n(reqs)
         r = self._rows(reqs, Bb)
         if self.mtp:
@@ -435,7 +449,8 @@ class ModelRunner:
         active = np.zeros((Bb,), bool)
         remaining = np.zeros((Bb,), np.int32)
         for i, q in enumerate(reqs):
-            last[i], active[i], remaining[i] = q.output_ids[-1], True, q.remaining_tokens
+            with attributed(q):
+                last[i], active[i], remaining[i] = q.output_ids[-1], True, q.remaining_tokens
         stop_ids = self._stop_ids(reqs, Bb, eos_ids)
         out, lps, self.cache, self.dcache = self._decode(
             self.params, self.cache, self._rows(reqs, Bb), jnp.asarray(last), jnp.asarray(active), jnp.asarray(stop_ids),
@@ -446,10 +461,15 @@ class ModelRunner:
     # --- warm-up -----------------------------------------------------------------------------------
     def warmup(self, mode: str):
         """Compiles the step programs ahead of serving: `minimal` = every decode bucket and the mixed
-        step at the smallest token bucket; `all` = every (batch, token) bucket. The cache comes back
-        untouched: every row points at the null slot."""
+        step at the smallest token bucket; `all` = every (batch, token) bucket, with and without
+        logprobs, and (with prefix caching) the copy-on-write of shared pages: every program a step
+        can run. The cache comes back untouched: every row points at the null slot."""
         if mode == "none":
             return
+        if mode == "all" and self.ecfg.enable_prefix_caching and self.widths:
+            W = self.ecfg.max_num_seqs
+            pad = (np.full((W,), -1, np.int32), np.full((W,), -1, np.int32))
+            self.cache = self._copy_pages(self.cache, {n: pad for n in self.widths})
         tbs = self.token_buckets() if mode == "all" else self.token_buckets()[:1]
         widths = (0, LOGPROBS_WIDTH) if mode == "all" else (0,)
         for Bb in self.batch_buckets():

@@ -13,6 +13,10 @@ pages its writes need (a decoding one `lookahead` tokens ahead: a decode step wr
 every row to its end in one call). When the pages run out even after the prefix store let
 go of what only it held, the newest running request is preempted: it gives back its row and pages
 and waits at the head of the queue to be recomputed (its published prefix may well serve it then).
+
+`isolate(req)` marks requests that must run alone (the engine's suspects after a step failure it
+could not attribute): such a request is admitted only when no other request runs, and nothing is
+admitted beside it while it stays marked.
 """
 from __future__ import annotations
 
@@ -44,7 +48,7 @@ class StepPlan:
 class Scheduler:
     def __init__(self, *, max_num_seqs: int, max_num_batched_tokens: int, blocks: BlockManager,
                  lookahead: int | None = 1,
-                 chunk_cap=None, on_admit=None, next_stop=None, on_release=None):
+                 chunk_cap=None, on_admit=None, next_stop=None, on_release=None, isolate=None):
         self.max_num_seqs = max_num_seqs
         self.token_budget = max_num_batched_tokens
         self.blocks = blocks
@@ -61,6 +65,7 @@ class Scheduler:
         self.on_admit = on_admit
         self.next_stop = next_stop
         self.on_release = on_release
+        self.isolate = isolate or (lambda req: False)
 
     # --- bookkeeping --------------------------------------------------------------------------------
     def add(self, req: Request):
@@ -124,6 +129,8 @@ class Scheduler:
             req = self.waiting[0]
             if req in preempted:
                 break
+            if self.running and (self.isolate(req) or any(self.isolate(r) for r in self.running)):
+                break                              # a suspect runs alone
             first = min(req.num_uncomputed, budget)
             row = self.blocks.take_row(req.request_id)
             if not self.blocks.can_grow(req.request_id, first):     # even without a prefix hit

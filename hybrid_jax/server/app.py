@@ -1,20 +1,32 @@
 """The OpenAI-compatible API: /v1/completions, /v1/chat/completions (SSE streaming), /v1/models,
-/health (readiness), /metrics (Prometheus text).
+/health (readiness), /metrics (Prometheus text), /docs and /openapi.json (behind the API key).
 
-Bad requests (malformed JSON, bad parameters, oversize bodies, too many tokens) get a 4xx with a
-message and the server keeps serving. A streaming client that disconnects aborts its request,
-which frees its cache slot.
+Every error is a 4xx / 5xx in OpenAI's shape, {"error": {"message", "type", "param", "code"}}:
+malformed bodies (see protocol.py), unknown routes (404) and methods (405), an unknown `model`
+(404), bodies over the limit (413, counted while they stream in, before any parsing), bodies that
+stop arriving (408). A request the engine fails (it can attribute the failure to it) gets a 500
+naming it, or an error event on its stream; the other requests go on.
+
+A client that disconnects aborts its request, streaming or not, which frees its cache slot. While
+the server drains (SIGTERM, see lifecycle.py) new requests get 503; at the drain deadline, streams
+still open get an error event and requests still waiting a 503.
 """
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import hmac
 import json
+import re
 import time
 import uuid
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
+from hybrid_jax.engine.async_engine import EngineRequestError
 from hybrid_jax.errors import InputError
 from hybrid_jax.server import protocol
 
@@ -25,6 +37,7 @@ class ServerConfig:
     api_key: str | None = None
     max_request_bytes: int = 1 << 20
     max_tokens_limit: int = 4096
+    body_timeout_s: float = 30.0        # longest wait for the next piece of a request body (408 after)
 
 
 class ServerState:
@@ -34,10 +47,49 @@ class ServerState:
         self.config = config
         self.engine = None           # AsyncEngine
         self.load_error: str | None = None
+        self.ready_note = "ok"       # /health's body once ready: what the warm-up compiled
+        self.draining = False
+        self._deadline: asyncio.Future | None = None
+
+    def deadline(self) -> asyncio.Future:
+        """Resolves when a drain's deadline passes (never, unless the server is draining)."""
+        if self._deadline is None:
+            self._deadline = asyncio.get_running_loop().create_future()
+        return self._deadline
+
+    def begin_drain(self, timeout_s: float):
+        """On the event loop: refuse new requests; at `timeout_s`, end the ones still open."""
+        self.draining = True
+        fut = self.deadline()
+        asyncio.get_running_loop().call_later(timeout_s, lambda: fut.done() or fut.set_result(None))
 
 
-def _error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
+
+
+class _Shutdown(Exception):
+    """The drain deadline passed while the request was still open."""
+
+
+class _Gone(Exception):
+    """The client disconnected."""
+
+
+_PARAM = re.compile(r"'(\w+)'")
+
+
+def error_body(message: str, kind: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+async def _wait_disconnect(request: Request):
+    """Returns when the server reports the client gone (the body was read already)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _render_chat(tokenizer, messages) -> str:
@@ -56,28 +108,75 @@ def _logprobs_block(tokenizer, lps: list[dict]) -> dict:
             "top_logprobs": [{dec(t): v for t, v in x["top"]} for x in lps]}
 
 
-def build_app(state: ServerState) -> FastAPI:
-    app = FastAPI(title="hybrid-jax", docs_url=None, redoc_url=None)
-    cfg = state.config
+class _Guard:
+    """ASGI middleware in front of every route: the API key (constant-time compare) on /v1/*,
+    /docs and /openapi.json; the declared body size; 503 while loading or draining."""
 
-    @app.middleware("http")
-    async def guard(request: Request, call_next):
-        path = request.url.path
-        if path.startswith("/v1/"):
-            if cfg.api_key is not None and request.headers.get("authorization") != f"Bearer {cfg.api_key}":
-                return _error(401, "missing or wrong API key (Authorization: Bearer ...)", "authentication_error")
-            size = request.headers.get("content-length")
-            if size is not None and size.isdigit() and int(size) > cfg.max_request_bytes:
-                return _error(413, f"request body of {size} bytes exceeds the limit of {cfg.max_request_bytes}")
-            if state.engine is None and path != "/v1/models":
-                return _error(503, "the model is still loading", "unavailable")
-        return await call_next(request)
+    PROTECTED = ("/openapi.json", "/docs", "/docs/oauth2-redirect")
+
+    def __init__(self, app, state: ServerState, err):
+        self.app, self.state, self.err = app, state, err
+        key = state.config.api_key
+        self.expected = None if key is None else b"Bearer " + key.encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path, cfg = scope["path"], self.state.config
+        headers = dict(scope["headers"])
+        resp = None
+        if self.expected is not None and (path.startswith("/v1/") or path in self.PROTECTED):
+            if not hmac.compare_digest(headers.get(b"authorization", b""), self.expected):
+                resp = self.err(401, "missing or wrong API key (Authorization: Bearer ...)", "authentication_error")
+        if resp is None and path.startswith("/v1/") and scope["method"] == "POST":
+            size = headers.get(b"content-length", b"").decode("latin-1")
+            if size.isdigit() and int(size) > cfg.max_request_bytes:
+                resp = self.err(413, f"request body of {size} bytes exceeds the limit of {cfg.max_request_bytes}",
+                                code="request_too_large")
+            elif self.state.draining:
+                resp = self.err(503, "the server is shutting down", "unavailable")
+            elif self.state.engine is None:
+                resp = self.err(503, "the model is still loading", "unavailable")
+        if resp is not None:
+            return await resp(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+
+def build_app(state: ServerState) -> FastAPI:
+    cfg = state.config
+    app = FastAPI(title="hybrid-jax", docs_url="/docs", redoc_url=None)
+
+    def err(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
+            code: str | None = None) -> JSONResponse:
+        if state.engine is not None:
+            state.engine.engine.metrics.errors.labels(type=kind).inc()
+        return JSONResponse(error_body(message, kind, param, code), status_code=status)
+
+    def input_error(e: InputError) -> JSONResponse:
+        m = _PARAM.match(str(e))
+        return err(400, str(e), param=m.group(1) if m else None)
+
+    app.add_middleware(_Guard, state=state, err=err)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        msg = {404: f"no route {request.url.path}",
+               405: f"method {request.method} is not allowed on {request.url.path}"}.get(exc.status_code, exc.detail)
+        return err(exc.status_code, msg, kind)
+
+    @app.exception_handler(Exception)
+    async def unhandled(request: Request, exc: Exception):
+        return err(500, f"internal error: {type(exc).__name__}: {exc}", "server_error")
 
     @app.get("/health")
     async def health():
+        if state.draining:
+            return PlainTextResponse("shutting down", status_code=503)
         if state.engine is None:
-            return PlainTextResponse(state.load_error or "loading", status_code=503)
-        return PlainTextResponse("ok")
+            return PlainTextResponse("loading failed (see the server log)" if state.load_error else "loading",
+                                     status_code=503)
+        return PlainTextResponse(state.ready_note)
 
     @app.get("/metrics")
     async def metrics():
@@ -93,15 +192,69 @@ def build_app(state: ServerState) -> FastAPI:
             card.update(max_model_len=eng.config.max_model_len, vocab_size=eng.llm.config.vocab_size)
         return {"object": "list", "data": [card]}
 
-    async def _body(request: Request) -> dict:
-        body = await request.body()
-        if len(body) > cfg.max_request_bytes:
-            raise InputError(f"request body of {len(body)} bytes exceeds the limit of {cfg.max_request_bytes}")
-        return protocol.parse_json(body)
+    async def read_body(request: Request) -> bytes:
+        """The body, counted while it streams in: 413 as soon as it passes the limit, 408 when the
+        next piece does not come within body_timeout_s."""
+        chunks, size = [], 0
+        it = request.stream().__aiter__()
+        while True:
+            try:
+                chunk = await asyncio.wait_for(it.__anext__(), cfg.body_timeout_s)
+            except StopAsyncIteration:
+                return b"".join(chunks)
+            except asyncio.TimeoutError:
+                raise ApiError(408, f"the request body stopped arriving (nothing for {cfg.body_timeout_s:g} s)",
+                               code="request_timeout") from None
+            except ClientDisconnect:
+                raise _Gone() from None
+            size += len(chunk)
+            if size > cfg.max_request_bytes:
+                raise ApiError(413, f"request body exceeds the limit of {cfg.max_request_bytes} bytes",
+                               code="request_too_large")
+            chunks.append(chunk)
 
-    async def _serve(request: Request, chat: bool):
+    async def guarded(gen, request: Request | None):
+        """The engine's outputs, until the generator ends, the drain deadline passes (_Shutdown) or,
+        with `request`, the client disconnects (_Gone: a task waits for the server's
+        `http.disconnect`, whether or not outputs are flowing); both abort the request."""
+        deadline = state.deadline()
+        gone = asyncio.ensure_future(_wait_disconnect(request)) if request is not None else None
+        watch = {deadline} | ({gone} if gone is not None else set())
+
+        async def stop(nxt):
+            if nxt.done():
+                await gen.aclose()                    # suspended at a yield: closing it aborts the request
+            else:
+                nxt.cancel()                          # waiting for output: the cancellation aborts it
+                await asyncio.gather(nxt, return_exceptions=True)
+
         try:
-            data = await _body(request)
+            while True:
+                nxt = asyncio.ensure_future(gen.__anext__())
+                try:
+                    await asyncio.wait({nxt} | watch, return_when=asyncio.FIRST_COMPLETED)
+                    if deadline.done() or (gone is not None and gone.done()):
+                        await stop(nxt)
+                        raise _Shutdown() if deadline.done() else _Gone()
+                finally:
+                    if not nxt.done():            # we were cancelled (a stream's client went away)
+                        nxt.cancel()
+                try:
+                    yield nxt.result()
+                except StopAsyncIteration:
+                    return
+        finally:
+            if gone is not None:
+                gone.cancel()
+
+    async def serve(request: Request, chat: bool):
+        arrival = time.monotonic()
+        try:
+            data = protocol.parse_json(await read_body(request))
+            model = data.get("model")
+            if model is not None and model != cfg.model_name:
+                raise ApiError(404, f"the model {str(model)[:200]!r} does not exist; this server serves "
+                               f"{cfg.model_name!r}", "not_found_error", param="model", code="model_not_found")
             params = protocol.sampling_params(data, max_tokens_limit=cfg.max_tokens_limit, chat=chat)
             eng = state.engine
             tok = eng.engine.llm.tokenizer
@@ -114,11 +267,15 @@ def build_app(state: ServerState) -> FastAPI:
             if not isinstance(stream, bool):
                 raise InputError("'stream' must be true or false")
         except InputError as e:
-            return _error(400, str(e))
+            return input_error(e)
+        except ApiError as e:
+            return err(e.status, e.message, e.kind, e.param, e.code)
+        except _Gone:
+            return Response(status_code=400)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         created = int(time.time())
         obj = "chat.completion" if chat else "text_completion"
-        gen = eng.generate(rid, prompt, params)
+        gen = eng.generate(rid, prompt, params, arrival=arrival)
 
         def usage(n_out):
             return {"prompt_tokens": len(prompt_ids), "completion_tokens": n_out,
@@ -127,35 +284,48 @@ def build_app(state: ServerState) -> FastAPI:
         if stream:
             async def events():
                 first = True
-                async for out in gen:
-                    if chat:
-                        delta = {"content": out.new_text}
-                        if first:
-                            delta["role"] = "assistant"
-                        choice = {"index": 0, "delta": delta, "finish_reason": out.finish_reason}
-                    else:
-                        choice = {"index": 0, "text": out.new_text, "token_ids": out.new_token_ids,
-                                  "finish_reason": out.finish_reason,
-                                  "logprobs": _logprobs_block(tok, out.new_logprobs) if params.logprobs is not None
-                                  else None}
-                    first = False
-                    chunk = {"id": rid, "object": obj + (".chunk" if chat else ""), "created": created,
-                             "model": cfg.model_name, "choices": [choice]}
-                    if out.finished:
-                        chunk["usage"] = usage(len(out.token_ids))
-                    yield f"data: {json.dumps(chunk)}\n\n"
+                try:
+                    async for out in guarded(gen, None):
+                        if chat:
+                            delta = {"content": out.new_text}
+                            if first:
+                                delta["role"] = "assistant"
+                            choice = {"index": 0, "delta": delta, "finish_reason": out.finish_reason}
+                        else:
+                            choice = {"index": 0, "text": out.new_text, "token_ids": out.new_token_ids,
+                                      "finish_reason": out.finish_reason,
+                                      "logprobs": _logprobs_block(tok, out.new_logprobs)
+                                      if params.logprobs is not None else None}
+                        first = False
+                        chunk = {"id": rid, "object": obj + (".chunk" if chat else ""), "created": created,
+                                 "model": cfg.model_name, "choices": [choice]}
+                        if out.finished:
+                            chunk["usage"] = usage(len(out.token_ids))
+                        yield f"data: {json.dumps(chunk)}\n\n"
+                except _Shutdown:
+                    state.engine.engine.metrics.errors.labels(type="server_shutdown").inc()
+                    yield "data: " + json.dumps(error_body(f"request {rid}: the server shut down before it "
+                                                           "finished", "server_shutdown")) + "\n\n"
+                except (EngineRequestError, InputError) as e:
+                    kind = "server_error" if isinstance(e, EngineRequestError) else "invalid_request_error"
+                    state.engine.engine.metrics.errors.labels(type=kind).inc()
+                    yield "data: " + json.dumps(error_body(str(e), kind)) + "\n\n"
                 yield "data: [DONE]\n\n"
             return StreamingResponse(events(), media_type="text/event-stream")
 
         final, lps = None, []
         try:
-            async for out in gen:
+            async for out in guarded(gen, request):
                 final = out
                 lps += out.new_logprobs
         except InputError as e:
-            return _error(400, str(e))
-        except RuntimeError as e:
-            return _error(500, str(e), "server_error")
+            return input_error(e)
+        except EngineRequestError as e:
+            return err(500, str(e), "server_error")
+        except _Shutdown:
+            return err(503, f"request {rid}: the server shut down before it finished", "server_shutdown")
+        except _Gone:
+            return Response(status_code=499)      # nobody reads it: the request was aborted
         if chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": final.text},
                       "finish_reason": final.finish_reason}
@@ -168,14 +338,10 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await _serve(request, chat=False)
+        return await serve(request, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        return await _serve(request, chat=True)
-
-    @app.exception_handler(Exception)
-    async def unhandled(request: Request, exc: Exception):
-        return _error(500, f"internal error: {type(exc).__name__}: {exc}", "server_error")
+        return await serve(request, chat=True)
 
     return app

@@ -1,20 +1,32 @@
 """`hybrid-jax serve`: start uvicorn at once, load and warm the model on a background thread;
-/health turns 200 when the engine is ready."""
+/health turns 200 when the engine is ready. A model that fails to load stops the server: the
+process exits 1 with the error in its log (never a 503 forever). On SIGTERM the server drains
+(lifecycle.py), then the engine and the prefix store's disk tier are shut down and it exits 0."""
 from __future__ import annotations
 
 import logging
 import threading
 
-import uvicorn
-
 from hybrid_jax.engine import EngineConfig, LLMEngine
 from hybrid_jax.engine.async_engine import AsyncEngine
+from hybrid_jax.server import lifecycle
 from hybrid_jax.server.app import ServerConfig, ServerState, build_app
 
 log = logging.getLogger("hybrid_jax.server")
 
+WARMUP_NOTES = {
+    "all": "every step shape this server can be sent is compiled",
+    "minimal": "decode shapes compiled; prefill and logprobs shapes compile on first use, stalling the engine",
+    "none": "nothing compiled ahead; every new shape compiles on first use, stalling the engine",
+}
 
-def load_engine(state: ServerState, model: str | None, dtype: str, engine_config: EngineConfig):
+
+def ready_note(engine: LLMEngine) -> str:
+    mode = engine.config.warmup
+    return f"ok: warm-up {mode}: {WARMUP_NOTES[mode]} ({engine.num_compiled()} programs)"
+
+
+def load_engine(state: ServerState, model: str | None, dtype: str, engine_config: EngineConfig, stop=None):
     try:
         from hybrid_jax import LLM  # noqa: PLC0415
         llm = LLM(model=model, dtype=dtype, max_model_len=None)
@@ -22,16 +34,37 @@ def load_engine(state: ServerState, model: str | None, dtype: str, engine_config
         engine.warmup()
         ae = AsyncEngine(engine)
         ae.start()
+        state.ready_note = ready_note(engine)
         state.engine = ae
-        log.info("model ready (warm-up %.1f s, %d programs)", engine.warmup_seconds, engine.runner.num_compiled())
-    except Exception as e:  # noqa: BLE001  (reported by /health)
+        log.info("model ready (warm-up %s, %.1f s, %d programs)", engine_config.warmup, engine.warmup_seconds,
+                 engine.num_compiled())
+    except Exception as e:  # noqa: BLE001  (the process exits with it)
         state.load_error = f"loading failed: {type(e).__name__}: {e}"
-        log.error(state.load_error)
+        log.error("%s; stopping the server", state.load_error)
+        if stop is not None:
+            stop()
 
 
 def serve(*, model: str | None, host: str, port: int, dtype: str, engine_config: EngineConfig,
-          server_config: ServerConfig):
+          server_config: ServerConfig, shutdown_timeout_s: float = 30.0, header_timeout_s: float = 10.0,
+          keep_alive_timeout_s: float = 5.0) -> int:
+    """Runs the server; returns the process exit code (0 after a drain, 1 when the model failed to load)."""
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s:%(name)s: %(message)s")
     state = ServerState(server_config)
     app = build_app(state)
-    threading.Thread(target=load_engine, args=(state, model, dtype, engine_config), daemon=True).start()
-    uvicorn.run(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5)
+
+    def start_loading(server):
+        def stop():
+            server.should_exit = True
+        threading.Thread(target=load_engine, args=(state, model, dtype, engine_config, stop), daemon=True).start()
+
+    lifecycle.run(app, state, host=host, port=port, shutdown_timeout_s=shutdown_timeout_s,
+                  header_timeout_s=header_timeout_s, keep_alive_timeout_s=keep_alive_timeout_s,
+                  on_server=start_loading)
+    if state.engine is not None:
+        log.info("shutting down the engine")
+        state.engine.shutdown()
+    if state.load_error is not None:
+        log.error("exiting: %s", state.load_error)
+        return 1
+    return 0

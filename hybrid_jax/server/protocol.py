@@ -1,8 +1,14 @@
 """Request parsing for the OpenAI-compatible endpoints: JSON in, SamplingParams and prompt out.
-Every problem is an InputError whose message the server returns with a 400."""
+
+Parsing is total: every body is either a request or an InputError whose message the server returns
+with a 400 — nesting deeper than MAX_DEPTH, integers past Python's digit limit, numbers that
+overflow a float (1e400, the integer 10**400 as a temperature), NaN / Infinity literals and strings
+with lone surrogates included. OpenAI fields this server does not implement (`echo`, `best_of` > 1,
+`logit_bias`, penalties, `suffix`) are refused by name rather than ignored."""
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 from hybrid_jax.errors import InputError
@@ -12,13 +18,54 @@ _SAMPLING_KEYS = {"max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
                   "logprobs"}
 
 
+MAX_DEPTH = 32
+
+
+def _finite(text: str) -> float:
+    v = float(text)
+    if not math.isfinite(v):
+        raise InputError(f"the number {text[:40]} is out of range (it overflows a float)")
+    return v
+
+
+def _no_constant(name: str):
+    raise InputError(f"{name} is not valid JSON")
+
+
+def _check_tree(data):
+    """Depth and strings of a parsed body, walked iteratively (no recursion to exhaust)."""
+    todo = [(data, 1)]
+    while todo:
+        v, depth = todo.pop()
+        if depth > MAX_DEPTH:
+            raise InputError(f"request body is nested deeper than {MAX_DEPTH} levels")
+        if isinstance(v, dict):
+            for k, x in v.items():
+                todo.append((k, depth))
+                todo.append((x, depth + 1))
+        elif isinstance(v, list):
+            todo.extend((x, depth + 1) for x in v)
+        elif isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise InputError(f"a string holds a lone surrogate ({v[e.start:e.end]!a}): not valid Unicode") from None
+
+
 def parse_json(body: bytes) -> dict[str, Any]:
     try:
-        data = json.loads(body)
+        data = json.loads(body, parse_float=_finite, parse_constant=_no_constant)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise InputError(f"request body is not valid JSON: {e}") from None
+    except InputError:
+        raise
+    except RecursionError:
+        raise InputError(f"request body is nested deeper than {MAX_DEPTH} levels") from None
+    except ValueError as e:          # an integer past the digit limit of int('...')
+        raise InputError(f"request body has a number out of range: {str(e)[:120]}") from None
     if not isinstance(data, dict):
         raise InputError("request body must be a JSON object")
+    _check_tree(data)
     return data
 
 
@@ -33,11 +80,40 @@ def _typed(data, key, types, default):
     return v
 
 
+def _float(data, key, default) -> float:
+    v = _typed(data, key, (int, float), default)
+    try:
+        f = float(v)
+    except OverflowError:
+        raise InputError(f"'{key}' = {str(v)[:40]}... is out of range") from None
+    if not math.isfinite(f):
+        raise InputError(f"'{key}' must be a finite number; got {v!r}")
+    return f
+
+
+def _refuse_unsupported(data: dict[str, Any]):
+    """OpenAI fields with no implementation here: a clear 400 instead of silently ignoring them."""
+    if data.get("echo"):
+        raise InputError("'echo' is not supported: the prompt is not returned with the completion")
+    best_of = data.get("best_of")
+    if best_of is not None and best_of != 1:
+        raise InputError(f"'best_of' = {best_of!r} is not supported (only 1)")
+    if data.get("logit_bias"):
+        raise InputError("'logit_bias' is not supported")
+    for key in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
+        v = data.get(key)
+        if v is not None and v != (1 if key == "repetition_penalty" else 0):
+            raise InputError(f"'{key}' is not supported (send it unset)")
+    if data.get("suffix") is not None:
+        raise InputError("'suffix' is not supported")
+
+
 def sampling_params(data: dict[str, Any], *, max_tokens_limit: int, default_max_tokens: int = 16,
                     chat: bool = False) -> SamplingParams:
     n = _typed(data, "n", (int,), 1)
     if n != 1:
         raise InputError("only n = 1 is supported")
+    _refuse_unsupported(data)
     mt_key = "max_completion_tokens" if chat and "max_completion_tokens" in data else "max_tokens"
     max_tokens = _typed(data, mt_key, (int,), default_max_tokens)
     if max_tokens > max_tokens_limit:
@@ -49,13 +125,15 @@ def sampling_params(data: dict[str, Any], *, max_tokens_limit: int, default_max_
         raise InputError(f"'stop' must be a string or a list of strings; got {stop!r}")
     logprobs = data.get("logprobs")
     if chat:
-        logprobs = _typed(data, "top_logprobs", (int,), 0) if data.get("logprobs") else None
+        if not isinstance(logprobs, (bool, type(None))):
+            raise InputError(f"'logprobs' must be true or false in a chat request; got {logprobs!r}")
+        logprobs = _typed(data, "top_logprobs", (int,), 0) if logprobs else None
     elif logprobs is not None:
         logprobs = _typed(data, "logprobs", (int,), 0)
     return SamplingParams(
         max_tokens=max_tokens,
-        temperature=float(_typed(data, "temperature", (int, float), 1.0)),
-        top_p=float(_typed(data, "top_p", (int, float), 1.0)),
+        temperature=_float(data, "temperature", 1.0),
+        top_p=_float(data, "top_p", 1.0),
         top_k=_typed(data, "top_k", (int,), -1),
         seed=_typed(data, "seed", (int,), None),
         stop=stop,

@@ -133,3 +133,19 @@ def test_prompt_longer_than_max_model_len(tiny_checkpoint):
 def test_bad_prompt_type(llm):
     with pytest.raises(InputError, match="prompt must be"):
         llm.generate([42], SamplingParams(max_tokens=2))
+
+
+@pytest.mark.parametrize("kw,msg", [(dict(stop_token_ids=[10**12]), "outside the vocabulary"),
+                                    (dict(stop=["s"] * 1000), "at most"), (dict(top_p=1e-46), "rounds to 0")])
+def test_generate_checks_the_engine_limits_before_queuing(llm, kw, msg):
+    with pytest.raises(InputError, match=msg):
+        llm.generate([{"prompt_token_ids": [1, 2]}, {"prompt_token_ids": [3]}],
+                     [SamplingParams(max_tokens=2), SamplingParams(max_tokens=2, **kw)])
+    assert not llm.engine.has_unfinished()
+
+
+def test_top_k_past_the_vocabulary_means_all(llm):
+    outs = [llm.generate({"prompt_token_ids": [5, 6]}, SamplingParams(max_tokens=6, temperature=1.0, top_k=k,
+                                                                      seed=2, ignore_eos=True))[0].outputs[0].token_ids
+            for k in (-1, 10**12)]
+    assert outs[0] == outs[1]

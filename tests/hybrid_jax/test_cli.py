@@ -4,6 +4,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from hybrid_jax.cli import main
 
 
@@ -45,3 +47,27 @@ def test_serve_prefix_caching_options_reach_the_engine_config():
                                       "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4}'])
     cfg = _engine_config(args)
     assert cfg.kv_cache_dir == "/tmp/x" and cfg.speculative_config["num_speculative_tokens"] == 4
+
+
+def test_api_key_from_flag_file_or_environment(tmp_path, monkeypatch):
+    from hybrid_jax.cli import _api_key, build_parser  # noqa: PLC0415
+    from hybrid_jax.errors import HybridJaxError  # noqa: PLC0415
+
+    def key(*argv):
+        return _api_key(build_parser().parse_args(["serve", *argv]))
+
+    monkeypatch.delenv("HYBRID_JAX_API_KEY", raising=False)
+    assert key() is None
+    monkeypatch.setenv("HYBRID_JAX_API_KEY", "from-env")
+    assert key() == "from-env"
+    f = tmp_path / "key"
+    f.write_text("from-file\n")
+    assert key("--api-key-file", str(f)) == "from-file"          # a file beats the environment
+    assert key("--api-key", "flag") == "flag"
+    with pytest.raises(HybridJaxError, match="not both"):
+        key("--api-key", "flag", "--api-key-file", str(f))
+    with pytest.raises(HybridJaxError, match="No such file"):
+        key("--api-key-file", str(tmp_path / "missing"))
+    f.write_text("\n")
+    with pytest.raises(HybridJaxError, match="empty"):
+        key("--api-key-file", str(f))

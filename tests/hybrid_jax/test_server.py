@@ -1,5 +1,7 @@
-"""A real server process on loopback, driven over HTTP: concurrent streams, a bounded load test
-whose every completion matches the offline engine, malformed requests, a client disconnect."""
+"""A real server process on loopback, driven over HTTP: concurrent streams, bounded load tests (ours
+and the official OpenAI client's) whose every completion matches the offline engine, malformed and
+out-of-range requests beside innocent ones, OpenAI's error shape, body limits, disconnects of
+streaming and non-streaming clients, latency metrics from HTTP arrival."""
 from __future__ import annotations
 
 import asyncio
@@ -66,11 +68,13 @@ def offline(tiny_checkpoint):
     return LLM(model=tiny_checkpoint)
 
 
-def _metric(url, name) -> float:
+def _metric(url, name, default=None) -> float:
     text = httpx.get(url + "/metrics", timeout=10).text
     for line in text.splitlines():
         if line.startswith(name + " "):
             return float(line.split()[1])
+    if default is not None:             # a labelled series appears with its first count
+        return default
     raise AssertionError(f"metric {name} not exported")
 
 
@@ -151,11 +155,29 @@ def test_bounded_load_no_request_lost_and_all_match(server, offline):
     (json.dumps({"prompt": [1] * 250, "max_tokens": 10}).encode(), 400, "max_model_len"),
     (json.dumps({"prompt": "text needs a tokenizer", "max_tokens": 3}).encode(), 400, "tokenizer"),
     (b'{"prompt": [1], "pad": "' + b"x" * 30000 + b'"}', 413, "exceeds the limit"),
-])
+    # parsing is total: each of these was a 500 with a traceback
+    (b'{"prompt": [1], "x": ' + b"[" * 9000 + b"]" * 9000 + b"}", 400, "nested deeper"),
+    (b'{"prompt": [1], "max_tokens": ' + b"9" * 5000 + b"}", 400, "out of range"),
+    (b'{"prompt": [1], "temperature": 1' + b"0" * 400 + b"}", 400, "temperature"),
+    (b'{"prompt": [1], "temperature": 1e400}', 400, "out of range"),
+    (b'{"prompt": [1], "temperature": NaN}', 400, "NaN"),
+    (b'{"prompt": "\\ud800 lone"}', 400, "lone surrogate"),
+    # fields checked against the model and the engine limits at admission
+    (json.dumps({"prompt": [1], "stop_token_ids": [10**12]}).encode(), 400, "outside the vocabulary"),
+    (json.dumps({"prompt": [1], "top_p": 1e-46, "temperature": 1}).encode(), 400, "rounds to 0"),
+    (json.dumps({"prompt": [1], "stop": ["a"] * 100}).encode(), 400, "at most"),
+    (json.dumps({"prompt": [1], "logprobs": 21}).encode(), 400, "logprobs"),
+    # unsupported OpenAI fields are refused, not ignored
+    (json.dumps({"prompt": [1], "echo": True}).encode(), 400, "'echo'"),
+    (json.dumps({"prompt": [1], "best_of": 3}).encode(), 400, "'best_of'"),
+    (json.dumps({"prompt": [1], "logit_bias": {"5": 10}}).encode(), 400, "'logit_bias'"),
+    (json.dumps({"prompt": [1], "model": "gpt-4-does-not-exist"}).encode(), 404, "does not exist"),
+], ids=lambda v: v[:40].decode("latin-1") if isinstance(v, bytes) else str(v))
 def test_malformed_requests_get_4xx_and_server_keeps_serving(server, body, status, needle):
     r = httpx.post(server + "/v1/completions", content=body, headers={**H, "content-type": "application/json"},
                    timeout=30)
     assert r.status_code == status, r.text
+    assert set(r.json()["error"]) == {"message", "type", "param", "code"}      # OpenAI's error shape
     assert needle in r.json()["error"]["message"]
     ok = httpx.post(server + "/v1/completions", headers=H, json={"prompt": [1, 2], "max_tokens": 2}, timeout=60)
     assert ok.status_code == 200
@@ -177,17 +199,17 @@ def test_client_disconnect_frees_request(server):
     deadline = time.time() + 30
     while time.time() < deadline:
         if (_metric(server, "hybrid_jax_requests_aborted_total") > aborted
-                and _metric(server, "hybrid_jax_running_requests") == 0):
+                and _metric(server, "hybrid_jax_num_requests_running") == 0):
             break
         time.sleep(0.2)
     assert _metric(server, "hybrid_jax_requests_aborted_total") > aborted
-    assert _metric(server, "hybrid_jax_running_requests") == 0
+    assert _metric(server, "hybrid_jax_num_requests_running") == 0
 
 
 def test_metrics_exposes_the_promised_series(server):
     text = httpx.get(server + "/metrics").text
     for name in ("time_to_first_token_seconds_bucket", "inter_token_latency_seconds_bucket",
-                 "generation_throughput_tokens_per_second", "queue_length", "running_requests",
+                 "generation_throughput_tokens_per_second", "num_requests_waiting", "num_requests_running",
                  "prefix_cache_hit_rate", "prefix_cache_validation_pass_rate", "prefix_cache_effective_reuse",
                  "sparse_attention_hit_rate", "spec_decode_acceptance_rate"):
         assert "hybrid_jax_" + name in text, name
@@ -199,3 +221,167 @@ def test_bench_cli_against_the_server(server, capsys):
                  "--prompt-len", "4:20", "--output-len", "2:6"]) == 0
     out = capsys.readouterr().out
     assert "requests 6 in" in out and "TTFT" in out and "ITL" in out
+
+
+def test_unknown_routes_and_methods_get_the_openai_error_shape(server):
+    for r, status in ((httpx.get(server + "/nope", headers=H), 404), (httpx.get(server + "/v1/completions", headers=H), 405)):
+        assert r.status_code == status
+        assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+    r = httpx.post(server + "/v1/completions", headers=H, json={"prompt": [1], "model": "nope"})
+    assert r.json()["error"]["param"] == "model" and r.json()["error"]["code"] == "model_not_found"
+
+
+def test_docs_and_openapi_need_the_key(server):
+    for path in ("/openapi.json", "/docs"):
+        assert httpx.get(server + path).status_code == 401
+        assert httpx.get(server + path, headers={"Authorization": "Bearer wrong"}).status_code == 401
+        assert httpx.get(server + path, headers=H).status_code == 200
+
+
+def test_body_over_the_limit_is_refused_while_it_streams_in(server):
+    """A chunked body (no content-length) past the limit gets its 413 while the client is still
+    sending: the server does not wait for (or hold) the rest."""
+    host, port = server.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as s:
+        s.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+                  "Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n".encode())
+        for _ in range(30):                          # 30 kB of a body that never ends
+            s.sendall(b"3e8\r\n" + b" " * 1000 + b"\r\n")
+        head = s.recv(65536)
+    assert head.startswith(b"HTTP/1.1 413"), head[:200]
+
+
+def test_bad_requests_beside_innocent_ones(server, offline):
+    """Innocent requests (streams and not) run beside requests that used to fail the whole step;
+    they complete, identical to the offline engine (a run without the bad ones)."""
+    prompts = [[5, 9, 13, 2], [1, 2, 3, 4, 5, 6, 7], [100, 3, 42, 8, 8], [7] * 30]
+    bad = [{"prompt": [1, 2], "stop_token_ids": [10**12]}, {"prompt": [3], "top_k": 10**30},
+           {"prompt": [4], "temperature": 1e308}]
+
+    async def innocent(c, i, p):
+        body = {"prompt": p, "max_tokens": 12, "temperature": 0, "ignore_eos": True, "stream": i % 2 == 0}
+        if not body["stream"]:
+            r = await c.post(server + "/v1/completions", headers=H, json=body)
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["token_ids"]
+        toks = []
+        async with c.stream("POST", server + "/v1/completions", headers=H, json=body) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    toks += json.loads(line[6:])["choices"][0]["token_ids"]
+        return toks
+
+    async def main():
+        async with httpx.AsyncClient(timeout=120) as c:
+            good = [innocent(c, i, p) for i, p in enumerate(prompts)]
+            evil = [c.post(server + "/v1/completions", headers=H, json={**b, "max_tokens": 8}) for b in bad]
+            return await asyncio.gather(*good, *evil)
+
+    got = asyncio.run(main())
+    assert got[:len(prompts)] == _greedy(offline, prompts, [12] * len(prompts))
+    statuses = [r.status_code for r in got[len(prompts):]]
+    assert statuses[0] == 400                      # a stop id outside the vocabulary: refused
+    assert statuses[1] == 200                      # top_k past the vocabulary means "all tokens"
+    assert statuses[2] == 400 and "float32" in got[-1].json()["error"]["message"]
+
+
+def test_non_streaming_client_that_leaves_aborts_its_request(server):
+    aborted = _metric(server, "hybrid_jax_requests_aborted_total")
+
+    async def impatient(c):
+        try:
+            await c.post(server + "/v1/completions", headers=H, timeout=0.5,
+                         json={"prompt": [3, 4, 5], "max_tokens": 200, "ignore_eos": True})
+        except httpx.TimeoutException:
+            return True
+        return False
+
+    async def main():
+        async with httpx.AsyncClient() as c:
+            return await asyncio.gather(*(impatient(c) for _ in range(8)))
+
+    gave_up = sum(asyncio.run(main()))
+    t0 = time.time()
+    while time.time() - t0 < 15:
+        if _metric(server, "hybrid_jax_num_requests_running") == 0 and \
+                _metric(server, "hybrid_jax_num_requests_waiting") == 0:
+            break
+        time.sleep(0.1)
+    freed = time.time() - t0
+    assert gave_up >= 1
+    assert _metric(server, "hybrid_jax_requests_aborted_total") - aborted >= 1
+    assert _metric(server, "hybrid_jax_num_requests_running") == 0
+    assert freed < 10            # a second or so in practice; bounded generously for a loaded machine
+    # every client that gave up had its request aborted (at most the 2 running ones may have
+    # finished in the moment between the hang-up and the abort), outputs flowing or not
+    assert _metric(server, "hybrid_jax_requests_aborted_total") - aborted >= gave_up - 2
+
+
+def test_latency_metrics_count_from_arrival_and_gauges_return_to_zero(server):
+    names = ("time_to_first_token_seconds", "request_queue_time_seconds", "e2e_request_latency_seconds")
+    before = {n: (_metric(server, f"hybrid_jax_{n}_sum"), _metric(server, f"hybrid_jax_{n}_count")) for n in names}
+
+    async def one(c, i):           # 6 requests on 2 rows: the later ones queue
+        t0 = time.perf_counter()
+        async with c.stream("POST", server + "/v1/completions", headers=H,
+                            json={"prompt": [i + 1, 2, 3], "max_tokens": 24, "ignore_eos": True, "stream": True}) as r:
+            ttft = None
+            async for line in r.aiter_lines():
+                if ttft is None and line.startswith("data: "):
+                    ttft = time.perf_counter() - t0
+        return ttft
+
+    async def main():
+        async with httpx.AsyncClient(timeout=120) as c:
+            return await asyncio.gather(*(one(c, i) for i in range(6)))
+
+    client_ttft = sum(asyncio.run(main()))
+    d = {n: (_metric(server, f"hybrid_jax_{n}_sum") - before[n][0], _metric(server, f"hybrid_jax_{n}_count")
+             - before[n][1]) for n in names}
+    assert all(d[n][1] == 6 for n in names), d
+    ttft, queue, e2e = (d[n][0] for n in names)
+    assert queue <= ttft <= e2e               # all three count from the same arrival
+    assert ttft <= client_ttft                # and the server never sees less than the client: no later start
+    assert _metric(server, "hybrid_jax_num_requests_waiting") == 0
+    assert _metric(server, "hybrid_jax_num_requests_running") == 0
+    assert _metric(server, "hybrid_jax_kv_cache_usage_ratio") == 0
+    assert _metric(server, 'hybrid_jax_request_success_total{finished_reason="length"}') >= 6
+    errors = _metric(server, 'hybrid_jax_request_errors_total{type="invalid_request_error"}', default=0.0)
+    assert httpx.post(server + "/v1/completions", headers=H, json={"prompt": [1], "top_k": -5}).status_code == 400
+    assert _metric(server, 'hybrid_jax_request_errors_total{type="invalid_request_error"}') == errors + 1
+
+
+def test_official_openai_client_bounded_load_and_errors(server, offline):
+    """The official client at concurrency 32 (streams and not): every output equals the offline
+    engine's; our errors are the ones it understands (NotFoundError, BadRequestError with the body)."""
+    import openai  # noqa: PLC0415
+
+    wl = make_workload(96, (4, 40), (2, 8), shared_prefix=0.3, vocab=211, seed=5)
+
+    async def main():
+        client = openai.AsyncOpenAI(base_url=server + "/v1", api_key=KEY, max_retries=0, timeout=300)
+        model = (await client.models.list()).data[0].id
+        sem = asyncio.Semaphore(32)
+
+        async def one(i, prompt, n):
+            kw = dict(model=model, prompt=prompt, max_tokens=n, temperature=0, extra_body={"ignore_eos": True})
+            async with sem:
+                if i % 2:
+                    return (await client.completions.create(**kw)).choices[0].token_ids
+                toks = []
+                async for chunk in await client.completions.create(stream=True, **kw):
+                    toks += chunk.choices[0].token_ids
+                return toks
+
+        got = await asyncio.gather(*(one(i, p, n) for i, (p, n) in enumerate(zip(wl.prompts, wl.output_lens))))
+        with pytest.raises(openai.NotFoundError) as e:
+            await client.completions.create(model="gpt-4-does-not-exist", prompt=[1], max_tokens=2)
+        assert e.value.body["code"] == "model_not_found"
+        with pytest.raises(openai.BadRequestError) as e:
+            await client.completions.create(model=model, prompt=[1], max_tokens=2,
+                                            extra_body={"stop_token_ids": [10**12]})
+        assert "outside the vocabulary" in e.value.body["message"]
+        await client.close()
+        return got
+
+    assert asyncio.run(main()) == _greedy(offline, wl.prompts, wl.output_lens)

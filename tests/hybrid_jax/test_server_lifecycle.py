@@ -1,0 +1,156 @@
+"""The server process's life: the default warm-up compiles every shape before /health is 200 (prefix
+hits and the disk tier included), the API key from the environment, header and body read timeouts,
+SIGTERM drains (streams still open at the deadline get an error event, the disk tier's writes are
+flushed, the process exits 0), and a model that fails to load exits 1."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+KEY = "env-key"
+H = {"Authorization": f"Bearer {KEY}"}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start(args, env_extra=None):
+    port = _free_port()
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", **(env_extra or {})}
+    proc = subprocess.Popen([sys.executable, "-m", "hybrid_jax.cli", "serve", "--port", str(port), *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+    return proc, port
+
+
+def _metric(url, name) -> float:
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(name)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_checkpoint, tmp_path_factory):
+    cc = os.environ.get("JAX_COMPILATION_CACHE_DIR") or tmp_path_factory.mktemp("jaxcache")
+    kv = tmp_path_factory.mktemp("kv")
+    # no --warmup: serve's default must compile every shape; the key comes from the environment
+    proc, port = _start(["--model", tiny_checkpoint, "--max-num-seqs", "4", "--max-num-batched-tokens", "32",
+                         "--max-model-len", "1024", "--max-tokens-limit", "1000", "--shutdown-timeout", "1",
+                         "--timeout-header", "1", "--timeout-body", "1", "--compilation-cache-dir", str(cc),
+                         "--enable-prefix-caching", "--kv-cache-dir", str(kv)],
+                        {"HYBRID_JAX_API_KEY": KEY})
+    url = f"http://127.0.0.1:{port}"
+    deadline, status = time.time() + 500, None
+    while time.time() < deadline and proc.poll() is None:
+        try:
+            status = httpx.get(url + "/health", timeout=5).status_code
+            if status == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    if status != 200:
+        proc.kill()
+        pytest.fail(f"server did not become ready: {proc.stdout.read().decode()[-3000:]}")
+    yield proc, url, port, kv
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+def test_default_warmup_compiles_every_shape_before_health(server):
+    _, url, _, _ = server
+    health = httpx.get(url + "/health").text
+    assert "warm-up all" in health and "every step shape" in health
+    before = _metric(url, "hybrid_jax_compiled_programs")
+    for body in ({"prompt": [1, 2, 3], "max_tokens": 3, "logprobs": 5},             # first logprobs request
+                 {"prompt": list(range(1, 200)) * 2, "max_tokens": 3},               # first long prompt
+                 {"prompt": list(range(1, 200)) * 2 + [7], "max_tokens": 3},         # first prefix hit
+                 {"prompt": [4, 5], "max_tokens": 5, "temperature": 0.7, "top_k": 5, "top_p": 0.9}):
+        r = httpx.post(url + "/v1/completions", headers=H, json=body, timeout=120)
+        assert r.status_code == 200, r.text
+    assert _metric(url, "hybrid_jax_compiled_programs") == before     # nothing compiled on the serving path
+    assert _metric(url, "hybrid_jax_prefix_cache_hits_total") > 0
+
+
+def test_api_key_from_the_environment(server):
+    _, url, _, _ = server
+    assert httpx.post(url + "/v1/completions", json={"prompt": [1], "max_tokens": 1}).status_code == 401
+    assert httpx.post(url + "/v1/completions", headers=H, json={"prompt": [1], "max_tokens": 1}).status_code == 200
+
+
+def test_slow_headers_and_bodies_are_cut_off(server):
+    _, _, port, _ = server
+    with socket.create_connection(("127.0.0.1", port), timeout=20) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")          # headers that never finish
+        assert s.recv(1024) == b""                                             # closed by the server
+    with socket.create_connection(("127.0.0.1", port), timeout=20) as s:
+        s.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+                  "Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"prompt\"".encode())
+        assert s.recv(65536).startswith(b"HTTP/1.1 408")
+
+
+def test_sigterm_drains_then_exits_zero(server):
+    """Last test of the module: it stops the server."""
+    proc, url, _, kv = server
+
+    async def stream(c, got_first):
+        events = []
+        async with c.stream("POST", url + "/v1/completions", headers=H,
+                            json={"prompt": [3, 4, 5], "max_tokens": 1000, "ignore_eos": True, "stream": True}) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                    got_first.set()
+        return events
+
+    async def short(c):
+        return await c.post(url + "/v1/completions", headers=H, json={"prompt": [1, 2], "max_tokens": 40,
+                                                                        "ignore_eos": True})
+
+    async def main():
+        async with httpx.AsyncClient(timeout=120) as c:
+            firsts = [asyncio.Event() for _ in range(3)]
+            streams = [asyncio.create_task(stream(c, f)) for f in firsts]
+            await asyncio.gather(*(f.wait() for f in firsts))
+            quick = asyncio.create_task(short(c))
+            await asyncio.sleep(0.2)
+            proc.send_signal(signal.SIGTERM)
+            return await asyncio.gather(*streams), await quick
+
+    t0 = time.time()
+    streams, quick = asyncio.run(main())
+    assert quick.status_code == 200 and len(quick.json()["choices"][0]["token_ids"]) == 40   # drained
+    for events in streams:
+        assert events[-1] == "[DONE]"
+        err = json.loads(events[-2])["error"]
+        assert err["type"] == "server_shutdown" and "shut down" in err["message"]
+    assert proc.wait(timeout=60) == 0
+    assert time.time() - t0 < 60
+    log = proc.stdout.read().decode()
+    assert "draining" in log and "shutting down the engine" in log
+    assert any(kv.iterdir())                        # the disk tier's write-behind was flushed before exit
+
+
+def test_a_model_that_fails_to_load_exits_nonzero(tmp_path):
+    proc, _ = _start(["--model", str(tmp_path / "no-such-model"), "--compilation-cache-dir", "none"])
+    try:
+        code = proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    out = proc.stdout.read().decode()
+    assert code == 1, out[-2000:]
+    assert "loading failed" in out and "does not exist" in out
