@@ -21,7 +21,6 @@ from hybrid_jax.engine.runner import ModelRunner
 from hybrid_jax.layers.attention import write_kv
 from hybrid_jax.models import get_model
 from hybrid_jax.sampling import SamplerFlags
-from hybrid_jax.speculative import verify
 
 CAPACITY = 160        # no other array in these programs has a dimension of this size
 
@@ -132,16 +131,16 @@ def test_engine_decode_loop_writes_pools_in_place(spec, B):
 
 
 def test_verify_step_writes_cache_in_place():
-    """The host loop's verify + rollback-by-selection step (its own top-level program, cache donated)."""
+    """The engine's verify + rollback-by-selection step (the one verify body, pools donated): the
+    page pools are only written in place."""
     cfg, params = _model(QWEN)
     B, K = 2, 4
-    cache = get_model(cfg.model_type).new_cache(cfg, B, CAPACITY, jnp.float32)
-    z = np.zeros((B,), np.int32)
-    meta = np.stack([z + K + 1, z + K, z]).astype(np.int32)
-    hlo = verify.verify_select.lower(params, cache, np.ones((B, K + 1), np.int32), meta, None,
-                                     z.astype(np.uint32), z.astype(np.float32), z - 1, z.astype(np.float32) + 1,
-                                     cfg=cfg, impl="auto", flags=SamplerFlags(False, False, False)).compile().as_text()
-    assert cache_materializations(hlo, per_position_arrays(cfg, cache)) == []
+    runner = ModelRunner(cfg, params, jnp.float32, EngineConfig(max_num_seqs=2, max_model_len=CAPACITY,
+                                                                compilation_cache_dir=None, warmup="none"))
+    meta = np.stack([np.full((B,), K + 1), np.full((B,), K)]).astype(np.int32)
+    hlo = runner._verify.lower(params, runner.cache, runner._rows([], B), np.ones((B, K + 1), np.int32), meta, None,
+                               None, flags=SamplerFlags(False, False, False), replay=False).compile().as_text()
+    assert cache_materializations(hlo, per_position_arrays(cfg, runner.cache)) == []
 
 
 def test_the_check_sees_the_old_stacking_copies():
