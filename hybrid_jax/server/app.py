@@ -275,7 +275,9 @@ def build_app(state: ServerState) -> FastAPI:
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         created = int(time.time())
         obj = "chat.completion" if chat else "text_completion"
-        gen = eng.generate(rid, prompt, params, arrival=arrival)
+        # the ids validation made: the engine does not tokenize the prompt a second time
+        gen = eng.generate(rid, {"prompt_token_ids": prompt_ids, "prompt": prompt if isinstance(prompt, str) else None},
+                           params, arrival=arrival)
 
         def usage(n_out):
             return {"prompt_tokens": len(prompt_ids), "completion_tokens": n_out,

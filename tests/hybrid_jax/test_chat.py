@@ -71,3 +71,15 @@ def test_bad_messages(client):
     c, _ = client
     assert c.post("/v1/chat/completions", json={"messages": []}).status_code == 400
     assert c.post("/v1/chat/completions", json={"messages": [{"role": "user"}]}).status_code == 400
+
+
+def test_the_prompt_is_tokenized_once_per_request(client, monkeypatch):
+    c, llm = client
+    tok = llm.tokenizer                  # the engine's: it was built from this LLM
+    calls = []
+    encode = tok.encode
+    monkeypatch.setattr(tok, "encode", lambda text, *a, **k: calls.append(text) or encode(text, *a, **k))
+    r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi there"}], "max_tokens": 2,
+                                             "temperature": 0})
+    assert r.status_code == 200, r.text
+    assert calls == ["<user> hi there <assistant>"]
