@@ -61,6 +61,7 @@ class LLMEngine:
                 check_mtp(self.runner.model, llm.config, llm.params, llm.model_name)
                 self.runner.set_mtp(extra=self.spec.spec.num_speculative_tokens + 1)
         self._pending: list[tuple[int, str, list[int], int]] = []   # (row, request, prompt ids, boundary)
+        self._releasing: list[Request] = []     # finished, row and pages given back after _pending's publishes
         k_max = self.spec.spec.num_speculative_tokens + 1 if self.spec is not None else 1
         # pages a decoding request gets ahead of its writes: a decode call's tokens or a verify's
         # K + 1, or (run_to_completion) everything up to its max_tokens
@@ -162,7 +163,7 @@ class LLMEngine:
         return len(self.scheduler.running)
 
     def has_unfinished(self) -> bool:
-        return bool(self.scheduler.waiting or self.scheduler.running)
+        return bool(self.scheduler.waiting) or len(self.scheduler.running) > len(self._releasing)
 
     def warmup(self, mode: str | None = None):
         t0 = time.perf_counter()
@@ -225,12 +226,17 @@ class LLMEngine:
                 self._pending.append((q.slot, q.request_id, q.prompt_ids, q.num_computed))
 
     def flush_publishes(self):
-        """Runs the publishes queued by the last step. Callers do it once the step's tokens are out
-        (the async loop, generate()); the next step does it anyway before touching any row, and a
-        request does it before giving its row and pages back."""
+        """Runs the publishes queued by the last step, then gives back the rows and pages of the
+        requests that finished in it with a publish pending. Callers do it once the step's tokens are
+        out (the async loop, generate()), so a request that ends in the step that reaches its publish
+        boundary (max_tokens 1) gets its token before the copy; the next step does it anyway before
+        scheduling, and a request does it before giving its row and pages back."""
         pending, self._pending = self._pending, []
         for row, rid, ids, boundary in pending:
             self.runner.cache = self.prefix.publish(self.runner.cache, row, rid, ids, boundary)
+        releasing, self._releasing = self._releasing, []
+        for q in releasing:                  # finished requests whose rows waited for those publishes
+            self.scheduler.release(q)
 
     def _before_release(self, q: Request):
         if any(rid == q.request_id for _, rid, _, _ in self._pending):
@@ -289,6 +295,9 @@ class LLMEngine:
         for q in planned:
             q.strikes += 1
         self._pending = []
+        releasing, self._releasing = self._releasing, []
+        for q in releasing:                  # finished: their rows go back, unpublished (the pools are reset)
+            self.scheduler.release(q)
         for q in list(self.scheduler.running):
             self.scheduler._preempt(q)
         self._reset_pools()
@@ -314,7 +323,7 @@ class LLMEngine:
         self._stops.clear()
 
     def _step(self) -> list[RequestOutput]:
-        if self._pending:
+        if self._pending or self._releasing:
             self.flush_publishes()
         plan = self.scheduler.schedule()
         for r in plan.preempted:
@@ -507,7 +516,10 @@ class LLMEngine:
             if self.spec is not None:
                 self.spec.forget(q.request_id)
             q.status = RequestStatus.FINISHED
-            self.scheduler.release(q)
+            if any(rid == q.request_id for _, rid, _, _ in self._pending):
+                self._releasing.append(q)     # its row is published first, once its tokens are out
+            else:
+                self.scheduler.release(q)
             self.requests.pop(q.request_id, None)
             self.metrics.note_finished(q, now)
         new_text = q.text[len(old_text):] if q.text.startswith(old_text) else q.text

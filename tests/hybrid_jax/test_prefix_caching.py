@@ -128,6 +128,23 @@ def test_a_hit_reads_the_store(qwen, eng):
     assert again != first
 
 
+def test_a_request_that_ends_at_its_publish_boundary_gets_its_token_before_the_copy(eng):
+    """max_tokens 1: the step that computes the prompt's last chunk (a publish boundary) also ends
+    the request. Its token comes out of that step with the publish still queued; the row and pages
+    go back only after flush_publishes has copied the row's state into the store."""
+    p = list(range(1, 97))                                    # 96 tokens: a boundary at 96 (blocks of 16)
+    eng.add_request("one", {"prompt_token_ids": p}, SamplingParams(max_tokens=1, temperature=0))
+    outs = []
+    while not outs:
+        outs = eng.step()
+    assert outs[0].finished and len(outs[0].token_ids) == 1
+    assert [rid for _, rid, _, _ in eng._pending] == ["one"] and not eng.has_unfinished()
+    assert eng.blocks.free_rows() < eng.config.max_num_seqs   # its row waits for the copy
+    eng.flush_publishes()
+    assert not eng._pending and eng.blocks.free_rows() == eng.config.max_num_seqs
+    assert eng.prefix.lookup(p + [0]).boundary == 96          # published after the token went out
+
+
 def test_version_changed_between_check_and_use_is_not_read(qwen, eng):
     """A concurrent writer rewrites the hit's checkpoint units after the host's check: the compiled
     load sees the new unit versions, writes nothing, and the engine recomputes (a 'version' miss)."""
