@@ -15,15 +15,10 @@ import time
 
 import httpx
 import pytest
+from test_server import _free_port, _metric   # noqa: PLC2701  (sibling test module's helpers)
 
 KEY = "env-key"
 H = {"Authorization": f"Bearer {KEY}"}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _start(args, env_extra=None):
@@ -32,13 +27,6 @@ def _start(args, env_extra=None):
     proc = subprocess.Popen([sys.executable, "-m", "hybrid_jax.cli", "serve", "--port", str(port), *args],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
     return proc, port
-
-
-def _metric(url, name) -> float:
-    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    raise AssertionError(name)
 
 
 @pytest.fixture(scope="module")
