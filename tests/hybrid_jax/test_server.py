@@ -29,6 +29,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _wait_ready(proc, url: str, seconds: float):
+    """Polls /health until 200; fails the test with the server's output if it exits or times out."""
+    deadline, status = time.time() + seconds, None
+    while time.time() < deadline and proc.poll() is None:
+        try:
+            status = httpx.get(url + "/health", timeout=5).status_code
+            if status == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    proc.kill()
+    pytest.fail(f"server did not become ready: {proc.stdout.read().decode()[-3000:]}")
+
+
 @pytest.fixture(scope="module")
 def server(tiny_checkpoint, tmp_path_factory):
     port = _free_port()
@@ -40,21 +55,7 @@ def server(tiny_checkpoint, tmp_path_factory):
          "--compilation-cache-dir", str(cc)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, "JAX_PLATFORMS": "cpu"})
     url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 400
-    status = None
-    while time.time() < deadline:
-        try:
-            status = httpx.get(url + "/health", timeout=5).status_code
-            if status == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None:
-            break
-        time.sleep(1)
-    if status != 200:
-        proc.kill()
-        pytest.fail(f"server did not become ready: {proc.stdout.read().decode()[-3000:]}")
+    _wait_ready(proc, url, 400)
     yield url
     proc.terminate()
     try:

@@ -15,7 +15,7 @@ import time
 
 import httpx
 import pytest
-from test_server import _free_port, _metric   # noqa: PLC2701  (sibling test module's helpers)
+from test_server import _free_port, _metric, _wait_ready   # noqa: PLC2701  (sibling test module's helpers)
 
 KEY = "env-key"
 H = {"Authorization": f"Bearer {KEY}"}
@@ -40,18 +40,7 @@ def server(tiny_checkpoint, tmp_path_factory):
                          "--enable-prefix-caching", "--kv-cache-dir", str(kv)],
                         {"HYBRID_JAX_API_KEY": KEY})
     url = f"http://127.0.0.1:{port}"
-    deadline, status = time.time() + 500, None
-    while time.time() < deadline and proc.poll() is None:
-        try:
-            status = httpx.get(url + "/health", timeout=5).status_code
-            if status == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    if status != 200:
-        proc.kill()
-        pytest.fail(f"server did not become ready: {proc.stdout.read().decode()[-3000:]}")
+    _wait_ready(proc, url, 500)
     yield proc, url, port, kv
     if proc.poll() is None:
         proc.kill()
