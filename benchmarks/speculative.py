@@ -133,9 +133,9 @@ def draft_cost(llm, k, B=1, cap=512) -> float:
 
     def step(kk):
         meta = jnp.asarray(np.stack([np.full(B, kk + 1), np.full(B, kk), np.zeros(B)]).astype(np.int32))
-        n_acc, _, c = select(llm.params, cache[0], jnp.ones((B, kk + 1), jnp.int32), meta, None, *samp)
-        cache[0] = c.replace(lengths=jnp.full((B,), cap // 2, jnp.int32))
-        np.asarray(n_acc)
+        v = select(llm.params, cache[0], jnp.ones((B, kk + 1), jnp.int32), meta, None, *samp)
+        cache[0] = v.cache.replace(lengths=jnp.full((B,), cap // 2, jnp.int32))
+        np.asarray(v.n_accepted)
 
     # K = 1 and K = k alternately, the median of the back-to-back differences: two separate best-of-10
     # runs, each caught in its own lull or burst of load, once put one more draft at 0.046 decode steps

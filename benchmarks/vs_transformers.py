@@ -78,8 +78,7 @@ def run(name, CONFIG, args):
     n = jnp.asarray([T], jnp.int32)
 
     def ours_prefill():
-        logits, _ = gen._forward(gen.params, gen.new_cache(1, T), toks, n)
-        return logits.block_until_ready()
+        return gen._forward(gen.params, gen.new_cache(1, T), toks, n).logits.block_until_ready()
 
     ours_prefill()
 

@@ -104,11 +104,10 @@ def config_from_hf_dict(d: dict[str, Any]):
     Raises ConfigError naming what is wrong."""
     if not isinstance(d, dict):
         raise ConfigError("config.json must hold a JSON object")
-    model_type = d.get("model_type")
-    if model_type not in CONFIG_PARSERS:
-        raise ConfigError(f"unknown model_type {model_type!r}; supported: {sorted(CONFIG_PARSERS)}")
+    from hybrid_jax.models import config_parser  # noqa: PLC0415  (the registry imports the families lazily)
+    parse = config_parser(d.get("model_type"))
     try:
-        return CONFIG_PARSERS[model_type](d)
+        return parse(d)
     except KeyError as e:
         raise ConfigError(f"config.json lacks the required field {e.args[0]!r}") from None
     except ConfigError:
@@ -168,14 +167,6 @@ def parse_rope(d: dict[str, Any], family: str, *, partial_rotary_factor: float =
                           partial_rotary_factor=float(d.get("partial_rotary_factor") or partial_rotary_factor),
                           max_position_embeddings=int(d.get("max_position_embeddings") or max_position_embeddings),
                           types=types)
-
-
-# model_type -> parser of its config.json; each family registers its own.
-CONFIG_PARSERS = {"qwen3_next": qwen3_next_config}
-CONFIG_PARSERS["deepseek_v32"] = lambda d: __import__("hybrid_jax.models.deepseek_v32_config", fromlist=["x"]).deepseek_v32_config(d)
-CONFIG_PARSERS["deepseek_v4"] = lambda d: __import__("hybrid_jax.models.deepseek_v4_config", fromlist=["x"]).deepseek_v4_config(d)
-for _t in ("qwen3_5", "qwen3_5_moe", "qwen3_5_text", "qwen3_5_moe_text"):
-    CONFIG_PARSERS[_t] = lambda d: __import__("hybrid_jax.models.qwen3_5_config", fromlist=["x"]).qwen3_5_config(d)
 
 
 def load_config(path: str) -> ModelConfig:

@@ -46,9 +46,8 @@ class Generator:
         padded = np.zeros((1, bucket(T, 16)), np.int32)
         padded[0, :T] = tokens
         cache = self.new_cache(1, padded.shape[1])
-        logits, _ = self._forward(self.params, cache, jnp.asarray(padded), jnp.asarray([T], jnp.int32),
-                                  logits_at="all")
-        return np.asarray(logits[0, :T])
+        out = self._forward(self.params, cache, jnp.asarray(padded), jnp.asarray([T], jnp.int32), logits_at="all")
+        return np.asarray(out.logits[0, :T])
 
     def hidden_states(self, tokens: np.ndarray) -> list[np.ndarray]:
         """Residual stream after the embedding and after each layer: L + 1 arrays [T, Hd]."""
@@ -56,6 +55,5 @@ class Generator:
         cache = self.new_cache(1, T)
         fn = jax.jit(functools.partial(self.model.forward, self.cfg, logits_at="all", impl=self.impl,
                                        return_hidden=True))
-        _, _, hidden = fn(self.params, cache, jnp.asarray(np.asarray(tokens, np.int32)[None]),
-                          jnp.asarray([T], jnp.int32))
-        return [np.asarray(h[0]) for h in hidden]
+        out = fn(self.params, cache, jnp.asarray(np.asarray(tokens, np.int32)[None]), jnp.asarray([T], jnp.int32))
+        return [np.asarray(h[0]) for h in out.hidden]

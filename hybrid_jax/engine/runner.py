@@ -176,12 +176,12 @@ class ModelRunner:
                                     self.dtype)
 
     def _target(self, params, sub, tokens, n_new, **kw):
-        """The target's forward; with the MTP drafter it also returns the hidden states the block reads
-        ([B, T, Hd]) as the third entry, before anything else the options append."""
-        out = self.model.forward(self.cfg, params, sub, tokens, n_new, impl=self.impl, return_hidden=self.mtp, **kw)
-        if self.mtp:
-            out = out[:2] + (self.model.target_hidden(self.cfg, params, out[2]),) + out[3:]
-        return out
+        """The target's forward (a StepOutput; with the MTP drafter its `hidden` is asked for)."""
+        return self.model.forward(self.cfg, params, sub, tokens, n_new, impl=self.impl, return_hidden=self.mtp, **kw)
+
+    def _mtp_hidden(self, params, out):
+        """What the MTP block reads from a target forward's output: [B, T, Hd]."""
+        return self.model.mtp.target_hidden(self.cfg, params, out.hidden)
 
     def _mtp_advance(self, params, dsub, tokens, hidden, n_new, fresh=None):
         from hybrid_jax.speculative import mtp  # noqa: PLC0415
@@ -194,16 +194,17 @@ class ModelRunner:
                   top_n):
         sub = take_view(cache, r["rows"], r["tables"], r["lengths"], reset)
         out = self._target(params, sub, tokens, n_new)
-        logits, sub = out[0], out[1]
+        logits, sub = out.logits, out.cache
         tok, lps = self._sample(logits, r, flags, top_n)
         tok = jnp.where(do_sample, tok, -1)
         if self.mtp:
             from hybrid_jax.speculative import mtp  # noqa: PLC0415
             fresh = r["mtp_fresh"]
-            dsub = self._mtp_advance(params, mtp.take(dcache, r["rows"], fresh), tokens, out[2], n_new, fresh)
+            dsub = self._mtp_advance(params, mtp.take(dcache, r["rows"], fresh), tokens, self._mtp_hidden(params, out),
+                                     n_new, fresh)
             dcache = mtp.put(dcache, r["rows"], dsub)
         elif dcache is not None:
-            _, dsub = self._dfwd(dparams, take_rows(dcache, r["rows"], reset), tokens, n_new)
+            dsub = self._dfwd(dparams, take_rows(dcache, r["rows"], reset), tokens, n_new).cache
             dcache = put_rows(dcache, r["rows"], dsub)
         return tok, lps, put_view(cache, r["rows"], sub), dcache
 
@@ -224,11 +225,11 @@ class ModelRunner:
             j, tok, active, sub, dsub, out, lp_c, lp_v, lp_i = state
             fed, n = jnp.maximum(tok, 0)[:, None], active.astype(jnp.int32)
             o = self._target(params, sub, fed, n)
-            logits, sub = o[0], o[1]
+            logits, sub = o.logits, o.cache
             if self.mtp:
-                dsub = self._mtp_advance(params, dsub, fed, o[2], n)
+                dsub = self._mtp_advance(params, dsub, fed, self._mtp_hidden(params, o), n)
             elif dsub is not None:
-                _, dsub = self._dfwd(dparams, dsub, fed, n)
+                dsub = self._dfwd(dparams, dsub, fed, n).cache
             rj = dict(r, steps=r["steps"] + j)
             new, (c, v, i) = self._sample(logits, rj, flags, top_n)
             new = jnp.where(active, new, -1)
@@ -294,22 +295,21 @@ class ModelRunner:
                 dsub = take_rows(dcache, r["rows"])
 
                 def step(c, tok):
-                    return self._dfwd(dparams, c, tok[:, None], run)
+                    o = self._dfwd(dparams, c, tok[:, None], run)
+                    return o.logits, o.cache
                 carry = dsub
             drafts, draft_probs = self._draft(step, carry, r, tokens[:, 0], tokens.shape[1] - 1, flags)
             tokens = tokens.at[:, 1:].set(drafts)
         verified = replay_verified if replay else select_verified
-        n_acc, out_tok, new, *hidden = verified(params, sub, tokens, jnp.stack([n_fed, n_draft, r["steps"]]),
-                                                draft_probs, r["seeds"], r["temperature"], r["top_k"], r["top_p"],
-                                                self.cfg, self.impl, flags, return_hidden=self.mtp)
-        n_keep = jnp.where(n_fed > 0, 1 + n_acc, 0).astype(jnp.int32)
+        v = verified(params, sub, tokens, jnp.stack([n_fed, n_draft, r["steps"]]), draft_probs, r["seeds"],
+                     r["temperature"], r["top_k"], r["top_p"], self.cfg, self.impl, flags, return_hidden=self.mtp)
+        n_keep = jnp.where(n_fed > 0, 1 + v.n_accepted, 0).astype(jnp.int32)
         if self.mtp:                               # the MTP block takes the kept tokens from its resume point
-            h = self.model.target_hidden(self.cfg, params, hidden[0])
+            h = self.model.mtp.target_hidden(self.cfg, params, v.hidden)
             dcache = mtp.put(dcache, r["rows"], self._mtp_advance(params, dsub, tokens, h, n_keep))
         elif dcache is not None:                   # the draft takes the kept tokens from its resume point
-            _, dnew = self._dfwd(dparams, dsub, tokens, n_keep)
-            dcache = put_rows(dcache, r["rows"], dnew)
-        return n_acc, out_tok, put_view(cache, r["rows"], new), dcache
+            dcache = put_rows(dcache, r["rows"], self._dfwd(dparams, dsub, tokens, n_keep).cache)
+        return v.n_accepted, v.tokens, put_view(cache, r["rows"], v.cache), dcache
 
     def run_verify(self, reqs, drafts, K: int, replay: bool):
         """reqs: decoding requests; drafts: [k_i] int32 per request (k_i <= K, may be 0); K: a

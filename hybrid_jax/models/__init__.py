@@ -1,42 +1,57 @@
-"""Model families. Each family module provides the same functions:
+"""Model families, in one registry: `model_type` -> (the family module, its config.json parser).
 
-  forward(cfg, params, cache, tokens [B, T], n_new [B], *, logits_at, impl, return_hidden)
-      -> (logits, cache[, hidden])
-  new_cache(cfg, batch_size, capacity, dtype, page_size=None) -> cache.ModelCache
-      (page_size: tokens per full-KV page, for the families with full attention)
-  init_params(cfg, seed, dtype, rng=None) -> params   (deterministic random init)
-  convert_hf_weights(cfg, get, has, dtype, progress) -> params   (the one-time HF re-layout)
-  final_norm(cfg, params, x) -> x                (the norm before the LM head; used by align)
-
-Optional (the speculative device loop uses them when present): forward(..., defer_kv_write=True)
-leaves the per-position groups named in DEFERRED_GROUPS unwritten and returns their new entries
-last; write_deferred_kv(cache, pending, positions [B, T], valid [B, T]) writes them.
-
-`get_model(model_type)` returns the module; `config.config_from_hf_dict` picks the config class by
-the same `model_type`.
+Each family module builds a `contract.ModelFamily` named FAMILY: forward (returns a
+`contract.StepOutput`), new_cache, init_params, convert_hf_weights, final_norm, its layer-type
+registry (layer type -> mixer + cache groups) and its optional capabilities (deferred KV writes, the
+MTP block) as fields that are None when absent. `get_model(model_type)` returns it;
+`config_parser(model_type)` the parser that `config.config_from_hf_dict` runs.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
-from types import ModuleType
+from collections.abc import Callable
 
 import jax
 
 from hybrid_jax.errors import ConfigError
+from hybrid_jax.models.contract import ModelFamily
 
-FAMILIES = {"qwen3_next": "hybrid_jax.models.qwen3_next"}
-FAMILIES["deepseek_v32"] = "hybrid_jax.models.deepseek_v32"
-FAMILIES["deepseek_v4"] = "hybrid_jax.models.deepseek_v4"
+
+@dataclasses.dataclass(frozen=True)
+class Registered:
+    """Where a model type's code lives (imported on first use): `module` defines FAMILY;
+    `parser` is "module:function", the function mapping a config.json dict to the family's config."""
+    module: str
+    parser: str
+
+
+REGISTRY: dict[str, Registered] = {
+    "qwen3_next": Registered("hybrid_jax.models.qwen3_next", "hybrid_jax.config:qwen3_next_config"),
+    "deepseek_v32": Registered("hybrid_jax.models.deepseek_v32", "hybrid_jax.models.deepseek_v32_config:deepseek_v32_config"),
+    "deepseek_v4": Registered("hybrid_jax.models.deepseek_v4", "hybrid_jax.models.deepseek_v4_config:deepseek_v4_config"),
+}
 for _t in ("qwen3_5", "qwen3_5_moe", "qwen3_5_text", "qwen3_5_moe_text"):    # multimodal and text-only checkpoints
-    FAMILIES[_t] = "hybrid_jax.models.qwen3_5"
+    REGISTRY[_t] = Registered("hybrid_jax.models.qwen3_5", "hybrid_jax.models.qwen3_5_config:qwen3_5_config")
 
 
-def get_model(model_type: str) -> ModuleType:
+def _registered(model_type: str) -> Registered:
     try:
-        return importlib.import_module(FAMILIES[model_type])
-    except KeyError:
-        raise ConfigError(f"unknown model_type {model_type!r}; supported: {sorted(FAMILIES)}") from None
+        return REGISTRY[model_type]
+    except (KeyError, TypeError):
+        raise ConfigError(f"unknown model_type {model_type!r}; supported: {sorted(REGISTRY)}") from None
+
+
+def get_model(model_type: str) -> ModelFamily:
+    """The family of `model_type` (ConfigError naming it when unknown)."""
+    return importlib.import_module(_registered(model_type).module).FAMILY
+
+
+def config_parser(model_type: str) -> Callable[[dict], object]:
+    """The function that maps a config.json dict of `model_type` to its family's config dataclass."""
+    module, fn = _registered(model_type).parser.split(":")
+    return getattr(importlib.import_module(module), fn)
 
 
 @functools.lru_cache(maxsize=64)

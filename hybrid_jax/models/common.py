@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 
 from cache import ModelCache
+from hybrid_jax.models.contract import StepOutput
 
 
 def token_positions(cache: ModelCache, T: int, n_new: jax.Array):
@@ -15,10 +16,10 @@ def token_positions(cache: ModelCache, T: int, n_new: jax.Array):
 
 
 def finish_step(cfg, params: dict, cache: ModelCache, groups: dict, x: jax.Array, n_new: jax.Array, *,
-                final_norm, logits_at: str, hidden=None):
-    """The updated cache (lengths += n_new, version bumped where written) and the logits:
-    [B, V] at each row's last real token (logits_at="last") or [B, T, V] ("all").
-    x: [B, T, Hd] residual stream after the last layer."""
+                final_norm, logits_at: str, hidden=None) -> StepOutput:
+    """The step's output: the updated cache (lengths += n_new, version bumped where written) and the
+    logits, [B, V] at each row's last real token (logits_at="last") or [B, T, V] ("all"); `hidden`
+    passed through. x: [B, T, Hd] residual stream after the last layer."""
     new = cache.replace(groups=groups, lengths=cache.lengths + n_new,
                         version=cache.version + (n_new > 0).astype(jnp.int32))
     if logits_at == "last":
@@ -26,4 +27,4 @@ def finish_step(cfg, params: dict, cache: ModelCache, groups: dict, x: jax.Array
     x = final_norm(cfg, params, x)
     head = params["lm_head"] if "lm_head" in params else params["embed"].T
     logits = jnp.dot(x, head, preferred_element_type=jnp.float32)
-    return (logits, new, hidden) if hidden is not None else (logits, new)
+    return StepOutput(logits=logits, cache=new, hidden=hidden)

@@ -29,6 +29,7 @@ from hybrid_jax.layers.linear import linear
 from hybrid_jax.layers.mla import rms_norm, sparse_attention
 from hybrid_jax.layers.rope import rope_cos_sin
 from hybrid_jax.models.common import finish_step, token_positions
+from hybrid_jax.models.contract import LayerType, MTPHead, ModelFamily, StepOutput
 from hybrid_jax.weights import checked_getter, concat, dense_mlp_weights, expert_weights, to_device, to_device_linear
 from hybrid_jax.models.deepseek_v32_config import DeepseekV32Config
 
@@ -69,45 +70,76 @@ def deepseek_moe(cfg: DeepseekV32Config, p: dict, x: jax.Array) -> jax.Array:
     return (routed + shared).reshape(B, T, Hd)
 
 
+@dataclasses.dataclass
+class _Step:
+    """One forward's working state, shared by the layers' mixers (traced values). The pools are
+    written in place in their [L, ...] stacks (slicing a layer out and stacking the layers back copies
+    every pool at every step)."""
+    cache: ModelCache
+    positions: jax.Array           # [B, T]
+    valid: jax.Array               # [B, T]
+    n_new: jax.Array               # [B]
+    cos: jax.Array
+    sin: jax.Array
+    impl: str
+    latent: jax.Array
+    rope: jax.Array
+    keys: jax.Array
+    scale: jax.Array | None
+    hits: list = dataclasses.field(default_factory=list)
+
+
+def _sparse_attention(cfg: DeepseekV32Config, lp: dict, h: jax.Array, step: _Step, i: int) -> jax.Array:
+    """MLA with DSA's indexer Top-K over the paged latent and indexer-key groups."""
+    lg, ig = step.cache.groups["sparse_attention"], step.cache.groups["indexer"]
+    h, step.latent, step.rope, step.keys, step.scale, hit = sparse_attention(
+        lp["attn"], h, step.cos, step.sin, step.positions, step.valid, step.cache.lengths, step.n_new,
+        step.latent, step.rope, step.keys, step.scale, lg.page_table, ig.page_table, lg.page_resident,
+        num_heads=cfg.num_attention_heads, nope=cfg.qk_nope_head_dim, rope_dim=cfg.qk_rope_head_dim,
+        v_dim=cfg.v_head_dim, kv_lora_rank=cfg.kv_lora_rank, index_heads=cfg.index_n_heads,
+        index_dim=cfg.index_head_dim, index_topk=cfg.index_topk, eps=cfg.rms_norm_eps, impl=step.impl,
+        layer=lg.layer_ids.index(i), scale=cfg.softmax_scale)
+    step.hits.append(hit)
+    return h
+
+
+# The family's one layer type: its mixer and the cache groups it keeps its objects in.
+LAYER_TYPES = {"sparse_attention": LayerType(_sparse_attention, ("sparse_attention", "indexer"))}
+
+
 def forward(cfg: DeepseekV32Config, params: dict, cache: ModelCache, tokens: jax.Array, n_new: jax.Array, *,
             logits_at: str = "last", impl: str = "auto", return_hidden: bool = False,
-            fused_recurrent: bool = False, per_token_states: bool = False, inputs_embeds: jax.Array | None = None):
+            fused_recurrent: bool = False, per_token_states: bool = False, defer_kv_write: bool = False, inputs_embeds: jax.Array | None = None
+            ) -> StepOutput:
     """tokens [B, T] int32 (right-padded), n_new [B]. Same contract as qwen3_next.forward (inputs_embeds
     too). The latent group's `hit_rate` [B] holds the step's resident fraction of selected positions
     (mean over layers). The family has no recurrent layers: fused_recurrent changes nothing and
-    per_token_states appends {}."""
+    per_token_states gives `states` {}. It cannot defer its per-position writes (its FAMILY has no
+    write_deferred_kv): defer_kv_write=True is a ValueError."""
+    if defer_kv_write:
+        raise ValueError(f"{cfg.model_type} cannot defer its per-position cache writes (defer_kv_write)")
     B, T = tokens.shape
     positions, valid = token_positions(cache, T, n_new)                  # [B, T] each
     x = params["embed"][tokens] if inputs_embeds is None else inputs_embeds
     hidden = [x] if return_hidden else None
     cos, sin = rope_cos_sin(positions, cfg.qk_rope_head_dim, cfg.rope, seq_len=cache.lengths + n_new)
     lg, ig = cache.groups["sparse_attention"], cache.groups["indexer"]
-    # the pools are written in place in their [L, ...] stacks (slicing a layer out and stacking the
-    # layers back copies every pool at every step)
-    lat, rope, keys, scale, hits = lg.latent, lg.rope, ig.keys, ig.scale, []
+    step = _Step(cache, positions, valid, n_new, cos, sin, impl, lg.latent, lg.rope, ig.keys, ig.scale)
     for i, lp in enumerate(params["layers"]):
-        s = lg.layer_ids.index(i)
         h = rms_norm(x, lp["input_norm"], cfg.rms_norm_eps)
-        h, lat, rope, keys, scale, hit = sparse_attention(
-            lp["attn"], h, cos, sin, positions, valid, cache.lengths, n_new, lat, rope, keys, scale,
-            lg.page_table, ig.page_table, lg.page_resident,
-            num_heads=cfg.num_attention_heads, nope=cfg.qk_nope_head_dim, rope_dim=cfg.qk_rope_head_dim,
-            v_dim=cfg.v_head_dim, kv_lora_rank=cfg.kv_lora_rank, index_heads=cfg.index_n_heads,
-            index_dim=cfg.index_head_dim, index_topk=cfg.index_topk, eps=cfg.rms_norm_eps, impl=impl, layer=s,
-            scale=cfg.softmax_scale)
-        hits.append(hit)
-        x = x + h
+        x = x + LAYER_TYPES[cfg.layer_types[i]].mixer(cfg, lp, h, step, i)
         y = rms_norm(x, lp["post_norm"], cfg.rms_norm_eps)
         x = x + (deepseek_moe(cfg, lp["moe"], y) if "moe" in lp else mlp_lib.swiglu(y, lp["mlp"]["gate_up"],
                                                                                       lp["mlp"]["down"]))
         if return_hidden:
             hidden.append(x)
     groups = dict(cache.groups)
-    groups["sparse_attention"] = lg.replace(latent=lat, rope=rope, hit_rate=jnp.mean(jnp.stack(hits), axis=0))
-    groups["indexer"] = ig.replace(keys=keys, scale=scale)
+    groups["sparse_attention"] = lg.replace(latent=step.latent, rope=step.rope,
+                                            hit_rate=jnp.mean(jnp.stack(step.hits), axis=0))
+    groups["indexer"] = ig.replace(keys=step.keys, scale=step.scale)
     out = finish_step(cfg, params, cache, groups, x, n_new, final_norm=final_norm, logits_at=logits_at,
-                      hidden=hidden if return_hidden else None)
-    return out + ({},) if per_token_states else out
+                      hidden=hidden)
+    return out.replace(states={}) if per_token_states else out
 
 
 def final_norm(cfg: DeepseekV32Config, params: dict, x: jax.Array) -> jax.Array:
@@ -152,9 +184,8 @@ def mtp_step(cfg: DeepseekV32Config, params: dict, cache: ModelCache, tokens: ja
     h = rms_norm(hidden.astype(e.dtype), mp["hnorm"], eps)
     x = linear(jnp.concatenate([e, h], axis=-1), mp["eh_proj"])
     block = {"embed": params["embed"], "final_norm": mp["head_norm"], "layers": mp["layers"][:1]}
-    _, cache, hs = forward(mtp_config(cfg), block, cache, tokens, n_new, impl=impl, return_hidden=True,
-                           inputs_embeds=x)
-    return hs[-1], cache
+    out = forward(mtp_config(cfg), block, cache, tokens, n_new, impl=impl, return_hidden=True, inputs_embeds=x)
+    return out.hidden[-1], out.cache
 
 
 def mtp_logits(cfg: DeepseekV32Config, params: dict, h: jax.Array) -> jax.Array:
@@ -296,3 +327,10 @@ def _convert_layer(cfg: DeepseekV32Config, t, has, p: str, moe: bool, dev, lin) 
         gate_up, down = dense_mlp_weights(t, m, cfg.intermediate_size, Hd)
         lp["mlp"] = {"gate_up": lin(gate_up), "down": lin(down)}
     return lp
+
+
+FAMILY = ModelFamily(
+    name="deepseek_v32", forward=forward, new_cache=new_cache, init_params=init_params,
+    convert_hf_weights=convert_hf_weights, final_norm=final_norm, layer_types=LAYER_TYPES,
+    mtp=MTPHead(prefixes=mtp_prefixes, new_cache=mtp_new_cache, target_hidden=target_hidden, step=mtp_step,
+                logits=mtp_logits))

@@ -16,6 +16,7 @@ paged entries / tail / overlap.
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import jax
@@ -29,6 +30,7 @@ from hybrid_jax.layers.hyper_connections import hc_head, hc_merge, hc_weights
 from hybrid_jax.layers.linear import dequantize, linear, take
 from hybrid_jax.layers.mla import rms_norm
 from hybrid_jax.models.common import finish_step, token_positions
+from hybrid_jax.models.contract import LayerType, ModelFamily, StepOutput
 from hybrid_jax.models.deepseek_v4_config import DeepseekV4Config
 from hybrid_jax.weights import checked_getter, concat, expert_weights, to_device, to_device_linear
 
@@ -133,42 +135,73 @@ def moe(cfg: DeepseekV4Config, p: dict, x, tokens):
     return (routed + shared).reshape(B, T, Hd).astype(x.dtype)
 
 
+@dataclasses.dataclass
+class _Step:
+    """One forward's working state, shared by the layers' mixers (traced values)."""
+    cache: ModelCache
+    positions: jax.Array           # [B, T]
+    valid: jax.Array               # [B, T]
+    n_new: jax.Array               # [B]
+    freqs_main: jax.Array
+    freqs_compress: jax.Array
+    impl: str
+    groups: dict                   # the cache's groups, entry pools replaced as layers write them
+    rings: list = dataclasses.field(default_factory=list)
+    states: dict = dataclasses.field(default_factory=dict)
+
+
+def _compressed(layer_type: str):
+    """The mixer of one of the family's attention types: the sliding window, plus for CSA / HCA the
+    compressed entries (and CSA's indexer) of cache/compressed.py's groups."""
+    def mixer(cfg: DeepseekV4Config, lp: dict, h: jax.Array, step: _Step, i: int) -> jax.Array:
+        win = step.cache.groups["sliding_window"]
+        out, ring, st = compressed_attention(lp["attn"], h, layer_type, step.positions, step.valid,
+                                             step.cache.lengths, step.n_new, win.kv[win.layer_ids.index(i)],
+                                             _layer_state(step.groups, layer_type, i), step.freqs_main,
+                                             step.freqs_compress, cfg=cfg, impl=step.impl, pools_in_place=True)
+        step.rings.append(ring)
+        step.states[i] = st
+        for gname, pairs in _fields(layer_type).items():      # the written pools, for the group's next layer
+            step.groups[gname] = step.groups[gname].replace(**{f: st[key] for f, key in pairs if key in _POOLS})
+        return out
+    return mixer
+
+
+# The family's layer types: the mixer each runs and the cache groups it keeps its objects in.
+LAYER_TYPES = {"sliding_attention": LayerType(_compressed("sliding_attention"), ("sliding_window",)),
+               CSA: LayerType(_compressed(CSA), ("sliding_window", *_CSA_FIELDS)),
+               HCA: LayerType(_compressed(HCA), ("sliding_window", *_HCA_FIELDS))}
+
+
 def forward(cfg: DeepseekV4Config, params: dict, cache: ModelCache, tokens: jax.Array, n_new: jax.Array, *,
             logits_at: str = "last", impl: str = "auto", return_hidden: bool = False,
-            fused_recurrent: bool = False, per_token_states: bool = False):
+            fused_recurrent: bool = False, per_token_states: bool = False, defer_kv_write: bool = False) -> StepOutput:
     """tokens [B, T] int32 (right-padded), n_new [B]. Same contract as deepseek_v32.forward; the hidden
     states are the mHC streams [B, T, N, Hd] (final_norm collapses them). No recurrent layers:
-    fused_recurrent changes nothing and per_token_states appends {}."""
+    fused_recurrent changes nothing and per_token_states gives `states` {}. It cannot defer its per-position writes (its FAMILY has no
+    write_deferred_kv): defer_kv_write=True is a ValueError."""
+    if defer_kv_write:
+        raise ValueError(f"{cfg.model_type} cannot defer its per-position cache writes (defer_kv_write)")
     B, T = tokens.shape
     positions, valid = token_positions(cache, T, n_new)
     e = params["embed"][tokens]
     x = jnp.broadcast_to(e[:, :, None, :], (B, T, cfg.hc_mult, e.shape[-1]))
     hidden = [x] if return_hidden else None
-    fm = inv_freq(cfg.rope_main, cfg.rope_dim("main"))
-    fc = inv_freq(cfg.rope_compress, cfg.rope_dim("compress"))
-    groups = dict(cache.groups)
-    win = groups["sliding_window"]
-    rings, states = [], {}
+    step = _Step(cache, positions, valid, n_new, inv_freq(cfg.rope_main, cfg.rope_dim("main")),
+                 inv_freq(cfg.rope_compress, cfg.rope_dim("compress")), impl, dict(cache.groups))
     hc = dict(iters=cfg.hc_sinkhorn_iters, hc_eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps)
     for i, lp in enumerate(params["layers"]):
-        lt = cfg.layer_types[i]
         post, comb, col = hc_weights(lp["attn_hc"], x, **hc)
         h = rms_norm(col, lp["attn_norm"], cfg.rms_norm_eps)
-        out, ring, st = compressed_attention(lp["attn"], h, lt, positions, valid, cache.lengths, n_new,
-                                             win.kv[win.layer_ids.index(i)], _layer_state(groups, lt, i), fm, fc,
-                                             cfg=cfg, impl=impl, pools_in_place=True)
-        rings.append(ring)
-        states[i] = st
-        for gname, pairs in _fields(lt).items():      # the written pools, for the group's next layer
-            groups[gname] = groups[gname].replace(**{f: st[key] for f, key in pairs if key in _POOLS})
-        x = hc_merge(post, comb, out, x)
+        x = hc_merge(post, comb, LAYER_TYPES[cfg.layer_types[i]].mixer(cfg, lp, h, step, i), x)
         post, comb, col = hc_weights(lp["ffn_hc"], x, **hc)
         y = moe(cfg, lp["moe"], rms_norm(col, lp["ffn_norm"], cfg.rms_norm_eps), tokens)
         x = hc_merge(post, comb, y, x)
         if return_hidden:
             hidden.append(x)
+    groups, states = step.groups, step.states
     new_groups = dict(groups)
-    new_groups["sliding_window"] = win.replace(kv=jnp.stack(rings))   # window-sized: stacked
+    new_groups["sliding_window"] = groups["sliding_window"].replace(kv=jnp.stack(step.rings))   # window-sized
     for lt in (CSA, HCA):
         ids = cfg.layers_of(lt)
         if not ids:
@@ -180,8 +213,8 @@ def forward(cfg: DeepseekV4Config, params: dict, cache: ModelCache, tokens: jax.
             new_groups[gname] = groups[gname].replace(**upd)
     xh = hc_head(params["hc_head"], x, hc_eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps)
     out = finish_step(cfg, params, cache, new_groups, xh, n_new, final_norm=_norm, logits_at=logits_at,
-                      hidden=hidden if return_hidden else None)
-    return out + ({},) if per_token_states else out
+                      hidden=hidden)
+    return out.replace(states={}) if per_token_states else out
 
 
 def _norm(cfg, params, x):
@@ -357,3 +390,7 @@ def convert_hf_weights(cfg: DeepseekV4Config, get: Callable[[str], np.ndarray], 
                                  "ffn_hc": hc(p + "ffn_hc.", "fn", "base", "scale", (2 + N) * N),
                                  "attn": at, "moe": mo})
     return params
+
+
+FAMILY = ModelFamily(name="deepseek_v4", forward=forward, new_cache=new_cache, init_params=init_params,
+                     convert_hf_weights=convert_hf_weights, final_norm=final_norm, layer_types=LAYER_TYPES)

@@ -13,6 +13,7 @@ checkpoint (`convert_hf_weights`):
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 
@@ -22,6 +23,7 @@ from hybrid_jax.config import ModelConfig
 from hybrid_jax.models import qwen3_next
 from hybrid_jax.models.qwen3_next import (
     DEFERRED_GROUPS,
+    LAYER_TYPES,
     final_norm,
     forward,
     init_params,
@@ -36,7 +38,7 @@ from hybrid_jax.models.qwen3_next import (
 )
 from hybrid_jax.weights import concat
 
-__all__ = ["DEFERRED_GROUPS", "convert_hf_weights", "final_norm", "forward", "init_params", "mtp_config", "mtp_logits",
+__all__ = ["DEFERRED_GROUPS", "FAMILY", "LAYER_TYPES", "convert_hf_weights", "final_norm", "forward", "init_params", "mtp_config", "mtp_logits",
            "mtp_new_cache", "mtp_prefixes", "mtp_step", "new_cache", "target_hidden",
            "write_deferred_kv"]           # all but the weight map are Qwen3-Next's
 log = logging.getLogger(__name__)
@@ -70,3 +72,6 @@ def split_in_proj(cfg: ModelConfig, t, a: str) -> np.ndarray:
                        cfg.linear_value_head_dim)
     return concat([t(a + "in_proj_qkv.weight", (2 * H * K + HV * V, Hd)), t(a + "in_proj_z.weight", (HV * V, Hd)),
                    t(a + "in_proj_b.weight", (HV, Hd)), t(a + "in_proj_a.weight", (HV, Hd))], axis=0)
+
+
+FAMILY = dataclasses.replace(qwen3_next.FAMILY, name="qwen3_5", convert_hf_weights=convert_hf_weights)

@@ -34,6 +34,7 @@ from hybrid_jax.layers.mlp import sparse_moe, swiglu
 from hybrid_jax.layers.norms import rms_norm_zero_centered
 from hybrid_jax.layers.rope import rope_cos_sin
 from hybrid_jax.models.common import finish_step, token_positions
+from hybrid_jax.models.contract import LayerType, MTPHead, ModelFamily, StepOutput
 from hybrid_jax.errors import CheckpointError
 from hybrid_jax.weights import checked_getter, concat, dense_mlp_weights, expert_weights, to_device, to_device_linear
 
@@ -55,24 +56,86 @@ def _ffn(cfg: ModelConfig, lp: dict, x: jax.Array) -> jax.Array:
     return swiglu(x, lp["mlp"]["gate_up"], lp["mlp"]["down"])
 
 
+@dataclasses.dataclass
+class _Step:
+    """One forward's working state, shared by the layers' mixers as they run (traced values)."""
+    cache: ModelCache
+    positions: jax.Array           # [B, T]
+    valid: jax.Array               # [B, T]
+    n_new: jax.Array               # [B]
+    cos: jax.Array
+    sin: jax.Array
+    impl: str
+    fused_recurrent: bool
+    per_token_states: bool
+    defer_kv_write: bool
+    k_all: jax.Array | None = None     # the KV page stacks, written in place layer after layer
+    v_all: jax.Array | None = None
+    conv: list = dataclasses.field(default_factory=list)
+    ssm: list = dataclasses.field(default_factory=list)
+    per_token: list = dataclasses.field(default_factory=list)
+    k_new: list = dataclasses.field(default_factory=list)
+    v_new: list = dataclasses.field(default_factory=list)
+
+
+def _linear_attention(cfg: ModelConfig, lp: dict, h: jax.Array, step: _Step, i: int) -> jax.Array:
+    """Gated DeltaNet over the layer's slice of the recurrent group; the new conv / recurrent state
+    are collected (the group's stack is written once, as the layers finish)."""
+    rec = step.cache.groups["linear_attention"]
+    s = rec.layer_ids.index(i)
+    res = gated_deltanet(
+        lp["gdn"], h, step.valid, step.n_new, rec.conv[s], rec.ssm[s],
+        num_k_heads=cfg.linear_num_key_heads, num_v_heads=cfg.linear_num_value_heads,
+        head_k_dim=cfg.linear_key_head_dim, head_v_dim=cfg.linear_value_head_dim,
+        eps=cfg.rms_norm_eps, impl=step.impl, fused_recurrent=step.fused_recurrent,
+        per_token_states=step.per_token_states)
+    step.conv.append(res[1])
+    step.ssm.append(res[2])
+    if step.per_token_states:
+        step.per_token.append(res[3])
+    return res[0]
+
+
+def _full_attention(cfg: ModelConfig, lp: dict, h: jax.Array, step: _Step, i: int) -> jax.Array:
+    """Gated attention over the KV pages. KV is written in place in the group's [L, P, ps, Hkv, D]
+    stacks (slicing a layer out and stacking the layers back copies every page at every step), or,
+    with defer_kv_write, only read and the new entries collected."""
+    kv = step.cache.groups["full_attention"]
+    h, k, v = gated_attention(
+        lp["attn"], h, step.cos, step.sin, step.positions, step.valid, step.k_all, step.v_all, kv.page_table,
+        num_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads,
+        head_dim=cfg.head_dim, eps=cfg.rms_norm_eps, layer=kv.layer_ids.index(i), defer_write=step.defer_kv_write)
+    if step.defer_kv_write:
+        step.k_new.append(k)
+        step.v_new.append(v)
+    else:
+        step.k_all, step.v_all = k, v
+    return h
+
+
+# The family's layer types: the mixer each runs and the cache group it keeps its objects in.
+LAYER_TYPES = {"linear_attention": LayerType(_linear_attention, ("linear_attention",)),
+               "full_attention": LayerType(_full_attention, ("full_attention",))}
+
+
 def forward(cfg: ModelConfig, params: dict, cache: ModelCache, tokens: jax.Array, n_new: jax.Array, *,
             logits_at: str = "last", impl: str = "auto", return_hidden: bool = False,
             fused_recurrent: bool = False, per_token_states: bool = False, defer_kv_write: bool = False,
-            inputs_embeds: jax.Array | None = None):
-    """Runs tokens through the model.
+            inputs_embeds: jax.Array | None = None) -> StepOutput:
+    """Runs tokens through the model; each layer's token mixer is its type's (`LAYER_TYPES`).
 
     tokens: [B, T] int32 (row b's first n_new[b] entries are real, the rest padding); n_new: [B] int32.
     logits_at: "last" -> logits [B, V] at each row's last real token; "all" -> [B, T, V].
-    Returns (logits, new cache) and, with return_hidden, the residual stream after each layer
-    ([L + 1] arrays [B, T, Hd], the embeddings first), for the alignment tool.
+    Returns a StepOutput: logits and the new cache; with return_hidden, `hidden` is the residual
+    stream after each layer ([L + 1] arrays [B, T, Hd], the embeddings first).
     Speculative decoding: fused_recurrent runs the linear-attention layers token by token whatever T;
-    per_token_states (implies it) appends a dict of what the recurrent group's state after every
+    per_token_states (implies it) fills `states` with what the recurrent group's state after every
     position is made from (`gated_deltanet`'s, stacked over the L recurrent layers: conv_window
     [L, B, W-1+T, C], ssm0 [L, B, HV, K, V], k [L, B, T, H, K], g [L, B, T, HV], delta
-    [L, B, T, HV, V]; `speculative.rollback.select_states` reads it) to the returned tuple.
-    defer_kv_write: the KV group is only read; the new entries {"k", "v": [L, B, T, Hkv, D]} are
-    appended to the returned tuple (last) for `write_deferred_kv`, and the returned cache holds the
-    input's KV arrays (its lengths and recurrent states are the step's).
+    [L, B, T, HV, V]; `speculative.rollback.select_states` reads it).
+    defer_kv_write: the KV group is only read; `deferred` holds the new entries {"k", "v":
+    [L, B, T, Hkv, D]} for `write_deferred_kv`, and the returned cache holds the input's KV arrays
+    (its lengths and recurrent states are the step's).
     inputs_embeds [B, T, Hd]: the first layer's input instead of the tokens' embeddings (the MTP block).
     """
     B, T = tokens.shape
@@ -80,55 +143,28 @@ def forward(cfg: ModelConfig, params: dict, cache: ModelCache, tokens: jax.Array
     x = params["embed"][tokens] if inputs_embeds is None else inputs_embeds
     hidden = [x] if return_hidden else None
     cos, sin = rope_cos_sin(positions, cfg.rotary_dim, cfg.rope, seq_len=cache.lengths + n_new)
-    groups = dict(cache.groups)
-    rec = groups.get("linear_attention")
-    kv = groups.get("full_attention")
-    # KV is written in place in the group's [L, P, ps, Hkv, D] page stacks: slicing a layer out and
-    # stacking the layers back copies every page of the cache at every step. Recurrent states are
-    # rewritten whole by every token, so their new stack is written once, as the layers finish.
-    k_all, v_all = (kv.k, kv.v) if kv is not None else (None, None)
-    conv_out, ssm_out, per_token, k_new, v_new = [], [], [], [], []
+    kv = cache.groups.get("full_attention")
+    step = _Step(cache, positions, valid, n_new, cos, sin, impl, fused_recurrent, per_token_states, defer_kv_write,
+                 k_all=kv.k if kv is not None else None, v_all=kv.v if kv is not None else None)
     for i, lp in enumerate(params["layers"]):
         h = rms_norm_zero_centered(x, lp["input_norm"], cfg.rms_norm_eps)
-        if cfg.layer_types[i] == "linear_attention":
-            s = rec.layer_ids.index(i)
-            res = gated_deltanet(
-                lp["gdn"], h, valid, n_new, rec.conv[s], rec.ssm[s],
-                num_k_heads=cfg.linear_num_key_heads, num_v_heads=cfg.linear_num_value_heads,
-                head_k_dim=cfg.linear_key_head_dim, head_v_dim=cfg.linear_value_head_dim,
-                eps=cfg.rms_norm_eps, impl=impl, fused_recurrent=fused_recurrent,
-                per_token_states=per_token_states)
-            h, conv, ssm = res[:3]
-            if per_token_states:
-                per_token.append(res[3])
-            conv_out.append(conv)
-            ssm_out.append(ssm)
-        else:
-            s = kv.layer_ids.index(i)
-            h, k, v = gated_attention(
-                lp["attn"], h, cos, sin, positions, valid, k_all, v_all, kv.page_table,
-                num_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads,
-                head_dim=cfg.head_dim, eps=cfg.rms_norm_eps, layer=s, defer_write=defer_kv_write)
-            if defer_kv_write:
-                k_new.append(k)
-                v_new.append(v)
-            else:
-                k_all, v_all = k, v
-        x = x + h
+        x = x + LAYER_TYPES[cfg.layer_types[i]].mixer(cfg, lp, h, step, i)
         x = x + _ffn(cfg, lp, rms_norm_zero_centered(x, lp["post_norm"], cfg.rms_norm_eps))
         if return_hidden:
             hidden.append(x)
-    if rec is not None:
-        groups["linear_attention"] = rec.replace(conv=jnp.stack(conv_out), ssm=jnp.stack(ssm_out))
+    groups = dict(cache.groups)
+    if "linear_attention" in groups:
+        groups["linear_attention"] = groups["linear_attention"].replace(conv=jnp.stack(step.conv),
+                                                                        ssm=jnp.stack(step.ssm))
     if kv is not None:
-        groups["full_attention"] = kv.replace(k=k_all, v=v_all)
+        groups["full_attention"] = kv.replace(k=step.k_all, v=step.v_all)
     out = finish_step(cfg, params, cache, groups, x, n_new, final_norm=final_norm, logits_at=logits_at,
-                      hidden=hidden if return_hidden else None)
+                      hidden=hidden)
     if per_token_states:
-        states = jax.tree_util.tree_map(lambda *a: jnp.stack(a), *per_token) if per_token else {}
-        out = out + (states,)
+        states = jax.tree_util.tree_map(lambda *a: jnp.stack(a), *step.per_token) if step.per_token else {}
+        out = out.replace(states=states)
     if defer_kv_write:
-        out = out + ({"k": jnp.stack(k_new), "v": jnp.stack(v_new)} if k_new else {},)
+        out = out.replace(deferred={"k": jnp.stack(step.k_new), "v": jnp.stack(step.v_new)} if step.k_new else {})
     return out
 
 
@@ -137,7 +173,7 @@ DEFERRED_GROUPS = ("full_attention",)
 
 
 def write_deferred_kv(cache: ModelCache, pending: dict, positions: jax.Array, valid: jax.Array) -> ModelCache:
-    """Writes what a forward with defer_kv_write returned: pending {"k", "v": [L, B, T, Hkv, D]}
+    """Writes a forward's `deferred` (with defer_kv_write): pending {"k", "v": [L, B, T, Hkv, D]}
     (or {} for a model without attention layers) at positions [B, T] where valid [B, T], every
     layer in one in-place write per array."""
     if not pending:
@@ -194,9 +230,8 @@ def mtp_step(cfg: ModelConfig, params: dict, cache: ModelCache, tokens: jax.Arra
     h = rms_norm_zero_centered(hidden.astype(e.dtype), mp["hnorm"], eps)
     x = linear(jnp.concatenate([e, h], axis=-1), mp["fc"])
     block = {"embed": params["embed"], "final_norm": mp["norm"], "layers": mp["layers"][:1]}
-    _, cache, hs = forward(mtp_config(cfg), block, cache, tokens, n_new, impl=impl, return_hidden=True,
-                           inputs_embeds=x)
-    return final_norm(cfg, block, hs[-1]), cache
+    out = forward(mtp_config(cfg), block, cache, tokens, n_new, impl=impl, return_hidden=True, inputs_embeds=x)
+    return final_norm(cfg, block, out.hidden[-1]), out.cache
 
 
 def mtp_logits(cfg: ModelConfig, params: dict, h: jax.Array) -> jax.Array:
@@ -384,3 +419,11 @@ def _convert_layer(cfg: ModelConfig, t, has, p: str, kind: str, moe: bool, dev, 
         gate_up, down = dense_mlp_weights(t, m, cfg.intermediate_size, Hd)
         lp["mlp"] = {"gate_up": lin(gate_up), "down": lin(down)}
     return lp
+
+
+FAMILY = ModelFamily(
+    name="qwen3_next", forward=forward, new_cache=new_cache, init_params=init_params,
+    convert_hf_weights=convert_hf_weights, final_norm=final_norm, layer_types=LAYER_TYPES,
+    write_deferred_kv=write_deferred_kv, deferred_groups=DEFERRED_GROUPS,
+    mtp=MTPHead(prefixes=mtp_prefixes, new_cache=mtp_new_cache, target_hidden=target_hidden, step=mtp_step,
+                logits=mtp_logits))

@@ -69,16 +69,16 @@ def _cost(compiled) -> StepCost:
 def _decode_step(model, cfg, impl):
     def step(params, pools, rows, tables, lengths, tokens, active):
         sub = take_view(pools, rows, tables, lengths)
-        logits, sub = model.forward(cfg, params, sub, tokens[:, None], active.astype(jnp.int32), impl=impl)
-        return logits, put_view(pools, rows, sub)
+        out = model.forward(cfg, params, sub, tokens[:, None], active.astype(jnp.int32), impl=impl)
+        return out.logits, put_view(pools, rows, out.cache)
     return step
 
 
 def _prefill_step(model, cfg, impl):
     def step(params, pools, rows, tables, lengths, tokens, n_new):
         sub = take_view(pools, rows, tables, lengths, reset=lengths == 0)
-        logits, sub = model.forward(cfg, params, sub, tokens, n_new, impl=impl)
-        return logits, put_view(pools, rows, sub)
+        out = model.forward(cfg, params, sub, tokens, n_new, impl=impl)
+        return out.logits, put_view(pools, rows, out.cache)
     return step
 
 

@@ -184,9 +184,9 @@ def ngram_generate(params, cache, hist, first, rows, tune, stop_ids, seeds, temp
         """The verify of Kb drafts and rollback by selection. Returns (n_acc [B], out_tok [B, W],
         the cache after the kept tokens, the KV entries it did not write when defer, else None)."""
         meta = jnp.stack([n_fed, n_draft, generated])
-        n_acc, out_tok, new, *pend = select_verified(params, cache, tokens[:, :Kb + 1], meta, None, seeds, temperature,
-                                                     top_k, top_p, cfg, impl, flags, defer_kv_write=defer)
-        return n_acc, jnp.pad(out_tok, ((0, 0), (0, W - Kb - 1))), new, (pend[0] if defer else None)
+        v = select_verified(params, cache, tokens[:, :Kb + 1], meta, None, seeds, temperature, top_k, top_p, cfg, impl,
+                            flags, defer_kv_write=defer)
+        return v.n_accepted, jnp.pad(v.tokens, ((0, 0), (0, W - Kb - 1))), v.cache, v.deferred
 
     def verify_branch(Kb):
         def run(cache, tokens, n_draft, n_fed, generated, remaining, n_steps):
@@ -194,7 +194,7 @@ def ngram_generate(params, cache, hist, first, rows, tune, stop_ids, seeds, temp
         return run
 
     model = get_model(cfg.model_type)
-    deferred = hasattr(model, "write_deferred_kv")
+    deferred = model.write_deferred_kv is not None
 
     def first_forward(Kb):
         """A branch of the deferred step: the decode chunk's first forward (Kb = 0) or the verify of
@@ -203,14 +203,15 @@ def ngram_generate(params, cache, hist, first, rows, tune, stop_ids, seeds, temp
         deferred KV entries padded to K + 1 positions)."""
         def run(cache, tokens, n_draft, n_fed, generated):
             if Kb == 0:
-                logits, new, pend = _fwd(cfg, impl, params, cache, tokens[:, :1], n_fed, defer_kv_write=True)
+                o = _fwd(cfg, impl, params, cache, tokens[:, :1], n_fed, defer_kv_write=True)
+                logits, new, pend = o.logits, o.cache, o.deferred
                 n_acc, out_tok = jnp.zeros((B,), jnp.int32), jnp.zeros((B, W), jnp.int32)
             else:
                 n_acc, out_tok, new, pend = verify_rows(cache, tokens, n_draft, n_fed, generated, Kb, True)
                 logits = jnp.zeros((B, cfg.vocab_size), jnp.float32)
             pend = jax.tree_util.tree_map(lambda a: jnp.pad(a, [(0, 0), (0, 0), (0, K - Kb)] + [(0, 0)] * (a.ndim - 3)),
                                           pend)
-            kept = {n: g for n, g in new.groups.items() if n not in model.DEFERRED_GROUPS}
+            kept = {n: g for n, g in new.groups.items() if n not in model.deferred_groups}
             return n_acc, out_tok, logits, (new.lengths, new.version, kept), pend
         return run
 

@@ -3,9 +3,9 @@
 Qwen3-Next / Qwen3.5 (`mtp.*`) and DeepSeek-V3.2 (layer `num_hidden_layers`) ship one extra decoder
 layer trained to predict the token after next: at position i it reads the token at i + 1 and the
 target's hidden state at i (`target_hidden`: the last layer's output after the final norm). Each
-family module provides it as `mtp_step(cfg, params, cache, tokens, hidden, n_new)` -> (hidden out,
-cache) and `mtp_logits(cfg, params, h)` (the target's LM head); its KV cache is a one-layer cache of
-the family (`mtp_new_cache`).
+family that has one gives its `ModelFamily` an `MTPHead`: `step(cfg, params, cache, tokens, hidden,
+n_new)` -> (hidden out, cache), `logits(cfg, params, h)` (the target's LM head), and `new_cache` (a
+one-layer cache of the family).
 
 The runner keeps an MTP state per cache row, in step with the target's rows:
   cache   the block's KV entries for positions 0 .. n-2 of a row the target holds n tokens of (the
@@ -38,13 +38,13 @@ log = logging.getLogger(__name__)
 
 def check_mtp(model, cfg, params: dict, name: str):
     """Raises InputError unless `params` hold an MTP block this project can draft with."""
-    if not hasattr(model, "mtp_step"):
+    if model.mtp is None:
         raise InputError(f"speculative_config method 'mtp': drafting with the MTP block is not supported for "
                          f"model_type {cfg.model_type!r}")
     if "mtp" not in params:
         raise InputError(f"speculative_config method 'mtp' needs the checkpoint's multi-token-prediction block, "
                          f"but {name} has none (no MTP tensors were found, e.g. "
-                         f"{', '.join(repr(p + '*') for p in model.mtp_prefixes(cfg))})")
+                         f"{', '.join(repr(p + '*') for p in model.mtp.prefixes(cfg))})")
     n = len(params["mtp"]["layers"])
     if n != 1:
         raise InputError(f"speculative_config method 'mtp': {name} has {n} MTP layers; drafting uses a single "
@@ -55,7 +55,7 @@ def check_all_read(model, cfg, keys, read: set[str]):
     """After a weight conversion: every checkpoint tensor where the family keeps its MTP block was
     read (or is the scale of one that was). An MTP layout the loader does not understand is a
     CheckpointError naming the tensors, never silently dropped."""
-    prefixes = tuple(model.mtp_prefixes(cfg)) if hasattr(model, "mtp_prefixes") else ()
+    prefixes = tuple(model.mtp.prefixes(cfg)) if model.mtp is not None else ()
     if not prefixes:                 # a family without MTP support (DeepSeek-V4): said, not silent
         n = sum(1 for k in keys if k.startswith("mtp."))
         if n:
@@ -71,7 +71,7 @@ def check_all_read(model, cfg, keys, read: set[str]):
 
 def new_state(model, cfg, rows: int, capacity: int, dtype) -> dict:
     """The MTP state of `rows` cache rows of up to `capacity` positions (see the module docstring)."""
-    return {"cache": model.mtp_new_cache(cfg, rows, capacity, dtype),
+    return {"cache": model.mtp.new_cache(cfg, rows, capacity, dtype),
             "hidden": jnp.zeros((rows, cfg.hidden_size), dtype)}
 
 
@@ -98,7 +98,7 @@ def advance(model, cfg, params, sub: dict, tokens: jax.Array, hidden: jax.Array,
     hs = jnp.concatenate([prev[:, None].astype(hidden.dtype), hidden], axis=1)        # [B, T + 1, Hd]
     hin = jnp.take_along_axis(hs, idx[..., None], axis=1)
     n = jnp.maximum(n_new - shift, 0).astype(jnp.int32)
-    _, cache = model.mtp_step(cfg, params, sub["cache"], toks, hin, n, impl=impl)
+    _, cache = model.mtp.step(cfg, params, sub["cache"], toks, hin, n, impl=impl)
     last = jnp.take_along_axis(hidden, jnp.maximum(n_new - 1, 0)[:, None, None], axis=1)[:, 0]
     return {"cache": cache, "hidden": jnp.where((n_new > 0)[:, None], last.astype(prev.dtype), prev)}
 
@@ -109,8 +109,8 @@ def draft_step(model, cfg, params, run: jax.Array, impl: str = "auto"):
     the first call drafts from the target's waiting hidden state, the next ones from the block's own."""
     def step(carry, tok):
         cache, h = carry
-        out, cache = model.mtp_step(cfg, params, cache, tok[:, None], h, run, impl=impl)
-        return model.mtp_logits(cfg, params, out[:, 0]), (cache, out.astype(h.dtype))
+        out, cache = model.mtp.step(cfg, params, cache, tok[:, None], h, run, impl=impl)
+        return model.mtp.logits(cfg, params, out[:, 0]), (cache, out.astype(h.dtype))
     return step
 
 

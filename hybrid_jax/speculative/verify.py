@@ -16,11 +16,14 @@ Shapes: B rows (bucketed), T = K + 1 fed positions (K a draft-length bucket), V 
 from __future__ import annotations
 
 import functools
+from typing import Any
 
+import flax.struct
 import jax
 import jax.numpy as jnp
 
 from hybrid_jax.models import get_model
+from hybrid_jax.models.contract import StepOutput
 from hybrid_jax.sampling import SamplerFlags, sample
 from hybrid_jax.speculative.acceptance import accept
 from hybrid_jax.speculative.rollback import finish_replay, rollback_by_selection
@@ -29,58 +32,60 @@ from hybrid_jax.speculative.rollback import finish_replay, rollback_by_selection
 STATIC = ("cfg", "impl", "flags")
 
 
-def _fwd(cfg, impl, params, cache, tokens, n_new, **kw):
+@flax.struct.dataclass
+class Verified:
+    """What a verify step returns (a pytree). n_accepted [B] int32; tokens [B, K+1] int32 (the first
+    n_accepted + 1 are emitted); cache: holding exactly the kept tokens; hidden: with return_hidden, the
+    forward's residual streams (L + 1 arrays [B, K+1, Hd]; an MTP drafter reads them); deferred: with
+    defer_kv_write, the KV entries the forward did not write (the family's `write_deferred_kv`)."""
+    n_accepted: jax.Array
+    tokens: jax.Array
+    cache: Any
+    hidden: list | None = None
+    deferred: dict | None = None
+
+
+def _fwd(cfg, impl, params, cache, tokens, n_new, **kw) -> StepOutput:
     return get_model(cfg.model_type).forward(cfg, params, cache, tokens, n_new, impl=impl, **kw)
 
 
 def _verify(params, cache, tokens, meta, draft_probs, seeds, temperature, top_k, top_p, cfg, impl, flags,
             per_token_states, defer_kv_write: bool = False, return_hidden: bool = False):
-    """The verify forward and acceptance. Returns (n_acc, out_tok, n_fed, n_keep, cache after all fed
-    tokens, per-token states or None, hidden states [B, T, Hd] or None) and, with defer_kv_write, the
-    KV entries the forward did not write (the model's `write_deferred_kv`)."""
+    """The verify forward and acceptance. Returns (n_acc, out_tok, n_fed, n_keep, the forward's
+    StepOutput: its cache holds all fed tokens)."""
     n_fed, n_draft, step = meta[0], meta[1], meta[2]
-    kw = dict(defer_kv_write=True) if defer_kv_write else {}
-    if return_hidden:
-        kw["return_hidden"] = True
     out = _fwd(cfg, impl, params, cache, tokens, n_fed, logits_at="all", fused_recurrent=True,
-               per_token_states=per_token_states, **kw)
-    logits, new = out[0], out[1]
-    extra = list(out[2:])                    # [hidden], [states], [deferred], in that order
-    hidden = extra.pop(0) if return_hidden else None
-    states = extra.pop(0) if per_token_states else None
+               per_token_states=per_token_states, defer_kv_write=defer_kv_write, return_hidden=return_hidden)
     keys = jax.vmap(jax.random.key)(seeds)
-    n_acc, out_tok = accept(logits, tokens[:, 1:], draft_probs, n_draft, keys, step, temperature, top_k, top_p, flags)
+    n_acc, out_tok = accept(out.logits, tokens[:, 1:], draft_probs, n_draft, keys, step, temperature, top_k, top_p,
+                            flags)
     n_keep = jnp.where(n_fed > 0, 1 + n_acc, 0).astype(jnp.int32)
-    res = n_acc, out_tok, n_fed, n_keep, new, states, hidden
-    return res + (extra[0],) if defer_kv_write else res
+    return n_acc, out_tok, n_fed, n_keep, out
 
 
 def select_verified(params, cache, tokens, meta, draft_probs, seeds, temperature, top_k, top_p, cfg, impl, flags,
-                    defer_kv_write: bool = False, return_hidden: bool = False):
+                    defer_kv_write: bool = False, return_hidden: bool = False) -> Verified:
     """The verify forward, acceptance and rollback by selection. tokens [B, K+1] int32 = [pending,
     d_1 .. d_K] (drafts past n_draft[b] are padding); meta [3, B] int32 = (n_fed: 1 + n_draft for
     running rows, 0 for the others; n_draft; step: tokens generated so far); draft_probs [B, K, V]
     f32 or None; seeds [B] uint32; temperature, top_p [B] f32; top_k [B] int32.
-    Returns (n_accepted [B], tokens [B, K+1] (the first n_accepted + 1 are emitted), the cache
-    holding exactly the kept tokens), then with return_hidden the forward's hidden states [B, K+1, Hd]
-    (an MTP drafter reads them), and with defer_kv_write the KV entries the forward did not write."""
-    n_acc, out_tok, n_fed, n_keep, new, states, hidden, *pend = _verify(
+    Returns a Verified (hidden with return_hidden, deferred with defer_kv_write)."""
+    n_acc, out_tok, n_fed, n_keep, out = _verify(
         params, cache, tokens, meta, draft_probs, seeds, temperature, top_k, top_p, cfg, impl, flags, True,
         defer_kv_write=defer_kv_write, return_hidden=return_hidden)
-    out = (n_acc, out_tok, rollback_by_selection(new, states, cache.lengths, n_fed, n_keep))
-    return out + ((hidden,) if return_hidden else ()) + tuple(pend)
+    return Verified(n_acc, out_tok, rollback_by_selection(out.cache, out.states, cache.lengths, n_fed, n_keep),
+                    hidden=out.hidden, deferred=out.deferred)
 
 
 def replay_verified(params, cache, tokens, meta, draft_probs, seeds, temperature, top_k, top_p, cfg, impl, flags,
-                    return_hidden: bool = False):
+                    return_hidden: bool = False) -> Verified:
     """The verify forward and acceptance with rollback by snapshot + replay: `cache` (the snapshot,
-    never written) runs again over the kept tokens only. Same arguments and results as
+    never written) runs again over the kept tokens only. Same arguments and result as
     `select_verified`."""
-    n_acc, out_tok, n_fed, n_keep, new, _, hidden = _verify(params, cache, tokens, meta, draft_probs, seeds,
-                                                            temperature, top_k, top_p, cfg, impl, flags, False,
-                                                            return_hidden=return_hidden)
-    _, rep = _fwd(cfg, impl, params, cache, tokens, n_keep, fused_recurrent=True)
-    return (n_acc, out_tok, finish_replay(rep, new.version, n_fed, n_keep)) + ((hidden,) if return_hidden else ())
+    n_acc, out_tok, n_fed, n_keep, out = _verify(params, cache, tokens, meta, draft_probs, seeds, temperature,
+                                                 top_k, top_p, cfg, impl, flags, False, return_hidden=return_hidden)
+    rep = _fwd(cfg, impl, params, cache, tokens, n_keep, fused_recurrent=True).cache
+    return Verified(n_acc, out_tok, finish_replay(rep, out.cache.version, n_fed, n_keep), hidden=out.hidden)
 
 
 @functools.partial(jax.jit, static_argnames=STATIC + ("steps",), donate_argnums=(1,))
@@ -95,7 +100,8 @@ def decode_chunk(params, cache, rows, stop_ids, seeds, temperature, top_k, top_p
     done = ~running | (remaining <= 0)
     # Laid out like Generator's decode loop (logits carried, the forward last in the body): XLA
     # runs this form as fast as plain decoding; a forward-first body was ~10% slower on CPU.
-    logits, cache = _fwd(cfg, impl, params, cache, pending[:, None], (~done).astype(jnp.int32))
+    out = _fwd(cfg, impl, params, cache, pending[:, None], (~done).astype(jnp.int32))
+    logits, cache = out.logits, out.cache
     return decode_from(params, cache, logits, rows, stop_ids, seeds, temperature, top_k, top_p, cfg=cfg,
                        impl=impl, steps=steps, flags=flags)
 
@@ -120,8 +126,8 @@ def decode_from(params, cache, logits, rows, stop_ids, seeds, temperature, top_k
     def body(state):
         i, logits, cache, out, done = state
         new, out, done = emit(i, logits, out, done)
-        logits, cache = _fwd(cfg, impl, params, cache, jnp.maximum(new, 0)[:, None], (~done).astype(jnp.int32))
-        return i + 1, logits, cache, out, done
+        o = _fwd(cfg, impl, params, cache, jnp.maximum(new, 0)[:, None], (~done).astype(jnp.int32))
+        return i + 1, o.logits, o.cache, out, done
 
     def cond(state):
         i, _, _, _, done = state

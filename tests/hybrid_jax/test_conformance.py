@@ -58,16 +58,18 @@ def test_incremental_decode_equals_full_recompute(pair):
     cache = gen.new_cache(1, 128)
     tok = np.zeros((1, 64), np.int32)
     tok[0, :40] = ids[:40]
-    logits, cache = gen._forward(gen.params, cache, jnp.asarray(tok), jnp.asarray([40], jnp.int32))
+    _o = gen._forward(gen.params, cache, jnp.asarray(tok), jnp.asarray([40], jnp.int32))
+    logits, cache = _o.logits, _o.cache
     np.testing.assert_allclose(np.asarray(logits[0]), full[39], atol=TOL, rtol=0)
     # a second prefill chunk on top of the cached prefix (chunked prefill), 30 tokens
     tok = np.zeros((1, 32), np.int32)
     tok[0, :30] = ids[40:70]
-    logits, cache = gen._forward(gen.params, cache, jnp.asarray(tok), jnp.asarray([30], jnp.int32), logits_at="all")
+    _o = gen._forward(gen.params, cache, jnp.asarray(tok), jnp.asarray([30], jnp.int32), logits_at="all")
+    logits, cache = _o.logits, _o.cache
     np.testing.assert_allclose(np.asarray(logits[0, :30]), full[40:70], atol=TOL, rtol=0)
     for i in range(70, 90):
-        logits, cache = gen._forward(gen.params, cache, jnp.asarray([[ids[i]]], jnp.int32),
-                                     jnp.asarray([1], jnp.int32))
+        _o = gen._forward(gen.params, cache, jnp.asarray([[ids[i]]], jnp.int32), jnp.asarray([1], jnp.int32))
+        logits, cache = _o.logits, _o.cache
         np.testing.assert_allclose(np.asarray(logits[0]), full[i], atol=TOL, rtol=0,
                                    err_msg=f"decode step at position {i}")
     assert int(cache.lengths[0]) == 90

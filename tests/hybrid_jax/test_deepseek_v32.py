@@ -99,14 +99,17 @@ def test_incremental_decode_equals_full_recompute(pair):
     cache = gen.new_cache(1, 128)
     tok = np.zeros((1, 64), np.int32)
     tok[0, :40] = ids[:40]
-    logits, cache = gen._forward(gen.params, cache, jnp.asarray(tok), jnp.asarray([40], jnp.int32))
+    _o = gen._forward(gen.params, cache, jnp.asarray(tok), jnp.asarray([40], jnp.int32))
+    logits, cache = _o.logits, _o.cache
     np.testing.assert_allclose(np.asarray(logits[0]), full[39], atol=TOL, rtol=0)
     tok = np.zeros((1, 32), np.int32)
     tok[0, :30] = ids[40:70]
-    logits, cache = gen._forward(gen.params, cache, jnp.asarray(tok), jnp.asarray([30], jnp.int32), logits_at="all")
+    _o = gen._forward(gen.params, cache, jnp.asarray(tok), jnp.asarray([30], jnp.int32), logits_at="all")
+    logits, cache = _o.logits, _o.cache
     np.testing.assert_allclose(np.asarray(logits[0, :30]), full[40:70], atol=TOL, rtol=0)
     for i in range(70, 90):
-        logits, cache = gen._forward(gen.params, cache, jnp.asarray([[ids[i]]], jnp.int32), jnp.asarray([1], jnp.int32))
+        _o = gen._forward(gen.params, cache, jnp.asarray([[ids[i]]], jnp.int32), jnp.asarray([1], jnp.int32))
+        logits, cache = _o.logits, _o.cache
         np.testing.assert_allclose(np.asarray(logits[0]), full[i], atol=TOL, rtol=0, err_msg=f"decode at {i}")
     assert int(cache.lengths[0]) == 90
     assert float(cache.groups["sparse_attention"].hit_rate[0]) == 1.0      # everything is on device
@@ -120,7 +123,8 @@ def test_padding_rows_do_not_leak(checkpoints):
     tok = np.zeros((2, 64), np.int32)
     tok[0, :50], tok[1, :23] = a, b
     cache = m.new_cache(llm.config, 2, 96, jnp.float32)
-    logits, _ = m.forward(llm.config, llm.params, cache, jnp.asarray(tok), jnp.asarray([50, 23], jnp.int32))
+    _o = m.forward(llm.config, llm.params, cache, jnp.asarray(tok), jnp.asarray([50, 23], jnp.int32))
+    logits = _o.logits
     np.testing.assert_allclose(np.asarray(logits[0]), llm.logits(a)[-1], atol=TOL, rtol=0)
     np.testing.assert_allclose(np.asarray(logits[1]), llm.logits(b)[-1], atol=TOL, rtol=0)
 
@@ -131,7 +135,7 @@ def test_pallas_impl_matches_xla_in_the_model(checkpoints):
     ids = _prompt(40, 97, 3)
     tok = jnp.asarray([ids], jnp.int32)
     outs = [m.forward(llm.config, llm.params, m.new_cache(llm.config, 1, 48, jnp.float32), tok,
-                      jnp.asarray([40], jnp.int32), logits_at="all", impl=impl)[0] for impl in ("xla", "pallas")]
+                      jnp.asarray([40], jnp.int32), logits_at="all", impl=impl).logits for impl in ("xla", "pallas")]
     np.testing.assert_allclose(np.asarray(outs[1]), np.asarray(outs[0]), atol=TOL, rtol=0)
 
 
@@ -140,10 +144,12 @@ def test_fp8_indexer_cache_runs_and_stays_close(checkpoints):
     from hybrid_jax.models import deepseek_v32 as m  # noqa: PLC0415
     ids = jnp.asarray([_prompt(60, 97, 4)], jnp.int32)
     n = jnp.asarray([60], jnp.int32)
-    ref, _ = m.forward(llm.config, llm.params, m.new_cache(llm.config, 1, 64, jnp.float32), ids, n)
+    _o = m.forward(llm.config, llm.params, m.new_cache(llm.config, 1, 64, jnp.float32), ids, n)
+    ref = _o.logits
     c8 = m.new_cache(llm.config, 1, 64, jnp.float32, index_dtype=jnp.float8_e4m3fn)
     assert c8.groups["indexer"].keys.dtype == jnp.float8_e4m3fn and c8.groups["indexer"].scale is not None
-    got, c8 = m.forward(llm.config, llm.params, c8, ids, n)
+    _o = m.forward(llm.config, llm.params, c8, ids, n)
+    got, c8 = _o.logits, _o.cache
     assert np.all(np.isfinite(np.asarray(got)))
     assert np.corrcoef(np.asarray(got[0]), np.asarray(ref[0]))[0, 1] > 0.99
 

@@ -139,8 +139,8 @@ def _step(gen, cache, ids, width=WIDTH):
     """One forward of len(ids) real tokens right-padded to `width` -> (logits [len(ids), V], cache)."""
     tok = np.zeros((1, width), np.int32)
     tok[0, :len(ids)] = ids
-    logits, cache = gen._forward(gen.params, cache, jnp.asarray(tok), jnp.asarray([len(ids)], jnp.int32),
-                                 logits_at="all")
+    _o = gen._forward(gen.params, cache, jnp.asarray(tok), jnp.asarray([len(ids)], jnp.int32), logits_at="all")
+    logits, cache = _o.logits, _o.cache
     return np.asarray(logits[0, :len(ids)]), cache
 
 
@@ -250,7 +250,8 @@ def test_padding_leaves_the_cache_exact_and_rows_move(pairs):
     tok = np.zeros((2, 32), np.int32)
     for r, ids in enumerate(rows):
         tok[r, :len(ids)] = ids
-    logits, batch = gen._forward(gen.params, gen.new_cache(2, CAP), jnp.asarray(tok), jnp.asarray([21, 10]))
+    _o = gen._forward(gen.params, gen.new_cache(2, CAP), jnp.asarray(tok), jnp.asarray([21, 10]))
+    logits, batch = _o.logits, _o.cache
     for r, ids in enumerate(rows):
         ref_logits, ref = _step(gen, gen.new_cache(1, CAP), ids)
         np.testing.assert_allclose(np.asarray(logits[r]), ref_logits[-1], atol=TOL, rtol=0)
@@ -259,8 +260,8 @@ def test_padding_leaves_the_cache_exact_and_rows_move(pairs):
     before = _leaves(_rows_dense(take_rows(batch, jnp.asarray([1]))))
     tok2 = np.zeros((2, 32), np.int32)
     tok2[0, :3] = [5, 6, 7]
-    _, after = gen._forward(gen.params, jax.tree_util.tree_map(jnp.copy, batch), jnp.asarray(tok2),
-                            jnp.asarray([3, 0]))
+    _o = gen._forward(gen.params, jax.tree_util.tree_map(jnp.copy, batch), jnp.asarray(tok2), jnp.asarray([3, 0]))
+    after = _o.cache
     after_row = _leaves(_rows_dense(take_rows(after, jnp.asarray([1]))))
     for k in before:                              # row 1 added nothing: not one bit moves
         np.testing.assert_array_equal(before[k], after_row[k], err_msg=k)

@@ -205,7 +205,7 @@ def test_device_loop_sampled_rows_follow_their_seeds(qwen):
 
 def _decode_steps(cfg, params, cache, tokens):
     """Reference: plain single-token decode steps. tokens: list (per row) of token lists."""
-    fwd = jax.jit(lambda c, t, n: get_model(cfg.model_type).forward(cfg, params, c, t, n)[1])
+    fwd = jax.jit(lambda c, t, n: get_model(cfg.model_type).forward(cfg, params, c, t, n).cache)
     for j in range(max(map(len, tokens))):
         t = jnp.asarray([[r[j] if j < len(r) else 0] for r in tokens], jnp.int32)
         cache = fwd(cache, t, jnp.asarray([int(j < len(r)) for r in tokens], jnp.int32))
@@ -232,7 +232,7 @@ def test_rollback_selection_and_replay_equal_plain_decode(qwen):
     z = jnp.zeros((4,), jnp.int32)
     seeds, temp, top_p = jnp.zeros((4,), jnp.uint32), jnp.zeros((4,), jnp.float32), jnp.ones((4,), jnp.float32)
 
-    fwd = jax.jit(lambda c, t, n: get_model(cfg.model_type).forward(cfg, params, c, t, n)[1])
+    fwd = jax.jit(lambda c, t, n: get_model(cfg.model_type).forward(cfg, params, c, t, n).cache)
 
     def prefilled():
         c = get_model(cfg.model_type).new_cache(cfg, 4, 64, qwen.dtype)
@@ -245,12 +245,14 @@ def test_rollback_selection_and_replay_equal_plain_decode(qwen):
     args = (tokens, meta, None, seeds, temp, z, top_p, cfg, "auto", flags)
     base = prefilled()
     v0 = np.asarray(base.version)
-    n_acc, out, sel = jax.jit(lambda c: verify.select_verified(params, c, *args))(prefilled())
-    assert np.asarray(n_acc)[:3].tolist() == [3, 1, 0]
-    emitted = [np.asarray(out)[i, :a + 1].tolist() for i, a in enumerate([3, 1, 0])]
+    v = jax.jit(lambda c: verify.select_verified(params, c, *args))(prefilled())
+    sel = v.cache
+    assert np.asarray(v.n_accepted)[:3].tolist() == [3, 1, 0]
+    emitted = [np.asarray(v.tokens)[i, :a + 1].tolist() for i, a in enumerate([3, 1, 0])]
     assert emitted == [c[1:a + 2] for c, a in zip(cont, [3, 1, 0])]         # kept drafts, then the target's token
-    n_acc, _, rep = jax.jit(lambda c: verify.replay_verified(params, c, *args))(base)
-    assert np.asarray(n_acc)[:3].tolist() == [3, 1, 0]
+    v = jax.jit(lambda c: verify.replay_verified(params, c, *args))(base)
+    rep = v.cache
+    assert np.asarray(v.n_accepted)[:3].tolist() == [3, 1, 0]
     ref = _decode_steps(cfg, params, prefilled(), [c[:a + 1] for c, a in zip(cont, [3, 1, 0])] + [[]])
     for got in (sel, rep):
         np.testing.assert_array_equal(np.asarray(got.lengths), np.asarray(ref.lengths))
