@@ -41,7 +41,6 @@ from hybrid_jax.models import get_model  # noqa: E402
 
 def capacity(llm, max_model_len=32768, rows=8, seed=0):
     """Requests of 300-2,000 tokens admitted at once into pools of the 8-row budget."""
-    from cache.pools import row_nbytes  # noqa: PLC0415
     from hybrid_jax.engine.runner import default_budget  # noqa: PLC0415
     model = get_model(llm.config.model_type)
     abstract = jax.eval_shape(lambda: model.new_cache(llm.config, 1, max_model_len, llm.dtype, page_size=64))
@@ -58,7 +57,7 @@ def capacity(llm, max_model_len=32768, rows=8, seed=0):
             break
         n += 1
         tokens += length
-    row_bytes = sum(row_nbytes(g) for g in abstract.groups.values())
+    row_bytes = sum(g.row_nbytes() for g in abstract.groups.values())
     print("1. capacity: max_model_len 32768, cache budget = 8 preallocated rows "
           f"({budget / 2**20:.1f} MiB; fixed-size state {row_bytes / 2**10:.1f} KiB per request row)")
     print(f"   {'layout':<28}{'requests at once':>18}{'tokens held':>14}")
@@ -70,7 +69,6 @@ def capacity(llm, max_model_len=32768, rows=8, seed=0):
 
 def hit_cost(llm, prompt_len=4096, cached=3584):
     """What a 3,584-token hit moves: checkpoint units only; the pages are shared."""
-    from cache.pools import page_nbytes, row_nbytes  # noqa: PLC0415
     eng = LLMEngine(llm, EngineConfig(max_num_seqs=2, max_num_batched_tokens=512, max_model_len=prompt_len + 64,
                                       enable_prefix_caching=True, compilation_cache_dir=None, warmup="none"))
     rng = np.random.default_rng(1)
@@ -81,8 +79,8 @@ def hit_cost(llm, prompt_len=4096, cached=3584):
     assert hit.ok and hit.boundary == cached, hit
     pages, plan, _ = pc._load_plan(hit)
     groups = eng.runner.cache.groups
-    page_bytes = sum(len(p) * page_nbytes(groups[g]) for g, p in pages.items())
-    unit_bytes = sum(row_nbytes(groups[g]) for g, (u, _) in plan.items() if int(u) >= 0)
+    page_bytes = sum(len(p) * groups[g].page_nbytes() for g, p in pages.items())
+    unit_bytes = sum(groups[g].row_nbytes() for g, (u, _) in plan.items() if int(u) >= 0)
     compiled = pc._load.lower(eng.runner.cache, pc.versions, jnp.int32(0), plan, jnp.int32(cached)).compile()
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost

@@ -38,6 +38,8 @@ import jax
 import jax.numpy as jnp
 
 from cache.mla import contiguous_page_table, write_paged
+from cache.group import CacheGroup
+from cache.segments import Kind
 from pallas_kernels import abi as kernel_abi
 
 COMPRESSOR = kernel_abi.V4_COMPRESSOR      # writes entries, indexer entries, tails and overlap states
@@ -46,14 +48,16 @@ SLIDING_WINDOW = kernel_abi.V4_WINDOW
 
 
 @flax.struct.dataclass
-class SlidingWindowGroup:
+class SlidingWindowGroup(CacheGroup):
     """Raw shared K=V entries of the last W positions of every layer (all layer types have one)."""
     kv: jax.Array              # [L, B, W, D]
     layer_ids: tuple[int, ...] = flax.struct.field(pytree_node=False, default=())
     writer_abi: str = flax.struct.field(pytree_node=False, default=SLIDING_WINDOW.id)
 
     kind = "swa_window"
+    STORE_KIND = Kind.SWA_WINDOW
     ROW_FIELDS = {"kv": 1}
+    ROLLBACK = "replay"          # a ring: a rejected token overwrote an entry the window still needs
 
     @property
     def window(self) -> int:
@@ -64,7 +68,7 @@ class SlidingWindowGroup:
 
 
 @flax.struct.dataclass
-class CompressedKVGroup:
+class CompressedKVGroup(CacheGroup):
     """Paged compressed entries of every layer of one compressed type (or the CSA indexer's keys)."""
     entries: jax.Array         # [L, P, ps, D]
     page_table: jax.Array      # [B, NP] int32
@@ -76,6 +80,11 @@ class CompressedKVGroup:
 
     PAGE_FIELDS = {"entries": 1}
     ROW_FIELDS = {"count": 0}
+    ROLLBACK = "replay"          # count (and a closed entry) moved with the rejected tokens
+
+    def store_kind(self) -> Kind:
+        """Compressed KV, or indexer keys for the CSA indexer's entries."""
+        return Kind.INDEXER_KEYS if self.kind == "indexer_entries" else Kind.COMPRESSED_KV
 
     @property
     def page_size(self) -> int:
@@ -98,7 +107,7 @@ class CompressedKVGroup:
 
 
 @flax.struct.dataclass
-class TailGroup:
+class TailGroup(CacheGroup):
     """The uncompressed tail: projections of the tokens of the window that has not closed yet.
     closes_into: the name of the CompressedKVGroup its windows close into."""
     kv: jax.Array              # [L, B, rate, C]
@@ -109,7 +118,9 @@ class TailGroup:
     writer_abi: str = flax.struct.field(pytree_node=False, default=COMPRESSOR.id)
 
     kind = "uncompressed_tail"
+    STORE_KIND = Kind.UNCOMPRESSED_TAIL
     ROW_FIELDS = {"kv": 1, "gate": 1, "count": 0}
+    ROLLBACK = "replay"
 
     @property
     def rate(self) -> int:
@@ -120,7 +131,7 @@ class TailGroup:
 
 
 @flax.struct.dataclass
-class OverlapGroup:
+class OverlapGroup(CacheGroup):
     """CSA's overlap state: Ca (kv, biased gate) of the last closed window; unread before window 1."""
     kv: jax.Array              # [L, B, rate, D]
     gate: jax.Array            # [L, B, rate, D] f32 (with the position bias)
@@ -128,7 +139,9 @@ class OverlapGroup:
     writer_abi: str = flax.struct.field(pytree_node=False, default=COMPRESSOR.id)
 
     kind = "csa_overlap"
+    STORE_KIND = Kind.CSA_OVERLAP
     ROW_FIELDS = {"kv": 1, "gate": 1}
+    ROLLBACK = "replay"
 
     def bytes_per_token(self) -> int:
         return 0
@@ -192,10 +205,3 @@ def init_compressed_groups(*, batch_size: int, capacity: int, dtype, window: int
         groups["hca_tail"] = TailGroup(kv=z(L, B, m, D), gate=z(L, B, m, D, dt=f32), count=cnt(), layer_ids=ids,
                                        closes_into="heavily_compressed_attention")
     return groups
-
-
-def nbytes_compressed(groups: dict) -> dict[str, int]:
-    """Bytes held per compressed-attention group, read off the pytrees."""
-    kinds = (SlidingWindowGroup, CompressedKVGroup, TailGroup, OverlapGroup)
-    return {name: sum(int(x.size) * x.dtype.itemsize for x in jax.tree_util.tree_leaves(g))
-            for name, g in groups.items() if isinstance(g, kinds)}

@@ -17,11 +17,13 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from cache.group import CacheGroup
+from cache.segments import Kind
 from pallas_kernels import abi as kernel_abi
 
 
 @flax.struct.dataclass
-class MLALatentGroup:
+class MLALatentGroup(CacheGroup):
     """Compressed KV (normed latent) and decoupled RoPE key of every sparse-attention layer."""
     latent: jax.Array          # [L, P, ps, R]
     rope: jax.Array            # [L, P, ps, Dr]
@@ -32,6 +34,7 @@ class MLALatentGroup:
     writer_abi: str = flax.struct.field(pytree_node=False, default=kernel_abi.SPARSE_MLA_LATENT.id)
 
     kind = "mla_latent"
+    STORE_KIND = Kind.COMPRESSED_KV        # an MLA latent is compressed KV with no uncompressed tail
     PAGE_FIELDS = {"latent": 1, "rope": 1, "page_resident": 0}
     ROW_FIELDS = {"hit_rate": 0}
     FILL = {"page_resident": True, "hit_rate": 1.0}      # what a new page / row holds (else 0)
@@ -55,7 +58,7 @@ class MLALatentGroup:
 
 
 @flax.struct.dataclass
-class IndexerKeyGroup:
+class IndexerKeyGroup(CacheGroup):
     """The indexer's keys of every sparse-attention layer (fp8 keys carry a per-token scale)."""
     keys: jax.Array            # [L, P, ps, D]
     scale: jax.Array | None    # [L, P, ps] f32 when keys are fp8, else None
@@ -64,6 +67,7 @@ class IndexerKeyGroup:
     writer_abi: str = flax.struct.field(pytree_node=False, default=kernel_abi.INDEXER_KEYS.id)
 
     kind = "indexer_keys"
+    STORE_KIND = Kind.INDEXER_KEYS
     PAGE_FIELDS = {"keys": 1, "scale": 1}
     FILL = {"scale": 1.0}
 
@@ -130,12 +134,3 @@ def write_paged(pool: jax.Array, new: jax.Array, page_table: jax.Array, position
     page = jnp.where(ok, page, P)                                     # P: out of range, dropped
     at = pool.at[page, pos % ps] if layer is None else pool.at[layer, page, pos % ps]
     return at.set(new.astype(pool.dtype), mode="drop")
-
-
-def nbytes_mla(groups: dict) -> dict[str, int]:
-    """Bytes held by the DSA groups, per group."""
-    out = {}
-    for name, g in groups.items():
-        if isinstance(g, (MLALatentGroup, IndexerKeyGroup)):
-            out[name] = sum(int(x.size) * x.dtype.itemsize for x in jax.tree_util.tree_leaves(g))
-    return out

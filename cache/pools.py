@@ -33,64 +33,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from cache.block_manager import GroupGeometry
 from cache.state import ModelCache
-
-
-def page_fields(group) -> dict[str, int]:
-    """The group's paged fields present in this instance (an absent optional field, e.g. the fp8
-    scale of bf16 indexer keys, is skipped): field -> page axis."""
-    return {f: ax for f, ax in getattr(type(group), "PAGE_FIELDS", {}).items() if getattr(group, f) is not None}
-
-
-def row_fields(group) -> dict[str, int]:
-    """The group's per-row fields present in this instance: field -> row axis."""
-    return {f: ax for f, ax in getattr(type(group), "ROW_FIELDS", {}).items() if getattr(group, f) is not None}
-
-
-def is_paged(group) -> bool:
-    """Whether the group keeps per-position objects in pages (it has PAGE_FIELDS and a page table)."""
-    return bool(getattr(type(group), "PAGE_FIELDS", None))
-
-
-def _fill(group, field: str):
-    return getattr(type(group), "FILL", {}).get(field, 0)
-
-
-def _unit_bytes(group, fields: dict[str, int]) -> int:
-    """Bytes of one index along each field's axis (one page or one row), over the given fields."""
-    total = 0
-    for f, ax in fields.items():
-        a = getattr(group, f)
-        total += int(np.prod(a.shape, dtype=np.int64) // a.shape[ax]) * np.dtype(a.dtype).itemsize
-    return total
-
-
-def page_nbytes(group) -> int:
-    """Bytes one page of a paged group holds over every layer and paged field (0 for a slot group)."""
-    return _unit_bytes(group, page_fields(group)) if is_paged(group) else 0
-
-
-def row_nbytes(group) -> int:
-    """Bytes one row (a request's slot, or a checkpoint unit) of the group's row fields holds."""
-    return _unit_bytes(group, row_fields(group))
-
-
-def num_rows(group) -> int:
-    """Rows of a group's row fields (requests + checkpoint units); 0 for a group without any."""
-    fields = row_fields(group)
-    if not fields:
-        return 0
-    f, ax = next(iter(fields.items()))
-    return getattr(group, f).shape[ax]
-
-
-def num_pages(group) -> int:
-    fields = page_fields(group)
-    f, ax = next(iter(fields.items()))
-    return getattr(group, f).shape[ax]
 
 
 def build_pools(abstract: ModelCache, rows: int, pages: dict[str, int], units: dict[str, int]) -> ModelCache:
@@ -103,38 +48,19 @@ def build_pools(abstract: ModelCache, rows: int, pages: dict[str, int], units: d
     groups: dict[str, Any] = {}
     for name, g in abstract.groups.items():
         upd = {}
-        for f, ax in page_fields(g).items():
+        for f, ax in g.page_fields().items():
             a = getattr(g, f)
             shape = a.shape[:ax] + (pages[name],) + a.shape[ax + 1:]
-            upd[f] = jnp.full(shape, _fill(g, f), a.dtype)
+            upd[f] = jnp.full(shape, g.fill(f), a.dtype)
         n = rows + units.get(name, 0)
-        for f, ax in row_fields(g).items():
+        for f, ax in g.row_fields().items():
             a = getattr(g, f)
             shape = a.shape[:ax] + (n,) + a.shape[ax + 1:]
-            upd[f] = jnp.full(shape, _fill(g, f), a.dtype)
-        if is_paged(g):
+            upd[f] = jnp.full(shape, g.fill(f), a.dtype)
+        if g.paged:
             upd["page_table"] = jnp.zeros((rows, g.page_table.shape[1]), jnp.int32)
         groups[name] = g.replace(**upd)
     return ModelCache(groups=groups, lengths=jnp.zeros((rows,), jnp.int32), version=jnp.zeros((rows,), jnp.int32))
-
-
-def _gather(group, rows, reset):
-    upd = {}
-    for f, ax in row_fields(group).items():
-        a = jnp.take(getattr(group, f), rows, axis=ax)
-        if reset is not None:
-            mask = reset.reshape((1,) * ax + (-1,) + (1,) * (a.ndim - ax - 1))
-            a = jnp.where(mask, jnp.asarray(_fill(group, f), a.dtype), a)
-        upd[f] = a
-    return upd
-
-
-def _scatter(group, rows, sub):
-    upd = {}
-    for f, ax in row_fields(group).items():
-        idx = (slice(None),) * ax + (rows,)
-        upd[f] = getattr(group, f).at[idx].set(getattr(sub, f))
-    return upd
 
 
 def take_view(pools: ModelCache, rows: jax.Array, tables: dict[str, jax.Array], lengths: jax.Array,
@@ -142,36 +68,21 @@ def take_view(pools: ModelCache, rows: jax.Array, tables: dict[str, jax.Array], 
     """The cache a step's forward reads for rows [Bb]: paged groups keep their whole pools and get the
     step's block tables [Bb, NP_g]; row fields are gathered (empty where `reset`). lengths [Bb]: tokens
     each row holds before the step (the host's count)."""
-    groups = {}
-    for name, g in pools.groups.items():
-        upd = _gather(g, rows, reset)
-        if is_paged(g):
-            upd["page_table"] = tables[name]
-        groups[name] = g.replace(**upd)
+    groups = {name: g.take(rows, tables[name] if g.paged else None, reset) for name, g in pools.groups.items()}
     return ModelCache(groups=groups, lengths=lengths, version=pools.version[rows] + 1)
 
 
 def put_view(pools: ModelCache, rows: jax.Array, view: ModelCache) -> ModelCache:
     """The pools after a step: paged fields as the forward left them (it wrote them in place), row
     fields scattered back to `rows`; the pools' page tables stay (the host owns the block tables)."""
-    groups = {}
-    for name, g in pools.groups.items():
-        v = view.groups[name]
-        upd = _scatter(g, rows, v)
-        upd.update({f: getattr(v, f) for f in page_fields(g)})
-        groups[name] = g.replace(**upd)
+    groups = {name: g.put(rows, view.groups[name]) for name, g in pools.groups.items()}
     return ModelCache(groups=groups, lengths=pools.lengths, version=pools.version.at[rows].set(view.version))
 
 
 def take_rows(cache: ModelCache, rows: jax.Array, reset: jax.Array | None = None) -> ModelCache:
     """The sub-cache of `rows` [R] (repeats allowed) of a cache whose rows own their pages (their page
     tables are gathered too). Rows flagged in `reset` [R] come back empty (length 0, zero state)."""
-    groups = {}
-    for name, g in cache.groups.items():
-        upd = _gather(g, rows, reset)
-        if is_paged(g):
-            upd["page_table"] = g.page_table[rows]
-        groups[name] = g.replace(**upd)
+    groups = {name: g.take(rows, g.page_table[rows] if g.paged else None, reset) for name, g in cache.groups.items()}
     lengths = cache.lengths[rows]
     if reset is not None:
         lengths = jnp.where(reset, 0, lengths)
@@ -180,28 +91,9 @@ def take_rows(cache: ModelCache, rows: jax.Array, reset: jax.Array | None = None
 
 def put_rows(cache: ModelCache, rows: jax.Array, sub: ModelCache) -> ModelCache:
     """Writes the sub-cache of `rows` back into the full cache (inverse of take_rows)."""
-    groups = {}
-    for name, g in cache.groups.items():
-        sg = sub.groups[name]
-        upd = _scatter(g, rows, sg)
-        upd.update({f: getattr(sg, f) for f in page_fields(g)})
-        if is_paged(g):
-            upd["page_table"] = g.page_table.at[rows].set(sg.page_table)
-        groups[name] = g.replace(**upd)
+    groups = {name: g.put(rows, sub.groups[name], table=g.paged) for name, g in cache.groups.items()}
     return ModelCache(groups=groups, lengths=cache.lengths.at[rows].set(sub.lengths),
                       version=cache.version.at[rows].set(sub.version))
-
-
-def _copy(group, fields: dict[str, int], src: jax.Array, dst: jax.Array, valid: jax.Array):
-    """The group with index src [M] -> dst [M] copied along each field's axis where valid [M]
-    (others dropped, never clamped onto a live index)."""
-    upd = {}
-    for f, ax in fields.items():
-        a = getattr(group, f)
-        d = jnp.where(valid, dst, a.shape[ax])                      # out of range: dropped
-        vals = jnp.take(a, jnp.clip(src, 0, a.shape[ax] - 1), axis=ax)
-        upd[f] = a.at[(slice(None),) * ax + (d,)].set(vals, mode="drop")
-    return group.replace(**upd)
 
 
 def copy_rows(pools: ModelCache, names, src: jax.Array, dst: jax.Array, valid: jax.Array) -> ModelCache:
@@ -209,7 +101,7 @@ def copy_rows(pools: ModelCache, names, src: jax.Array, dst: jax.Array, valid: j
     request's state into a checkpoint unit (publish) or back (a prefix hit)."""
     groups = dict(pools.groups)
     for name in names:
-        groups[name] = _copy(groups[name], row_fields(groups[name]), src, dst, valid)
+        groups[name] = groups[name].copy(groups[name].row_fields(), src, dst, valid)
     return pools.replace(groups=groups)
 
 
@@ -217,13 +109,8 @@ def copy_pages(pools: ModelCache, plan: dict[str, tuple[jax.Array, jax.Array]]) 
     """Copy-on-write: page src [M] -> dst [M] of every page field of each group in plan (-1: none)."""
     groups = dict(pools.groups)
     for name, (src, dst) in plan.items():
-        groups[name] = _copy(groups[name], page_fields(groups[name]), src, dst, (src >= 0) & (dst >= 0))
+        groups[name] = groups[name].copy(groups[name].page_fields(), src, dst, (src >= 0) & (dst >= 0))
     return pools.replace(groups=groups)
-
-
-def page_tokens(group) -> int:
-    """Tokens one page of a paged group covers (0 for a slot group)."""
-    return group.page_tokens if is_paged(group) else 0
 
 
 def size_pools(abstract: ModelCache, *, rows: int, budget_bytes: int, min_tokens: int,
@@ -240,21 +127,21 @@ def size_pools(abstract: ModelCache, *, rows: int, budget_bytes: int, min_tokens
     every slot group, about every `checkpoint_every` tokens, doubled for the last one of each prompt),
     and every slot group gets the same number of units, at least `min_units`.
     Returns (pages {paged group: P}, units {slot group: C})."""
-    paged = {n: g for n, g in abstract.groups.items() if is_paged(g)}
-    slots = {n: g for n, g in abstract.groups.items() if not is_paged(g)}
-    row_bytes = sum(row_nbytes(g) for g in abstract.groups.values())
-    per_token = {n: page_nbytes(g) / page_tokens(g) for n, g in paged.items()}
+    paged = {n: g for n, g in abstract.groups.items() if g.paged}
+    slots = {n: g for n, g in abstract.groups.items() if not g.paged}
+    row_bytes = sum(g.row_nbytes() for g in abstract.groups.values())
+    per_token = {n: g.page_nbytes() / g.page_tokens for n, g in paged.items()}
     left = budget_bytes - rows * row_bytes
     tokens = int(left // sum(per_token.values())) if per_token and left > 0 else 0
-    pages = {n: max(tokens // page_tokens(g), 0) for n, g in paged.items()}
-    short = [n for n, g in paged.items() if pages[n] < -(-min_tokens // page_tokens(g))]
+    pages = {n: max(tokens // g.page_tokens, 0) for n, g in paged.items()}
+    short = [n for n, g in paged.items() if pages[n] < -(-min_tokens // g.page_tokens)]
     if short or left < 0:
-        need = rows * row_bytes + sum(-(-min_tokens // page_tokens(g)) * page_nbytes(g) for g in paged.values())
+        need = rows * row_bytes + sum(-(-min_tokens // g.page_tokens) * g.page_nbytes() for g in paged.values())
         raise ValueError(f"a cache budget of {budget_bytes} bytes cannot hold one request of {min_tokens} tokens"
                          f" beside {rows} rows of fixed-size state ({row_bytes} bytes each): it needs at least"
                          f" {need} bytes")
     units = {}
-    ckpt_row = sum(row_nbytes(g) for g in slots.values())
+    ckpt_row = sum(g.row_nbytes() for g in slots.values())
     if prefix_cap_bytes > 0 and ckpt_row > 0:
         ckpt_pt = 2 * ckpt_row / checkpoint_every
         share = prefix_cap_bytes * ckpt_pt / (ckpt_pt + sum(per_token.values()))
@@ -267,8 +154,8 @@ def pool_geometry(pools: ModelCache, request_rows: int) -> list[GroupGeometry]:
     checkpoint units (its rows from `request_rows` on: the request rows, null row included, come first)."""
     out = []
     for n, g in pools.groups.items():
-        if is_paged(g):
-            out.append(GroupGeometry(n, g.kind, page_tokens(g), num_pages(g), page_nbytes(g)))
+        if g.paged:
+            out.append(GroupGeometry(n, g.kind, g.page_tokens, g.num_pages(), g.page_nbytes()))
         else:
-            out.append(GroupGeometry(n, g.kind, 0, num_rows(g) - request_rows, row_nbytes(g), first_unit=request_rows))
+            out.append(GroupGeometry(n, g.kind, 0, g.num_rows() - request_rows, g.row_nbytes(), first_unit=request_rows))
     return out

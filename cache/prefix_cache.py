@@ -57,29 +57,15 @@ import numpy as np
 
 from cache import allocator as A
 from cache.block_manager import BlockManager
-from cache.compressed import CompressedKVGroup, OverlapGroup, SlidingWindowGroup, TailGroup
-from cache.mla import IndexerKeyGroup, MLALatentGroup
-from cache.pools import is_paged, page_nbytes, row_nbytes
+from cache.group import CacheGroup
 from cache.prefix_index import IndexEntry, KeyContext, PrefixIndex, block_geometry, chain_keys, checkpoint_boundaries, key_at
 from cache.prefix_disk import DiskConfig, DiskSpans
 from cache.prefix_store import init_versions, load_checkpoints, save_checkpoints
 from cache.segments import SERVABLE_STATES, Kind, SegState
-from cache.state import KVGroup, ModelCache, RecurrentGroup
+from cache.state import ModelCache
 from cache.validation import CacheStats, GroupSpec, HitResult, check_hit, confirm_at_use
 
 log = logging.getLogger("hybrid_jax.prefix_cache")
-
-KIND_OF = {KVGroup: Kind.FULL_KV, MLALatentGroup: Kind.COMPRESSED_KV, IndexerKeyGroup: Kind.INDEXER_KEYS,
-           RecurrentGroup: Kind.RECURRENT_STATE, CompressedKVGroup: Kind.COMPRESSED_KV,
-           SlidingWindowGroup: Kind.SWA_WINDOW, TailGroup: Kind.UNCOMPRESSED_TAIL, OverlapGroup: Kind.CSA_OVERLAP}
-
-
-def kind_of(group) -> Kind:
-    """The object kind a cache group stores (a CompressedKVGroup of indexer entries: INDEXER_KEYS)."""
-    if isinstance(group, CompressedKVGroup) and group.kind == "indexer_entries":
-        return Kind.INDEXER_KEYS
-    return KIND_OF[type(group)]
-
 
 @dataclasses.dataclass(frozen=True)
 class TailClose:
@@ -119,14 +105,15 @@ class PrefixCache:
         reclaimer this cache becomes."""
         self.config = config
         groups = dict(sorted(cache.groups.items()))    # a fixed order: span keys hash the groups in it
-        unknown = [n for n, g in groups.items() if type(g) not in KIND_OF]
+        unknown = [n for n, g in groups.items() if not isinstance(g, CacheGroup)]
         if unknown:
-            raise ValueError(f"prefix caching has no object kind for cache groups {unknown}")
-        block_sizes = {n: (g.page_tokens if is_paged(g) else config.block_size) for n, g in groups.items()}
+            raise ValueError(f"prefix caching needs cache groups that implement cache.group.CacheGroup; {unknown} "
+                             f"do not")
+        block_sizes = {n: (g.page_tokens if g.paged else config.block_size) for n, g in groups.items()}
         self.geometry = block_geometry(block_sizes)
         # tail=False: an MLA latent has no tail; a V4 compressed group keeps its tail in its own group
-        self.specs = tuple(GroupSpec(name=n, kind=kind_of(g), block_size=block_sizes[n], tail=False,
-                                     checkpoint=not is_paged(g) and kind_of(g) is Kind.SWA_WINDOW,
+        self.specs = tuple(GroupSpec(name=n, kind=g.store_kind(), block_size=block_sizes[n], tail=False,
+                                     checkpoint=not g.paged and g.store_kind() is Kind.SWA_WINDOW,
                                      closes_into=getattr(g, "closes_into", None) or None,
                                      ctx=KeyContext(config.fingerprint, config.dtype, g.writer_abi, config.sharding))
                            for n, g in groups.items())
@@ -134,9 +121,9 @@ class PrefixCache:
         if missing:
             raise ValueError(f"prefix caching: tails close into cache groups {missing} that the cache does not have")
         self._kind = {s.name: s.kind for s in self.specs}
-        self._paged = {n: is_paged(g) for n, g in groups.items()}
-        self._nbytes = {n: page_nbytes(g) if is_paged(g) else row_nbytes(g) for n, g in groups.items()}
-        self._width = {n: (g.page_table.shape[1] if is_paged(g) else 1) for n, g in groups.items()}
+        self._paged = {n: g.paged for n, g in groups.items()}
+        self._nbytes = {n: g.page_nbytes() if g.paged else g.row_nbytes() for n, g in groups.items()}
+        self._width = {n: (g.page_table.shape[1] if g.paged else 1) for n, g in groups.items()}
         self._ckpt_groups = tuple(n for n in groups if not self._paged[n])
         self.blocks = blocks
         blocks.reclaimer = self

@@ -29,7 +29,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from cache.pools import copy_rows, is_paged, page_fields, row_fields
+from cache.pools import copy_rows
 from cache.state import ModelCache
 
 
@@ -37,9 +37,9 @@ def stored_fields(group) -> dict[str, int]:
     """The fields a stored object of the group consists of, with the axis that indexes units: a
     paged group's per-layer page fields ([L, P, ...], axis 1; bookkeeping such as the residency flags
     [P] is not data), a slot group's row fields (all of them: a tail's count belongs to its state)."""
-    if is_paged(group):
-        return {f: ax for f, ax in page_fields(group).items() if ax == 1}
-    return row_fields(group)
+    if group.paged:
+        return {f: ax for f, ax in group.page_fields().items() if ax == 1}
+    return group.row_fields()
 
 
 def init_versions(pools: ModelCache, names) -> dict[str, jax.Array]:
@@ -48,7 +48,7 @@ def init_versions(pools: ModelCache, names) -> dict[str, jax.Array]:
     out = {}
     for n in names:
         g = pools.groups[n]
-        f, ax = next(iter(row_fields(g).items()))
+        f, ax = next(iter(g.row_fields().items()))
         out[n] = jnp.zeros((getattr(g, f).shape[ax],), jnp.int32)
     return out
 

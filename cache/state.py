@@ -25,12 +25,31 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import pallas_kernels
+from cache.group import CacheGroup
 from cache.mla import contiguous_page_table
+from cache.segments import Kind
 from pallas_kernels import abi as kernel_abi
 
 
+def conv_state_after(window: jax.Array, idx: jax.Array, width: int) -> jax.Array:
+    """window [B, W-1+T, C] (the conv state before a window, then its inputs); idx [B] in [0, T) ->
+    the conv state after position idx[b] of each row (its W-1 inputs ending there): [B, W-1, C]."""
+    return jax.vmap(lambda row, n: jax.lax.dynamic_slice_in_dim(row, n, width - 1, axis=0))(window, idx + 1)
+
+
+def states_after(parts: dict, idx: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """One layer's states after position idx[b] of each row ([B] int32, in [0, T)), from the parts
+    `layers.gated_deltanet(..., per_token_states=True)` returned: (conv [B, W-1, C], ssm [B, HV, K, V] fp32)."""
+    width = parts["conv_window"].shape[1] - parts["k"].shape[1] + 1
+    conv = conv_state_after(parts["conv_window"], idx, width)
+    ssm = pallas_kernels.state_after(parts["ssm0"], parts["k"], parts["g"], parts["delta"], idx,
+                                     use_qk_l2norm_in_kernel=True)
+    return conv, ssm
+
+
 @flax.struct.dataclass
-class RecurrentGroup:
+class RecurrentGroup(CacheGroup):
     """Gated DeltaNet state of every linear-attention layer: conv window and recurrent state."""
     conv: jax.Array            # [L, B, W-1, C]  the last W-1 conv inputs of each row
     ssm: jax.Array             # [L, B, HV, K, V] fp32
@@ -38,11 +57,25 @@ class RecurrentGroup:
     writer_abi: str = flax.struct.field(pytree_node=False, default=kernel_abi.GATED_DELTA_RULE.id)
 
     kind = "recurrent_state"
+    STORE_KIND = Kind.RECURRENT_STATE
     ROW_FIELDS = {"conv": 1, "ssm": 1}       # field -> its row (slot) axis
+    ROLLBACK = "select"
+
+    def truncate(self, states: dict, n_keep: jax.Array) -> "RecurrentGroup":
+        """The state after the first n_keep[b] fed tokens of each row, selected from the verify
+        forward's per-position parts over the group's L layers (conv_window [L, B, W-1+T, C], ssm0
+        [L, B, HV, K, V], k [L, B, T, H, K], g [L, B, T, HV], delta [L, B, T, HV, V]; see
+        `layers.gated_deltanet`); rows with n_keep = 0 fed nothing and keep their state."""
+        idx = jnp.maximum(n_keep - 1, 0)
+        fed = (n_keep > 0)
+        conv, ssm = jax.vmap(lambda parts: states_after(parts, idx))(states)
+        conv = jnp.where(fed.reshape(1, -1, 1, 1), conv, self.conv)
+        ssm = jnp.where(fed.reshape(1, -1, 1, 1, 1), ssm, self.ssm)
+        return self.replace(conv=conv.astype(self.conv.dtype), ssm=ssm)
 
 
 @flax.struct.dataclass
-class KVGroup:
+class KVGroup(CacheGroup):
     """Full-attention keys and values of every full-attention layer, in pages of ps tokens."""
     k: jax.Array               # [L, P, ps, Hkv, D]
     v: jax.Array               # [L, P, ps, Hkv, D]
@@ -51,6 +84,7 @@ class KVGroup:
     writer_abi: str = flax.struct.field(pytree_node=False, default=kernel_abi.PAGED_ATTENTION.id)
 
     kind = "full_kv"
+    STORE_KIND = Kind.FULL_KV
     PAGE_FIELDS = {"k": 1, "v": 1}           # field -> its page axis
 
     @property

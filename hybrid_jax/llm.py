@@ -15,6 +15,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
@@ -128,12 +129,14 @@ class LLM:
         self.seed = seed
         self.generator = Generator(self.config, params, self.dtype, impl=impl)
         self._fingerprint: str | None = None
-        method = speculative_config.get("method") if isinstance(speculative_config, dict) else None
-        if method == "mtp":         # fail at construction, not at the first request
-            from hybrid_jax.speculative.config import parse_speculative_config  # noqa: PLC0415
+        if speculative_config is not None:      # fail at construction, not at the first request
+            from hybrid_jax.speculative.config import parse_speculative_config, resolve_rollback  # noqa: PLC0415
             from hybrid_jax.speculative.mtp import check_mtp  # noqa: PLC0415
-            parse_speculative_config(speculative_config)
-            check_mtp(get_model(self.config.model_type), self.config, params, self.model_name)
+            spec = parse_speculative_config(speculative_config)
+            family = get_model(self.config.model_type)
+            if spec.method == "mtp":
+                check_mtp(family, self.config, params, self.model_name)
+            resolve_rollback(spec, jax.eval_shape(lambda: family.new_cache(self.config, 1, 16, self.dtype)).groups)
         if kv_cache_dir is not None and not enable_prefix_caching:
             raise InputError("kv_cache_dir needs enable_prefix_caching=True")
         from hybrid_jax.engine import EngineConfig  # noqa: PLC0415

@@ -52,7 +52,8 @@ class LLMEngine:
         self._stops: dict[str, tuple[int, ...]] = {}
         self.spec = None
         if self.config.speculative_config:
-            self.spec = EngineSpeculator(self.config.speculative_config, llm.config.vocab_size)
+            self.spec = EngineSpeculator(self.config.speculative_config, llm.config.vocab_size,
+                                         self.runner.layout.groups)
             if self.spec.draft is not None:
                 dcfg, dparams, ddtype = self.spec.draft
                 self.runner.set_draft(dcfg, dparams, ddtype, extra=self.spec.spec.num_speculative_tokens + 1)

@@ -27,8 +27,8 @@ import numpy as np
 
 from cache import put_rows, take_rows
 from cache.block_manager import BlockManager, GroupGeometry
-from cache.pools import (build_pools, copy_pages, is_paged, page_nbytes, page_tokens, pool_geometry, put_view,
-                         row_nbytes, size_pools, take_view)
+from cache.pools import (build_pools, copy_pages, pool_geometry, put_view,
+                         size_pools, take_view)
 from hybrid_jax.engine.config import EngineConfig
 from hybrid_jax.engine.limits import row_temperature, row_top_k
 from hybrid_jax.engine.request import attributed
@@ -59,8 +59,8 @@ def default_budget(abstract, max_num_seqs: int, max_model_len: int) -> int:
     """Bytes the old row layout took: every request row preallocated at max_model_len, plus the null
     row. With pages, the same bytes serve as many requests as their actual lengths allow."""
     rows = max_num_seqs + 1
-    row_bytes = sum(row_nbytes(g) for g in abstract.groups.values())
-    pages = sum(-(-max_model_len // page_tokens(g)) * page_nbytes(g) for g in abstract.groups.values() if is_paged(g))
+    row_bytes = sum(g.row_nbytes() for g in abstract.groups.values())
+    pages = sum(-(-max_model_len // g.page_tokens) * g.page_nbytes() for g in abstract.groups.values() if g.paged)
     return rows * row_bytes + max_num_seqs * pages
 
 
@@ -84,7 +84,7 @@ class ModelRunner:
         self.budget_bytes = budget
         self.cache = build_pools(abstract, rows, self.pages, self.units)
         # block-table width of each paged group: pages a request of max_model_len tokens lists
-        self.widths = {n: g.page_table.shape[1] for n, g in abstract.groups.items() if is_paged(g)}
+        self.widths = {n: g.page_table.shape[1] for n, g in abstract.groups.items() if g.paged}
         self.blocks: BlockManager | None = None        # set by the engine (it owns the block manager)
         self._mixed = jax.jit(self._mixed_fn, static_argnames=("flags", "top_n"), donate_argnames=("cache", "dcache"))
         self._decode = jax.jit(self._decode_fn, static_argnames=("steps", "flags", "top_n"),

@@ -22,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 
 from hybrid_jax.errors import InputError
-from hybrid_jax.speculative.config import SpeculativeConfig, parse_speculative_config
+from hybrid_jax.speculative.config import SpeculativeConfig, parse_speculative_config, resolve_rollback
 from hybrid_jax.speculative.drafters import NgramDrafter, load_draft_model
 from hybrid_jax.speculative.dynamic_k import AcceptanceTracker, cold_tail, tail_checks
 from hybrid_jax.speculative.metrics import SpecMetrics
@@ -42,8 +42,9 @@ class EngineSpeculator:
     lengths are chosen (a row at k = 0 probes with one draft now and then, so it can climb); the same
     for method "mtp", whose drafter is the target's own MTP block (`speculative/mtp.py`)."""
 
-    def __init__(self, config: dict | SpeculativeConfig, target_vocab: int):
-        self.spec = parse_speculative_config(config)
+    def __init__(self, config: dict | SpeculativeConfig, target_vocab: int, groups: dict):
+        """groups: the target's cache groups ({name: CacheGroup}), which decide an "auto" rollback."""
+        self.spec = resolve_rollback(parse_speculative_config(config), groups)
         self.drafter = None
         self.draft = None
         if self.spec.method == "ngram":

@@ -18,20 +18,15 @@ import jax
 import jax.numpy as jnp
 
 import pallas_kernels
+from cache.state import conv_state_after
 from hybrid_jax.layers.linear import linear
 from hybrid_jax.layers.norms import gated_rms_norm
-
-
-def conv_state_after(window: jax.Array, idx: jax.Array, width: int) -> jax.Array:
-    """window [B, W-1+T, C] (the conv state before a window, then its inputs); idx [B] in [0, T) ->
-    the conv state after position idx[b] of each row (its W-1 inputs ending there): [B, W-1, C]."""
-    return jax.vmap(lambda row, n: jax.lax.dynamic_slice_in_dim(row, n, width - 1, axis=0))(window, idx + 1)
 
 
 def causal_conv(x: jax.Array, conv_state: jax.Array, w: jax.Array, n_new: jax.Array, return_window: bool = False):
     """Depthwise causal conv + SiLU.  x: [B, T, C]; conv_state: [B, W-1, C]; w: [W, C]; n_new: [B].
     Returns (y [B, T, C], new conv_state [B, W-1, C]: the last W-1 inputs up to each row's end) and,
-    with return_window, the conv state and inputs [B, W-1+T, C] (`conv_state_after` reads the state
+    with return_window, the conv state and inputs [B, W-1+T, C] (`cache.state.conv_state_after` reads the state
     after any position from it)."""
     W = w.shape[0]
     T = x.shape[1]
@@ -43,23 +38,13 @@ def causal_conv(x: jax.Array, conv_state: jax.Array, w: jax.Array, n_new: jax.Ar
     return jax.nn.silu(y), new_state
 
 
-def states_after(parts: dict, idx: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """One layer's states after position idx[b] of each row ([B] int32, in [0, T)), from the parts
-    `gated_deltanet(..., per_token_states=True)` returned: (conv [B, W-1, C], ssm [B, HV, K, V] fp32)."""
-    width = parts["conv_window"].shape[1] - parts["k"].shape[1] + 1
-    conv = conv_state_after(parts["conv_window"], idx, width)
-    ssm = pallas_kernels.state_after(parts["ssm0"], parts["k"], parts["g"], parts["delta"], idx,
-                                     use_qk_l2norm_in_kernel=True)
-    return conv, ssm
-
-
 def gated_deltanet(p: dict, x: jax.Array, valid: jax.Array, n_new: jax.Array, conv_state: jax.Array,
                    ssm_state: jax.Array, *, num_k_heads: int, num_v_heads: int, head_k_dim: int,
                    head_v_dim: int, eps: float, impl: str = "auto", fused_recurrent: bool = False,
                    per_token_states: bool = False):
     """x: [B, T, Hd]; valid: [B, T]; n_new: [B]; conv_state: [B, W-1, C]; ssm_state: [B, HV, K, V] fp32.
     Returns (out [B, T, Hd], conv_state, ssm_state) and, with per_token_states, a dict of what the
-    states after every position are made from: conv_window [B, W-1+T, C] (for `conv_state_after`);
+    states after every position are made from: conv_window [B, W-1+T, C] (for `RecurrentGroup.truncate`);
     ssm0 [B, HV, K, V] (the state before the window), k [B, T, H, K], g [B, T, HV] and delta
     [B, T, HV, V] fp32 (for `pallas_kernels.state_after`, with use_qk_l2norm_in_kernel=True).
     Padding positions (past n_new) have g = 0 and delta = 0: their state is the last real one."""

@@ -30,7 +30,7 @@ class StepOutput:
     hidden   with return_hidden: the residual stream after the embedding and after each layer,
              L + 1 arrays [B, T, Hd] (DeepSeek-V4: the mHC streams [B, T, N, Hd])
     states   with per_token_states: what the recurrent group's state after every position is made
-             from (`speculative.rollback.select_states` reads it); {} for a family without one
+             from (`RecurrentGroup.truncate` reads it); {} for a family without one
     deferred with defer_kv_write: the per-position entries the forward left unwritten
              ({"k", "v": [L, B, T, Hkv, D]}, {} without attention layers), for the family's
              `write_deferred_kv`

@@ -132,7 +132,7 @@ def forward(cfg: ModelConfig, params: dict, cache: ModelCache, tokens: jax.Array
     per_token_states (implies it) fills `states` with what the recurrent group's state after every
     position is made from (`gated_deltanet`'s, stacked over the L recurrent layers: conv_window
     [L, B, W-1+T, C], ssm0 [L, B, HV, K, V], k [L, B, T, H, K], g [L, B, T, HV], delta
-    [L, B, T, HV, V]; `speculative.rollback.select_states` reads it).
+    [L, B, T, HV, V]; `RecurrentGroup.truncate` reads it).
     defer_kv_write: the KV group is only read; `deferred` holds the new entries {"k", "v":
     [L, B, T, Hkv, D]} for `write_deferred_kv`, and the returned cache holds the input's KV arrays
     (its lengths and recurrent states are the step's).

@@ -26,7 +26,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from cache.pools import is_paged, put_view, take_view
+from cache.pools import put_view, take_view
 from hybrid_jax.models import get_model
 from hybrid_jax.plan.shapes import (
     abstract_layout,
@@ -102,7 +102,7 @@ class Shapes:
 
 def _row_args(layout, Bb: int):
     S = jax.ShapeDtypeStruct
-    tables = {n: S((Bb, g.page_table.shape[1]), jnp.int32) for n, g in layout.groups.items() if is_paged(g)}
+    tables = {n: S((Bb, g.page_table.shape[1]), jnp.int32) for n, g in layout.groups.items() if g.paged}
     return S((Bb,), jnp.int32), tables, S((Bb,), jnp.int32)
 
 

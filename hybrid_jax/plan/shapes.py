@@ -21,12 +21,6 @@ import numpy as np
 
 from cache.pools import (
     build_pools,
-    is_paged,
-    page_fields,
-    page_nbytes,
-    page_tokens,
-    row_fields,
-    row_nbytes,
 )
 from cache.state import ModelCache, leaf_nbytes
 from hybrid_jax.layers.linear import Fp8Weight
@@ -104,7 +98,7 @@ def abstract_layout(cfg, dtype, max_model_len: int, page_size: int) -> ModelCach
 def pool_pages(layout: ModelCache, max_num_seqs: int, max_model_len: int) -> dict[str, int]:
     """Pages of each paged group for max_num_seqs requests of max_model_len tokens (the engine's default
     budget, `engine.runner.default_budget`)."""
-    return {n: max_num_seqs * -(-max_model_len // page_tokens(g)) for n, g in layout.groups.items() if is_paged(g)}
+    return {n: max_num_seqs * -(-max_model_len // g.page_tokens) for n, g in layout.groups.items() if g.paged}
 
 
 def abstract_pools(layout: ModelCache, rows: int, pages: dict[str, int]) -> ModelCache:
@@ -129,7 +123,7 @@ def bytes_by_kind(pools: ModelCache) -> dict[str, int]:
     versions are 'row_metadata'. Sums to every byte of the pytree."""
     out: dict[str, int] = {}
     for g in pools.groups.values():
-        fields = {**page_fields(g), **row_fields(g)}
+        fields = {**g.page_fields(), **g.row_fields()}
         for f in fields:
             k = field_kind(g, f)
             out[k] = out.get(k, 0) + leaf_nbytes(getattr(g, f))
@@ -142,9 +136,9 @@ def request_bytes(layout: ModelCache, context: int) -> int:
     paged group its tokens fill (page tables and counters excluded: fixed per engine row)."""
     total = 0
     for g in layout.groups.values():
-        total += row_nbytes(g)
-        if is_paged(g):
-            total += -(-context // page_tokens(g)) * page_nbytes(g)
+        total += g.row_nbytes()
+        if g.paged:
+            total += -(-context // g.page_tokens) * g.page_nbytes()
     return total
 
 

@@ -5,9 +5,11 @@
   {"method": "mtp", "num_speculative_tokens": 2}     # the checkpoint's own MTP block drafts (engine only)
 
 plus this project's options:
-  "rollback":  "selection" (default: the verify step emits the recurrent state after every draft
-               position and keeps the accepted one) or "replay" (the pre-verify cache is kept by
-               reference, restored on rejection, and the accepted tokens are run through again);
+  "rollback":  "selection" (the verify step emits the recurrent state after every draft position
+               and keeps the accepted one) or "replay" (the pre-verify cache is kept by reference,
+               restored on rejection, and the accepted tokens are run through again); "auto"
+               (default) is selection where every cache group of the model can be rolled back that
+               way (`CacheGroup.ROLLBACK`), else replay (DeepSeek-V4's window ring and tails);
   "dynamic_k": true (default) picks each request's draft length in [0, K] from its running
                acceptance rate; K = 0 for every row falls back to plain on-device decode chunks.
   "fallback_steps": tokens per plain decode chunk when no row speculates (default 4; with dynamic K
@@ -30,7 +32,7 @@ from typing import Any
 from hybrid_jax.errors import InputError
 
 METHODS = ("ngram", "draft_model", "mtp")
-ROLLBACKS = ("selection", "replay")
+ROLLBACKS = ("auto", "selection", "replay")
 _KEYS = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model", "rollback",
          "dynamic_k", "fallback_steps", "draft_cost", "ewma_decay", "draft_dtype", "device_loop"}
 MAX_SPECULATIVE_TOKENS = 64
@@ -44,7 +46,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 1
     model: str | None = None
-    rollback: str = "selection"
+    rollback: str = "auto"
     dynamic_k: bool = True
     fallback_steps: int = 4
     draft_cost: float = 0.25
@@ -110,7 +112,7 @@ def parse_speculative_config(d: dict[str, Any] | SpeculativeConfig | None) -> Sp
             raise InputError(f"speculative_config['model']: no checkpoint directory at {model!r}")
     elif model is not None:
         raise InputError("speculative_config['model'] is only used with method 'draft_model'")
-    rollback = d.get("rollback", "selection")
+    rollback = d.get("rollback", "auto")
     if rollback not in ROLLBACKS:
         raise InputError(f"speculative_config['rollback'] must be one of {list(ROLLBACKS)}; got {rollback!r}")
     dyn = d.get("dynamic_k", True)
@@ -128,3 +130,18 @@ def parse_speculative_config(d: dict[str, Any] | SpeculativeConfig | None) -> Sp
         rollback=rollback, dynamic_k=dyn, fallback_steps=_int(d, "fallback_steps", 4, 1, 256),
         draft_cost=_float(d, "draft_cost", 0.25, 0.0, 10.0), ewma_decay=_float(d, "ewma_decay", 0.8, 0.0, 0.999),
         draft_dtype=draft_dtype, device_loop=device_loop)
+
+
+def resolve_rollback(spec: SpeculativeConfig, groups: dict) -> SpeculativeConfig:
+    """The config with its rollback decided for a model whose cache has these groups ({name: group}):
+    "auto" becomes "selection" when every group can be truncated to the kept tokens by selection
+    (`CacheGroup.ROLLBACK` "hide" or "select"), else "replay". An explicit "selection" on a model
+    with a group that only replay restores exactly is an InputError naming the groups: selection
+    there would leave rejected tokens in the state and change the output."""
+    need_replay = sorted(n for n, g in groups.items() if g.ROLLBACK == "replay")
+    if spec.rollback == "selection" and need_replay:
+        raise InputError(f"speculative_config['rollback'] 'selection' cannot undo rejected drafts in cache groups "
+                         f"{need_replay} (state rewritten in place); use 'replay' or 'auto'")
+    if spec.rollback == "auto":
+        return dataclasses.replace(spec, rollback="replay" if need_replay else "selection")
+    return spec

@@ -9,7 +9,7 @@ tokens, and nothing rejected may ever be read:
   The row's `version` is bumped once more when anything was rejected, so a prefix-cache entry
   recorded against the verify step's version can never validate against the rolled-back row.
 * Recurrent state (Gated DeltaNet state and conv window) is rewritten by every token, so it is
-  restored either by **selection** (`select_states`: the verify forward emitted what the state
+  restored either by **selection** (`RecurrentGroup.truncate`: the verify forward emitted what the state
   after every position is made from, its conv inputs and the recurrence's per-token rank-one
   updates; keep the state after the last kept token) or by **snapshot + replay**
   (`finish_replay`: the pre-verify cache, kept by reference and never donated, is run again over
@@ -20,34 +20,18 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from cache import ModelCache, RecurrentGroup
-from hybrid_jax.layers.gated_deltanet import states_after
-
-
-def select_states(group: RecurrentGroup, states: dict, n_keep: jax.Array) -> RecurrentGroup:
-    """The recurrent group after the first n_keep[b] fed tokens of each row.
-    group: the verify step's output (its state is after all n_fed tokens); states: the forward's
-    per-position parts over the group's L layers (conv_window [L, B, W-1+T, C], ssm0 [L, B, HV, K, V],
-    k [L, B, T, H, K], g [L, B, T, HV], delta [L, B, T, HV, V]; see `layers.gated_deltanet`);
-    n_keep [B] int32 (rows with n_keep = 0 fed nothing and keep the group's state as it is)."""
-    idx = jnp.maximum(n_keep - 1, 0)
-    fed = (n_keep > 0)
-    conv, ssm = jax.vmap(lambda parts: states_after(parts, idx))(states)
-    conv = jnp.where(fed.reshape(1, -1, 1, 1), conv, group.conv)
-    ssm = jnp.where(fed.reshape(1, -1, 1, 1, 1), ssm, group.ssm)
-    return group.replace(conv=conv.astype(group.conv.dtype), ssm=ssm)
+from cache import ModelCache
 
 
 def rollback_by_selection(cache: ModelCache, states: dict, old_lengths: jax.Array, n_fed: jax.Array,
                           n_keep: jax.Array) -> ModelCache:
     """The verify step's cache cut back to the kept tokens. cache: after the verify forward;
     states: the forward's per-position recurrent states ({} when the model has none);
-    old_lengths, n_fed, n_keep: [B] int32. Lengths become old_lengths + n_keep; rows that
+    old_lengths, n_fed, n_keep: [B] int32. Every group truncates itself (`CacheGroup.truncate`: a
+    recurrent group selects its state after the last kept token, a per-position group has nothing to
+    undo, a group that needs replay refuses). Lengths become old_lengths + n_keep; rows that
     rejected anything get a new version."""
-    groups = dict(cache.groups)
-    for name, g in cache.groups.items():
-        if isinstance(g, RecurrentGroup):
-            groups[name] = select_states(g, states, n_keep)
+    groups = {name: g.truncate(states, n_keep) for name, g in cache.groups.items()}
     return cache.replace(groups=groups, lengths=old_lengths + n_keep,
                          version=cache.version + (n_keep < n_fed).astype(jnp.int32))
 

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from cache.mla import IndexerKeyGroup, MLALatentGroup, contiguous_page_table, init_mla_groups, nbytes_mla, write_paged
+from cache.mla import IndexerKeyGroup, MLALatentGroup, contiguous_page_table, init_mla_groups, write_paged
 from pallas_kernels import abi
 
 
@@ -26,7 +26,8 @@ def test_groups_shapes_and_abi():
     leaves, tree = jax.tree_util.tree_flatten(g)
     back = jax.tree_util.tree_unflatten(tree, leaves)
     assert back["indexer"].writer_abi == idx.writer_abi and back["sparse_attention"].layer_ids == (0, 1, 2)
-    assert nbytes_mla(g)["sparse_attention"] > 0
+    # a page: latent + RoPE key [L, ps, R + Dr] in bf16, and its residency flag (one bool)
+    assert lat.page_nbytes() == 3 * 32 * (16 + 8) * 2 + 1 and idx.page_nbytes() == 3 * 64 * 32 * 2
 
 
 def test_fp8_indexer_group_has_scales():

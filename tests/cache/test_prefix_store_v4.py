@@ -10,8 +10,8 @@ import numpy as np
 
 from cache.block_manager import BlockManager
 from cache.compressed import init_compressed_groups
-from cache.pools import is_paged, pool_geometry
-from cache.prefix_cache import PrefixCache, PrefixCacheConfig, kind_of
+from cache.pools import pool_geometry
+from cache.prefix_cache import PrefixCache, PrefixCacheConfig
 from cache.prefix_store import init_versions, load_checkpoints, save_checkpoints, stored_fields
 from cache.segments import Kind
 from cache.state import ModelCache
@@ -46,7 +46,7 @@ SLOTS = ("sliding_window", "csa_tail", "csa_overlap", "csa_indexer_tail", "csa_i
 
 def test_v4_groups_have_kinds_and_block_geometry():
     groups = _cache().groups
-    assert {n: kind_of(g) for n, g in groups.items()} == {
+    assert {n: g.store_kind() for n, g in groups.items()} == {
         "sliding_window": Kind.SWA_WINDOW, "compressed_sparse_attention": Kind.COMPRESSED_KV,
         "csa_tail": Kind.UNCOMPRESSED_TAIL, "csa_overlap": Kind.CSA_OVERLAP, "csa_indexer": Kind.INDEXER_KEYS,
         "csa_indexer_tail": Kind.UNCOMPRESSED_TAIL, "csa_indexer_overlap": Kind.CSA_OVERLAP,
@@ -54,7 +54,7 @@ def test_v4_groups_have_kinds_and_block_geometry():
     assert groups["compressed_sparse_attention"].page_tokens == 16                # 4 entries x rate 4
     assert groups["heavily_compressed_attention"].page_tokens == 16               # 2 entries x rate 8
     assert groups["heavily_compressed_attention"].page_table.shape[1] == 4       # 8 entries in pages of 2
-    assert {n for n, g in groups.items() if not is_paged(g)} == set(SLOTS)
+    assert {n for n, g in groups.items() if not g.paged} == set(SLOTS)
     assert stored_fields(groups["csa_tail"]) == {"kv": 1, "gate": 1, "count": 0}   # the count is part of a tail
     cache = _cache()
     blocks = BlockManager(pool_geometry(cache, ROWS), num_rows=ROWS - 1)

@@ -23,7 +23,6 @@ import pytest
 import torch
 
 from cache import put_rows, take_rows
-from cache.pools import row_fields
 from hybrid_jax import LLM, SamplingParams
 from hybrid_jax.config import config_from_hf_dict
 from hybrid_jax.errors import ConfigError
@@ -173,6 +172,28 @@ def test_greedy_32_tokens_identical_to_hf_generate(pairs):
         assert o.outputs[0].token_ids == ref[0, len(p):].tolist(), f"prompt of {len(p)}"
 
 
+def test_ngram_speculation_equals_plain_greedy(pairs, checkpoints):
+    """The window ring, tails and entry counts are rewritten in place, so a rejected draft can only be
+    undone by replay: the default rollback resolves to it, greedy output equals plain decoding (with
+    rollback by selection it did not: rejected tokens stayed in the ring), and an explicit
+    "selection" is refused at construction."""
+    from hybrid_jax.errors import InputError  # noqa: PLC0415
+    llm, _ = pairs["mixed"]
+    rng = np.random.default_rng(7)
+    prompts = [np.tile(rng.integers(0, 97, 5), 6).tolist() for _ in range(2)] + [_prompt(20, 97, seed=8)]
+    sp = SamplingParams(max_tokens=20, temperature=0)
+    plain = llm.generate([{"prompt_token_ids": p} for p in prompts], sp)
+    spec = LLM(model=checkpoints["mixed"], dtype="float32",
+               speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    got = spec.generate([{"prompt_token_ids": p} for p in prompts], sp)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in plain]
+    stats = spec.spec_stats()
+    assert stats["rollback"] == "replay" and stats["verify_steps"] > 0 and stats["replays"] > 0
+    with pytest.raises(InputError, match="sliding_window"):
+        LLM(model=checkpoints["mixed"], dtype="float32",
+            speculative_config={"method": "ngram", "num_speculative_tokens": 3, "rollback": "selection"})
+
+
 def test_decode_after_prefill_equals_one_long_prefill(pairs):
     """Prefill P tokens (P = 16 .. 23: every tail length mod 4 and mod 8), a chunk of 3, then 5 single-token
     decodes: each step's logits equal the long prefill's, and so does every cache object at the end."""
@@ -212,7 +233,7 @@ def _shuffled_pages(llm, page_tokens, seed):
                                      count=g.count[:1])
         else:
             groups[name] = g.replace(**{f: jnp.take(getattr(g, f), jnp.asarray([0]), axis=ax)
-                                        for f, ax in row_fields(g).items()})
+                                        for f, ax in g.row_fields().items()})
     ref = llm.generator.new_cache(1, CAP)
     return ref.replace(groups=groups)
 

@@ -70,8 +70,8 @@ def test_engine_ngram_request_is_warm_started_from_its_prompt_tail():
     from hybrid_jax.engine.speculate import EngineSpeculator  # noqa: PLC0415
     walk = np.random.default_rng(0).permutation(200)[:40].tolist()
     q = SimpleNamespace(request_id="quote", all_ids=walk + walk[:20], remaining_tokens=50, params=SamplingParams())
-    sp = EngineSpeculator({"method": "ngram", "num_speculative_tokens": 8}, target_vocab=211)
+    sp = EngineSpeculator({"method": "ngram", "num_speculative_tokens": 8}, target_vocab=211, groups={})
     drafts, shadows = sp.plan([q])
     assert drafts[0].tolist() == walk[20:28] == shadows[0].tolist()
-    fresh = EngineSpeculator({"method": "ngram", "num_speculative_tokens": 8}, target_vocab=211)
+    fresh = EngineSpeculator({"method": "ngram", "num_speculative_tokens": 8}, target_vocab=211, groups={})
     assert fresh._tracker("quote").next_k(0, 8, fresh.spec.draft_cost) == 0     # no prompt seen: the prior

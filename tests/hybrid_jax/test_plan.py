@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from cache.pools import build_pools, page_fields, row_fields
+from cache.pools import build_pools
 from hybrid_jax.config import config_from_hf_dict
 from hybrid_jax.models import get_model
 from hybrid_jax.plan import PlanError, parse_topology, plan
@@ -40,7 +40,7 @@ V32_TINY = dict(model_type="deepseek_v32", vocab_size=211, hidden_size=64, inter
 def _real_bytes_by_kind(pools) -> dict[str, int]:
     out: dict[str, int] = {}
     for g in pools.groups.values():
-        for f in {**page_fields(g), **row_fields(g)}:
+        for f in {**g.page_fields(), **g.row_fields()}:
             a = getattr(g, f)
             out[field_kind(g, f)] = out.get(field_kind(g, f), 0) + a.size * a.dtype.itemsize
     out["row_metadata"] = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(pools)) - sum(out.values())

@@ -312,7 +312,7 @@ def test_rejection_sampling_preserves_target_distribution(drafter):
 def test_parse_speculative_config(tmp_path):
     c = parse_speculative_config({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3})
     assert (c.method, c.num_speculative_tokens, c.prompt_lookup_max, c.rollback, c.dynamic_k) == \
-        ("ngram", 4, 3, "selection", True)
+        ("ngram", 4, 3, "auto", True)
     assert c.k_buckets() == (1, 2, 4) and c.k_bucket(3) == 4
     assert parse_speculative_config({"method": "draft_model", "model": str(tmp_path), "num_speculative_tokens": 2,
                                      "rollback": "replay"}).model == str(tmp_path)
@@ -335,6 +335,27 @@ def test_parse_speculative_config(tmp_path):
 def test_bad_speculative_config_names_the_problem(bad, words):
     with pytest.raises(InputError, match=words):
         parse_speculative_config(bad)
+
+
+def test_auto_rollback_follows_the_cache_groups():
+    """"auto" is selection where every group can be truncated by selection (Gated DeltaNet state, pages)
+    and replay where a group is rewritten in place (DeepSeek-V4's window ring, tails, entry counts); an
+    explicit "selection" there is refused, naming the groups."""
+    from cache.compressed import init_compressed_groups  # noqa: PLC0415
+    from cache.state import init_cache  # noqa: PLC0415
+    from hybrid_jax.speculative.config import resolve_rollback  # noqa: PLC0415
+    qwen = init_cache(batch_size=1, capacity=16, layer_types=("linear_attention", "full_attention"),
+                      dtype=jnp.float32, conv_dim=8, conv_width=4, linear_heads=(2, 4, 4), kv_heads=1, head_dim=4,
+                      page_size=8).groups
+    v4 = init_compressed_groups(batch_size=1, capacity=16, dtype=jnp.float32, window=4, head_dim=8, all_layers=(0, 1),
+                                csa_layers=(1,), csa_rate=4, index_dim=8, hca_layers=(), hca_rate=8)
+    auto = parse_speculative_config({"method": "ngram", "num_speculative_tokens": 2})
+    assert resolve_rollback(auto, qwen).rollback == "selection"
+    assert resolve_rollback(auto, v4).rollback == "replay"
+    explicit = parse_speculative_config({"method": "ngram", "num_speculative_tokens": 2, "rollback": "selection"})
+    assert resolve_rollback(explicit, qwen).rollback == "selection"
+    with pytest.raises(InputError, match="sliding_window"):
+        resolve_rollback(explicit, v4)
 
 
 def test_ngram_drafter():
