@@ -28,6 +28,7 @@ and inherits the behaviour below from `CacheGroup`:
   truncate(states, n_keep)                     the group after the first n_keep [B] fed tokens
   page_nbytes() / row_nbytes()                 bytes of one page / one row (a unit)
   store_kind()                                 the prefix store's object kind (publish / lookup)
+  resume_row(row, boundary, ok)                per-row fields a prefix hit sets from its length
 """
 from __future__ import annotations
 
@@ -153,3 +154,8 @@ class CacheGroup:
     def store_kind(self) -> Kind:
         """The object kind the prefix store keeps for this group."""
         return self.STORE_KIND
+
+    def resume_row(self, row: jax.Array, boundary: jax.Array, ok: jax.Array):
+        """A prefix hit resumes request row `row` [] at `boundary` [] tokens (where ok [] bool): per-row
+        fields derived from the length are set here (default: none; checkpointed rows were copied)."""
+        return self

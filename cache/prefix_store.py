@@ -79,11 +79,7 @@ def load_checkpoints(pools: ModelCache, versions: dict[str, jax.Array], row: jax
         ok = ok & jnp.where(unit >= 0, v == expect, True)
     for name, (unit, _) in plan.items():
         pools = copy_rows(pools, (name,), unit[None], row[None], (ok & (unit >= 0))[None])
-    groups = dict(pools.groups)
-    for name, g in groups.items():
-        resume = getattr(type(g), "resume_row", None)
-        if resume is not None:
-            groups[name] = resume(g, row, boundary, ok)
+    groups = {name: g.resume_row(row, boundary, ok) for name, g in pools.groups.items()}
     return pools.replace(groups=groups), ok
 
 

@@ -467,8 +467,8 @@ class LLMEngine:
     def _sparse_hit_rate(self, slots: list[int]):
         """Models with Top-K sparse attention record, per row, the resident share of the positions
         their last step selected; the gauge shows its mean over the rows of this step."""
-        g = self.runner.cache.groups.get("sparse_attention")
-        if g is not None and hasattr(g, "hit_rate") and slots:
+        g = next((g for g in self.runner.cache.groups.values() if g.kind == "mla_latent"), None)
+        if g is not None and slots:
             self.metrics.sparse_hit_rate.set(float(np.mean(np.asarray(g.hit_rate)[slots])))
 
     def _append(self, q: Request, new: list[int], lps, now: float) -> RequestOutput | None:
