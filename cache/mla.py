@@ -124,13 +124,34 @@ def write_paged(pool: jax.Array, new: jax.Array, page_table: jax.Array, position
     the layers back would copy every pool at every step); new [B, T, X] (or [B, T]);
     page_table [B, NP]; positions, valid [B, T]. Padding tokens, positions past the row's table and
     table entries outside the pool are dropped, never clamped onto a live slot."""
-    lead = 0 if layer is None else 1
-    P, ps = pool.shape[lead:lead + 2]
-    NP = page_table.shape[1]
-    ok = valid & (positions >= 0) & (positions < NP * ps)
-    pos = jnp.where(ok, positions, 0)
-    page = jnp.take_along_axis(page_table, pos // ps, axis=1)
+    pos, ok = _in_table(pool, page_table, positions, valid, layer)
+    return _scatter(pool, new, jnp.take_along_axis(page_table, pos // _page_size(pool, layer), axis=1), pos, ok,
+                    layer)
+
+
+def write_paged_flat(pool: jax.Array, new: jax.Array, page_table: jax.Array, seq: jax.Array, positions: jax.Array,
+                     valid: jax.Array, layer: int | None = None) -> jax.Array:
+    """`write_paged` for a ragged batch: new [N, X] token-major, token i of sequence seq[i] [N] at
+    positions[i] [N] (where valid [N]), through the sequences' page table [S, NP]."""
+    pos, ok = _in_table(pool, page_table, positions, valid, layer)
+    return _scatter(pool, new, page_table[seq, pos // _page_size(pool, layer)], pos, ok, layer)
+
+
+def _page_size(pool, layer) -> int:
+    return pool.shape[1 if layer is None else 2]
+
+
+def _in_table(pool, page_table, positions, valid, layer):
+    """(positions clamped to 0 where dropped, ok): a write lands only at a valid position its table covers."""
+    ok = valid & (positions >= 0) & (positions < page_table.shape[1] * _page_size(pool, layer))
+    return jnp.where(ok, positions, 0), ok
+
+
+def _scatter(pool, new, page, pos, ok, layer):
+    """Writes new at (page, pos % ps) where ok and the page lies in the pool; the rest is dropped."""
+    P = pool.shape[0 if layer is None else 1]
     ok = ok & (page >= 0) & (page < P)
     page = jnp.where(ok, page, P)                                     # P: out of range, dropped
-    at = pool.at[page, pos % ps] if layer is None else pool.at[layer, page, pos % ps]
+    at = pool.at[page, pos % _page_size(pool, layer)] if layer is None else pool.at[layer, page,
+                                                                                    pos % _page_size(pool, layer)]
     return at.set(new.astype(pool.dtype), mode="drop")

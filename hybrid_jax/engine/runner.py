@@ -35,6 +35,7 @@ from hybrid_jax.engine.request import attributed
 from hybrid_jax.errors import InputError
 from hybrid_jax.generate import bucket
 from hybrid_jax.models import get_model
+from hybrid_jax.models.ragged import pack
 from hybrid_jax.sampling import SamplerFlags, sample, token_logprobs
 
 MIN_T = 8
@@ -87,6 +88,11 @@ class ModelRunner:
         self.widths = {n: g.page_table.shape[1] for n, g in abstract.groups.items() if g.paged}
         self.blocks: BlockManager | None = None        # set by the engine (it owns the block manager)
         self._mixed = jax.jit(self._mixed_fn, static_argnames=("flags", "top_n"), donate_argnames=("cache", "dcache"))
+        self._ragged = jax.jit(self._ragged_fn, static_argnames=("flags", "top_n"), donate_argnames=("cache",))
+        # Mixed steps (prefill chunks beside decodes) run as one flat token-major batch when the family
+        # has a ragged forward and no drafter state rides along (a draft model / the MTP block advance
+        # on the padded [B, T] tokens); else padded to the longest row.
+        self.ragged = self.model.forward_ragged is not None
         self._decode = jax.jit(self._decode_fn, static_argnames=("steps", "flags", "top_n"),
                                donate_argnames=("cache", "dcache"))
         self._verify = jax.jit(self._verify_fn, static_argnames=("flags", "replay"),
@@ -136,6 +142,8 @@ class ModelRunner:
         """Longest prefill chunk for a step of `rows` rows: the largest token bucket whose padded
         step (batch bucket x tokens) stays within the token budget, so that a prefill beside many
         decodes costs about one decode step instead of stalling them all."""
+        if self.ragged:        # a ragged step costs its real tokens: the scheduler's budget is the only cap
+            return self.ecfg.max_num_batched_tokens
         fit = self.ecfg.max_num_batched_tokens // bucket(rows)
         return max([b for b in self.token_buckets() if b <= fit] or [MIN_T])
 
@@ -144,7 +152,8 @@ class ModelRunner:
 
     def num_compiled(self) -> int:
         """Programs compiled so far by this runner (one per bucket and static option)."""
-        return (self._mixed._cache_size() + self._decode._cache_size() + self._verify._cache_size()
+        return (self._mixed._cache_size() + self._ragged._cache_size() + self._decode._cache_size()
+                + self._verify._cache_size()
                 + self._loop._cache_size() + self._copy_pages._cache_size())
 
     # --- traced step functions ---------------------------------------------------------------------
@@ -156,6 +165,7 @@ class ModelRunner:
     def set_draft(self, dcfg, dparams, ddtype, extra: int):
         """Attaches a draft model; its cache rows hold `extra` more positions (scratch drafts)."""
         self.dcfg, self.dparams, self.dmodel = dcfg, dparams, get_model(dcfg.model_type)
+        self.ragged = False
         cap = self.cache.lengths.shape[0]
         self._draft_shape = (cap, self.ecfg.max_model_len + extra, ddtype)
         self.dcache = self.dmodel.new_cache(dcfg, *self._draft_shape)
@@ -172,6 +182,7 @@ class ModelRunner:
         positions (scratch drafts)."""
         from hybrid_jax.speculative import mtp  # noqa: PLC0415
         self.mtp = True
+        self.ragged = False
         self.dcache = mtp.new_state(self.model, self.cfg, self.cache.lengths.shape[0], self.ecfg.max_model_len + extra,
                                     self.dtype)
 
@@ -207,6 +218,13 @@ class ModelRunner:
             dsub = self._dfwd(dparams, take_rows(dcache, r["rows"], reset), tokens, n_new).cache
             dcache = put_rows(dcache, r["rows"], dsub)
         return tok, lps, put_view(cache, r["rows"], sub), dcache
+
+    def _ragged_fn(self, params, cache, r, reset, batch, do_sample, *, flags, top_n):
+        """`_mixed_fn` over a ragged batch (models.ragged.RaggedBatch of the step's S rows)."""
+        sub = take_view(cache, r["rows"], r["tables"], r["lengths"], reset)
+        out = self.model.forward_ragged(self.cfg, params, sub, batch, impl=self.impl)
+        tok, lps = self._sample(out.logits, r, flags, top_n)
+        return jnp.where(do_sample, tok, -1), lps, put_view(cache, r["rows"], out.cache)
 
     def _decode_fn(self, params, cache, r, last_tok, active, stop_ids, remaining, dparams=None, dcache=None, *,
                    steps, flags, top_n):
@@ -415,27 +433,36 @@ class ModelRunner:
         reqs = [p.request for p in plan_rows]
         n = len(reqs)
         Bb = bucket(n)
-        T = self.token_bucket(max(p.num_tokens for p in plan_rows))
-        tokens = np.zeros((Bb, T), np.int32)
-        n_new = np.zeros((Bb,), np.int32)
         reset = np.zeros((Bb,), bool)
         do_sample = np.zeros((Bb,), bool)
         fresh = np.zeros((Bb,), bool)
+        chunks = []
         for i, p in enumerate(plan_rows):
             q = p.request
             with attributed(q):
-                ids = q.all_ids[q.num_computed:q.num_computed + p.num_tokens]
-                tokens[i, :len(ids)] = ids
-                n_new[i], reset[i], do_sample[i] = p.num_tokens, p.reset, p.sample
+                chunks.append(q.all_ids[q.num_computed:q.num_computed + p.num_tokens])
+                reset[i], do_sample[i] = p.reset, p.sample
                 # the MTP state starts over with the row, and after a prefix hit (it holds no prefix)
                 fresh[i] = p.reset or (q.num_cached_tokens > 0 and q.num_computed == q.num_cached_tokens)
         top_n = self._top_n(reqs)
         r = self._rows(reqs, Bb)
-        if self.mtp:
-            r["mtp_fresh"] = fresh
-        tok, lps, self.cache, self.dcache = self._mixed(
-            self.params, self.cache, r, jnp.asarray(reset), jnp.asarray(tokens), jnp.asarray(n_new),
-            jnp.asarray(do_sample), self.dparams, self.dcache, flags=self._flags(reqs), top_n=top_n)
+        if self.ragged:
+            batch = pack(chunks, [p.request.num_computed for p in plan_rows],
+                         self.token_bucket(sum(len(c) for c in chunks)), Bb)
+            tok, lps, self.cache = self._ragged(self.params, self.cache, r, jnp.asarray(reset), batch,
+                                                jnp.asarray(do_sample), flags=self._flags(reqs), top_n=top_n)
+        else:
+            T = self.token_bucket(max(len(c) for c in chunks))
+            tokens = np.zeros((Bb, T), np.int32)
+            n_new = np.zeros((Bb,), np.int32)
+            for i, c in enumerate(chunks):
+                tokens[i, :len(c)] = c
+                n_new[i] = len(c)
+            if self.mtp:
+                r["mtp_fresh"] = fresh
+            tok, lps, self.cache, self.dcache = self._mixed(
+                self.params, self.cache, r, jnp.asarray(reset), jnp.asarray(tokens), jnp.asarray(n_new),
+                jnp.asarray(do_sample), self.dparams, self.dcache, flags=self._flags(reqs), top_n=top_n)
         tok = np.asarray(tok)[:n]
         c, v, i = (np.asarray(a)[:n] for a in lps)
         return tok[:, None], (c[:, None], v[:, None], i[:, None])
@@ -478,6 +505,10 @@ class ModelRunner:
             rm = dict(r, mtp_fresh=np.zeros((Bb,), bool)) if self.mtp else r
             for top_n in widths:
                 for T in tbs:
+                    if self.ragged:
+                        _, _, self.cache = self._ragged(self.params, self.cache, r, z, pack([], [], T, Bb), z,
+                                                        flags=FULL_SAMPLER, top_n=top_n)
+                        continue
                     _, _, self.cache, self.dcache = self._mixed(
                         self.params, self.cache, rm, z, jnp.zeros((Bb, T), jnp.int32), jnp.zeros((Bb,), jnp.int32), z,
                         self.dparams, self.dcache, flags=FULL_SAMPLER, top_n=top_n)

@@ -12,7 +12,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from cache.mla import write_paged
+import pallas_kernels
+from cache.mla import write_paged, write_paged_flat
 from hybrid_jax.layers.linear import linear
 from hybrid_jax.layers.norms import rms_norm_zero_centered
 from hybrid_jax.layers.rope import apply_rope
@@ -135,6 +136,25 @@ def _prefill_attention(qg, k_new, v_new, k_pool, v_pool, page_table, positions, 
     return out[:, :, :, :T]
 
 
+def _qkv(p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, Hq: int, Hkv: int, D: int, eps: float):
+    """x [B, T, Hd] -> q [B, T, Hq, D], the output gate [B, T, Hq*D], k, v [B, T, Hkv, D]: q / k
+    RMS-normed and rotated (cos, sin [B, T, R])."""
+    B, T, _ = x.shape
+    qkv = linear(x, p["qkv"])
+    if "qkv_bias" in p:
+        qkv = qkv + p["qkv_bias"]
+    q, gate, k, v = jnp.split(qkv, [Hq * D, 2 * Hq * D, 2 * Hq * D + Hkv * D], axis=-1)
+    q = rms_norm_zero_centered(q.reshape(B, T, Hq, D), p["q_norm"], eps)
+    k = rms_norm_zero_centered(k.reshape(B, T, Hkv, D), p["k_norm"], eps)
+    return apply_rope(q, cos, sin), gate, apply_rope(k, cos, sin), v.reshape(B, T, Hkv, D)
+
+
+def _gated_output(p: dict, out: jax.Array, gate: jax.Array) -> jax.Array:
+    """The attention output [..., Hq*D] times sigmoid(gate), then the output projection."""
+    out = linear(out * jax.nn.sigmoid(gate), p["o_proj"])
+    return out + p["o_bias"] if "o_bias" in p else out
+
+
 def gated_attention(p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, positions: jax.Array,
                     valid: jax.Array, k_pool: jax.Array, v_pool: jax.Array, page_table: jax.Array, *,
                     num_heads: int, num_kv_heads: int, head_dim: int, eps: float, layer: int | None = None,
@@ -150,14 +170,7 @@ def gated_attention(p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, posit
     instead of in every branch (XLA copies a cache that a conditional's branches update)."""
     B, T, _ = x.shape
     Hq, Hkv, D = num_heads, num_kv_heads, head_dim
-    qkv = linear(x, p["qkv"])
-    if "qkv_bias" in p:
-        qkv = qkv + p["qkv_bias"]
-    q, gate, k, v = jnp.split(qkv, [Hq * D, 2 * Hq * D, 2 * Hq * D + Hkv * D], axis=-1)
-    q = rms_norm_zero_centered(q.reshape(B, T, Hq, D), p["q_norm"], eps)
-    k = rms_norm_zero_centered(k.reshape(B, T, Hkv, D), p["k_norm"], eps)
-    v = v.reshape(B, T, Hkv, D)
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    q, gate, k, v = _qkv(p, x, cos, sin, Hq, Hkv, D, eps)
 
     if not defer_write:
         k_pool = write_kv(k_pool, k, page_table, positions, valid, layer)
@@ -169,11 +182,28 @@ def gated_attention(p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, posit
         out = _normalise(*_paged_partial(qg, k_pool, v_pool, page_table, positions, inclusive=True, layer=layer))
     else:
         out = _prefill_attention(qg, k, v, k_pool, v_pool, page_table, positions, layer=layer)
-    out = out.transpose(0, 3, 1, 2, 4).reshape(B, T, Hq * D).astype(x.dtype)
-    out = out * jax.nn.sigmoid(gate)
-    out = linear(out, p["o_proj"])
-    if "o_bias" in p:
-        out = out + p["o_bias"]
+    out = _gated_output(p, out.transpose(0, 3, 1, 2, 4).reshape(B, T, Hq * D).astype(x.dtype), gate)
     if defer_write:
         return out, k, v
     return out, k_pool, v_pool
+
+
+def gated_attention_ragged(p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, seq: jax.Array,
+                           positions: jax.Array, valid: jax.Array, cu_seqlens: jax.Array, kv_lens: jax.Array,
+                           k_pool: jax.Array, v_pool: jax.Array, page_table: jax.Array, *, num_heads: int,
+                           num_kv_heads: int, head_dim: int, eps: float, layer: int, impl: str = "auto"):
+    """`gated_attention` over a ragged batch (hybrid_jax.models.ragged): x [N, Hd]; cos, sin [N, R];
+    seq, positions, valid [N]; cu_seqlens [S + 1]; kv_lens [S]: tokens each sequence holds after this
+    step; k_pool, v_pool: the group's stacks [L, P, ps, Hkv, D], written in place at `layer`;
+    page_table [S, NP]. The new entries are written first, then `pallas_kernels.ragged_paged_attention`
+    reads each sequence's pages for its own queries. Returns (out [N, Hd], k_pool, v_pool)."""
+    N = x.shape[0]
+    Hq, Hkv, D = num_heads, num_kv_heads, head_dim
+    q, gate, k, v = _qkv(p, x[None], cos[None], sin[None], Hq, Hkv, D, eps)
+    k_pool = write_paged_flat(k_pool, k[0], page_table, seq, positions, valid, layer)
+    v_pool = write_paged_flat(v_pool, v[0], page_table, seq, positions, valid, layer)
+    S = kv_lens.shape[0]
+    o = pallas_kernels.ragged_paged_attention.ragged_paged_attention(
+        q[0], k_pool[layer], v_pool[layer], kv_lens, page_table, cu_seqlens, jnp.full((1,), S, jnp.int32),
+        sm_scale=D ** -0.5, impl=impl)
+    return _gated_output(p, o.reshape(N, Hq * D).astype(x.dtype), gate[0]), k_pool, v_pool

@@ -38,6 +38,26 @@ def causal_conv(x: jax.Array, conv_state: jax.Array, w: jax.Array, n_new: jax.Ar
     return jax.nn.silu(y), new_state
 
 
+def _project(p: dict, x: jax.Array, H: int, HV: int, K: int, V: int):
+    """x [..., Hd] -> (qkv [..., 2HK + HV V] before the conv, z [..., HV V], b, a [..., HV])."""
+    proj = linear(x, p["in_proj"])
+    return jnp.split(proj, [2 * H * K + HV * V, 2 * H * K + 2 * HV * V, 2 * H * K + 2 * HV * V + HV], axis=-1)
+
+
+def _gates(p: dict, b: jax.Array, a: jax.Array, valid: jax.Array):
+    """beta and the log-decay g [..., HV] fp32, both 0 at padding tokens (valid [...] False): the
+    state passes them unchanged."""
+    beta = jax.nn.sigmoid(b.astype(jnp.float32))
+    g = -jnp.exp(p["A_log"].astype(jnp.float32)) * jax.nn.softplus(a.astype(jnp.float32) + p["dt_bias"])
+    return jnp.where(valid[..., None], beta, 0.0), jnp.where(valid[..., None], g, 0.0)
+
+
+def _output(p: dict, o: jax.Array, z: jax.Array, eps: float, dtype) -> jax.Array:
+    """Gated RMSNorm of the rule's output o [..., HV, V] by z, then the output projection -> [..., Hd]."""
+    o = gated_rms_norm(o.astype(dtype), z.reshape(o.shape), p["norm"], eps)
+    return linear(o.reshape(o.shape[:-2] + (-1,)), p["out_proj"])
+
+
 def gated_deltanet(p: dict, x: jax.Array, valid: jax.Array, n_new: jax.Array, conv_state: jax.Array,
                    ssm_state: jax.Array, *, num_k_heads: int, num_v_heads: int, head_k_dim: int,
                    head_v_dim: int, eps: float, impl: str = "auto", fused_recurrent: bool = False,
@@ -50,19 +70,14 @@ def gated_deltanet(p: dict, x: jax.Array, valid: jax.Array, n_new: jax.Array, co
     Padding positions (past n_new) have g = 0 and delta = 0: their state is the last real one."""
     B, T, _ = x.shape
     H, HV, K, V = num_k_heads, num_v_heads, head_k_dim, head_v_dim
-    proj = linear(x, p["in_proj"])
-    qkv, z, b, a = jnp.split(proj, [2 * H * K + HV * V, 2 * H * K + 2 * HV * V, 2 * H * K + 2 * HV * V + HV],
-                             axis=-1)
+    qkv, z, b, a = _project(p, x, H, HV, K, V)
     if per_token_states:
         qkv, conv_state, conv_window = causal_conv(qkv, conv_state, p["conv"], n_new, return_window=True)
     else:
         qkv, conv_state = causal_conv(qkv, conv_state, p["conv"], n_new)
     q, k, v = jnp.split(qkv, [H * K, 2 * H * K], axis=-1)
     q, k, v = q.reshape(B, T, H, K), k.reshape(B, T, H, K), v.reshape(B, T, HV, V)
-    beta = jax.nn.sigmoid(b.astype(jnp.float32))
-    g = -jnp.exp(p["A_log"].astype(jnp.float32)) * jax.nn.softplus(a.astype(jnp.float32) + p["dt_bias"])
-    beta = jnp.where(valid[..., None], beta, 0.0)
-    g = jnp.where(valid[..., None], g, 0.0)
+    beta, g = _gates(p, b, a, valid)
     if per_token_states:
         parts = {"conv_window": conv_window, "ssm0": ssm_state, "k": k, "g": g}
         o, ssm_state, parts["delta"] = pallas_kernels.fused_recurrent_gated_delta_rule(
@@ -76,8 +91,48 @@ def gated_deltanet(p: dict, x: jax.Array, valid: jax.Array, n_new: jax.Array, co
         o, ssm_state = pallas_kernels.chunk_gated_delta_rule(
             q, k, v, g, beta, initial_state=ssm_state, output_final_state=True,
             use_qk_l2norm_in_kernel=True, impl=impl)
-    o = gated_rms_norm(o.astype(x.dtype), z.reshape(B, T, HV, V), p["norm"], eps)
-    out = linear(o.reshape(B, T, HV * V), p["out_proj"])
+    out = _output(p, o, z, eps, x.dtype)
     if per_token_states:
         return out, conv_state, ssm_state, parts
     return out, conv_state, ssm_state
+
+
+def ragged_causal_conv(x: jax.Array, conv_state: jax.Array, w: jax.Array, seq: jax.Array, cu_seqlens: jax.Array):
+    """`causal_conv` over a ragged batch. x: [N, C] (sequence s owns rows cu_seqlens[s] ..
+    cu_seqlens[s + 1] - 1; seq [N] each row's sequence); conv_state [S, W-1, C]; w [W, C].
+    Returns (y [N, C] after SiLU, new conv_state [S, W-1, C]: each sequence's last W-1 inputs; a
+    sequence without tokens keeps its state). Each tap reads the sequence's own earlier input, or
+    its conv state before the first one: never another sequence's."""
+    W, (N, C), S = w.shape[0], x.shape, conv_state.shape[0]
+    ext = jnp.concatenate([conv_state.astype(x.dtype).reshape(S * (W - 1), C), x], axis=0)
+    cu = cu_seqlens.astype(jnp.int32)
+
+    def at(s, j):          # row of ext holding sequence s's input at step offset j (>= -(W-1))
+        return jnp.where(j >= 0, S * (W - 1) + cu[s] + j, s * (W - 1) + (W - 1) + j)
+
+    local = jnp.arange(N, dtype=jnp.int32) - cu[seq]
+    y = sum(ext[at(seq, local - (W - 1) + t)] * w[t] for t in range(W))
+    n = cu[1:] - cu[:-1]
+    u = jnp.arange(W - 1, dtype=jnp.int32)
+    new_state = ext[at(jnp.arange(S, dtype=jnp.int32)[:, None], n[:, None] - (W - 1) + u[None, :])]
+    return jax.nn.silu(y), new_state.astype(conv_state.dtype)
+
+
+def gated_deltanet_ragged(p: dict, x: jax.Array, seq: jax.Array, valid: jax.Array, cu_seqlens: jax.Array,
+                          conv_state: jax.Array, ssm_state: jax.Array, *, num_k_heads: int, num_v_heads: int,
+                          head_k_dim: int, head_v_dim: int, eps: float, impl: str = "auto"):
+    """`gated_deltanet` over a ragged batch (hybrid_jax.models.ragged): x [N, Hd]; seq [N], valid [N];
+    cu_seqlens [S + 1]; conv_state [S, W-1, C]; ssm_state [S, HV, K, V] fp32 (row s: sequence s's).
+    The chunked rule runs the packed sequences with `cu_seqlens` (each padded to the chunk size, no
+    padding to the longest). Returns (out [N, Hd], conv_state, ssm_state)."""
+    N = x.shape[0]
+    H, HV, K, V = num_k_heads, num_v_heads, head_k_dim, head_v_dim
+    qkv, z, b, a = _project(p, x, H, HV, K, V)
+    qkv, conv_state = ragged_causal_conv(qkv, conv_state, p["conv"], seq, cu_seqlens)
+    q, k, v = jnp.split(qkv, [H * K, 2 * H * K], axis=-1)
+    beta, g = _gates(p, b, a, valid)
+    o, ssm_state = pallas_kernels.chunk_gated_delta_rule(
+        q.reshape(1, N, H, K), k.reshape(1, N, H, K), v.reshape(1, N, HV, V), g[None], beta[None],
+        initial_state=ssm_state, output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens,
+        impl=impl)
+    return _output(p, o[0], z, eps, x.dtype), conv_state, ssm_state

@@ -78,6 +78,9 @@ class ModelFamily:
     final_norm(cfg, params, x) -> x                           (the norm before the LM head)
     layer_types: layer type -> LayerType (the types this family runs; a config naming another is
                  refused by name)
+    forward_ragged(cfg, params, cache, batch: models.ragged.RaggedBatch, *, impl) -> StepOutput (logits
+                 [S, V] at each sequence's last token): one step over a flat token-major batch, or None
+                 for a family that steps padded [B, T] batches only
     write_deferred_kv(cache, deferred, positions [B, T], valid [B, T]) -> cache, or None when the
                  family cannot defer its per-position writes (forward's defer_kv_write); the groups
                  it writes are `deferred_groups`
@@ -90,6 +93,7 @@ class ModelFamily:
     convert_hf_weights: Callable
     final_norm: Callable
     layer_types: Mapping[str, LayerType]
+    forward_ragged: Callable | None = None
     write_deferred_kv: Callable | None = None
     deferred_groups: tuple[str, ...] = ()
     mtp: MTPHead | None = None

@@ -27,14 +27,15 @@ import numpy as np
 from cache import ModelCache, init_cache
 from cache.state import DEFAULT_KV_PAGE_SIZE
 from hybrid_jax.config import ModelConfig
-from hybrid_jax.layers.attention import gated_attention, write_kv
-from hybrid_jax.layers.gated_deltanet import gated_deltanet
+from hybrid_jax.layers.attention import gated_attention, gated_attention_ragged, write_kv
+from hybrid_jax.layers.gated_deltanet import gated_deltanet, gated_deltanet_ragged
 from hybrid_jax.layers.linear import linear
 from hybrid_jax.layers.mlp import sparse_moe, swiglu
 from hybrid_jax.layers.norms import rms_norm_zero_centered
 from hybrid_jax.layers.rope import rope_cos_sin
 from hybrid_jax.models.common import finish_step, token_positions
 from hybrid_jax.models.contract import LayerType, MTPHead, ModelFamily, StepOutput
+from hybrid_jax.models.ragged import RaggedBatch
 from hybrid_jax.errors import CheckpointError
 from hybrid_jax.weights import checked_getter, concat, dense_mlp_weights, expert_weights, to_device, to_device_linear
 
@@ -69,6 +70,7 @@ class _Step:
     fused_recurrent: bool
     per_token_states: bool
     defer_kv_write: bool
+    ragged: RaggedBatch | None = None  # forward_ragged: the flat batch (positions, valid: [N] then)
     k_all: jax.Array | None = None     # the KV page stacks, written in place layer after layer
     v_all: jax.Array | None = None
     conv: list = dataclasses.field(default_factory=list)
@@ -83,12 +85,18 @@ def _linear_attention(cfg: ModelConfig, lp: dict, h: jax.Array, step: _Step, i: 
     are collected (the group's stack is written once, as the layers finish)."""
     rec = step.cache.groups["linear_attention"]
     s = rec.layer_ids.index(i)
+    heads = dict(num_k_heads=cfg.linear_num_key_heads, num_v_heads=cfg.linear_num_value_heads,
+                 head_k_dim=cfg.linear_key_head_dim, head_v_dim=cfg.linear_value_head_dim, eps=cfg.rms_norm_eps)
+    if step.ragged is not None:
+        rb = step.ragged
+        h, conv, ssm = gated_deltanet_ragged(lp["gdn"], h, rb.seq, rb.valid, rb.cu_seqlens, rec.conv[s], rec.ssm[s],
+                                             impl=step.impl, **heads)
+        step.conv.append(conv)
+        step.ssm.append(ssm)
+        return h
     res = gated_deltanet(
-        lp["gdn"], h, step.valid, step.n_new, rec.conv[s], rec.ssm[s],
-        num_k_heads=cfg.linear_num_key_heads, num_v_heads=cfg.linear_num_value_heads,
-        head_k_dim=cfg.linear_key_head_dim, head_v_dim=cfg.linear_value_head_dim,
-        eps=cfg.rms_norm_eps, impl=step.impl, fused_recurrent=step.fused_recurrent,
-        per_token_states=step.per_token_states)
+        lp["gdn"], h, step.valid, step.n_new, rec.conv[s], rec.ssm[s], impl=step.impl,
+        fused_recurrent=step.fused_recurrent, per_token_states=step.per_token_states, **heads)
     step.conv.append(res[1])
     step.ssm.append(res[2])
     if step.per_token_states:
@@ -101,10 +109,17 @@ def _full_attention(cfg: ModelConfig, lp: dict, h: jax.Array, step: _Step, i: in
     stacks (slicing a layer out and stacking the layers back copies every page at every step), or,
     with defer_kv_write, only read and the new entries collected."""
     kv = step.cache.groups["full_attention"]
+    heads = dict(num_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
+                 eps=cfg.rms_norm_eps, layer=kv.layer_ids.index(i))
+    if step.ragged is not None:
+        rb = step.ragged
+        h, step.k_all, step.v_all = gated_attention_ragged(
+            lp["attn"], h, step.cos, step.sin, rb.seq, rb.positions, rb.valid, rb.cu_seqlens,
+            step.cache.lengths + rb.n_new, step.k_all, step.v_all, kv.page_table, impl=step.impl, **heads)
+        return h
     h, k, v = gated_attention(
         lp["attn"], h, step.cos, step.sin, step.positions, step.valid, step.k_all, step.v_all, kv.page_table,
-        num_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads,
-        head_dim=cfg.head_dim, eps=cfg.rms_norm_eps, layer=kv.layer_ids.index(i), defer_write=step.defer_kv_write)
+        defer_write=step.defer_kv_write, **heads)
     if step.defer_kv_write:
         step.k_new.append(k)
         step.v_new.append(v)
@@ -141,14 +156,50 @@ def forward(cfg: ModelConfig, params: dict, cache: ModelCache, tokens: jax.Array
     B, T = tokens.shape
     positions, valid = token_positions(cache, T, n_new)                  # [B, T] each
     x = params["embed"][tokens] if inputs_embeds is None else inputs_embeds
-    hidden = [x] if return_hidden else None
     cos, sin = rope_cos_sin(positions, cfg.rotary_dim, cfg.rope, seq_len=cache.lengths + n_new)
+    step = _Step(cache, positions, valid, n_new, cos, sin, impl, fused_recurrent, per_token_states, defer_kv_write)
+    x, groups, hidden = _layers(cfg, params, x, step, return_hidden)
+    out = finish_step(cfg, params, cache, groups, x, n_new, final_norm=final_norm, logits_at=logits_at,
+                      hidden=hidden)
+    if per_token_states:
+        states = jax.tree_util.tree_map(lambda *a: jnp.stack(a), *step.per_token) if step.per_token else {}
+        out = out.replace(states=states)
+    if defer_kv_write:
+        out = out.replace(deferred={"k": jnp.stack(step.k_new), "v": jnp.stack(step.v_new)} if step.k_new else {})
+    return out
+
+
+def forward_ragged(cfg: ModelConfig, params: dict, cache: ModelCache, batch: RaggedBatch, *, impl: str = "auto"
+                   ) -> StepOutput:
+    """One step over a ragged batch (hybrid_jax.models.ragged): sequence s's tokens batch.tokens
+    [cu_seqlens[s], cu_seqlens[s + 1]) continue cache row s. Returns a StepOutput with logits [S, V]
+    at each sequence's last token and the cache (lengths += n_new); the math is `forward`'s, with the
+    linear-attention layers on the packed chunked rule and full attention on ragged paged attention."""
+    x = params["embed"][batch.tokens][None]                                  # [1, N, Hd]
+    seq_len = (cache.lengths + batch.n_new)[batch.seq]
+    cos, sin = rope_cos_sin(batch.positions[:, None], cfg.rotary_dim, cfg.rope, seq_len=seq_len)
+    step = _Step(cache, batch.positions, batch.valid, batch.n_new, cos[:, 0], sin[:, 0], impl, False, False, False,
+                 ragged=batch)
+    x, groups, _ = _layers(cfg, params, x, step, False)
+    x = x[0][batch.last_index()][:, None]                                    # [S, 1, Hd]
+    out = finish_step(cfg, params, cache, groups, x, batch.n_new, final_norm=final_norm, logits_at="all")
+    return out.replace(logits=out.logits[:, 0])
+
+
+def _layers(cfg: ModelConfig, params: dict, x: jax.Array, step: _Step, return_hidden: bool):
+    """Every layer over x [B, T, Hd] (a ragged batch: [1, N, Hd]), each token mixer its type's.
+    Returns (the residual stream after the last layer, the cache's updated groups, the hidden states
+    with return_hidden)."""
+    cache = step.cache
     kv = cache.groups.get("full_attention")
-    step = _Step(cache, positions, valid, n_new, cos, sin, impl, fused_recurrent, per_token_states, defer_kv_write,
-                 k_all=kv.k if kv is not None else None, v_all=kv.v if kv is not None else None)
+    if kv is not None:
+        step.k_all, step.v_all = kv.k, kv.v
+    hidden = [x] if return_hidden else None
+    ragged = step.ragged is not None
     for i, lp in enumerate(params["layers"]):
         h = rms_norm_zero_centered(x, lp["input_norm"], cfg.rms_norm_eps)
-        x = x + LAYER_TYPES[cfg.layer_types[i]].mixer(cfg, lp, h, step, i)
+        h = LAYER_TYPES[cfg.layer_types[i]].mixer(cfg, lp, h[0] if ragged else h, step, i)
+        x = x + (h[None] if ragged else h)
         x = x + _ffn(cfg, lp, rms_norm_zero_centered(x, lp["post_norm"], cfg.rms_norm_eps))
         if return_hidden:
             hidden.append(x)
@@ -158,14 +209,7 @@ def forward(cfg: ModelConfig, params: dict, cache: ModelCache, tokens: jax.Array
                                                                         ssm=jnp.stack(step.ssm))
     if kv is not None:
         groups["full_attention"] = kv.replace(k=step.k_all, v=step.v_all)
-    out = finish_step(cfg, params, cache, groups, x, n_new, final_norm=final_norm, logits_at=logits_at,
-                      hidden=hidden)
-    if per_token_states:
-        states = jax.tree_util.tree_map(lambda *a: jnp.stack(a), *step.per_token) if step.per_token else {}
-        out = out.replace(states=states)
-    if defer_kv_write:
-        out = out.replace(deferred={"k": jnp.stack(step.k_new), "v": jnp.stack(step.v_new)} if step.k_new else {})
-    return out
+    return x, groups, hidden
 
 
 # The cache groups a forward with defer_kv_write leaves unwritten (`write_deferred_kv` writes them).
@@ -422,7 +466,7 @@ def _convert_layer(cfg: ModelConfig, t, has, p: str, kind: str, moe: bool, dev, 
 
 
 FAMILY = ModelFamily(
-    name="qwen3_next", forward=forward, new_cache=new_cache, init_params=init_params,
+    name="qwen3_next", forward=forward, forward_ragged=forward_ragged, new_cache=new_cache, init_params=init_params,
     convert_hf_weights=convert_hf_weights, final_norm=final_norm, layer_types=LAYER_TYPES,
     write_deferred_kv=write_deferred_kv, deferred_groups=DEFERRED_GROUPS,
     mtp=MTPHead(prefixes=mtp_prefixes, new_cache=mtp_new_cache, target_hidden=target_hidden, step=mtp_step,

@@ -167,12 +167,6 @@ def test_prompt_whose_last_chunk_is_one_token(llm, shared):
     assert shared.generate([{"prompt_token_ids": p}], sp)[0].token_ids == _offline(llm, [p], sp)[0]
 
 
-def test_prefill_chunks_shrink_beside_many_rows(llm):
-    eng = _engine(llm, max_num_seqs=4, max_num_batched_tokens=32)
-    # token buckets are 8 and 32: one row may take 32-token chunks, four rows only 8
-    assert eng.runner.chunk_cap(1) == 32 and eng.runner.chunk_cap(4) == 8
-
-
 def test_copy_on_write_copies_pages_and_nothing_else(shared):
     """The device side of copy-on-write (`BlockManager.writable` picks the pages): the copy holds the
     shared page's bytes in every paged field and every other page is untouched."""
@@ -192,3 +186,21 @@ def test_copy_on_write_copies_pages_and_nothing_else(shared):
         np.testing.assert_array_equal(got[:, 1], a[:, 0])
         others = [p for p in range(a.shape[1]) if p not in (1, 5)]
         np.testing.assert_array_equal(got[:, others], a[:, others])
+
+
+def test_mixed_steps_are_ragged_and_equal_the_padded_path(llm):
+    """Prefill chunks beside decodes run as one flat token-major batch (no padding to the longest row)
+    and give the tokens the padded [B, T] step gives; the scheduler's chunk cap is then the token
+    budget itself, not budget / rows."""
+    prompts = _prompts(6, seed=5, lo=20, hi=80)
+    sp = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    ragged, padded = _engine(llm), _engine(llm)
+    padded.runner.ragged = False
+    # padded, token buckets 8 and 32: one row may take 32-token chunks, four rows only 8; ragged: 32
+    assert ragged.runner.ragged and ragged.runner.chunk_cap(4) == 32
+    assert padded.runner.chunk_cap(1) == 32 and padded.runner.chunk_cap(4) == 8
+    a = [o.token_ids for o in ragged.generate([{"prompt_token_ids": p} for p in prompts], sp)]
+    b = [o.token_ids for o in padded.generate([{"prompt_token_ids": p} for p in prompts], sp)]
+    assert a == b == [greedy_reference(llm, p, 10) for p in prompts]
+    assert ragged.runner._ragged._cache_size() > 0 and ragged.runner._mixed._cache_size() == 0
+    assert padded.runner._ragged._cache_size() == 0
