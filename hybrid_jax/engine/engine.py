@@ -53,6 +53,13 @@ class LLMEngine:
         self.spec = None
         if self.config.speculative_config:
             self.spec = EngineSpeculator(self.config.speculative_config, llm.config.vocab_size)
+            if self.spec.spec.rollback == "selection" and not getattr(self.runner.model, "ROLLBACK_BY_SELECTION", True):
+                # a family whose cache every fed token overwrites beyond what selection restores
+                # (DeepSeek-V4: the sliding-window ring, the compressor tails) rolls back by replay
+                import dataclasses  # noqa: PLC0415
+                log.info("speculative decoding on %s rolls back by replay (its cache cannot be rolled back by "
+                         "selection)", llm.config.model_type)
+                self.spec.spec = dataclasses.replace(self.spec.spec, rollback="replay")
             if self.spec.draft is not None:
                 dcfg, dparams, ddtype = self.spec.draft
                 self.runner.set_draft(dcfg, dparams, ddtype, extra=self.spec.spec.num_speculative_tokens + 1)

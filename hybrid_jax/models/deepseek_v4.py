@@ -35,6 +35,10 @@ from hybrid_jax.weights import checked_getter, concat, expert_weights, to_device
 CSA, HCA = "compressed_sparse_attention", "heavily_compressed_attention"
 # this family's cache group -> (field of the group, key in a layer's compressor state)
 _CSA_FIELDS = {"compressed_sparse_attention": (("entries", "entries"), ("page_table", "table"), ("count", "count")),
+# Speculative decoding cannot roll this family back by selection: every fed token writes the
+# sliding-window ring (over the entry W positions back) and the compressor tails / counts / overlap,
+# which a rejected draft leaves wrong. The engine rolls it back by snapshot + replay instead.
+ROLLBACK_BY_SELECTION = False
                "csa_tail": (("kv", "tail_kv"), ("gate", "tail_gate"), ("count", "tail_count")),
                "csa_overlap": (("kv", "overlap_kv"), ("gate", "overlap_gate")),
                "csa_indexer": (("entries", "idx_entries"), ("page_table", "idx_table"), ("count", "idx_count")),

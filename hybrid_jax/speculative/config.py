@@ -8,6 +8,8 @@ plus this project's options:
   "rollback":  "selection" (default: the verify step emits the recurrent state after every draft
                position and keeps the accepted one) or "replay" (the pre-verify cache is kept by
                reference, restored on rejection, and the accepted tokens are run through again);
+               a family whose cache selection cannot restore (DeepSeek-V4: `ROLLBACK_BY_SELECTION`
+               False in its module) always rolls back by replay;
   "dynamic_k": true (default) picks each request's draft length in [0, K] from its running
                acceptance rate; K = 0 for every row falls back to plain on-device decode chunks.
   "fallback_steps": tokens per plain decode chunk when no row speculates (default 4; with dynamic K
