@@ -1,11 +1,12 @@
-"""MTP heads: the multi-token-prediction block of Qwen3-Next / Qwen3.5 (`mtp.*`) is loaded, and
+"""MTP heads: the multi-token-prediction block of Qwen3-Next / Qwen3.5 (`mtp.*`), DeepSeek-V3.2 (layer
+`num_hidden_layers`) and DeepSeek-V4 (the release's `mtp.0.*`) is loaded, and
 `speculative_config={"method": "mtp"}` drafts with it in the engine. Greedy output equals plain
 decoding (both rollbacks, chunked prefill, requests joining and leaving); on a checkpoint whose MTP
 block is a copy of the target's attention layer fed the next token's embedding, drafts are
 meaningful and mostly accepted. An MTP layout the loader does not know, a missing MTP tensor, or
 method "mtp" on a checkpoint without the block each fail naming the problem.
 
-The tiny checkpoints are written by transformers (which drops MTP weights) and get their `mtp.*`
+The tiny checkpoints are written by transformers (which drops MTP weights) and get their MTP
 tensors here, by hand, in the published layout."""
 from __future__ import annotations
 
