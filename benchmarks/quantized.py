@@ -10,10 +10,10 @@ FP8 weights are decoded to bf16 inside every step (XLA:CPU has no FP8 matmul), s
 pays that conversion; what it saves is memory.
 
 Then MTP drafting (speculative_config method "mtp") on the same tiny model with an MTP block added
-in the published layout (`mtp.*`), two ways: a random block (drafts are noise: the floor) and a copy
-of its attention layer fed the next token's embedding, with the other layers silenced (the tests'
-meaningful drafter, `release_formats.with_mtp`; a trained release's block is what this stands in
-for). Per row: acceptance rate, tokens emitted per verify, verify steps, and whether the greedy output
+in the published layout (`mtp.*`), and on the tests' tiny DeepSeek-V4 with its release's `mtp.0.*`
+block, two ways each: a random block (drafts are noise: the floor) and a copy of its last attention
+layer fed the next token's embedding, with the other layers silenced (the tests' meaningful drafter,
+`release_formats.with_mtp` / `with_v4_mtp`; a trained release's block is what this stands in for). Per row: acceptance rate, tokens emitted per verify, verify steps, and whether the greedy output
 equals plain decoding, through the engine (fixed K, every decode step a verify), in float32.
 
     python benchmarks/quantized.py [--sections fp8,mtp] [--batch 1,8] [--steps 64] [--repeats 7] [--mtp-k 2]
@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from cache_writes import decode, decode_engine  # noqa: E402
-from release_formats import quantize_release, with_mtp  # noqa: E402  (the tests' release writers)
+from release_formats import quantize_release, with_mtp, with_v4_mtp  # noqa: E402  (the tests' release writers)
 from tiny_qwen3_next import CONFIG, write_checkpoint  # noqa: E402
 
 from hybrid_jax import LLM, SamplingParams  # noqa: E402
@@ -40,6 +40,8 @@ from hybrid_jax.engine import EngineConfig, LLMEngine  # noqa: E402
 from hybrid_jax.layers.linear import Fp8Weight, weight_bytes  # noqa: E402
 
 NOT_CONVERTED = ("lm_head", "model.embed_tokens", "mlp.gate", "mlp.shared_expert_gate")
+V4_MTP = dict(num_hidden_layers=2, layer_types=["compressed_sparse_attention", "sliding_attention"],
+              mlp_layer_types=["hash_moe", "moe"])      # test_mtp's tiny V4
 
 
 def fp8_release(root: str) -> str:
@@ -59,28 +61,39 @@ def fp8_weights(params) -> list[Fp8Weight]:
 
 
 def mtp_rows(root: str, k: int, tokens: int, batch: int):
-    """Acceptance and tokens per verify of MTP drafting on the tiny model with a random and a copied
+    """Acceptance and tokens per verify of MTP drafting on the tiny models with a random and a copied
     MTP block (see the module docstring); greedy output checked against plain decoding."""
+    from test_deepseek_v4 import make_checkpoint as make_v4  # noqa: PLC0415  (the tests' tiny V4)
     src = write_checkpoint(os.path.join(root, "mtp_src"))
     last = max(i for i, t in enumerate(CONFIG["layer_types"]) if t == "full_attention")
-    print(f"MTP drafting (speculative_config method 'mtp', K = {k} fixed), tiny Qwen3-Next + an mtp.* block, "
-          f"run dtype float32 (in bf16 a multi-token verify rounds differently from one-token decode, n-gram "
-          f"drafts included, so greedy ties can flip), {batch} requests of {tokens} greedy tokens (16-token prompts), through the engine")
-    print(f"   {'MTP block':<26} {'acceptance':>10} {'tokens/verify':>13} {'verify steps':>12} {'identical':>9}")
-    for kind, label in (("random", "random (noise drafts)"), ("copy", f"copy of layer {last}")):
-        llm = LLM(model=with_mtp(src, os.path.join(root, f"mtp_{kind}"), layer=last, mode=kind), dtype="float32",
-                  max_model_len=256)
-        prompts = [{"prompt_token_ids": np.random.default_rng(i).integers(1, CONFIG["vocab_size"], 16).tolist()}
-                   for i in range(batch)]
-        sp = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
-        want = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
-        eng = LLMEngine(llm, EngineConfig(max_num_seqs=batch, max_model_len=256, decode_steps=1, warmup="none",
-                                          compilation_cache_dir=None, speculative_config={
-                                              "method": "mtp", "num_speculative_tokens": k, "dynamic_k": False}))
-        got = [o.token_ids for o in eng.generate(prompts, sp)]
-        st = eng.spec_stats()
-        print(f"   {label:<26} {st['acceptance_rate']:>10.3f} {st['mean_accepted_length']:>13.2f} "
-              f"{st['verify_steps']:>12} {str(got == want):>9}")
+    v4 = make_v4(os.path.join(root, "v4_src"), seed=2, **V4_MTP)
+    models = {  # label -> (vocabulary, {kind: (row label, checkpoint)})
+        "Qwen3-Next": (CONFIG["vocab_size"], {
+            kind: (label, with_mtp(src, os.path.join(root, f"mtp_{kind}"), layer=last, mode=kind))
+            for kind, label in (("random", "random (noise drafts)"), ("copy", f"copy of layer {last}"))}),
+        "DeepSeek-V4": (97, {
+            kind: (label, with_v4_mtp(v4, os.path.join(root, f"v4_mtp_{kind}"), mode=kind))
+            for kind, label in (("random", "random (noise drafts)"), ("copy", "copy of layer 1 (window)"))})}
+    print(f"MTP drafting (speculative_config method 'mtp', K = {k} fixed), tiny Qwen3-Next + an mtp.* block and "
+          f"tiny DeepSeek-V4 (layers [CSA, sliding window], mHC x3) + an mtp.0.* block, run dtype float32 (in bf16 "
+          f"a multi-token verify rounds differently from one-token decode, n-gram drafts included, so greedy ties "
+          f"can flip), {batch} requests of {tokens} greedy tokens (16-token prompts), through the engine")
+    print(f"   {'model':<12} {'MTP block':<26} {'acceptance':>10} {'tokens/verify':>13} {'verify steps':>12} "
+          f"{'rollback':>9} {'identical':>9}")
+    for name, (vocab, rows) in models.items():
+        for label, path in rows.values():
+            llm = LLM(model=path, dtype="float32", max_model_len=256)
+            prompts = [{"prompt_token_ids": np.random.default_rng(i).integers(1, vocab, 16).tolist()}
+                       for i in range(batch)]
+            sp = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
+            want = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
+            eng = LLMEngine(llm, EngineConfig(max_num_seqs=batch, max_model_len=256, decode_steps=1, warmup="none",
+                                              compilation_cache_dir=None, speculative_config={
+                                                  "method": "mtp", "num_speculative_tokens": k, "dynamic_k": False}))
+            got = [o.token_ids for o in eng.generate(prompts, sp)]
+            st = eng.spec_stats()
+            print(f"   {name:<12} {label:<26} {st['acceptance_rate']:>10.3f} {st['mean_accepted_length']:>13.2f} "
+                  f"{st['verify_steps']:>12} {st['rollback']:>9} {str(got == want):>9}")
 
 
 def main():

@@ -58,12 +58,14 @@ class MTPHead:
     """The functions of a family's multi-token-prediction block (hybrid_jax.speculative.mtp):
     prefixes(cfg): where the checkpoint keeps it; new_cache(cfg, B, capacity, dtype): its own cache;
     target_hidden(cfg, params, hidden): what it reads from the target's forward; step(cfg, params, cache,
-    tokens, hidden, n_new, impl=) -> (h, cache); logits(cfg, params, h) -> [.., V]."""
+    tokens, hidden, n_new, impl=) -> (h, cache); logits(cfg, params, h) -> [.., V]; hidden_shape(cfg):
+    the shape of one position's hidden state it reads, None for [hidden_size]."""
     prefixes: Callable
     new_cache: Callable
     target_hidden: Callable
     step: Callable
     logits: Callable
+    hidden_shape: Callable | None = None
 
 
 @dataclasses.dataclass(frozen=True)

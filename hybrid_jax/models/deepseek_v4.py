@@ -10,6 +10,7 @@ Parameters (converted once at load by `convert_hf_weights`; N = hc_mult, G = o_g
           CSA indexer: i_kv, i_gate [Hd, 2Di], i_bias [m, 2Di], i_norm [Di], i_q [Rq, Hi*Di], i_w [Hd, Hi]
     moe: router [Hd, E] f32, bias [E] f32 (Top-K layers) | tid2eid [V, k] int32 (hash layers),
          gate_up [E, Hd, 2I], down [E, I, Hd], shared_gate_up [Hd, 2I], shared_down [I, Hd]
+  mtp (when the checkpoint has the MTP block `mtp.0.*`): see `_convert_mtp`
 Cache (cache/compressed.py): "sliding_window" for every layer; per compressed type its paged entries
 (pool [L, P, ps, D] + page table [B, NP]), tail, and for CSA the overlap state and the indexer's
 paged entries / tail / overlap.
@@ -30,7 +31,7 @@ from hybrid_jax.layers.hyper_connections import hc_head, hc_merge, hc_weights
 from hybrid_jax.layers.linear import dequantize, linear, take
 from hybrid_jax.layers.mla import rms_norm
 from hybrid_jax.models.common import finish_step, token_positions
-from hybrid_jax.models.contract import LayerType, ModelFamily, StepOutput
+from hybrid_jax.models.contract import LayerType, MTPHead, ModelFamily, StepOutput
 from hybrid_jax.models.deepseek_v4_config import DeepseekV4Config
 from hybrid_jax.weights import checked_getter, concat, expert_weights, to_device, to_device_linear
 
@@ -173,24 +174,16 @@ LAYER_TYPES = {"sliding_attention": LayerType(_compressed("sliding_attention"), 
                HCA: LayerType(_compressed(HCA), ("sliding_window", *_HCA_FIELDS))}
 
 
-def forward(cfg: DeepseekV4Config, params: dict, cache: ModelCache, tokens: jax.Array, n_new: jax.Array, *,
-            logits_at: str = "last", impl: str = "auto", return_hidden: bool = False,
-            fused_recurrent: bool = False, per_token_states: bool = False, defer_kv_write: bool = False) -> StepOutput:
-    """tokens [B, T] int32 (right-padded), n_new [B]. Same contract as deepseek_v32.forward; the hidden
-    states are the mHC streams [B, T, N, Hd] (final_norm collapses them). No recurrent layers:
-    fused_recurrent changes nothing and per_token_states gives `states` {}. It cannot defer its per-position writes (its FAMILY has no
-    write_deferred_kv): defer_kv_write=True is a ValueError."""
-    if defer_kv_write:
-        raise ValueError(f"{cfg.model_type} cannot defer its per-position cache writes (defer_kv_write)")
-    B, T = tokens.shape
-    positions, valid = token_positions(cache, T, n_new)
-    e = params["embed"][tokens]
-    x = jnp.broadcast_to(e[:, :, None, :], (B, T, cfg.hc_mult, e.shape[-1]))
+def _layers(cfg: DeepseekV4Config, layers: list, cache: ModelCache, x, tokens, positions, valid, n_new, impl: str,
+            return_hidden: bool):
+    """The decoder layers over the mHC streams x [B, T, N, Hd] (the model's, or the MTP block's one),
+    each token mixer its type's (`LAYER_TYPES`): (streams after the last layer, the cache's new groups,
+    [input, each layer's output] or None)."""
     hidden = [x] if return_hidden else None
     step = _Step(cache, positions, valid, n_new, inv_freq(cfg.rope_main, cfg.rope_dim("main")),
                  inv_freq(cfg.rope_compress, cfg.rope_dim("compress")), impl, dict(cache.groups))
     hc = dict(iters=cfg.hc_sinkhorn_iters, hc_eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps)
-    for i, lp in enumerate(params["layers"]):
+    for i, lp in enumerate(layers):
         post, comb, col = hc_weights(lp["attn_hc"], x, **hc)
         h = rms_norm(col, lp["attn_norm"], cfg.rms_norm_eps)
         x = hc_merge(post, comb, LAYER_TYPES[cfg.layer_types[i]].mixer(cfg, lp, h, step, i), x)
@@ -211,6 +204,25 @@ def forward(cfg: DeepseekV4Config, params: dict, cache: ModelCache, tokens: jax.
                        else jnp.stack([states[i][key] for i in ids]))
                    for f, key in pairs}
             new_groups[gname] = groups[gname].replace(**upd)
+    return x, new_groups, hidden
+
+
+def forward(cfg: DeepseekV4Config, params: dict, cache: ModelCache, tokens: jax.Array, n_new: jax.Array, *,
+            logits_at: str = "last", impl: str = "auto", return_hidden: bool = False,
+            fused_recurrent: bool = False, per_token_states: bool = False, defer_kv_write: bool = False
+            ) -> StepOutput:
+    """tokens [B, T] int32 (right-padded), n_new [B]. Same contract as deepseek_v32.forward; the hidden
+    states are the mHC streams [B, T, N, Hd] (final_norm collapses them). No recurrent layers:
+    fused_recurrent changes nothing and per_token_states gives `states` {}. It cannot defer its
+    per-position writes (its FAMILY has no write_deferred_kv): defer_kv_write=True is a ValueError."""
+    if defer_kv_write:
+        raise ValueError(f"{cfg.model_type} cannot defer its per-position cache writes (defer_kv_write)")
+    B, T = tokens.shape
+    positions, valid = token_positions(cache, T, n_new)
+    e = params["embed"][tokens]
+    x = jnp.broadcast_to(e[:, :, None, :], (B, T, cfg.hc_mult, e.shape[-1]))
+    x, new_groups, hidden = _layers(cfg, params["layers"], cache, x, tokens, positions, valid, n_new, impl,
+                                    return_hidden)
     xh = hc_head(params["hc_head"], x, hc_eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps)
     out = finish_step(cfg, params, cache, new_groups, xh, n_new, final_norm=_norm, logits_at=logits_at,
                       hidden=hidden)
@@ -224,6 +236,101 @@ def _norm(cfg, params, x):
 def final_norm(cfg: DeepseekV4Config, params: dict, x: jax.Array) -> jax.Array:
     """x: the mHC streams [..., N, Hd] -> the hyper head's collapse, then the final RMSNorm [..., Hd]."""
     return _norm(cfg, params, hc_head(params["hc_head"], x, hc_eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps))
+
+
+# ------------------------------------------------------------------------------------------------
+# The multi-token-prediction block (`params["mtp"]`), the checkpoint's `mtp.0.*`, run by
+# hybrid_jax.speculative.mtp as a drafter. transformers' DeepseekV4ForCausalLM has no MTP module (it
+# ignores `mtp.*` at load), so the block follows DeepSeek's own reference (the release's
+# inference/model.py `MTPBlock`, a `Block` with extras), whose math is:
+#   e = enorm(embed(token after))                                  [B, T, Hd]   (the shared embedding)
+#   x = e_proj(e)[:, :, None] + h_proj(hnorm(h))                   [B, T, N, Hd]
+#       h: the target's mHC streams after its last layer (before the hyper head), hnorm per stream
+#   x = the block's decoder layer (hc_attn / attention / hc_ffn / MoE, as every V4 layer) over x
+#   logits = head(norm(hc_head_mtp(x)))                            its own hyper head and norm, the shared head
+# Drafts after the first read the block's own output streams x (as V3's MTP reads its own output).
+# The layer's attention type is config.json's entry num_hidden_layers of compress_ratios (0, a
+# sliding-window layer, in the published V4-Flash config); its MoE is Top-K (hash routing is only
+# for the first num_hash_layers layers), or hash where the block ships a tid2eid table.
+
+def mtp_prefixes(cfg: DeepseekV4Config) -> tuple[str, ...]:
+    """Where the checkpoint keeps the MTP block: every tensor there must be read by the loader."""
+    return ("mtp.", "model.mtp.")
+
+
+def _mtp_prefix(has) -> str | None:
+    """The MTP block's prefix, as the converter spells it (the resolver finds "model."-prefixed
+    names too), or None when the checkpoint has no block (no e_proj)."""
+    return "mtp.0." if has("mtp.0.e_proj.weight") or has("model.mtp.0.e_proj.weight") else None
+
+
+def mtp_config(cfg: DeepseekV4Config) -> DeepseekV4Config:
+    """The MTP block's decoder layer as a one-layer model (its MoE follows its params: hash or Top-K)."""
+    return dataclasses.replace(cfg, num_hidden_layers=1, layer_types=(cfg.mtp_layer_type,), mlp_layer_types=("moe",))
+
+
+def mtp_new_cache(cfg: DeepseekV4Config, batch_size: int, capacity: int, dtype) -> ModelCache:
+    return new_cache(mtp_config(cfg), batch_size, capacity, dtype)
+
+
+def mtp_hidden_shape(cfg: DeepseekV4Config) -> tuple[int, ...]:
+    """The shape of one position's hidden state the block reads: the N mHC streams."""
+    return (cfg.hc_mult, cfg.hidden_size)
+
+
+def target_hidden(cfg: DeepseekV4Config, params: dict, hidden: list) -> jax.Array:
+    """The hidden state the MTP block reads: the last layer's output streams [B, T, N, Hd] (before the
+    hyper head and the final norm, as DeepSeek's MTPBlock takes them)."""
+    return hidden[-1]
+
+
+def mtp_step(cfg: DeepseekV4Config, params: dict, cache: ModelCache, tokens: jax.Array, hidden: jax.Array,
+             n_new: jax.Array, *, impl: str = "auto"):
+    """One pass of the MTP block over tokens [B, T] (the token after each position) and hidden
+    [B, T, N, Hd] (see above): (its output streams [B, T, N, Hd], which `mtp_logits` reads and a
+    further draft is fed, and its cache)."""
+    mp = params["mtp"]
+    eps = cfg.rms_norm_eps
+    positions, valid = token_positions(cache, tokens.shape[1], n_new)
+    e = rms_norm(params["embed"][tokens], mp["enorm"], eps)
+    h = rms_norm(hidden.astype(e.dtype), mp["hnorm"], eps)
+    x = linear(e, mp["e_proj"])[:, :, None, :] + linear(h, mp["h_proj"])
+    x, groups, _ = _layers(mtp_config(cfg), mp["layers"], cache, x, tokens, positions, valid, n_new, impl, False)
+    return x, cache.replace(groups=groups, lengths=cache.lengths + n_new,
+                            version=cache.version + (n_new > 0).astype(jnp.int32))
+
+
+def mtp_logits(cfg: DeepseekV4Config, params: dict, h: jax.Array) -> jax.Array:
+    """The block's head over its output streams h [..., N, Hd]: its hyper head, its norm, then the
+    target's LM head (shared) -> [..., V] f32."""
+    mp = params["mtp"]
+    x = rms_norm(hc_head(mp["hc_head"], h, hc_eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps), mp["norm"],
+                 cfg.rms_norm_eps)
+    head = params["lm_head"] if "lm_head" in params else params["embed"].T
+    return jnp.dot(x, head, preferred_element_type=jnp.float32)
+
+
+def _convert_mtp(cfg: DeepseekV4Config, t, has, p: str, layer, dev, mat, lin, hc) -> dict:
+    """The release's `mtp.0.*`: e_proj, h_proj [Hd, Hd] (torch Linear), enorm, hnorm, norm [Hd],
+    hc_head_fn [N, N*Hd] / hc_head_base [N] / hc_head_scale [1], and a decoder layer in the main
+    layers' names (`attn.*`, `ffn.*`, `hc_attn_*`, ...; converted by `layer`). Its attention type is
+    read off its tensors (a compressor: HCA, with an indexer: CSA) and must be the config's
+    `mtp_layer_type`. Params: e_proj, h_proj [Hd, Hd], enorm, hnorm, norm [Hd], hc_head, layers [one]."""
+    from hybrid_jax.errors import CheckpointError  # noqa: PLC0415
+    Hd, N = cfg.hidden_size, cfg.hc_mult
+    if has("mtp.1.e_proj.weight") or has("model.mtp.1.e_proj.weight"):
+        raise CheckpointError("checkpoint has more than one MTP layer (mtp.1.*); DeepSeek-V4 releases have one")
+    a = p + "self_attn."
+    found = ("sliding_attention" if not has(_resolver(has)(a + "compressor.kv_proj.weight"))
+             else CSA if has(_resolver(has)(a + "compressor.indexer.kv_proj.weight")) else HCA)
+    if found != cfg.mtp_layer_type:
+        raise CheckpointError(f"the MTP layer's tensors ({p}attn.*) are those of a {found} layer, but config.json "
+                              f"makes it {cfg.mtp_layer_type} (entry {cfg.num_hidden_layers} of compress_ratios)")
+    hash_moe = has(_resolver(has)(p + "mlp.gate.tid2eid"))
+    return {"e_proj": lin(p + "e_proj.weight", Hd, Hd), "h_proj": lin(p + "h_proj.weight", Hd, Hd),
+            "enorm": dev(t(p + "enorm.weight", (Hd,))), "hnorm": dev(t(p + "hnorm.weight", (Hd,))),
+            "norm": dev(t(p + "norm.weight", (Hd,))), "hc_head": hc(p, "hc_head_fn", "hc_head_base", "hc_head_scale", N),
+            "layers": [layer(p, cfg.mtp_layer_type, hash_moe)]}
 
 
 def _shapes(cfg):
@@ -343,15 +450,16 @@ def convert_hf_weights(cfg: DeepseekV4Config, get: Callable[[str], np.ndarray], 
               "hc_head": hc(m_ + "hc_head.", "hc_fn", "hc_base", "hc_scale", N), "layers": []}
     if not cfg.tie_word_embeddings:
         params["lm_head"] = mat("lm_head.weight", cfg.vocab_size, Hd)
-    for i in range(cfg.num_hidden_layers):
-        p = f"{m_}layers.{i}."
+
+    def layer(p: str, lt: str, hash_moe: bool) -> dict:
+        """One decoder layer's tensors under the transformers-style prefix p (`model.layers.3.`; resolved
+        to the release's names where the checkpoint has those) -> its params."""
         a = p + "self_attn."
         o_a = t(a + "o_a_proj.weight", (G * r, H * D // G)).reshape(G, r, H * D // G).transpose(0, 2, 1)
         at = {"q_a": lin(a + "q_a_proj.weight", Rq, Hd), "q_a_norm": dev(t(a + "q_a_norm.weight", (Rq,))),
               "q_b": lin(a + "q_b_proj.weight", H * D, Rq), "kv": lin(a + "kv_proj.weight", D, Hd),
               "kv_norm": dev(t(a + "kv_norm.weight", (D,))), "sinks": dev(t(a + "sinks", (H,)), f32),
               "o_a": to_device_linear(o_a, dtype), "o_b": lin(a + "o_b_proj.weight", Hd, G * r)}
-        lt = cfg.layer_types[i]
         if lt != "sliding_attention":
             c = a + "compressor."
             m, C = cfg.rate_of(lt), (2 * D if lt == CSA else D)
@@ -376,7 +484,7 @@ def convert_hf_weights(cfg: DeepseekV4Config, get: Callable[[str], np.ndarray], 
                                                          t(ml + "shared_experts.up_proj.weight", (I, Hd))], 0).T,
                                                  dtype),
               "shared_down": lin(ml + "shared_experts.down_proj.weight", Hd, I)}
-        if cfg.mlp_layer_types[i] == "hash_moe":
+        if hash_moe:
             tab = t(ml + "gate.tid2eid", (cfg.vocab_size, k))
             if tab.min() < 0 or tab.max() >= E:
                 from hybrid_jax.errors import CheckpointError  # noqa: PLC0415
@@ -384,13 +492,22 @@ def convert_hf_weights(cfg: DeepseekV4Config, get: Callable[[str], np.ndarray], 
             mo["tid2eid"] = jnp.asarray(tab, jnp.int32)
         else:
             mo["bias"] = dev(t(ml + "gate.e_score_correction_bias", (E,)), f32)
-        params["layers"].append({"attn_norm": dev(t(p + "input_layernorm.weight", (Hd,))),
-                                 "ffn_norm": dev(t(p + "post_attention_layernorm.weight", (Hd,))),
-                                 "attn_hc": hc(p + "attn_hc.", "fn", "base", "scale", (2 + N) * N),
-                                 "ffn_hc": hc(p + "ffn_hc.", "fn", "base", "scale", (2 + N) * N),
-                                 "attn": at, "moe": mo})
+        return {"attn_norm": dev(t(p + "input_layernorm.weight", (Hd,))),
+                "ffn_norm": dev(t(p + "post_attention_layernorm.weight", (Hd,))),
+                "attn_hc": hc(p + "attn_hc.", "fn", "base", "scale", (2 + N) * N),
+                "ffn_hc": hc(p + "ffn_hc.", "fn", "base", "scale", (2 + N) * N),
+                "attn": at, "moe": mo}
+
+    for i in range(cfg.num_hidden_layers):
+        params["layers"].append(layer(f"{m_}layers.{i}.", cfg.layer_types[i], cfg.mlp_layer_types[i] == "hash_moe"))
+    mtp = _mtp_prefix(has)
+    if mtp is not None:
+        params["mtp"] = _convert_mtp(cfg, t, has, mtp, layer, dev, mat, lin, hc)
     return params
 
 
-FAMILY = ModelFamily(name="deepseek_v4", forward=forward, new_cache=new_cache, init_params=init_params,
-                     convert_hf_weights=convert_hf_weights, final_norm=final_norm, layer_types=LAYER_TYPES)
+FAMILY = ModelFamily(
+    name="deepseek_v4", forward=forward, new_cache=new_cache, init_params=init_params,
+    convert_hf_weights=convert_hf_weights, final_norm=final_norm, layer_types=LAYER_TYPES,
+    mtp=MTPHead(prefixes=mtp_prefixes, new_cache=mtp_new_cache, target_hidden=target_hidden, step=mtp_step,
+                logits=mtp_logits, hidden_shape=mtp_hidden_shape))

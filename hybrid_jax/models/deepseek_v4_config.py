@@ -9,6 +9,10 @@ Every layer keeps a sliding window of raw (shared K=V) entries; `layer_types` ad
 (learned Top-K). The residual stream is `hc_mult` parallel streams (mHC hyper-connections).
 RoPE "main" / "compress" differ in theta (and may use YaRN); both rotate the trailing
 `rope_dim` channels with interleaved pairs.
+`mtp_layer_type`: the attention type of the multi-token-prediction block's layer (the checkpoint's
+`mtp.0.*`), layer `num_hidden_layers` of the original config's `compress_ratios` (or of a
+`layer_types` one entry longer than the model); "sliding_attention" when neither says (the trailing 0
+of the published DeepSeek-V4-Flash config).
 """
 from __future__ import annotations
 
@@ -63,9 +67,10 @@ class DeepseekV4Config(LayerPattern):
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
     dtype: str = "float32"
+    mtp_layer_type: str = "sliding_attention"
 
     def __post_init__(self):
-        bad = sorted({t for t in self.layer_types if t not in LAYER_TYPES})
+        bad = sorted({t for t in self.layer_types + (self.mtp_layer_type,) if t not in LAYER_TYPES})
         if bad:
             raise ConfigError(f"unknown layer type(s) {bad} in layer_types for deepseek_v4; known: {list(LAYER_TYPES)}")
         bad = sorted({t for t in self.mlp_layer_types if t not in MLP_LAYER_TYPES})
@@ -148,6 +153,9 @@ def deepseek_v4_config(d: dict[str, Any]) -> DeepseekV4Config:
     unknown = sorted({t for t in layer_types if t not in LAYER_TYPES})
     if unknown:
         raise ConfigError(f"unknown layer type(s) {unknown} in layer_types for deepseek_v4; known: {list(LAYER_TYPES)}")
+    ratios = d.get("compress_ratios") or ()          # the MTP layer's type (see above): entry n of either list
+    mtp_type = (_RATIO_TO_TYPE.get(ratios[n], f"compress_ratios[{n}]={ratios[n]}") if len(ratios) > n
+                else layer_types[n] if len(layer_types) > n else "sliding_attention")
     mlp = d.get("mlp_layer_types")
     if mlp is None:
         k = int(d.get("num_hash_layers", 3) if d.get("num_hash_layers") is not None else 3)
@@ -189,4 +197,4 @@ def deepseek_v4_config(d: dict[str, Any]) -> DeepseekV4Config:
         routed_scaling_factor=float(d.get("routed_scaling_factor", 1.5)),
         swiglu_limit=float(d.get("swiglu_limit", 10.0)),
         max_position_embeddings=int(d.get("max_position_embeddings", 1048576)),
-        **common_fields(d))
+        mtp_layer_type=mtp_type, **common_fields(d))

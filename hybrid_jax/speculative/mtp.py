@@ -1,11 +1,12 @@
 """Multi-token prediction (MTP): a checkpoint's own MTP block as the engine's speculative drafter.
 
-Qwen3-Next / Qwen3.5 (`mtp.*`) and DeepSeek-V3.2 (layer `num_hidden_layers`) ship one extra decoder
-layer trained to predict the token after next: at position i it reads the token at i + 1 and the
-target's hidden state at i (`target_hidden`: the last layer's output after the final norm). Each
-family that has one gives its `ModelFamily` an `MTPHead`: `step(cfg, params, cache, tokens, hidden,
-n_new)` -> (hidden out, cache), `logits(cfg, params, h)` (the target's LM head), and `new_cache` (a
-one-layer cache of the family).
+Qwen3-Next / Qwen3.5 (`mtp.*`), DeepSeek-V3.2 (layer `num_hidden_layers`) and DeepSeek-V4
+(`mtp.0.*`) ship one extra decoder layer trained to predict the token after next: at position i it
+reads the token at i + 1 and the target's hidden state at i (`target_hidden`: the last layer's output
+after the final norm; for DeepSeek-V4 its mHC streams before the hyper head, `MTPHead.hidden_shape`).
+Each family that has one gives its `ModelFamily` an `MTPHead`: `step(cfg, params, cache, tokens,
+hidden, n_new)` -> (hidden out, cache), `logits(cfg, params, h)` (the target's LM head), and
+`new_cache` (a one-layer cache of the family).
 
 The runner keeps an MTP state per cache row, in step with the target's rows:
   cache   the block's KV entries for positions 0 .. n-2 of a row the target holds n tokens of (the
@@ -70,9 +71,11 @@ def check_all_read(model, cfg, keys, read: set[str]):
 
 
 def new_state(model, cfg, rows: int, capacity: int, dtype) -> dict:
-    """The MTP state of `rows` cache rows of up to `capacity` positions (see the module docstring)."""
-    return {"cache": model.mtp.new_cache(cfg, rows, capacity, dtype),
-            "hidden": jnp.zeros((rows, cfg.hidden_size), dtype)}
+    """The MTP state of `rows` cache rows of up to `capacity` positions (see the module docstring).
+    One position's hidden state is [Hd], or the head's `hidden_shape` (DeepSeek-V4: its N mHC streams
+    [N, Hd])."""
+    shape = model.mtp.hidden_shape(cfg) if model.mtp.hidden_shape is not None else (cfg.hidden_size,)
+    return {"cache": model.mtp.new_cache(cfg, rows, capacity, dtype), "hidden": jnp.zeros((rows, *shape), dtype)}
 
 
 def take(state: dict, rows: jax.Array, reset: jax.Array | None = None) -> dict:
@@ -87,7 +90,7 @@ def put(state: dict, rows: jax.Array, sub: dict) -> dict:
 def advance(model, cfg, params, sub: dict, tokens: jax.Array, hidden: jax.Array, n_new: jax.Array,
             fresh: jax.Array | None = None, impl: str = "auto") -> dict:
     """Feeds the block what the target was fed: tokens [B, T] (row b's first n_new[b] real) and the
-    target's hidden states there [B, T, Hd]. Token t is paired with the hidden state before it (the
+    target's hidden states there [B, T, *hidden shape]. Token t is paired with the hidden state before it (the
     row's waiting one for t = 0); a `fresh` row [B] (an empty MTP cache) skips its first token, which
     has none. The last real position's hidden state waits for the next token."""
     B, T = tokens.shape
@@ -95,17 +98,18 @@ def advance(model, cfg, params, sub: dict, tokens: jax.Array, hidden: jax.Array,
     idx = jnp.arange(T, dtype=jnp.int32)[None, :] + shift[:, None]                   # [B, T]
     toks = jnp.take_along_axis(jnp.pad(tokens, ((0, 0), (0, 1))), idx, axis=1)
     prev = sub["hidden"]
-    hs = jnp.concatenate([prev[:, None].astype(hidden.dtype), hidden], axis=1)        # [B, T + 1, Hd]
-    hin = jnp.take_along_axis(hs, idx[..., None], axis=1)
+    extra = (1,) * (hidden.ndim - 2)                                                  # trailing hidden axes
+    hs = jnp.concatenate([prev[:, None].astype(hidden.dtype), hidden], axis=1)        # [B, T + 1, ...]
+    hin = jnp.take_along_axis(hs, idx.reshape(B, T, *extra), axis=1)
     n = jnp.maximum(n_new - shift, 0).astype(jnp.int32)
     _, cache = model.mtp.step(cfg, params, sub["cache"], toks, hin, n, impl=impl)
-    last = jnp.take_along_axis(hidden, jnp.maximum(n_new - 1, 0)[:, None, None], axis=1)[:, 0]
-    return {"cache": cache, "hidden": jnp.where((n_new > 0)[:, None], last.astype(prev.dtype), prev)}
+    last = jnp.take_along_axis(hidden, jnp.maximum(n_new - 1, 0).reshape(B, 1, *extra), axis=1)[:, 0]
+    return {"cache": cache, "hidden": jnp.where((n_new > 0).reshape(B, *extra), last.astype(prev.dtype), prev)}
 
 
 def draft_step(model, cfg, params, run: jax.Array, impl: str = "auto"):
     """The drafter's step for `ModelRunner._draft`: (carry, token [B]) -> (logits [B, V], carry), with
-    carry = (scratch cache, hidden [B, 1, Hd]); starting from (sub["cache"], sub["hidden"][:, None]),
+    carry = (scratch cache, hidden [B, 1, *hidden shape]); starting from (sub["cache"], sub["hidden"][:, None]),
     the first call drafts from the target's waiting hidden state, the next ones from the block's own."""
     def step(carry, tok):
         cache, h = carry

@@ -216,3 +216,53 @@ def with_mtp(src: str, dst: str, *, prefix: str = "model.", layer: int, mode: st
         if f not in ("model.safetensors", "config.json"):
             shutil.copy(os.path.join(src, f), os.path.join(dst, f))
     return dst
+
+
+def with_v4_mtp(src: str, dst: str, *, mode: str = "copy", drop=(), extra=None, seed: int = 0,
+                config_update: dict | None = None) -> str:
+    """src (a DeepSeek-V4 checkpoint written by transformers, which drops MTP weights) plus the MTP block
+    in the release's layout, `mtp.0.*`: e_proj, h_proj, enorm, hnorm, norm, hc_head_fn / base / scale,
+    and a decoder layer in the release's names (`attn.*` with `attn.kv_norm`, `ffn.*`, `hc_attn_*`, ...)
+    copied from the last layer. mode "copy": a meaningful drafter: every other layer is silenced
+    (attention output and experts' down projections zeroed, so the target is its last layer over the
+    embedding broadcast to the mHC streams), the embedding rows get RMS 1, e_proj passes the next
+    token's embedding through and h_proj is zero, and the hyper head and norm are the target's, so the
+    block computes what the target computes one position later. mode "random": projections, norms and
+    hyper head random (drafts are noise). drop: MTP tensors left out (names after `mtp.0.`); extra:
+    tensors added; config_update: config.json keys set."""
+    t = load(src)
+    cfg = read_config(src)
+    n, Hd, N = cfg["num_hidden_layers"], cfg["hidden_size"], cfg["hc_mult"]
+    last = f"model.layers.{n - 1}."
+    mtp = {"mtp.0." + k[len(last):].replace("attn.norm.weight", "attn.kv_norm.weight"): v.copy()
+           for k, v in t.items() if k.startswith(last)}
+    rng = np.random.default_rng(seed)
+    if mode == "copy":
+        e = t["model.embed_tokens.weight"]
+        t["model.embed_tokens.weight"] = e / np.sqrt(np.mean(e * e, axis=1, keepdims=True))
+        for k in list(t):
+            if k.startswith("model.layers.") and not k.startswith(last) and k.endswith(("attn.wo_b.weight",
+                                                                                     "w2.weight")):
+                t[k] = np.zeros_like(t[k])
+        mtp["mtp.0.e_proj.weight"] = np.eye(Hd, dtype=np.float32)
+        mtp["mtp.0.h_proj.weight"] = np.zeros((Hd, Hd), np.float32)
+        mtp["mtp.0.enorm.weight"], mtp["mtp.0.hnorm.weight"] = np.ones((Hd,), np.float32), np.ones((Hd,), np.float32)
+        mtp["mtp.0.norm.weight"] = t["model.norm.weight"].copy()
+        for x in ("fn", "base", "scale"):
+            mtp[f"mtp.0.hc_head_{x}"] = t[f"model.hc_head.hc_{x}"].copy()
+    else:
+        for x in ("e_proj", "h_proj"):
+            mtp[f"mtp.0.{x}.weight"] = rng.normal(0, 0.2, (Hd, Hd)).astype(np.float32)
+        for x in ("enorm", "hnorm", "norm"):
+            mtp[f"mtp.0.{x}.weight"] = (1 + rng.normal(0, 0.1, (Hd,))).astype(np.float32)
+        mtp["mtp.0.hc_head_fn"] = rng.normal(0, 0.05, (N, N * Hd)).astype(np.float32)
+        mtp["mtp.0.hc_head_base"] = rng.normal(0, 0.1, (N,)).astype(np.float32)
+        mtp["mtp.0.hc_head_scale"] = np.ones((1,), np.float32)
+    for k in drop:
+        mtp.pop("mtp.0." + k)
+    save(dst, {**t, **mtp, **(extra or {})})
+    write_config(dst, {**cfg, **(config_update or {})})
+    for f in os.listdir(src):
+        if f not in ("model.safetensors", "config.json"):
+            shutil.copy(os.path.join(src, f), os.path.join(dst, f))
+    return dst

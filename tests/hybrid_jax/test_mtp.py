@@ -1,11 +1,12 @@
-"""MTP heads: the multi-token-prediction block of Qwen3-Next / Qwen3.5 (`mtp.*`) is loaded, and
+"""MTP heads: the multi-token-prediction block of Qwen3-Next / Qwen3.5 (`mtp.*`), DeepSeek-V3.2 (layer
+`num_hidden_layers`) and DeepSeek-V4 (the release's `mtp.0.*`) is loaded, and
 `speculative_config={"method": "mtp"}` drafts with it in the engine. Greedy output equals plain
 decoding (both rollbacks, chunked prefill, requests joining and leaving); on a checkpoint whose MTP
 block is a copy of the target's attention layer fed the next token's embedding, drafts are
 meaningful and mostly accepted. An MTP layout the loader does not know, a missing MTP tensor, or
 method "mtp" on a checkpoint without the block each fail naming the problem.
 
-The tiny checkpoints are written by transformers (which drops MTP weights) and get their `mtp.*`
+The tiny checkpoints are written by transformers (which drops MTP weights) and get their MTP
 tensors here, by hand, in the published layout."""
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from release_formats import (
     read_config,
     save,
     with_mtp,
+    with_v4_mtp,
     write_config,
 )
 
@@ -226,17 +228,118 @@ def test_qwen3_5_mtp_block(tmp_path):
     assert eng.spec_stats()["acceptance_rate"] > 0.5, eng.spec_stats()
 
 
-def test_deepseek_v4_mtp_is_not_supported_yet_and_says_so(caplog):
-    """DeepSeek-V4's `mtp.0.*` block is not loaded yet: the load says so (the model itself is complete)
-    and method "mtp" on V4 is an InputError naming the family."""
-    import logging  # noqa: PLC0415
-    from types import SimpleNamespace  # noqa: PLC0415
+# --- DeepSeek-V4: the release's `mtp.0.*` block (e_proj / h_proj / enorm / hnorm / norm / hc_head_*) ---
 
-    from hybrid_jax.models import get_model  # noqa: PLC0415
-    from hybrid_jax.speculative.mtp import check_all_read, check_mtp  # noqa: PLC0415
-    v4, cfg = get_model("deepseek_v4"), SimpleNamespace(model_type="deepseek_v4")
+V4_MTP = dict(num_hidden_layers=2, layer_types=["compressed_sparse_attention", "sliding_attention"],
+              mlp_layer_types=["hash_moe", "moe"])
+
+
+@pytest.fixture(scope="module")
+def v4_mtp(tmp_path_factory):
+    """test_deepseek_v4's model with two layers, [CSA (hash MoE), sliding window (Top-K MoE)], and an MTP
+    block copied from the sliding-window layer (the published V4-Flash's MTP layer is sliding-window)."""
+    from test_deepseek_v4 import make_checkpoint as make_v4  # noqa: PLC0415
+    root = tmp_path_factory.mktemp("mtp_dsv4")
+    src = make_v4(root / "src", seed=2, **V4_MTP)
+    return {"copy": with_v4_mtp(src, str(root / "copy")), "none": src, "root": root,
+            "random": with_v4_mtp(src, str(root / "random"), mode="random")}
+
+
+def test_deepseek_v4_mtp_block_is_loaded(v4_mtp, caplog):
+    """The `mtp.0.*` tensors become params["mtp"] (nothing dropped, nothing left unread); a missing or
+    unknown MTP tensor and an MTP layer whose tensors disagree with config.json fail naming them."""
+    import logging  # noqa: PLC0415
+
+    import jax  # noqa: PLC0415
     with caplog.at_level(logging.WARNING, logger="hybrid_jax.speculative.mtp"):
-        check_all_read(v4, cfg, ["embed.weight", "mtp.0.enorm.weight", "mtp.0.e_proj.weight"], {"embed.weight"})
-    assert "2 mtp.* tensors" in caplog.text and "not loaded" in caplog.text
-    with pytest.raises(InputError, match="not supported for model_type 'deepseek_v4'"):
-        check_mtp(v4, cfg, {}, "v4")
+        llm = LLM(model=v4_mtp["copy"], dtype="float32", max_model_len=128)
+    assert "not loaded" not in caplog.text
+    mp, Hd, N = llm.params["mtp"], llm.config.hidden_size, llm.config.hc_mult
+    assert llm.config.mtp_layer_type == "sliding_attention" and len(llm.params["layers"]) == 2
+    assert mp["e_proj"].shape == mp["h_proj"].shape == (Hd, Hd) and mp["hc_head"]["fn"].shape == (N * Hd, N)
+    np.testing.assert_array_equal(np.asarray(mp["e_proj"]), np.eye(Hd))
+    np.testing.assert_array_equal(np.asarray(mp["hc_head"]["fn"]), np.asarray(llm.params["hc_head"]["fn"]))
+    (layer,) = mp["layers"]
+    assert "bias" in layer["moe"] and "tid2eid" not in layer["moe"] and "c_kv" not in layer["attn"]
+    same = jax.tree.map(lambda a, b: bool(np.array_equal(np.asarray(a), np.asarray(b))), layer, llm.params["layers"][1])
+    assert all(jax.tree.leaves(same))                        # every tensor of the copied layer, as loaded
+    assert "mtp" not in LLM(model=v4_mtp["none"], max_model_len=128).params
+    root, none = v4_mtp["root"], v4_mtp["none"]
+    with pytest.raises(CheckpointError, match="mtp.0.hnorm.weight"):
+        LLM(model=with_v4_mtp(none, str(root / "missing"), drop=("hnorm.weight",)))
+    with pytest.raises(CheckpointError, match="mtp.0.ffn.mystery"):
+        LLM(model=with_v4_mtp(none, str(root / "unknown"), extra={"mtp.0.ffn.mystery": np.ones(3, np.float32)}))
+    with pytest.raises(CheckpointError, match="MTP tensors"):              # no e_proj: the block is not understood
+        LLM(model=with_v4_mtp(none, str(root / "no_e_proj"), drop=("e_proj.weight",)))
+    hca = {"layer_types": V4_MTP["layer_types"] + ["heavily_compressed_attention"]}
+    with pytest.raises(CheckpointError, match="heavily_compressed_attention"):   # config: HCA; tensors: window only
+        LLM(model=with_v4_mtp(none, str(root / "wrong_type"), config_update=hca))
+
+
+@pytest.mark.parametrize("kind", ["copy", "random"])
+def test_deepseek_v4_mtp_greedy_output_equals_plain_decoding(v4_mtp, kind):
+    """float32; prompts longer than the token budget; K = 2 fixed. The copied block's drafts are mostly
+    accepted, through LLM(speculative_config=...) as well as the engine."""
+    llm = LLM(model=v4_mtp[kind], dtype="float32", max_model_len=128)
+    prompts = [{"prompt_token_ids": p} for p in _prompts(4, vocab=97, seed=7)]
+    sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
+    eng = _engine(llm, num_speculative_tokens=2, dynamic_k=False)
+    assert [o.token_ids for o in eng.generate(prompts, sp)] == want
+    st = eng.spec_stats()
+    assert st["method"] == "mtp" and st["verify_steps"] > 0 and st["draft_tokens"] > 0
+    assert st["rollback"] == "replay"        # V4's window ring and compressor tails: selection cannot restore them
+    if kind == "copy":
+        assert st["acceptance_rate"] > 0.5, st
+        assert st["mean_accepted_length"] > 1.5, st
+        spec = LLM(model=v4_mtp[kind], dtype="float32", max_model_len=128,
+                   speculative_config={"method": "mtp", "num_speculative_tokens": 3})
+        assert [o.outputs[0].token_ids for o in spec.generate(prompts, sp)] == want
+        assert spec.spec_stats()["accepted_tokens"] > 0
+
+
+def test_deepseek_v4_compressed_mtp_layer(v4_mtp):
+    """An MTP layer with a compressor (config.json's entry num_hidden_layers of layer_types /
+    compress_ratios: here HCA, rate 8, a copy of the target's HCA layer): its paged entries and tail
+    live in the MTP state's one-layer cache; greedy output equals plain decoding, drafts are accepted."""
+    from test_deepseek_v4 import make_checkpoint as make_v4  # noqa: PLC0415
+    root = v4_mtp["root"]
+    types = ["compressed_sparse_attention", "heavily_compressed_attention"]
+    src = make_v4(root / "src_hca", seed=4, num_hidden_layers=2, layer_types=types,
+                  mlp_layer_types=["hash_moe", "moe"])
+    ckpt = with_v4_mtp(src, str(root / "hca"), config_update={"layer_types": types + [types[1]]})
+    llm = LLM(model=ckpt, dtype="float32", max_model_len=128)
+    assert llm.config.mtp_layer_type == "heavily_compressed_attention" and "c_kv" in llm.params["mtp"]["layers"][0]["attn"]
+    prompts = [{"prompt_token_ids": p} for p in _prompts(4, vocab=97, seed=8)]
+    sp = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
+    eng = _engine(llm, num_speculative_tokens=2, dynamic_k=False)
+    assert [o.token_ids for o in eng.generate(prompts, sp)] == want
+    assert eng.spec_stats()["accepted_tokens"] > 0, eng.spec_stats()
+
+
+def test_deepseek_v4_release_mtp_block_kept_in_fp8(v4_mtp):
+    """The release's quantization covers the MTP block like the rest (FP8 with float8_e8m0fnu `.scale`
+    blocks for attention, shared expert and e_proj / h_proj; FP4 routed experts; names unprefixed): with
+    quantization="fp8" they stay FP8 on the device, and MTP drafting keeps the greedy output of the same
+    model decoding plainly."""
+    import re  # noqa: PLC0415
+
+    from test_deepseek_release import V4_QUANT, v4_release_name  # noqa: PLC0415
+    dst = str(v4_mtp["root"] / "fp8")
+    quantize_release(v4_mtp["copy"], dst, v4_names=True, rename=v4_release_name,
+                     quantization_config=V4_QUANT, config_update={"expert_dtype": "fp4"},
+                     fp4=lambda n, a: re.search(r"\.ffn\.experts\.\d+\.w[123]\.weight$", n) is not None,
+                     fp8=lambda n, a: a.ndim == 2 and n.endswith(".weight") and "weights_proj" not in n and (
+                         ".attn." in n or ".shared_experts." in n or n.endswith(("e_proj.weight", "h_proj.weight"))))
+    assert "mtp.0.e_proj.scale" in load(dst)
+    llm = LLM(model=dst, dtype="float32", max_model_len=128, quantization="fp8")
+    mp = llm.params["mtp"]
+    assert isinstance(mp["e_proj"], Fp8Weight) and isinstance(mp["layers"][0]["attn"]["q_a"], Fp8Weight)
+    assert isinstance(mp["layers"][0]["moe"]["gate_up"], Fp8Weight)
+    prompts = [{"prompt_token_ids": p} for p in _prompts(2, vocab=97, seed=9)]
+    sp = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
+    eng = _engine(llm, num_speculative_tokens=2, dynamic_k=False)
+    assert [o.token_ids for o in eng.generate(prompts, sp)] == want
+    assert eng.spec_stats()["accepted_tokens"] > 0
