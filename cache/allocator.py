@@ -74,11 +74,14 @@ class AllocConfig:
 
 @dataclasses.dataclass(frozen=True)
 class AllocState:
-    """segments: id -> Segment (live ones only; freed ids are gone); clock: logical time of the last op."""
+    """segments: id -> Segment (live ones only; freed ids are gone); clock: logical time of the last op;
+    device_bytes: Kind -> unweighted bytes of the device-resident segments (WRITING and DEVICE), kept
+    by `_put` as segments change, so the cap check costs the number of kinds, not of segments."""
     config: AllocConfig
     segments: Mapping[int, Segment] = dataclasses.field(default_factory=lambda: _frozen({}))
     next_id: int = 1
     clock: int = 0
+    device_bytes: Mapping[Kind, int] = dataclasses.field(default_factory=lambda: _frozen({}))
 
     def get(self, seg_id: int) -> Segment:
         try:
@@ -93,7 +96,7 @@ class AllocState:
 
     @property
     def device_weighted_bytes(self) -> float:
-        return sum(self.config.weighted(s) for s in self.segments.values() if s.state in DEVICE_STATES)
+        return sum(self.config.weights[k] * n for k, n in self.device_bytes.items())
 
 
 def init_state(config: AllocConfig) -> AllocState:
@@ -101,15 +104,25 @@ def init_state(config: AllocConfig) -> AllocState:
 
 
 def _put(state: AllocState, *segs: Segment, drop: tuple[int, ...] = (), next_id: int | None = None) -> AllocState:
+    """The state with `segs` written (a FREE one leaves the record) and `drop` removed; device_bytes
+    follows every change of a segment's state or size."""
     d = dict(state.segments)
+    dev = dict(state.device_bytes)
+
+    def count(seg: Segment | None, sign: int):
+        if seg is not None and seg.state in DEVICE_STATES:
+            dev[seg.kind] = dev.get(seg.kind, 0) + sign * seg.nbytes
+
     for sid in drop:
-        d.pop(sid, None)
+        count(d.pop(sid, None), -1)
     for s in segs:
+        count(d.get(s.id), -1)
         if s.state is SegState.FREE:
             d.pop(s.id, None)
         else:
             d[s.id] = s
-    return dataclasses.replace(state, segments=_frozen(d), clock=state.clock + 1,
+            count(s, +1)
+    return dataclasses.replace(state, segments=_frozen(d), clock=state.clock + 1, device_bytes=_frozen(dev),
                                next_id=state.next_id if next_id is None else next_id)
 
 
@@ -265,6 +278,8 @@ def evicted_ids(before: AllocState, after: AllocState) -> tuple[int, ...]:
 
 def bytes_by_kind(state: AllocState, states: frozenset[SegState] = DEVICE_STATES) -> dict[Kind, int]:
     """Unweighted bytes of segments in `states`, per kind (every kind present, 0 if none)."""
+    if states == DEVICE_STATES:
+        return {k: state.device_bytes.get(k, 0) for k in Kind}
     out = {k: 0 for k in Kind}
     for s in state.segments.values():
         if s.state in states:

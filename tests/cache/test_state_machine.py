@@ -228,6 +228,12 @@ class CacheMachine(RuleBasedStateMachine):
     def caps_and_counts(self):
         self.step_counter[0] += 1
         assert self.alloc.device_weighted_bytes <= CAP
+        # the per-kind device totals the allocator keeps equal a recount of its segments
+        recount = {}
+        for seg in self.alloc.segments.values():
+            if seg.state in (SegState.WRITING, SegState.DEVICE):
+                recount[seg.kind] = recount.get(seg.kind, 0) + seg.nbytes
+        assert {k: n for k, n in self.alloc.device_bytes.items() if n} == recount
         holds = self._holds()
         for seg in self.alloc.segments.values():
             assert seg.ref_count >= 0
