@@ -81,7 +81,7 @@ class KVGroup(CacheGroup):
     v: jax.Array               # [L, P, ps, Hkv, D]
     page_table: jax.Array      # [B, NP] int32: row b's token p is at page page_table[b, p // ps]
     layer_ids: tuple[int, ...] = flax.struct.field(pytree_node=False, default=())
-    writer_abi: str = flax.struct.field(pytree_node=False, default=kernel_abi.PAGED_ATTENTION.id)
+    writer_abi: str = flax.struct.field(pytree_node=False, default=kernel_abi.RAGGED_PAGED_ATTENTION.id)
 
     kind = "full_kv"
     STORE_KIND = Kind.FULL_KV

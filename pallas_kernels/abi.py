@@ -47,7 +47,6 @@ def all_abis() -> dict[str, KernelABI]:
 # writes the same layout, so they share one id: a state written by one may be read by another.
 GATED_DELTA_RULE = register(KernelABI("gated_delta_rule", "state[N,HV,K,V]:f32", 1))
 CAUSAL_CONV1D = register(KernelABI("causal_conv1d", "conv_state[N,C,W-1]", 1))
-PAGED_ATTENTION = register(KernelABI("attention_kv", "kv[N,S,Hkv,D]", 1))
 # Full attention over a paged KV pool (pallas_kernels.ragged_paged_attention): separate K and V pools of pages of
 # ps tokens, token-major inside a page, addressed per sequence by page_indices. The op only reads; the full-attention
 # KV group that writes these pages records this id as its writer.
