@@ -164,6 +164,9 @@ class BlockManager:
             return False
         got: list[tuple[str, int]] = []
         for n, k in need.items():
+            short = k - len(self._free[n])
+            if short > 0 and self.reclaimer is not None:    # one reclaim for the group, not one per page
+                self.reclaimer.reclaim(n, short)
             for _ in range(k):
                 p = self._take(n)
                 if p is None:                       # the reclaimer promised more than it gave

@@ -402,14 +402,12 @@ class PrefixCache:
     def reclaim(self, group: str, n: int) -> int:
         """Lets go of up to n units of `group` only the store holds, least recently used first (a
         chain's tail before its head). Returns how many units were freed."""
-        freed = 0
-        while freed < n:
-            victim = next((v for v in A.eviction_order(self.alloc) if v.group == group and self._sole(v.id)), None)
-            if victim is None:
-                break
-            self._drop_from_device(victim.id, reclaimed=True)
-            freed += 1
-        return freed
+        # one pass over the eviction order: dropping a victim neither reorders the others nor changes
+        # who else holds their units
+        victims = [v.id for v in A.eviction_order(self.alloc) if v.group == group and self._sole(v.id)][:max(n, 0)]
+        for sid in victims:
+            self._drop_from_device(sid, reclaimed=True)
+        return len(victims)
 
     def _drop_from_device(self, sid: int, reclaimed: bool = False):
         """The segment leaves the device: offloaded when a disk span holds its bytes, else freed.
