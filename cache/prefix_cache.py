@@ -52,7 +52,6 @@ import time
 from typing import Callable, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from cache import allocator as A
@@ -192,7 +191,7 @@ class PrefixCache:
         try:
             for name, ids in pages.items():
                 self.blocks.share(request_id, name, ids)
-            cache, ok = self._load(cache, self.versions, jnp.int32(row), plan, jnp.int32(hit.boundary))
+            cache, ok = self._load(cache, self.versions, np.int32(row), plan, np.int32(hit.boundary))
             ok = bool(ok)
         finally:
             self.alloc = A.release_many(self.alloc, held)
@@ -240,7 +239,7 @@ class PrefixCache:
         the boundary), the fixed-width load plan of the checkpoint groups ({group: (unit or -1,
         expected version)}) and the segment ids the load holds."""
         pages: dict[str, list[int]] = {}
-        plan = {n: (jnp.int32(-1), jnp.int32(0)) for n in self._ckpt_groups}
+        plan = {n: (np.int32(-1), np.int32(0)) for n in self._ckpt_groups}
         held = []
         for spec in self.specs:
             blocks = []
@@ -249,7 +248,7 @@ class PrefixCache:
                 seg = self.alloc.get(sid)
                 group, unit = self._units[sid]
                 if spec.is_checkpoint:
-                    plan[spec.name] = (jnp.int32(unit), jnp.int32(self._unit_version[group][unit]))
+                    plan[spec.name] = (np.int32(unit), np.int32(self._unit_version[group][unit]))
                 elif seg.end <= hit.boundary:
                     blocks.append((seg.start, unit))
             if not spec.is_checkpoint:
@@ -271,7 +270,7 @@ class PrefixCache:
         for spec in self.specs:
             keys = self._keys(tokens, spec)
             if spec.is_checkpoint:
-                plan[spec.name] = jnp.int32(-1)
+                plan[spec.name] = np.int32(-1)
                 ends = [] if self._live(spec, keys, boundary) else [boundary]
             else:
                 ends = [b for b in range(spec.block_size, boundary + 1, spec.block_size)
@@ -283,12 +282,12 @@ class PrefixCache:
                     self.refused_publishes += 1
                     return cache
                 if spec.is_checkpoint:
-                    plan[spec.name] = jnp.int32(self._units[sid][1])
+                    plan[spec.name] = np.int32(self._units[sid][1])
                 new.append((spec, sid, b, key_at(keys, geo.gcd, b)))
         if not new:
             return cache
         if any(int(u) >= 0 for u in plan.values()):
-            cache, self.versions = self._save(cache, self.versions, jnp.int32(row), plan)
+            cache, self.versions = self._save(cache, self.versions, np.int32(row), plan)
             for name, u in plan.items():
                 if int(u) >= 0:
                     self._unit_version[name][int(u)] += 1
@@ -539,10 +538,10 @@ class PrefixCache:
     def warmup(self, cache: ModelCache, row: int) -> ModelCache:
         """Compiles the checkpoint save and load programs. Every plan entry is padding, so nothing is
         stored or loaded; `row` (the engine's null row) keeps its content."""
-        save_plan = {n: jnp.int32(-1) for n in self._ckpt_groups}
-        cache, self.versions = self._save(cache, self.versions, jnp.int32(row), save_plan)
-        load_plan = {n: (jnp.int32(-1), jnp.int32(0)) for n in self._ckpt_groups}
-        cache, _ = self._load(cache, self.versions, jnp.int32(row), load_plan, jnp.int32(0))
+        save_plan = {n: np.int32(-1) for n in self._ckpt_groups}
+        cache, self.versions = self._save(cache, self.versions, np.int32(row), save_plan)
+        load_plan = {n: (np.int32(-1), np.int32(0)) for n in self._ckpt_groups}
+        cache, _ = self._load(cache, self.versions, np.int32(row), load_plan, np.int32(0))
         if self.disk is not None:
             cache = self.disk.warmup(cache)
         return cache

@@ -216,6 +216,13 @@ class LLM:
         ids = list(ids) if not isinstance(ids, np.ndarray) else ids.tolist()
         if not ids:
             raise InputError("empty prompt: it has no tokens")
+        try:
+            arr = np.asarray(ids)
+        except (OverflowError, ValueError, TypeError):     # e.g. an int past int64: named below
+            arr = None
+        if (arr is not None and arr.ndim == 1 and arr.dtype.kind in "iu"
+                and 0 <= arr.min() and arr.max() < self.config.vocab_size):
+            return text, arr.tolist()        # the common case, checked in one pass over an int array
         bad = [t for t in ids if not isinstance(t, (int, np.integer)) or not 0 <= t < self.config.vocab_size]
         if bad:
             raise InputError(f"token ids outside the vocabulary [0, {self.config.vocab_size}): {bad[:5]}")
