@@ -1,11 +1,24 @@
 """Pieces every model family's forward shares: where the new tokens sit, and the LM head."""
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
 from cache import ModelCache
 from hybrid_jax.models.contract import StepOutput
+
+
+@dataclasses.dataclass
+class LayerStep:
+    """One forward's working state, shared by its layers' mixers as they run (traced values); each
+    family's step adds what its mixers read and collect."""
+    cache: ModelCache
+    positions: jax.Array           # [B, T] (a ragged batch: [N])
+    valid: jax.Array               # [B, T] (a ragged batch: [N])
+    n_new: jax.Array               # [B]
+    impl: str
 
 
 def token_positions(cache: ModelCache, T: int, n_new: jax.Array):

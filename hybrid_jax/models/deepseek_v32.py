@@ -28,7 +28,7 @@ from hybrid_jax.layers import mlp as mlp_lib
 from hybrid_jax.layers.linear import linear
 from hybrid_jax.layers.mla import rms_norm, sparse_attention
 from hybrid_jax.layers.rope import rope_cos_sin
-from hybrid_jax.models.common import finish_step, token_positions
+from hybrid_jax.models.common import LayerStep, finish_step, token_positions
 from hybrid_jax.models.contract import LayerType, MTPHead, ModelFamily, StepOutput
 from hybrid_jax.weights import checked_getter, concat, dense_mlp_weights, expert_weights, to_device, to_device_linear
 from hybrid_jax.models.deepseek_v32_config import DeepseekV32Config
@@ -71,21 +71,16 @@ def deepseek_moe(cfg: DeepseekV32Config, p: dict, x: jax.Array) -> jax.Array:
 
 
 @dataclasses.dataclass
-class _Step:
-    """One forward's working state, shared by the layers' mixers (traced values). The pools are
-    written in place in their [L, ...] stacks (slicing a layer out and stacking the layers back copies
-    every pool at every step)."""
-    cache: ModelCache
-    positions: jax.Array           # [B, T]
-    valid: jax.Array               # [B, T]
-    n_new: jax.Array               # [B]
-    cos: jax.Array
-    sin: jax.Array
-    impl: str
-    latent: jax.Array
-    rope: jax.Array
-    keys: jax.Array
-    scale: jax.Array | None
+class _Step(LayerStep):
+    """The working state of one forward of this family (see LayerStep). The pools are written in
+    place in their [L, ...] stacks (slicing a layer out and stacking the layers back copies every pool
+    at every step)."""
+    cos: jax.Array | None = None
+    sin: jax.Array | None = None
+    latent: jax.Array | None = None
+    rope: jax.Array | None = None
+    keys: jax.Array | None = None
+    scale: jax.Array | None = None
     hits: list = dataclasses.field(default_factory=list)
 
 
@@ -124,7 +119,8 @@ def forward(cfg: DeepseekV32Config, params: dict, cache: ModelCache, tokens: jax
     hidden = [x] if return_hidden else None
     cos, sin = rope_cos_sin(positions, cfg.qk_rope_head_dim, cfg.rope, seq_len=cache.lengths + n_new)
     lg, ig = cache.groups["sparse_attention"], cache.groups["indexer"]
-    step = _Step(cache, positions, valid, n_new, cos, sin, impl, lg.latent, lg.rope, ig.keys, ig.scale)
+    step = _Step(cache, positions, valid, n_new, impl, cos=cos, sin=sin, latent=lg.latent, rope=lg.rope, keys=ig.keys,
+                 scale=ig.scale)
     for i, lp in enumerate(params["layers"]):
         h = rms_norm(x, lp["input_norm"], cfg.rms_norm_eps)
         x = x + LAYER_TYPES[cfg.layer_types[i]].mixer(cfg, lp, h, step, i)

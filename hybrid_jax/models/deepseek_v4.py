@@ -30,7 +30,7 @@ from hybrid_jax.layers.compressed_attention import compressed_attention, inv_fre
 from hybrid_jax.layers.hyper_connections import hc_head, hc_merge, hc_weights
 from hybrid_jax.layers.linear import dequantize, linear, take
 from hybrid_jax.layers.mla import rms_norm
-from hybrid_jax.models.common import finish_step, token_positions
+from hybrid_jax.models.common import LayerStep, finish_step, token_positions
 from hybrid_jax.models.contract import LayerType, MTPHead, ModelFamily, StepOutput
 from hybrid_jax.models.deepseek_v4_config import DeepseekV4Config
 from hybrid_jax.weights import checked_getter, concat, expert_weights, to_device, to_device_linear
@@ -137,16 +137,11 @@ def moe(cfg: DeepseekV4Config, p: dict, x, tokens):
 
 
 @dataclasses.dataclass
-class _Step:
-    """One forward's working state, shared by the layers' mixers (traced values)."""
-    cache: ModelCache
-    positions: jax.Array           # [B, T]
-    valid: jax.Array               # [B, T]
-    n_new: jax.Array               # [B]
-    freqs_main: jax.Array
-    freqs_compress: jax.Array
-    impl: str
-    groups: dict                   # the cache's groups, entry pools replaced as layers write them
+class _Step(LayerStep):
+    """The working state of one forward of this family (see LayerStep)."""
+    freqs_main: jax.Array | None = None
+    freqs_compress: jax.Array | None = None
+    groups: dict = dataclasses.field(default_factory=dict)   # the cache's groups, entry pools replaced as written
     rings: list = dataclasses.field(default_factory=list)
     states: dict = dataclasses.field(default_factory=dict)
 
@@ -180,8 +175,8 @@ def _layers(cfg: DeepseekV4Config, layers: list, cache: ModelCache, x, tokens, p
     each token mixer its type's (`LAYER_TYPES`): (streams after the last layer, the cache's new groups,
     [input, each layer's output] or None)."""
     hidden = [x] if return_hidden else None
-    step = _Step(cache, positions, valid, n_new, inv_freq(cfg.rope_main, cfg.rope_dim("main")),
-                 inv_freq(cfg.rope_compress, cfg.rope_dim("compress")), impl, dict(cache.groups))
+    step = _Step(cache, positions, valid, n_new, impl, freqs_main=inv_freq(cfg.rope_main, cfg.rope_dim("main")),
+                 freqs_compress=inv_freq(cfg.rope_compress, cfg.rope_dim("compress")), groups=dict(cache.groups))
     hc = dict(iters=cfg.hc_sinkhorn_iters, hc_eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps)
     for i, lp in enumerate(layers):
         post, comb, col = hc_weights(lp["attn_hc"], x, **hc)

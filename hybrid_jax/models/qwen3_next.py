@@ -33,7 +33,7 @@ from hybrid_jax.layers.linear import linear
 from hybrid_jax.layers.mlp import sparse_moe, swiglu
 from hybrid_jax.layers.norms import rms_norm_zero_centered
 from hybrid_jax.layers.rope import rope_cos_sin
-from hybrid_jax.models.common import finish_step, token_positions
+from hybrid_jax.models.common import LayerStep, finish_step, token_positions
 from hybrid_jax.models.contract import LayerType, MTPHead, ModelFamily, StepOutput
 from hybrid_jax.models.ragged import RaggedBatch
 from hybrid_jax.errors import CheckpointError
@@ -58,18 +58,13 @@ def _ffn(cfg: ModelConfig, lp: dict, x: jax.Array) -> jax.Array:
 
 
 @dataclasses.dataclass
-class _Step:
-    """One forward's working state, shared by the layers' mixers as they run (traced values)."""
-    cache: ModelCache
-    positions: jax.Array           # [B, T]
-    valid: jax.Array               # [B, T]
-    n_new: jax.Array               # [B]
-    cos: jax.Array
-    sin: jax.Array
-    impl: str
-    fused_recurrent: bool
-    per_token_states: bool
-    defer_kv_write: bool
+class _Step(LayerStep):
+    """The working state of one forward of this family (see LayerStep)."""
+    cos: jax.Array | None = None
+    sin: jax.Array | None = None
+    fused_recurrent: bool = False
+    per_token_states: bool = False
+    defer_kv_write: bool = False
     ragged: RaggedBatch | None = None  # forward_ragged: the flat batch (positions, valid: [N] then)
     k_all: jax.Array | None = None     # the KV page stacks, written in place layer after layer
     v_all: jax.Array | None = None
@@ -157,7 +152,8 @@ def forward(cfg: ModelConfig, params: dict, cache: ModelCache, tokens: jax.Array
     positions, valid = token_positions(cache, T, n_new)                  # [B, T] each
     x = params["embed"][tokens] if inputs_embeds is None else inputs_embeds
     cos, sin = rope_cos_sin(positions, cfg.rotary_dim, cfg.rope, seq_len=cache.lengths + n_new)
-    step = _Step(cache, positions, valid, n_new, cos, sin, impl, fused_recurrent, per_token_states, defer_kv_write)
+    step = _Step(cache, positions, valid, n_new, impl, cos=cos, sin=sin, fused_recurrent=fused_recurrent,
+                 per_token_states=per_token_states, defer_kv_write=defer_kv_write)
     x, groups, hidden = _layers(cfg, params, x, step, return_hidden)
     out = finish_step(cfg, params, cache, groups, x, n_new, final_norm=final_norm, logits_at=logits_at,
                       hidden=hidden)
@@ -178,8 +174,7 @@ def forward_ragged(cfg: ModelConfig, params: dict, cache: ModelCache, batch: Rag
     x = params["embed"][batch.tokens][None]                                  # [1, N, Hd]
     seq_len = (cache.lengths + batch.n_new)[batch.seq]
     cos, sin = rope_cos_sin(batch.positions[:, None], cfg.rotary_dim, cfg.rope, seq_len=seq_len)
-    step = _Step(cache, batch.positions, batch.valid, batch.n_new, cos[:, 0], sin[:, 0], impl, False, False, False,
-                 ragged=batch)
+    step = _Step(cache, batch.positions, batch.valid, batch.n_new, impl, cos=cos[:, 0], sin=sin[:, 0], ragged=batch)
     x, groups, _ = _layers(cfg, params, x, step, False)
     x = x[0][batch.last_index()][:, None]                                    # [S, 1, Hd]
     out = finish_step(cfg, params, cache, groups, x, batch.n_new, final_norm=final_norm, logits_at="all")

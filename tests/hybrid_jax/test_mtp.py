@@ -52,6 +52,17 @@ def _engine(llm, **spec):
                                        speculative_config={"method": "mtp", **spec}))
 
 
+def _mtp_equals_plain(llm, seed: int, n: int = 4, max_tokens: int = 12):
+    """n prompts (token ids < 97), max_tokens greedy tokens each: the engine with the MTP drafter
+    (K = 2 fixed) emits what plain decoding does. Returns (prompts, the tokens, the speculative stats)."""
+    prompts = [{"prompt_token_ids": p} for p in _prompts(n, vocab=97, seed=seed)]
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
+    eng = _engine(llm, num_speculative_tokens=2, dynamic_k=False)
+    assert [o.token_ids for o in eng.generate(prompts, sp)] == want
+    return prompts, want, eng.spec_stats()
+
+
 def test_mtp_block_is_loaded(qwen_mtp):
     llm = LLM(model=qwen_mtp["copy"], max_model_len=128)
     mp, Hd = llm.params["mtp"], llm.config.hidden_size
@@ -201,12 +212,7 @@ def test_deepseek_mtp_layer_is_loaded(deepseek_mtp):
 @pytest.mark.parametrize("kind", ["copy", "random"])
 def test_deepseek_mtp_greedy_output_equals_plain_decoding(deepseek_mtp, kind):
     llm = LLM(model=deepseek_mtp[kind], max_model_len=128)
-    prompts = [{"prompt_token_ids": p} for p in _prompts(4, vocab=97, seed=4)]
-    sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-    want = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
-    eng = _engine(llm, num_speculative_tokens=2, dynamic_k=False)
-    assert [o.token_ids for o in eng.generate(prompts, sp)] == want
-    st = eng.spec_stats()
+    _, _, st = _mtp_equals_plain(llm, seed=4)
     assert st["verify_steps"] > 0 and st["draft_tokens"] > 0
     if kind == "copy":
         assert st["acceptance_rate"] > 0.5, st
@@ -220,12 +226,8 @@ def test_qwen3_5_mtp_block(tmp_path):
     ckpt = with_mtp(src, str(tmp_path / "mtp"), prefix="model.language_model.", layer=2)
     llm = LLM(model=ckpt, max_model_len=128)
     assert set(llm.params["mtp"]["layers"][0]) == {"input_norm", "post_norm", "attn", "mlp"}
-    prompts = [{"prompt_token_ids": p} for p in _prompts(3, vocab=97, seed=5)]
-    sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-    want = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
-    eng = _engine(llm, num_speculative_tokens=2, dynamic_k=False)
-    assert [o.token_ids for o in eng.generate(prompts, sp)] == want
-    assert eng.spec_stats()["acceptance_rate"] > 0.5, eng.spec_stats()
+    _, _, st = _mtp_equals_plain(llm, seed=5, n=3)
+    assert st["acceptance_rate"] > 0.5, st
 
 
 # --- DeepSeek-V4: the release's `mtp.0.*` block (e_proj / h_proj / enorm / hnorm / norm / hc_head_*) ---
@@ -281,12 +283,8 @@ def test_deepseek_v4_mtp_greedy_output_equals_plain_decoding(v4_mtp, kind):
     """float32; prompts longer than the token budget; K = 2 fixed. The copied block's drafts are mostly
     accepted, through LLM(speculative_config=...) as well as the engine."""
     llm = LLM(model=v4_mtp[kind], dtype="float32", max_model_len=128)
-    prompts = [{"prompt_token_ids": p} for p in _prompts(4, vocab=97, seed=7)]
+    prompts, want, st = _mtp_equals_plain(llm, seed=7)
     sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-    want = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
-    eng = _engine(llm, num_speculative_tokens=2, dynamic_k=False)
-    assert [o.token_ids for o in eng.generate(prompts, sp)] == want
-    st = eng.spec_stats()
     assert st["method"] == "mtp" and st["verify_steps"] > 0 and st["draft_tokens"] > 0
     assert st["rollback"] == "replay"        # V4's window ring and compressor tails: selection cannot restore them
     if kind == "copy":
@@ -310,12 +308,8 @@ def test_deepseek_v4_compressed_mtp_layer(v4_mtp):
     ckpt = with_v4_mtp(src, str(root / "hca"), config_update={"layer_types": types + [types[1]]})
     llm = LLM(model=ckpt, dtype="float32", max_model_len=128)
     assert llm.config.mtp_layer_type == "heavily_compressed_attention" and "c_kv" in llm.params["mtp"]["layers"][0]["attn"]
-    prompts = [{"prompt_token_ids": p} for p in _prompts(4, vocab=97, seed=8)]
-    sp = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
-    want = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
-    eng = _engine(llm, num_speculative_tokens=2, dynamic_k=False)
-    assert [o.token_ids for o in eng.generate(prompts, sp)] == want
-    assert eng.spec_stats()["accepted_tokens"] > 0, eng.spec_stats()
+    _, _, st = _mtp_equals_plain(llm, seed=8, max_tokens=16)
+    assert st["accepted_tokens"] > 0, st
 
 
 def test_deepseek_v4_release_mtp_block_kept_in_fp8(v4_mtp):
@@ -337,9 +331,4 @@ def test_deepseek_v4_release_mtp_block_kept_in_fp8(v4_mtp):
     mp = llm.params["mtp"]
     assert isinstance(mp["e_proj"], Fp8Weight) and isinstance(mp["layers"][0]["attn"]["q_a"], Fp8Weight)
     assert isinstance(mp["layers"][0]["moe"]["gate_up"], Fp8Weight)
-    prompts = [{"prompt_token_ids": p} for p in _prompts(2, vocab=97, seed=9)]
-    sp = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
-    want = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
-    eng = _engine(llm, num_speculative_tokens=2, dynamic_k=False)
-    assert [o.token_ids for o in eng.generate(prompts, sp)] == want
-    assert eng.spec_stats()["accepted_tokens"] > 0
+    assert _mtp_equals_plain(llm, seed=9, n=2, max_tokens=10)[2]["accepted_tokens"] > 0
