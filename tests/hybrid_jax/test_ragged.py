@@ -1,0 +1,88 @@
+"""Ragged (flat, token-major) steps: a family's forward_ragged over sequences of unequal lengths (a long
+prefill chunk, a decode token, a chunk on a cached prefix, an empty sequence) gives the logits and the
+cache the padded [B, T] forward gives, and the ragged causal conv never reads across sequences."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from hybrid_jax import LLM
+from hybrid_jax.layers.gated_deltanet import causal_conv, ragged_causal_conv
+from hybrid_jax.models import get_model
+from hybrid_jax.models.ragged import pack
+
+
+@pytest.fixture(scope="module")
+def default():
+    llm = LLM()                 # Gated DeltaNet + gated full attention + MoE, the embedded default
+    return llm, get_model(llm.config.model_type)
+
+
+def _rel(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.sqrt(np.mean((a - b) ** 2)) / (np.sqrt(np.mean(b ** 2)) + 1e-30))
+
+
+def test_ragged_forward_equals_the_padded_forward(default):
+    llm, fam = default
+    cfg = llm.config
+    rng = np.random.default_rng(0)
+    B, CAP = 4, 192
+    held = [0, 20, 64, 10]                  # tokens each row holds before the step
+    cache = fam.new_cache(cfg, B, CAP, jnp.float32)
+    t = np.zeros((B, 64), np.int32)
+    for i, n in enumerate(held):
+        t[i, :n] = rng.integers(0, cfg.vocab_size, n)
+    cache = fam.forward(cfg, llm.params, cache, jnp.asarray(t), jnp.asarray(held, jnp.int32)).cache
+    new = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (37, 1, 9, 0)]
+    tp = np.zeros((B, 64), np.int32)
+    for i, a in enumerate(new):
+        tp[i, :len(a)] = a
+    n_new = jnp.asarray([len(a) for a in new], jnp.int32)
+    ref = fam.forward(cfg, llm.params, jax.tree_util.tree_map(jnp.copy, cache), jnp.asarray(tp), n_new)
+    batch = pack(new, held, 64, B)
+    assert batch.cu_seqlens.tolist() == [0, 37, 38, 47, 47] and not batch.valid[47:].any()
+    got = jax.jit(lambda c, b: fam.forward_ragged(cfg, llm.params, c, b))(jax.tree_util.tree_map(jnp.copy, cache),
+                                                                         batch)
+    for i in range(3):                      # the empty sequence's logits mean nothing
+        assert _rel(got.logits[i], ref.logits[i]) < 1e-5, i
+    assert got.cache.lengths.tolist() == ref.cache.lengths.tolist() == [37, 21, 73, 10]
+    for name, g in ref.cache.groups.items():
+        for f in ("conv", "ssm", "k", "v"):
+            if hasattr(g, f):
+                a, b = getattr(got.cache.groups[name], f), getattr(g, f)
+                assert _rel(a, b) < 1e-5, (name, f)
+    # the row that fed nothing kept its state bit for bit
+    rec = got.cache.groups["linear_attention"]
+    np.testing.assert_array_equal(np.asarray(rec.ssm[:, 3]), np.asarray(cache.groups["linear_attention"].ssm[:, 3]))
+
+
+def test_ragged_causal_conv_stays_inside_each_sequence():
+    rng = np.random.default_rng(1)
+    W, C, lens = 4, 6, [5, 1, 0, 2]
+    S = len(lens)
+    state = jnp.asarray(rng.normal(size=(S, W - 1, C)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(W, C)), jnp.float32)
+    xs = [rng.normal(size=(n, C)).astype(np.float32) for n in lens]
+    N = 10
+    flat = np.zeros((N, C), np.float32)
+    flat[:sum(lens)] = np.concatenate([x for x in xs if len(x)])
+    b = pack([[0] * n for n in lens], [0] * S, N, S)
+    y, new_state = ragged_causal_conv(jnp.asarray(flat), state, w, jnp.asarray(b.seq), jnp.asarray(b.cu_seqlens))
+    for s, x in enumerate(xs):
+        # each sequence alone through the padded conv, from its own state
+        xp = np.zeros((1, 5, C), np.float32)
+        xp[0, :len(x)] = x
+        ry, rs = causal_conv(jnp.asarray(xp), state[s:s + 1], w, jnp.asarray([len(x)], jnp.int32))
+        a, e = b.cu_seqlens[s], b.cu_seqlens[s + 1]
+        np.testing.assert_allclose(np.asarray(y[a:e]), np.asarray(ry[0, :len(x)]), rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(new_state[s]), np.asarray(rs[0]), rtol=1e-6, atol=1e-6)
+
+
+def test_pack_refuses_what_does_not_fit():
+    with pytest.raises(ValueError, match="does not fit"):
+        pack([[1, 2, 3], [4]], [0, 0], 3, 2)
+    with pytest.raises(ValueError, match="does not fit"):
+        pack([[1], [2], [3]], [0, 0, 0], 8, 2)
