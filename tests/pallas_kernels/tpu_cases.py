@@ -191,6 +191,9 @@ AWKWARD = {
     "dsa_indexer_prefill_fp8": Case(_indexer(100), lambda dt: _indexer_args(
         2, 75, 64, 128, 128, 3, jnp.float8_e4m3fn, dt, scale=True)),
     "dsa_mla_K100": Case(_mla, lambda dt: _mla_args(2, 3, 16, 512, 64, 64, 5, 100, dt)),
+    # more selections than SMEM holds (1 MiB): 512 queries x Top-K 2048 rows + flags are 8 MiB, as are 64 rows
+    # x 2048 of a decode step (with 128 heads) and a 2048-token prefill chunk of DeepSeek-V3.2
+    "dsa_mla_selections_over_smem": Case(_mla, lambda dt: _mla_args(1, 512, 16, 512, 64, 64, 32, 2048, dt)),
     "v4_window_only_T3": Case(_v4_attention(128), lambda dt: _v4_attention_args(2, 3, 64, 512, 128, dt)),
     "v4_csa_attention_K37": Case(_v4_attention(128), lambda dt: _v4_attention_args(
         2, 3, 64, 512, 128, dt, ps=16, NP=4, K=37)),
