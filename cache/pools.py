@@ -121,7 +121,9 @@ def build_pools(abstract: ModelCache, rows: int, pages: dict[str, int], units: d
 def _gather(group, rows, reset):
     upd = {}
     for f, ax in row_fields(group).items():
-        a = jnp.take(getattr(group, f), rows, axis=ax)
+        # rows are engine rows, always in bounds: jnp.take's default (fill out-of-bounds) adds a select that
+        # the TPU compiler materialises, a second copy of every recurrent state a decode step reads
+        a = jnp.take(getattr(group, f), rows, axis=ax, mode="clip")
         if reset is not None:
             mask = reset.reshape((1,) * ax + (-1,) + (1,) * (a.ndim - ax - 1))
             a = jnp.where(mask, jnp.asarray(_fill(group, f), a.dtype), a)
