@@ -61,9 +61,10 @@ def _tpu_kernel(rows_ref, ok_ref,                     # SMEM [1, Kp] int32: this
                 o_ref,                                # [H, R] f32
                 lat_buf, rp_buf, sem,                 # row_gather scratch
                 m_sc, l_sc, acc_sc,                   # [H, 1], [H, 1], [H, R] f32
-                *, bk, ps, G, scale):
+                *, bk, ps, G, scale, layer):
     j = pl.program_id(2)
-    gather = RowGather(rows_ref.at[0], (lat_hbm, rp_hbm), (lat_buf, rp_buf), sem, ps, bk, G)
+    pools = (lat_hbm, rp_hbm) if layer is None else (lat_hbm.at[layer], rp_hbm.at[layer])
+    gather = RowGather(rows_ref.at[0], pools, (lat_buf, rp_buf), sem, ps, bk, G)
 
     @pl.when(j == 0)
     def _():
@@ -106,15 +107,19 @@ def _gpu_kernel(rows_ref, ok_ref,                     # [K] int32
     o_ref[...] = (acc / jnp.where(l > 0, l, 1.0)).astype(o_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "config", "backend", "interpret"))
+@functools.partial(jax.jit, static_argnames=("scale", "config", "backend", "interpret", "layer"))
 def sparse_mla_pallas(q_lat, q_rope, latent, rope, page_table, indices, kv_lengths, *, scale: float,
                       config: SparseMLAConfig = SparseMLAConfig(), backend: str = "tpu",
-                      interpret: bool = False):
+                      interpret: bool = False, layer: int | None = None):
     """q_lat [B, T, H, R], q_rope [B, T, H, Dr], latent [P, ps, R], rope [P, ps, Dr], page_table [B, NP],
-    indices [B, T, K], kv_lengths [B] -> o_lat [B, T, H, R] f32."""
+    indices [B, T, K], kv_lengths [B] -> o_lat [B, T, H, R] f32. With `layer`, latent and rope are the
+    layers' stacks [L, P, ps, X] and layer `layer` is read: the TPU kernel DMAs its rows out of the stack
+    (a slice handed to a kernel is a copy of the layer's pool, every layer of every step)."""
+    if layer is not None and backend != "tpu":
+        latent, rope, layer = latent[layer], rope[layer], None
     B, T, H, R = q_lat.shape
     Dr = q_rope.shape[-1]
-    P, ps, _ = latent.shape
+    P, ps, _ = latent.shape[-3:]
     K = indices.shape[-1]
     rows, ok = physical_rows(indices.astype(jnp.int32), page_table.astype(jnp.int32), ps, P,
                              kv_lengths.astype(jnp.int32))               # [B, T, K]
@@ -136,7 +141,7 @@ def sparse_mla_pallas(q_lat, q_rope, latent, rope, page_table, indices, kv_lengt
             scratch_shapes=row_gather.scratch([(R, latent.dtype), (Dr, rope.dtype)], bk, G)
             + [pltpu.VMEM((H, 1), jnp.float32), pltpu.VMEM((H, 1), jnp.float32), pltpu.VMEM((H, R), jnp.float32)])
         return pl.pallas_call(
-            functools.partial(_tpu_kernel, bk=bk, ps=ps, G=G, scale=scale), grid_spec=grid_spec,
+            functools.partial(_tpu_kernel, bk=bk, ps=ps, G=G, scale=scale, layer=layer), grid_spec=grid_spec,
             out_shape=jax.ShapeDtypeStruct((B, T, H, R), jnp.float32),
             compiler_params=compiler_params("tpu", ("parallel", "parallel", "arbitrary")),
             interpret=interpret, name="dsa_sparse_mla", cost_estimate=_cost(q_lat, q_rope, latent, rope, K, G),
