@@ -108,7 +108,9 @@ class CacheGroup:
         come back as FILL), paged fields whole, the page table replaced by `table` [R, NP] when given."""
         upd = {}
         for f, ax in self.row_fields().items():
-            a = jnp.take(getattr(self, f), rows, axis=ax)
+            # rows are engine rows, always in bounds: jnp.take's default (fill out-of-bounds) adds a select
+            # that the TPU compiler materialises, a second copy of every recurrent state a decode step reads
+            a = jnp.take(getattr(self, f), rows, axis=ax, mode="clip")
             if reset is not None:
                 mask = reset.reshape((1,) * ax + (-1,) + (1,) * (a.ndim - ax - 1))
                 a = jnp.where(mask, jnp.asarray(self.fill(f), a.dtype), a)

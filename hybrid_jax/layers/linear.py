@@ -13,6 +13,8 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.grouped_matmul import dequantize_blocks, fp8_matmul
+
 
 @flax.struct.dataclass
 class Fp8Weight:
@@ -48,9 +50,7 @@ Weight = jax.Array | Fp8Weight | ColumnConcat
 def dequantize(w: Weight, dtype) -> jax.Array:
     """The weight's values as an array of `dtype` ([..., K, N]); plain arrays are only cast."""
     if isinstance(w, Fp8Weight):
-        K, N = w.w.shape[-2:]
-        s = jnp.repeat(jnp.repeat(w.scale, w.block[0], axis=-2)[..., :K, :], w.block[1], axis=-1)[..., :N]
-        return (w.w.astype(jnp.float32) * s).astype(dtype)
+        return dequantize_blocks(w.w, w.scale, w.block, dtype)
     if isinstance(w, ColumnConcat):
         return jnp.concatenate([dequantize(p, dtype) for p in w.parts], axis=-1)
     return w.astype(dtype)
@@ -60,6 +60,8 @@ def linear(x: jax.Array, w: Weight) -> jax.Array:
     """x [..., K] @ w [K, N] -> [..., N]; an Fp8Weight is dequantized to x's dtype first."""
     if isinstance(w, ColumnConcat):
         return jnp.concatenate([linear(x, p) for p in w.parts], axis=-1)
+    if isinstance(w, Fp8Weight) and w.w.ndim == 2:
+        return fp8_matmul(x, w.w, w.scale, block=w.block)     # TPU: dequantized in VMEM, tile by tile
     if isinstance(w, Fp8Weight):
         return x @ dequantize(w, x.dtype)
     return x @ w

@@ -79,17 +79,17 @@ def sparse_attention(p: dict, x, cos, sin, positions, valid, lengths, n_new, lat
         iscale = write_paged(iscale, sc, index_table, positions, valid, layer)
     else:
         ikeys = write_paged(ikeys, ki, index_table, positions, valid, layer)
-    one = (lambda a: a) if layer is None else (lambda a: None if a is None else a[layer])   # this layer's pools
+    # the ops read layer `layer` of the stacks in place (a slice handed to a kernel is a copy of the pool)
     w = indexer_weights(x.astype(jnp.float32) @ p["idx_w"].astype(jnp.float32), index_heads, index_dim)
     kv_len = lengths + n_new
     qpos = jnp.where(valid, positions, -1)
-    topk = min(index_topk, index_table.shape[1] * one(ikeys).shape[1])     # Top-K >= context: all causal keys
-    idx = indexer_topk(qi, w, one(ikeys), index_table, qpos, kv_len, topk=topk, k_scale=one(iscale), impl=impl)
+    topk = min(index_topk, index_table.shape[1] * ikeys.shape[-2])         # Top-K >= context: all causal keys
+    idx = indexer_topk(qi, w, ikeys, index_table, qpos, kv_len, topk=topk, k_scale=iscale, impl=impl, layer=layer)
 
     q_lat = jnp.einsum("bthn,hnr->bthr", q_nope, dequantize(p["w_uk"], q_nope.dtype))        # [B, T, H, R]
-    o_lat = sparse_mla_attention(q_lat, q_rot, one(lat), one(rope), page_table, idx, kv_len,
+    o_lat = sparse_mla_attention(q_lat, q_rot, lat, rope, page_table, idx, kv_len, layer=layer,
                                  scale=scale or (nope + rope_dim) ** -0.5, impl=impl)           # [B, T, H, R] f32
     o = jnp.einsum("bthr,hvr->bthv", o_lat.astype(x.dtype), dequantize(p["w_uv"], x.dtype)).reshape(B, T, H * v_dim)
     out = linear(o, p["o_proj"]) + p.get("o_bias", 0.0)
-    hit = sparse_hit_rate(idx, page_table, page_resident, one(lat).shape[1], kv_len)
+    hit = sparse_hit_rate(idx, page_table, page_resident, lat.shape[-2], kv_len)
     return out.astype(x.dtype), lat, rope, ikeys, iscale, hit

@@ -11,7 +11,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from hybrid_jax.layers.linear import dequantize, linear, take
+from hybrid_jax.layers.linear import Fp8Weight, dequantize, linear, take
+from pallas_kernels.grouped_matmul import fp8_grouped_matmul
 
 
 def swiglu(x: jax.Array, gate_up: jax.Array, down: jax.Array) -> jax.Array:
@@ -54,8 +55,17 @@ def _routed_dense(x, idx, w, gate_up, down):
     return act.reshape(M, E * (I2 // 2)) @ down.reshape(E * (I2 // 2), Hd)
 
 
+def _grouped(xs, w, sizes):
+    """Rows sorted by expert times their expert's weight. FP8 experts go through the FP8 grouped matmul,
+    which on TPU dequantizes tiles in VMEM (dequantizing the whole stack first would materialise every
+    expert in the compute dtype: ~70 GB of temporaries for DeepSeek-V3.2) and elsewhere is the
+    ragged_dot below over the dequantized weights."""
+    if isinstance(w, Fp8Weight):
+        return fp8_grouped_matmul(xs, w.w, w.scale, sizes, block=w.block)
+    return jax.lax.ragged_dot(xs, dequantize(w, xs.dtype), sizes)
+
+
 def _routed_sorted(x, idx, w, gate_up, down):
-    gate_up, down = dequantize(gate_up, x.dtype), dequantize(down, x.dtype)
     M, k = idx.shape
     E = gate_up.shape[0]
     flat_e = idx.reshape(-1)
@@ -63,9 +73,9 @@ def _routed_sorted(x, idx, w, gate_up, down):
     tok = order // k
     sizes = jnp.bincount(flat_e, length=E).astype(jnp.int32)
     xs = x[tok]
-    h = jax.lax.ragged_dot(xs, gate_up, sizes)
+    h = _grouped(xs, gate_up, sizes)
     g, u = jnp.split(h, 2, axis=-1)
-    y = jax.lax.ragged_dot(jax.nn.silu(g) * u, down, sizes)
+    y = _grouped(jax.nn.silu(g) * u, down, sizes)
     y = y * w.reshape(-1)[order][:, None].astype(y.dtype)
     return jnp.zeros_like(x).at[tok].add(y)
 

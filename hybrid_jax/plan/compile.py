@@ -49,21 +49,29 @@ class StepCost:
     bytes_accessed: float
     transcendentals: float
     temp_bytes: float
+    # run-time loops (HLO while) in the program: XLA's cost analysis counts ONE iteration of a loop body,
+    # so whatever a loop reads per iteration is under-counted (Qwen3-Next's paged attention read walks the
+    # KV pages in a loop: its KV read is almost absent from bytes_accessed). Sums and differences keep the
+    # larger count.
+    loops: int = 0
 
     def __add__(self, o: StepCost) -> StepCost:
         return StepCost(self.flops + o.flops, self.bytes_accessed + o.bytes_accessed,
-                        self.transcendentals + o.transcendentals, self.temp_bytes + o.temp_bytes)
+                        self.transcendentals + o.transcendentals, self.temp_bytes + o.temp_bytes,
+                        max(self.loops, o.loops))
 
     def __sub__(self, o: StepCost) -> StepCost:
         return self + o.scaled(-1)
 
     def scaled(self, k: float) -> StepCost:
-        return StepCost(self.flops * k, self.bytes_accessed * k, self.transcendentals * k, self.temp_bytes * k)
+        return StepCost(self.flops * k, self.bytes_accessed * k, self.transcendentals * k, self.temp_bytes * k,
+                        self.loops)
 
 
 def _cost(compiled) -> StepCost:
     c = cost_of(compiled)
-    return StepCost(c.flops, c.bytes_accessed, c.transcendentals, float(c.temp_bytes))
+    return StepCost(c.flops, c.bytes_accessed, c.transcendentals, float(c.temp_bytes),
+                    compiled.as_text().count(" while("))
 
 
 def _decode_step(model, cfg, impl):

@@ -215,6 +215,11 @@ def plan(model: str, topology_name: str, *, max_num_seqs: int = 64, max_model_le
     if quantization:
         notes.append("fp8: every linear weight of the layers in FP8 with 128x128 block scales (float32); "
                      "embeddings, norms and the LM head in " + dtype)
+    if costs.decode.loops or costs.prefill.loops:
+        notes.append(f"the programs run loops (decode {costs.decode.loops}, prefill chunk {costs.prefill.loops} HLO while "
+                     f"loops; e.g. a paged attention read walking the KV pages): the compiler's cost analysis counts "
+                     f"ONE iteration of each, so bytes and FLOPs above omit the other iterations' (for a KV read "
+                     f"looped over the context, nearly all of it)")
     notes.append("tok/s are roofline estimates from the chip's published peak bf16 FLOP/s and HBM bandwidth "
                  f"({chip.source}), not measurements")
     return Plan(model=label, model_type=cfg.model_type, topology=topology_name, chip=chip, num_chips=topo.num_chips,

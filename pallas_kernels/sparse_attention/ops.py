@@ -40,8 +40,14 @@ def indexer_topk(
     topk: int,
     k_scale: jax.Array | None = None,   # [P, ps] f32 per-token scale of fp8 keys
     impl: str = "auto",
+    layer: int | None = None,
 ) -> jax.Array:
-    """Indices [B, T, topk] int32 of the topk best keys per query by sum_h w_h relu(q_h . k), -1 padded."""
+    """Indices [B, T, topk] int32 of the topk best keys per query by sum_h w_h relu(q_h . k), -1 padded.
+    layer: k_pages [L, P, ps, D] (and k_scale [L, P, ps]) are the layers' stacks and layer `layer` is read
+    (the TPU kernel reads it in place; a slice handed to it would be a copy of the layer's keys)."""
+    stacks = k_pages, k_scale
+    if layer is not None:
+        k_pages, k_scale = _layer_of(k_pages, layer), _layer_of(k_scale, layer)
     if q.ndim != 4:
         raise ValueError(f"q must be [B, T, H, D]; got shape {q.shape}")
     B, T, H, D = q.shape
@@ -60,12 +66,27 @@ def indexer_topk(
     if not 0 < topk <= NP * ps:
         raise ValueError(f"topk={topk} must be in [1, context capacity {NP * ps}] (page_table has {NP} pages "
                          f"of {ps}); clamp it to the context for short requests")
-    def on_args(fn):
-        return lambda q, w, kp, pt, qp, kl, ks, **be: fn(q, w, kp, pt, qp, kl, topk=topk, k_scale=ks, **be)
+    def on_args(fn, stacked=False):
+        def call(q, w, kp, pt, qp, kl, ks, **be):
+            if layer is None:
+                return fn(q, w, kp, pt, qp, kl, topk=topk, k_scale=ks, **be)
+            if stacked:
+                return fn(q, w, kp, pt, qp, kl, topk=topk, k_scale=ks, layer=layer, **be)
+            return fn(q, w, kp[layer], pt, qp, kl, topk=topk, k_scale=None if ks is None else ks[layer], **be)
+        return call
     return dispatch.run(
-        "indexer_topk", impl, (q, w, k_pages, page_table, q_positions, kv_lengths, k_scale),
+        "indexer_topk", impl, (q, w, stacks[0], page_table, q_positions, kv_lengths, stacks[1]),
         reference=on_args(naive.indexer_topk_reference), xla=on_args(xla.indexer_topk_xla),
-        pallas=lambda: on_args(_pallas_indexer()))
+        pallas=lambda: on_args(_pallas_indexer(), stacked=True))
+
+
+def _layer_of(a, layer: int):
+    """The shape of layer `layer` of a stack (for the checks; nothing is sliced)."""
+    if a is None:
+        return None
+    if not 0 <= layer < a.shape[0]:
+        raise ValueError(f"layer {layer} is outside the stack of {a.shape[0]} layers")
+    return jax.ShapeDtypeStruct(a.shape[1:], a.dtype)
 
 
 def _check_mla(q_lat, q_rope, latent, rope, page_table, kv_lengths):
@@ -91,20 +112,31 @@ def sparse_mla_attention(
     *,
     scale: float,
     impl: str = "auto",
+    layer: int | None = None,
 ) -> jax.Array:
     """Absorbed-MLA attention over the selected positions -> o_lat [B, T, H, R] f32. Unreadable indices
-    (negative, >= kv_lengths[b], or on a page outside the pool) are masked, never read."""
+    (negative, >= kv_lengths[b], or on a page outside the pool) are masked, never read. layer: latent and
+    rope are the layers' stacks [L, P, ps, X] and layer `layer` is read (in place by the TPU kernel)."""
+    stacks = latent, rope
+    if layer is not None:
+        latent, rope = _layer_of(latent, layer), _layer_of(rope, layer)
     _check_mla(q_lat, q_rope, latent, rope, page_table, kv_lengths)
     if indices.ndim != 3 or indices.shape[:2] != q_lat.shape[:2]:
         raise ValueError(f"indices must be [B, T, K] with B, T = {q_lat.shape[:2]}; got {indices.shape}")
     if not jnp.issubdtype(indices.dtype, jnp.integer):
         raise ValueError(f"indices must be integers; got dtype {indices.dtype}")
-    def on_args(fn):
-        return lambda *a, **be: fn(*a, scale=scale, **be)
+    def on_args(fn, stacked=False):
+        def call(ql, qr, lat, rp, *rest, **be):
+            if layer is None:
+                return fn(ql, qr, lat, rp, *rest, scale=scale, **be)
+            if stacked:
+                return fn(ql, qr, lat, rp, *rest, scale=scale, layer=layer, **be)
+            return fn(ql, qr, lat[layer], rp[layer], *rest, scale=scale, **be)
+        return call
     return dispatch.run(
-        "sparse_mla_attention", impl, (q_lat, q_rope, latent, rope, page_table, indices, kv_lengths),
+        "sparse_mla_attention", impl, (q_lat, q_rope, *stacks, page_table, indices, kv_lengths),
         reference=on_args(naive.sparse_mla_reference), xla=on_args(xla.sparse_mla_xla),
-        pallas=lambda: on_args(_pallas_mla()))
+        pallas=lambda: on_args(_pallas_mla(), stacked=True))
 
 
 def dense_mla_attention(q_lat, q_rope, latent, rope, page_table, q_positions, kv_lengths, *, scale: float):

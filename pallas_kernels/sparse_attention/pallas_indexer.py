@@ -133,16 +133,22 @@ def _gpu_threshold_kernel(s_ref, tau_ref, *, ps, NP, topk):     # [1, S] f32 -> 
     tau_ref[...] = _kth_largest(lambda j: s_ref[:, pl.ds(j * ps, ps)], NP, topk)
 
 
-@functools.partial(jax.jit, static_argnames=("topk", "config", "backend", "interpret"))
+@functools.partial(jax.jit, static_argnames=("topk", "config", "backend", "interpret", "layer"))
 def index_scores_threshold_pallas(q, w, k_pages, page_table, q_positions, kv_lengths, *, topk: int,
                                   k_scale=None, config: IndexerConfig = IndexerConfig(),
-                                  backend: str = "tpu", interpret: bool = False):
+                                  backend: str = "tpu", interpret: bool = False, layer: int | None = None):
     """q [B, T, H, D], w [B, T, H] f32 (scales folded), k_pages [P, ps, D] (bf16/f32/fp8),
     k_scale [P, ps] | None, page_table [B, NP], q_positions [B, T], kv_lengths [B]
     -> (scores [B, T, S] f32 (-inf = not selectable), tau [B, T] int32 ordered key of the K-th best)."""
+    if layer is not None and backend != "tpu":
+        k_pages, k_scale, layer = k_pages[layer], None if k_scale is None else k_scale[layer], None
     B, T, H, D = q.shape
-    P, ps, _ = k_pages.shape
+    P, ps, _ = k_pages.shape[-3:]
     NP = page_table.shape[1]
+    # with `layer`, k_pages [L, P, ps, D] and k_scale [L, P, ps] are the layers' stacks: the key blocks are
+    # fetched out of the stack (a slice handed to the kernel would copy the layer's pool)
+    lead = () if layer is None else (None,)
+    at = (lambda *i: i) if layer is None else (lambda *i: (layer, *i))  # noqa: E731
     S = NP * ps
     tq = T if T <= config.block_q else config.block_q
     Tp = -(-T // tq) * tq
@@ -159,13 +165,13 @@ def index_scores_threshold_pallas(q, w, k_pages, page_table, q_positions, kv_len
             raise KernelUnsupported(f"the TPU indexer kernel needs a page size that is a multiple of 128; got {ps}")
         in_specs = [pl.BlockSpec((None, tq, H, D), lambda b, i, p, *_: (b, i, 0, 0)),
                     pl.BlockSpec((None, tq, H, 1), lambda b, i, p, *_: (b, i, 0, 0)),
-                    pl.BlockSpec((None, ps, D), lambda b, i, p, pt_, *_: (
+                    pl.BlockSpec((*lead, None, ps, D), lambda b, i, p, pt_, *_: at(
                         jnp.clip(pt_[b * NP + p], 0, P - 1), 0, 0))]
         args = [q, w[..., None], k_pages]
         if has_scale:
-            in_specs.append(pl.BlockSpec((None, 1, ps), lambda b, i, p, pt_, *_: (
+            in_specs.append(pl.BlockSpec((*lead, None, 1, ps), lambda b, i, p, pt_, *_: at(
                 jnp.clip(pt_[b * NP + p], 0, P - 1), 0, 0)))
-            args.append(k_scale.astype(jnp.float32).reshape(P, 1, ps))
+            args.append(k_scale.astype(jnp.float32).reshape(*k_scale.shape[:-1], 1, ps))
         grid_spec = pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=3, grid=(B, Tp // tq, NP), in_specs=in_specs,
             out_specs=[pl.BlockSpec((None, tq, S), lambda b, i, p, *_: (b, i, 0)),
@@ -176,7 +182,8 @@ def index_scores_threshold_pallas(q, w, k_pages, page_table, q_positions, kv_len
             out_shape=[jax.ShapeDtypeStruct((B, Tp, S), jnp.float32), jax.ShapeDtypeStruct((B, Tp, 1), jnp.int32)],
             compiler_params=compiler_params("tpu", ("parallel", "parallel", "arbitrary")),
             interpret=interpret, name="dsa_indexer_topk",
-            cost_estimate=_cost(q, k_pages, k_scale, NP, tq, threshold=True),
+            cost_estimate=_cost(q, jax.ShapeDtypeStruct(k_pages.shape[-3:], k_pages.dtype), k_scale, NP, tq,
+                                threshold=True),
         )(pt.reshape(-1), lens, qpos.reshape(-1), *args)
         return scores[:, :T], tau[:, :T, 0]
     # GPU: pad heads to a multiple of 16 (tl.dot) with zero weights; relu(q.k) * 0 adds nothing.
@@ -262,10 +269,11 @@ def select_from_threshold(scores, tau, topk: int):
 
 
 def indexer_topk_pallas(q, w, k_pages, page_table, q_positions, kv_lengths, *, topk: int, k_scale=None,
-                        config: IndexerConfig = IndexerConfig(), backend: str = "tpu", interpret: bool = False):
+                        config: IndexerConfig = IndexerConfig(), backend: str = "tpu", interpret: bool = False,
+                        layer: int | None = None):
     """Shapes as ops.indexer_topk -> indices [B, T, topk] int32 in position order, -1 padded: the kernel's
     scores and threshold, then the compaction (XLA)."""
     scores, tau = index_scores_threshold_pallas(q, w, k_pages, page_table, q_positions, kv_lengths, topk=topk,
                                                 k_scale=k_scale, config=config, backend=backend,
-                                                interpret=interpret)
+                                                interpret=interpret, layer=layer)
     return select_from_threshold(scores, tau, topk)

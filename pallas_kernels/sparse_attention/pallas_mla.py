@@ -12,8 +12,9 @@ readable flag) by a tiny XLA prologue over [B, T, K] ints; unreadable rows point
 masked in the kernel, so no index reaches another request's pages.
 
 Backends (both proven by `jax.export` tests):
-  * TPU (Mosaic): grid (B, T, K / bk). The rows and flags are scalar-prefetched into SMEM; the pools
-    stay in HBM and every grid step DMAs its bk scattered rows (pallas_kernels.row_gather), fetching
+  * TPU (Mosaic): grid (B, T, K / bk). Each (b, t)'s K rows and flags come into SMEM as a block of the
+    [B, T, K] arrays (not scalar-prefetched whole: at 64 rows x Top-K 2048, or a 2048-token prefill
+    chunk, they are 1 to 32 MiB, and SMEM holds 1 MiB); the pools stay in HBM and every grid step DMAs its bk scattered rows (pallas_kernels.row_gather), fetching
     step i + 1's rows while step i computes. bf16 rows travel in aligned 8-row groups, so pages must
     hold a multiple of 8 tokens. Running statistics live in VMEM scratch; the output block is
     resident across the K axis.
@@ -54,15 +55,16 @@ def _online_step(q_lat, q_rope, lat, rp, ok, scale, m, l, acc):
     return m_new, alpha * l + e, alpha * acc + e * lat
 
 
-def _tpu_kernel(rows_ref, ok_ref,                     # SMEM [B * T * Kp] int32
+def _tpu_kernel(rows_ref, ok_ref,                     # SMEM [1, Kp] int32: this (b, t)'s selections
                 ql_ref, qr_ref,                       # [H, R], [H, Dr]
                 lat_hbm, rp_hbm,                      # [P, ps, R], [P, ps, Dr] in HBM
                 o_ref,                                # [H, R] f32
                 lat_buf, rp_buf, sem,                 # row_gather scratch
                 m_sc, l_sc, acc_sc,                   # [H, 1], [H, 1], [H, R] f32
-                *, bk, K, T, ps, G, scale):
-    b, t, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    gather = RowGather(rows_ref, (lat_hbm, rp_hbm), (lat_buf, rp_buf), sem, ps, bk, G)
+                *, bk, ps, G, scale, layer):
+    j = pl.program_id(2)
+    pools = (lat_hbm, rp_hbm) if layer is None else (lat_hbm.at[layer], rp_hbm.at[layer])
+    gather = RowGather(rows_ref.at[0], pools, (lat_buf, rp_buf), sem, ps, bk, G)
 
     @pl.when(j == 0)
     def _():
@@ -71,13 +73,13 @@ def _tpu_kernel(rows_ref, ok_ref,                     # SMEM [B * T * Kp] int32
         acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
 
     def base_of(jj):
-        return (b * T + t) * K + jj * bk
+        return jj * bk
     slot = gather.pipeline(j, pl.num_programs(2), base_of)
     q_lat, q_rope = ql_ref[...].astype(jnp.float32), qr_ref[...].astype(jnp.float32)
     m, l, acc = m_sc[...], l_sc[...], acc_sc[...]
     base = base_of(j)
     for i in range(bk):
-        ok = ok_ref[base + i] == 1
+        ok = ok_ref[0, base + i] == 1
         m, l, acc = _online_step(q_lat, q_rope, gather.row(0, slot, i, base), gather.row(1, slot, i, base), ok,
                                  scale, m, l, acc)
     m_sc[...], l_sc[...], acc_sc[...] = m, l, acc
@@ -105,15 +107,19 @@ def _gpu_kernel(rows_ref, ok_ref,                     # [K] int32
     o_ref[...] = (acc / jnp.where(l > 0, l, 1.0)).astype(o_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "config", "backend", "interpret"))
+@functools.partial(jax.jit, static_argnames=("scale", "config", "backend", "interpret", "layer"))
 def sparse_mla_pallas(q_lat, q_rope, latent, rope, page_table, indices, kv_lengths, *, scale: float,
                       config: SparseMLAConfig = SparseMLAConfig(), backend: str = "tpu",
-                      interpret: bool = False):
+                      interpret: bool = False, layer: int | None = None):
     """q_lat [B, T, H, R], q_rope [B, T, H, Dr], latent [P, ps, R], rope [P, ps, Dr], page_table [B, NP],
-    indices [B, T, K], kv_lengths [B] -> o_lat [B, T, H, R] f32."""
+    indices [B, T, K], kv_lengths [B] -> o_lat [B, T, H, R] f32. With `layer`, latent and rope are the
+    layers' stacks [L, P, ps, X] and layer `layer` is read: the TPU kernel DMAs its rows out of the stack
+    (a slice handed to a kernel is a copy of the layer's pool, every layer of every step)."""
+    if layer is not None and backend != "tpu":
+        latent, rope, layer = latent[layer], rope[layer], None
     B, T, H, R = q_lat.shape
     Dr = q_rope.shape[-1]
-    P, ps, _ = latent.shape
+    P, ps, _ = latent.shape[-3:]
     K = indices.shape[-1]
     rows, ok = physical_rows(indices.astype(jnp.int32), page_table.astype(jnp.int32), ps, P,
                              kv_lengths.astype(jnp.int32))               # [B, T, K]
@@ -124,19 +130,22 @@ def sparse_mla_pallas(q_lat, q_rope, latent, rope, page_table, indices, kv_lengt
         bk = min(config.block_k, K)
         Kp = -(-K // bk) * bk                          # padded selections: row 0, never read (ok = 0)
         pad = ((0, 0), (0, 0), (0, Kp - K))
-        q_spec = lambda d: pl.BlockSpec((None, None, H, d), lambda b, t, j, *_: (b, t, 0, 0))  # noqa: E731
+        q_spec = lambda d: pl.BlockSpec((None, None, H, d), lambda b, t, j: (b, t, 0, 0))  # noqa: E731
+        # [B * T, 1, Kp]: a block's last two dims must be whole (or (8, 128)-aligned) dims of the array
+        sel_spec = pl.BlockSpec((None, 1, Kp), lambda b, t, j: (b * T + t, 0, 0), memory_space=pltpu.SMEM)
         any_spec = pl.BlockSpec(memory_space=pl.ANY)
         grid_spec = pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=2, grid=(B, T, Kp // bk), in_specs=[q_spec(R), q_spec(Dr), any_spec, any_spec],
-            out_specs=pl.BlockSpec((None, None, H, R), lambda b, t, j, *_: (b, t, 0, 0)),
+            num_scalar_prefetch=0, grid=(B, T, Kp // bk),
+            in_specs=[sel_spec, sel_spec, q_spec(R), q_spec(Dr), any_spec, any_spec],
+            out_specs=pl.BlockSpec((None, None, H, R), lambda b, t, j: (b, t, 0, 0)),
             scratch_shapes=row_gather.scratch([(R, latent.dtype), (Dr, rope.dtype)], bk, G)
             + [pltpu.VMEM((H, 1), jnp.float32), pltpu.VMEM((H, 1), jnp.float32), pltpu.VMEM((H, R), jnp.float32)])
         return pl.pallas_call(
-            functools.partial(_tpu_kernel, bk=bk, K=Kp, T=T, ps=ps, G=G, scale=scale), grid_spec=grid_spec,
+            functools.partial(_tpu_kernel, bk=bk, ps=ps, G=G, scale=scale, layer=layer), grid_spec=grid_spec,
             out_shape=jax.ShapeDtypeStruct((B, T, H, R), jnp.float32),
             compiler_params=compiler_params("tpu", ("parallel", "parallel", "arbitrary")),
             interpret=interpret, name="dsa_sparse_mla", cost_estimate=_cost(q_lat, q_rope, latent, rope, K, G),
-        )(jnp.pad(rows, pad).reshape(-1), jnp.pad(ok, pad).reshape(-1), q_lat, q_rope, latent, rope)
+        )(jnp.pad(rows, pad).reshape(B * T, 1, Kp), jnp.pad(ok, pad).reshape(B * T, 1, Kp), q_lat, q_rope, latent, rope)
     Hp = 1 << (H - 1).bit_length()
     for name, x in (("R", R), ("Dr", Dr), ("K", K)):
         if x & (x - 1):

@@ -242,3 +242,21 @@ def test_no_libtpu_is_a_clear_error(monkeypatch):
             chips.topology("v6e:2x2")
     finally:
         chips.topology.cache_clear()
+
+
+@needs_libtpu
+def test_loops_the_cost_analysis_counts_once_are_counted():
+    """XLA's cost analysis counts one iteration of a loop (Qwen3-Next's paged attention read walks the KV pages
+    in one): a plan's StepCost counts the program's loops so the plan can say its figures omit the rest."""
+    from hybrid_jax.plan.chips import topology  # noqa: PLC0415
+    from hybrid_jax.plan.compile import _cost  # noqa: PLC0415
+    from pallas_kernels.aot import on_device  # noqa: PLC0415
+
+    def step(x, n):
+        return jax.lax.fori_loop(0, n, lambda i, a: a + x[i] * 2.0, jnp.zeros(x.shape[1:], x.dtype))
+    S = jax.ShapeDtypeStruct
+    dev = topology("v6e:2x2").device
+    costs = [_cost(jax.jit(step).lower(*on_device((S((rows, 1024, 1024), jnp.float32), S((), jnp.int32)), dev)).compile())
+             for rows in (4, 64)]
+    assert [c.loops for c in costs] == [1, 1]
+    assert costs[1].bytes_accessed < 2 * costs[0].bytes_accessed        # 16x the rows to walk, not 16x the bytes

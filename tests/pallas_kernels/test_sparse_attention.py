@@ -228,3 +228,30 @@ def test_reference_scores_have_no_selectable_future():
     s = naive.index_scores_reference(q, w, k, pt, qpos, lens)
     j = np.arange(16)
     assert np.all(np.isinf(np.asarray(s[0]))[np.broadcast_to(j[None] > np.asarray(qpos[0])[:, None], (3, 16))])
+
+
+@pytest.mark.parametrize("impl", ["pallas", "xla", "reference"])
+def test_layer_of_a_stack_reads_that_layer(impl):
+    """With `layer`, the ops take the layers' stacks [L, P, ps, X] and read layer `layer` (the TPU kernels in
+    place): the same result as handing them that layer's pools."""
+    rng = np.random.default_rng(5)
+    B, T, H, R, Dr, ps, NP, K, Hi, Di = 2, 3, 4, 128, 64, 8, 4, 6, 2, 128
+    L, P = 3, B * NP + 1
+    f = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)  # noqa: E731
+    lat, rope, keys = f(L, P, ps, R), f(L, P, ps, Dr), f(L, P, 128, Di)
+    table = jnp.asarray(rng.permutation(P)[:B * NP].reshape(B, NP), jnp.int32)
+    itable = jnp.asarray(rng.permutation(P)[:B].reshape(B, 1), jnp.int32)
+    lens = jnp.asarray([20, 31], jnp.int32)
+    qpos = lens[:, None] - T + jnp.arange(T)[None]
+    q = rng.standard_normal((B, T, Hi, Di))
+    w = np.abs(rng.standard_normal((B, T, Hi)))
+    a = sa.indexer_topk(jnp.asarray(q, jnp.float32), jnp.asarray(w, jnp.float32), keys, itable, qpos, lens, topk=K,
+                        impl=impl, layer=2)
+    b = sa.indexer_topk(jnp.asarray(q, jnp.float32), jnp.asarray(w, jnp.float32), keys[2], itable, qpos, lens, topk=K,
+                        impl=impl)
+    np.testing.assert_array_equal(np.sort(np.asarray(a), -1), np.sort(np.asarray(b), -1))
+    ql, qr = f(B, T, H, R), f(B, T, H, Dr)
+    sel = jnp.asarray(rng.integers(0, 20, (B, T, K)), jnp.int32)
+    got = sa.sparse_mla_attention(ql, qr, lat, rope, table, sel, lens, scale=0.1, impl=impl, layer=2)
+    ref = sa.sparse_mla_attention(ql, qr, lat[2], rope[2], table, sel, lens, scale=0.1, impl=impl)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-6, atol=1e-6)

@@ -7,6 +7,7 @@ block shapes, layouts, alignment, VMEM. Real models' shapes, on v5e, v6e and v5p
   * Qwen3-Next-80B-A3B / Qwen3.5 Gated DeltaNet: 16 QK heads, 32 V heads, K = V = 128;
   * DeepSeek-V3.2 DSA: indexer 64 heads of 128 over 128-token pages, Top-K 2048; MLA with 128 query
     heads over a latent of 512 + rope 64 (64-token pages);
+  * DeepSeek-V3.2 FP8 routed experts (grouped matmul): 256 experts 7168 -> 2 x 2048, 64 rows x Top-8;
   * DeepSeek-V4 (-Flash, transformers' DeepseekV4Config defaults): 64 query heads of 512, a 128-token
     window, CSA rate 4 (compressor width 2 x 512, indexer 64 x 128, Top-K 512), HCA rate 128;
 decode steps at a 32k context with 8 rows, a prefill chunk and a verify window; then awkward shapes on
@@ -30,6 +31,7 @@ import pallas_kernels as pk
 from pallas_kernels import aot
 from pallas_kernels import compressed_attention as ca
 from pallas_kernels import sparse_attention as sa
+from pallas_kernels.grouped_matmul import fp8_grouped_matmul
 
 CHIPS = ("v5e", "v6e", "v5p")
 DTYPES = {"bf16": jnp.bfloat16, "f32": jnp.float32}
@@ -105,6 +107,14 @@ def _mla_args(B, T, H, R, Dr, ps, NP, K, dt):
             S((B, T, K), I32), S((B,), I32))
 
 
+def _fp8_experts(xs, w, scale, sizes):
+    return fp8_grouped_matmul(xs, w, scale, sizes, impl="pallas")
+
+
+def _fp8_experts_args(R, E, K, N, dt):
+    return S((R, K), dt), S((E, K, N), jnp.float8_e4m3fn), S((E, K // 128, N // 128), F32), S((E,), I32)
+
+
 def _compressor(rate, overlap):
     def fn(*a):
         return ca.compress_windows(*a, rate=rate, overlap=overlap, eps=1e-6, impl="pallas")
@@ -159,6 +169,10 @@ REAL = {
     "dsa_mla_decode": Case(_mla, lambda dt: _mla_args(B8, 1, 128, 512, 64, 64, CTX // 64, 2048, dt),
                            min_flops=B8 * 2048 * 2 * 128 * (512 + 64),
                            min_bytes=lambda dt: B8 * 2048 * (512 + 64) * _nbytes(dt), decode=True),
+    # DeepSeek-V3.2's FP8 routed experts at a 64-row decode step (64 x 8 routed rows, 256 experts): the up
+    # projection 7168 -> 2 x 2048; the weights are read once, as FP8
+    "moe_fp8_experts_decode": Case(_fp8_experts, lambda dt: _fp8_experts_args(512, 256, 7168, 4096, dt),
+                                   min_flops=2 * 512 * 7168 * 4096, min_bytes=lambda dt: 256 * 7168 * 4096),
     # DeepSeek-V4: CSA compressor (m = 4, width 2 x 512), HCA compressor (m = 128, width 512), the CSA
     # indexer (64 x 128, Top-K 512, 128-entry pages), the sparse read (CSA: Top-K 512 entries in 16-entry
     # pages; HCA: every entry, one per page) over a 128-token window.
@@ -191,6 +205,9 @@ AWKWARD = {
     "dsa_indexer_prefill_fp8": Case(_indexer(100), lambda dt: _indexer_args(
         2, 75, 64, 128, 128, 3, jnp.float8_e4m3fn, dt, scale=True)),
     "dsa_mla_K100": Case(_mla, lambda dt: _mla_args(2, 3, 16, 512, 64, 64, 5, 100, dt)),
+    # more selections than SMEM holds (1 MiB): 512 queries x Top-K 2048 rows + flags are 8 MiB, as are 64 rows
+    # x 2048 of a decode step (with 128 heads) and a 2048-token prefill chunk of DeepSeek-V3.2
+    "dsa_mla_selections_over_smem": Case(_mla, lambda dt: _mla_args(1, 512, 16, 512, 64, 64, 32, 2048, dt)),
     "v4_window_only_T3": Case(_v4_attention(128), lambda dt: _v4_attention_args(2, 3, 64, 512, 128, dt)),
     "v4_csa_attention_K37": Case(_v4_attention(128), lambda dt: _v4_attention_args(
         2, 3, 64, 512, 128, dt, ps=16, NP=4, K=37)),
