@@ -504,7 +504,7 @@ class ModelRunner:
         widths = (0, LOGPROBS_WIDTH) if mode == "all" else (0,)
         for Bb in self.batch_buckets():
             r = self._rows([], Bb)
-            z = jnp.zeros((Bb,), bool)
+            z = np.zeros((Bb,), bool)     # numpy, as the steps pass them: one dispatch-cache entry per program
             rm = dict(r, mtp_fresh=np.zeros((Bb,), bool)) if self.mtp else r
             for top_n in widths:
                 for T in tbs:
@@ -512,11 +512,11 @@ class ModelRunner:
                         _, _, self.cache = self._ragged(self.params, self.cache, r, z, pack([], [], T, Bb), z,
                                                         flags=FULL_SAMPLER, top_n=top_n)
                     _, _, self.cache, self.dcache = self._mixed(
-                        self.params, self.cache, rm, z, jnp.zeros((Bb, T), jnp.int32), jnp.zeros((Bb,), jnp.int32), z,
+                        self.params, self.cache, rm, z, np.zeros((Bb, T), np.int32), np.zeros((Bb,), np.int32), z,
                         self.dparams, self.dcache, flags=FULL_SAMPLER, top_n=top_n)
                 _, _, self.cache, self.dcache = self._decode(
-                    self.params, self.cache, r, jnp.zeros((Bb,), jnp.int32), z,
-                    jnp.full((Bb, self.ecfg.max_stop_ids), -1, jnp.int32), jnp.zeros((Bb,), jnp.int32), self.dparams,
+                    self.params, self.cache, r, np.zeros((Bb,), np.int32), z,
+                    np.full((Bb, self.ecfg.max_stop_ids), -1, np.int32), np.zeros((Bb,), np.int32), self.dparams,
                     self.dcache, steps=self.ecfg.decode_steps, flags=FULL_SAMPLER, top_n=top_n)
         jax.block_until_ready(self.cache)
 
@@ -525,6 +525,6 @@ class ModelRunner:
         for Bb in self.batch_buckets():
             for K in k_buckets:
                 _, _, self.cache, self.dcache = self._verify(
-                    self.params, self.cache, self._rows([], Bb), jnp.zeros((Bb, K + 1), jnp.int32),
-                    jnp.zeros((2, Bb), jnp.int32), self.dparams, self.dcache, flags=FULL_SAMPLER, replay=replay)
+                    self.params, self.cache, self._rows([], Bb), np.zeros((Bb, K + 1), np.int32),
+                    np.zeros((2, Bb), np.int32), self.dparams, self.dcache, flags=FULL_SAMPLER, replay=replay)
         jax.block_until_ready(self.cache)
