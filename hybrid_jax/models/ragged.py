@@ -35,22 +35,10 @@ class RaggedBatch:
     cu_seqlens: jax.Array
     n_new: jax.Array
 
-    @property
-    def num_tokens(self) -> int:
-        return self.tokens.shape[0]
-
-    @property
-    def num_seqs(self) -> int:
-        return self.n_new.shape[0]
-
     def last_index(self) -> jax.Array:
         """[S] int32: the flat index of each sequence's last token (a sequence without tokens points at
         the token before it, or 0: its logits are meaningless and the caller ignores them)."""
         return jnp.maximum(self.cu_seqlens[1:] - 1, 0)
-
-    def rows(self, per_seq: jax.Array) -> jax.Array:
-        """A per-sequence array [S, ...] spread to the tokens: [N, ...]."""
-        return per_seq[self.seq]
 
 
 def pack(token_lists: Sequence[Sequence[int]], lengths: Sequence[int], num_tokens: int, num_seqs: int
