@@ -191,7 +191,7 @@ class ModelRunner:
         return self.model.forward(self.cfg, params, sub, tokens, n_new, impl=self.impl, return_hidden=self.mtp, **kw)
 
     def _mtp_hidden(self, params, out):
-        """What the MTP block reads from a target forward's output: [B, T, Hd]."""
+        """What the MTP block reads from a target forward's output (a StepOutput or a Verified): [B, T, Hd]."""
         return self.model.mtp.target_hidden(self.cfg, params, out.hidden)
 
     def _mtp_advance(self, params, dsub, tokens, hidden, n_new, fresh=None):
@@ -323,7 +323,7 @@ class ModelRunner:
                      r["temperature"], r["top_k"], r["top_p"], self.cfg, self.impl, flags, return_hidden=self.mtp)
         n_keep = jnp.where(n_fed > 0, 1 + v.n_accepted, 0).astype(jnp.int32)
         if self.mtp:                               # the MTP block takes the kept tokens from its resume point
-            h = self.model.mtp.target_hidden(self.cfg, params, v.hidden)
+            h = self._mtp_hidden(params, v)
             dcache = mtp.put(dcache, r["rows"], self._mtp_advance(params, dsub, tokens, h, n_keep))
         elif dcache is not None:                   # the draft takes the kept tokens from its resume point
             dcache = put_rows(dcache, r["rows"], self._dfwd(dparams, dsub, tokens, n_keep).cache)
