@@ -5,6 +5,7 @@ Nothing is downloaded: HF_HUB_OFFLINE=1 is set before transformers is imported.
 from __future__ import annotations
 
 import os
+import sys
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -40,7 +41,41 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     # A size limit turns on JAX's file lock around reads and writes: the workers share the directory.
     os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(8 << 30))
 
+import gc  # noqa: E402
+
 import pytest  # noqa: E402
+
+# XLA:CPU maps every compiled kernel into the process as its own small code / data / read-only
+# regions (about 3 memory maps per fusion, 60 for a 20-layer program), and the kernel's maps live
+# as long as the executable. Jitted module-level functions (the verify step, the device loop, the
+# offline forward) keep one executable per static argument set -- every tiny config a test builds --
+# until the process ends. In one test worker the count climbs to 45,000 maps after three test files;
+# past the kernel's limit (vm.max_map_count, 65,530 by default) the next mmap fails inside LLVM and
+# the worker dies of a segmentation fault in whatever it was compiling. Each test file therefore
+# starts from an empty set of compiled programs, and the report header names the limit.
+_MAP_LIMIT_FILE = "/proc/sys/vm/max_map_count"
+
+
+def _map_limit() -> int | None:
+    try:
+        with open(_MAP_LIMIT_FILE) as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return None
+
+
+def pytest_report_header(config):
+    limit = _map_limit()
+    return None if limit is None else f"vm.max_map_count: {limit} (XLA:CPU takes ~3 maps per compiled kernel)"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _release_compiled_programs():
+    """After each test file: drop every jit cache (and the executables, with their memory maps)."""
+    yield
+    if "jax" in sys.modules:
+        sys.modules["jax"].clear_caches()
+    gc.collect()
 
 BASE = dict(vocab_size=211, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
