@@ -49,7 +49,7 @@ import pytest  # noqa: E402
 # regions (about 3 memory maps per fusion, 60 for a 20-layer program), and the kernel's maps live
 # as long as the executable. Jitted module-level functions (the verify step, the device loop, the
 # offline forward) keep one executable per static argument set -- every tiny config a test builds --
-# until the process ends. In one test worker the count climbs to 45,000 maps after three test files;
+# until the process ends. In one test worker the count reached 46,782 maps after three test files;
 # past the kernel's limit (vm.max_map_count, 65,530 by default) the next mmap fails inside LLVM and
 # the worker dies of a segmentation fault in whatever it was compiling. Each test file therefore
 # starts from an empty set of compiled programs, and the report header names the limit.
