@@ -43,7 +43,8 @@ HP = jax.lax.Precision.HIGHEST
 
 @dataclasses.dataclass(frozen=True)
 class XlaConfig:
-    """block_tokens: keys per unit (rounded down to whole pages, at least one page).
+    """block_tokens: keys per unit (rounded down to whole pages, at least one page); prefill_block_tokens: the
+    same for prefill tiles (None: block_tokens).
     decode_tile: query rows of a decode tile when the caller gives no max_q_len.
     decode_group / prefill_group: tiles walked together (one unit scores G tiles against G page blocks).
     prefill_tile: query rows per prefill tile.
@@ -51,12 +52,32 @@ class XlaConfig:
     Chosen on this machine's CPU (2 shared cores, 1 MiB L2; Hq 16, Hkv 2, D 256, f32, the benchmark's batches,
     medians of alternating runs): decode 32 x 1 query, groups of 1 / 2 / 4 / 8 tiles at 256 keys: 72 / 68 / 86 /
     145 ms (a unit's K and V past ~1 MiB fall out of L2), 128 keys no better; mixed (256-query chunk + 15
-    decodes), prefill tiles of 32 / 64 / 128 / 256 rows: 321 / 296 / 316 / 316 ms, 512-key blocks 354 ms."""
+    decodes), prefill tiles of 32 / 64 / 128 / 256 rows: 321 / 296 / 316 / 316 ms, 512-key blocks 354 ms.
+    Narrower heads take taller tiles and longer blocks: `tuned_config`."""
     block_tokens: int = 256
     decode_tile: int = 1
     decode_group: int = 2
     prefill_tile: int = 64
     prefill_group: int = 1
+    prefill_block_tokens: int | None = None
+
+
+def tuned_config(num_q_heads: int, num_kv_heads: int, head_dim: int) -> XlaConfig:
+    """Block sizes for a head shape. A prefill unit of the defaults above scores 512 query rows per kv head
+    (64-row tile x Hq / Hkv 8) against 256 keys of 256 dims; with narrow heads such a unit is so small that the
+    loop's per-unit cost (gathers, the online-softmax fold, the conds) dominates, so the tile grows to about 512
+    query rows per kv head and the block to about 32K key elements (tile 64..256, block 256..512 keys).
+    Measured (512-query chunk, one sequence, f32, medians of 5; default -> tuned): Hq 2 / Hkv 1 / D 64 (the
+    benchmarks' heads64 and proportional models) at 4,096 keys 28-32 -> 16-19 ms, at 512 keys 3.5-4.8 ->
+    3.9 ms; Hq 4 / Hkv 2 / D 32 at 4,096 keys 37-39 -> 22-32 ms; Hq 16 / Hkv 2 / D 256 and Hq 8 / Hkv 1 /
+    D 128 keep the defaults."""
+    group = max(1, num_q_heads // max(1, num_kv_heads))
+    tile = min(256, max(64, 512 // group))
+    block = min(512, max(256, 32768 // max(1, head_dim)))
+    base = XlaConfig()
+    if (tile, block) == (base.prefill_tile, base.block_tokens):
+        return base
+    return dataclasses.replace(base, prefill_tile=tile, prefill_block_tokens=block)
 
 
 def _bdot(a, b, ca: int, cb: int):
@@ -151,19 +172,21 @@ def _walk(out, q, k_pages, v_pages, page_indices, plan: TilePlan, dims: Dims, *,
 @functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap", "max_q_len", "config"))
 def ragged_paged_attention_xla(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *,
                                sm_scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
-                               max_q_len: int | None = None, config: XlaConfig = XlaConfig()):
+                               max_q_len: int | None = None, config: XlaConfig | None = None):
     """Shapes as ops.ragged_paged_attention -> o [N, Hq, D] in q.dtype. max_q_len: the decode tile's rows (a
-    hint: longer sequences take the prefill tiles)."""
+    hint: longer sequences take the prefill tiles). config: None = tuned_config for the head shape."""
     N, Hq, D = q.shape
     P, ps, Hkv, _ = k_pages.shape
+    config = tuned_config(Hq, Hkv, D) if config is None else config
     R, NP = page_indices.shape
     dims = Dims(N, Hq, D, P, ps, Hkv, R, NP)
     kv_lens, page_indices, cu_q_lens, ns = as_int32(kv_lens, page_indices, cu_q_lens, num_seqs)
-    bk = max(1, min(config.block_tokens // ps, NP)) * ps
+    blocks = [max(1, min(b // ps, NP)) * ps
+              for b in (config.block_tokens, config.prefill_block_tokens or config.block_tokens)]
     decode_tile = min(max_q_len or config.decode_tile, config.prefill_tile, N)
     out = jnp.zeros((N, Hq, D), q.dtype)
-    for (tile, longer_than, at_most), group in zip(tile_classes(N, decode_tile, min(config.prefill_tile, N)),
-                                                   (config.decode_group, config.prefill_group)):
+    for (tile, longer_than, at_most), group, bk in zip(tile_classes(N, decode_tile, min(config.prefill_tile, N)),
+                                                       (config.decode_group, config.prefill_group), blocks):
         plan = plan_tiles(kv_lens, cu_q_lens, ns, dims, tile=tile, longer_than=longer_than, at_most=at_most,
                           block=bk, sliding_window=sliding_window)
         if plan.size:

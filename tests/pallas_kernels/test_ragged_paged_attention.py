@@ -5,6 +5,7 @@ reference against plain dense attention, no retrace across batches, bad input, e
 compile with the real TPU compiler."""
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -18,7 +19,14 @@ import numpy as np
 import pytest
 
 from pallas_kernels import abi
-from pallas_kernels.ragged_paged_attention import ops, pallas_gpu, pallas_tpu, ragged_paged_attention, validate_metadata
+from pallas_kernels.ragged_paged_attention import (
+    ops,
+    pallas_gpu,
+    pallas_tpu,
+    ragged_paged_attention,
+    validate_metadata,
+    xla,
+)
 
 TRITON_CALL = "__gpu$xla.gpu.triton"
 S = jax.ShapeDtypeStruct
@@ -119,6 +127,24 @@ def _check_cases(kernel, cfg_name, **kernel_kw):
 @pytest.mark.parametrize("cfg_name", list(CONFIGS))
 def test_xla_matches_reference(cfg_name):
     _check_cases(ragged_paged_attention, cfg_name, impl="xla")
+
+
+@pytest.mark.parametrize("blocks", [dict(), dict(prefill_tile=16, prefill_block_tokens=32), dict(prefill_tile=256)])
+@pytest.mark.parametrize("cfg_name", ["gqa2_ps8_f32", "softcap_window_gqa4_ps16"])
+def test_xla_block_sizes_match_reference(cfg_name, blocks):
+    """The XLA walk with explicit block sizes (the op picks them per head shape: tuned_config): the defaults,
+    short prefill tiles over several key blocks, and one tile taller than the batch."""
+    _check_cases(functools.partial(xla.ragged_paged_attention_xla, config=xla.XlaConfig(**blocks)), cfg_name)
+
+
+def test_tuned_config_by_head_shape():
+    """Wide heads keep the measured defaults; narrow heads get taller prefill tiles and longer key blocks
+    (never past 256 rows or 512 keys), and decode tiles keep the default block."""
+    assert xla.tuned_config(16, 2, 256) == xla.XlaConfig()
+    assert xla.tuned_config(8, 1, 128) == xla.XlaConfig()
+    narrow = xla.tuned_config(2, 1, 64)
+    assert (narrow.prefill_tile, narrow.prefill_block_tokens, narrow.block_tokens) == (256, 512, 256)
+    assert xla.tuned_config(4, 4, 16).prefill_tile == 256 and xla.tuned_config(64, 1, 8).prefill_tile == 64
 
 
 @pytest.mark.parametrize("cfg_name", ["gqa2_ps8_f32", "gqa4_ps16_bf16", "softcap_window_gqa4_ps16"])
