@@ -21,7 +21,7 @@ import types
 from typing import Mapping
 
 from cache.segments import (DEVICE_STATES, IllegalTransition, Kind, SegState, Segment, bump_version,
-                            close_tail as seg_close_tail, transition as seg_transition)
+                            close_tail as seg_close_tail, transition as seg_transition, with_counters)
 
 # Eviction priority, lowest first: the cost of getting the object back, and how much a wrong or
 # missing one costs. ONE table; the allocator reads nothing else.
@@ -126,10 +126,14 @@ def _put(state: AllocState, *segs: Segment, drop: tuple[int, ...] = (), next_id:
                                next_id=state.next_id if next_id is None else next_id)
 
 
+def evictable(state: AllocState):
+    """The evictable segments (DEVICE, unheld), in no particular order."""
+    return (s for s in state.segments.values() if s.state is SegState.DEVICE and s.ref_count == 0)
+
+
 def eviction_order(state: AllocState) -> list[Segment]:
-    """Evictable segments (DEVICE, unheld), first victim first: by kind priority, then LRU, then id."""
-    cands = [s for s in state.segments.values() if s.state is SegState.DEVICE and s.ref_count == 0]
-    return sorted(cands, key=lambda s: (EVICTION_PRIORITY[s.kind][0], s.last_access, s.id))
+    """Evictable segments, first victim first: by kind priority, then LRU, then id."""
+    return sorted(evictable(state), key=lambda s: (EVICTION_PRIORITY[s.kind][0], s.last_access, s.id))
 
 
 def _make_room(state: AllocState, extra: float, what: str, protect: frozenset[int] = frozenset()) -> AllocState:
@@ -223,6 +227,11 @@ def evict(state: AllocState, seg_id: int) -> AllocState:
     return _put(state, seg_transition(state.get(seg_id), SegState.FREE))
 
 
+def evict_many(state: AllocState, seg_ids) -> AllocState:
+    """`evict` for several segments at once (one new state)."""
+    return _put(state, *(seg_transition(state.get(sid), SegState.FREE) for sid in seg_ids))
+
+
 def close_tail(state: AllocState, tail_id: int, entry_id: int) -> AllocState:
     """The named `close_tail` event (cache.segments.close_tail): the tail checkpoint `tail_id` is
     superseded by the committed entry block `entry_id` its window closed into, and leaves the record.
@@ -246,7 +255,7 @@ def retain_many(state: AllocState, seg_ids) -> AllocState:
         seg = d.get(sid) or state.get(sid)
         if seg.state not in (SegState.DEVICE, SegState.HOST, SegState.DISK):
             raise IllegalTransition(f"cannot retain {seg.describe()} in state {seg.state.value}")
-        d[sid] = dataclasses.replace(seg, ref_count=seg.ref_count + 1, last_access=state.clock + 1)
+        d[sid] = with_counters(seg, ref_count=seg.ref_count + 1, last_access=state.clock + 1)
     return dataclasses.replace(state, segments=_frozen(d), clock=state.clock + 1)
 
 
@@ -257,7 +266,7 @@ def release_many(state: AllocState, seg_ids) -> AllocState:
         seg = d.get(sid) or state.get(sid)
         if seg.ref_count <= 0:
             raise ValueError(f"release of {seg.describe()}: ref count would go negative")
-        d[sid] = dataclasses.replace(seg, ref_count=seg.ref_count - 1)
+        d[sid] = with_counters(seg, ref_count=seg.ref_count - 1)
     return dataclasses.replace(state, segments=_frozen(d), clock=state.clock + 1)
 
 
@@ -267,7 +276,7 @@ def touch_many(state: AllocState, seg_ids) -> AllocState:
     clock = state.clock
     for sid in seg_ids:
         clock += 1
-        d[sid] = dataclasses.replace(state.get(sid), last_access=clock)
+        d[sid] = with_counters(state.get(sid), last_access=clock)
     return dataclasses.replace(state, segments=_frozen(d), clock=clock)
 
 

@@ -396,7 +396,7 @@ class PrefixCache:
     # --- the block manager's reclaimer -------------------------------------------------------------
     def reclaimable(self, group: str) -> int:
         """Units of `group` only the store holds and could let go of now."""
-        return sum(1 for v in A.eviction_order(self.alloc) if v.group == group and self._sole(v.id))
+        return sum(1 for v in A.evictable(self.alloc) if v.group == group and self._sole(v.id))
 
     def reclaim(self, group: str, n: int) -> int:
         """Lets go of up to n units of `group` only the store holds, least recently used first (a
@@ -404,8 +404,16 @@ class PrefixCache:
         # one pass over the eviction order: dropping a victim neither reorders the others nor changes
         # who else holds their units
         victims = [v.id for v in A.eviction_order(self.alloc) if v.group == group and self._sole(v.id)][:max(n, 0)]
+        freed = []
         for sid in victims:
-            self._drop_from_device(sid, reclaimed=True)
+            if self.disk is not None and self.disk.durable(sid):
+                self._drop_from_device(sid, reclaimed=True)     # offloaded: keeps its index entries
+            else:
+                freed.append(sid)
+        if freed:                # one new allocator state and one index prune for all of them
+            before = self.alloc
+            self.alloc = A.evict_many(self.alloc, freed)
+            self._reclaim(before, reclaimed=True)
         return len(victims)
 
     def _drop_from_device(self, sid: int, reclaimed: bool = False):

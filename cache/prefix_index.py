@@ -79,27 +79,35 @@ def _ctx_hasher(ctx: KeyContext):
     return h
 
 
-def block_key(parent: str, tokens: Sequence[int], ctx: KeyContext) -> str:
-    """Key of one block given its parent's key. tokens: the block's token ids (ints)."""
-    h = _ctx_hasher(ctx).copy()
+def _key(base, parent: str, token_bytes: bytes, count: int) -> str:
+    """The key: blake2b over the context (`base`), the parent key and the block's little-endian int64
+    token ids, each length-prefixed."""
+    h = base.copy()
     b = parent.encode()
     h.update(len(b).to_bytes(4, "little"))
     h.update(b)
-    tok = np.asarray(tokens, dtype="<i8")
-    h.update(len(tok).to_bytes(4, "little"))
-    h.update(tok.tobytes())
+    h.update(count.to_bytes(4, "little"))
+    h.update(token_bytes)
     return h.hexdigest()
+
+
+def block_key(parent: str, tokens: Sequence[int], ctx: KeyContext) -> str:
+    """Key of one block given its parent's key. tokens: the block's token ids (ints)."""
+    tok = np.asarray(tokens, dtype="<i8")
+    return _key(_ctx_hasher(ctx), parent, tok.tobytes(), len(tok))
 
 
 def chain_keys(tokens: Sequence[int], block: int, ctx: KeyContext) -> tuple[str, ...]:
     """Keys of every whole block of `block` tokens: result[i] is the key of the prefix ending at
-    (i + 1) * block. A trailing partial block gets no key."""
+    (i + 1) * block. A trailing partial block gets no key. The tokens are converted to bytes once (a
+    cache hit hashes every block of the prompt, for each group)."""
     if block <= 0:
         raise ValueError(f"block must be positive, got {block}")
+    buf = np.asarray(tokens, dtype="<i8").tobytes()
+    step, base = 8 * block, _ctx_hasher(ctx)
     keys, parent = [], ROOT_KEY
-    tokens = np.asarray(tokens, dtype="<i8")          # one conversion; block_key then hashes slices
-    for i in range(len(tokens) // block):
-        parent = block_key(parent, tokens[i * block:(i + 1) * block], ctx)
+    for i in range(len(buf) // step):
+        parent = _key(base, parent, buf[i * step:(i + 1) * step], block)
         keys.append(parent)
     return tuple(keys)
 

@@ -4,7 +4,8 @@ A Segment is the host-side record of one cached object (a block of full KV, a re
 checkpoint, an SWA window block, ...): which group and token range [start, end) it holds, where it
 lives (device / host / disk), which kernel ABI wrote it, how many requests hold it, and a version
 that changes with every event that changes its contents. Segments are frozen values; every change
-makes a new one through `transition`, `bump_version` or `dataclasses.replace` in the allocator.
+makes a new one through `transition`, `bump_version`, `with_counters` or `dataclasses.replace` in the
+allocator.
 
 States and the life of a segment:
 
@@ -120,6 +121,22 @@ class Segment:
     def describe(self) -> str:
         return (f"segment {self.id} ({self.kind.value}, group {self.group!r}, tokens [{self.start}, {self.end}),"
                 f" v{self.version}, refs {self.ref_count})")
+
+
+def with_counters(seg: Segment, *, ref_count: int | None = None, last_access: int | None = None) -> Segment:
+    """The segment with a new reference count and / or LRU time: a copy that skips `__post_init__` (these
+    two fields are all a cache hit's bookkeeping changes, for every block of a long prefix, and
+    `dataclasses.replace` re-validating every field costs 4x the copy). ValueError on a negative count."""
+    if ref_count is not None and ref_count < 0:
+        raise ValueError(f"segment {seg.id}: ref_count went negative ({ref_count})")
+    new = object.__new__(Segment)
+    d = new.__dict__
+    d.update(seg.__dict__)
+    if ref_count is not None:
+        d["ref_count"] = ref_count
+    if last_access is not None:
+        d["last_access"] = last_access
+    return new
 
 
 def transition(seg: Segment, to: SegState) -> Segment:
