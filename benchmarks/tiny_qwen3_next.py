@@ -17,7 +17,40 @@ CONFIG_WIDE_HEADS = dict(CONFIG, num_attention_heads=2, num_key_value_heads=1, h
                          linear_num_key_heads=1, linear_num_value_heads=2, linear_key_head_dim=64,
                          linear_value_head_dim=64)
 
-CONFIGS = {"heads32": CONFIG, "heads64": CONFIG_WIDE_HEADS}
+# The 64-dim heads with Qwen3-Next-80B-A3B's balance of per-token work to attention work: there,
+# attention over a 4,096-token context is about 11% of a token's matmul FLOPs (12 of 48 layers
+# attend with 16 x 256-dim heads; about 2.4B active non-embedding parameters); in the two configs
+# above, whose layers are 128 wide, attention is most of it, so no cache can make a long prompt's
+# last chunk cost what an average chunk costs. `attention_share` computes the figure for each.
+CONFIG_PROPORTIONAL = dict(CONFIG_WIDE_HEADS, hidden_size=512, intermediate_size=1024, moe_intermediate_size=256,
+                           shared_expert_intermediate_size=512)
+
+CONFIGS = {"heads32": CONFIG, "heads64": CONFIG_WIDE_HEADS, "proportional": CONFIG_PROPORTIONAL}
+
+
+def attention_share(config: dict, context: int = 4096) -> float:
+    """Share of attention (QK and PV over `context` keys) in one token's matmul FLOPs, the other
+    part being 2 x the active non-embedding parameters (projections, MLP or routed + shared experts)."""
+    h = config["hidden_size"]
+    layers = config["layer_types"]
+    attn = lin = 0
+    for i, kind in enumerate(layers):
+        if kind == "full_attention":
+            q = config["num_attention_heads"] * config["head_dim"]
+            kv = config["num_key_value_heads"] * config["head_dim"]
+            lin += h * (2 * q + 2 * kv) + q * h             # q and its gate, k, v; o
+            attn += 4 * q * context
+        else:
+            k = config["linear_num_key_heads"] * config["linear_key_head_dim"]
+            v = config["linear_num_value_heads"] * config["linear_value_head_dim"]
+            lin += h * (2 * k + 2 * v) + v * h              # q, k, v, z; out
+        moe = config.get("num_experts", 0) and (i + 1) % config.get("decoder_sparse_step", 1) == 0
+        if moe:
+            lin += 3 * h * (config["num_experts_per_tok"] * config["moe_intermediate_size"]
+                            + config["shared_expert_intermediate_size"])
+        else:
+            lin += 3 * h * config["intermediate_size"]
+    return attn / (attn + 2 * lin)
 
 
 def write_checkpoint(path: str, seed: int = 0, config: dict | None = None) -> str:
