@@ -13,7 +13,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from cache.mla import write_paged
+from cache.mla import write_paged, write_paged_flat
 from hybrid_jax.layers.linear import dequantize, linear
 from hybrid_jax.layers.rope import apply_rope
 from pallas_kernels.sparse_attention import (
@@ -22,6 +22,11 @@ from pallas_kernels.sparse_attention import (
     quantize_fp8,
     sparse_hit_rate,
     sparse_mla_attention,
+)
+from pallas_kernels.sparse_attention.ragged import (
+    indexer_topk_ragged,
+    sparse_hit_rate_ragged,
+    sparse_mla_attention_ragged,
 )
 
 
@@ -52,12 +57,16 @@ def rope_interleaved(x, cos, sin):
 def sparse_attention(p: dict, x, cos, sin, positions, valid, lengths, n_new, lat, rope, ikeys, iscale,
                      page_table, index_table, page_resident, *, num_heads: int, nope: int, rope_dim: int,
                      v_dim: int, kv_lora_rank: int, index_heads: int, index_dim: int, index_topk: int,
-                     eps: float, impl: str = "auto", layer: int | None = None, scale: float | None = None):
+                     eps: float, impl: str = "auto", layer: int | None = None, scale: float | None = None,
+                     ragged=None):
     """x [B, T, Hd]; cos, sin [B, T, Dr]; positions, valid [B, T]; lengths, n_new [B];
     lat [P, ps, R], rope [P, ps, Dr] (one layer's latent pools), ikeys [P2, ps2, Di], iscale [P2, ps2] | None,
     or with `layer` the groups' stacks of them ([L, ...]), written in place at that layer (`write_paged`).
     scale: the attention softmax scale (default (nope + rope_dim)^-0.5; DeepSeek's YaRN corrects it).
-    Returns (out [B, T, Hd], lat, rope, ikeys, iscale, hit_rate [B]), the pools as they came in."""
+    ragged: a hybrid_jax.models.ragged.RaggedBatch of S sequences; x is then [1, N, Hd] (cos, sin, positions,
+    valid [1, N, ...]), lengths, n_new and the tables [S, ...]: the entries are written token-major and the
+    ops run on the batch's tiles (pallas_kernels.sparse_attention.ragged).
+    Returns (out [B, T, Hd], lat, rope, ikeys, iscale, hit_rate [B] (ragged: [S])), the pools as they came in."""
     B, T, _ = x.shape
     H, R = num_heads, kv_lora_rank
     q_resid = rms_norm(linear(x, p["q_a"]) + p.get("q_a_bias", 0.0), p["q_a_norm"], eps)
@@ -66,8 +75,14 @@ def sparse_attention(p: dict, x, cos, sin, positions, valid, lengths, n_new, lat
     kv = linear(x, p["kv_a"]) + p.get("kv_a_bias", 0.0)
     c = rms_norm(kv[..., :R], p["kv_a_norm"], eps)                                     # [B, T, R]
     k_rot = rope_interleaved(kv[..., None, R:], cos, sin)[:, :, 0]                      # [B, T, Dr]
-    lat = write_paged(lat, c, page_table, positions, valid, layer)
-    rope = write_paged(rope, k_rot, page_table, positions, valid, layer)
+    if ragged is None:
+        def write(pool, new, table):
+            return write_paged(pool, new, table, positions, valid, layer)
+    else:
+        def write(pool, new, table):
+            return write_paged_flat(pool, new[0], table, ragged.seq, positions[0], valid[0], layer)
+    lat = write(lat, c, page_table)
+    rope = write(rope, k_rot, page_table)
 
     # indexer: keys written first, so a query sees its own key
     qi = apply_rope(linear(q_resid, p["idx_q"]).reshape(B, T, index_heads, index_dim), cos, sin)
@@ -75,21 +90,30 @@ def sparse_attention(p: dict, x, cos, sin, positions, valid, lengths, n_new, lat
     ki = apply_rope(ki[:, :, None], cos, sin)[:, :, 0]                                  # [B, T, Di]
     if iscale is not None:
         k8, sc = quantize_fp8(ki)
-        ikeys = write_paged(ikeys, k8, index_table, positions, valid, layer)
-        iscale = write_paged(iscale, sc, index_table, positions, valid, layer)
+        ikeys = write(ikeys, k8, index_table)
+        iscale = write(iscale, sc, index_table)
     else:
-        ikeys = write_paged(ikeys, ki, index_table, positions, valid, layer)
+        ikeys = write(ikeys, ki, index_table)
     # the ops read layer `layer` of the stacks in place (a slice handed to a kernel is a copy of the pool)
     w = indexer_weights(x.astype(jnp.float32) @ p["idx_w"].astype(jnp.float32), index_heads, index_dim)
     kv_len = lengths + n_new
-    qpos = jnp.where(valid, positions, -1)
     topk = min(index_topk, index_table.shape[1] * ikeys.shape[-2])         # Top-K >= context: all causal keys
-    idx = indexer_topk(qi, w, ikeys, index_table, qpos, kv_len, topk=topk, k_scale=iscale, impl=impl, layer=layer)
-
     q_lat = jnp.einsum("bthn,hnr->bthr", q_nope, dequantize(p["w_uk"], q_nope.dtype))        # [B, T, H, R]
-    o_lat = sparse_mla_attention(q_lat, q_rot, lat, rope, page_table, idx, kv_len, layer=layer,
-                                 scale=scale or (nope + rope_dim) ** -0.5, impl=impl)           # [B, T, H, R] f32
+    scale = scale or (nope + rope_dim) ** -0.5
+    if ragged is None:
+        qpos = jnp.where(valid, positions, -1)
+        idx = indexer_topk(qi, w, ikeys, index_table, qpos, kv_len, topk=topk, k_scale=iscale, impl=impl,
+                           layer=layer)
+        o_lat = sparse_mla_attention(q_lat, q_rot, lat, rope, page_table, idx, kv_len, layer=layer, scale=scale,
+                                     impl=impl)                                                 # [B, T, H, R] f32
+        hit = sparse_hit_rate(idx, page_table, page_resident, lat.shape[-2], kv_len)
+    else:
+        cu = ragged.cu_seqlens
+        idx = indexer_topk_ragged(qi[0], w[0], ikeys, index_table, cu, kv_len, topk=topk, k_scale=iscale, impl=impl,
+                                  layer=layer)
+        o_lat = sparse_mla_attention_ragged(q_lat[0], q_rot[0], lat, rope, page_table, cu, idx, kv_len, scale=scale,
+                                            impl=impl, layer=layer)[None]
+        hit = sparse_hit_rate_ragged(idx, page_table, ragged.seq, ragged.valid, page_resident, lat.shape[-2], kv_len)
     o = jnp.einsum("bthr,hvr->bthv", o_lat.astype(x.dtype), dequantize(p["w_uv"], x.dtype)).reshape(B, T, H * v_dim)
     out = linear(o, p["o_proj"]) + p.get("o_bias", 0.0)
-    hit = sparse_hit_rate(idx, page_table, page_resident, lat.shape[-2], kv_len)
     return out.astype(x.dtype), lat, rope, ikeys, iscale, hit

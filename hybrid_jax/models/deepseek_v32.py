@@ -30,6 +30,7 @@ from hybrid_jax.layers.mla import rms_norm, sparse_attention
 from hybrid_jax.layers.rope import rope_cos_sin
 from hybrid_jax.models.common import LayerStep, finish_step, token_positions
 from hybrid_jax.models.contract import LayerType, MTPHead, ModelFamily, StepOutput
+from hybrid_jax.models.ragged import RaggedBatch
 from hybrid_jax.weights import checked_getter, concat, dense_mlp_weights, expert_weights, to_device, to_device_linear
 from hybrid_jax.models.deepseek_v32_config import DeepseekV32Config
 
@@ -82,6 +83,7 @@ class _Step(LayerStep):
     keys: jax.Array | None = None
     scale: jax.Array | None = None
     hits: list = dataclasses.field(default_factory=list)
+    ragged: RaggedBatch | None = None    # forward_ragged: the flat batch (positions, valid [1, N] then)
 
 
 def _sparse_attention(cfg: DeepseekV32Config, lp: dict, h: jax.Array, step: _Step, i: int) -> jax.Array:
@@ -93,7 +95,7 @@ def _sparse_attention(cfg: DeepseekV32Config, lp: dict, h: jax.Array, step: _Ste
         num_heads=cfg.num_attention_heads, nope=cfg.qk_nope_head_dim, rope_dim=cfg.qk_rope_head_dim,
         v_dim=cfg.v_head_dim, kv_lora_rank=cfg.kv_lora_rank, index_heads=cfg.index_n_heads,
         index_dim=cfg.index_head_dim, index_topk=cfg.index_topk, eps=cfg.rms_norm_eps, impl=step.impl,
-        layer=lg.layer_ids.index(i), scale=cfg.softmax_scale)
+        layer=lg.layer_ids.index(i), scale=cfg.softmax_scale, ragged=step.ragged)
     step.hits.append(hit)
     return h
 
@@ -116,11 +118,38 @@ def forward(cfg: DeepseekV32Config, params: dict, cache: ModelCache, tokens: jax
     B, T = tokens.shape
     positions, valid = token_positions(cache, T, n_new)                  # [B, T] each
     x = params["embed"][tokens] if inputs_embeds is None else inputs_embeds
-    hidden = [x] if return_hidden else None
     cos, sin = rope_cos_sin(positions, cfg.qk_rope_head_dim, cfg.rope, seq_len=cache.lengths + n_new)
+    step = _Step(cache, positions, valid, n_new, impl, cos=cos, sin=sin)
+    x, groups, hidden = _layers(cfg, params, x, step, return_hidden)
+    out = finish_step(cfg, params, cache, groups, x, n_new, final_norm=final_norm, logits_at=logits_at,
+                      hidden=hidden)
+    return out.replace(states={}) if per_token_states else out
+
+
+def forward_ragged(cfg: DeepseekV32Config, params: dict, cache: ModelCache, batch: RaggedBatch, *,
+                   impl: str = "auto") -> StepOutput:
+    """One step over a ragged batch (hybrid_jax.models.ragged), as qwen3_next.forward_ragged: logits [S, V]
+    at each sequence's last token. The per-token work runs on the flat [1, N] batch; the latent and
+    indexer entries are written token-major and the indexer and sparse MLA run on the batch's tiles
+    (pallas_kernels.sparse_attention.ragged). The latent group's hit_rate is per sequence [S]."""
+    x = params["embed"][batch.tokens][None]                                  # [1, N, Hd]
+    seq_len = (cache.lengths + batch.n_new)[batch.seq]
+    cos, sin = rope_cos_sin(batch.positions[:, None], cfg.qk_rope_head_dim, cfg.rope, seq_len=seq_len)
+    step = _Step(cache, batch.positions[None], batch.valid[None], batch.n_new, impl, cos=cos[:, 0][None],
+                 sin=sin[:, 0][None], ragged=batch)
+    x, groups, _ = _layers(cfg, params, x, step, False)
+    x = x[0][batch.last_index()][:, None]                                    # [S, 1, Hd]
+    out = finish_step(cfg, params, cache, groups, x, batch.n_new, final_norm=final_norm, logits_at="all")
+    return out.replace(logits=out.logits[:, 0])
+
+
+def _layers(cfg: DeepseekV32Config, params: dict, x: jax.Array, step: _Step, return_hidden: bool):
+    """Every layer over x [B, T, Hd] (a ragged batch: [1, N, Hd]). Returns (the residual stream after the
+    last layer, the cache's updated groups, the hidden states with return_hidden)."""
+    cache = step.cache
     lg, ig = cache.groups["sparse_attention"], cache.groups["indexer"]
-    step = _Step(cache, positions, valid, n_new, impl, cos=cos, sin=sin, latent=lg.latent, rope=lg.rope, keys=ig.keys,
-                 scale=ig.scale)
+    step.latent, step.rope, step.keys, step.scale = lg.latent, lg.rope, ig.keys, ig.scale
+    hidden = [x] if return_hidden else None
     for i, lp in enumerate(params["layers"]):
         h = rms_norm(x, lp["input_norm"], cfg.rms_norm_eps)
         x = x + LAYER_TYPES[cfg.layer_types[i]].mixer(cfg, lp, h, step, i)
@@ -133,9 +162,7 @@ def forward(cfg: DeepseekV32Config, params: dict, cache: ModelCache, tokens: jax
     groups["sparse_attention"] = lg.replace(latent=step.latent, rope=step.rope,
                                             hit_rate=jnp.mean(jnp.stack(step.hits), axis=0))
     groups["indexer"] = ig.replace(keys=step.keys, scale=step.scale)
-    out = finish_step(cfg, params, cache, groups, x, n_new, final_norm=final_norm, logits_at=logits_at,
-                      hidden=hidden)
-    return out.replace(states={}) if per_token_states else out
+    return x, groups, hidden
 
 
 def final_norm(cfg: DeepseekV32Config, params: dict, x: jax.Array) -> jax.Array:
@@ -326,7 +353,7 @@ def _convert_layer(cfg: DeepseekV32Config, t, has, p: str, moe: bool, dev, lin) 
 
 
 FAMILY = ModelFamily(
-    name="deepseek_v32", forward=forward, new_cache=new_cache, init_params=init_params,
+    name="deepseek_v32", forward=forward, forward_ragged=forward_ragged, new_cache=new_cache, init_params=init_params,
     convert_hf_weights=convert_hf_weights, final_norm=final_norm, layer_types=LAYER_TYPES,
     mtp=MTPHead(prefixes=mtp_prefixes, new_cache=mtp_new_cache, target_hidden=target_hidden, step=mtp_step,
                 logits=mtp_logits))

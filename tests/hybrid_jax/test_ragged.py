@@ -1,6 +1,7 @@
-"""Ragged (flat, token-major) steps: a family's forward_ragged over sequences of unequal lengths (a long
-prefill chunk, a decode token, a chunk on a cached prefix, an empty sequence) gives the logits and the
-cache the padded [B, T] forward gives, and the ragged causal conv never reads across sequences."""
+"""Ragged (flat, token-major) steps: a family's forward_ragged (Qwen3-Next; DeepSeek-V3.2, its indexer's Top-K
+shorter than the contexts) over sequences of unequal lengths (a long prefill chunk, a decode token, a chunk
+on a cached prefix, an empty sequence) gives the logits and the cache the padded [B, T] forward gives, and
+the ragged causal conv never reads across sequences."""
 from __future__ import annotations
 
 import jax
@@ -9,15 +10,30 @@ import numpy as np
 import pytest
 
 from hybrid_jax import LLM
+from hybrid_jax.config import config_from_hf_dict
 from hybrid_jax.layers.gated_deltanet import causal_conv, ragged_causal_conv
 from hybrid_jax.models import get_model
 from hybrid_jax.models.ragged import pack
 
 
-@pytest.fixture(scope="module")
-def default():
-    llm = LLM()                 # Gated DeltaNet + gated full attention + MoE, the embedded default
-    return llm, get_model(llm.config.model_type)
+# A DeepSeek-V3.2 miniature whose Top-K (16) is shorter than the rows' contexts, so the indexer selects.
+DSV32 = dict(model_type="deepseek_v32", vocab_size=97, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1,
+             n_routed_experts=8, n_group=4, topk_group=2, num_experts_per_tok=2, kv_lora_rank=16, q_lora_rank=24,
+             qk_rope_head_dim=8, v_head_dim=12, qk_nope_head_dim=16, index_topk=16, index_head_dim=16,
+             index_n_heads=8, first_k_dense_replace=1, max_position_embeddings=512, routed_scaling_factor=2.5)
+
+
+@pytest.fixture(scope="module", params=["qwen3_next", "deepseek_v32"])
+def model(request):
+    """(config, params, family): the embedded default (Gated DeltaNet + gated full attention + MoE), or a
+    random DeepSeek-V3.2 (MLA + the DSA indexer over paged latent and indexer-key pools)."""
+    if request.param == "qwen3_next":
+        llm = LLM()
+        return llm.config, llm.params, get_model(llm.config.model_type)
+    cfg = config_from_hf_dict(DSV32)
+    fam = get_model(cfg.model_type)
+    return cfg, fam.init_params(cfg, seed=1), fam
 
 
 def _rel(a, b):
@@ -25,9 +41,8 @@ def _rel(a, b):
     return float(np.sqrt(np.mean((a - b) ** 2)) / (np.sqrt(np.mean(b ** 2)) + 1e-30))
 
 
-def test_ragged_forward_equals_the_padded_forward(default):
-    llm, fam = default
-    cfg = llm.config
+def test_ragged_forward_equals_the_padded_forward(model):
+    cfg, params, fam = model
     rng = np.random.default_rng(0)
     B, CAP = 4, 192
     held = [0, 20, 64, 10]                  # tokens each row holds before the step
@@ -35,28 +50,33 @@ def test_ragged_forward_equals_the_padded_forward(default):
     t = np.zeros((B, 64), np.int32)
     for i, n in enumerate(held):
         t[i, :n] = rng.integers(0, cfg.vocab_size, n)
-    cache = fam.forward(cfg, llm.params, cache, jnp.asarray(t), jnp.asarray(held, jnp.int32)).cache
+    cache = fam.forward(cfg, params, cache, jnp.asarray(t), jnp.asarray(held, jnp.int32)).cache
     new = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (37, 1, 9, 0)]
     tp = np.zeros((B, 64), np.int32)
     for i, a in enumerate(new):
         tp[i, :len(a)] = a
     n_new = jnp.asarray([len(a) for a in new], jnp.int32)
-    ref = fam.forward(cfg, llm.params, jax.tree_util.tree_map(jnp.copy, cache), jnp.asarray(tp), n_new)
+    ref = fam.forward(cfg, params, jax.tree_util.tree_map(jnp.copy, cache), jnp.asarray(tp), n_new)
     batch = pack(new, held, 64, B)
     assert batch.cu_seqlens.tolist() == [0, 37, 38, 47, 47] and not batch.valid[47:].any()
-    got = jax.jit(lambda c, b: fam.forward_ragged(cfg, llm.params, c, b))(jax.tree_util.tree_map(jnp.copy, cache),
-                                                                         batch)
+    got = jax.jit(lambda c, b: fam.forward_ragged(cfg, params, c, b))(jax.tree_util.tree_map(jnp.copy, cache), batch)
     for i in range(3):                      # the empty sequence's logits mean nothing
         assert _rel(got.logits[i], ref.logits[i]) < 1e-5, i
     assert got.cache.lengths.tolist() == ref.cache.lengths.tolist() == [37, 21, 73, 10]
+    compared = 0
     for name, g in ref.cache.groups.items():
-        for f in ("conv", "ssm", "k", "v"):
-            if hasattr(g, f):
+        for f in ("conv", "ssm", "k", "v", "latent", "rope", "keys", "scale"):
+            if getattr(g, f, None) is not None:
                 a, b = getattr(got.cache.groups[name], f), getattr(g, f)
                 assert _rel(a, b) < 1e-5, (name, f)
-    # the row that fed nothing kept its state bit for bit
-    rec = got.cache.groups["linear_attention"]
-    np.testing.assert_array_equal(np.asarray(rec.ssm[:, 3]), np.asarray(cache.groups["linear_attention"].ssm[:, 3]))
+                compared += 1
+    assert compared >= 3
+    if "linear_attention" in cache.groups:  # the row that fed nothing kept its state bit for bit
+        rec = got.cache.groups["linear_attention"]
+        np.testing.assert_array_equal(np.asarray(rec.ssm[:, 3]), np.asarray(cache.groups["linear_attention"].ssm[:, 3]))
+    if "sparse_attention" in cache.groups:  # the resident fraction of the selected positions, per sequence
+        np.testing.assert_allclose(got.cache.groups["sparse_attention"].hit_rate[:3],
+                                   ref.cache.groups["sparse_attention"].hit_rate[:3], rtol=1e-6)
 
 
 def test_ragged_causal_conv_stays_inside_each_sequence():

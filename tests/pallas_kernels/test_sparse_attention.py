@@ -255,3 +255,51 @@ def test_layer_of_a_stack_reads_that_layer(impl):
     got = sa.sparse_mla_attention(ql, qr, lat, rope, table, sel, lens, scale=0.1, impl=impl, layer=2)
     ref = sa.sparse_mla_attention(ql, qr, lat[2], rope[2], table, sel, lens, scale=0.1, impl=impl)
     np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("impl", ["xla", "reference"])
+def test_ragged_ops_equal_the_padded_ops_per_sequence(impl):
+    """A flat batch of a 70-token chunk on a cached prefix, a decode, a 3-token verify window, a fresh
+    10-token prompt and an empty sequence (tiles of 16 rows, groups of 2: several tiles per sequence and
+    more tiles than one group): the ragged indexer and sparse MLA give each token what the padded ops give
+    its sequence's row, and padding tokens get -1 / 0."""
+    from pallas_kernels.sparse_attention import ragged  # noqa: PLC0415
+    rng = np.random.default_rng(3)
+    S, NP, ps, H, D, Hm, R, Dr, K = 5, 8, 16, 2, 16, 2, 32, 8, 24
+    new = [70, 1, 3, 10, 0]
+    held = [40, 100, 7, 0, 5]
+    N = 96
+    P, pt = _paged(rng, S, NP, ps)
+    keys = jnp.asarray(rng.standard_normal((P, ps, D)), jnp.float32)
+    lat = jnp.asarray(rng.standard_normal((P, ps, R)), jnp.float32)
+    rp = jnp.asarray(rng.standard_normal((P, ps, Dr)), jnp.float32)
+    kv = jnp.asarray([h + n for h, n in zip(held, new)], jnp.int32)
+    cu = jnp.asarray(np.concatenate([[0], np.cumsum(new)]), jnp.int32)
+    q = jnp.asarray(rng.standard_normal((N, H, D)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((N, H)), jnp.float32)
+    ql = jnp.asarray(rng.standard_normal((N, Hm, R)), jnp.float32)
+    qr = jnp.asarray(rng.standard_normal((N, Hm, Dr)), jnp.float32)
+    kw = dict(max_q_len=3, prefill_tile=16, group=2)
+    idx = jax.jit(lambda *a: ragged.indexer_topk_ragged(*a, topk=K, impl=impl, **kw))(q, w, keys, pt, cu, kv)
+    o = jax.jit(lambda *a: ragged.sparse_mla_attention_ragged(*a, scale=0.2, impl=impl, **kw))(
+        ql, qr, lat, rp, pt, cu, idx, kv)
+    total = int(cu[-1])
+    assert (np.asarray(idx[total:]) == -1).all() and not np.asarray(o[total:]).any()
+    for s in range(S):
+        a, b = int(cu[s]), int(cu[s + 1])
+        if a == b:
+            continue
+        qpos = (int(kv[s]) - (b - a) + jnp.arange(b - a, dtype=jnp.int32))[None]
+        ref_idx = sa.indexer_topk(q[None, a:b], w[None, a:b], keys, pt[s:s + 1], qpos, kv[s:s + 1], topk=K,
+                                  impl=impl)
+        np.testing.assert_array_equal(np.sort(np.asarray(idx[a:b]), -1), np.sort(np.asarray(ref_idx[0]), -1))
+        ref_o = sa.sparse_mla_attention(ql[None, a:b], qr[None, a:b], lat, rp, pt[s:s + 1], ref_idx, kv[s:s + 1],
+                                        scale=0.2, impl=impl)
+        assert rel_rms(o[a:b], ref_o[0]) < 1e-6, s
+    seq = jnp.asarray(np.repeat(np.arange(S), new).tolist() + [S - 1] * (N - total), jnp.int32)
+    resident = jnp.asarray(rng.random(P) < 0.5)
+    rate = ragged.sparse_hit_rate_ragged(idx, pt, seq, jnp.arange(N) < total, resident, ps, kv)
+    for s in range(S):
+        a, b = int(cu[s]), int(cu[s + 1])
+        want = sa.sparse_hit_rate(idx[None, a:b], pt[s:s + 1], resident, ps, kv[s:s + 1])[0] if a < b else 1.0
+        assert abs(float(rate[s]) - float(want)) < 1e-6, s
