@@ -303,3 +303,21 @@ def test_ragged_ops_equal_the_padded_ops_per_sequence(impl):
         a, b = int(cu[s]), int(cu[s + 1])
         want = sa.sparse_hit_rate(idx[None, a:b], pt[s:s + 1], resident, ps, kv[s:s + 1])[0] if a < b else 1.0
         assert abs(float(rate[s]) - float(want)) < 1e-6, s
+
+
+@pytest.mark.parametrize("platform", ["tpu", "cuda"])
+def test_ragged_ops_export_with_the_kernels(platform):
+    """The ragged forms keep the platform's kernels (inside the loop over tiles)."""
+    from pallas_kernels.sparse_attention import ragged  # noqa: PLC0415
+    call = CALLS[platform]
+    N, NS, H, D, Hm, R, Dr, ps, NP, P, K = 48, 4, 4, 128, 16, 512, 64, 128, 4, 9, 64
+
+    def fn(q, w, k, ql, qr, lat, rp, pt, cu, lens):
+        idx = ragged.indexer_topk_ragged(q, w, k, pt, cu, lens, topk=K, impl="pallas", prefill_tile=16)
+        return ragged.sparse_mla_attention_ragged(ql, qr, lat, rp, pt, cu, idx, lens, scale=0.1, impl="pallas",
+                                                  prefill_tile=16)
+    args = [S((N, H, D), jnp.bfloat16), S((N, H), jnp.float32), S((P, ps, D), jnp.bfloat16),
+            S((N, Hm, R), jnp.bfloat16), S((N, Hm, Dr), jnp.bfloat16), S((P, ps, R), jnp.bfloat16),
+            S((P, ps, Dr), jnp.bfloat16), S((NS, NP), jnp.int32), S((NS + 1,), jnp.int32), S((NS,), jnp.int32)]
+    text = _export(fn, platform, args)
+    assert text.count(call) >= 2, "both the indexer and the MLA kernel"
