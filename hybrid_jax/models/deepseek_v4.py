@@ -33,6 +33,7 @@ from hybrid_jax.layers.mla import rms_norm
 from hybrid_jax.models.common import LayerStep, finish_step, token_positions
 from hybrid_jax.models.contract import LayerType, MTPHead, ModelFamily, StepOutput
 from hybrid_jax.models.deepseek_v4_config import DeepseekV4Config
+from hybrid_jax.models.ragged import RaggedBatch, over_tiles
 from hybrid_jax.weights import checked_getter, concat, expert_weights, to_device, to_device_linear
 
 CSA, HCA = "compressed_sparse_attention", "heavily_compressed_attention"
@@ -50,6 +51,8 @@ _PER_ROW = ("count", "page_table")    # fields shared by the group's layers ([B,
 # Page pools ([L, P, ps, D]) go to the layer whole, with the layer's slot, and are written in place:
 # slicing a layer out and stacking the layers back copies every pool at every step.
 _POOLS = {"entries": "slot", "idx_entries": "idx_slot"}
+# Tokens per tile of a long sequence in a ragged step (`over_tiles`): its tiles run one after another.
+RAGGED_TILE = 128
 
 
 def new_cache(cfg: DeepseekV4Config, batch_size: int, capacity: int, dtype, page_size: int | None = None) -> ModelCache:
@@ -144,6 +147,7 @@ class _Step(LayerStep):
     groups: dict = dataclasses.field(default_factory=dict)   # the cache's groups, entry pools replaced as written
     rings: list = dataclasses.field(default_factory=list)
     states: dict = dataclasses.field(default_factory=dict)
+    ragged: RaggedBatch | None = None    # forward_ragged: the flat batch
 
 
 def _compressed(layer_type: str):
@@ -151,10 +155,24 @@ def _compressed(layer_type: str):
     compressed entries (and CSA's indexer) of cache/compressed.py's groups."""
     def mixer(cfg: DeepseekV4Config, lp: dict, h: jax.Array, step: _Step, i: int) -> jax.Array:
         win = step.cache.groups["sliding_window"]
-        out, ring, st = compressed_attention(lp["attn"], h, layer_type, step.positions, step.valid,
-                                             step.cache.lengths, step.n_new, win.kv[win.layer_ids.index(i)],
-                                             _layer_state(step.groups, layer_type, i), step.freqs_main,
-                                             step.freqs_compress, cfg=cfg, impl=step.impl, pools_in_place=True)
+        ring, state = win.kv[win.layer_ids.index(i)], _layer_state(step.groups, layer_type, i)
+
+        def attend(x, positions, valid, lengths, n_new, ring, state):
+            return compressed_attention(lp["attn"], x, layer_type, positions, valid, lengths, n_new, ring, state,
+                                        step.freqs_main, step.freqs_compress, cfg=cfg, impl=step.impl,
+                                        pools_in_place=True)
+        if step.ragged is None:
+            out, ring, st = attend(h, step.positions, step.valid, step.cache.lengths, step.n_new, ring, state)
+        else:   # the layer's row state (ring, tails, overlaps, counts) advances tile by tile
+            pools = {k: state.pop(k) for k in list(state) if k in _POOLS}
+            slots = {k: state.pop(k) for k in list(state) if k in _POOLS.values()}
+
+            def tile_step(x, positions, valid, lengths, n_new, rows, pools):
+                o, ring_t, st_t = attend(x, positions, valid, lengths, n_new, rows[0], {**rows[1], **pools, **slots})
+                return o, (ring_t, {k: st_t[k] for k in rows[1]}), {k: st_t[k] for k in pools}
+            out, (ring, rows), pools = over_tiles(tile_step, h[0], (ring, state), pools, step.ragged,
+                                                  step.cache.lengths, prefill_tile=RAGGED_TILE)
+            out, st = out[None], {**rows, **pools, **slots}
         step.rings.append(ring)
         step.states[i] = st
         for gname, pairs in _fields(layer_type).items():      # the written pools, for the group's next layer
@@ -170,13 +188,14 @@ LAYER_TYPES = {"sliding_attention": LayerType(_compressed("sliding_attention"), 
 
 
 def _layers(cfg: DeepseekV4Config, layers: list, cache: ModelCache, x, tokens, positions, valid, n_new, impl: str,
-            return_hidden: bool):
+            return_hidden: bool, ragged: RaggedBatch | None = None):
     """The decoder layers over the mHC streams x [B, T, N, Hd] (the model's, or the MTP block's one),
     each token mixer its type's (`LAYER_TYPES`): (streams after the last layer, the cache's new groups,
     [input, each layer's output] or None)."""
     hidden = [x] if return_hidden else None
     step = _Step(cache, positions, valid, n_new, impl, freqs_main=inv_freq(cfg.rope_main, cfg.rope_dim("main")),
-                 freqs_compress=inv_freq(cfg.rope_compress, cfg.rope_dim("compress")), groups=dict(cache.groups))
+                 freqs_compress=inv_freq(cfg.rope_compress, cfg.rope_dim("compress")), groups=dict(cache.groups),
+                 ragged=ragged)
     hc = dict(iters=cfg.hc_sinkhorn_iters, hc_eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps)
     for i, lp in enumerate(layers):
         post, comb, col = hc_weights(lp["attn_hc"], x, **hc)
@@ -222,6 +241,22 @@ def forward(cfg: DeepseekV4Config, params: dict, cache: ModelCache, tokens: jax.
     out = finish_step(cfg, params, cache, new_groups, xh, n_new, final_norm=_norm, logits_at=logits_at,
                       hidden=hidden)
     return out.replace(states={}) if per_token_states else out
+
+
+def forward_ragged(cfg: DeepseekV4Config, params: dict, cache: ModelCache, batch: RaggedBatch, *,
+                   impl: str = "auto") -> StepOutput:
+    """One step over a ragged batch (hybrid_jax.models.ragged), as deepseek_v32.forward_ragged: logits [S, V]
+    at each sequence's last token. mHC, the MoE and every projection run on the flat [1, N] batch; each
+    attention layer runs on the batch's tiles as rows (`over_tiles`: its window ring, compressor tails and
+    overlaps advance tile by tile, the entry pools are written in place)."""
+    e = params["embed"][batch.tokens][None]                                  # [1, N, Hd]
+    x = jnp.broadcast_to(e[:, :, None, :], e.shape[:2] + (cfg.hc_mult, e.shape[-1]))
+    x, new_groups, _ = _layers(cfg, params["layers"], cache, x, batch.tokens[None], batch.positions[None],
+                               batch.valid[None], batch.n_new, impl, False, ragged=batch)
+    xh = hc_head(params["hc_head"], x, hc_eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps)[0]   # [N, Hd]
+    out = finish_step(cfg, params, cache, new_groups, xh[batch.last_index()][:, None], batch.n_new, final_norm=_norm,
+                      logits_at="all")
+    return out.replace(logits=out.logits[:, 0])
 
 
 def _norm(cfg, params, x):
@@ -502,7 +537,7 @@ def convert_hf_weights(cfg: DeepseekV4Config, get: Callable[[str], np.ndarray], 
 
 
 FAMILY = ModelFamily(
-    name="deepseek_v4", forward=forward, new_cache=new_cache, init_params=init_params,
+    name="deepseek_v4", forward=forward, forward_ragged=forward_ragged, new_cache=new_cache, init_params=init_params,
     convert_hf_weights=convert_hf_weights, final_norm=final_norm, layer_types=LAYER_TYPES,
     mtp=MTPHead(prefixes=mtp_prefixes, new_cache=mtp_new_cache, target_hidden=target_hidden, step=mtp_step,
                 logits=mtp_logits, hidden_shape=mtp_hidden_shape))

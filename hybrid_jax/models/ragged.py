@@ -6,6 +6,8 @@ the longest sequence.
                 row is row s of the step's view (`cache.pools.take_view` over S rows)
   pack          builds one on the host from per-sequence token lists, padded to N tokens and S
                 sequences (buckets, so shapes stay static); padding sequences have no tokens
+  over_tiles    runs a padded per-row layer step on a batch's tiles as rows (DeepSeek-V4's attention,
+                whose window ring and compressor tails advance token by token)
 
 Shapes: N tokens, S sequences. A prefill chunk, a decode token and a speculative window are all just
 sequences of some length: one step mixes them at the cost of their real tokens (plus the chunk
@@ -20,6 +22,8 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from pallas_kernels.ragged_paged_attention.common import Dims, cdiv, plan_tiles, tile_classes
 
 
 @flax.struct.dataclass
@@ -64,3 +68,47 @@ def pack(token_lists: Sequence[Sequence[int]], lengths: Sequence[int], num_token
     valid = np.arange(num_tokens) < cu[-1]
     return RaggedBatch(tokens=tokens, seq=seq, positions=positions, valid=valid, cu_seqlens=cu,
                        n_new=np.diff(cu).astype(np.int32))
+
+
+def over_tiles(fn, x: jax.Array, rows, shared, batch: RaggedBatch, lengths: jax.Array, *, max_q_len: int = 1,
+               prefill_tile: int = 128):
+    """Runs a padded per-row step on a ragged batch's tiles as if they were rows: for layers whose state is
+    per row and advances token by token (a sliding-window ring, compressor tails), where a flat form of
+    the math would need ops of its own.
+
+    fn(x_t [G, tile, ...], positions [G, tile], valid [G, tile], lengths [G], n_new [G], rows_t, shared)
+      -> (out_t [G, tile, ...] (x's trailing shape), rows_t, shared): the padded step of G rows that hold
+      `lengths` tokens and feed n_new; rows_t is `rows` (a pytree of [S, ...]) gathered at the tiles'
+      sequences, `shared` a pytree passed whole (pools written in place).
+    The batch is cut like the ragged attention op cuts it (`plan_tiles`): a sequence of at most max_q_len
+    tokens is one tile, and all of those (distinct sequences) run as one call; a longer one is cut into
+    tiles of prefill_tile tokens that run one call each, in order, so each tile sees the state the previous
+    one left. Only real tiles run. Returns (out [N, ...], rows, shared)."""
+    N = x.shape[0]
+    S = batch.n_new.shape[0]
+    kv_lens = lengths + batch.n_new
+    dims = Dims(N, 1, 1, 1, 1, 1, S, 1 << 30)                    # only the sizes the planner reads
+    out = jnp.zeros_like(x)
+    carry = (out, rows, shared)
+    for tile, longer_than, at_most in tile_classes(N, min(max_q_len, N), min(prefill_tile, N)):
+        plan = plan_tiles(kv_lens, batch.cu_seqlens, jnp.full((1,), S, jnp.int32), dims, tile=tile,
+                          longer_than=longer_than, at_most=at_most, block=1, sliding_window=None)
+        one_each = at_most is not None and at_most <= tile      # one tile per sequence: all in one call
+        G = plan.size if one_each else 1
+        token_rows = plan.token_rows(N)
+        real = plan.rows > 0
+        r = jnp.arange(tile, dtype=jnp.int32)
+
+        def body(i, carry, token_rows=token_rows, real=real, plan=plan, G=G, r=r):
+            out, rows, shared = carry
+            sl = lambda a: jax.lax.dynamic_slice_in_dim(a, i * G, G)    # noqa: E731
+            t_rows, seq, ok, n, pos0 = sl(token_rows), sl(plan.seq), sl(real), sl(plan.rows), sl(plan.pos0)
+            rows_t = jax.tree_util.tree_map(lambda a: a[seq], rows)
+            o, rows_t, shared = fn(x[jnp.minimum(t_rows, N - 1)], pos0[:, None] + r[None, :], t_rows < N, pos0,
+                                   n, rows_t, shared)
+            out = out.at[t_rows].set(o.astype(out.dtype), mode="drop")
+            dest = jnp.where(ok, seq, S)                           # tiles without tokens write nothing back
+            rows = jax.tree_util.tree_map(lambda a, b: a.at[dest].set(b.astype(a.dtype), mode="drop"), rows, rows_t)
+            return out, rows, shared
+        carry = jax.lax.fori_loop(0, cdiv(jnp.sum(real.astype(jnp.int32)), G), body, carry)
+    return carry
