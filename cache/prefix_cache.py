@@ -80,6 +80,16 @@ class TailClose:
 
 
 @dataclasses.dataclass(frozen=True)
+class Reuse:
+    """What an admission got from the cache. boundary: tokens the request now holds (0: none);
+    branch: where its prompt leaves the cached sequences it shares blocks with, on the resume grid,
+    when that lies beyond `boundary` (the blocks are there, a checkpoint is not): the request should
+    stop its prefill there and publish, so the next request sharing the prefix resumes there (0: none)."""
+    boundary: int
+    branch: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
 class PrefixCacheConfig:
     """cap_bytes: weighted device bytes the store may hold; block_size: the grid of checkpoint groups
     (paged groups use their page size); checkpoint_interval: keep a recurrent checkpoint every
@@ -144,6 +154,8 @@ class PrefixCache:
         self.retired_checkpoints = 0              # checkpoints the retention policy let go
         self.refused_publishes = 0                # publishes that did not fit under the cap
         self.tail_closes = 0                      # tail checkpoints superseded by the `close_tail` event
+        self.branch_points = 0                    # publishes at a branch point
+        self._branch_segs: set[int] = set()       # checkpoints at branch points (kept as their chain grows)
         self.events: collections.deque[TailClose] = collections.deque(maxlen=1024)   # the latest close_tail events
         self.disk = DiskSpans(self, cache, disk) if disk is not None else None
 
@@ -168,10 +180,11 @@ class PrefixCache:
         servable = SERVABLE_STATES if self.disk is not None else frozenset({SegState.DEVICE})
         return check_hit(tokens, self.specs, self.index, self.alloc, servable=servable)
 
-    def reuse(self, cache: ModelCache, row: int, request_id: str, tokens: Sequence[int]) -> tuple[ModelCache, int]:
+    def reuse(self, cache: ModelCache, row: int, request_id: str, tokens: Sequence[int]) -> tuple[ModelCache, Reuse]:
         """Gives request `request_id` (row `row`, empty block tables) the longest validated cached
         prefix of `tokens`: the stored pages go into its block tables, the checkpoints into its row.
-        Returns (cache, boundary): the request now holds tokens[:boundary] (0 = nothing reused)."""
+        Returns (cache, Reuse): the request now holds tokens[:boundary] (0 = nothing reused), and its
+        branch point, if any."""
         t0 = time.perf_counter()
         if len(tokens) <= self.geometry.lcm:
             self._note_once("short", f"prompts of at most {self.geometry.lcm} tokens cannot reuse a prefix: every"
@@ -185,7 +198,7 @@ class PrefixCache:
         hit = confirm_at_use(hit, self.alloc)
         self.lookup_seconds.append(time.perf_counter() - t0)
         if not hit.ok:
-            return cache, self._miss(hit)
+            return cache, Reuse(self._miss(hit), self._branch(hit, len(tokens), 0))
         pages, plan, held = self._load_plan(hit)
         self.alloc = A.retain_many(self.alloc, held)
         try:
@@ -197,11 +210,17 @@ class PrefixCache:
             self.alloc = A.release_many(self.alloc, held)
         if not ok:   # a unit changed between the host's check and the device's read
             self.blocks.unshare(request_id)
-            return cache, self._miss(HitResult(ok=False, reason="version", hashed=hit.hashed,
-                                               detail="a checkpoint unit's version changed before the load read it"))
+            return cache, Reuse(self._miss(HitResult(ok=False, reason="version", hashed=hit.hashed,
+                                detail="a checkpoint unit's version changed before the load read it")))
         self.alloc = A.touch_many(self.alloc, reversed(held))   # first blocks touched last: evicted last
         self.stats = self.stats.record(hit)
-        return cache, hit.boundary
+        return cache, Reuse(hit.boundary, self._branch(hit, len(tokens), hit.boundary))
+
+    def _branch(self, hit: HitResult, num_tokens: int, boundary: int) -> int:
+        """The branch point of a prompt of `num_tokens` (see `Reuse`): the blocks it shares with cached
+        sequences, rounded down to the resume grid, if beyond `boundary` and before its last token."""
+        b = min(hit.matched, num_tokens - 1) // self.geometry.lcm * self.geometry.lcm
+        return b if b > boundary else 0
 
     def _with_disk(self, cache: ModelCache, hit: HitResult, tokens: Sequence[int], request_id: str | None
                    ) -> tuple[ModelCache, HitResult]:
@@ -256,27 +275,37 @@ class PrefixCache:
         return pages, plan, held
 
     # --- publish -----------------------------------------------------------------------------------
-    def publish(self, cache: ModelCache, row: int, request_id: str, tokens: Sequence[int], boundary: int
-                ) -> ModelCache:
+    def publish(self, cache: ModelCache, row: int, request_id: str, tokens: Sequence[int], boundary: int,
+                branch: bool = False) -> ModelCache:
         """Stores what request `request_id` (row `row`) holds of tokens[:boundary] (its state is exactly
         at `boundary`, a multiple of the LCM) that the store does not hold yet: a reference to each of
         its pages, a copy of its row into a checkpoint unit. Admission refusals skip the publish
-        (counted, never an error). Returns the cache (its checkpoint units written)."""
+        (counted, never an error). branch: `boundary` is a branch point (`Reuse.branch`): its
+        checkpoints are kept when the chain grows past them (the retention policy would drop them);
+        eviction still may. Returns the cache (its checkpoint units written)."""
         geo = self.geometry
         if boundary <= 0 or boundary % geo.lcm:
             raise ValueError(f"publish boundary {boundary} is not a positive multiple of the LCM {geo.lcm}")
         tokens = list(tokens[:boundary])
-        plan, new = {}, []       # new: (spec, seg id, end, key)
+        todo, own = [], set()    # own: the stored objects this chain builds on (never evicted for it)
         for spec in self.specs:
             keys = self._keys(tokens, spec)
-            if spec.is_checkpoint:
-                plan[spec.name] = np.int32(-1)
-                ends = [] if self._live(spec, keys, boundary) else [boundary]
-            else:
-                ends = [b for b in range(spec.block_size, boundary + 1, spec.block_size)
-                        if not self._live(spec, keys, b)]
+            ends = []
+            for b in ([boundary] if spec.is_checkpoint else range(spec.block_size, boundary + 1, spec.block_size)):
+                sid = self._live(spec, keys, b)
+                if sid is None:
+                    ends.append(b)
+                else:
+                    own.add(sid)
+            todo.append((spec, keys, ends))
+        protect = frozenset(own)
+        if not self._fits(todo, protect):
+            self.refused_publishes += 1
+            return cache
+        plan, new = {n: np.int32(-1) for n in self._ckpt_groups}, []     # new: (spec, seg id, end, key)
+        for spec, keys, ends in todo:
             for b in ends:            # one segment per block: eviction takes blocks, not whole prompts
-                sid = self._allocate(spec, b, request_id)
+                sid = self._allocate(spec, b, request_id, protect)
                 if sid is None:       # all or nothing: a chain missing a block or its checkpoint is dead weight
                     self._abort([n[1] for n in new])
                     self.refused_publishes += 1
@@ -284,6 +313,8 @@ class PrefixCache:
                 if spec.is_checkpoint:
                     plan[spec.name] = np.int32(self._units[sid][1])
                 new.append((spec, sid, b, key_at(keys, geo.gcd, b)))
+        if branch:
+            self._pin_branch(tokens, boundary, [sid for spec, sid, _, _ in new if spec.is_checkpoint])
         if not new:
             return cache
         if any(int(u) >= 0 for u in plan.values()):
@@ -299,6 +330,34 @@ class PrefixCache:
         if self.disk is not None:
             self.disk.write(cache, tokens, boundary)
         return cache
+
+    def _fits(self, todo, protect: frozenset[int]) -> bool:
+        """Whether a publish of `todo` [(spec, keys, block ends)] can fit under the cap at all, counting
+        what can never be evicted for it (held, being written, or in `protect`: the chain's own stored
+        prefix). One that cannot is refused before anything is evicted for it: evicting first would
+        empty the store and then refuse anyway."""
+        cfg = self.alloc.config
+        need = sum(cfg.weights[spec.kind] * self._nbytes[spec.name] * len(ends) for spec, _, ends in todo)
+        if not need:
+            return True
+        fixed = self.alloc.device_weighted_bytes - sum(cfg.weighted(s) for s in A.evictable(self.alloc)
+                                                       if s.id not in protect)
+        if fixed + need <= cfg.cap_bytes:
+            return True
+        self._note_once("too_big", f"a prefix was not stored: it needs {need:.0f} weighted bytes, and the cap of"
+                                   f" {cfg.cap_bytes} leaves {cfg.cap_bytes - fixed:.0f} beside what is held"
+                                   f" (raise prefix_cache_bytes)")
+        return False
+
+    def _pin_branch(self, tokens: list[int], boundary: int, new: list[int]):
+        """Marks the checkpoints at a branch point (those this publish writes, or already stored)."""
+        self.branch_points += 1
+        self._branch_segs.update(new)
+        for spec in self.specs:
+            if spec.is_checkpoint:
+                e = self.index.find(spec.name, spec.kind, key_at(self._keys(tokens, spec), self.geometry.gcd, boundary))
+                if e is not None:
+                    self._branch_segs.add(e.seg_id)
 
     def _index_insert(self, entry: IndexEntry):
         """Points the index at a new device segment; a copy it replaces (left on disk) is dropped."""
@@ -332,10 +391,12 @@ class PrefixCache:
             self._key_memo[k] = chain_keys(tokens, self.geometry.gcd, spec.ctx)
         return self._key_memo[k]
 
-    def _live(self, spec: GroupSpec, keys, b: int) -> bool:
-        """Whether the store holds this object on the device (a copy on disk is re-published)."""
+    def _live(self, spec: GroupSpec, keys, b: int) -> int | None:
+        """The segment holding this object on the device, if the store has one (a copy on disk is
+        re-published)."""
         e = self.index.find(spec.name, spec.kind, key_at(keys, self.geometry.gcd, b))
-        return e is not None and self.alloc.state_of(e.seg_id) in (SegState.DEVICE, SegState.WRITING)
+        ok = e is not None and self.alloc.state_of(e.seg_id) in (SegState.DEVICE, SegState.WRITING)
+        return e.seg_id if ok else None
 
     def _allocate(self, spec: GroupSpec, end: int, request_id: str | None = None,
                   protect: frozenset[int] = frozenset()) -> int | None:
@@ -430,6 +491,7 @@ class PrefixCache:
         self._reclaim(before, reclaimed=reclaimed)
 
     def _release_unit(self, sid: int):
+        self._branch_segs.discard(sid)
         group, unit = self._units.pop(sid)
         self.blocks.release(group, unit)
 
@@ -485,7 +547,8 @@ class PrefixCache:
                     continue
                 e = self.index.find(spec.name, spec.kind, key_at(keys, gcd, b))
                 seg = None if e is None else self.alloc.segments.get(e.seg_id)
-                if seg is None or seg.ref_count or seg.state is not SegState.DEVICE or seg.end != b:
+                if (seg is None or seg.ref_count or seg.state is not SegState.DEVICE or seg.end != b
+                        or seg.id in self._branch_segs):
                     continue
                 before = self.alloc
                 entry = self._closing_entry(spec, tokens, b) if spec.closes_into else None
@@ -515,6 +578,7 @@ class PrefixCache:
             self.disk.flush()
         for sid in list(self._units):
             self._release_unit(sid)
+        self._branch_segs.clear()
         self.alloc = A.init_state(self.alloc.config)
         self.index = PrefixIndex()
         if self.blocks.reclaimer is self:
@@ -534,7 +598,7 @@ class PrefixCache:
             "segments": len(self.alloc.segments), "evictions": self.evictions,
             "reclaimed": self.reclaimed, "offloads": self.offloads,
             "retired_checkpoints": self.retired_checkpoints, "refused_publishes": self.refused_publishes,
-            "tail_closes": self.tail_closes,
+            "tail_closes": self.tail_closes, "branch_points": self.branch_points,
             "cap_bytes": self.config.cap_bytes,
             "block_sizes": dict(self.geometry.sizes), "lcm": self.geometry.lcm, "gcd": self.geometry.gcd,
             "disk": self.disk.stats() if self.disk else None,

@@ -82,7 +82,9 @@ class GroupSpec:
 class HitResult:
     """ok: usable; boundary: tokens reusable (0 on a miss); segments: group -> segment ids to read;
     versions: seg id -> version at check; reason / detail / group: why not (None when ok);
-    hashed: tokens the first-level hash signal covered."""
+    hashed: tokens the first-level hash signal covered; matched: tokens every group of blocks holds
+    contiguously from 0 (how far the prompt runs along cached sequences: where it branches off them,
+    to the block; 0 when the model has no such group)."""
     ok: bool
     boundary: int = 0
     segments: Mapping[str, tuple[int, ...]] = dataclasses.field(default_factory=lambda: types.MappingProxyType({}))
@@ -91,14 +93,16 @@ class HitResult:
     detail: str = ""
     group: str | None = None
     hashed: int = 0
+    matched: int = 0
+
 
     @property
     def hash_hit(self) -> bool:
         return self.reason != "no_hit"
 
 
-def _miss(reason: str, detail: str, hashed: int, group: str | None = None) -> HitResult:
-    return HitResult(ok=False, reason=reason, detail=detail, group=group, hashed=hashed)
+def _miss(reason: str, detail: str, hashed: int, group: str | None = None, matched: int = 0) -> HitResult:
+    return HitResult(ok=False, reason=reason, detail=detail, group=group, hashed=hashed, matched=matched)
 
 
 def _entries(spec: GroupSpec, keys: Sequence[str], geo: BlockGeometry, index: PrefixIndex, limit: int):
@@ -163,18 +167,21 @@ def check_hit(tokens: Sequence[int], groups: Sequence[GroupSpec], index: PrefixI
     hashed = max(_hashed_len(g, found[g.name]) for g in groups)
     if hashed == 0:
         return _miss("no_hit", "no group has a cached first block for this prompt", 0)
+    blocks = [_hashed_len(g, found[g.name]) for g in groups if not g.is_checkpoint and g.kind is not Kind.SWA_WINDOW]
+    matched = min(blocks, default=0)
     # 1. whole-block coverage at the LCM
     top = (min(hashed, limit) // geo.lcm) * geo.lcm
     if top == 0:
         return _miss("coverage", f"hashed hit of {hashed} tokens (usable {min(hashed, limit)}) covers no whole"
-                                 f" LCM block of {geo.lcm} tokens", hashed)
+                                 f" LCM block of {geo.lcm} tokens", hashed, matched=matched)
     # 2. ABI of the writer == ABI of the reader, for every object the hit would draw on
     for g in groups:
         for (kind, b), e in sorted(found[g.name].items(), key=lambda kv: kv[0][1]):
             seg = state.segments.get(e.seg_id)
             if b <= top and seg is not None and seg.writer_abi != g.ctx.abi_id:
                 return _miss("abi_mismatch", f"group {g.name!r}: {seg.describe()} was written by ABI"
-                                             f" {seg.writer_abi!r}, reader uses {g.ctx.abi_id!r}", hashed, g.name)
+                                             f" {seg.writer_abi!r}, reader uses {g.ctx.abi_id!r}", hashed, g.name,
+                             matched)
     # 3. multi-group intersection: the longest boundary every group can resume from
     def lacking(g: GroupSpec, boundary: int) -> str | None:
         """Why the group cannot resume at `boundary` (None: it can)."""
@@ -197,14 +204,14 @@ def check_hit(tokens: Sequence[int], groups: Sequence[GroupSpec], index: PrefixI
             blocker, why = bad[0]
     if boundary == 0:
         return _miss("intersection", f"no LCM boundary <= {top} that every group can resume from; group"
-                                     f" {blocker!r} cannot resume at {top}: {why}", hashed, blocker)
+                                     f" {blocker!r} cannot resume at {top}: {why}", hashed, blocker, matched)
     # 4. alignment and residency of the chosen segments
     segs: dict[str, tuple[int, ...]] = {}
     versions: dict[int, int] = {}
     for g in groups:
         if boundary % g.block_size:
             return _miss("alignment", f"boundary {boundary} is not a multiple of group {g.name!r}'s block size"
-                                      f" {g.block_size}", hashed, g.name)
+                                      f" {g.block_size}", hashed, g.name, matched)
         ids: list[int] = []
         for kind, b in _needed(g, boundary, geo):
             seg = state.get(found[g.name][(kind, b)].seg_id)
@@ -213,16 +220,16 @@ def check_hit(tokens: Sequence[int], groups: Sequence[GroupSpec], index: PrefixI
                                                    and seg.start % g.block_size == 0)
             if not covers:
                 return _miss("alignment", f"group {g.name!r}: {seg.describe()} does not line up with the block"
-                                          f" ending at {b}", hashed, g.name)
+                                          f" ending at {b}", hashed, g.name, matched)
             if seg.state not in servable:
                 return _miss("alignment", f"group {g.name!r}: {seg.describe()} is {seg.state.value}, neither on"
-                                          f" the device nor restorable", hashed, g.name)
+                                          f" the device nor restorable", hashed, g.name, matched)
             if seg.id not in versions:
                 ids.append(seg.id)
                 versions[seg.id] = seg.version
         segs[g.name] = tuple(ids)
     return HitResult(ok=True, boundary=boundary, segments=types.MappingProxyType(segs),
-                     versions=types.MappingProxyType(versions), hashed=hashed)
+                     versions=types.MappingProxyType(versions), hashed=hashed, matched=matched)
 
 
 def confirm_at_use(hit: HitResult, state: AllocState) -> HitResult:
@@ -235,7 +242,7 @@ def confirm_at_use(hit: HitResult, state: AllocState) -> HitResult:
             if seg is None or seg.state not in SERVABLE_STATES or seg.version != hit.versions[sid]:
                 now = "freed" if seg is None else f"{seg.state.value} v{seg.version}"
                 return _miss("version", f"group {group!r}: segment {sid} was v{hit.versions[sid]} at check,"
-                                        f" is {now} at use", hit.hashed, group)
+                                        f" is {now} at use", hit.hashed, group, hit.matched)
     return hit
 
 

@@ -10,6 +10,7 @@ stored pages with the requests that hit them.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Any
@@ -35,6 +36,17 @@ from hybrid_jax.sampling import SamplingParams
 log = logging.getLogger("hybrid_jax.engine")
 
 
+@dataclasses.dataclass(frozen=True)
+class Publish:
+    """A publish a step queued: request `request_id` (row `row`) holds tokens[:boundary] exactly;
+    branch: `boundary` is its branch point (PrefixCache.publish)."""
+    row: int
+    request_id: str
+    tokens: list[int]
+    boundary: int
+    branch: bool = False
+
+
 class LLMEngine:
     def __init__(self, llm, config: EngineConfig | None = None):
         self.llm = llm
@@ -49,7 +61,9 @@ class LLMEngine:
         self.prefix: PrefixCache | None = None
         if self.config.enable_prefix_caching:
             self.prefix = self._new_prefix_cache(self.config.prefix_cache_bytes or self.runner.budget_bytes)
-        self._stops: dict[str, tuple[int, ...]] = {}
+        self._stops: dict[str, tuple[int, ...]] = {}   # request -> publish points of its prefill
+        self._branches: dict[str, int] = {}             # request -> its branch point (`_reuse_prefix`)
+        self.decode_publishes = 0                       # publishes of decoded tokens (`_publish`)
         self.spec = None
         if self.config.speculative_config:
             self.spec = EngineSpeculator(self.config.speculative_config, llm.config.vocab_size,
@@ -61,7 +75,7 @@ class LLMEngine:
                 from hybrid_jax.speculative.mtp import check_mtp  # noqa: PLC0415
                 check_mtp(self.runner.model, llm.config, llm.params, llm.model_name)
                 self.runner.set_mtp(extra=self.spec.spec.num_speculative_tokens + 1)
-        self._pending: list[tuple[int, str, list[int], int]] = []   # (row, request, prompt ids, boundary)
+        self._pending: list[Publish] = []       # publishes queued by the last step
         self._releasing: list[Request] = []     # finished, row and pages given back after _pending's publishes
         k_max = self.spec.spec.num_speculative_tokens + 1 if self.spec is not None else 1
         # pages a decoding request gets ahead of its writes: a decode call's tokens or a verify's
@@ -120,7 +134,8 @@ class LLMEngine:
         self.metrics.success.labels(finished_reason=reason).inc()
         self._detok.pop(req.request_id, None)
         self._stops.pop(req.request_id, None)
-        self._pending = [x for x in self._pending if x[1] != req.request_id]
+        self._branches.pop(req.request_id, None)
+        self._pending = [x for x in self._pending if x.request_id != req.request_id]
         if self.spec is not None:
             self.spec.forget(req.request_id)
         if self.prefix is not None and self.prefix.disk is not None:
@@ -196,6 +211,8 @@ class LLMEngine:
                           timeout_s=c.prefetch_timeout_s)
 
     def _publish_points(self, q: Request) -> tuple[int, ...]:
+        """Where the request's prefill stops to publish: the retention policy's boundaries of its
+        prompt, and its branch point (set at admission, `_reuse_prefix`)."""
         pts = self._stops.get(q.request_id)
         if pts is None:
             pts = self._stops[q.request_id] = self.prefix.publish_boundaries(len(q.prompt_ids))
@@ -206,9 +223,17 @@ class LLMEngine:
 
     def _reuse_prefix(self, q: Request) -> int:
         """Scheduler hook on admission: the new request gets its cached prefix when a hit validates
-        (the stored pages in its block tables, the checkpoints in its row)."""
-        self.runner.cache, n = self.prefix.reuse(self.runner.cache, q.slot, q.request_id, q.all_ids)
+        (the stored pages in its block tables, the checkpoints in its row). When its prompt runs along
+        cached blocks further than any checkpoint, the point where it branches off becomes one of its
+        publish points, so the next request sharing that prefix resumes there."""
+        self.runner.cache, got = self.prefix.reuse(self.runner.cache, q.slot, q.request_id, q.all_ids)
+        n = got.boundary
         q.num_cached_tokens = n
+        pts = self.prefix.publish_boundaries(len(q.prompt_ids))
+        if got.branch:
+            pts = tuple(sorted(set(pts) | {got.branch}))
+            self._branches[q.request_id] = got.branch
+        self._stops[q.request_id] = pts
         self.metrics.prefix_queries.inc(len(q.all_ids))
         self.metrics.prefix_hits.inc(n)
         st = self.prefix.stats
@@ -217,14 +242,42 @@ class LLMEngine:
         self.metrics.effective_reuse.set(st.effective_reuse)
         return n
 
-    def _publish(self, rows):
-        """After a prefill step: rows that just reached one of their publish boundaries queue it. The
-        copy runs at the start of the next step, before anything can change those rows, so the
-        sampled tokens stream out first (publishing never adds to a request's TTFT)."""
-        for p in rows:
-            q = p.request
-            if q.slot is not None and q.num_computed in self._publish_points(q):
-                self._pending.append((q.slot, q.request_id, q.prompt_ids, q.num_computed))
+    def _publish(self, reqs, toks):
+        """After a step: rows that just reached one of their publish points queue it: a prompt's
+        boundaries and branch point, and while decoding every point of the resume grid (the decode
+        stops there, `_decode_caps`), so a finished request leaves its prompt + output behind up to the
+        last grid point and the next turn of a conversation resumes after this answer. toks[i]: the
+        tokens the step sampled for reqs[i] (-1: none). The copy runs at the start of the next step,
+        before anything can change those rows, so the sampled tokens stream out first (publishing
+        never adds to a request's TTFT)."""
+        lcm = self.prefix.geometry.lcm
+        for q, row in zip(reqs, toks):
+            b = q.num_computed
+            if q.slot is None or b <= 0:
+                continue
+            prompt_point = b in self._publish_points(q)
+            decoded = b > len(q.prompt_ids) and b % lcm == 0 and not prompt_point
+            if prompt_point or decoded:
+                self.decode_publishes += int(decoded)
+                ids = q.all_ids + [int(t) for t in row if t >= 0]   # the first b were fed to the model
+                self._pending.append(Publish(q.slot, q.request_id, ids, b, self._branches.get(q.request_id) == b))
+
+    def _decode_caps(self, reqs) -> list[int] | None:
+        """Per request, the most tokens a plain decode call may sample for it so that it stops on its
+        next grid point (and publishes there, `_publish`). Serving: every grid point. Offline
+        (run_to_completion, one call per request's life), only the last one before its max_tokens end:
+        a row stopped early idles until the call's longest row ends."""
+        if self.prefix is None:
+            return None
+        lcm, caps = self.prefix.geometry.lcm, []
+        for q in reqs:
+            c = q.num_computed
+            if self.config.run_to_completion:
+                last = (c + q.remaining_tokens - 1) // lcm * lcm     # the last position fed, on the grid
+                caps.append(last - c if last > c else q.remaining_tokens)
+            else:
+                caps.append((c // lcm + 1) * lcm - c)
+        return caps
 
     def flush_publishes(self):
         """Runs the publishes queued by the last step, then gives back the rows and pages of the
@@ -233,14 +286,15 @@ class LLMEngine:
         boundary (max_tokens 1) gets its token before the copy; the next step does it anyway before
         scheduling, and a request does it before giving its row and pages back."""
         pending, self._pending = self._pending, []
-        for row, rid, ids, boundary in pending:
-            self.runner.cache = self.prefix.publish(self.runner.cache, row, rid, ids, boundary)
+        for x in pending:
+            self.runner.cache = self.prefix.publish(self.runner.cache, x.row, x.request_id, x.tokens, x.boundary,
+                                                    branch=x.branch)
         releasing, self._releasing = self._releasing, []
         for q in releasing:                  # finished requests whose rows waited for those publishes
             self.scheduler.release(q)
 
     def _before_release(self, q: Request):
-        if any(rid == q.request_id for _, rid, _, _ in self._pending):
+        if any(x.request_id == q.request_id for x in self._pending):
             self.flush_publishes()
 
     def reset_prefix_cache(self, prefix_cache_bytes: int | None = None):
@@ -259,7 +313,8 @@ class LLMEngine:
         if self.prefix is None:
             return {"enabled": False}
         self.flush_publishes()
-        return {"enabled": True, **self.prefix.cache_stats(), "pools": self.pool_usage()}
+        return {"enabled": True, **self.prefix.cache_stats(), "decode_publishes": self.decode_publishes,
+                "pools": self.pool_usage()}
 
     def pool_usage(self) -> dict:
         """Per cache group: pages (or checkpoint units) in use and in the pool."""
@@ -322,6 +377,7 @@ class LLMEngine:
                 log.exception("closing the prefix store after a failed step")
             self.prefix = self._new_prefix_cache(self.prefix.config.cap_bytes)
         self._stops.clear()
+        self._branches.clear()
 
     def _step(self) -> list[RequestOutput]:
         if self._pending or self._releasing:
@@ -361,9 +417,9 @@ class LLMEngine:
                 p.request.num_computed += p.num_tokens
                 if not p.request.output_ids:
                     self.metrics.prompt_tokens.inc(p.num_tokens)
-            if self.prefix is not None:
-                self._publish(plan.rows)
             reqs = [p.request for p in plan.rows]
+        if self.prefix is not None:
+            self._publish(reqs, toks)
         self.metrics.step_seconds.observe(time.perf_counter() - t0)
         now = time.monotonic()
         outs = []
@@ -432,7 +488,7 @@ class LLMEngine:
             steps = (self.spec.fallback_steps(reqs) if self.spec is not None
                      else bucket(max(q.remaining_tokens for q in reqs), 16))
         t0 = time.perf_counter()
-        toks, lps = self.runner.run_decode(reqs, self._eos, steps)
+        toks, lps = self.runner.run_decode(reqs, self._eos, steps, caps=self._decode_caps(reqs))
         for q, row in zip(reqs, toks):
             q.num_computed += int(np.sum(row >= 0))   # each iteration fed one token, then sampled one
         if shadows is not None:
@@ -514,10 +570,11 @@ class LLMEngine:
         if q.finish_reason is not None:
             self._detok.pop(q.request_id, None)
             self._stops.pop(q.request_id, None)
+            self._branches.pop(q.request_id, None)
             if self.spec is not None:
                 self.spec.forget(q.request_id)
             q.status = RequestStatus.FINISHED
-            if any(rid == q.request_id for _, rid, _, _ in self._pending):
+            if any(x.request_id == q.request_id for x in self._pending):
                 self._releasing.append(q)     # its row is published first, once its tokens are out
             else:
                 self.scheduler.release(q)

@@ -470,9 +470,9 @@ class ModelRunner:
         c, v, i = (np.asarray(a)[:n] for a in lps)
         return tok[:, None], (c[:, None], v[:, None], i[:, None])
 
-    def run_decode(self, reqs, eos_ids, steps: int):
-        """Decodes up to `steps` tokens for running requests (each stops at a stop id or its max_tokens,
-        on device). Returns (tokens [n, steps], -1 past a row's end, logprobs)."""
+    def run_decode(self, reqs, eos_ids, steps: int, caps: list[int] | None = None):
+        """Decodes up to `steps` tokens for running requests (each stops at a stop id, its max_tokens
+        or caps[i] tokens, on device). Returns (tokens [n, steps], -1 past a row's end, logprobs)."""
         n = len(reqs)
         Bb = bucket(n)
         last = np.zeros((Bb,), np.int32)
@@ -481,6 +481,8 @@ class ModelRunner:
         for i, q in enumerate(reqs):
             with attributed(q):
                 last[i], active[i], remaining[i] = q.output_ids[-1], True, q.remaining_tokens
+                if caps is not None:
+                    remaining[i] = min(remaining[i], caps[i])
         stop_ids = self._stop_ids(reqs, Bb, eos_ids)
         out, lps, self.cache, self.dcache = self._decode(
             self.params, self.cache, self._rows(reqs, Bb), last, active, stop_ids,

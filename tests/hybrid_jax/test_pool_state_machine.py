@@ -55,7 +55,8 @@ def check_units(eng):
 
 def _machine(eng, seen):
     rng = np.random.default_rng(0)
-    families = [rng.integers(0, VOCAB, n).tolist() for n in (40, 70)]
+    # 85 tokens: past the checkpoints at 32 and 64, so a request branching off it publishes at 80
+    families = [rng.integers(0, VOCAB, n).tolist() for n in (40, 85)]
 
     class PoolMachine(RuleBasedStateMachine):
         def __init__(self):
@@ -67,6 +68,7 @@ def _machine(eng, seen):
             r = np.random.default_rng(seed)
             head = families[fam] if fam < 2 else []
             ids = head + r.integers(0, VOCAB, extra).tolist()
+            max_tokens = min(max_tokens, 160 - len(ids))
             self.n += 1
             eng.add_request(f"r{self.n}", {"prompt_token_ids": ids},
                             SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
@@ -112,8 +114,9 @@ def _machine(eng, seen):
                           if eng.blocks.refcount(name, u)}
                 assert in_use <= store, f"{name}: units in use with no request and not in the store"
             st = eng.cache_stats()
-            for k in ("passes", "reclaimed", "offloads", "evictions"):
+            for k in ("passes", "reclaimed", "offloads", "evictions", "branch_points"):
                 seen[k] = seen.get(k, 0) + st[k]
+            seen["decode_publishes"] = st["decode_publishes"]     # the engine's count, not the store's
             eng.reset_prefix_cache()
             for name in eng.blocks.groups:
                 assert eng.blocks.used_units(name) == 0, name
@@ -129,4 +132,5 @@ def test_pages_are_never_leaked(engine):
     machine.TestCase().runTest()
     # the machine went where it says it goes: hits, preemptions, the store letting go of units
     assert seen["passes"] > 0 and seen["reclaimed"] + seen["offloads"] > 0, seen
+    assert seen["branch_points"] > 0 and seen["decode_publishes"] > 0, seen
     assert engine.metrics.preemptions._value.get() > preempted

@@ -138,7 +138,7 @@ def test_a_request_that_ends_at_its_publish_boundary_gets_its_token_before_the_c
     while not outs:
         outs = eng.step()
     assert outs[0].finished and len(outs[0].token_ids) == 1
-    assert [rid for _, rid, _, _ in eng._pending] == ["one"] and not eng.has_unfinished()
+    assert [x.request_id for x in eng._pending] == ["one"] and not eng.has_unfinished()
     assert eng.blocks.free_rows() < eng.config.max_num_seqs   # its row waits for the copy
     eng.flush_publishes()
     assert not eng._pending and eng.blocks.free_rows() == eng.config.max_num_seqs
@@ -198,7 +198,8 @@ def test_a_hit_shares_pages_and_copies_only_checkpoints(qwen, eng):
     stored, plan, _ = pc._load_plan(hit)
     row = eng.blocks.take_row("probe")
     try:
-        eng.runner.cache, n = pc.reuse(eng.runner.cache, row, "probe", p)
+        eng.runner.cache, got = pc.reuse(eng.runner.cache, row, "probe", p)
+        n = got.boundary
         assert n == hit.boundary
         assert eng.blocks.table("probe", "full_attention") == stored["full_attention"]
         assert len(stored["full_attention"]) == n // pc.geometry.sizes["full_attention"]
@@ -211,7 +212,8 @@ def test_a_hit_shares_pages_and_copies_only_checkpoints(qwen, eng):
 
 
 def test_no_recompilation_after_warmup(qwen):
-    """Hits, misses, partial hits and evictions after warm-up compile nothing new."""
+    """Hits, misses, partial hits, evictions, branch-point and decode publishes after warm-up compile
+    nothing new."""
     eng = _engine(qwen, max_num_seqs=2, max_num_batched_tokens=8, warmup="minimal", prefix_cache_bytes=40_000)
     eng.warmup()
     n0 = eng.num_compiled()
@@ -219,7 +221,8 @@ def test_no_recompilation_after_warmup(qwen):
     prompts = _workload(qwen.config.vocab_size, seed=7, n=6)
     _run(eng, prompts, seed=0)
     st = eng.cache_stats()
-    assert st["passes"] > 0 and st["misses_by_reason"].get("no_hit", 0) > 0 and st["evictions"] > 0
+    assert st["passes"] > 0 and st["misses_by_reason"].get("no_hit", 0) > 0 and st["evictions"] > 0, str(st)
+    assert st["branch_points"] > 0 and st["decode_publishes"] > 0, str(st)     # the new boundaries too
     assert eng.num_compiled() == n0
 
 

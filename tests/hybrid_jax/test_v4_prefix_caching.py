@@ -209,3 +209,35 @@ def test_disk_tier_restores_v4_spans(base, eng, tmp_path):
     finally:
         eng.config = dataclasses.replace(eng.config, kv_cache_dir=None)
         eng.reset_prefix_cache()
+
+
+def _serve(eng, p, max_tokens):
+    req = eng.add_request(f"t{eng.cache_stats()['lookups']}-{len(p)}", {"prompt_token_ids": p},
+                          SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+    while not req.finished:
+        eng.step()
+    eng.flush_publishes()
+    return req
+
+
+def test_traffic_patterns_branch_points_and_answers(base, eng):
+    """Real traffic on V4's objects (entry pages, tails, window ring, overlap state): requests sharing a
+    100-token system prompt (checkpoints every 128 tokens and at each prompt's end) publish the branch
+    point 64 and resume there; the second turn of a conversation resumes after the first answer (the decode
+    stopped on the grid point 128 and published); outputs equal no caching's."""
+    rng = np.random.default_rng(5)
+    system = rng.integers(0, 97, 100).tolist()
+    prompts = [system + rng.integers(0, 97, int(rng.integers(70, 100))).tolist() for _ in range(3)]
+    reqs = [_serve(eng, p, 5) for p in prompts]
+    assert [r.num_cached_tokens for r in reqs] == [0, 0, 64]
+    assert eng.cache_stats()["branch_points"] == 1
+    p1 = rng.integers(0, 97, 100).tolist()
+    t1 = _serve(eng, p1, 40)
+    p2 = p1 + t1.output_ids + rng.integers(0, 97, 8).tolist()
+    t2 = _serve(eng, p2, 5)
+    assert t2.num_cached_tokens == 128
+    got = [r.output_ids for r in reqs + [t1, t2]]
+    want = [o.outputs[0].token_ids for o in base.generate(
+        [{"prompt_token_ids": p} for p in prompts + [p1, p2]],
+        [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (5, 5, 5, 40, 5)])]
+    assert got == want

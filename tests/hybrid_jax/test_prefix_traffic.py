@@ -1,0 +1,113 @@
+"""Prefix reuse on the patterns of real traffic (Qwen3-Next): a shared system prompt, multi-turn
+conversations, a tree of branching prompts. The request that finds a prompt's blocks cached beyond any
+Gated DeltaNet checkpoint publishes one where it branches off, so the next request sharing that prefix
+resumes there; a decoding request publishes at the resume grid's points, so the next turn of a
+conversation resumes after the previous answer. Outputs stay token-identical to no caching over random
+request orders, with and without evictions."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hybrid_jax import LLM, SamplingParams
+from hybrid_jax.engine import EngineConfig, LLMEngine
+
+SP = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def qwen(tiny_checkpoint):
+    return LLM(model=tiny_checkpoint, max_model_len=256)
+
+
+def _engine(llm, **kw):
+    cfg = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=256, compilation_cache_dir=None,
+               warmup="none", enable_prefix_caching=True, prefix_block_size=16, prefix_checkpoint_interval=8)
+    cfg.update(kw)
+    return LLMEngine(llm, EngineConfig(**cfg))
+
+
+def _one(eng, prompt, sp=SP):
+    """One request alone, to its end, its publishes flushed; returns the Request."""
+    req = eng.add_request(f"r{eng.cache_stats()['lookups']}-{len(prompt)}", {"prompt_token_ids": prompt}, sp)
+    while not req.finished:
+        eng.step()
+    eng.flush_publishes()
+    return req
+
+
+def _greedy(llm, prompt, max_tokens=6):
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    return llm.generate([{"prompt_token_ids": prompt}], sp)[0].outputs[0].token_ids
+
+
+def test_third_request_resumes_at_the_branch_point(qwen):
+    """Checkpoints every 8 x 16 tokens and at a prompt's last block: the first request (120 tokens)
+    leaves one at 112 only, so the second finds the 96 shared tokens' blocks but no checkpoint among
+    them (a miss) and stops its prefill at 96 to publish one; the third resumes there. The branch
+    checkpoint outlives the second request's own publish further along the chain."""
+    eng = _engine(qwen)
+    rng = np.random.default_rng(0)
+    system = rng.integers(1, 211, 100).tolist()
+    prompts = [system + rng.integers(1, 211, 20).tolist() for _ in range(3)]
+    reqs = [_one(eng, p) for p in prompts]
+    assert [r.num_cached_tokens for r in reqs] == [0, 0, 96]
+    st = eng.cache_stats()
+    assert st["branch_points"] == 1 and st["misses_by_reason"] == {"no_hit": 1, "intersection": 1}
+    assert [r.output_ids for r in reqs] == [_greedy(qwen, p) for p in prompts]
+    # without the branch point the third request would have missed too
+    plain = _engine(qwen)
+    plain.prefix._branch = lambda *a: 0
+    assert [_one(plain, p).num_cached_tokens for p in prompts] == [0, 0, 0]
+
+
+@pytest.mark.parametrize("mode", ["serving", "offline"])
+def test_next_turn_resumes_after_the_answer(qwen, mode):
+    """Turn 1: a 40-token prompt and 30 tokens of answer, so 69 tokens go through the model; the
+    decode stops on the grid point 64 and publishes it (offline: only that last one; serving: 48 and
+    64). Turn 2 = turn 1 + its answer + a new message resumes at 64, after most of the answer."""
+    eng = _engine(qwen, run_to_completion=mode == "offline")
+    rng = np.random.default_rng(1)
+    p1 = rng.integers(1, 211, 40).tolist()
+    sp = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    t1 = _one(eng, p1, sp)
+    assert t1.output_ids == _greedy(qwen, p1, 30)      # stopping on the grid changes no token
+    pts = sorted(s.end for s in eng.prefix.alloc.segments.values() if s.group == "linear_attention")
+    assert pts == [64]               # the chain's earlier checkpoints (32, 48) were retired as it grew
+    assert eng.cache_stats()["decode_publishes"] == (2 if mode == "serving" else 1)
+    p2 = p1 + t1.output_ids + rng.integers(1, 211, 10).tolist()
+    t2 = _one(eng, p2)
+    assert t2.num_cached_tokens == 64
+    assert t2.output_ids == _greedy(qwen, p2)
+
+
+def _patterns(llm, rng):
+    """Prompts of the three patterns (the conversations' answers from `llm`, greedy)."""
+    system = rng.integers(1, 211, 70).tolist()
+    out = [system + rng.integers(1, 211, int(rng.integers(5, 30))).tolist() for _ in range(5)]
+    trunk = rng.integers(1, 211, 50).tolist()
+    for _ in range(2):
+        branch = trunk + rng.integers(1, 211, 20).tolist()
+        out += [branch + rng.integers(1, 211, int(rng.integers(5, 20))).tolist() for _ in range(3)]
+    for _ in range(2):
+        p = rng.integers(1, 211, 30).tolist()
+        for _ in range(3):
+            out.append(p)
+            p = p + _greedy(llm, p, 20) + rng.integers(1, 211, 8).tolist()
+    return out
+
+
+@pytest.mark.parametrize("cap", [4_000_000, 150_000], ids=["roomy", "evicting"])
+def test_traffic_patterns_are_token_identical(qwen, cap):
+    """The three patterns, in random orders and random waves of concurrent requests, give the tokens
+    of no caching, with reuse at branch points and after answers, and (small cap) evictions."""
+    from test_prefix_caching import _run  # noqa: PLC0415  (sibling test module)
+    prompts = _patterns(qwen, np.random.default_rng(2))
+    want = [_greedy(qwen, p) for p in prompts]
+    eng = _engine(qwen, prefix_cache_bytes=cap, prefix_checkpoint_interval=4)
+    for seed in (0, 1):
+        assert _run(eng, prompts, seed) == want, f"order {seed}"
+    st = eng.cache_stats()
+    assert st["passes"] >= 6 and st["branch_points"] >= 1
+    if cap < 1_000_000:
+        assert st["evictions"] + st["refused_publishes"] > 0
