@@ -156,6 +156,8 @@ def main():
     ap.add_argument("--requests", type=int, default=24)
     ap.add_argument("--output-len", type=int, default=24)
     ap.add_argument("--block-size", type=int, default=None, help="EngineConfig.prefix_block_size (default: its)")
+    ap.add_argument("--grid", type=int, default=0, help="EngineConfig.prefix_checkpoint_grid (0: its default,"
+                                                        " -1: None)")
     args = ap.parse_args()
     tmp = tempfile.mkdtemp()
     t0 = time.perf_counter()
@@ -167,11 +169,13 @@ def main():
         common = dict(max_num_seqs=4, max_num_batched_tokens=256, max_model_len=1024, warmup="all")
         if args.block_size:
             common["prefix_block_size"] = args.block_size
+        if args.grid:
+            common["prefix_checkpoint_grid"] = None if args.grid < 0 else args.grid
         eng = LLMEngine(llm, EngineConfig(enable_prefix_caching=True, **common))
         plain = LLMEngine(llm, EngineConfig(**common))
         eng.warmup(), plain.warmup()
         st = eng.cache_stats()
-        print(f"\n{model}: resume grid {st['lcm']} tokens (block sizes {st['block_sizes']}), "
+        print(f"\n{model}: resume grid {st['resume_grid']} tokens (block sizes {st['block_sizes']}), "
               f"store cap {st['cap_bytes'] / 2**20:.1f} MiB, checkpoint interval "
               f"{eng.config.prefix_checkpoint_interval}")
         print(f"   {'workload':<15}{'requests':>9}{'ideal':>8}{'reused':>8}{'ratio':>8}{'ckpt B/tok':>12}"

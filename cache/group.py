@@ -50,6 +50,10 @@ class CacheGroup:
     FILL: ClassVar[dict[str, object]] = {}
     STORE_KIND: ClassVar[Kind]
     ROLLBACK: ClassVar[str] = "hide"
+    # a page holds one entry per token, so a prefix may end inside a page: a hit shares the page and
+    # the request's first write into it copies it (copy-on-write); the prefix store can resume such a
+    # group on a grid finer than its pages (cache.prefix_index.BlockGeometry.resume)
+    PARTIAL_RESUME: ClassVar[bool] = False
 
     # ---- structure -------------------------------------------------------------------------------
     def page_fields(self) -> dict[str, int]:

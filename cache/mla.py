@@ -35,6 +35,7 @@ class MLALatentGroup(CacheGroup):
 
     kind = "mla_latent"
     STORE_KIND = Kind.COMPRESSED_KV        # an MLA latent is compressed KV with no uncompressed tail
+    PARTIAL_RESUME = True
     PAGE_FIELDS = {"latent": 1, "rope": 1, "page_resident": 0}
     ROW_FIELDS = {"hit_rate": 0}
     FILL = {"page_resident": True, "hit_rate": 1.0}      # what a new page / row holds (else 0)
@@ -68,6 +69,7 @@ class IndexerKeyGroup(CacheGroup):
 
     kind = "indexer_keys"
     STORE_KIND = Kind.INDEXER_KEYS
+    PARTIAL_RESUME = True
     PAGE_FIELDS = {"keys": 1, "scale": 1}
     FILL = {"scale": 1.0}
 

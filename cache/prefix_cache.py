@@ -93,18 +93,24 @@ class Reuse:
 class PrefixCacheConfig:
     """cap_bytes: weighted device bytes the store may hold; block_size: the grid of checkpoint groups
     (paged groups use their page size); checkpoint_interval: keep a recurrent checkpoint every
-    `interval x LCM` tokens, plus the last; fingerprint: the weights'."""
+    `interval x LCM` tokens, plus the last; fingerprint: the weights'; checkpoint_grid: a finer grid for
+    checkpoint groups (a divisor of block_size), on which hits resume inside the pages of groups that
+    allow it (CacheGroup.PARTIAL_RESUME); None: block_size."""
     cap_bytes: int
     fingerprint: str
     dtype: str
     block_size: int = 64
     checkpoint_interval: int = 8
     sharding: str = "replicated"
+    checkpoint_grid: int | None = None
 
     def __post_init__(self):
         for f in ("cap_bytes", "block_size", "checkpoint_interval"):
             if getattr(self, f) <= 0:
                 raise ValueError(f"prefix cache {f} must be positive; got {getattr(self, f)}")
+        g = self.checkpoint_grid
+        if g is not None and (g <= 0 or self.block_size % g):
+            raise ValueError(f"prefix cache checkpoint_grid must divide block_size {self.block_size}; got {g}")
 
 
 class PrefixCache:
@@ -118,12 +124,15 @@ class PrefixCache:
         if unknown:
             raise ValueError(f"prefix caching needs cache groups that implement cache.group.CacheGroup; {unknown} "
                              f"do not")
-        block_sizes = {n: (g.page_tokens if g.paged else config.block_size) for n, g in groups.items()}
-        self.geometry = block_geometry(block_sizes)
+        grid = config.checkpoint_grid or config.block_size
+        block_sizes = {n: (g.page_tokens if g.paged else grid) for n, g in groups.items()}
+        partial = [n for n, g in groups.items() if g.paged and g.PARTIAL_RESUME]
+        self.geometry = block_geometry(block_sizes, partial=partial)
         # tail=False: an MLA latent has no tail; a V4 compressed group keeps its tail in its own group
         self.specs = tuple(GroupSpec(name=n, kind=g.store_kind(), block_size=block_sizes[n], tail=False,
                                      checkpoint=not g.paged and g.store_kind() is Kind.SWA_WINDOW,
                                      closes_into=getattr(g, "closes_into", None) or None,
+                                     partial=n in self.geometry.partial,
                                      ctx=KeyContext(config.fingerprint, config.dtype, g.writer_abi, config.sharding))
                            for n, g in groups.items())
         missing = [s.closes_into for s in self.specs if s.closes_into and s.closes_into not in groups]
@@ -186,10 +195,11 @@ class PrefixCache:
         Returns (cache, Reuse): the request now holds tokens[:boundary] (0 = nothing reused), and its
         branch point, if any."""
         t0 = time.perf_counter()
-        if len(tokens) <= self.geometry.lcm:
-            self._note_once("short", f"prompts of at most {self.geometry.lcm} tokens cannot reuse a prefix: every"
-                                     f" group must resume at a multiple of {self.geometry.lcm} tokens (the LCM of"
-                                     f" block sizes {dict(self.geometry.sizes)}) and one token must be left to compute")
+        if len(tokens) <= self.geometry.resume:
+            self._note_once("short", f"prompts of at most {self.geometry.resume} tokens cannot reuse a prefix: every"
+                                     f" group must resume at a multiple of {self.geometry.resume} tokens (the"
+                                     f" resume grid of block sizes {dict(self.geometry.sizes)}) and one token must"
+                                     f" be left to compute")
         hit = self.lookup(tokens)
         if self.disk is not None:
             cache, hit = self._with_disk(cache, hit, tokens, request_id)
@@ -219,7 +229,7 @@ class PrefixCache:
     def _branch(self, hit: HitResult, num_tokens: int, boundary: int) -> int:
         """The branch point of a prompt of `num_tokens` (see `Reuse`): the blocks it shares with cached
         sequences, rounded down to the resume grid, if beyond `boundary` and before its last token."""
-        b = min(hit.matched, num_tokens - 1) // self.geometry.lcm * self.geometry.lcm
+        b = min(hit.matched, num_tokens - 1) // self.geometry.resume * self.geometry.resume
         return b if b > boundary else 0
 
     def _with_disk(self, cache: ModelCache, hit: HitResult, tokens: Sequence[int], request_id: str | None
@@ -268,7 +278,7 @@ class PrefixCache:
                 group, unit = self._units[sid]
                 if spec.is_checkpoint:
                     plan[spec.name] = (np.int32(unit), np.int32(self._unit_version[group][unit]))
-                elif seg.end <= hit.boundary:
+                elif seg.end <= hit.boundary or (spec.partial and seg.start < hit.boundary):
                     blocks.append((seg.start, unit))
             if not spec.is_checkpoint:
                 pages[spec.name] = [u for _, u in sorted(blocks)]
@@ -278,14 +288,14 @@ class PrefixCache:
     def publish(self, cache: ModelCache, row: int, request_id: str, tokens: Sequence[int], boundary: int,
                 branch: bool = False) -> ModelCache:
         """Stores what request `request_id` (row `row`) holds of tokens[:boundary] (its state is exactly
-        at `boundary`, a multiple of the LCM) that the store does not hold yet: a reference to each of
+        at `boundary`, on the resume grid) that the store does not hold yet: a reference to each of
         its pages, a copy of its row into a checkpoint unit. Admission refusals skip the publish
         (counted, never an error). branch: `boundary` is a branch point (`Reuse.branch`): its
         checkpoints are kept when the chain grows past them (the retention policy would drop them);
         eviction still may. Returns the cache (its checkpoint units written)."""
         geo = self.geometry
-        if boundary <= 0 or boundary % geo.lcm:
-            raise ValueError(f"publish boundary {boundary} is not a positive multiple of the LCM {geo.lcm}")
+        if boundary <= 0 or boundary % geo.resume:
+            raise ValueError(f"publish boundary {boundary} is not a positive multiple of the resume grid {geo.resume}")
         tokens = list(tokens[:boundary])
         todo, own = [], set()    # own: the stored objects this chain builds on (never evicted for it)
         for spec in self.specs:
@@ -297,6 +307,15 @@ class PrefixCache:
                     ends.append(b)
                 else:
                     own.add(sid)
+            if not spec.is_checkpoint and boundary % spec.block_size:
+                # the prefix ends inside a block: only a stored block holding these tokens can serve it
+                # (a branch point lies inside a block another request stored); this request's own
+                # page is still being written
+                sid = self._live(spec, keys, boundary)
+                if sid is None:
+                    self.refused_publishes += 1
+                    return cache
+                own.add(sid)
             todo.append((spec, keys, ends))
         protect = frozenset(own)
         if not self._fits(todo, protect):
@@ -322,12 +341,19 @@ class PrefixCache:
             for name, u in plan.items():
                 if int(u) >= 0:
                     self._unit_version[name][int(u)] += 1
+        marks = []
         for spec, sid, b, key in new:
             self.alloc = A.commit(self.alloc, sid)
             self._index_insert(IndexEntry(spec.name, spec.kind, key, b, sid))
+            if spec.partial:       # the block's interior points: a later prefix may end there
+                keys = self._keys(tokens, spec)
+                marks += [IndexEntry(spec.name, spec.kind, key_at(keys, geo.gcd, m), m, sid)
+                          for m in range(b - spec.block_size + geo.gcd, b, geo.gcd)]
+        if marks:
+            self.index = self.index.insert_many(marks)
         self._touch_chain(tokens, boundary)
         self._drop_superseded_checkpoints(tokens, boundary)
-        if self.disk is not None:
+        if self.disk is not None and boundary % geo.lcm == 0:      # disk spans lie on the LCM grid
             self.disk.write(cache, tokens, boundary)
         return cache
 
@@ -375,7 +401,7 @@ class PrefixCache:
         ids = []
         for spec in self.specs:
             keys = self._keys(tokens, spec)
-            step = geo.lcm if spec.is_checkpoint else spec.block_size
+            step = geo.resume if spec.is_checkpoint else spec.block_size
             for b in range(boundary - boundary % step, 0, -step):
                 e = self.index.find(spec.name, spec.kind, key_at(keys, geo.gcd, b))
                 if e is not None and e.seg_id in self.alloc.segments:
@@ -601,6 +627,7 @@ class PrefixCache:
             "tail_closes": self.tail_closes, "branch_points": self.branch_points,
             "cap_bytes": self.config.cap_bytes,
             "block_sizes": dict(self.geometry.sizes), "lcm": self.geometry.lcm, "gcd": self.geometry.gcd,
+            "resume_grid": self.geometry.resume,
             "disk": self.disk.stats() if self.disk else None,
         }
 

@@ -20,6 +20,13 @@ ones serve branching prefixes (a shared system prompt, an edited turn) at a reco
 of E / L. When a prefix is extended, its previous "last" checkpoint stops being last and, unless on
 the interval, becomes droppable (`droppable_checkpoints`).
 
+Resume grid. A paged group whose pages hold one entry per token (full KV, an MLA latent, indexer
+keys) can be resumed inside a stored page: the hit lists the page and the request copies it on its
+first write into it. For such a group the store also indexes the block's interior points (every G
+tokens, `IndexEntry.end` inside the block's segment), so a prompt that shares 300 tokens with a
+cached sequence matches all 300 of them, not only its whole pages, and recurrent checkpoints can sit
+on a grid finer than the pages (BlockGeometry.resume).
+
 Index entries map (group, kind, key) -> IndexEntry(end boundary, segment id). The index holds no
 segment state: whether an entry's segment is still live, resident and unchanged is decided by
 cache.validation against the allocator's state at check and at use.
@@ -42,21 +49,35 @@ ROOT_KEY = "root"
 
 @dataclasses.dataclass(frozen=True)
 class BlockGeometry:
-    """gcd: hashing granularity (tokens); lcm: resume granularity (tokens); sizes: group -> block size."""
+    """gcd: hashing granularity (tokens); lcm: the grid on which a request publishes its own prefix
+    (every group's blocks end there); resume: the grid a hit may resume on (tokens), finer than lcm
+    when paged groups can resume inside a stored page (`partial`); sizes: group -> block size."""
     gcd: int
     lcm: int
     sizes: Mapping[str, int]
+    resume: int = 0
+    partial: frozenset = frozenset()
+
+    def __post_init__(self):
+        if not self.resume:
+            object.__setattr__(self, "resume", self.lcm)
 
 
-def block_geometry(block_sizes: Mapping[str, int]) -> BlockGeometry:
-    """GCD and LCM of the groups' block sizes (group name -> tokens per block, each > 0)."""
+def block_geometry(block_sizes: Mapping[str, int], partial=()) -> BlockGeometry:
+    """GCD, LCM and resume grid of the groups' block sizes (group name -> tokens per block, each > 0).
+    partial: groups whose blocks a prefix may end inside (a hit shares the stored page and the request
+    copies it on its first write); the resume grid is the LCM of the other groups' sizes (the GCD when
+    every group is such a group)."""
     if not block_sizes:
         raise ValueError("block_geometry needs at least one group")
     bad = {g: b for g, b in block_sizes.items() if not isinstance(b, int) or b <= 0}
     if bad:
         raise ValueError(f"block sizes must be positive ints, got {bad}")
     vals = list(block_sizes.values())
-    return BlockGeometry(gcd=math.gcd(*vals), lcm=math.lcm(*vals), sizes=types.MappingProxyType(dict(block_sizes)))
+    gcd = math.gcd(*vals)
+    whole = [b for g, b in block_sizes.items() if g not in partial]
+    return BlockGeometry(gcd=gcd, lcm=math.lcm(*vals), sizes=types.MappingProxyType(dict(block_sizes)),
+                         resume=math.lcm(gcd, *whole), partial=frozenset(partial) & frozenset(block_sizes))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,8 +188,12 @@ class PrefixIndex:
         return self.entries.get((group, kind, key))
 
     def insert(self, entry: IndexEntry) -> "PrefixIndex":
+        return self.insert_many((entry,))
+
+    def insert_many(self, entries) -> "PrefixIndex":
         d = dict(self.entries)
-        d[(entry.group, entry.kind, entry.key)] = entry
+        for e in entries:
+            d[(e.group, e.kind, e.key)] = e
         return PrefixIndex(types.MappingProxyType(d))
 
     def remove_segment(self, seg_id: int) -> "PrefixIndex":

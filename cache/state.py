@@ -85,6 +85,7 @@ class KVGroup(CacheGroup):
 
     kind = "full_kv"
     STORE_KIND = Kind.FULL_KV
+    PARTIAL_RESUME = True
     PAGE_FIELDS = {"k": 1, "v": 1}           # field -> its page axis
 
     @property

@@ -44,7 +44,9 @@ class GroupSpec:
     reader's ABI); window: SWA window in tokens (blocks of an SWA group); checkpoint: an SWA group
     stored as one ring per boundary (RECURRENT_STATE, UNCOMPRESSED_TAIL and CSA_OVERLAP groups always
     are checkpoints); closes_into: the compressed group an UNCOMPRESSED_TAIL group's windows close
-    into (the `close_tail` event supersedes its checkpoints by that group's entry blocks)."""
+    into (the `close_tail` event supersedes its checkpoints by that group's entry blocks); partial: a
+    group of per-token blocks, indexed at their interior points too, so a hit may end inside a stored
+    block (the reader copies it before writing into it)."""
     name: str
     kind: Kind
     block_size: int
@@ -55,6 +57,7 @@ class GroupSpec:
                                  # compressed group keeps its tail in a group of its own)
     checkpoint: bool = False
     closes_into: str | None = None
+    partial: bool = False        # a prefix may end inside one of its blocks (BlockGeometry.resume)
 
     @property
     def needs_tail(self) -> bool:
@@ -74,6 +77,8 @@ class GroupSpec:
             raise ValueError(f"group {self.name!r}: an SWA group of blocks needs window > 0, got {self.window}")
         if self.checkpoint and self.kind not in CHECKPOINT_KINDS | {Kind.SWA_WINDOW}:
             raise ValueError(f"group {self.name!r}: a {self.kind.value} group cannot be stored as checkpoints")
+        if self.partial and (self.is_checkpoint or self.kind is Kind.SWA_WINDOW or self.needs_tail):
+            raise ValueError(f"group {self.name!r}: only a group of per-token blocks can be resumed inside a block")
         if self.closes_into is not None and self.kind is not Kind.UNCOMPRESSED_TAIL:
             raise ValueError(f"group {self.name!r}: only an uncompressed tail closes into entries; got {self.kind.value}")
 
@@ -110,7 +115,8 @@ def _entries(spec: GroupSpec, keys: Sequence[str], geo: BlockGeometry, index: Pr
     out: dict[tuple[Kind, int], IndexEntry] = {}
     kinds = [spec.kind] + ([Kind.UNCOMPRESSED_TAIL] if spec.needs_tail else [])
     for kind in kinds:
-        step = geo.lcm if spec.is_checkpoint or kind is Kind.UNCOMPRESSED_TAIL else spec.block_size
+        step = (geo.resume if spec.is_checkpoint or kind is Kind.UNCOMPRESSED_TAIL
+                else geo.gcd if spec.partial else spec.block_size)
         for b in range(step, limit + 1, step):
             e = index.find(spec.name, kind, key_at(keys, geo.gcd, b))
             if e is not None:
@@ -118,14 +124,16 @@ def _entries(spec: GroupSpec, keys: Sequence[str], geo: BlockGeometry, index: Pr
     return out
 
 
-def _hashed_len(spec: GroupSpec, found) -> int:
-    """Tokens of the group's first-level hit: the contiguous run of blocks from 0 (block kinds), or
-    the furthest checkpoint (checkpoint groups) or window block (SWA)."""
+def _hashed_len(spec: GroupSpec, found, geo: BlockGeometry) -> int:
+    """Tokens of the group's first-level hit: the contiguous run of blocks from 0 (block kinds; a
+    partial group's run goes on through a block's interior points), or the furthest checkpoint
+    (checkpoint groups) or window block (SWA)."""
     if spec.is_checkpoint or spec.kind is Kind.SWA_WINDOW:   # old SWA blocks may be gone by design
         return max((b for (k, b) in found if k is spec.kind), default=0)
+    step = geo.gcd if spec.partial else spec.block_size
     b = 0
-    while (spec.kind, b + spec.block_size) in found:
-        b += spec.block_size
+    while (spec.kind, b + step) in found:
+        b += step
     return b
 
 
@@ -137,6 +145,8 @@ def _needed(spec: GroupSpec, boundary: int, geo: BlockGeometry) -> list[tuple[Ki
     if spec.kind is Kind.SWA_WINDOW:
         return [(spec.kind, b) for b in range(bs, boundary + 1, bs) if b > boundary - spec.window]
     need = [(spec.kind, b) for b in range(bs, boundary + 1, bs)]
+    if spec.partial and boundary % bs:
+        need.append((spec.kind, boundary))         # the stored block the prefix ends inside
     if spec.needs_tail:
         need.append((Kind.UNCOMPRESSED_TAIL, boundary))
     return need
@@ -157,23 +167,24 @@ def check_hit(tokens: Sequence[int], groups: Sequence[GroupSpec], index: PrefixI
     names = [g.name for g in groups]
     if len(set(names)) != len(names):
         raise ValueError(f"group names must be unique, got {names}")
-    geo = block_geometry({g.name: g.block_size for g in groups})
+    geo = block_geometry({g.name: g.block_size for g in groups}, partial=[g.name for g in groups if g.partial])
     limit = len(tokens) - 1 if need_logits else len(tokens)
     limit = max(limit, 0)
     found = {}
     for g in groups:
         keys = chain_keys(tokens, geo.gcd, g.ctx)
         found[g.name] = _entries(g, keys, geo, index, (len(keys) * geo.gcd))
-    hashed = max(_hashed_len(g, found[g.name]) for g in groups)
+    hashed = max(_hashed_len(g, found[g.name], geo) for g in groups)
     if hashed == 0:
         return _miss("no_hit", "no group has a cached first block for this prompt", 0)
-    blocks = [_hashed_len(g, found[g.name]) for g in groups if not g.is_checkpoint and g.kind is not Kind.SWA_WINDOW]
+    blocks = [_hashed_len(g, found[g.name], geo) for g in groups
+              if not g.is_checkpoint and g.kind is not Kind.SWA_WINDOW]
     matched = min(blocks, default=0)
-    # 1. whole-block coverage at the LCM
-    top = (min(hashed, limit) // geo.lcm) * geo.lcm
+    # 1. whole-block coverage on the resume grid
+    top = (min(hashed, limit) // geo.resume) * geo.resume
     if top == 0:
         return _miss("coverage", f"hashed hit of {hashed} tokens (usable {min(hashed, limit)}) covers no whole"
-                                 f" LCM block of {geo.lcm} tokens", hashed, matched=matched)
+                                 f" block of the {geo.resume}-token resume grid", hashed, matched=matched)
     # 2. ABI of the writer == ABI of the reader, for every object the hit would draw on
     for g in groups:
         for (kind, b), e in sorted(found[g.name].items(), key=lambda kv: kv[0][1]):
@@ -195,7 +206,7 @@ def check_hit(tokens: Sequence[int], groups: Sequence[GroupSpec], index: PrefixI
         return None
 
     boundary, blocker, why = 0, None, ""
-    for cand in range(top, 0, -geo.lcm):
+    for cand in range(top, 0, -geo.resume):
         bad = [(g.name, w) for g in groups if (w := lacking(g, cand)) is not None]
         if not bad:
             boundary = cand
@@ -203,21 +214,23 @@ def check_hit(tokens: Sequence[int], groups: Sequence[GroupSpec], index: PrefixI
         if blocker is None:
             blocker, why = bad[0]
     if boundary == 0:
-        return _miss("intersection", f"no LCM boundary <= {top} that every group can resume from; group"
+        return _miss("intersection", f"no boundary <= {top} that every group can resume from; group"
                                      f" {blocker!r} cannot resume at {top}: {why}", hashed, blocker, matched)
     # 4. alignment and residency of the chosen segments
     segs: dict[str, tuple[int, ...]] = {}
     versions: dict[int, int] = {}
     for g in groups:
-        if boundary % g.block_size:
+        if boundary % g.block_size and not g.partial:
             return _miss("alignment", f"boundary {boundary} is not a multiple of group {g.name!r}'s block size"
                                       f" {g.block_size}", hashed, g.name, matched)
         ids: list[int] = []
         for kind, b in _needed(g, boundary, geo):
             seg = state.get(found[g.name][(kind, b)].seg_id)
             exact = g.is_checkpoint or kind is Kind.UNCOMPRESSED_TAIL
-            covers = (seg.end == b) if exact else (seg.start <= b - g.block_size and seg.end >= b
-                                                   and seg.start % g.block_size == 0)
+            inside = g.partial and b % g.block_size      # a stored block the prefix ends inside
+            covers = ((seg.end == b) if exact
+                      else (seg.start == b - b % g.block_size and seg.end > b) if inside
+                      else (seg.start <= b - g.block_size and seg.end >= b and seg.start % g.block_size == 0))
             if not covers:
                 return _miss("alignment", f"group {g.name!r}: {seg.describe()} does not line up with the block"
                                           f" ending at {b}", hashed, g.name, matched)

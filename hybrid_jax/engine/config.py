@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 
 from hybrid_jax.errors import InputError
@@ -26,6 +27,9 @@ class EngineConfig:
     enable_prefix_caching: bool = False  # reuse validated cached prefixes across requests
     prefix_block_size: int = 64          # tokens per full-KV page (a prefix-cache block) / checkpoint grid
     prefix_checkpoint_interval: int = 8  # keep a recurrent checkpoint every interval x LCM tokens (+ the last)
+    prefix_checkpoint_grid: int | None = None  # a finer grid (a divisor of prefix_block_size) for checkpoints,
+                                               # on which hits resume inside full-KV / MLA pages (None: the
+                                               # GCD of prefix_block_size and 16; docs/architecture.md)
     prefix_cache_bytes: int | None = None  # the prefix store's cap (None: kv_cache_bytes)
     kv_cache_dir: str | None = None      # on-disk prefix tier (needs enable_prefix_caching)
     kv_cache_dir_bytes: int = 8 << 30    # the disk tier's own cap
@@ -35,6 +39,11 @@ class EngineConfig:
     run_to_completion: bool = False      # offline: a decode step takes every decoding row to its end (LLM.generate)
     seed: int = 0                        # seeds of requests that bring none are drawn from this
 
+    @property
+    def checkpoint_grid(self) -> int:
+        """The prefix store's checkpoint grid (prefix_checkpoint_grid, or its default)."""
+        return self.prefix_checkpoint_grid or math.gcd(self.prefix_block_size, 16)
+
     def __post_init__(self):
         for f in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "decode_steps", "prefix_block_size",
                   "prefix_checkpoint_interval"):
@@ -42,6 +51,10 @@ class EngineConfig:
                 raise InputError(f"{f} must be positive; got {getattr(self, f)}")
         if self.warmup not in ("none", "minimal", "all"):
             raise InputError(f"warmup must be 'none', 'minimal' or 'all'; got {self.warmup!r}")
+        g = self.prefix_checkpoint_grid
+        if g is not None and (g <= 0 or self.prefix_block_size % g):
+            raise InputError(f"prefix_checkpoint_grid must be a positive divisor of prefix_block_size "
+                             f"{self.prefix_block_size}; got {g}")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
             raise InputError(f"kv_cache_bytes must be positive; got {self.kv_cache_bytes}")
         if self.prefix_cache_bytes is not None and self.prefix_cache_bytes <= 0:

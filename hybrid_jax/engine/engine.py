@@ -200,7 +200,8 @@ class LLMEngine:
         llm, c = self.llm, self.config
         return PrefixCache(self.runner.cache, PrefixCacheConfig(
             cap_bytes=cap_bytes, fingerprint=llm.fingerprint(), dtype=jnp.dtype(llm.dtype).name,
-            block_size=c.prefix_block_size, checkpoint_interval=c.prefix_checkpoint_interval),
+            block_size=c.prefix_block_size, checkpoint_interval=c.prefix_checkpoint_interval,
+            checkpoint_grid=c.checkpoint_grid),
             self.blocks, disk=self._disk_config())
 
     def _disk_config(self) -> DiskConfig | None:

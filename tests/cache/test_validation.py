@@ -73,7 +73,7 @@ def test_no_hit():
 def test_1_coverage_partial_lcm_block():
     s, idx, _ = _setup(groups=(ATTN,), upto=4)
     hit = validate_hit(TOKENS, [ATTN, LIN], idx, s)
-    assert (hit.ok, hit.reason, hit.hashed) == (False, "coverage", 4) and "LCM" in hit.detail
+    assert (hit.ok, hit.reason, hit.hashed) == (False, "coverage", 4) and "8-token resume grid" in hit.detail
 
 
 def test_2_abi_mismatch_before_intersection():

@@ -111,3 +111,26 @@ def test_traffic_patterns_are_token_identical(qwen, cap):
     assert st["passes"] >= 6 and st["branch_points"] >= 1
     if cap < 1_000_000:
         assert st["evictions"] + st["refused_publishes"] > 0
+
+
+def test_hits_resume_inside_a_page_on_the_checkpoint_grid(qwen):
+    """Pages of 64 tokens, Gated DeltaNet checkpoints on a 16-token grid: the blocks of the first
+    request are indexed at their interior points, so the second finds all 96 tokens of the shared
+    system prompt that lie on the grid (not just the 64 of its whole pages), publishes a checkpoint at
+    96 and the third resumes there: it lists the first request's page holding tokens 64-127 and copies
+    it before writing its own token 96 into it. Outputs equal no caching's."""
+    eng = _engine(qwen, prefix_block_size=64, prefix_checkpoint_interval=8)
+    st = eng.cache_stats()
+    assert (st["lcm"], st["resume_grid"]) == (64, 16)
+    rng = np.random.default_rng(3)
+    system = rng.integers(1, 211, 100).tolist()
+    prompts = [system + rng.integers(1, 211, 30).tolist() for _ in range(3)]
+    reqs = [_one(eng, prompts[0]), _one(eng, prompts[1])]
+    cow = eng.blocks.copies_on_write
+    reqs.append(_one(eng, prompts[2]))
+    assert [r.num_cached_tokens for r in reqs] == [0, 0, 96]
+    assert eng.blocks.copies_on_write == cow + 1          # the shared page the third request wrote into
+    assert [r.output_ids for r in reqs] == [_greedy(qwen, p) for p in prompts]
+    # the same with pages as the grid: the shared prompt's whole pages end at 64, nothing is stored there
+    coarse = _engine(qwen, prefix_block_size=64, prefix_checkpoint_interval=8, prefix_checkpoint_grid=64)
+    assert [_one(coarse, p).num_cached_tokens for p in prompts] == [0, 0, 64]
