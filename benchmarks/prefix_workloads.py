@@ -17,7 +17,7 @@ Columns:
              the end, per token reused
   TTFT p50   arrival to first token, with and without prefix caching (ms; this CPU, tiny models)
 
-    python benchmarks/prefix_workloads.py [--models qwen3_next,deepseek_v4] [--seed 0] [--requests 24]
+    python benchmarks/prefix_workloads.py [--models qwen3_next,deepseek_v4,deepseek_v32] [--seed 0] [--requests 24]
 """
 from __future__ import annotations
 
@@ -48,6 +48,23 @@ V4 = dict(vocab_size=2048, hidden_size=128, moe_intermediate_size=64, num_hidden
           layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"],
           mlp_layer_types=["hash_moe", "moe", "moe"], partial_rotary_factor=0.5, max_position_embeddings=8192,
           eos_token_id=None, bos_token_id=None, pad_token_id=None)
+
+
+# DeepSeek-V3.2 (MLA latent + indexer key pages, no checkpoint), shrunk.
+V32 = dict(vocab_size=2048, hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_hidden_layers=2,
+           num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=4, n_group=2,
+           topk_group=1, num_experts_per_tok=2, kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=16,
+           v_head_dim=32, qk_nope_head_dim=32, index_topk=64, index_head_dim=32, index_n_heads=4,
+           first_k_dense_replace=1, max_position_embeddings=8192, eos_token_id=None, bos_token_id=None,
+           pad_token_id=None)
+
+
+def write_v32(path: str) -> str:
+    import torch  # noqa: PLC0415
+    from transformers import DeepseekV32Config, DeepseekV32ForCausalLM  # noqa: PLC0415
+    torch.manual_seed(0)
+    DeepseekV32ForCausalLM(DeepseekV32Config(**V32)).eval().save_pretrained(path)
+    return path
 
 
 def write_v4(path: str) -> str:
@@ -150,7 +167,7 @@ def run_workload(name, eng, plain, rng, vocab, n, out_len):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--models", default="qwen3_next,deepseek_v4")
+    ap.add_argument("--models", default="qwen3_next,deepseek_v4,deepseek_v32")
     ap.add_argument("--workloads", default="system prompt,conversations,tree")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--requests", type=int, default=24)
@@ -162,8 +179,9 @@ def main():
     tmp = tempfile.mkdtemp()
     t0 = time.perf_counter()
     for model in args.models.split(","):
-        path = (write_checkpoint(os.path.join(tmp, model), config=dict(CONFIG))
-                if model == "qwen3_next" else write_v4(os.path.join(tmp, model)))
+        writers = {"qwen3_next": lambda p: write_checkpoint(p, config=dict(CONFIG)), "deepseek_v4": write_v4,
+                   "deepseek_v32": write_v32}
+        path = writers[model](os.path.join(tmp, model))
         llm = LLM(model=path, dtype="float32")
         vocab = llm.config.vocab_size
         common = dict(max_num_seqs=4, max_num_batched_tokens=256, max_model_len=1024, warmup="all")

@@ -131,9 +131,18 @@ def evictable(state: AllocState):
     return (s for s in state.segments.values() if s.state is SegState.DEVICE and s.ref_count == 0)
 
 
+HIT_CREDIT_CAP = 4     # hits that count toward retention
+
+
 def eviction_order(state: AllocState) -> list[Segment]:
-    """Evictable segments, first victim first: by kind priority, then LRU, then id."""
-    return sorted(evictable(state), key=lambda s: (EVICTION_PRIORITY[s.kind][0], s.last_access, s.id))
+    """Evictable segments, first victim first: by kind priority, then by last use plus a credit for
+    each prefix hit that read the segment (up to HIT_CREDIT_CAP), then id. A hit's credit is as many
+    clock ticks as the store holds segments, about one turnover of the store: an object that served
+    several requests (a shared system prompt's pages, a branch point's checkpoint) outlives one-off
+    objects published after it, yet ages out once nobody reads it for a few turnovers."""
+    credit = len(state.segments)
+    return sorted(evictable(state), key=lambda s: (EVICTION_PRIORITY[s.kind][0],
+                                                   s.last_access + credit * min(s.hits, HIT_CREDIT_CAP), s.id))
 
 
 def _make_room(state: AllocState, extra: float, what: str, protect: frozenset[int] = frozenset()) -> AllocState:
@@ -270,13 +279,15 @@ def release_many(state: AllocState, seg_ids) -> AllocState:
     return dataclasses.replace(state, segments=_frozen(d), clock=state.clock + 1)
 
 
-def touch_many(state: AllocState, seg_ids) -> AllocState:
-    """Marks uses of several segments in the given order (the last one is the most recent)."""
+def touch_many(state: AllocState, seg_ids, hit: bool = False) -> AllocState:
+    """Marks uses of several segments in the given order (the last one is the most recent); hit: the
+    uses are a prefix hit reading them (each one's `hits` goes up)."""
     d = dict(state.segments)
     clock = state.clock
     for sid in seg_ids:
         clock += 1
-        d[sid] = with_counters(state.get(sid), last_access=clock)
+        seg = state.get(sid)
+        d[sid] = with_counters(seg, last_access=clock, hits=seg.hits + 1 if hit else None)
     return dataclasses.replace(state, segments=_frozen(d), clock=clock)
 
 

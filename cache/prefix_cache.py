@@ -39,7 +39,8 @@ A request's life with the cache:
                               longer keeps are retired, and a tail checkpoint whose window closed
                               into a now stored entry block leaves by the named `close_tail` event.
 
-Eviction: under the store's weighted cap (LRU by kind, a chain's tail first), and on demand when the
+Eviction: under the store's weighted cap (by kind, then least recently used with a credit for each
+hit an object served: cache.allocator.eviction_order; a chain's tail first), and on demand when the
 engine's block manager runs out of pages or units (`reclaim`): the store lets go of what only it
 holds. A page a running request also lists stays in the pool until that request ends.
 """
@@ -222,7 +223,7 @@ class PrefixCache:
             self.blocks.unshare(request_id)
             return cache, Reuse(self._miss(HitResult(ok=False, reason="version", hashed=hit.hashed,
                                 detail="a checkpoint unit's version changed before the load read it")))
-        self.alloc = A.touch_many(self.alloc, reversed(held))   # first blocks touched last: evicted last
+        self.alloc = A.touch_many(self.alloc, reversed(held), hit=True)   # first blocks last: evicted last
         self.stats = self.stats.record(hit)
         return cache, Reuse(hit.boundary, self._branch(hit, len(tokens), hit.boundary))
 

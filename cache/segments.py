@@ -105,6 +105,7 @@ class Segment:
     last_access: int = 0
     writer_abi: str = ""
     nbytes: int = 0
+    hits: int = 0                # prefix hits that read it (retention: cache.allocator.eviction_order)
 
     def __post_init__(self):
         if not isinstance(self.kind, Kind):
@@ -123,7 +124,8 @@ class Segment:
                 f" v{self.version}, refs {self.ref_count})")
 
 
-def with_counters(seg: Segment, *, ref_count: int | None = None, last_access: int | None = None) -> Segment:
+def with_counters(seg: Segment, *, ref_count: int | None = None, last_access: int | None = None,
+                  hits: int | None = None) -> Segment:
     """The segment with a new reference count and / or LRU time: a copy that skips `__post_init__` (these
     two fields are all a cache hit's bookkeeping changes, for every block of a long prefix, and
     `dataclasses.replace` re-validating every field costs 4x the copy). ValueError on a negative count."""
@@ -136,6 +138,8 @@ def with_counters(seg: Segment, *, ref_count: int | None = None, last_access: in
         d["ref_count"] = ref_count
     if last_access is not None:
         d["last_access"] = last_access
+    if hits is not None:
+        d["hits"] = hits
     return new
 
 

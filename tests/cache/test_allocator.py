@@ -57,6 +57,32 @@ def test_eviction_order_by_kind_then_lru():
     assert all(reason for _, reason in A.EVICTION_PRIORITY.values())
 
 
+def test_hits_earn_retention_that_ages_out():
+    """A checkpoint that served hits outlives checkpoints published after it that served none, for
+    about a store turnover per hit (at most HIT_CREDIT_CAP), then LRU takes it like any other."""
+    s = A.init_state(A.AllocConfig(cap_bytes=10_000))
+    s, hot = _live(s, Kind.RECURRENT_STATE)
+    s = A.touch_many(s, [hot], hit=True)
+    s = A.touch_many(s, [hot], hit=True)
+    assert s.get(hot).hits == 2
+    cold = []
+    for _ in range(5):
+        s, c = _live(s, Kind.RECURRENT_STATE)
+        cold.append(c)
+    order = [x.id for x in A.eviction_order(s)]
+    assert order == cold + [hot]            # plain LRU would have taken `hot` first
+    # the store turns over several times and nobody reads `hot` again: objects published since then
+    # outlive it
+    for _ in range(3 * len(s.segments)):
+        s = A.touch(s, cold[0])
+    new = []
+    for _ in range(4):
+        s, c = _live(s, Kind.RECURRENT_STATE)
+        new.append(c)
+    order = [x.id for x in A.eviction_order(s)]
+    assert order.index(hot) < min(order.index(c) for c in new)
+
+
 def test_held_and_writing_never_evicted():
     s = A.init_state(A.AllocConfig(cap_bytes=30))
     s, a = _live(s)

@@ -134,3 +134,23 @@ def test_hits_resume_inside_a_page_on_the_checkpoint_grid(qwen):
     # the same with pages as the grid: the shared prompt's whole pages end at 64, nothing is stored there
     coarse = _engine(qwen, prefix_block_size=64, prefix_checkpoint_interval=8, prefix_checkpoint_grid=64)
     assert [_one(coarse, p).num_cached_tokens for p in prompts] == [0, 0, 64]
+
+
+@pytest.mark.parametrize("credit", [True, False], ids=["hit_credit", "plain_lru"])
+def test_a_branch_point_that_serves_many_outlives_one_off_prefixes(qwen, monkeypatch, credit):
+    """Under a small cap, a shared system prompt's branch point (hit by several requests) and its pages
+    survive a run of unrelated prompts published after them, so the next request of the family still
+    resumes there; with plain LRU (no credit for hits) they are the first to go."""
+    from cache import allocator as A  # noqa: PLC0415
+    if not credit:
+        monkeypatch.setattr(A, "HIT_CREDIT_CAP", 0)
+    eng = _engine(qwen, prefix_cache_bytes=140_000)
+    rng = np.random.default_rng(4)
+    system = rng.integers(1, 211, 60).tolist()
+    family = [system + rng.integers(1, 211, 20).tolist() for _ in range(6)]
+    got = [_one(eng, p).num_cached_tokens for p in family[:5]]
+    assert got == [0, 0, 48, 48, 48]
+    for _ in range(6):
+        _one(eng, rng.integers(1, 211, 40).tolist())
+    assert eng.cache_stats()["evictions"] > 0
+    assert _one(eng, family[5]).num_cached_tokens == (48 if credit else 0)
