@@ -15,6 +15,7 @@ Columns:
   ratio      reused / ideal (target >= 0.9)
   ckpt B/tok bytes of checkpoint objects (recurrent state, SWA ring, tails, overlap state) in the store at
              the end, per token reused
+  lookup us  host time of an admission's lookup and validation (median)
   TTFT p50   arrival to first token, with and without prefix caching (ms; this CPU, tiny models)
 
     python benchmarks/prefix_workloads.py [--models qwen3_next,deepseek_v4,deepseek_v32] [--seed 0] [--requests 24]
@@ -160,8 +161,10 @@ def run_workload(name, eng, plain, rng, vocab, n, out_len):
     ck = sum(st["bytes_by_kind"].get(k, 0) for k in CHECKPOINT_KINDS)
     want, total = sum(ideal(prompts, seqs)), sum(len(p) for p in prompts)
     got = sum(reused)
+    look = eng.prefix.lookup_seconds
     return dict(name=name, requests=len(prompts), ideal=want / total, reused=got / total,
                 ratio=got / want if want else float("nan"), ckpt=ck / got if got else float("nan"),
+                lookup=statistics.median(look) * 1e6 if look else float("nan"),
                 ttft_c=statistics.median(ttft_c) * 1e3, ttft_p=statistics.median(ttft_p) * 1e3)
 
 
@@ -193,15 +196,15 @@ def main():
         plain = LLMEngine(llm, EngineConfig(**common))
         eng.warmup(), plain.warmup()
         st = eng.cache_stats()
-        print(f"\n{model}: resume grid {st['resume_grid']} tokens (block sizes {st['block_sizes']}), "
+        print(f"\n{model}: resume grid {st.get('resume_grid', st['lcm'])} tokens (block sizes {st['block_sizes']}), "
               f"store cap {st['cap_bytes'] / 2**20:.1f} MiB, checkpoint interval "
               f"{eng.config.prefix_checkpoint_interval}")
         print(f"   {'workload':<15}{'requests':>9}{'ideal':>8}{'reused':>8}{'ratio':>8}{'ckpt B/tok':>12}"
-              f"{'TTFT p50 cached':>17}{'uncached ms':>13}")
+              f"{'lookup us':>11}{'TTFT p50 cached':>17}{'uncached ms':>13}")
         for w in args.workloads.split(","):
             r = run_workload(w, eng, plain, np.random.default_rng(args.seed), vocab, args.requests, args.output_len)
             print(f"   {r['name']:<15}{r['requests']:>9}{r['ideal']:>8.0%}{r['reused']:>8.0%}{r['ratio']:>8.2f}"
-                  f"{r['ckpt']:>12.0f}{r['ttft_c']:>17.1f}{r['ttft_p']:>13.1f}")
+                  f"{r['ckpt']:>12.0f}{r['lookup']:>11.0f}{r['ttft_c']:>17.1f}{r['ttft_p']:>13.1f}")
     print(f"\n({time.perf_counter() - t0:.0f} s; ideal: an attention-only model with {IDEAL_BLOCK}-token blocks)")
 
 

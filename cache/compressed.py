@@ -81,6 +81,11 @@ class CompressedKVGroup(CacheGroup):
     PAGE_FIELDS = {"entries": 1}
     ROW_FIELDS = {"count": 0}
     ROLLBACK = "replay"          # count (and a closed entry) moved with the rejected tokens
+    PARTIAL_RESUME = True        # entries up to the last whole window; the rest is the tail's checkpoint
+
+    @property
+    def entry_tokens(self) -> int:
+        return self.rate
 
     def store_kind(self) -> Kind:
         """Compressed KV, or indexer keys for the CSA indexer's entries."""

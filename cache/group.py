@@ -55,6 +55,12 @@ class CacheGroup:
     # group on a grid finer than its pages (cache.prefix_index.BlockGeometry.resume)
     PARTIAL_RESUME: ClassVar[bool] = False
 
+    @property
+    def entry_tokens(self) -> int:
+        """Tokens one page entry stands for (1; a compressed group: its rate). A prefix ending inside a
+        page needs the page's entries up to the last whole one before it."""
+        return 1
+
     # ---- structure -------------------------------------------------------------------------------
     def page_fields(self) -> dict[str, int]:
         """The paged fields present in this instance (an absent optional field, e.g. the fp8 scale of

@@ -49,6 +49,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import math
 import time
 from typing import Callable, Sequence
 
@@ -127,13 +128,15 @@ class PrefixCache:
                              f"do not")
         grid = config.checkpoint_grid or config.block_size
         block_sizes = {n: (g.page_tokens if g.paged else grid) for n, g in groups.items()}
-        partial = [n for n, g in groups.items() if g.paged and g.PARTIAL_RESUME]
+        grain = math.gcd(*block_sizes.values())
+        partial = [n for n, g in groups.items() if g.paged and g.PARTIAL_RESUME       # entries end on the keys' grid
+                   and (grain % g.entry_tokens == 0 or g.entry_tokens % grain == 0)]
         self.geometry = block_geometry(block_sizes, partial=partial)
         # tail=False: an MLA latent has no tail; a V4 compressed group keeps its tail in its own group
         self.specs = tuple(GroupSpec(name=n, kind=g.store_kind(), block_size=block_sizes[n], tail=False,
                                      checkpoint=not g.paged and g.store_kind() is Kind.SWA_WINDOW,
                                      closes_into=getattr(g, "closes_into", None) or None,
-                                     partial=n in self.geometry.partial,
+                                     partial=n in self.geometry.partial, entry=g.entry_tokens,
                                      ctx=KeyContext(config.fingerprint, config.dtype, g.writer_abi, config.sharding))
                            for n, g in groups.items())
         missing = [s.closes_into for s in self.specs if s.closes_into and s.closes_into not in groups]
@@ -302,17 +305,18 @@ class PrefixCache:
         for spec in self.specs:
             keys = self._keys(tokens, spec)
             ends = []
-            for b in ([boundary] if spec.is_checkpoint else range(spec.block_size, boundary + 1, spec.block_size)):
+            inner = boundary - boundary % spec.entry       # where the group's whole entries end
+            for b in ([boundary] if spec.is_checkpoint else range(spec.block_size, inner + 1, spec.block_size)):
                 sid = self._live(spec, keys, b)
                 if sid is None:
                     ends.append(b)
                 else:
                     own.add(sid)
-            if not spec.is_checkpoint and boundary % spec.block_size:
+            if not spec.is_checkpoint and inner % spec.block_size:
                 # the prefix ends inside a block: only a stored block holding these tokens can serve it
                 # (a branch point lies inside a block another request stored); this request's own
                 # page is still being written
-                sid = self._live(spec, keys, boundary)
+                sid = self._live(spec, keys, inner)
                 if sid is None:
                     self.refused_publishes += 1
                     return cache

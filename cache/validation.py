@@ -45,8 +45,8 @@ class GroupSpec:
     stored as one ring per boundary (RECURRENT_STATE, UNCOMPRESSED_TAIL and CSA_OVERLAP groups always
     are checkpoints); closes_into: the compressed group an UNCOMPRESSED_TAIL group's windows close
     into (the `close_tail` event supersedes its checkpoints by that group's entry blocks); partial: a
-    group of per-token blocks, indexed at their interior points too, so a hit may end inside a stored
-    block (the reader copies it before writing into it)."""
+    group of per-token (or per-`entry`-tokens) blocks, indexed at their interior points too, so a hit
+    may end inside a stored block (the reader copies it before writing into it)."""
     name: str
     kind: Kind
     block_size: int
@@ -58,6 +58,7 @@ class GroupSpec:
     checkpoint: bool = False
     closes_into: str | None = None
     partial: bool = False        # a prefix may end inside one of its blocks (BlockGeometry.resume)
+    entry: int = 1               # tokens per entry of a partial group (a compressed group: its rate)
 
     @property
     def needs_tail(self) -> bool:
@@ -144,9 +145,13 @@ def _needed(spec: GroupSpec, boundary: int, geo: BlockGeometry) -> list[tuple[Ki
         return [(spec.kind, boundary)]
     if spec.kind is Kind.SWA_WINDOW:
         return [(spec.kind, b) for b in range(bs, boundary + 1, bs) if b > boundary - spec.window]
+    if spec.partial:       # entries up to the last whole one: whole blocks, then the block it ends inside
+        entries_end = boundary - boundary % spec.entry
+        need = [(spec.kind, b) for b in range(bs, entries_end + 1, bs)]
+        if entries_end % bs:
+            need.append((spec.kind, entries_end))
+        return need
     need = [(spec.kind, b) for b in range(bs, boundary + 1, bs)]
-    if spec.partial and boundary % bs:
-        need.append((spec.kind, boundary))         # the stored block the prefix ends inside
     if spec.needs_tail:
         need.append((Kind.UNCOMPRESSED_TAIL, boundary))
     return need

@@ -223,13 +223,15 @@ def _serve(eng, p, max_tokens):
 def test_traffic_patterns_branch_points_and_answers(base, eng):
     """Real traffic on V4's objects (entry pages, tails, window ring, overlap state): requests sharing a
     100-token system prompt (checkpoints every 128 tokens and at each prompt's end) publish the branch
-    point 64 and resume there; the second turn of a conversation resumes after the first answer (the decode
+    point 96 (on the 16-token grid, inside the 64-token entry pages, which the hit shares and copies
+    before writing) and resume there; the second turn of a conversation resumes after the first answer (the decode
     stopped on the grid point 128 and published); outputs equal no caching's."""
     rng = np.random.default_rng(5)
     system = rng.integers(0, 97, 100).tolist()
     prompts = [system + rng.integers(0, 97, int(rng.integers(70, 100))).tolist() for _ in range(3)]
     reqs = [_serve(eng, p, 5) for p in prompts]
-    assert [r.num_cached_tokens for r in reqs] == [0, 0, 64]
+    assert [r.num_cached_tokens for r in reqs] == [0, 0, 96]
+    assert eng.cache_stats()["resume_grid"] == 16
     assert eng.cache_stats()["branch_points"] == 1
     p1 = rng.integers(0, 97, 100).tolist()
     t1 = _serve(eng, p1, 40)
