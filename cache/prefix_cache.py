@@ -290,13 +290,15 @@ class PrefixCache:
 
     # --- publish -----------------------------------------------------------------------------------
     def publish(self, cache: ModelCache, row: int, request_id: str, tokens: Sequence[int], boundary: int,
-                branch: bool = False) -> ModelCache:
+                branch: bool = False, durable: bool = True) -> ModelCache:
         """Stores what request `request_id` (row `row`) holds of tokens[:boundary] (its state is exactly
         at `boundary`, on the resume grid) that the store does not hold yet: a reference to each of
         its pages, a copy of its row into a checkpoint unit. Admission refusals skip the publish
         (counted, never an error). branch: `boundary` is a branch point (`Reuse.branch`): its
         checkpoints are kept when the chain grows past them (the retention policy would drop them);
-        eviction still may. Returns the cache (its checkpoint units written)."""
+        eviction still may. durable: also write the span ending at `boundary` behind to the disk tier
+        (a decode publishes on every grid point but writes only at span ends: a long answer would
+        otherwise rewrite its last span each time). Returns the cache (its checkpoint units written)."""
         geo = self.geometry
         if boundary <= 0 or boundary % geo.resume:
             raise ValueError(f"publish boundary {boundary} is not a positive multiple of the resume grid {geo.resume}")
@@ -358,7 +360,7 @@ class PrefixCache:
             self.index = self.index.insert_many(marks)
         self._touch_chain(tokens, boundary)
         self._drop_superseded_checkpoints(tokens, boundary)
-        if self.disk is not None and boundary % geo.lcm == 0:      # disk spans lie on the LCM grid
+        if self.disk is not None and durable and boundary % geo.lcm == 0:      # disk spans lie on the LCM grid
             self.disk.write(cache, tokens, boundary)
         return cache
 

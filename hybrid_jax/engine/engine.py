@@ -45,6 +45,7 @@ class Publish:
     tokens: list[int]
     boundary: int
     branch: bool = False
+    decoded: bool = False       # a point reached while decoding (PrefixCache.publish's `durable`)
 
 
 class LLMEngine:
@@ -261,7 +262,8 @@ class LLMEngine:
             if prompt_point or decoded:
                 self.decode_publishes += int(decoded)
                 ids = q.all_ids + [int(t) for t in row if t >= 0]   # the first b were fed to the model
-                self._pending.append(Publish(q.slot, q.request_id, ids, b, self._branches.get(q.request_id) == b))
+                self._pending.append(Publish(q.slot, q.request_id, ids, b, self._branches.get(q.request_id) == b,
+                                             decoded))
 
     def _decode_caps(self, reqs) -> list[int] | None:
         """Per request, the most tokens a plain decode call may sample for it so that it stops on its
@@ -287,9 +289,10 @@ class LLMEngine:
         boundary (max_tokens 1) gets its token before the copy; the next step does it anyway before
         scheduling, and a request does it before giving its row and pages back."""
         pending, self._pending = self._pending, []
+        span = self.prefix.geometry.lcm * self.prefix.config.checkpoint_interval
         for x in pending:
             self.runner.cache = self.prefix.publish(self.runner.cache, x.row, x.request_id, x.tokens, x.boundary,
-                                                    branch=x.branch)
+                                                    branch=x.branch, durable=not x.decoded or x.boundary % span == 0)
         releasing, self._releasing = self._releasing, []
         for q in releasing:                  # finished requests whose rows waited for those publishes
             self.scheduler.release(q)

@@ -154,3 +154,18 @@ def test_a_branch_point_that_serves_many_outlives_one_off_prefixes(qwen, monkeyp
         _one(eng, rng.integers(1, 211, 40).tolist())
     assert eng.cache_stats()["evictions"] > 0
     assert _one(eng, family[5]).num_cached_tokens == (48 if credit else 0)
+
+
+def test_decode_publishes_write_the_disk_tier_only_at_span_ends(qwen, tmp_path):
+    """With a disk tier (spans of 2 x 16 tokens), a 20-token prompt answered with 60 tokens (79 of them
+    fed to the model) publishes its prompt at 16, then on the device at 32, 48 and 64 while decoding,
+    and writes spans behind at 16 (the prompt's), 32 and 64, not at 48: a long
+    answer does not rewrite its last span at every grid point (which once flooded a server's disk
+    writer)."""
+    eng = _engine(qwen, prefix_checkpoint_interval=2, kv_cache_dir=str(tmp_path))
+    req = _one(eng, np.random.default_rng(6).integers(1, 211, 20).tolist(),
+               SamplingParams(max_tokens=60, temperature=0, ignore_eos=True))
+    assert len(req.output_ids) == 60
+    eng.prefix.disk.flush()
+    st = eng.cache_stats()
+    assert st["decode_publishes"] == 3 and st["disk"]["writes"] == 3, st["disk"]
