@@ -289,8 +289,8 @@ class LLMEngine:
         boundary (max_tokens 1) gets its token before the copy; the next step does it anyway before
         scheduling, and a request does it before giving its row and pages back."""
         pending, self._pending = self._pending, []
-        span = self.prefix.geometry.lcm * self.prefix.config.checkpoint_interval
-        for x in pending:
+        for x in pending:            # (only with prefix caching on: nothing is queued without it)
+            span = self.prefix.geometry.lcm * self.prefix.config.checkpoint_interval
             self.runner.cache = self.prefix.publish(self.runner.cache, x.row, x.request_id, x.tokens, x.boundary,
                                                     branch=x.branch, durable=not x.decoded or x.boundary % span == 0)
         releasing, self._releasing = self._releasing, []
