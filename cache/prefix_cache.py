@@ -16,10 +16,10 @@ Groups and their objects (the model is not known here, only its cache groups):
   KVGroup         full_kv          a page of `page_size` tokens
   MLALatentGroup  compressed_kv    a page (an MLA latent has no uncompressed tail)
   IndexerKeyGroup indexer_keys     a page
-  RecurrentGroup  recurrent_state  checkpoints at LCM boundaries (retention: prefix_index)
+  RecurrentGroup  recurrent_state  checkpoints on the resume grid (retention: prefix_index)
   DeepSeek-V4 (cache.compressed):
   CompressedKVGroup  compressed_kv / indexer_keys   a page of entries (ps * rate tokens)
-  SlidingWindowGroup swa_window       the ring, a checkpoint at LCM boundaries
+  SlidingWindowGroup swa_window       the ring, a checkpoint on the resume grid
   TailGroup          uncompressed_tail  tail + count, a checkpoint (superseded by `close_tail`)
   OverlapGroup       csa_overlap      CSA's overlap state, a checkpoint
 A boundary is usable only where every group has its object there (blocks up to it, checkpoints at
@@ -32,17 +32,20 @@ A request's life with the cache:
                               re-checked inside the compiled load -> release. Returns the boundary
                               the request now holds (0: compute from scratch).
   publish_boundaries(n)       where a prompt of n tokens should stop its prefill chunks so its
-                              state can be published (the retained checkpoints).
+                              state can be published (the retained checkpoints, and a spare).
   publish(cache, row, rid, tokens, b)  the request holds exactly tokens[:b]: the store takes a
                               reference to each of its pages not yet stored and copies its row into
-                              checkpoints at b; checkpoints of the chain the retention policy no
-                              longer keeps are retired, and a tail checkpoint whose window closed
-                              into a now stored entry block leaves by the named `close_tail` event.
+                              checkpoints at b (the units of the chain's checkpoints it supersedes
+                              first); checkpoints of the chain the retention policy no longer keeps
+                              are retired, a shorter copy of a page it stores further along leaves,
+                              and a tail checkpoint whose window closed into a now stored entry block
+                              leaves by the named `close_tail` event.
 
 Eviction: under the store's weighted cap (by kind, then least recently used with a credit for each
 hit an object served: cache.allocator.eviction_order; a chain's tail first), and on demand when the
 engine's block manager runs out of pages or units (`reclaim`): the store lets go of what only it
-holds. A page a running request also lists stays in the pool until that request ends.
+holds. A page a running request also lists stays in the pool until that request ends. A checkpoint
+leaves with every group's checkpoint at its boundary (a resume point needs them all).
 """
 from __future__ import annotations
 
@@ -61,25 +64,13 @@ from cache.block_manager import BlockManager
 from cache.group import CacheGroup
 from cache.prefix_index import IndexEntry, KeyContext, PrefixIndex, block_geometry, chain_keys, checkpoint_boundaries, key_at
 from cache.prefix_disk import DiskConfig, DiskSpans
+from cache.prefix_retention import Retention, TailClose
 from cache.prefix_store import init_versions, load_checkpoints, save_checkpoints
 from cache.segments import SERVABLE_STATES, Kind, SegState
 from cache.state import ModelCache
 from cache.validation import CacheStats, GroupSpec, HitResult, check_hit, confirm_at_use
 
 log = logging.getLogger("hybrid_jax.prefix_cache")
-
-@dataclasses.dataclass(frozen=True)
-class TailClose:
-    """A `close_tail` event: the tail checkpoint `tail_seg` of group `tail_group` at token `boundary`
-    was superseded by entry block `entry_seg` of `entry_group` (tokens [entry_start, entry_end))."""
-    tail_group: str
-    tail_seg: int
-    boundary: int
-    entry_group: str
-    entry_seg: int
-    entry_start: int
-    entry_end: int
-
 
 @dataclasses.dataclass(frozen=True)
 class Reuse:
@@ -115,7 +106,7 @@ class PrefixCacheConfig:
             raise ValueError(f"prefix cache checkpoint_grid must divide block_size {self.block_size}; got {g}")
 
 
-class PrefixCache:
+class PrefixCache(Retention):
     def __init__(self, cache: ModelCache, config: PrefixCacheConfig, blocks: BlockManager,
                  disk: DiskConfig | None = None):
         """cache: the engine's pools (for their shapes); blocks: the engine's block manager, whose
@@ -165,21 +156,29 @@ class PrefixCache:
         self.reclaimed = 0                        # segments let go when a pool ran short (pages, units)
         self.offloads = 0                         # segments moved from the device to the disk tier
         self.retired_checkpoints = 0              # checkpoints the retention policy let go
+        self.retired_pages = 0                    # partial pages a longer copy of the same block replaced
         self.refused_publishes = 0                # publishes that did not fit under the cap
         self.tail_closes = 0                      # tail checkpoints superseded by the `close_tail` event
         self.branch_points = 0                    # publishes at a branch point
         self._branch_segs: set[int] = set()       # checkpoints at branch points (kept as their chain grows)
+        self._sets: dict[int, frozenset[int]] = {}  # checkpoint -> every group's checkpoint at its boundary
+        self._prefer: frozenset[int] = frozenset()  # first victims of the publish in progress
+        self._spare: set[int] = set()               # checkpoints at spare points (`spare_point`)
         self.events: collections.deque[TailClose] = collections.deque(maxlen=1024)   # the latest close_tail events
         self.disk = DiskSpans(self, cache, disk) if disk is not None else None
 
     # --- set-up ------------------------------------------------------------------------------------
     def publish_boundaries(self, num_tokens: int) -> tuple[int, ...]:
         """Boundaries at which a prompt of `num_tokens` publishes its prefix (ascending): the retained
-        checkpoints (every interval x LCM, plus the last LCM boundary). A prompt whose length is a
+        checkpoints (every interval x LCM, plus the last point of the resume grid: its pages up to there,
+        the last one shared while the request goes on writing it, so the request copies it once). A prompt whose length is a
         multiple of the LCM is not also stopped one block earlier for an identical prompt to resume
         at: that would cost every such prompt an extra step, and a repeat still resumes at the
         previous retained boundary."""
-        return checkpoint_boundaries(num_tokens, self.geometry.lcm, self.config.checkpoint_interval)
+        pts = checkpoint_boundaries(num_tokens, self.geometry.lcm, self.config.checkpoint_interval,
+                                    self.geometry.resume)
+        spare = self.spare_point(num_tokens)
+        return tuple(sorted(set(pts) | {spare})) if spare else pts
 
     def _note_once(self, key: str, msg: str):
         if key not in self._noted:
@@ -290,7 +289,7 @@ class PrefixCache:
 
     # --- publish -----------------------------------------------------------------------------------
     def publish(self, cache: ModelCache, row: int, request_id: str, tokens: Sequence[int], boundary: int,
-                branch: bool = False, durable: bool = True) -> ModelCache:
+                branch: bool = False, durable: bool = True, spare: bool = False) -> ModelCache:
         """Stores what request `request_id` (row `row`) holds of tokens[:boundary] (its state is exactly
         at `boundary`, on the resume grid) that the store does not hold yet: a reference to each of
         its pages, a copy of its row into a checkpoint unit. Admission refusals skip the publish
@@ -304,6 +303,7 @@ class PrefixCache:
             raise ValueError(f"publish boundary {boundary} is not a positive multiple of the resume grid {geo.resume}")
         tokens = list(tokens[:boundary])
         todo, own = [], set()    # own: the stored objects this chain builds on (never evicted for it)
+        ckpts = []               # every group's checkpoint at `boundary` (stored, then new)
         for spec in self.specs:
             keys = self._keys(tokens, spec)
             ends = []
@@ -314,33 +314,39 @@ class PrefixCache:
                     ends.append(b)
                 else:
                     own.add(sid)
+                    if spec.is_checkpoint:
+                        ckpts.append(sid)
             if not spec.is_checkpoint and inner % spec.block_size:
-                # the prefix ends inside a block: only a stored block holding these tokens can serve it
-                # (a branch point lies inside a block another request stored); this request's own
-                # page is still being written
+                # the prefix ends inside a block: a stored block holding these tokens serves it (a
+                # branch point inside a block another request stored), else the request's own page,
+                # which it copies before its next write into it (copy-on-write)
                 sid = self._live(spec, keys, inner)
-                if sid is None:
+                if sid is not None:
+                    own.add(sid)
+                elif request_id is not None:
+                    ends.append(inner)
+                else:
                     self.refused_publishes += 1
                     return cache
-                own.add(sid)
             todo.append((spec, keys, ends))
         protect = frozenset(own)
         if not self._fits(todo, protect):
             self.refused_publishes += 1
             return cache
-        plan, new = {n: np.int32(-1) for n in self._ckpt_groups}, []     # new: (spec, seg id, end, key)
-        for spec, keys, ends in todo:
-            for b in ends:            # one segment per block: eviction takes blocks, not whole prompts
-                sid = self._allocate(spec, b, request_id, protect)
-                if sid is None:       # all or nothing: a chain missing a block or its checkpoint is dead weight
-                    self._abort([n[1] for n in new])
-                    self.refused_publishes += 1
-                    return cache
-                if spec.is_checkpoint:
-                    plan[spec.name] = np.int32(self._units[sid][1])
-                new.append((spec, sid, b, key_at(keys, geo.gcd, b)))
+        # the chain's checkpoints this one supersedes are the first victims when room or a unit is short,
+        # before another chain's (with every unit in use, an in-flight request's transient extra
+        # checkpoint would evict the least recently used conversation: the next one to come back)
+        self._prefer = frozenset(seg.id for _, seg, _ in self._superseded(tokens, boundary))
+        try:
+            plan, new = self._allocate_all(todo, request_id, protect)
+        finally:
+            self._prefer = frozenset()
+        if new is None:
+            self.refused_publishes += 1
+            return cache
+        ckpts += [sid for spec, sid, _, _ in new if spec.is_checkpoint]
         if branch:
-            self._pin_branch(tokens, boundary, [sid for spec, sid, _, _ in new if spec.is_checkpoint])
+            self._pin_branch(tokens, boundary, ckpts)
         if not new:
             return cache
         if any(int(u) >= 0 for u in plan.values()):
@@ -348,21 +354,45 @@ class PrefixCache:
             for name, u in plan.items():
                 if int(u) >= 0:
                     self._unit_version[name][int(u)] += 1
-        marks = []
+        if spare:
+            self._spare.update(sid for spec, sid, _, _ in new if spec.is_checkpoint)
+        marks, group = [], frozenset(ckpts)
+        for sid in ckpts:
+            self._sets[sid] = group
         for spec, sid, b, key in new:
             self.alloc = A.commit(self.alloc, sid)
             self._index_insert(IndexEntry(spec.name, spec.kind, key, b, sid))
-            if spec.partial:       # the block's interior points: a later prefix may end there
-                keys = self._keys(tokens, spec)
-                marks += [IndexEntry(spec.name, spec.kind, key_at(keys, geo.gcd, m), m, sid)
-                          for m in range(b - spec.block_size + geo.gcd, b, geo.gcd)]
+            if spec.partial:       # the block's interior points: a later prefix may end there (an entry
+                keys = self._keys(tokens, spec)     # there already, e.g. a held shorter block's, stays)
+                start = self.alloc.get(sid).start
+                self._drop_superseded_page(spec, keys, start, b)
+                marks += [IndexEntry(spec.name, spec.kind, k, m, sid) for m in range(start + geo.gcd, b, geo.gcd)
+                          if self._live(spec, keys, m) is None and (k := key_at(keys, geo.gcd, m))]
         if marks:
             self.index = self.index.insert_many(marks)
         self._touch_chain(tokens, boundary)
+        if branch:      # two sequences share it already (this one and the one whose blocks it matched):
+            self.alloc = A.touch_many(self.alloc, ckpts, hit=True)     # retention credits it one hit
         self._drop_superseded_checkpoints(tokens, boundary)
         if self.disk is not None and durable and boundary % geo.lcm == 0:      # disk spans lie on the LCM grid
             self.disk.write(cache, tokens, boundary)
         return cache
+
+    def _allocate_all(self, todo, request_id: str | None, protect: frozenset[int]):
+        """Segments for every block and checkpoint of `todo` [(spec, keys, block ends)], all or nothing
+        (a chain missing a block or its checkpoint is dead weight). Returns (checkpoint save plan
+        {slot group: unit or -1}, [(spec, seg id, end, key)]), or (None, None) when one cannot be had."""
+        plan, new = {n: np.int32(-1) for n in self._ckpt_groups}, []
+        for spec, keys, ends in todo:
+            for b in ends:            # one segment per block: eviction takes blocks, not whole prompts
+                sid = self._allocate(spec, b, request_id, protect)
+                if sid is None:
+                    self._abort([n[1] for n in new])
+                    return None, None
+                if spec.is_checkpoint:
+                    plan[spec.name] = np.int32(self._units[sid][1])
+                new.append((spec, sid, b, key_at(keys, self.geometry.gcd, b)))
+        return plan, new
 
     def _fits(self, todo, protect: frozenset[int]) -> bool:
         """Whether a publish of `todo` [(spec, keys, block ends)] can fit under the cap at all, counting
@@ -381,16 +411,6 @@ class PrefixCache:
                                    f" {cfg.cap_bytes} leaves {cfg.cap_bytes - fixed:.0f} beside what is held"
                                    f" (raise prefix_cache_bytes)")
         return False
-
-    def _pin_branch(self, tokens: list[int], boundary: int, new: list[int]):
-        """Marks the checkpoints at a branch point (those this publish writes, or already stored)."""
-        self.branch_points += 1
-        self._branch_segs.update(new)
-        for spec in self.specs:
-            if spec.is_checkpoint:
-                e = self.index.find(spec.name, spec.kind, key_at(self._keys(tokens, spec), self.geometry.gcd, boundary))
-                if e is not None:
-                    self._branch_segs.add(e.seg_id)
 
     def _index_insert(self, entry: IndexEntry):
         """Points the index at a new device segment; a copy it replaces (left on disk) is dropped."""
@@ -443,15 +463,15 @@ class PrefixCache:
                                                     f" (held and in-flight segments are never evicted)")
             return None
         if request_id is not None and not spec.is_checkpoint:
-            unit = self.blocks.table(request_id, spec.name)[end // spec.block_size - 1]
-            self.blocks.retain(spec.name, unit)
+            unit = self.blocks.table(request_id, spec.name)[(end - 1) // spec.block_size]   # the page ending
+            self.blocks.retain(spec.name, unit)                                         # at or holding `end`
         else:
             unit = self._take_unit(spec.name, protect)
             if unit is None:
                 self._note_once(f"full:{spec.name}", f"a prefix was not stored: group {spec.name!r} has no free"
                                                      f" {'page' if self._paged[spec.name] else 'checkpoint unit'}")
                 return None
-        start = 0 if spec.is_checkpoint else end - spec.block_size
+        start = 0 if spec.is_checkpoint else (end - 1) // spec.block_size * spec.block_size
         self.alloc, sid = A.allocate(self.alloc, spec.kind, spec.name, nbytes, start=start, end=end,
                                      writer_abi=spec.ctx.abi_id)
         self._units[sid] = (spec.name, unit)
@@ -462,11 +482,11 @@ class PrefixCache:
         store-only segment (not in `protect`) when none is free."""
         unit = self.blocks.alloc_unit(group) if self.blocks.free_units(group) else None
         while unit is None:
-            victim = next((v for v in A.eviction_order(self.alloc)
+            victim = next((v for v in self._victims()
                            if v.group == group and v.id not in protect and self._sole(v.id)), None)
             if victim is None:
                 return None
-            self._drop_from_device(victim.id, reclaimed=True)
+            self._drop_from_device(victim.id, reclaimed=True, retired=victim.id in self._prefer)
             unit = self.blocks.alloc_unit(group) if self.blocks.free_units(group) else None
         return unit
 
@@ -481,10 +501,10 @@ class PrefixCache:
         entries; others are freed."""
         cap, w = self.alloc.config.cap_bytes, self.alloc.config.weights[kind]
         while self.alloc.device_weighted_bytes + w * nbytes > cap:
-            victim = next((v for v in A.eviction_order(self.alloc) if v.id not in protect), None)
+            victim = next((v for v in self._victims() if v.id not in protect), None)
             if victim is None:
                 return False
-            self._drop_from_device(victim.id)
+            self._drop_from_device(victim.id, retired=victim.id in self._prefer)
         return True
 
     # --- the block manager's reclaimer -------------------------------------------------------------
@@ -497,7 +517,7 @@ class PrefixCache:
         chain's tail before its head). Returns how many units were freed."""
         # one pass over the eviction order: dropping a victim neither reorders the others nor changes
         # who else holds their units
-        victims = [v.id for v in A.eviction_order(self.alloc) if v.group == group and self._sole(v.id)][:max(n, 0)]
+        victims = [v.id for v in self._victims() if v.group == group and self._sole(v.id)][:max(n, 0)]
         freed = []
         for sid in victims:
             if self.disk is not None and self.disk.durable(sid):
@@ -510,9 +530,10 @@ class PrefixCache:
             self._reclaim(before, reclaimed=True)
         return len(victims)
 
-    def _drop_from_device(self, sid: int, reclaimed: bool = False):
+    def _drop_from_device(self, sid: int, reclaimed: bool = False, retired: bool = False):
         """The segment leaves the device: offloaded when a disk span holds its bytes, else freed.
-        reclaimed: for the engine's pools (counted apart from evictions under the cap)."""
+        reclaimed: for the engine's pools (counted apart from evictions under the cap); retired: one the
+        publish in progress supersedes (counted with the retention policy's)."""
         before = self.alloc
         if self.disk is not None and self.disk.durable(sid):
             self.alloc = A.transition(self.alloc, sid, SegState.HOST)
@@ -521,10 +542,12 @@ class PrefixCache:
             self.offloads += 1
             return
         self.alloc = A.evict(self.alloc, sid)
-        self._reclaim(before, reclaimed=reclaimed)
+        self._reclaim(before, retired=retired, reclaimed=reclaimed)
 
     def _release_unit(self, sid: int):
         self._branch_segs.discard(sid)
+        self._sets.pop(sid, None)
+        self._spare.discard(sid)
         group, unit = self._units.pop(sid)
         self.blocks.release(group, unit)
 
@@ -549,10 +572,13 @@ class PrefixCache:
             self.alloc = A.transition(self.alloc, sid, SegState.FREE)
             self._release_unit(sid)
 
-    def _reclaim(self, before: A.AllocState, retired: bool = False, reclaimed: bool = False):
+    def _reclaim(self, before: A.AllocState, retired: bool = False, reclaimed: bool = False, orphans: bool = True):
         """Releases the units of segments freed since `before` and drops their index entries.
-        retired: freed by the retention policy (counted apart from evictions under pressure)."""
+        retired: freed by the retention policy (counted apart from evictions under pressure). orphans:
+        a freed checkpoint takes the rest of its set (`_free_orphans`)."""
         gone = A.evicted_ids(before, self.alloc)
+        if orphans:
+            gone += self._free_orphans(gone)
         if retired:
             self.retired_checkpoints += len(gone)
         elif reclaimed:
@@ -565,45 +591,6 @@ class PrefixCache:
         if gone:
             self.index = self.index.prune(self.alloc.segments)
 
-    def _drop_superseded_checkpoints(self, tokens: list[int], boundary: int):
-        """Retention: checkpoints on this chain below `boundary` that the policy no longer keeps
-        (an earlier, shorter prompt's "last" one) leave the device when nobody holds them. A tail
-        checkpoint whose window closed into a stored entry block leaves by the `close_tail` event."""
-        lcm, gcd = self.geometry.lcm, self.geometry.gcd
-        keep = set(checkpoint_boundaries(boundary, lcm, self.config.checkpoint_interval))
-        for spec in self.specs:
-            if not spec.is_checkpoint:
-                continue
-            keys = self._keys(tokens, spec)
-            for b in range(lcm, boundary, lcm):
-                if b in keep:
-                    continue
-                e = self.index.find(spec.name, spec.kind, key_at(keys, gcd, b))
-                seg = None if e is None else self.alloc.segments.get(e.seg_id)
-                if (seg is None or seg.ref_count or seg.state is not SegState.DEVICE or seg.end != b
-                        or seg.id in self._branch_segs):
-                    continue
-                before = self.alloc
-                entry = self._closing_entry(spec, tokens, b) if spec.closes_into else None
-                if entry is not None:
-                    self.alloc = A.close_tail(self.alloc, seg.id, entry.id)
-                    self.tail_closes += 1
-                    self.events.append(TailClose(spec.name, seg.id, b, entry.group, entry.id, entry.start, entry.end))
-                else:
-                    self.alloc = A.evict(self.alloc, seg.id)
-                self._reclaim(before, retired=True)
-
-    def _closing_entry(self, tail: GroupSpec, tokens: list[int], b: int):
-        """The committed entry block of the group `tail` closes into that holds the entry its window
-        starting at token b closed into (the block starting at b), or None."""
-        spec = next(s for s in self.specs if s.name == tail.closes_into)
-        end = b + spec.block_size
-        if end > len(tokens):
-            return None
-        e = self.index.find(spec.name, spec.kind, key_at(self._keys(tokens, spec), self.geometry.gcd, end))
-        seg = None if e is None else self.alloc.segments.get(e.seg_id)
-        return seg if seg is not None and seg.state is SegState.DEVICE and seg.start <= b < seg.end else None
-
     def close(self):
         """Lets go of every page and unit the store holds (the engine drops this store); written-behind
         disk spans are waited for. Pages running requests also list stay theirs."""
@@ -612,6 +599,8 @@ class PrefixCache:
         for sid in list(self._units):
             self._release_unit(sid)
         self._branch_segs.clear()
+        self._sets.clear()
+        self._spare.clear()
         self.alloc = A.init_state(self.alloc.config)
         self.index = PrefixIndex()
         if self.blocks.reclaimer is self:
@@ -630,7 +619,8 @@ class PrefixCache:
             "bytes_by_group": dict(s.bytes_by_group),
             "segments": len(self.alloc.segments), "evictions": self.evictions,
             "reclaimed": self.reclaimed, "offloads": self.offloads,
-            "retired_checkpoints": self.retired_checkpoints, "refused_publishes": self.refused_publishes,
+            "retired_checkpoints": self.retired_checkpoints, "retired_pages": self.retired_pages,
+            "refused_publishes": self.refused_publishes,
             "tail_closes": self.tail_closes, "branch_points": self.branch_points,
             "cap_bytes": self.config.cap_bytes,
             "block_sizes": dict(self.geometry.sizes), "lcm": self.geometry.lcm, "gcd": self.geometry.gcd,

@@ -151,9 +151,11 @@ def keep_checkpoint(boundary: int, prefix_end: int, lcm: int, interval: int) -> 
     return boundary % (interval * lcm) == 0 or boundary == (prefix_end // lcm) * lcm
 
 
-def checkpoint_boundaries(prefix_end: int, lcm: int, interval: int) -> tuple[int, ...]:
-    """The retained checkpoint boundaries of a prefix of `prefix_end` tokens, ascending."""
-    last = (prefix_end // lcm) * lcm
+def checkpoint_boundaries(prefix_end: int, lcm: int, interval: int, grid: int | None = None) -> tuple[int, ...]:
+    """The retained checkpoint boundaries of a prefix of `prefix_end` tokens, ascending: every
+    `interval * lcm`, and the last multiple of `grid` (a divisor of lcm; default lcm)."""
+    grid = grid or lcm
+    last = (prefix_end // grid) * grid
     out = list(range(interval * lcm, last + 1, interval * lcm))
     if last > 0 and (not out or out[-1] != last):
         out.append(last)

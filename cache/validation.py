@@ -234,7 +234,7 @@ def check_hit(tokens: Sequence[int], groups: Sequence[GroupSpec], index: PrefixI
             exact = g.is_checkpoint or kind is Kind.UNCOMPRESSED_TAIL
             inside = g.partial and b % g.block_size      # a stored block the prefix ends inside
             covers = ((seg.end == b) if exact
-                      else (seg.start == b - b % g.block_size and seg.end > b) if inside
+                      else (seg.start == b - b % g.block_size and seg.end >= b) if inside
                       else (seg.start <= b - g.block_size and seg.end >= b and seg.start % g.block_size == 0))
             if not covers:
                 return _miss("alignment", f"group {g.name!r}: {seg.describe()} does not line up with the block"

@@ -46,6 +46,7 @@ class Publish:
     boundary: int
     branch: bool = False
     decoded: bool = False       # a point reached while decoding (PrefixCache.publish's `durable`)
+    spare: bool = False         # the prompt's spare point (PrefixCache.spare_point)
 
 
 class LLMEngine:
@@ -252,18 +253,19 @@ class LLMEngine:
         tokens the step sampled for reqs[i] (-1: none). The copy runs at the start of the next step,
         before anything can change those rows, so the sampled tokens stream out first (publishing
         never adds to a request's TTFT)."""
-        lcm = self.prefix.geometry.lcm
+        grid = self.prefix.geometry.resume
         for q, row in zip(reqs, toks):
             b = q.num_computed
             if q.slot is None or b <= 0:
                 continue
             prompt_point = b in self._publish_points(q)
-            decoded = b > len(q.prompt_ids) and b % lcm == 0 and not prompt_point
+            decoded = b > len(q.prompt_ids) and b % grid == 0 and not prompt_point
             if prompt_point or decoded:
                 self.decode_publishes += int(decoded)
                 ids = q.all_ids + [int(t) for t in row if t >= 0]   # the first b were fed to the model
-                self._pending.append(Publish(q.slot, q.request_id, ids, b, self._branches.get(q.request_id) == b,
-                                             decoded))
+                branch = self._branches.get(q.request_id) == b
+                spare = prompt_point and not branch and b == self.prefix.spare_point(len(q.prompt_ids))
+                self._pending.append(Publish(q.slot, q.request_id, ids, b, branch, decoded, spare))
 
     def _decode_caps(self, reqs) -> list[int] | None:
         """Per request, the most tokens a plain decode call may sample for it so that it stops on its
@@ -272,14 +274,14 @@ class LLMEngine:
         a row stopped early idles until the call's longest row ends."""
         if self.prefix is None:
             return None
-        lcm, caps = self.prefix.geometry.lcm, []
+        grid, caps = self.prefix.geometry.resume, []
         for q in reqs:
             c = q.num_computed
             if self.config.run_to_completion:
-                last = (c + q.remaining_tokens - 1) // lcm * lcm     # the last position fed, on the grid
+                last = (c + q.remaining_tokens - 1) // grid * grid     # the last position fed, on the grid
                 caps.append(last - c if last > c else q.remaining_tokens)
             else:
-                caps.append((c // lcm + 1) * lcm - c)
+                caps.append((c // grid + 1) * grid - c)
         return caps
 
     def flush_publishes(self):
@@ -292,7 +294,8 @@ class LLMEngine:
         for x in pending:            # (only with prefix caching on: nothing is queued without it)
             span = self.prefix.geometry.lcm * self.prefix.config.checkpoint_interval
             self.runner.cache = self.prefix.publish(self.runner.cache, x.row, x.request_id, x.tokens, x.boundary,
-                                                    branch=x.branch, durable=not x.decoded or x.boundary % span == 0)
+                                                    branch=x.branch, durable=not x.decoded or x.boundary % span == 0,
+                                                    spare=x.spare)
         releasing, self._releasing = self._releasing, []
         for q in releasing:                  # finished requests whose rows waited for those publishes
             self.scheduler.release(q)

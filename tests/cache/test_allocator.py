@@ -59,7 +59,8 @@ def test_eviction_order_by_kind_then_lru():
 
 def test_hits_earn_retention_that_ages_out():
     """A checkpoint that served hits outlives checkpoints published after it that served none, for
-    about a store turnover per hit (at most HIT_CREDIT_CAP), then LRU takes it like any other."""
+    HIT_CREDIT_TICKS clock ticks per segment in the store per hit (at most HIT_CREDIT_CAP hits), then
+    LRU takes it like any other."""
     s = A.init_state(A.AllocConfig(cap_bytes=10_000))
     s, hot = _live(s, Kind.RECURRENT_STATE)
     s = A.touch_many(s, [hot], hit=True)
@@ -73,7 +74,7 @@ def test_hits_earn_retention_that_ages_out():
     assert order == cold + [hot]            # plain LRU would have taken `hot` first
     # the store turns over several times and nobody reads `hot` again: objects published since then
     # outlive it
-    for _ in range(3 * len(s.segments)):
+    for _ in range(2 * A.HIT_CREDIT_TICKS * (len(s.segments) + 4) + 1):      # 4: the new ones below
         s = A.touch(s, cold[0])
     new = []
     for _ in range(4):

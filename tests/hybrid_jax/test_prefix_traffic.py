@@ -169,3 +169,61 @@ def test_decode_publishes_write_the_disk_tier_only_at_span_ends(qwen, tmp_path):
     eng.prefix.disk.flush()
     st = eng.cache_stats()
     assert st["decode_publishes"] == 3 and st["disk"]["writes"] == 3, st["disk"]
+
+
+@pytest.mark.parametrize("victims", ["own_first", "lru"])
+def test_conversations_resume_after_each_answer_inside_pages(qwen, monkeypatch, victims):
+    """Pages of 64 tokens, a 16-token grid, as many conversations as checkpoint units, served in turn:
+    every later turn resumes at the last grid point its previous turn fed to the model, inside a page;
+    a chain's partial page stored at one turn is replaced by the longer copy the next stores, not kept
+    beside it; and with every unit in use a turn's publishes take the units of the checkpoints its own
+    chain supersedes. Taking the least recently used unit instead takes another conversation's (the
+    next one to come back), and later turns miss."""
+    from cache import allocator as A  # noqa: PLC0415
+    from cache.prefix_cache import PrefixCache  # noqa: PLC0415
+    if victims == "lru":
+        monkeypatch.setattr(PrefixCache, "_victims", lambda self: A.eviction_order(self.alloc))
+    eng = _engine(qwen, prefix_block_size=64, prefix_checkpoint_interval=8)
+    units = eng.cache_stats()["pools"]["linear_attention"]["total"]
+    rng = np.random.default_rng(7)
+    sp = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    convs = [rng.integers(1, 211, int(rng.integers(20, 40))).tolist() for _ in range(units)]
+    want, got = [], []
+    for turn in range(3):
+        for c, p in enumerate(convs):
+            req = _one(eng, p, sp)
+            assert req.output_ids == _greedy(qwen, p, 20)
+            if turn:
+                got.append(req.num_cached_tokens)
+            want.append((len(p) + len(req.output_ids) - 1) // 16 * 16)   # the last grid point it fed
+            convs[c] = p + req.output_ids + rng.integers(1, 211, 8).tolist()
+    st = eng.cache_stats()
+    if victims == "lru":
+        assert got != want[:len(got)] and st["reclaimed"] > 0
+        return
+    assert got == want[:len(got)] and any(b % 64 for b in got)
+    assert st["pools"]["linear_attention"]["used"] == units and st["evictions"] == st["reclaimed"] == 0
+    assert st["retired_pages"] > 0
+    pages = [s.start for s in eng.prefix.alloc.segments.values() if s.group == "full_attention"]
+    assert len(pages) == units * 2 and len(set(pages)) == 2        # each chain: [0, 64) and [64, end)
+
+
+def test_a_prompt_shared_in_part_resumes_at_its_spare_point(qwen):
+    """Pages of 64 tokens, a 16-token grid: a 100-token prompt publishes at 96 (its last grid point) and
+    at 64, its last LCM point, as a spare; the next prompt shares only its first 80 tokens (a second
+    branch off a trunk) and resumes at the spare instead of computing everything, then publishes its
+    branch point 80. Without the spare it would resume at 0."""
+    rng = np.random.default_rng(8)
+    p0 = rng.integers(1, 211, 100).tolist()
+    p1 = p0[:80] + rng.integers(1, 211, 30).tolist()
+    got = {}
+    for spare in (True, False):
+        eng = _engine(qwen, prefix_block_size=64, prefix_checkpoint_interval=8)
+        if not spare:
+            eng.prefix.spare_point = lambda n: 0
+        _one(eng, p0)
+        r1 = _one(eng, p1)
+        got[spare] = r1.num_cached_tokens
+        assert r1.output_ids == _greedy(qwen, p1)
+        assert eng.cache_stats()["branch_points"] == 1
+    assert got == {True: 64, False: 0}

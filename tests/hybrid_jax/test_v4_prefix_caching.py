@@ -105,7 +105,7 @@ def test_reuse_is_token_identical_over_request_orders(base, cached):
     st = cached.cache_stats()
     assert st["lcm"] == 64 and st["block_sizes"]["compressed_sparse_attention"] == 64     # 16 entries x rate 4
     assert st["block_sizes"]["heavily_compressed_attention"] == 64                          # 8 entries x rate 8
-    assert st["passes"] >= 6 and st["tokens_reused"] >= 6 * 64
+    assert st["passes"] >= 6 and st["tokens_reused"] >= 6 * 64, str(st)
     assert st["effective_reuse"] == pytest.approx(st["hit_rate"] * st["validation_pass_rate"])
     for kind in V4_KINDS:
         assert st["bytes_by_kind"][kind] > 0, kind
@@ -138,15 +138,17 @@ def test_a_hit_lacking_an_object_is_refused_and_recomputed(base, eng, group, how
     """A prompt stored at 128: its entry blocks still hash-hit, but with one checkpoint evicted (or the ring
     offloaded off the device, where this cache cannot read it) no boundary is usable: the miss names the
     group and the object, and the request recomputes the same tokens. Stored again, it hits."""
-    p = _workload(97, seed=3)[1]                 # 150 + k tokens: published at 128
+    p = _workload(97, seed=3)[1][:129]           # published at 128 only (its 5 tokens reach no other grid point)
     want = _baseline(base, [p])[0]
     first, lp0 = _gen(eng, p)
     assert first == want
     pc = eng.prefix
     assert pc.lookup(p).ok and pc.lookup(p).boundary == 128
     seg = _seg(pc, group, 128)
-    if how == "evict":
-        pc._drop_from_device(seg.id)
+    if how == "evict":                           # lost alone (the store's own evictions take the whole set)
+        pc.alloc = A.evict(pc.alloc, seg.id)
+        pc._release_unit(seg.id)
+        pc.index = pc.index.prune(pc.alloc.segments)
     else:                                        # offload: the bytes leave the device store
         pc.alloc = A.transition(pc.alloc, seg.id, SegState.HOST)
         pc._release_unit(seg.id)
@@ -163,11 +165,27 @@ def test_a_hit_lacking_an_object_is_refused_and_recomputed(base, eng, group, how
     np.testing.assert_allclose(lp2, lp0, atol=TOL, rtol=0)
 
 
+def test_a_checkpoint_leaves_with_its_set(base, eng):
+    """A resume point needs every group's checkpoint: when the store evicts one (here the ring), the
+    others at its boundary leave with it instead of staying behind as dead weight."""
+    p = _workload(97, seed=3)[1][:129]
+    _gen(eng, p)
+    pc = eng.prefix
+    ckpt = [g for g, spec in ((s.name, s) for s in pc.specs) if spec.is_checkpoint]
+    ids = {g: _seg(pc, g, 128).id for g in ckpt}
+    before = eng.cache_stats()["evictions"]
+    pc._drop_from_device(ids["sliding_window"])
+    left = [s for s in pc.alloc.segments.values() if s.group in ckpt and s.end == 128]
+    assert left == [] and eng.cache_stats()["evictions"] - before == len(ckpt)
+    assert pc.lookup(p).boundary < 128
+    assert sum(pc.blocks.used_units(g) for g in ckpt) == 0
+
+
 def test_tail_closing_into_an_entry_block_is_a_recorded_event(base, eng):
     """A prompt stored at 64, then one continuing it stored at 128: each tail checkpoint at 64 is superseded
     by the entry block [64, 128) its next window closed into, by the named close_tail event."""
     rng = np.random.default_rng(4)
-    a = rng.integers(0, 97, 100).tolist()
+    a = rng.integers(0, 97, 100).tolist()[:70]      # its last grid point: 64
     b = a[:64] + rng.integers(0, 97, 90).tolist()
     want = _baseline(base, [a, b])
     assert _one(eng, a) == want[0]
@@ -225,7 +243,8 @@ def test_traffic_patterns_branch_points_and_answers(base, eng):
     100-token system prompt (checkpoints every 128 tokens and at each prompt's end) publish the branch
     point 96 (on the 16-token grid, inside the 64-token entry pages, which the hit shares and copies
     before writing) and resume there; the second turn of a conversation resumes after the first answer (the decode
-    stopped on the grid point 128 and published); outputs equal no caching's."""
+    stopped on the grid point 128 and published), the third after the second's, at 160: inside an entry
+    page, with the window, tails and overlap state checkpointed there; outputs equal no caching's."""
     rng = np.random.default_rng(5)
     system = rng.integers(0, 97, 100).tolist()
     prompts = [system + rng.integers(0, 97, int(rng.integers(70, 100))).tolist() for _ in range(3)]
@@ -236,10 +255,13 @@ def test_traffic_patterns_branch_points_and_answers(base, eng):
     p1 = rng.integers(0, 97, 100).tolist()
     t1 = _serve(eng, p1, 40)
     p2 = p1 + t1.output_ids + rng.integers(0, 97, 8).tolist()
-    t2 = _serve(eng, p2, 5)
+    t2 = _serve(eng, p2, 20)                  # 148 + 20 tokens: 167 fed, the last grid point 160
     assert t2.num_cached_tokens == 128
-    got = [r.output_ids for r in reqs + [t1, t2]]
+    p3 = p2 + t2.output_ids + rng.integers(0, 97, 8).tolist()
+    t3 = _serve(eng, p3, 5)
+    assert t3.num_cached_tokens == 160
+    got = [r.output_ids for r in reqs + [t1, t2, t3]]
     want = [o.outputs[0].token_ids for o in base.generate(
-        [{"prompt_token_ids": p} for p in prompts + [p1, p2]],
-        [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (5, 5, 5, 40, 5)])]
+        [{"prompt_token_ids": p} for p in prompts + [p1, p2, p3]],
+        [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (5, 5, 5, 40, 20, 5)])]
     assert got == want
