@@ -265,3 +265,40 @@ def test_traffic_patterns_branch_points_and_answers(base, eng):
         [{"prompt_token_ids": p} for p in prompts + [p1, p2, p3]],
         [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (5, 5, 5, 40, 20, 5)])]
     assert got == want
+
+
+def _patterns(llm, rng):
+    """Prompts of the three traffic patterns: a shared system prompt, a trunk with branches and leaves,
+    and conversations whose turns carry the previous answer (greedy, from `llm`)."""
+    system = rng.integers(0, 97, 70).tolist()
+    out = [system + rng.integers(0, 97, int(rng.integers(5, 30))).tolist() for _ in range(4)]
+    trunk = rng.integers(0, 97, 50).tolist()
+    for _ in range(2):
+        branch = trunk + rng.integers(0, 97, 20).tolist()
+        out += [branch + rng.integers(0, 97, int(rng.integers(5, 20))).tolist() for _ in range(2)]
+    for _ in range(2):
+        p = rng.integers(0, 97, 30).tolist()
+        for _ in range(3):
+            out.append(p)
+            p = p + _baseline(llm, [p])[0] + rng.integers(0, 97, 8).tolist()
+    return out
+
+
+@pytest.mark.parametrize("cap", [4_000_000, None], ids=["roomy", "evicting"])
+def test_traffic_patterns_are_token_identical(base, eng, cap):
+    """The three patterns on V4's objects, in random orders and random waves of concurrent requests,
+    give the tokens of no caching, with reuse at branch points and after answers; with the engine's
+    own small cap (about four checkpoint sets) with evictions too."""
+    default = eng.prefix.config.cap_bytes
+    prompts = _patterns(base, np.random.default_rng(9))
+    want = _baseline(base, prompts)
+    eng.reset_prefix_cache(cap)
+    try:
+        for seed in (0, 1):
+            assert _run(eng, prompts, seed) == want, f"order {seed}"
+        st = eng.cache_stats()
+    finally:
+        eng.reset_prefix_cache(default)
+    assert st["passes"] >= 6 and st["branch_points"] >= 1, str(st)
+    if cap is None:
+        assert st["evictions"] + st["reclaimed"] > 0, str(st)
