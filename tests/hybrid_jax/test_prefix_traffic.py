@@ -81,19 +81,23 @@ def test_next_turn_resumes_after_the_answer(qwen, mode):
     assert t2.output_ids == _greedy(qwen, p2)
 
 
-def _patterns(llm, rng):
-    """Prompts of the three patterns (the conversations' answers from `llm`, greedy)."""
-    system = rng.integers(1, 211, 70).tolist()
-    out = [system + rng.integers(1, 211, int(rng.integers(5, 30))).tolist() for _ in range(5)]
-    trunk = rng.integers(1, 211, 50).tolist()
+def patterns(rng, answer, vocab=(1, 211), systems=5, leaves=3):
+    """Prompts of the three traffic patterns: `systems` prompts sharing a system prompt, a trunk with two
+    branches of `leaves` leaves each, and two 3-turn conversations whose turns carry the previous
+    answer (`answer(prompt)`: its greedy tokens). Token ids are drawn from range(*vocab)."""
+    def draw(n):
+        return rng.integers(*vocab, n).tolist()
+    system = draw(70)
+    out = [system + draw(int(rng.integers(5, 30))) for _ in range(systems)]
+    trunk = draw(50)
     for _ in range(2):
-        branch = trunk + rng.integers(1, 211, 20).tolist()
-        out += [branch + rng.integers(1, 211, int(rng.integers(5, 20))).tolist() for _ in range(3)]
+        branch = trunk + draw(20)
+        out += [branch + draw(int(rng.integers(5, 20))) for _ in range(leaves)]
     for _ in range(2):
-        p = rng.integers(1, 211, 30).tolist()
+        p = draw(30)
         for _ in range(3):
             out.append(p)
-            p = p + _greedy(llm, p, 20) + rng.integers(1, 211, 8).tolist()
+            p = p + answer(p) + draw(8)
     return out
 
 
@@ -102,7 +106,7 @@ def test_traffic_patterns_are_token_identical(qwen, cap):
     """The three patterns, in random orders and random waves of concurrent requests, give the tokens
     of no caching, with reuse at branch points and after answers, and (small cap) evictions."""
     from test_prefix_caching import _run  # noqa: PLC0415  (sibling test module)
-    prompts = _patterns(qwen, np.random.default_rng(2))
+    prompts = patterns(np.random.default_rng(2), lambda p: _greedy(qwen, p, 20))
     want = [_greedy(qwen, p) for p in prompts]
     eng = _engine(qwen, prefix_cache_bytes=cap, prefix_checkpoint_interval=4)
     for seed in (0, 1):

@@ -267,30 +267,15 @@ def test_traffic_patterns_branch_points_and_answers(base, eng):
     assert got == want
 
 
-def _patterns(llm, rng):
-    """Prompts of the three traffic patterns: a shared system prompt, a trunk with branches and leaves,
-    and conversations whose turns carry the previous answer (greedy, from `llm`)."""
-    system = rng.integers(0, 97, 70).tolist()
-    out = [system + rng.integers(0, 97, int(rng.integers(5, 30))).tolist() for _ in range(4)]
-    trunk = rng.integers(0, 97, 50).tolist()
-    for _ in range(2):
-        branch = trunk + rng.integers(0, 97, 20).tolist()
-        out += [branch + rng.integers(0, 97, int(rng.integers(5, 20))).tolist() for _ in range(2)]
-    for _ in range(2):
-        p = rng.integers(0, 97, 30).tolist()
-        for _ in range(3):
-            out.append(p)
-            p = p + _baseline(llm, [p])[0] + rng.integers(0, 97, 8).tolist()
-    return out
-
-
 @pytest.mark.parametrize("cap", [4_000_000, None], ids=["roomy", "evicting"])
 def test_traffic_patterns_are_token_identical(base, eng, cap):
     """The three patterns on V4's objects, in random orders and random waves of concurrent requests,
     give the tokens of no caching, with reuse at branch points and after answers; with the engine's
     own small cap (about four checkpoint sets) with evictions too."""
     default = eng.prefix.config.cap_bytes
-    prompts = _patterns(base, np.random.default_rng(9))
+    from test_prefix_traffic import patterns  # noqa: PLC0415  (sibling test module)
+    prompts = patterns(np.random.default_rng(9), lambda p: _baseline(base, [p])[0], vocab=(0, 97), systems=4,
+                       leaves=2)
     want = _baseline(base, prompts)
     eng.reset_prefix_cache(cap)
     try:
