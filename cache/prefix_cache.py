@@ -170,11 +170,11 @@ class PrefixCache(Retention):
     # --- set-up ------------------------------------------------------------------------------------
     def publish_boundaries(self, num_tokens: int) -> tuple[int, ...]:
         """Boundaries at which a prompt of `num_tokens` publishes its prefix (ascending): the retained
-        checkpoints (every interval x LCM, plus the last point of the resume grid: its pages up to there,
-        the last one shared while the request goes on writing it, so the request copies it once). A prompt whose length is a
-        multiple of the LCM is not also stopped one block earlier for an identical prompt to resume
-        at: that would cost every such prompt an extra step, and a repeat still resumes at the
-        previous retained boundary."""
+        checkpoints (every interval x LCM, plus the last point of the resume grid: its pages up to
+        there, the last one shared while the request goes on writing it, so the request copies it
+        once) and its spare point (`spare_point`). A prompt whose length is on the grid is not also
+        stopped one point earlier for an identical prompt to resume at: that would cost every such
+        prompt an extra step, and a repeat still resumes at the previous retained boundary."""
         pts = checkpoint_boundaries(num_tokens, self.geometry.lcm, self.config.checkpoint_interval,
                                     self.geometry.resume)
         spare = self.spare_point(num_tokens)
