@@ -289,7 +289,7 @@ class PrefixCache(Retention):
 
     # --- publish -----------------------------------------------------------------------------------
     def publish(self, cache: ModelCache, row: int, request_id: str, tokens: Sequence[int], boundary: int,
-                branch: bool = False, durable: bool = True, spare: bool = False) -> ModelCache:
+                branch: bool = False, durable: bool = True, spare: bool = False, keep: int = 0) -> ModelCache:
         """Stores what request `request_id` (row `row`) holds of tokens[:boundary] (its state is exactly
         at `boundary`, on the resume grid) that the store does not hold yet: a reference to each of
         its pages, a copy of its row into a checkpoint unit. Admission refusals skip the publish
@@ -297,7 +297,10 @@ class PrefixCache(Retention):
         checkpoints are kept when the chain grows past them (the retention policy would drop them);
         eviction still may. durable: also write the span ending at `boundary` behind to the disk tier
         (a decode publishes on every grid point but writes only at span ends: a long answer would
-        otherwise rewrite its last span each time). Returns the cache (its checkpoint units written)."""
+        otherwise rewrite its last span each time). spare: the prompt's spare point (`spare_point`).
+        keep: a point below `boundary` (a decoding request's prompt end, which it published itself)
+        whose checkpoints stay, as spares, rather than being superseded. Returns the cache (its
+        checkpoint units written)."""
         geo = self.geometry
         if boundary <= 0 or boundary % geo.resume:
             raise ValueError(f"publish boundary {boundary} is not a positive multiple of the resume grid {geo.resume}")
@@ -336,7 +339,8 @@ class PrefixCache(Retention):
         # the chain's checkpoints this one supersedes are the first victims when room or a unit is short,
         # before another chain's (with every unit in use, an in-flight request's transient extra
         # checkpoint would evict the least recently used conversation: the next one to come back)
-        self._prefer = frozenset(seg.id for _, seg, _ in self._superseded(tokens, boundary))
+        self._keep_as_spare(tokens, keep)
+        self._prefer = frozenset(seg.id for _, seg, _ in self._superseded(tokens, boundary, keep))
         try:
             plan, new = self._allocate_all(todo, request_id, protect)
         finally:
@@ -373,7 +377,7 @@ class PrefixCache(Retention):
         self._touch_chain(tokens, boundary)
         if branch:      # two sequences share it already (this one and the one whose blocks it matched):
             self.alloc = A.touch_many(self.alloc, ckpts, hit=True)     # retention credits it one hit
-        self._drop_superseded_checkpoints(tokens, boundary)
+        self._drop_superseded_checkpoints(tokens, boundary, keep)
         if self.disk is not None and durable and boundary % geo.lcm == 0:      # disk spans lie on the LCM grid
             self.disk.write(cache, tokens, boundary)
         return cache

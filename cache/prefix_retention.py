@@ -10,8 +10,10 @@ rules (the `PrefixCache` methods below, a mixin over its allocator state, index 
                       its boundary along (`_free_orphans`)
   branch points       pinned against retention and credited one hit at publish (`_pin_branch`)
   spares              a prompt's last LCM point, when not otherwise kept, is published as a spare that
-                      a prompt sharing only part of it resumes at (`spare_point`); the first victims
-                      after superseded checkpoints until hit, never dropped by retention
+                      a prompt sharing only part of it resumes at (`spare_point`), and a prompt's
+                      end stays as one once its answer's checkpoints pass it (`_keep_as_spare`: a
+                      regenerate resumes there); the first victims after superseded checkpoints
+                      until hit, never dropped by retention
   partial pages       a longer copy of a block replaces the shorter one (`_drop_superseded_page`)
   tails               a tail checkpoint whose window closed into a stored entry block leaves by the
                       named `close_tail` event (`_closing_entry`)
@@ -82,11 +84,11 @@ class Retention:
                     out.append(other)
         return tuple(out)
 
-    def _drop_superseded_checkpoints(self, tokens: list[int], boundary: int):
+    def _drop_superseded_checkpoints(self, tokens: list[int], boundary: int, keep: int = 0):
         """Retention: checkpoints on this chain below `boundary` that the policy no longer keeps
         (an earlier, shorter prompt's "last" one) leave the device when nobody holds them. A tail
         checkpoint whose window closed into a stored entry block leaves by the `close_tail` event."""
-        for spec, seg, b in self._superseded(tokens, boundary):
+        for spec, seg, b in self._superseded(tokens, boundary, keep):
             if seg.id in self.alloc.segments:       # (not gone with its set)
                 before = self.alloc
                 entry = self._closing_entry(spec, tokens, b) if spec.closes_into else None
@@ -98,18 +100,30 @@ class Retention:
                     self.alloc = A.evict(self.alloc, seg.id)
                 self._reclaim(before, retired=True, orphans=False)     # the whole set is on the list
 
-    def _superseded(self, tokens: list[int], boundary: int) -> list[tuple[GroupSpec, Segment, int]]:
+    def _keep_as_spare(self, tokens: list[int], keep: int):
+        """The chain's checkpoints at `keep` (the prompt's end, which a decoding request's publish
+        would supersede) stay, as spares: a regenerated prompt resumes there. Marked before the
+        publish allocates, so that when units are short they go before another chain's."""
+        if keep <= 0:
+            return
+        for spec in self.specs:
+            if spec.is_checkpoint:
+                e = self.index.find(spec.name, spec.kind, key_at(self._keys(tokens, spec), self.geometry.gcd, keep))
+                if e is not None and e.seg_id in self.alloc.segments and e.seg_id not in self._branch_segs:
+                    self._spare.add(e.seg_id)
+
+    def _superseded(self, tokens: list[int], boundary: int, keep: int = 0) -> list[tuple[GroupSpec, Segment, int]]:
         """Checkpoints on this chain below `boundary` that the retention policy no longer keeps once it
         holds one at `boundary`, unheld on the device and not at a branch point: [(spec, segment, b)]."""
         lcm, gcd, grid = self.geometry.lcm, self.geometry.gcd, self.geometry.resume
-        keep = set(checkpoint_boundaries(boundary, lcm, self.config.checkpoint_interval, grid))
+        kept = set(checkpoint_boundaries(boundary, lcm, self.config.checkpoint_interval, grid))
         out = []
         for spec in self.specs:
             if not spec.is_checkpoint:
                 continue
             keys = self._keys(tokens, spec)
             for b in range(grid, boundary, grid):
-                if b in keep:
+                if b in kept or b == keep:
                     continue
                 e = self.index.find(spec.name, spec.kind, key_at(keys, gcd, b))
                 seg = None if e is None else self.alloc.segments.get(e.seg_id)

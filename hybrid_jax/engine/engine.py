@@ -47,6 +47,7 @@ class Publish:
     branch: bool = False
     decoded: bool = False       # a point reached while decoding (PrefixCache.publish's `durable`)
     spare: bool = False         # the prompt's spare point (PrefixCache.spare_point)
+    keep: int = 0               # a decoded point's: the prompt's end, kept as a spare (PrefixCache.publish)
 
 
 class LLMEngine:
@@ -265,7 +266,9 @@ class LLMEngine:
                 ids = q.all_ids + [int(t) for t in row if t >= 0]   # the first b were fed to the model
                 branch = self._branches.get(q.request_id) == b
                 spare = prompt_point and not branch and b == self.prefix.spare_point(len(q.prompt_ids))
-                self._pending.append(Publish(q.slot, q.request_id, ids, b, branch, decoded, spare))
+                keep = len(q.prompt_ids) // grid * grid if decoded else 0
+                keep = keep if keep > q.num_cached_tokens else 0     # one it published itself
+                self._pending.append(Publish(q.slot, q.request_id, ids, b, branch, decoded, spare, keep))
 
     def _decode_caps(self, reqs) -> list[int] | None:
         """Per request, the most tokens a plain decode call may sample for it so that it stops on its
@@ -295,7 +298,7 @@ class LLMEngine:
             span = self.prefix.geometry.lcm * self.prefix.config.checkpoint_interval
             self.runner.cache = self.prefix.publish(self.runner.cache, x.row, x.request_id, x.tokens, x.boundary,
                                                     branch=x.branch, durable=not x.decoded or x.boundary % span == 0,
-                                                    spare=x.spare)
+                                                    spare=x.spare, keep=x.keep)
         releasing, self._releasing = self._releasing, []
         for q in releasing:                  # finished requests whose rows waited for those publishes
             self.scheduler.release(q)

@@ -65,7 +65,9 @@ def test_third_request_resumes_at_the_branch_point(qwen):
 def test_next_turn_resumes_after_the_answer(qwen, mode):
     """Turn 1: a 40-token prompt and 30 tokens of answer, so 69 tokens go through the model; the
     decode stops on the grid point 64 and publishes it (offline: only that last one; serving: 48 and
-    64). Turn 2 = turn 1 + its answer + a new message resumes at 64, after most of the answer."""
+    64). Turn 2 = turn 1 + its answer + a new message resumes at 64, after most of the answer. The
+    prompt's own end (32) stays beside the answer's, as a spare: the same prompt sent again (a
+    regenerate) resumes there."""
     eng = _engine(qwen, run_to_completion=mode == "offline")
     rng = np.random.default_rng(1)
     p1 = rng.integers(1, 211, 40).tolist()
@@ -73,12 +75,14 @@ def test_next_turn_resumes_after_the_answer(qwen, mode):
     t1 = _one(eng, p1, sp)
     assert t1.output_ids == _greedy(qwen, p1, 30)      # stopping on the grid changes no token
     pts = sorted(s.end for s in eng.prefix.alloc.segments.values() if s.group == "linear_attention")
-    assert pts == [64]               # the chain's earlier checkpoints (32, 48) were retired as it grew
+    assert pts == [32, 64]           # 48 was retired as the chain grew; 32, the prompt's end, is a spare
     assert eng.cache_stats()["decode_publishes"] == (2 if mode == "serving" else 1)
     p2 = p1 + t1.output_ids + rng.integers(1, 211, 10).tolist()
     t2 = _one(eng, p2)
     assert t2.num_cached_tokens == 64
     assert t2.output_ids == _greedy(qwen, p2)
+    again = _one(eng, p1, sp)
+    assert again.num_cached_tokens == 32 and again.output_ids == t1.output_ids
 
 
 def patterns(rng, answer, vocab=(1, 211), systems=5, leaves=3):
@@ -206,7 +210,7 @@ def test_conversations_resume_after_each_answer_inside_pages(qwen, monkeypatch, 
         assert got != want[:len(got)] and st["reclaimed"] > 0
         return
     assert got == want[:len(got)] and any(b % 64 for b in got)
-    assert st["pools"]["linear_attention"]["used"] == units and st["evictions"] == st["reclaimed"] == 0
+    assert st["pools"]["linear_attention"]["used"] == units and st["evictions"] == 0   # (spares were reclaimed)
     assert st["retired_pages"] > 0
     pages = [s.start for s in eng.prefix.alloc.segments.values() if s.group == "full_attention"]
     assert len(pages) == units * 2 and len(set(pages)) == 2        # each chain: [0, 64) and [64, end)

@@ -53,9 +53,9 @@ def test_default_warmup_compiles_every_shape_before_health(server):
     assert "warm-up all" in health and "every step shape" in health
     before = _metric(url, "hybrid_jax_compiled_programs")
     for body in ({"prompt": [1, 2, 3], "max_tokens": 3, "logprobs": 5},             # first logprobs request
-                 # first long prompt (398 tokens, stored at 384; 2 tokens: its answer stops short of the
-                 # grid point 400, whose checkpoint would supersede the prompt's), then the first prefix hit
-                 {"prompt": list(range(1, 200)) * 2, "max_tokens": 2},
+                 # first long prompt (398 tokens, stored at 384: its answer's checkpoint at 400 keeps the
+                 # prompt's as a spare), then the first prefix hit, there
+                 {"prompt": list(range(1, 200)) * 2, "max_tokens": 3},
                  {"prompt": list(range(1, 200)) * 2 + [7], "max_tokens": 3},
                  {"prompt": [4, 5], "max_tokens": 5, "temperature": 0.7, "top_k": 5, "top_p": 0.9}):
         r = httpx.post(url + "/v1/completions", headers=H, json=body, timeout=120)
