@@ -340,7 +340,8 @@ class PrefixCache(Retention):
         # before another chain's (with every unit in use, an in-flight request's transient extra
         # checkpoint would evict the least recently used conversation: the next one to come back)
         self._keep_as_spare(tokens, keep)
-        self._prefer = frozenset(seg.id for _, seg, _ in self._superseded(tokens, boundary, keep))
+        superseded = self._superseded(tokens, boundary, keep)     # (allocating only evicts, adds none)
+        self._prefer = frozenset(seg.id for _, seg, _ in superseded)
         try:
             plan, new = self._allocate_all(todo, request_id, protect)
         finally:
@@ -377,7 +378,7 @@ class PrefixCache(Retention):
         self._touch_chain(tokens, boundary)
         if branch:      # two sequences share it already (this one and the one whose blocks it matched):
             self.alloc = A.touch_many(self.alloc, ckpts, hit=True)     # retention credits it one hit
-        self._drop_superseded_checkpoints(tokens, boundary, keep)
+        self._drop_superseded_checkpoints(tokens, superseded)
         if self.disk is not None and durable and boundary % geo.lcm == 0:      # disk spans lie on the LCM grid
             self.disk.write(cache, tokens, boundary)
         return cache

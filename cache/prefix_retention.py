@@ -84,11 +84,11 @@ class Retention:
                     out.append(other)
         return tuple(out)
 
-    def _drop_superseded_checkpoints(self, tokens: list[int], boundary: int, keep: int = 0):
-        """Retention: checkpoints on this chain below `boundary` that the policy no longer keeps
-        (an earlier, shorter prompt's "last" one) leave the device when nobody holds them. A tail
+    def _drop_superseded_checkpoints(self, tokens: list[int], superseded):
+        """Retention: the checkpoints of this chain a publish superseded (`_superseded`, found before
+        it allocated; those its allocation took are gone already) leave the device. A tail
         checkpoint whose window closed into a stored entry block leaves by the `close_tail` event."""
-        for spec, seg, b in self._superseded(tokens, boundary, keep):
+        for spec, seg, b in superseded:
             if seg.id in self.alloc.segments:       # (not gone with its set)
                 before = self.alloc
                 entry = self._closing_entry(spec, tokens, b) if spec.closes_into else None
