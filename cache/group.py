@@ -48,6 +48,9 @@ class CacheGroup:
     PAGE_FIELDS: ClassVar[dict[str, int]] = {}
     ROW_FIELDS: ClassVar[dict[str, int]] = {}
     FILL: ClassVar[dict[str, object]] = {}
+    # field -> the logical axis names of its dimensions (hybrid_jax.parallel.rules): how the field is
+    # split over a device mesh; fields not named here (page tables, counters) are replicated
+    AXES: ClassVar[dict[str, tuple]] = {}
     STORE_KIND: ClassVar[Kind]
     ROLLBACK: ClassVar[str] = "hide"
     # a page holds one entry per token, so a prefix may end inside a page: a hit shares the page and

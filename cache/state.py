@@ -51,7 +51,7 @@ def states_after(parts: dict, idx: jax.Array) -> tuple[jax.Array, jax.Array]:
 @flax.struct.dataclass
 class RecurrentGroup(CacheGroup):
     """Gated DeltaNet state of every linear-attention layer: conv window and recurrent state."""
-    conv: jax.Array            # [L, B, W-1, C]  the last W-1 conv inputs of each row
+    conv: jax.Array            # [L, B, W-1, C]  the last W-1 conv inputs of each row (channels as the layer orders them)
     ssm: jax.Array             # [L, B, HV, K, V] fp32
     layer_ids: tuple[int, ...] = flax.struct.field(pytree_node=False, default=())
     writer_abi: str = flax.struct.field(pytree_node=False, default=kernel_abi.GATED_DELTA_RULE.id)
@@ -59,6 +59,7 @@ class RecurrentGroup(CacheGroup):
     kind = "recurrent_state"
     STORE_KIND = Kind.RECURRENT_STATE
     ROW_FIELDS = {"conv": 1, "ssm": 1}       # field -> its row (slot) axis
+    AXES = {"conv": (None, None, None, "heads"), "ssm": (None, None, "heads", None, None)}
     ROLLBACK = "select"
 
     def truncate(self, states: dict, n_keep: jax.Array) -> "RecurrentGroup":
@@ -87,6 +88,7 @@ class KVGroup(CacheGroup):
     STORE_KIND = Kind.FULL_KV
     PARTIAL_RESUME = True
     PAGE_FIELDS = {"k": 1, "v": 1}           # field -> its page axis
+    AXES = {"k": (None, None, None, "kv_heads", None), "v": (None, None, None, "kv_heads", None)}
 
     @property
     def page_tokens(self) -> int:

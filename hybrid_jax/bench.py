@@ -157,7 +157,8 @@ def main(args, engine_config) -> int:
         from hybrid_jax import LLM  # noqa: PLC0415
         from hybrid_jax.engine import LLMEngine  # noqa: PLC0415
         from hybrid_jax.engine.async_engine import AsyncEngine  # noqa: PLC0415
-        llm = LLM(model=args.model, dtype=args.dtype)
+        from hybrid_jax.cli import parallel_options  # noqa: PLC0415
+        llm = LLM(model=args.model, dtype=args.dtype, **parallel_options(args))
         engine = LLMEngine(llm, engine_config)
         engine.warmup()
         ae = AsyncEngine(engine)

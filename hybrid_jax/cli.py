@@ -22,6 +22,21 @@ def _add_model_args(p: argparse.ArgumentParser):
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
 
 
+def _add_parallel_args(p: argparse.ArgumentParser):
+    """vLLM's layout options (hybrid_jax.parallel): devices are jax.devices()."""
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="devices the heads, MLP columns and vocabulary are split over")
+    p.add_argument("--data-parallel-size", "-dp", type=int, default=1, help="replicas (not supported yet beyond 1)")
+    p.add_argument("--enable-expert-parallel", action="store_true",
+                   help="split MoE experts whole over the tensor-parallel devices")
+
+
+def parallel_options(args) -> dict:
+    """LLM(...)'s layout keywords from parsed arguments."""
+    return dict(tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size,
+                enable_expert_parallel=args.enable_expert_parallel)
+
+
 def _parse_tokens(s: str) -> list[int]:
     try:
         return [int(x) for x in s.split(",") if x.strip()]
@@ -43,6 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=-1)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--ignore-eos", action="store_true")
+    _add_parallel_args(g)
     a = sub.add_parser("align", help="compare hidden states layer by layer with transformers")
     _add_model_args(a)
     src = a.add_mutually_exclusive_group(required=True)
@@ -69,6 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="408 when a request body stops arriving for this long (seconds)")
     s.add_argument("--timeout-keep-alive", type=float, default=5.0, help="close idle keep-alive connections")
     _add_engine_args(s)
+    _add_parallel_args(s)
     s.set_defaults(warmup="all")      # no request compiles on the serving path (see /health)
     b = sub.add_parser("bench", help="load generator: TTFT / ITL percentiles and throughput")
     _add_model_args(b)
@@ -81,6 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--shared-prefix", type=float, default=0.0, help="fraction of each prompt shared by all")
     b.add_argument("--seed", type=int, default=0)
     _add_engine_args(b)
+    _add_parallel_args(b)
     p = sub.add_parser("plan", help="per-chip HBM, capacity and roofline on a TPU topology (TPU compiler, no TPU)")
     p.add_argument("--model", required=True, help="a config.json, a checkpoint directory, or a published config's "
                    "name (hybrid_jax/published_configs, e.g. qwen3_next_80b_a3b_instruct)")
@@ -154,7 +172,7 @@ def _serve(args) -> int:
         print("hybrid-jax: serving the embedded default model (UNTRAINED: its output is noise).", file=sys.stderr)
     name = args.served_model_name or (args.model or "hybrid-jax-default")
     return serve(model=args.model, host=args.host, port=args.port, dtype=args.dtype,
-                 engine_config=_engine_config(args),
+                 engine_config=_engine_config(args), parallel=parallel_options(args),
                  server_config=ServerConfig(model_name=name, api_key=_api_key(args),
                                             max_request_bytes=args.max_request_bytes,
                                             max_tokens_limit=args.max_tokens_limit, body_timeout_s=args.timeout_body),
@@ -194,7 +212,7 @@ def _generate(args) -> int:
     if args.model is None:
         print("hybrid-jax: using the embedded default model. It is UNTRAINED (deterministic random "
               "weights): its output is noise. Pass --model PATH for a real checkpoint.", file=sys.stderr)
-    llm = LLM(model=args.model, dtype=args.dtype)
+    llm = LLM(model=args.model, dtype=args.dtype, **parallel_options(args))
     prompt = {"prompt_token_ids": _parse_tokens(args.tokens)} if args.tokens is not None else args.prompt
     sp = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                         top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos)

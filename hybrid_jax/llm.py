@@ -26,6 +26,8 @@ from hybrid_jax.engine.limits import check_request
 from hybrid_jax.errors import ConfigError, InputError
 from hybrid_jax.generate import Generator
 from hybrid_jax.models import get_model
+from hybrid_jax.parallel.config import ParallelConfig
+from hybrid_jax.parallel.placement import make_layout
 from hybrid_jax.sampling import SamplingParams
 from hybrid_jax.tokenizer import ByteTokenizer, load_tokenizer
 from hybrid_jax.weights import LARGE_CHECKPOINT_BYTES, fingerprint, open_checkpoint
@@ -64,13 +66,17 @@ class LLM:
     """Loads a local Hugging Face checkpoint directory (or, with model=None, the embedded untrained
     default) and generates. Weight re-layout happens once, here. A block-quantized checkpoint (FP8,
     FP4 experts) is dequantized to `dtype` at load; quantization="fp8" keeps its linear weights in
-    FP8 on the device instead."""
+    FP8 on the device instead. tensor_parallel_size / enable_expert_parallel (vLLM's names) split the
+    parameters and the cache over that many of jax.devices() (hybrid_jax.parallel); the layout is
+    checked against the model's head and expert counts before any weight is read."""
 
     def __init__(self, model: str | None = None, *, dtype: str = "auto", tokenizer: str | None = None,
                  max_model_len: int | None = None, max_num_seqs: int = 16, seed: int = 0,
                  impl: str = "auto", progress: bool | None = None, enable_prefix_caching: bool = False,
                  kv_cache_dir: str | None = None, engine_config: dict | None = None,
-                 speculative_config: dict | None = None, quantization: str | None = None):
+                 speculative_config: dict | None = None, quantization: str | None = None,
+                 tensor_parallel_size: int = 1, data_parallel_size: int = 1, enable_expert_parallel: bool = False):
+        parallel = ParallelConfig(tensor_parallel_size, data_parallel_size, enable_expert_parallel)
         if model is None:
             if quantization is not None:
                 raise ConfigError("quantization applies to a checkpoint's quantized weights; the embedded default "
@@ -86,6 +92,10 @@ class LLM:
             self.config = load_config(model)
             self.model_name = model
             self.dtype = _resolve_dtype(dtype, self.config)
+            layout = make_layout(parallel, self.config, get_model(self.config.model_type))   # before any weight
+            if layout is not None and quantization is not None:
+                raise ConfigError("tensor parallelism with FP8 weights kept on the device (quantization='fp8') is "
+                                  "not supported yet; load the checkpoint dequantized")
             n = len(reader.keys())
             show = reader.total_bytes >= LARGE_CHECKPOINT_BYTES if progress is None else progress
             family = get_model(self.config.model_type)
@@ -105,7 +115,7 @@ class LLM:
                 self.tokenizer = load_tokenizer(tokenizer or model)
         self._setup(params, max_model_len=max_model_len, max_num_seqs=max_num_seqs, seed=seed, impl=impl,
                     enable_prefix_caching=enable_prefix_caching, kv_cache_dir=kv_cache_dir,
-                    engine_config=engine_config, speculative_config=speculative_config)
+                    engine_config=engine_config, speculative_config=speculative_config, parallel=parallel)
 
     @classmethod
     def from_params(cls, config: ModelConfig, params: dict, *, dtype: str = "auto", tokenizer=None,
@@ -121,9 +131,17 @@ class LLM:
 
     def _setup(self, params, *, max_model_len: int | None = None, max_num_seqs: int = 16, seed: int = 0,
                impl: str = "auto", enable_prefix_caching: bool = False, kv_cache_dir: str | None = None,
-               engine_config: dict | None = None, speculative_config: dict | None = None):
+               engine_config: dict | None = None, speculative_config: dict | None = None,
+               parallel: ParallelConfig | None = None, tensor_parallel_size: int = 1, data_parallel_size: int = 1,
+               enable_expert_parallel: bool = False):
         if max_num_seqs <= 0:
             raise InputError(f"max_num_seqs must be positive; got {max_num_seqs}")
+        if parallel is None:
+            parallel = ParallelConfig(tensor_parallel_size, data_parallel_size, enable_expert_parallel)
+        family = get_model(self.config.model_type)
+        self.layout = make_layout(parallel, self.config, family)
+        if self.layout is not None:       # every parameter onto its shards (hybrid_jax.parallel)
+            params = self.layout.put(params, self.layout.param_shardings(family, params))
         self.max_model_len = int(max_model_len or self.config.max_position_embeddings)
         self.max_num_seqs = max_num_seqs
         self.seed = seed

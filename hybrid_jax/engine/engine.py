@@ -58,7 +58,8 @@ class LLMEngine:
             raise InputError(f"engine max_model_len {self.config.max_model_len} exceeds the model's "
                              f"{llm.max_model_len}")
         enable_persistent_compilation_cache(self.config.compilation_cache_dir)
-        self.runner = ModelRunner(llm.config, llm.params, llm.dtype, self.config, impl=llm.generator.impl)
+        self.runner = ModelRunner(llm.config, llm.params, llm.dtype, self.config, impl=llm.generator.impl,
+                                  layout=llm.layout)
         self.blocks = BlockManager(self.runner.geometry(), num_rows=self.config.max_num_seqs)
         self.runner.blocks = self.blocks
         self.prefix: PrefixCache | None = None
@@ -70,7 +71,7 @@ class LLMEngine:
         self.spec = None
         if self.config.speculative_config:
             self.spec = EngineSpeculator(self.config.speculative_config, llm.config.vocab_size,
-                                         self.runner.layout.groups)
+                                         self.runner.abstract.groups)
             if self.spec.draft is not None:
                 dcfg, dparams, ddtype = self.spec.draft
                 self.runner.set_draft(dcfg, dparams, ddtype, extra=self.spec.spec.num_speculative_tokens + 1)
@@ -204,7 +205,7 @@ class LLMEngine:
         return PrefixCache(self.runner.cache, PrefixCacheConfig(
             cap_bytes=cap_bytes, fingerprint=llm.fingerprint(), dtype=jnp.dtype(llm.dtype).name,
             block_size=c.prefix_block_size, checkpoint_interval=c.prefix_checkpoint_interval,
-            checkpoint_grid=c.checkpoint_grid),
+            checkpoint_grid=c.checkpoint_grid, sharding=llm.layout.key if llm.layout else "replicated"),
             self.blocks, disk=self._disk_config())
 
     def _disk_config(self) -> DiskConfig | None:

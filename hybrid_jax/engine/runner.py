@@ -66,14 +66,15 @@ def default_budget(abstract, max_num_seqs: int, max_model_len: int) -> int:
 
 
 class ModelRunner:
-    def __init__(self, cfg, params, dtype, ecfg: EngineConfig, impl: str = "auto"):
+    def __init__(self, cfg, params, dtype, ecfg: EngineConfig, impl: str = "auto", layout=None):
         self.cfg, self.params, self.ecfg, self.impl, self.dtype = cfg, params, ecfg, impl, dtype
+        self.layout = layout      # hybrid_jax.parallel.Layout: the pools are split like the parameters
         self.model = get_model(cfg.model_type)
         self.null_slot = ecfg.max_num_seqs            # the null row: padding rows of a bucket point at it
         rows = ecfg.max_num_seqs + 1
         abstract = jax.eval_shape(lambda: self.model.new_cache(cfg, 1, ecfg.max_model_len, dtype,
                                                                page_size=ecfg.prefix_block_size))
-        self.layout = abstract
+        self.abstract = abstract
         budget = ecfg.kv_cache_bytes or default_budget(abstract, ecfg.max_num_seqs, ecfg.max_model_len)
         prefix_cap = (ecfg.prefix_cache_bytes or budget) if ecfg.enable_prefix_caching else 0
         try:
@@ -83,7 +84,8 @@ class ModelRunner:
         except ValueError as e:
             raise InputError(f"kv_cache_bytes: {e}") from None
         self.budget_bytes = budget
-        self.cache = build_pools(abstract, rows, self.pages, self.units)
+        self.cache_shardings = layout.cache_shardings(abstract) if layout is not None else None
+        self.cache = self._placed(build_pools(abstract, rows, self.pages, self.units))
         # block-table width of each paged group: pages a request of max_model_len tokens lists
         self.widths = {n: g.page_table.shape[1] for n, g in abstract.groups.items() if g.paged}
         self.blocks: BlockManager | None = None        # set by the engine (it owns the block manager)
@@ -104,6 +106,16 @@ class ModelRunner:
         # (self.mtp), dcache holds the MTP state instead and dparams stays None.
         self.dcfg = self.dparams = self.dmodel = self.dcache = None
         self.mtp = False
+
+    def _placed(self, pools):
+        """The pools on the mesh (as they are on one device)."""
+        return pools if self.layout is None else self.layout.put(pools, self.cache_shardings)
+
+    def _put_view(self, cache, rows, view):
+        """put_view, with the pools' shardings pinned on a mesh (so the donated buffers are reused
+        step after step instead of the partitioner choosing another layout for the output)."""
+        out = put_view(cache, rows, view)
+        return out if self.layout is None else jax.lax.with_sharding_constraint(out, self.cache_shardings)
 
     def geometry(self) -> list[GroupGeometry]:
         """What the block manager hands out: every paged group's pages, every slot group's checkpoint
@@ -173,7 +185,7 @@ class ModelRunner:
     def reset_pools(self):
         """Fresh, empty pools (and draft rows): after a failed step, whose call may have consumed the
         donated ones. The compiled programs stay."""
-        self.cache = build_pools(self.layout, self.ecfg.max_num_seqs + 1, self.pages, self.units)
+        self.cache = self._placed(build_pools(self.abstract, self.ecfg.max_num_seqs + 1, self.pages, self.units))
         if self.dcache is not None:
             self.dcache = self.dmodel.new_cache(self.dcfg, *self._draft_shape)
 
@@ -217,14 +229,14 @@ class ModelRunner:
         elif dcache is not None:
             dsub = self._dfwd(dparams, take_rows(dcache, r["rows"], reset), tokens, n_new).cache
             dcache = put_rows(dcache, r["rows"], dsub)
-        return tok, lps, put_view(cache, r["rows"], sub), dcache
+        return tok, lps, self._put_view(cache, r["rows"], sub), dcache
 
     def _ragged_fn(self, params, cache, r, reset, batch, do_sample, *, flags, top_n):
         """`_mixed_fn` over a ragged batch (models.ragged.RaggedBatch of the step's S rows)."""
         sub = take_view(cache, r["rows"], r["tables"], r["lengths"], reset)
         out = self.model.forward_ragged(self.cfg, params, sub, batch, impl=self.impl)
         tok, lps = self._sample(out.logits, r, flags, top_n)
-        return jnp.where(do_sample, tok, -1), lps, put_view(cache, r["rows"], out.cache)
+        return jnp.where(do_sample, tok, -1), lps, self._put_view(cache, r["rows"], out.cache)
 
     def _decode_fn(self, params, cache, r, last_tok, active, stop_ids, remaining, dparams=None, dcache=None, *,
                    steps, flags, top_n):
@@ -263,7 +275,7 @@ class ModelRunner:
         _, _, _, sub, dsub, out, lp_c, lp_v, lp_i = jax.lax.while_loop(cond, body, state)
         if dcache is not None:
             dcache = mtp.put(dcache, r["rows"], dsub) if self.mtp else put_rows(dcache, r["rows"], dsub)
-        return out, (lp_c, lp_v, lp_i), put_view(cache, r["rows"], sub), dcache
+        return out, (lp_c, lp_v, lp_i), self._put_view(cache, r["rows"], sub), dcache
 
     def _draft(self, step, carry, r, pending, K, flags):
         """K draft tokens per row: step(carry, token [Bb]) -> (logits [Bb, V], carry) is the drafter (a
@@ -327,7 +339,7 @@ class ModelRunner:
             dcache = mtp.put(dcache, r["rows"], self._mtp_advance(params, dsub, tokens, h, n_keep))
         elif dcache is not None:                   # the draft takes the kept tokens from its resume point
             dcache = put_rows(dcache, r["rows"], self._dfwd(dparams, dsub, tokens, n_keep).cache)
-        return v.n_accepted, v.tokens, put_view(cache, r["rows"], v.cache), dcache
+        return v.n_accepted, v.tokens, self._put_view(cache, r["rows"], v.cache), dcache
 
     def run_verify(self, reqs, drafts, K: int, replay: bool):
         """reqs: decoding requests; drafts: [k_i] int32 per request (k_i <= K, may be 0); K: a
@@ -353,7 +365,7 @@ class ModelRunner:
         out, n_out, _, log, branch, sub = ngram_generate(
             params, sub, hist, first, rows, tune, stop_ids, r["seeds"], r["temperature"], r["top_k"], r["top_p"],
             cfg=self.cfg, impl=self.impl, flags=FULL_SAMPLER, lc=lc)
-        return out, n_out, log, branch, put_view(cache, r["rows"], sub)
+        return out, n_out, log, branch, self._put_view(cache, r["rows"], sub)
 
     def run_ngram_loop(self, reqs, eos_ids, spec):
         """Runs decoding requests to their ends with n-gram speculation in ONE on-device loop (draft,

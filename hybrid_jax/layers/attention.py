@@ -138,15 +138,17 @@ def _prefill_attention(qg, k_new, v_new, k_pool, v_pool, page_table, positions, 
 
 def _qkv(p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, Hq: int, Hkv: int, D: int, eps: float):
     """x [B, T, Hd] -> q [B, T, Hq, D], the output gate [B, T, Hq*D], k, v [B, T, Hkv, D]: q / k
-    RMS-normed and rotated (cos, sin [B, T, R])."""
+    RMS-normed and rotated (cos, sin [B, T, R]). The projections are grouped per head (so a slice of
+    their columns is whole heads): qg [Hd, Hq * 2D] (query_h | gate_h, as the checkpoint's q_proj),
+    kv [Hd, Hkv * 2D] (k_h | v_h); optional biases qg_bias, kv_bias alike."""
     B, T, _ = x.shape
-    qkv = linear(x, p["qkv"])
-    if "qkv_bias" in p:
-        qkv = qkv + p["qkv_bias"]
-    q, gate, k, v = jnp.split(qkv, [Hq * D, 2 * Hq * D, 2 * Hq * D + Hkv * D], axis=-1)
-    q = rms_norm_zero_centered(q.reshape(B, T, Hq, D), p["q_norm"], eps)
-    k = rms_norm_zero_centered(k.reshape(B, T, Hkv, D), p["k_norm"], eps)
-    return apply_rope(q, cos, sin), gate, apply_rope(k, cos, sin), v.reshape(B, T, Hkv, D)
+    qg, kv = linear(x, p["qg"]), linear(x, p["kv"])
+    if "qg_bias" in p:
+        qg, kv = qg + p["qg_bias"], kv + p["kv_bias"]
+    qg, kv = qg.reshape(B, T, Hq, 2 * D), kv.reshape(B, T, Hkv, 2 * D)
+    q = rms_norm_zero_centered(qg[..., :D], p["q_norm"], eps)
+    k = rms_norm_zero_centered(kv[..., :D], p["k_norm"], eps)
+    return apply_rope(q, cos, sin), qg[..., D:].reshape(B, T, Hq * D), apply_rope(k, cos, sin), kv[..., D:]
 
 
 def _gated_output(p: dict, out: jax.Array, gate: jax.Array) -> jax.Array:

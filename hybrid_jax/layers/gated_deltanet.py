@@ -1,7 +1,10 @@
 """Gated DeltaNet mixer (Qwen3-Next's linear attention).
 
-Fused input projection (q | k | v | z | b | a, converted from HF's per-key-head-grouped layout at
-load), causal depthwise conv over q|k|v with a (W-1)-token conv state, l2-normalised q/k, the gated
+Input projections grouped per key head, as Qwen3-Next's checkpoints store them: qkvz [Hd, H * (2K +
+2rV)] holds, for each key head h, q_h | k_h | v_h | z_h (r = HV / H value heads per key head, value
+head j belongs to key head j // r), and ba [Hd, H * 2r] b_h | a_h. A device that holds a slice of the
+columns thus holds whole heads (hybrid_jax.parallel). Causal depthwise conv over the q|k|v channels
+(in the same per-key-head grouping, C = H * (2K + rV)) with a (W-1)-token conv state, l2-normalised q/k, the gated
 delta rule (chunked for prefill, recurrent for a decode step), gated RMSNorm, output projection.
 Padding tokens (valid = False) get g = 0 and beta = 0, which leave the recurrent state untouched.
 
@@ -39,9 +42,19 @@ def causal_conv(x: jax.Array, conv_state: jax.Array, w: jax.Array, n_new: jax.Ar
 
 
 def _project(p: dict, x: jax.Array, H: int, HV: int, K: int, V: int):
-    """x [..., Hd] -> (qkv [..., 2HK + HV V] before the conv, z [..., HV V], b, a [..., HV])."""
-    proj = linear(x, p["in_proj"])
-    return jnp.split(proj, [2 * H * K + HV * V, 2 * H * K + 2 * HV * V, 2 * H * K + 2 * HV * V + HV], axis=-1)
+    """x [..., Hd] -> (qkv [..., H * (2K + rV)] before the conv, grouped per key head; z [..., HV V];
+    b, a [..., HV])."""
+    r, lead = HV // H, x.shape[:-1]
+    qkvz = linear(x, p["qkvz"]).reshape(lead + (H, 2 * K + 2 * r * V))
+    ba = linear(x, p["ba"]).reshape(lead + (H, 2 * r))
+    return (qkvz[..., :2 * K + r * V].reshape(lead + (-1,)), qkvz[..., 2 * K + r * V:].reshape(lead + (HV * V,)),
+            ba[..., :r].reshape(lead + (HV,)), ba[..., r:].reshape(lead + (HV,)))
+
+
+def _split_qkv(qkv: jax.Array, H: int, HV: int, K: int, V: int):
+    """The conv's output qkv [..., H * (2K + rV)] (grouped per key head) -> q, k [..., H, K], v [..., HV, V]."""
+    g = qkv.reshape(qkv.shape[:-1] + (H, 2 * K + (HV // H) * V))
+    return g[..., :K], g[..., K:2 * K], g[..., 2 * K:].reshape(qkv.shape[:-1] + (HV, V))
 
 
 def _gates(p: dict, b: jax.Array, a: jax.Array, valid: jax.Array):
@@ -75,8 +88,7 @@ def gated_deltanet(p: dict, x: jax.Array, valid: jax.Array, n_new: jax.Array, co
         qkv, conv_state, conv_window = causal_conv(qkv, conv_state, p["conv"], n_new, return_window=True)
     else:
         qkv, conv_state = causal_conv(qkv, conv_state, p["conv"], n_new)
-    q, k, v = jnp.split(qkv, [H * K, 2 * H * K], axis=-1)
-    q, k, v = q.reshape(B, T, H, K), k.reshape(B, T, H, K), v.reshape(B, T, HV, V)
+    q, k, v = _split_qkv(qkv, H, HV, K, V)
     beta, g = _gates(p, b, a, valid)
     if per_token_states:
         parts = {"conv_window": conv_window, "ssm0": ssm_state, "k": k, "g": g}
@@ -129,10 +141,10 @@ def gated_deltanet_ragged(p: dict, x: jax.Array, seq: jax.Array, valid: jax.Arra
     H, HV, K, V = num_k_heads, num_v_heads, head_k_dim, head_v_dim
     qkv, z, b, a = _project(p, x, H, HV, K, V)
     qkv, conv_state = ragged_causal_conv(qkv, conv_state, p["conv"], seq, cu_seqlens)
-    q, k, v = jnp.split(qkv, [H * K, 2 * H * K], axis=-1)
+    q, k, v = _split_qkv(qkv, H, HV, K, V)
     beta, g = _gates(p, b, a, valid)
     o, ssm_state = pallas_kernels.chunk_gated_delta_rule(
-        q.reshape(1, N, H, K), k.reshape(1, N, H, K), v.reshape(1, N, HV, V), g[None], beta[None],
+        q[None], k[None], v[None], g[None], beta[None],
         initial_state=ssm_state, output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens,
         impl=impl)
     return _output(p, o[0], z, eps, x.dtype), conv_state, ssm_state

@@ -87,6 +87,9 @@ class ModelFamily:
                  family cannot defer its per-position writes (forward's defer_kv_write); the groups
                  it writes are `deferred_groups`
     mtp: MTPHead or None
+    param_axes: glob pattern of a parameter path ("layers/*/attn/o_proj") -> the logical axis names of
+                its dimensions (hybrid_jax.parallel.rules), first match wins; every parameter must
+                match one. None: the family runs on one device only.
     """
     name: str
     forward: Callable
@@ -99,6 +102,7 @@ class ModelFamily:
     write_deferred_kv: Callable | None = None
     deferred_groups: tuple[str, ...] = ()
     mtp: MTPHead | None = None
+    param_axes: Mapping[str, tuple] | None = None
 
     def groups_of(self, layer_types) -> tuple[str, ...]:
         """The cache groups a model with these per-layer types keeps (in first-use order)."""

@@ -65,13 +65,18 @@ def convert_hf_weights(cfg: ModelConfig, get: Callable[[str], np.ndarray], has: 
     return qwen3_next.convert_hf_weights(cfg, get, has, dtype, progress, prefix=prefix, gdn_in_proj=split_in_proj)
 
 
-def split_in_proj(cfg: ModelConfig, t, a: str) -> np.ndarray:
+def split_in_proj(cfg: ModelConfig, t, a: str) -> tuple[np.ndarray, np.ndarray]:
     """Qwen3.5's four Gated DeltaNet input projections (torch layout [out, Hd], heads in order) -> the
-    rows q | k | v | z | b | a [2HK + 2HV*V + 2HV, Hd] of Qwen3-Next's fused projection."""
+    rows of Qwen3-Next's qkvz [H * (K | K | r*V | r*V), Hd] and ba [H * (r | r), Hd], grouped per key head."""
     Hd, H, HV, K, V = (cfg.hidden_size, cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
                        cfg.linear_value_head_dim)
-    return concat([t(a + "in_proj_qkv.weight", (2 * H * K + HV * V, Hd)), t(a + "in_proj_z.weight", (HV * V, Hd)),
-                   t(a + "in_proj_b.weight", (HV, Hd)), t(a + "in_proj_a.weight", (HV, Hd))], axis=0)
+    r = HV // H
+    q, k, v = np.split(t(a + "in_proj_qkv.weight", (2 * H * K + HV * V, Hd)), [H * K, 2 * H * K])
+    z = t(a + "in_proj_z.weight", (HV * V, Hd))
+    qkvz = concat([q.reshape(H, K, Hd), k.reshape(H, K, Hd), v.reshape(H, r * V, Hd), z.reshape(H, r * V, Hd)], axis=1)
+    ba = concat([t(a + "in_proj_b.weight", (HV, Hd)).reshape(H, r, Hd), t(a + "in_proj_a.weight", (HV, Hd)).reshape(H, r, Hd)],
+                axis=1)
+    return qkvz.reshape(-1, Hd), ba.reshape(-1, Hd)
 
 
 FAMILY = dataclasses.replace(qwen3_next.FAMILY, name="qwen3_5", convert_hf_weights=convert_hf_weights)

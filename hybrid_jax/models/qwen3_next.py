@@ -6,9 +6,11 @@ different T. Parameters use the layout below, produced once at load by `convert_
 
   embed [V, Hd]; lm_head [Hd, V] (absent when tied); final_norm [Hd]
   layer: input_norm, post_norm [Hd]
-    linear_attention: in_proj [Hd, 2*H*K + 2*HV*V + 2*HV] (q|k|v|z|b|a), conv [W, C], A_log, dt_bias [HV],
-                      norm [V], out_proj [HV*V, Hd]
-    full_attention:   qkv [Hd, 2*Hq*D + 2*Hkv*D] (q|gate|k|v), q_norm, k_norm [D], o_proj [Hq*D, Hd]
+    linear_attention: qkvz [Hd, H*(2K + 2rV)], ba [Hd, H*2r] (grouped per key head, r = HV / H), conv
+                      [W, H*(2K + rV)] (q|k|v channels, grouped alike), A_log, dt_bias [HV], norm [V],
+                      out_proj [HV*V, Hd]
+    full_attention:   qg [Hd, Hq*2D] (query|gate per head), kv [Hd, Hkv*2D] (k|v per head), q_norm,
+                      k_norm [D], o_proj [Hq*D, Hd]
     dense MLP:        mlp.gate_up [Hd, 2I], mlp.down [I, Hd]
     MoE:              moe.in_proj [Hd, E+1+2Is], moe.shared_down [Is, Hd], moe.gate_up [E, Hd, 2I],
                       moe.down [E, I, Hd]
@@ -308,7 +310,7 @@ def init_params(cfg: ModelConfig, seed: int = 0, dtype=jnp.float32, rng=None) ->
         if kind == "linear_attention":
             H, HV, K, V = s["H"], s["HV"], s["K"], s["V"]
             lp["gdn"] = {
-                "in_proj": n(s["Hd"], 2 * H * K + 2 * HV * V + 2 * HV),
+                "qkvz": n(s["Hd"], 2 * H * K + 2 * HV * V), "ba": n(s["Hd"], 2 * HV),
                 "conv": n(cfg.linear_conv_kernel_dim, cfg.linear_conv_dim, std=0.3),
                 "A_log": jnp.asarray(np.log(rng.uniform(0.01, 16, HV)), dtype),
                 "dt_bias": jnp.ones((HV,), dtype),
@@ -317,7 +319,7 @@ def init_params(cfg: ModelConfig, seed: int = 0, dtype=jnp.float32, rng=None) ->
             }
         else:
             Hq, Hkv, D = s["Hq"], s["Hkv"], s["D"]
-            lp["attn"] = {"qkv": n(s["Hd"], 2 * Hq * D + 2 * Hkv * D), "q_norm": jnp.zeros((D,), dtype),
+            lp["attn"] = {"qg": n(s["Hd"], 2 * Hq * D), "kv": n(s["Hd"], 2 * Hkv * D), "q_norm": jnp.zeros((D,), dtype),
                           "k_norm": jnp.zeros((D,), dtype), "o_proj": n(Hq * D, s["Hd"])}
         if cfg.is_moe_layer(i):
             E, I, Is = cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
@@ -347,17 +349,21 @@ def expected_hf_keys(cfg: ModelConfig) -> list[str]:
     return keys
 
 
-def grouped_in_proj(cfg: ModelConfig, t, a: str) -> np.ndarray:
-    """Qwen3-Next's Gated DeltaNet input projections, grouped per key head (in_proj_qkvz [H, (K | K | r*V |
-    r*V)], in_proj_ba [H, (r | r)], torch layout [out, Hd]) -> rows q | k | v | z | b | a [2HK + 2HV*V + 2HV, Hd]."""
-    Hd, H, HV, K, V = (cfg.hidden_size, cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
-                       cfg.linear_value_head_dim)
-    r = HV // H
-    qkvz = t(a + "in_proj_qkvz.weight", (2 * H * K + 2 * HV * V, Hd)).reshape(H, 2 * K + 2 * r * V, Hd)
-    q, k, v, z = np.split(qkvz, [K, 2 * K, 2 * K + r * V], axis=1)
-    ba = t(a + "in_proj_ba.weight", (2 * HV, Hd)).reshape(H, 2 * r, Hd)
-    b, a_ = np.split(ba, [r], axis=1)
-    return concat([x.reshape(-1, Hd) for x in (q, k, v, z, b, a_)], axis=0)
+def grouped_in_proj(cfg: ModelConfig, t, a: str) -> tuple[np.ndarray, np.ndarray]:
+    """Qwen3-Next's Gated DeltaNet input projections, already grouped per key head as the layers read
+    them (torch layout [out, Hd]): (in_proj_qkvz [H * (K | K | r*V | r*V), Hd], in_proj_ba [H * (r | r), Hd])."""
+    Hd, HK, HVV, HV = (cfg.hidden_size, cfg.linear_num_key_heads * cfg.linear_key_head_dim,
+                       cfg.linear_num_value_heads * cfg.linear_value_head_dim, cfg.linear_num_value_heads)
+    return t(a + "in_proj_qkvz.weight", (2 * HK + 2 * HVV, Hd)), t(a + "in_proj_ba.weight", (2 * HV, Hd))
+
+
+def grouped_conv_channels(cfg: ModelConfig) -> np.ndarray:
+    """Checkpoint conv channel (q | k | v, each heads in order) of each channel of the layers' per-key-head
+    grouping (q_h | k_h | v_h for h = 0 .. H-1): index [H * (2K + rV)]."""
+    H, HV, K, V = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    rV = (HV // H) * V
+    return np.concatenate([np.concatenate([h * K + np.arange(K), H * K + h * K + np.arange(K),
+                                           2 * H * K + h * rV + np.arange(rV)]) for h in range(H)])
 
 
 def convert_hf_weights(cfg: ModelConfig, get: Callable[[str], np.ndarray], has: Callable[[str], bool],
@@ -367,8 +373,8 @@ def convert_hf_weights(cfg: ModelConfig, get: Callable[[str], np.ndarray], has: 
 
     get(name) -> numpy array; has(name) -> bool. Raises CheckpointError naming a missing or
     misshapen tensor. A family with Qwen3-Next's layers and another checkpoint layout (Qwen3.5) passes
-    the prefix of its text model's tensors and gdn_in_proj(cfg, t, "<layer>.linear_attn.") -> the fused
-    input projection's rows q | k | v | z | b | a [2HK + 2HV*V + 2HV, Hd]."""
+    the prefix of its text model's tensors and gdn_in_proj(cfg, t, "<layer>.linear_attn.") -> the rows of
+    the qkvz and ba projections grouped per key head (`grouped_in_proj`'s layout)."""
     s = _shapes(cfg)
     Hd = s["Hd"]
 
@@ -420,8 +426,9 @@ def _convert_layer(cfg: ModelConfig, t, has, p: str, kind: str, moe: bool, dev, 
         HV, V = s["HV"], s["V"]
         a = p + "linear_attn."
         conv = t(a + "conv1d.weight", (cfg.linear_conv_dim, 1, cfg.linear_conv_kernel_dim))
+        qkvz, ba = gdn_in_proj(cfg, t, a)
         lp["gdn"] = {
-            "in_proj": lin(gdn_in_proj(cfg, t, a).T), "conv": dev(conv[:, 0, :].T),
+            "qkvz": lin(qkvz.T), "ba": lin(ba.T), "conv": dev(conv[grouped_conv_channels(cfg), 0, :].T),
             "A_log": jnp.asarray(t(a + "A_log", (HV,)), jnp.float32),
             "dt_bias": jnp.asarray(t(a + "dt_bias", (HV,)), jnp.float32),
             "norm": dev(t(a + "norm.weight", (V,))),
@@ -430,18 +437,18 @@ def _convert_layer(cfg: ModelConfig, t, has, p: str, kind: str, moe: bool, dev, 
     else:
         Hq, Hkv, D = s["Hq"], s["Hkv"], s["D"]
         a = p + "self_attn."
-        # q_proj interleaves per head: [Hq, (query D | gate D)].
-        qg = t(a + "q_proj.weight", (2 * Hq * D, Hd)).reshape(Hq, 2 * D, Hd)
-        q, gate = qg[:, :D].reshape(-1, Hd), qg[:, D:].reshape(-1, Hd)
-        k = t(a + "k_proj.weight", (Hkv * D, Hd))
-        v = t(a + "v_proj.weight", (Hkv * D, Hd))
-        lp["attn"] = {"qkv": lin(concat([q, gate, k, v], axis=0).T),
+        # q_proj interleaves per head, [Hq, (query D | gate D)]: the layer reads it as stored; k and v
+        # are interleaved per head alike, [Hkv, (k D | v D)]
+        k = t(a + "k_proj.weight", (Hkv * D, Hd)).reshape(Hkv, 1, D, Hd)
+        v = t(a + "v_proj.weight", (Hkv * D, Hd)).reshape(Hkv, 1, D, Hd)
+        lp["attn"] = {"qg": lin(t(a + "q_proj.weight", (2 * Hq * D, Hd)).T),
+                      "kv": lin(concat([k, v], axis=1).reshape(2 * Hkv * D, Hd).T),
                       "q_norm": dev(t(a + "q_norm.weight", (D,))), "k_norm": dev(t(a + "k_norm.weight", (D,))),
                       "o_proj": lin(t(a + "o_proj.weight", (Hd, Hq * D)).T)}
         if cfg.attention_bias:
-            qb = t(a + "q_proj.bias", (2 * Hq * D,)).reshape(Hq, 2 * D)
-            lp["attn"]["qkv_bias"] = dev(np.concatenate([qb[:, :D].reshape(-1), qb[:, D:].reshape(-1),
-                                                         t(a + "k_proj.bias"), t(a + "v_proj.bias")]))
+            lp["attn"]["qg_bias"] = dev(t(a + "q_proj.bias", (2 * Hq * D,)))
+            lp["attn"]["kv_bias"] = dev(np.stack([t(a + "k_proj.bias", (Hkv * D,)).reshape(Hkv, D),
+                                                  t(a + "v_proj.bias", (Hkv * D,)).reshape(Hkv, D)], axis=1).reshape(-1))
             lp["attn"]["o_bias"] = dev(t(a + "o_proj.bias", (Hd,)))
     m = p + "mlp."
     if moe:
@@ -460,9 +467,42 @@ def _convert_layer(cfg: ModelConfig, t, has, p: str, kind: str, moe: bool, dev, 
     return lp
 
 
+# Logical axes of every parameter (hybrid_jax.parallel.rules), first match wins. The mixers' projections
+# are grouped per head, so a device's columns are whole heads. The fused gate|up of the MLPs (and the
+# router | shared gate | shared gate_up projection) are split contiguously by their columns: the SPMD
+# partitioner moves their pieces' activations to where they meet.
+PARAM_AXES = {
+    "embed": ("vocab", "embed"),
+    "lm_head": ("embed", "vocab"),
+    "*/gdn/qkvz": ("embed", "heads"),
+    "*/gdn/ba": ("embed", "heads"),
+    "*/gdn/conv": (None, "heads"),
+    "*/gdn/A_log": ("heads",),
+    "*/gdn/dt_bias": ("heads",),
+    "*/gdn/norm": (None,),
+    "*/gdn/out_proj": ("heads", "embed"),
+    "*/attn/qg": ("embed", "heads"),
+    "*/attn/qg_bias": ("heads",),
+    "*/attn/kv": ("embed", "kv_heads"),
+    "*/attn/kv_bias": ("kv_heads",),
+    "*/attn/q_norm": (None,),
+    "*/attn/k_norm": (None,),
+    "*/attn/o_proj": ("heads", "embed"),
+    "*/attn/o_bias": ("embed",),
+    "*/mlp/gate_up": ("embed", "columns"),
+    "*/mlp/down": ("mlp", "embed"),
+    "*/moe/in_proj": ("embed", None),
+    "*/moe/shared_down": ("mlp", "embed"),
+    "*/moe/gate_up": ("experts", "embed", "expert_mlp"),
+    "*/moe/down": ("experts", "expert_mlp", "embed"),
+    "mtp/fc": (None, "embed"),
+    "*norm": ("embed",),
+}
+
 FAMILY = ModelFamily(
     name="qwen3_next", forward=forward, forward_ragged=forward_ragged, new_cache=new_cache, init_params=init_params,
     convert_hf_weights=convert_hf_weights, final_norm=final_norm, layer_types=LAYER_TYPES,
     write_deferred_kv=write_deferred_kv, deferred_groups=DEFERRED_GROUPS,
     mtp=MTPHead(prefixes=mtp_prefixes, new_cache=mtp_new_cache, target_hidden=target_hidden, step=mtp_step,
-                logits=mtp_logits))
+                logits=mtp_logits),
+    param_axes=PARAM_AXES)

@@ -44,7 +44,8 @@ class ShapeRng:
 
 # Per family: the (module, weight) names of the linear weights an FP8 release stores in FP8.
 FP8_LINEAR = {
-    "qwen3_next": {("gdn", "in_proj"), ("gdn", "out_proj"), ("attn", "qkv"), ("attn", "o_proj"), ("moe", "in_proj"),
+    "qwen3_next": {("gdn", "qkvz"), ("gdn", "ba"), ("gdn", "out_proj"), ("attn", "qg"), ("attn", "kv"), ("attn", "o_proj"),
+                   ("moe", "in_proj"),
                    ("moe", "shared_down"), ("moe", "gate_up"), ("moe", "down"), ("mlp", "gate_up"), ("mlp", "down")},
     "deepseek_v32": {("attn", n) for n in ("q_a", "q_b", "kv_a", "w_uk", "w_uv", "o_proj", "idx_q", "idx_k")}
     | {("moe", n) for n in ("gate_up", "down", "shared_gate_up", "shared_down")} | {("mlp", "gate_up"), ("mlp", "down")},

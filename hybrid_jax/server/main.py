@@ -26,10 +26,12 @@ def ready_note(engine: LLMEngine) -> str:
     return f"ok: warm-up {mode}: {WARMUP_NOTES[mode]} ({engine.num_compiled()} programs)"
 
 
-def load_engine(state: ServerState, model: str | None, dtype: str, engine_config: EngineConfig, stop=None):
+def load_engine(state: ServerState, model: str | None, dtype: str, engine_config: EngineConfig, stop=None,
+                parallel: dict | None = None):
+    """Loads the model (parallel: LLM's layout keywords, tensor_parallel_size ...) and starts the engine."""
     try:
         from hybrid_jax import LLM  # noqa: PLC0415
-        llm = LLM(model=model, dtype=dtype, max_model_len=None)
+        llm = LLM(model=model, dtype=dtype, max_model_len=None, **(parallel or {}))
         engine = LLMEngine(llm, engine_config)
         engine.warmup()
         ae = AsyncEngine(engine)
@@ -47,7 +49,7 @@ def load_engine(state: ServerState, model: str | None, dtype: str, engine_config
 
 def serve(*, model: str | None, host: str, port: int, dtype: str, engine_config: EngineConfig,
           server_config: ServerConfig, shutdown_timeout_s: float = 30.0, header_timeout_s: float = 10.0,
-          keep_alive_timeout_s: float = 5.0) -> int:
+          keep_alive_timeout_s: float = 5.0, parallel: dict | None = None) -> int:
     """Runs the server; returns the process exit code (0 after a drain, 1 when the model failed to load)."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:%(name)s: %(message)s")
     state = ServerState(server_config)
@@ -56,7 +58,8 @@ def serve(*, model: str | None, host: str, port: int, dtype: str, engine_config:
     def start_loading(server):
         def stop():
             server.should_exit = True
-        threading.Thread(target=load_engine, args=(state, model, dtype, engine_config, stop), daemon=True).start()
+        threading.Thread(target=load_engine, args=(state, model, dtype, engine_config, stop, parallel),
+                         daemon=True).start()
 
     lifecycle.run(app, state, host=host, port=port, shutdown_timeout_s=shutdown_timeout_s,
                   header_timeout_s=header_timeout_s, keep_alive_timeout_s=keep_alive_timeout_s,

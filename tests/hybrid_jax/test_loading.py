@@ -58,6 +58,7 @@ def test_weights_are_relaid_once_at_load(tiny_checkpoint):
     cfg = llm.config
     H, HV, K, V = (cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
                    cfg.linear_value_head_dim)
-    # fused (q | k | v | z | b | a), already transposed to [in, out]
-    assert lp["in_proj"].shape == (cfg.hidden_size, 2 * H * K + 2 * HV * V + 2 * HV)
+    # grouped per key head (q | k | v | z, and b | a), already transposed to [in, out]
+    assert lp["qkvz"].shape == (cfg.hidden_size, 2 * H * K + 2 * HV * V)
+    assert lp["ba"].shape == (cfg.hidden_size, 2 * HV)
     assert lp["conv"].shape == (cfg.linear_conv_kernel_dim, cfg.linear_conv_dim)

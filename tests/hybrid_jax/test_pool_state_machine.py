@@ -26,7 +26,7 @@ def engine(tiny_checkpoint, tmp_path_factory):
                warmup="none", enable_prefix_caching=True, prefix_block_size=16, prefix_checkpoint_interval=2,
                prefix_cache_bytes=60_000, kv_cache_dir=str(tmp_path_factory.mktemp("kv")))
     probe = LLMEngine(llm, EngineConfig(**cfg))
-    rows = 5 * sum(g.row_nbytes() for g in probe.runner.layout.groups.values())
+    rows = 5 * sum(g.row_nbytes() for g in probe.runner.abstract.groups.values())
     # pages for about 1.6 requests of 160 tokens beside rows for 4: preemption happens
     cfg["kv_cache_bytes"] = rows + (probe.runner.budget_bytes - rows) * 4 // 10
     return LLMEngine(llm, EngineConfig(**cfg))

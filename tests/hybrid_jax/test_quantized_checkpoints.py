@@ -117,8 +117,8 @@ def test_fp8_kept_on_device(qwen_release, qwen_pair):
     kept32 = LLM(model=path, dtype="float32", quantization="fp8")
     gdn, moe = kept32.params["layers"][0]["gdn"], kept32.params["layers"][0]["moe"]
     assert isinstance(gdn["out_proj"], Fp8Weight) and isinstance(moe["gate_up"], Fp8Weight)
-    assert isinstance(gdn["in_proj"], ColumnConcat)          # q|k|v|z FP8, b|a (not converted) float
-    assert [type(p) for p in gdn["in_proj"].parts] == [Fp8Weight, type(gdn["norm"])]
+    assert isinstance(gdn["qkvz"], Fp8Weight)                # q|k|v|z FP8; b|a not converted: float
+    assert type(gdn["ba"]) is type(gdn["norm"])
     assert isinstance(moe["in_proj"], ColumnConcat)          # router | shared gate float, shared gate_up FP8
     ids = list(np.random.default_rng(5).integers(0, 64, 300))
     ref = deq32.logits(ids)

@@ -129,6 +129,6 @@ def test_release_matches_transformers(releases, name, caplog):
     ids = list(np.random.default_rng(9).integers(0, 97, 40))
     if name == "fp8":
         llm = LLM(model=path, dtype="float32", quantization="fp8")
-        assert isinstance(llm.params["layers"][0]["gdn"]["in_proj"], Fp8Weight)
+        assert isinstance(llm.params["layers"][0]["gdn"]["qkvz"], Fp8Weight)
     report = align(llm, ids)                    # hybrid-jax align: every layer, against transformers
     assert report.first_divergent is None and len(report.rows) == 4 + 2, str(report)

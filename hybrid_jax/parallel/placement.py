@@ -1,0 +1,114 @@
+"""Where each parameter and cache field lives on the mesh, from its logical axes and the rule table.
+
+`Layout(pc, mesh)` holds a layout's mesh and rules:
+  param_shardings(family, params)   a NamedSharding per parameter leaf, from the family's
+                                    `param_axes` (pattern -> logical names; every leaf must match one)
+  cache_shardings(cache)            a NamedSharding per cache leaf, from each group's `AXES`
+                                    (undeclared fields, page tables, lengths: replicated)
+  put(tree, shardings)              the tree on the mesh (jax.device_put)
+
+An FP8 weight kept on the device (`layers.linear.Fp8Weight`) is not split yet: tensor parallelism
+with quantization="fp8" is refused at load.
+"""
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+from functools import cached_property
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from hybrid_jax.errors import ConfigError
+from hybrid_jax.parallel.config import ParallelConfig
+from hybrid_jax.parallel.rules import partition_spec, rules
+
+
+def path_name(path) -> str:
+    """A pytree key path as "layers/3/gdn/in_proj"."""
+    out = []
+    for k in path:
+        out.append(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))))
+    return "/".join(out)
+
+
+def leaf_axes(name: str, table: dict[str, tuple]) -> tuple:
+    """The logical axes of the parameter at path `name`: the first pattern of `table` that matches it."""
+    for pattern, axes in table.items():
+        if fnmatch.fnmatchcase(name, pattern):
+            return axes
+    raise ConfigError(f"parameter {name!r} has no logical axes (no pattern of the family's param_axes matches it)")
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    pc: ParallelConfig
+    mesh: Mesh
+
+    @cached_property
+    def rules(self) -> dict[str, str | None]:
+        return rules(self.pc)
+
+    @property
+    def key(self) -> str:
+        """The layout as the prefix cache's key part."""
+        return self.pc.describe()
+
+    def _sharding(self, axes: tuple, shape, where: str) -> NamedSharding:
+        return NamedSharding(self.mesh, partition_spec(axes, shape, self.rules, dict(self.mesh.shape), where))
+
+    @property
+    def replicated(self) -> NamedSharding:
+        return NamedSharding(self.mesh, PartitionSpec())
+
+    def param_shardings(self, family, params):
+        """NamedSharding per leaf of `params` (arrays or ShapeDtypeStructs), from family.param_axes."""
+        if family.param_axes is None:
+            raise ConfigError(f"model family {family.name!r} declares no parameter axes: it runs on one device only")
+        leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
+        out = []
+        for path, leaf in leaves:
+            name = path_name(path)
+            if leaf.dtype.itemsize == 1 and "float8" in str(leaf.dtype):
+                raise ConfigError("tensor parallelism with FP8 weights kept on the device (quantization='fp8') is not "
+                                  "supported yet; load the checkpoint dequantized")
+            out.append(self._sharding(leaf_axes(name, family.param_axes), leaf.shape, f"parameter {name}"))
+        return jax.tree_util.tree_unflatten(treedef, out)
+
+    def cache_shardings(self, cache):
+        """NamedSharding per leaf of a ModelCache (arrays or shapes), from its groups' AXES."""
+        groups = {}
+        for gname, g in cache.groups.items():
+            upd = {}
+            for f in dataclasses.fields(g):
+                a = getattr(g, f.name)
+                if not f.metadata.get("pytree_node", True) or a is None:
+                    continue
+                axes = type(g).AXES.get(f.name)
+                upd[f.name] = (self._sharding(axes, a.shape, f"cache group {gname}.{f.name}") if axes
+                               else self.replicated)
+            groups[gname] = g.replace(**upd)
+        return cache.replace(groups=groups, lengths=self.replicated, version=self.replicated)
+
+    def put(self, tree, shardings):
+        return jax.device_put(tree, shardings)
+
+
+def make_layout(pc: ParallelConfig, cfg, family, devices=None) -> Layout | None:
+    """The Layout for `pc` over the first pc.world_size of `devices` (default jax.devices()), checked
+    against the model config before any weight is read; None on one device (nothing to place)."""
+    from hybrid_jax.parallel.mesh import build_mesh  # noqa: PLC0415
+    devices = list(jax.devices() if devices is None else devices)
+    if pc.world_size > len(devices):
+        raise ConfigError(
+            f"data_parallel_size x tensor_parallel_size = {pc.data_parallel_size} x {pc.tensor_parallel_size} = "
+            f"{pc.world_size} devices, but JAX sees {len(devices)} ({devices[0].platform})")
+    pc.check(cfg, pc.world_size)
+    if pc.single_device:
+        return None
+    if pc.data_parallel_size > 1:
+        raise ConfigError("data_parallel_size > 1 is not supported yet: run one server per replica")
+    if family.param_axes is None:
+        raise ConfigError(f"model family {family.name!r} has no sharding rules yet: it runs with "
+                          f"tensor_parallel_size 1 only")
+    return Layout(pc, build_mesh(pc, devices[:pc.world_size]))

@@ -1,0 +1,103 @@
+"""Run by test_parallel.py in a subprocess that sees 8 CPU devices (XLA_FLAGS is set before jax is
+imported, so the rest of the suite keeps one device). Prints one JSON line "RESULT {...}" with, per
+layout, what the test compares against one device.
+
+    python parallel_worker.py CHECKPOINT_DIR
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+
+from hybrid_jax import LLM, SamplingParams  # noqa: E402
+from hybrid_jax.errors import ConfigError  # noqa: E402
+
+LAYOUTS = {"tp1": dict(tensor_parallel_size=1), "tp2": dict(tensor_parallel_size=2),
+           "tp4": dict(tensor_parallel_size=4), "tp4_ep": dict(tensor_parallel_size=4, enable_expert_parallel=True)}
+PROMPTS = [{"prompt_token_ids": [5, 9, 13, 200, 7, 41] * 12}, {"prompt_token_ids": [3, 4, 5, 6] * 20}]
+SPEC = {"method": "ngram", "num_speculative_tokens": 3}
+COLLECTIVES = re.compile(r"= (\S+) (all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)(?:-start)?\(")
+
+
+def weight_bytes(llm) -> dict:
+    """Bytes of the parameters: in all, on device 0, and of the leaves replicated on every device."""
+    total = dev0 = replicated = 0
+    for leaf in jax.tree_util.tree_leaves(llm.params):
+        n = leaf.size * leaf.dtype.itemsize
+        total += n
+        dev0 += sum(s.data.size * s.data.dtype.itemsize for s in leaf.addressable_shards if s.device.id == 0)
+        if leaf.sharding.is_fully_replicated:
+            replicated += n
+    return {"total": total, "device0": dev0, "replicated": replicated}
+
+
+def decode_collectives(path: str, kw: dict) -> list:
+    """(kind, "f32[1,2048]{0,1}") of every collective in the engine's compiled decode program (a
+    plain engine: with speculation, decoding runs through the verify step)."""
+    llm = LLM(model=path, dtype="float32", max_model_len=256, max_num_seqs=4, **kw)
+    runner = llm.engine.runner
+    seen = {}
+    jitted = runner._decode
+
+    def spy(*a, **k):
+        seen.setdefault("args", (jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+                                              if isinstance(x, jax.Array) else x, a), k))
+        return jitted(*a, **k)
+    runner._decode = spy
+    try:
+        llm.generate([{"prompt_token_ids": [1, 2, 3, 4]}], SamplingParams(max_tokens=4, temperature=0.0))
+    finally:
+        runner._decode = jitted
+    a, k = seen["args"]
+    text = jitted.lower(*a, **k).compile().as_text()
+    return [(m.group(2), m.group(1)) for m in COLLECTIVES.finditer(text)]
+
+
+def run(path: str) -> dict:
+    out = {"devices": len(jax.devices())}
+    sp = SamplingParams(max_tokens=12, temperature=0.0, logprobs=1)
+    for name, kw in LAYOUTS.items():
+        llm = LLM(model=path, dtype="float32", max_model_len=256, max_num_seqs=4, enable_prefix_caching=True,
+                  speculative_config=SPEC, **kw)
+        first = llm.generate(PROMPTS, sp)
+        again = llm.generate(PROMPTS, sp)          # served from the prefix cache
+        runner = llm.engine.runner
+        kept = all(a.sharding.is_equivalent_to(s, a.ndim) for a, s in zip(jax.tree_util.tree_leaves(runner.cache),
+                                                   jax.tree_util.tree_leaves(runner.cache_shardings))) \
+            if runner.cache_shardings is not None else None
+        out[name] = {
+            "tokens": [o.outputs[0].token_ids for o in first], "again": [o.outputs[0].token_ids for o in again],
+            "logprobs": [o.outputs[0].cumulative_logprob for o in first],
+            "hits": llm.cache_stats()["hits"], "sharding_key": runner.layout.key if runner.layout else "replicated",
+            "pools_keep_shardings": kept, "weights": weight_bytes(llm),
+            "split_weights": sorted({tuple(leaf.shape) for leaf in jax.tree_util.tree_leaves(llm.params)
+                                     if leaf.ndim >= 2 and not leaf.sharding.is_fully_replicated}),
+            "collectives": decode_collectives(path, kw) if name != "tp1" else [],
+        }
+    errors = {}
+    for name, kw in {"tp3": dict(tensor_parallel_size=3), "tp16": dict(tensor_parallel_size=16),
+                     "dp2": dict(tensor_parallel_size=4, data_parallel_size=2)}.items():
+        import hybrid_jax.weights as w  # noqa: PLC0415
+        read = []
+        orig = w.CheckpointReader.get
+        w.CheckpointReader.get = lambda self, name, _o=orig: read.append(name) or _o(self, name)
+        try:
+            LLM(model=path, dtype="float32", **kw)
+            errors[name] = None
+        except ConfigError as e:
+            errors[name] = {"message": str(e), "tensors_read": len(read)}
+        finally:
+            w.CheckpointReader.get = orig
+    out["errors"] = errors
+    return out
+
+
+if __name__ == "__main__":
+    print("RESULT " + json.dumps(run(sys.argv[1])))

@@ -1,0 +1,157 @@
+"""Tensor and expert parallelism (hybrid_jax.parallel): the layout options, the rule table, and one
+model run split over 2 and 4 CPU devices against one device.
+
+The multi-device checks run in a subprocess that sees 8 CPU devices (parallel_worker.py), so the
+rest of the suite keeps one device."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import pytest
+from conftest import make_checkpoint
+from jax.sharding import Mesh, PartitionSpec
+
+from hybrid_jax.config import load_config
+from hybrid_jax.errors import ConfigError
+from hybrid_jax.models import get_model
+from hybrid_jax.parallel import Layout, ParallelConfig
+from hybrid_jax.parallel.rules import partition_spec, rules
+
+# Head and expert counts that 2 and 4 divide; 2 key-value heads, so tensor size 4 replicates them.
+SPLITTABLE = dict(vocab_size=256, num_attention_heads=8, num_key_value_heads=2, linear_num_key_heads=4,
+                  linear_num_value_heads=8, layer_types=["linear_attention", "linear_attention", "linear_attention",
+                                                         "full_attention"], mlp_only_layers=[1])
+
+
+@pytest.fixture(scope="module")
+def splittable(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("tp") / "m", seed=3, **SPLITTABLE)
+
+
+@pytest.fixture(scope="module")
+def worker(splittable):
+    here = os.path.dirname(__file__)
+    r = subprocess.run([sys.executable, os.path.join(here, "parallel_worker.py"), splittable], capture_output=True,
+                       text=True, timeout=1500, env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+    assert r.returncode == 0, r.stderr[-4000:]
+    line = next(x for x in r.stdout.splitlines() if x.startswith("RESULT "))
+    return json.loads(line[len("RESULT "):])
+
+
+# ---- one process, one device -------------------------------------------------------------------
+
+@pytest.mark.parametrize("kw, words", [
+    (dict(tensor_parallel_size=0), "tensor_parallel_size must be a positive integer"),
+    (dict(data_parallel_size=-1), "data_parallel_size must be a positive integer"),
+    (dict(tensor_parallel_size=2.0), "tensor_parallel_size must be a positive integer"),
+    (dict(enable_expert_parallel="yes"), "enable_expert_parallel must be true or false"),
+])
+def test_bad_options_are_named(kw, words):
+    with pytest.raises(ConfigError, match=words):
+        ParallelConfig(**kw)
+
+
+def test_layout_checks_name_the_count_it_cannot_split(splittable):
+    cfg = load_config(splittable)
+    with pytest.raises(ConfigError, match=r"does not divide the model's attention heads \(num_attention_heads = 8\)"):
+        ParallelConfig(tensor_parallel_size=3).check(cfg, 3)
+    with pytest.raises(ConfigError, match=r"linear-attention key heads \(linear_num_key_heads = 4\)"):
+        ParallelConfig(tensor_parallel_size=8).check(cfg, 8)
+    with pytest.raises(ConfigError, match="does not divide the model's 4 routed experts"):
+        ParallelConfig(tensor_parallel_size=8, enable_expert_parallel=True).check(
+            load_config(make_checkpoint(os.path.join(os.path.dirname(splittable), "h16"), num_attention_heads=16,
+                                        linear_num_key_heads=8, linear_num_value_heads=16, vocab_size=256)), 8)
+    with pytest.raises(ConfigError, match=r"must equal the number of devices \(4\)"):
+        ParallelConfig(tensor_parallel_size=2).check(cfg, 4)
+    ParallelConfig(tensor_parallel_size=4, enable_expert_parallel=True).check(cfg, 4)   # 2 KV heads: replicated
+
+
+def test_more_devices_than_jax_has_is_an_error_before_any_weight(splittable, monkeypatch):
+    import hybrid_jax.weights as w
+    from hybrid_jax import LLM
+    monkeypatch.setattr(w.CheckpointReader, "get", lambda *a: pytest.fail("a weight was read"))
+    with pytest.raises(ConfigError, match=f"= 2 devices, but JAX sees {len(jax.devices())}"):
+        LLM(model=splittable, tensor_parallel_size=2)
+
+
+def test_rule_table_maps_logical_axes_and_names_what_it_cannot_split():
+    tp = rules(ParallelConfig(tensor_parallel_size=4))
+    ep = rules(ParallelConfig(tensor_parallel_size=4, enable_expert_parallel=True))
+    mesh = {"data": 1, "model": 4}
+    assert partition_spec(("embed", "heads"), (64, 128), tp, mesh, "w") == PartitionSpec(None, "model")
+    assert partition_spec(("experts", "embed", "expert_mlp"), (4, 64, 64), tp, mesh, "w") == \
+        PartitionSpec(None, None, "model")
+    assert partition_spec(("experts", "embed", "expert_mlp"), (4, 64, 64), ep, mesh, "w") == \
+        PartitionSpec("model", None, None)
+    # 2 KV heads over 4 devices: replicated, as vLLM does; a head dimension it cannot split is an error
+    assert partition_spec((None, "kv_heads", None), (8, 2, 16), tp, mesh, "k") == PartitionSpec(None, None, None)
+    with pytest.raises(ConfigError, match=r"layers/0/attn/o_proj: its heads dimension \(6\) is not divisible"):
+        partition_spec(("heads", "embed"), (6, 64), tp, mesh, "layers/0/attn/o_proj")
+    with pytest.raises(ConfigError, match="unknown logical axis 'head'"):
+        partition_spec(("head",), (8,), tp, mesh, "w")
+
+
+@pytest.mark.parametrize("name", ["qwen3_next", "qwen3_5"])
+def test_every_parameter_has_logical_axes(name, splittable):
+    """Every parameter leaf (MoE, dense MLP, MTP block, attention bias) matches a pattern of the family's
+    table with one name per dimension: a new parameter without one fails here, not on a mesh."""
+    import dataclasses
+
+    from hybrid_jax.models.qwen3_next import init_params
+    cfg = dataclasses.replace(load_config(splittable), attention_bias=True)
+    params = jax.eval_shape(lambda: init_params(cfg))
+    norm = params["final_norm"]
+    params["mtp"] = {"fc": jax.ShapeDtypeStruct((2 * cfg.hidden_size, cfg.hidden_size), norm.dtype), "enorm": norm,
+                     "hnorm": norm, "norm": norm, "layers": params["layers"][3:]}
+    layout = Layout(ParallelConfig(), Mesh(jax.devices()[:1], ("model",)))
+    shardings = layout.param_shardings(get_model(name), params)
+    assert len(jax.tree_util.tree_leaves(shardings)) == len(jax.tree_util.tree_leaves(params))
+
+
+# ---- 8 CPU devices, in a subprocess -----------------------------------------------------------------
+
+@pytest.mark.parametrize("layout", ["tp2", "tp4", "tp4_ep"])
+def test_split_model_generates_what_one_device_does(worker, layout):
+    """Greedy tokens identical to one device, with the prefix cache (the second pass hits) and n-gram
+    speculation on; log-probabilities equal to float32 rounding."""
+    one, split = worker["tp1"], worker[layout]
+    assert worker["devices"] == 8
+    assert split["tokens"] == one["tokens"] and split["again"] == one["again"] == one["tokens"]
+    assert split["logprobs"] == pytest.approx(one["logprobs"], rel=1e-5, abs=1e-5)
+    assert split["hits"] >= 2 and one["hits"] >= 2
+    assert split["pools_keep_shardings"] is True          # donated step after step, never re-laid
+    assert split["sharding_key"] != one["sharding_key"] == "replicated"
+
+
+@pytest.mark.parametrize("layout, tp", [("tp2", 2), ("tp4", 4), ("tp4_ep", 4)])
+def test_each_device_holds_its_share_of_the_weights(worker, layout, tp):
+    w = worker[layout]["weights"]
+    assert w["total"] == worker["tp1"]["weights"]["total"]
+    assert w["device0"] == (w["total"] - w["replicated"]) // tp + w["replicated"]
+    assert w["replicated"] < 0.1 * w["total"]            # norms, the router, the MTP-free rest is split
+
+
+@pytest.mark.parametrize("layout", ["tp2", "tp4", "tp4_ep"])
+def test_decode_step_gathers_no_weight_matrix(worker, layout):
+    """The compiled decode program moves activations between devices, never a parameter: no all-gather
+    has the shape of a split weight matrix, and partial sums are all-reduced (4 layers: one or more each)."""
+    split = worker[layout]
+    weights = {tuple(s) for s in split["split_weights"]}
+    assert weights
+    kinds = [kind for kind, _ in split["collectives"]]
+    gathered = {tuple(int(d) for d in shape[shape.index("[") + 1:shape.index("]")].split(",") if d)
+                for kind, shape in split["collectives"] if kind == "all-gather"}
+    assert not gathered & weights
+    assert kinds.count("all-reduce") >= 4
+
+
+def test_bad_layouts_fail_before_loading_weights(worker):
+    e = worker["errors"]
+    assert "does not divide the model's attention heads (num_attention_heads = 8)" in e["tp3"]["message"]
+    assert "16 devices, but JAX sees 8" in e["tp16"]["message"]
+    assert "data_parallel_size > 1 is not supported yet" in e["dp2"]["message"]
+    assert all(x["tensors_read"] == 0 for x in e.values())
