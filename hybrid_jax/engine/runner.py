@@ -111,6 +111,15 @@ class ModelRunner:
         """The pools on the mesh (as they are on one device)."""
         return pools if self.layout is None else self.layout.put(pools, self.cache_shardings)
 
+    def _pin(self, view):
+        """A step's view of the pools (or a forward's output cache) pinned to the pools' layout on a mesh:
+        inside a step's loop too, the partitioner keeps every pool as it is stored (left free, it may
+        split a replicated KV pool the way the attention reads it, and gather it back whole at the
+        step's end)."""
+        if self.layout is None:
+            return view
+        return jax.lax.with_sharding_constraint(view, self.layout.cache_shardings(view))
+
     def _put_view(self, cache, rows, view):
         """put_view, with the pools' shardings pinned on a mesh (so the donated buffers are reused
         step after step instead of the partitioner choosing another layout for the output)."""
@@ -200,7 +209,9 @@ class ModelRunner:
 
     def _target(self, params, sub, tokens, n_new, **kw):
         """The target's forward (a StepOutput; with the MTP drafter its `hidden` is asked for)."""
-        return self.model.forward(self.cfg, params, sub, tokens, n_new, impl=self.impl, return_hidden=self.mtp, **kw)
+        out = self.model.forward(self.cfg, params, self._pin(sub), tokens, n_new, impl=self.impl,
+                                 return_hidden=self.mtp, **kw)
+        return out.replace(cache=self._pin(out.cache))
 
     def _mtp_hidden(self, params, out):
         """What the MTP block reads from a target forward's output (a StepOutput or a Verified): [B, T, Hd]."""
@@ -234,7 +245,7 @@ class ModelRunner:
     def _ragged_fn(self, params, cache, r, reset, batch, do_sample, *, flags, top_n):
         """`_mixed_fn` over a ragged batch (models.ragged.RaggedBatch of the step's S rows)."""
         sub = take_view(cache, r["rows"], r["tables"], r["lengths"], reset)
-        out = self.model.forward_ragged(self.cfg, params, sub, batch, impl=self.impl)
+        out = self.model.forward_ragged(self.cfg, params, self._pin(sub), batch, impl=self.impl)
         tok, lps = self._sample(out.logits, r, flags, top_n)
         return jnp.where(do_sample, tok, -1), lps, self._put_view(cache, r["rows"], out.cache)
 

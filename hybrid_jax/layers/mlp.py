@@ -49,10 +49,12 @@ def _routed_dense(x, idx, w, gate_up, down):
         g, u = jnp.split(h, 2, axis=-1)
         act = jnp.moveaxis(jax.nn.silu(g) * u * combine.T[..., None], 0, 1)              # [M, E, I]
     else:
-        h = (x @ gate_up.transpose(1, 0, 2).reshape(Hd, E * I2)).reshape(M, E, I2)
+        h = jnp.einsum("mh,ehi->mei", x, gate_up)                                        # [M, E, 2I]
         g, u = jnp.split(h, 2, axis=-1)
         act = jax.nn.silu(g) * u * combine[..., None]                                    # [M, E, I]
-    return act.reshape(M, E * (I2 // 2)) @ down.reshape(E * (I2 // 2), Hd)
+    # contracted over (E, I) as two axes, not reshaped into one: split experts or a split intermediate
+    # axis (hybrid_jax.parallel) stay split, and each device sums its own part
+    return jnp.einsum("mei,eih->mh", act, down)
 
 
 def _grouped(xs, w, sizes):

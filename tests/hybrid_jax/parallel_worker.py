@@ -52,7 +52,9 @@ def decode_collectives(path: str, kw: dict) -> list:
         return jitted(*a, **k)
     runner._decode = spy
     try:
-        llm.generate([{"prompt_token_ids": [1, 2, 3, 4]}], SamplingParams(max_tokens=4, temperature=0.0))
+        # 4 rows: with 2 of 4 experts each, the MoE runs every expert densely (a lone row gathers its two)
+        llm.generate([{"prompt_token_ids": [1, 2, 3, 4 + i]} for i in range(4)],
+                     SamplingParams(max_tokens=4, temperature=0.0))
     finally:
         runner._decode = jitted
     a, k = seen["args"]

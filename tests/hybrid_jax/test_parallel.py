@@ -22,7 +22,7 @@ from hybrid_jax.parallel import Layout, ParallelConfig
 from hybrid_jax.parallel.rules import partition_spec, rules
 
 # Head and expert counts that 2 and 4 divide; 2 key-value heads, so tensor size 4 replicates them.
-SPLITTABLE = dict(vocab_size=256, num_attention_heads=8, num_key_value_heads=2, linear_num_key_heads=4,
+SPLITTABLE = dict(vocab_size=320, num_attention_heads=8, num_key_value_heads=2, linear_num_key_heads=4,
                   linear_num_value_heads=8, layer_types=["linear_attention", "linear_attention", "linear_attention",
                                                          "full_attention"], mlp_only_layers=[1])
 
@@ -64,7 +64,7 @@ def test_layout_checks_name_the_count_it_cannot_split(splittable):
     with pytest.raises(ConfigError, match="does not divide the model's 4 routed experts"):
         ParallelConfig(tensor_parallel_size=8, enable_expert_parallel=True).check(
             load_config(make_checkpoint(os.path.join(os.path.dirname(splittable), "h16"), num_attention_heads=16,
-                                        linear_num_key_heads=8, linear_num_value_heads=16, vocab_size=256)), 8)
+                                        linear_num_key_heads=8, linear_num_value_heads=16, vocab_size=320)), 8)
     with pytest.raises(ConfigError, match=r"must equal the number of devices \(4\)"):
         ParallelConfig(tensor_parallel_size=2).check(cfg, 4)
     ParallelConfig(tensor_parallel_size=4, enable_expert_parallel=True).check(cfg, 4)   # 2 KV heads: replicated
