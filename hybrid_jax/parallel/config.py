@@ -8,9 +8,10 @@
                           experts) instead of every expert's intermediate columns
 
 `check(cfg, n_devices)` raises ConfigError before any weight is read when the layout cannot work:
-a size that is not a positive integer, a product that is not the number of devices given, or a head,
-expert or vocabulary count the tensor size does not divide (named, with its count). Key-value heads
-fewer than the tensor size are replicated (as vLLM does), not an error.
+a size that is not a positive integer, a product that is not the number of devices given, or a head
+or expert count the tensor size does not divide (named, with its count). Key-value heads fewer than
+the tensor size are replicated (as vLLM does), not an error, and so are the embedding and LM head of
+a vocabulary the tensor size does not divide (vLLM pads it instead: less memory, a later step).
 """
 from __future__ import annotations
 
@@ -69,9 +70,6 @@ class ParallelConfig:
             n = getattr(cfg, field, None)
             if n and n % tp:
                 raise ConfigError(f"tensor_parallel_size {tp} does not divide the model's {what} ({field} = {n})")
-        vocab = getattr(cfg, "vocab_size", None)
-        if vocab and vocab % tp:
-            raise ConfigError(f"tensor_parallel_size {tp} does not divide the vocabulary (vocab_size = {vocab})")
         experts = next((getattr(cfg, f) for f in EXPERT_FIELDS if getattr(cfg, f, None)), None)
         if self.enable_expert_parallel:
             if not experts:

@@ -5,7 +5,8 @@ Every parameter of a family declares the logical name of each of its dimensions 
 fields' dimensions (`CacheGroup.AXES`). Nothing else in the code names a mesh axis: `rules(pc)` is
 the only place that decides which logical axis is split over which mesh axis.
 
-  vocab       the vocabulary: embedding rows and LM-head columns (vocab-parallel)
+  vocab       the vocabulary: embedding rows and LM-head columns (vocab-parallel); replicated when the
+              tensor size does not divide it
   embed       the model width (replicated: activations between blocks are whole)
   heads       attention / linear-attention heads, or a dimension made of whole heads (H * D)
   kv_heads    key-value heads; replicated when the tensor size does not divide them (vLLM does the
@@ -25,7 +26,7 @@ from hybrid_jax.errors import ConfigError
 from hybrid_jax.parallel.config import ParallelConfig
 
 LOGICAL_AXES = ("vocab", "embed", "heads", "kv_heads", "columns", "mlp", "experts", "expert_mlp")
-REPLICATED_WHEN_INDIVISIBLE = frozenset({"kv_heads", "columns"})
+REPLICATED_WHEN_INDIVISIBLE = frozenset({"kv_heads", "columns", "vocab"})
 
 
 def rules(pc: ParallelConfig) -> dict[str, str | None]:

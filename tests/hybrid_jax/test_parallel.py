@@ -87,8 +87,11 @@ def test_rule_table_maps_logical_axes_and_names_what_it_cannot_split():
         PartitionSpec(None, None, "model")
     assert partition_spec(("experts", "embed", "expert_mlp"), (4, 64, 64), ep, mesh, "w") == \
         PartitionSpec("model", None, None)
-    # 2 KV heads over 4 devices: replicated, as vLLM does; a head dimension it cannot split is an error
+    # 2 KV heads over 4 devices, and a vocabulary of 259: replicated (vLLM replicates the heads and pads
+    # the vocabulary); a head dimension it cannot split is an error
     assert partition_spec((None, "kv_heads", None), (8, 2, 16), tp, mesh, "k") == PartitionSpec(None, None, None)
+    assert partition_spec(("vocab", "embed"), (259, 64), tp, mesh, "embed") == PartitionSpec(None, None)
+    assert partition_spec(("vocab", "embed"), (320, 64), tp, mesh, "embed") == PartitionSpec("model", None)
     with pytest.raises(ConfigError, match=r"layers/0/attn/o_proj: its heads dimension \(6\) is not divisible"):
         partition_spec(("heads", "embed"), (6, 64), tp, mesh, "layers/0/attn/o_proj")
     with pytest.raises(ConfigError, match="unknown logical axis 'head'"):
