@@ -77,8 +77,3 @@ class ParallelConfig:
             if experts % tp:
                 raise ConfigError(f"enable_expert_parallel: tensor_parallel_size {tp} does not divide the model's "
                                   f"{experts} routed experts")
-
-
-def from_options(tensor_parallel_size: int = 1, data_parallel_size: int = 1,
-                 enable_expert_parallel: bool = False) -> ParallelConfig:
-    return ParallelConfig(tensor_parallel_size, data_parallel_size, enable_expert_parallel)
