@@ -36,6 +36,7 @@ from hybrid_jax.errors import InputError
 from hybrid_jax.generate import bucket
 from hybrid_jax.models import get_model
 from hybrid_jax.models.ragged import pack
+from hybrid_jax.parallel.context import Traced
 from hybrid_jax.sampling import SamplerFlags, sample, token_logprobs
 
 MIN_T = 8
@@ -100,6 +101,9 @@ class ModelRunner:
         self._verify = jax.jit(self._verify_fn, static_argnames=("flags", "replay"),
                                donate_argnames=("cache", "dcache"))
         self._loop = jax.jit(self._loop_fn, static_argnames=("lc",), donate_argnames=("cache",))
+        if layout is not None:      # traced with the layout current: the per-device ops see the mesh
+            for name in ("_mixed", "_ragged", "_decode", "_verify", "_loop"):
+                setattr(self, name, Traced(layout, getattr(self, name)))
         self._copy_pages = jax.jit(copy_pages, donate_argnames=("pools",))
         # A draft model (speculative decoding) keeps its own cache rows in step with the target's:
         # every prefill chunk and decode iteration feeds it the same tokens. With the MTP drafter

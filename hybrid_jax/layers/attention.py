@@ -17,6 +17,7 @@ from cache.mla import write_paged, write_paged_flat
 from hybrid_jax.layers.linear import linear
 from hybrid_jax.layers.norms import rms_norm_zero_centered
 from hybrid_jax.layers.rope import apply_rope
+from hybrid_jax.parallel.context import MODEL, current, per_device, tensor_size
 
 KEY_BLOCK = 512       # tokens of cached keys per iteration of the paged read
 
@@ -190,6 +191,45 @@ def gated_attention(p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, posit
     return out, k_pool, v_pool
 
 
+_Q = (None, "heads", None)                     # [N, Hq, D]
+_KV = (None, None, "kv_heads", None)           # [P, ps, Hkv, D]
+
+
+def _own_kv_heads(q_heads: int, Hq: int, k_pages: jax.Array, v_pages: jax.Array):
+    """Inside a per-device op whose query heads are split and whose KV pages are whole (fewer KV heads
+    than devices): the KV heads this device's `q_heads` query heads read, in their order. When they
+    all read one KV head (the tensor size a multiple of the KV heads), that head alone."""
+    Hkv = k_pages.shape[2]
+    rep = Hq // Hkv
+    first = jax.lax.axis_index(MODEL) * q_heads
+    if rep % q_heads == 0:
+        pick = lambda a: jax.lax.dynamic_slice_in_dim(a, first // rep, 1, axis=2)  # noqa: E731
+    else:
+        idx = (first + jnp.arange(q_heads)) // rep
+        pick = lambda a: jnp.take(a, idx, axis=2)  # noqa: E731
+    return pick(k_pages), pick(v_pages)
+
+
+def ragged_read(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, kv_lens: jax.Array, page_table: jax.Array,
+                cu_seqlens: jax.Array, *, sm_scale: float, impl: str = "auto") -> jax.Array:
+    """`pallas_kernels.ragged_paged_attention` for every sequence of a ragged batch, on each device's
+    query heads when the heads are split (`hybrid_jax.parallel`; with fewer KV heads than devices the
+    pages are whole on every device and each reads the KV heads of its own query heads).
+    q [N, Hq, D]; k_pages, v_pages [P, ps, Hkv, D]; kv_lens [S]; page_table [S, NP]; cu_seqlens [S + 1].
+    Returns [N, Hq, D]."""
+    Hq, S = q.shape[1], kv_lens.shape[0]
+    lay = current()
+    kv_whole = lay is not None and tensor_size() > 1 and lay.spec(_KV, k_pages.shape, "KV pages")[2] is None
+
+    def fn(q, kp, vp, kv_lens, table, cu):
+        if kv_whole:
+            kp, vp = _own_kv_heads(q.shape[1], Hq, kp, vp)
+        return pallas_kernels.ragged_paged_attention.ragged_paged_attention(
+            q, kp, vp, kv_lens, table, cu, jnp.full((1,), S, jnp.int32), sm_scale=sm_scale, impl=impl)
+    return per_device(fn, (_Q, _KV, _KV, None, None, None), _Q, out_like=q)(q, k_pages, v_pages, kv_lens,
+                                                                             page_table, cu_seqlens)
+
+
 def gated_attention_ragged(p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, seq: jax.Array,
                            positions: jax.Array, valid: jax.Array, cu_seqlens: jax.Array, kv_lens: jax.Array,
                            k_pool: jax.Array, v_pool: jax.Array, page_table: jax.Array, *, num_heads: int,
@@ -204,8 +244,6 @@ def gated_attention_ragged(p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array
     q, gate, k, v = _qkv(p, x[None], cos[None], sin[None], Hq, Hkv, D, eps)
     k_pool = write_paged_flat(k_pool, k[0], page_table, seq, positions, valid, layer)
     v_pool = write_paged_flat(v_pool, v[0], page_table, seq, positions, valid, layer)
-    S = kv_lens.shape[0]
-    o = pallas_kernels.ragged_paged_attention.ragged_paged_attention(
-        q[0], k_pool[layer], v_pool[layer], kv_lens, page_table, cu_seqlens, jnp.full((1,), S, jnp.int32),
-        sm_scale=D ** -0.5, impl=impl)
+    o = ragged_read(q[0], k_pool[layer], v_pool[layer], kv_lens, page_table, cu_seqlens, sm_scale=D ** -0.5,
+                    impl=impl)
     return _gated_output(p, o.reshape(N, Hq * D).astype(x.dtype), gate[0]), k_pool, v_pool

@@ -24,6 +24,7 @@ import pallas_kernels
 from cache.state import conv_state_after
 from hybrid_jax.layers.linear import linear
 from hybrid_jax.layers.norms import gated_rms_norm
+from hybrid_jax.parallel.context import per_device
 
 
 def causal_conv(x: jax.Array, conv_state: jax.Array, w: jax.Array, n_new: jax.Array, return_window: bool = False):
@@ -71,6 +72,22 @@ def _output(p: dict, o: jax.Array, z: jax.Array, eps: float, dtype) -> jax.Array
     return linear(o.reshape(o.shape[:-2] + (-1,)), p["out_proj"])
 
 
+_TOKENS_HEADS = (None, None, "heads", None)       # q, k [B, T, H, K]; v, o, deltas [B, T, HV, V]
+_GATES = (None, None, "heads")                     # g, beta [B, T, HV]
+_STATE = (None, "heads", None, None)               # [B, HV, K, V]
+
+
+def _rule(kernel, q, k, v, g, beta, state, cu_seqlens=None, **kw):
+    """`kernel` (a pallas_kernels gated-delta-rule op) on q, k, v, g, beta with initial state `state`, run
+    on each device's heads when the heads are split (`hybrid_jax.parallel`: a device's key heads and
+    their value heads sit together, so the rule needs nothing from another device)."""
+    def fn(q, k, v, g, beta, state, cu):
+        return kernel(q, k, v, g, beta, initial_state=state, output_final_state=True, cu_seqlens=cu, **kw)
+    n_out = 3 if kw.get("output_deltas") else 2
+    return per_device(fn, (_TOKENS_HEADS,) * 3 + (_GATES,) * 2 + (_STATE, None),
+                      (_TOKENS_HEADS, _STATE, _TOKENS_HEADS)[:n_out])(q, k, v, g, beta, state, cu_seqlens)
+
+
 def gated_deltanet(p: dict, x: jax.Array, valid: jax.Array, n_new: jax.Array, conv_state: jax.Array,
                    ssm_state: jax.Array, *, num_k_heads: int, num_v_heads: int, head_k_dim: int,
                    head_v_dim: int, eps: float, impl: str = "auto", fused_recurrent: bool = False,
@@ -92,17 +109,14 @@ def gated_deltanet(p: dict, x: jax.Array, valid: jax.Array, n_new: jax.Array, co
     beta, g = _gates(p, b, a, valid)
     if per_token_states:
         parts = {"conv_window": conv_window, "ssm0": ssm_state, "k": k, "g": g}
-        o, ssm_state, parts["delta"] = pallas_kernels.fused_recurrent_gated_delta_rule(
-            q, k, v, g, beta, initial_state=ssm_state, output_final_state=True, output_deltas=True,
-            use_qk_l2norm_in_kernel=True, impl=impl)
+        o, ssm_state, parts["delta"] = _rule(pallas_kernels.fused_recurrent_gated_delta_rule, q, k, v, g, beta,
+                                             ssm_state, output_deltas=True, use_qk_l2norm_in_kernel=True, impl=impl)
     elif T == 1 or fused_recurrent:
-        o, ssm_state = pallas_kernels.fused_recurrent_gated_delta_rule(
-            q, k, v, g, beta, initial_state=ssm_state, output_final_state=True,
-            use_qk_l2norm_in_kernel=True, impl=impl)
+        o, ssm_state = _rule(pallas_kernels.fused_recurrent_gated_delta_rule, q, k, v, g, beta, ssm_state,
+                             use_qk_l2norm_in_kernel=True, impl=impl)
     else:
-        o, ssm_state = pallas_kernels.chunk_gated_delta_rule(
-            q, k, v, g, beta, initial_state=ssm_state, output_final_state=True,
-            use_qk_l2norm_in_kernel=True, impl=impl)
+        o, ssm_state = _rule(pallas_kernels.chunk_gated_delta_rule, q, k, v, g, beta, ssm_state,
+                             use_qk_l2norm_in_kernel=True, impl=impl)
     out = _output(p, o, z, eps, x.dtype)
     if per_token_states:
         return out, conv_state, ssm_state, parts
@@ -143,8 +157,6 @@ def gated_deltanet_ragged(p: dict, x: jax.Array, seq: jax.Array, valid: jax.Arra
     qkv, conv_state = ragged_causal_conv(qkv, conv_state, p["conv"], seq, cu_seqlens)
     q, k, v = _split_qkv(qkv, H, HV, K, V)
     beta, g = _gates(p, b, a, valid)
-    o, ssm_state = pallas_kernels.chunk_gated_delta_rule(
-        q[None], k[None], v[None], g[None], beta[None],
-        initial_state=ssm_state, output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens,
-        impl=impl)
+    o, ssm_state = _rule(pallas_kernels.chunk_gated_delta_rule, q[None], k[None], v[None], g[None], beta[None],
+                         ssm_state, cu_seqlens, use_qk_l2norm_in_kernel=True, impl=impl)
     return _output(p, o[0], z, eps, x.dtype), conv_state, ssm_state

@@ -5,6 +5,10 @@ shape: few routed rows (decode) gather the k chosen experts' weights per token; 
 experts (E <= 4k) run every expert densely and mask by the routing weights; many rows with many
 experts sort rows by expert and run two grouped matmuls (`lax.ragged_dot`), so no expert computes a
 token it was not routed.
+
+Expert parallelism (`hybrid_jax.parallel`, experts split whole over the tensor axis): each device runs
+the chosen form over its own experts for the assignments routed to them (the others masked), and the
+outputs are summed over the devices: one all-reduce of [M, Hd] per block, no expert weight moves.
 """
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from hybrid_jax.layers.linear import Fp8Weight, dequantize, linear, take
+from hybrid_jax.parallel.context import MODEL, current, per_device, tensor_size
 from pallas_kernels.grouped_matmul import fp8_grouped_matmul
 
 
@@ -68,6 +73,8 @@ def _grouped(xs, w, sizes):
 
 
 def _routed_sorted(x, idx, w, gate_up, down):
+    # idx may hold E (= gate_up.shape[0]): an assignment to no expert here (another device's), sorted
+    # last and left out of the groups
     M, k = idx.shape
     E = gate_up.shape[0]
     flat_e = idx.reshape(-1)
@@ -78,22 +85,47 @@ def _routed_sorted(x, idx, w, gate_up, down):
     h = _grouped(xs, gate_up, sizes)
     g, u = jnp.split(h, 2, axis=-1)
     y = _grouped(jax.nn.silu(g) * u, down, sizes)
-    y = y * w.reshape(-1)[order][:, None].astype(y.dtype)
+    mine = (flat_e[order] < E)[:, None]              # rows past the groups are not computed: never read them
+    y = jnp.where(mine, y * w.reshape(-1)[order][:, None].astype(y.dtype), 0)
     return jnp.zeros_like(x).at[tok].add(y)
+
+
+def _form(M: int, k: int, E: int):
+    """The routed experts' form for M rows, k experts each, of E (module docstring)."""
+    if M * k <= E:
+        return _routed_gather
+    if E <= 4 * k:
+        return _routed_dense
+    return _routed_sorted
+
+
+_EXPERTS = ("experts", None, None)     # gate_up [E, Hd, 2I], down [E, I, Hd] (and an FP8 weight's scales)
 
 
 def routed_experts(x: jax.Array, idx: jax.Array, w: jax.Array, gate_up: jax.Array, down: jax.Array) -> jax.Array:
     """The routed experts' output: x [M, Hd]; idx, w [M, k] (chosen experts, their weights);
     gate_up [E, Hd, 2I]; down [E, I, Hd] (arrays or `layers.linear` weights: an FP8 expert is decoded
     inside the step, only the chosen ones on the gather path). Picks the form by shape (see the module
-    docstring)."""
+    docstring); with the experts split over devices, each runs it on its own (module docstring)."""
     M, k = idx.shape
     E = gate_up.shape[0]
-    if M * k <= E:
-        return _routed_gather(x, idx, w, gate_up, down)
-    if E <= 4 * k:
-        return _routed_dense(x, idx, w, gate_up, down)
-    return _routed_sorted(x, idx, w, gate_up, down)
+    form = _form(M, k, E)
+    lay = current()
+    if lay is None or tensor_size() == 1 or lay.spec(_EXPERTS, gate_up.shape, "experts")[0] is None:
+        return form(x, idx, w, gate_up, down)
+
+    def own_experts(x, idx, w, gate_up, down):
+        El = gate_up.shape[0]
+        first = jax.lax.axis_index(MODEL) * El
+        mine = (idx >= first) & (idx < first + El)
+        # another device's expert: index El (the sorted form leaves it out of its groups), clipped to a
+        # real one with weight 0 on the gather form; the dense form's one-hot of El is all zeros
+        local = jnp.where(mine, idx - first, El)
+        if form is _routed_gather:
+            local = jnp.minimum(local, El - 1)
+        y = form(x, local, jnp.where(mine, w, jnp.zeros_like(w)), gate_up, down)
+        return jax.lax.psum(y, MODEL)
+    return per_device(own_experts, (None, None, None, _EXPERTS, _EXPERTS), None)(x, idx, w, gate_up, down)
 
 
 def sparse_moe(p: dict, x: jax.Array, *, num_experts: int, top_k: int, norm_topk_prob: bool) -> jax.Array:

@@ -54,8 +54,12 @@ class Layout:
         """The layout as the prefix cache's key part."""
         return self.pc.describe()
 
+    def spec(self, axes: tuple, shape, where: str) -> PartitionSpec:
+        """The PartitionSpec of an array of `shape` whose dimensions have the logical names `axes`."""
+        return partition_spec(axes, shape, self.rules, dict(self.mesh.shape), where)
+
     def _sharding(self, axes: tuple, shape, where: str) -> NamedSharding:
-        return NamedSharding(self.mesh, partition_spec(axes, shape, self.rules, dict(self.mesh.shape), where))
+        return NamedSharding(self.mesh, self.spec(axes, shape, where))
 
     @property
     def replicated(self) -> NamedSharding:

@@ -52,12 +52,20 @@ _NAME = re.compile(r"^(v\d+[a-z]*):(\d+(?:x\d+){1,2})$")
 
 @dataclasses.dataclass(frozen=True)
 class Topology:
-    """A TPU slice: its name, chip, number of chips, and one device of it to compile for."""
+    """A TPU slice: its name, chip, number of chips, and its devices to compile for."""
     name: str
     chip: Chip
     num_chips: int
-    device: jax.Device
-    num_devices: int              # libtpu's devices in the slice (v4 lists each of a chip's two cores)
+    devices: tuple                # libtpu's devices of the slice (v4 lists each of a chip's two cores)
+
+    @property
+    def device(self) -> jax.Device:
+        """The device a one-chip program is compiled for."""
+        return self.devices[0]
+
+    @property
+    def num_devices(self) -> int:
+        return len(self.devices)
 
 
 def parse_topology(name: str) -> tuple[Chip, int]:
@@ -84,4 +92,4 @@ def topology(name: str) -> Topology:
         devices = topologies.get_topology_desc(platform="tpu", topology_name=name).devices
     except Exception as e:  # noqa: BLE001  (libtpu reports refusals as assorted runtime errors)
         raise PlanError(f"libtpu refused the topology {name!r}: {str(e).splitlines()[0]}") from None
-    return Topology(name=name, chip=chip, num_chips=n, device=devices[0], num_devices=len(devices))
+    return Topology(name=name, chip=chip, num_chips=n, devices=tuple(devices))

@@ -10,6 +10,11 @@ The sampler is compiled on its own and its cost added to the decode step's (its 
 vocabulary is as long as a layer's, and it does not depend on the layers). Compiler temporaries of the
 two parts are not added: the larger one is taken, since they are not live at the same time.
 
+With a `Layout` (tensor / expert parallelism, `hybrid_jax.parallel`) the programs are compiled for the
+layout's devices of the slice, the parameters and pools split by the rule table and traced with the
+layout current (so the Pallas kernels run per device under shard_map, as in the engine); XLA's cost and
+memory analyses then describe ONE device's partitioned program: every figure is per chip.
+
 Layer scaling (`layers="reduced"`): compiling a real model whole needs minutes and gigabytes on a small
 host, so the model is compiled with one layer of each signature (mixer, feed-forward kind), and once more
 per signature with a second layer of it. The difference is that signature's per-layer cost; the
@@ -22,12 +27,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
 
 from cache.pools import put_view, take_view
 from hybrid_jax.models import get_model
+from hybrid_jax.parallel.context import active
+from hybrid_jax.parallel.placement import Layout
 from hybrid_jax.plan.shapes import (
     abstract_layout,
     abstract_params,
@@ -54,39 +62,72 @@ class StepCost:
     # KV pages in a loop: its KV read is almost absent from bytes_accessed). Sums and differences keep the
     # larger count.
     loops: int = 0
+    # collectives of a program split over devices (all-reduce, all-gather, ...; start ops of async
+    # pairs counted once) and the bytes of their results
+    collectives: float = 0.0
+    collective_bytes: float = 0.0
 
     def __add__(self, o: StepCost) -> StepCost:
         return StepCost(self.flops + o.flops, self.bytes_accessed + o.bytes_accessed,
                         self.transcendentals + o.transcendentals, self.temp_bytes + o.temp_bytes,
-                        max(self.loops, o.loops))
+                        max(self.loops, o.loops), self.collectives + o.collectives,
+                        self.collective_bytes + o.collective_bytes)
 
     def __sub__(self, o: StepCost) -> StepCost:
         return self + o.scaled(-1)
 
     def scaled(self, k: float) -> StepCost:
         return StepCost(self.flops * k, self.bytes_accessed * k, self.transcendentals * k, self.temp_bytes * k,
-                        self.loops)
+                        self.loops, self.collectives * k, self.collective_bytes * k)
+
+
+_COLLECTIVE = re.compile(r"= ([^=]*?) (all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)(?:-start)?\(")
+_ARRAY = re.compile(r"\b(pred|[suf]\d+|bf16|f8e4m3fn|f8e5m2)\[([\d,]*)\]")
+_ITEMSIZE = {"pred": 1, "bf16": 2, "f8e4m3fn": 1, "f8e5m2": 1}
+
+
+def collectives_of(hlo: str) -> tuple[int, int]:
+    """(count, result bytes) of the collectives in a compiled program's HLO text."""
+    n = nbytes = 0
+    for m in _COLLECTIVE.finditer(hlo):
+        n += 1
+        for dt, dims in _ARRAY.findall(m.group(1)):
+            size = _ITEMSIZE.get(dt) or int(dt[1:]) // 8
+            count = 1
+            for d in filter(None, dims.split(",")):
+                count *= int(d)
+            nbytes += size * count
+    return n, nbytes
 
 
 def _cost(compiled) -> StepCost:
     c = cost_of(compiled)
-    return StepCost(c.flops, c.bytes_accessed, c.transcendentals, float(c.temp_bytes),
-                    compiled.as_text().count(" while("))
+    text = compiled.as_text()
+    n, nbytes = collectives_of(text)
+    return StepCost(c.flops, c.bytes_accessed, c.transcendentals, float(c.temp_bytes), text.count(" while("),
+                    float(n), float(nbytes))
 
 
-def _decode_step(model, cfg, impl):
+def _pinned(layout):
+    """A cache view (or the pools) held to the layout's cache shardings, as the engine's runner pins them."""
+    if layout is None:
+        return lambda c: c
+    return lambda c: jax.lax.with_sharding_constraint(c, layout.cache_shardings(c))
+
+
+def _decode_step(model, cfg, impl, pin):
     def step(params, pools, rows, tables, lengths, tokens, active):
-        sub = take_view(pools, rows, tables, lengths)
+        sub = pin(take_view(pools, rows, tables, lengths))
         out = model.forward(cfg, params, sub, tokens[:, None], active.astype(jnp.int32), impl=impl)
-        return out.logits, put_view(pools, rows, out.cache)
+        return out.logits, pin(put_view(pools, rows, pin(out.cache)))
     return step
 
 
-def _prefill_step(model, cfg, impl):
+def _prefill_step(model, cfg, impl, pin):
     def step(params, pools, rows, tables, lengths, tokens, n_new):
-        sub = take_view(pools, rows, tables, lengths, reset=lengths == 0)
+        sub = pin(take_view(pools, rows, tables, lengths, reset=lengths == 0))
         out = model.forward(cfg, params, sub, tokens, n_new, impl=impl)
-        return out.logits, put_view(pools, rows, out.cache)
+        return out.logits, pin(put_view(pools, rows, pin(out.cache)))
     return step
 
 
@@ -117,38 +158,68 @@ def _row_args(layout, Bb: int):
 _COMPILED: dict[tuple, tuple[StepCost, StepCost]] = {}
 
 
-def compile_model(cfg, sh: Shapes, device, impl: str = "auto") -> tuple[StepCost, StepCost]:
-    """(decode, prefill chunk) costs of cfg's model part (no sampler), each compiled once for `device`
-    (remembered per process: plans of the same model at other splits compile nothing again)."""
-    key = (repr(cfg), repr(sh), str(device), impl)
+def _target_key(target) -> str:
+    if isinstance(target, Layout):
+        return f"{target.key}@{[d.id for d in target.mesh.devices.flat]}"
+    return str(target)
+
+
+def _on(tree, shardings):
+    """ShapeDtypeStructs of `tree`'s leaves, each with its sharding (a pytree of shardings, or one)."""
+    S = jax.ShapeDtypeStruct
+    if isinstance(shardings, jax.sharding.Sharding):
+        return jax.tree.map(lambda a: S(a.shape, a.dtype, sharding=shardings), tree)
+    return jax.tree.map(lambda a, s: S(a.shape, a.dtype, sharding=s), tree, shardings)
+
+
+def compile_model(cfg, sh: Shapes, target, impl: str = "auto") -> tuple[StepCost, StepCost]:
+    """(decode, prefill chunk) costs of cfg's model part (no sampler), each compiled once for `target`
+    (one device, or a Layout over devices of the slice: per-device costs), remembered per process:
+    plans of the same model at other splits compile nothing again."""
+    key = (repr(cfg), repr(sh), _target_key(target), impl)
     if key not in _COMPILED:
-        _COMPILED[key] = _compile_model(cfg, sh, device, impl)
+        _COMPILED[key] = _compile_model(cfg, sh, target, impl)
     return _COMPILED[key]
 
 
-def _compile_model(cfg, sh: Shapes, device, impl: str) -> tuple[StepCost, StepCost]:
+def _compile_model(cfg, sh: Shapes, target, impl: str) -> tuple[StepCost, StepCost]:
     model = get_model(cfg.model_type)
     params = abstract_params(cfg, sh.dtype, sh.quantization)
     layout = abstract_layout(cfg, sh.dtype, sh.max_model_len, sh.page_size)
     pools = abstract_pools(layout, sh.rows, dict(sh.pages))
+    mesh_layout = target if isinstance(target, Layout) else None
+    if mesh_layout is not None:
+        params = _on(params, mesh_layout.param_shardings(model, params))
+        pools = _on(pools, mesh_layout.cache_shardings(pools))
     S = jax.ShapeDtypeStruct
     out = []
     for step, Bb, extra in ((_decode_step, sh.decode_batch, (S((sh.decode_batch,), jnp.int32),
                                                               S((sh.decode_batch,), jnp.bool_))),
                             (_prefill_step, 1, (S((1, sh.chunk), jnp.int32), S((1,), jnp.int32)))):
-        args = (params, pools, *_row_args(layout, Bb), *extra)
-        compiled = jax.jit(step(model, cfg, impl), donate_argnums=(1,)).lower(*on_device(args, device)).compile()
-        out.append(_cost(compiled))
+        rest = (*_row_args(layout, Bb), *extra)
+        if mesh_layout is None:
+            args = on_device((params, pools, *rest), target)
+        else:
+            args = (params, pools, *_on(rest, mesh_layout.replicated))
+        with active(mesh_layout):
+            lowered = jax.jit(step(model, cfg, impl, _pinned(mesh_layout)), donate_argnums=(1,)).lower(*args)
+        out.append(_cost(lowered.compile()))
     return out[0], out[1]
 
 
 @functools.lru_cache(maxsize=16)
-def compile_sampler(batch: int, vocab: int, device) -> StepCost:
-    """The engine's full sampler on [batch, vocab] float32 logits."""
+def compile_sampler(batch: int, vocab: int, target) -> StepCost:
+    """The engine's full sampler on [batch, vocab] float32 logits (on a Layout: split over the vocabulary
+    as the LM head leaves them)."""
     S = jax.ShapeDtypeStruct
     args = (S((batch, vocab), jnp.float32), S((batch,), jnp.uint32), S((batch,), jnp.int32),
             S((batch,), jnp.float32), S((batch,), jnp.int32), S((batch,), jnp.float32))
-    return _cost(jax.jit(_sampler).lower(*on_device(args, device)).compile())
+    if isinstance(target, Layout):
+        logits = jax.sharding.NamedSharding(target.mesh, target.spec((None, "vocab"), (batch, vocab), "logits"))
+        args = (_on(args[0], logits), *_on(args[1:], target.replicated))
+    else:
+        args = on_device(args, target)
+    return _cost(jax.jit(_sampler).lower(*args).compile())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,23 +232,23 @@ class ModelCosts:
     per_layer: dict                      # signature -> (decode, prefill) StepCost of one layer (reduced only)
 
 
-def model_costs(cfg, sh: Shapes, device, layers: str = "auto", impl: str = "auto") -> ModelCosts:
+def model_costs(cfg, sh: Shapes, target, layers: str = "auto", impl: str = "auto") -> ModelCosts:
     """The model part's costs, by a full compile or by layer scaling (module docstring)."""
     counts = layer_counts(cfg)
     if layers == "auto":
         layers = "full" if cfg.num_hidden_layers <= 2 * len(counts) + 2 else "reduced"
     if layers == "full":
-        d, p = compile_model(cfg, sh, device, impl)
+        d, p = compile_model(cfg, sh, target, impl)
         return ModelCosts(d, p, "full", (cfg.num_hidden_layers,), {})
     if layers != "reduced":
         raise ValueError(f"layers must be 'auto', 'full' or 'reduced'; got {layers!r}")
     first = first_of_each(cfg)
     base_idx = list(first.values())
-    base = compile_model(select_layers(cfg, base_idx), sh, device, impl)
+    base = compile_model(select_layers(cfg, base_idx), sh, target, impl)
     decode, prefill = base
     per_layer, sizes = {}, [len(base_idx)]
     for sig, i in first.items():
-        more = compile_model(select_layers(cfg, base_idx + [i]), sh, device, impl)
+        more = compile_model(select_layers(cfg, base_idx + [i]), sh, target, impl)
         sizes.append(len(base_idx) + 1)
         dl, pl = more[0] - base[0], more[1] - base[1]
         per_layer[sig] = (dl, pl)

@@ -23,7 +23,8 @@ def format_plan(p) -> str:
     m, c, r = p.memory, p.capacity, p.roofline
     q = f", {p.quantization} weights" if p.quantization else ""
     lines = [f"plan: {p.model} ({p.model_type}, {p.num_params / 1e9:.2f}B params, {p.dtype}{q}) on {p.topology}"
-             f" ({p.num_chips} x {p.chip.name}), split over {p.split} chip{'s' if p.split > 1 else ''}",
+             f" ({p.num_chips} x {p.chip.name}), split over {p.split} chip{'s' if p.split > 1 else ''}"
+             + (" (expert parallel)" if p.expert_parallel and p.split > 1 else ""),
              f"  max_num_seqs {p.max_num_seqs} (decode bucket {p.decode_batch}), max_model_len {p.max_model_len},"
              f" prefill chunk {p.chunk}",
              "",
@@ -41,11 +42,13 @@ def format_plan(p) -> str:
               f"  largest batch at {c.context} tokens: {c.batch_at_context}",
               f"  context at batch {c.batch}: {ctx}",
               "",
-              f"decode step (batch {p.max_num_seqs}, all chips of the replica; compiler cost analysis)",
+              f"decode step (batch {p.max_num_seqs}, per chip; compiler cost analysis)",
               f"  FLOPs                {r.decode_flops:.4g}",
               f"  bytes accessed       {_b(r.decode_bytes)}",
               f"  minimum bytes        {_b(r.min_decode_bytes)}  (weights + the batch's cache, read once)",
               f"  accessed / minimum   {r.bytes_over_min:.2f}x",
+              *([f"  collectives          {r.decode_collectives:.0f} per step, {_b(r.decode_collective_bytes)} of results"]
+                if p.sharded else []),
               "",
               "roofline ESTIMATE per chip (published peaks, not measured)",
               f"  decode  {r.decode_tok_s:,.0f} tok/s ({r.decode_bound}-bound); "

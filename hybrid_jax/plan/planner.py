@@ -1,11 +1,15 @@
 """`plan()`: a model's per-chip HBM, capacity and roofline on a TPU topology, from the TPU compiler.
 
-Every figure is for one replica of the model spread over `split` chips (`--tensor-parallel-size`,
-default 1). Multi-device sharding does not exist yet in this project, so the programs are compiled for
-ONE device of the topology and a split over N chips is an *ideal split*: every byte and FLOP divided
-evenly by N, no replicated weights, no collectives. With N = 1 the figures are those of the compiled
-program itself. Speeds are roofline estimates from the chip's published peaks (`chips.py`), not
-measurements.
+Every figure is per chip, for one replica of the model spread over `split` chips
+(`--tensor-parallel-size`, default 1; `--enable-expert-parallel` splits routed experts whole). A split
+over N > 1 chips is compiled for N devices of the slice with the engine's real layout
+(`hybrid_jax.parallel`: the rule table's shardings of every parameter and pool, the Pallas kernels per
+device): weights and cache per chip are the shards' bytes (replicated leaves in full), FLOPs, bytes
+and temporaries those of one device's partitioned program, and the collectives it runs are counted.
+A model the layout cannot split yet (a family without sharding rules, or FP8 weights kept on the
+device) falls back to an *ideal split*: compiled for one device, every byte and FLOP divided evenly by
+N, no replication and no collectives, and says so in its notes. Speeds are roofline estimates from the
+chip's published peaks (`chips.py`), not measurements, and leave out the collectives' time.
 """
 from __future__ import annotations
 
@@ -20,6 +24,8 @@ from hybrid_jax.config import config_from_hf_dict, load_config
 from hybrid_jax.errors import ConfigError, HybridJaxError
 from hybrid_jax.generate import bucket
 from hybrid_jax.plan.chips import Chip, PlanError, topology
+from hybrid_jax.models import get_model
+from hybrid_jax.parallel import Layout, ParallelConfig, build_mesh
 from hybrid_jax.plan.compile import (
     ModelCosts,
     Shapes,
@@ -71,16 +77,19 @@ class Capacity:
 @dataclasses.dataclass(frozen=True)
 class Roofline:
     """Per decode step and prefill chunk: compiler costs, minimum bytes, and estimated speeds per chip."""
-    decode_flops: float                  # per step, all chips of the replica
-    decode_bytes: float                  # HBM bytes accessed per step (compiler cost analysis)
-    min_decode_bytes: float              # weights + the batch's cache at max_model_len, each read once
+    decode_flops: float                  # per step and chip
+    decode_bytes: float                  # HBM bytes accessed per step and chip (compiler cost analysis)
+    min_decode_bytes: float              # per chip: its weights + its part of the batch's cache at
+                                         # max_model_len, each read once
     decode_tok_s: float                  # estimate per chip, from the compiled bytes and FLOPs
     decode_tok_s_at_min: float           # estimate per chip, if the step read only the minimum bytes
     decode_bound: str                    # "memory" or "compute"
-    prefill_flops: float
+    prefill_flops: float                 # per chunk and chip
     prefill_bytes: float
     prefill_tok_s: float                 # estimate per chip
     prefill_bound: str
+    decode_collectives: float = 0.0      # collectives per decode step (split programs)
+    decode_collective_bytes: float = 0.0  # their result bytes per chip
 
     @property
     def bytes_over_min(self) -> float:
@@ -95,6 +104,8 @@ class Plan:
     chip: Chip
     num_chips: int
     split: int
+    sharded: bool                        # compiled with the real layout (False: one chip, or an ideal split)
+    expert_parallel: bool
     dtype: str
     quantization: str | None
     max_num_seqs: int
@@ -133,16 +144,40 @@ def _norm(s: str) -> str:
     return re.sub(r"[-._]", "", s.lower())
 
 
-def _time(flops: float, nbytes: float, chip: Chip, n: int) -> tuple[float, str]:
-    tc, tm = flops / (n * chip.peak_bf16_flops), nbytes / (n * chip.hbm_bandwidth)
+def _time(flops: float, nbytes: float, chip: Chip) -> tuple[float, str]:
+    """Roofline time of one chip's part of a step."""
+    tc, tm = flops / chip.peak_bf16_flops, nbytes / chip.hbm_bandwidth
     return max(tc, tm), "compute" if tc > tm else "memory"
 
 
+def _local(tree, shardings):
+    """`tree`'s leaves as the shapes one device holds under `shardings` (a pytree of NamedShardings)."""
+    import jax  # noqa: PLC0415
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(s.shard_shape(a.shape), a.dtype), tree, shardings)
+
+
+def _mesh_layout(cfg, topo, n: int, ep: bool, quantization) -> tuple[Layout | None, str | None]:
+    """The layout a split over n chips compiles with, or (None, why an ideal split is used instead)."""
+    if n == 1:
+        return None, None
+    pc = ParallelConfig(tensor_parallel_size=n, enable_expert_parallel=ep)
+    pc.check(cfg, n)                       # heads / experts the split cannot divide: a ConfigError naming them
+    if get_model(cfg.model_type).param_axes is None:
+        return None, f"the {cfg.model_type} family has no sharding rules yet"
+    if quantization:
+        return None, "FP8 weights kept on the device are not split by the layout yet"
+    if topo.num_devices != topo.num_chips:
+        return None, f"libtpu lists {topo.num_devices} devices for the {topo.num_chips} chips of {topo.name}"
+    return Layout(pc, build_mesh(pc, topo.devices[:n])), None
+
+
 def plan(model: str, topology_name: str, *, max_num_seqs: int = 64, max_model_len: int = 32768,
-         tensor_parallel_size: int = 1, dtype: str = "bfloat16", quantization: str | None = None,
-         chunk: int = 2048, page_size: int = 64, layers: str = "auto", impl: str = "auto", config=None) -> Plan:
-    """Compiles the model's decode and prefill-chunk steps for one device of `topology_name` with abstract
-    weights and pools, and returns the per-chip figures (module docstring: what `split` means).
+         tensor_parallel_size: int = 1, enable_expert_parallel: bool = False, dtype: str = "bfloat16",
+         quantization: str | None = None, chunk: int = 2048, page_size: int = 64, layers: str = "auto",
+         impl: str = "auto", config=None) -> Plan:
+    """Compiles the model's decode and prefill-chunk steps for `topology_name` (one device, or the
+    split's devices with the engine's layout) with abstract weights and pools, and returns the per-chip
+    figures (module docstring: what `split` means).
     config: a config object to plan instead of resolving `model` (tests). Raises PlanError / ConfigError
     for bad input; a model that does not fit comes back with `fits` False."""
     for name, v in (("max_num_seqs", max_num_seqs), ("max_model_len", max_model_len), ("chunk", chunk),
@@ -160,58 +195,79 @@ def plan(model: str, topology_name: str, *, max_num_seqs: int = 64, max_model_le
     label, cfg = (model, config) if config is not None else resolve_model(model)
     dt, n, chip = DTYPES[dtype], tensor_parallel_size, topo.chip
 
+    mesh_layout, why_ideal = _mesh_layout(cfg, topo, n, enable_expert_parallel, quantization)
+    target = mesh_layout if mesh_layout is not None else topo.device
     params = abstract_params(cfg, dt, quantization)
     weights = tree_nbytes(params)
     num_params = sum(x.size for x in _param_leaves(params))
     layout = abstract_layout(cfg, dt, max_model_len, page_size)
     rows, pages = max_num_seqs + 1, pool_pages(layout, max_num_seqs, max_model_len)
     pools = abstract_pools(layout, rows, pages)
-    by_kind = bytes_by_kind(pools)
 
     Bb = bucket(max_num_seqs)
     sh = Shapes(dtype=dt, quantization=quantization, rows=rows, pages=tuple(sorted(pages.items())),
-                max_model_len=max_model_len,                page_size=page_size, decode_batch=Bb, chunk=chunk)
-    layers = costs_mode(layers, cfg, weights, chip)
+                max_model_len=max_model_len, page_size=page_size, decode_batch=Bb, chunk=chunk)
+    layers = costs_mode(layers, cfg, weights if mesh_layout is None else weights / n, chip)
     try:
-        costs = model_costs(cfg, sh, topo.device, layers=layers, impl=impl)
+        costs = model_costs(cfg, sh, target, layers=layers, impl=impl)
     except HybridJaxError:
         raise
     except Exception as e:  # noqa: BLE001  (compiler errors: say what was being compiled)
         msg = str(e).splitlines()[0]
         if "RESOURCE_EXHAUSTED" in msg:
-            what = ("the compiled programs (one layer of each kind, and one more)" if costs_mode(layers, cfg, weights, chip)
-                    == "reduced" else "the model")
-            raise PlanError(f"{label} does not fit one {chip.name} chip at max_num_seqs {max_num_seqs} x max_model_len "
-                            f"{max_model_len}: {what} must fit one chip until sharding exists, and the TPU compiler "
-                            f"says: {msg}") from None
+            what = ("the compiled programs (one layer of each kind, and one more)" if layers == "reduced"
+                    else "the model")
+            where = f"{n} {chip.name} chips" if mesh_layout is not None else f"one {chip.name} chip"
+            raise PlanError(f"{label} does not fit {where} at max_num_seqs {max_num_seqs} x max_model_len "
+                            f"{max_model_len}: {what} must fit, and the TPU compiler says: {msg}") from None
         raise PlanError(f"the TPU compiler failed on {label} for {topology_name}: {msg}") from e
-    sampler = compile_sampler(Bb, cfg.vocab_size, topo.device)
+    sampler = compile_sampler(Bb, cfg.vocab_size, target)
     decode = costs.decode + dataclasses.replace(sampler, temp_bytes=0.0)
+    prefill = costs.prefill
     temps = max(costs.decode.temp_bytes, sampler.temp_bytes, costs.prefill.temp_bytes)
 
-    memory = Memory(capacity=chip.hbm_bytes, weights=weights / n,
-                    cache_by_kind={k: v / n for k, v in by_kind.items()}, temporaries=temps / n)
-    capacity = _capacity(layout, pools, n * chip.hbm_bytes - weights - temps, max_num_seqs, max_model_len)
+    if mesh_layout is not None:     # per chip: the shards' bytes, one device's program
+        fam = get_model(cfg.model_type)
+        chip_weights = tree_nbytes(_local(params, mesh_layout.param_shardings(fam, params)))
+        chip_pools = _local(pools, mesh_layout.cache_shardings(pools))
+        chip_layout = _local(layout, mesh_layout.cache_shardings(layout))
+        memory = Memory(capacity=chip.hbm_bytes, weights=chip_weights, cache_by_kind=bytes_by_kind(chip_pools),
+                        temporaries=temps)
+        capacity = _capacity(chip_layout, chip_pools, chip.hbm_bytes - chip_weights - temps, max_num_seqs,
+                             max_model_len)
+        min_bytes = chip_weights + max_num_seqs * request_bytes(chip_layout, max_model_len)
+    else:                           # one chip, or an ideal split of one chip's program over n
+        by_kind = bytes_by_kind(pools)
+        memory = Memory(capacity=chip.hbm_bytes, weights=weights / n,
+                        cache_by_kind={k: v / n for k, v in by_kind.items()}, temporaries=temps / n)
+        capacity = _capacity(layout, pools, n * chip.hbm_bytes - weights - temps, max_num_seqs, max_model_len)
+        min_bytes = (weights + max_num_seqs * request_bytes(layout, max_model_len)) / n
+        decode, prefill = decode.scaled(1 / n), prefill.scaled(1 / n)
 
-    min_bytes = weights + max_num_seqs * request_bytes(layout, max_model_len)
-    t, bound = _time(decode.flops, decode.bytes_accessed, chip, n)
-    t_min, _ = _time(decode.flops, min_bytes, chip, n)
-    tp, pbound = _time(costs.prefill.flops, costs.prefill.bytes_accessed, chip, n)
+    t, bound = _time(decode.flops, decode.bytes_accessed, chip)
+    t_min, _ = _time(decode.flops, min_bytes, chip)
+    tp, pbound = _time(prefill.flops, prefill.bytes_accessed, chip)
     roof = Roofline(decode_flops=decode.flops, decode_bytes=decode.bytes_accessed, min_decode_bytes=min_bytes,
                     decode_tok_s=max_num_seqs / t / n, decode_tok_s_at_min=max_num_seqs / t_min / n,
-                    decode_bound=bound, prefill_flops=costs.prefill.flops, prefill_bytes=costs.prefill.bytes_accessed,
-                    prefill_tok_s=chunk / tp / n, prefill_bound=pbound)
+                    decode_bound=bound, prefill_flops=prefill.flops, prefill_bytes=prefill.bytes_accessed,
+                    prefill_tok_s=chunk / tp / n, prefill_bound=pbound, decode_collectives=decode.collectives,
+                    decode_collective_bytes=decode.collective_bytes)
 
     notes = []
     if costs.layers == "reduced":
         notes.append(f"compiled with one layer of each kind ({len(costs.per_layer)} kinds, programs of "
                      f"{', '.join(map(str, costs.compiled_layers))} layers) and scaled to {cfg.num_hidden_layers} "
                      f"layers by per-layer differences; temporaries extrapolated the same way")
-    if topo.num_chips > 1 or n > 1:
-        notes.append(f"multi-device sharding does not exist yet: compiled for one device of {topology_name}; "
-                     + (f"figures per chip assume an ideal split over {n} chips (bytes and FLOPs / {n}, "
-                        f"no replication, no collectives)" if n > 1 else
-                        f"figures are for one chip holding the whole model ({topo.num_chips} chips in the slice)"))
+    if mesh_layout is not None:
+        notes.append(f"compiled for {n} devices of {topology_name} with the engine's layout "
+                     f"({mesh_layout.key}: the rule table's shardings, Pallas kernels per device); per-chip "
+                     f"figures are one device's program and shards; the roofline leaves out the "
+                     f"{decode.collectives:.0f} collectives of a decode step")
+    elif n > 1:
+        notes.append(f"ideal split ({why_ideal}): compiled for one device of {topology_name}; figures per chip "
+                     f"assume an ideal split over {n} chips (bytes and FLOPs / {n}, no replication, no collectives)")
+    elif topo.num_chips > 1:
+        notes.append(f"figures are for one chip holding the whole model ({topo.num_chips} chips in the slice)")
     if quantization:
         notes.append("fp8: every linear weight of the layers in FP8 with 128x128 block scales (float32); "
                      "embeddings, norms and the LM head in " + dtype)
@@ -223,7 +279,7 @@ def plan(model: str, topology_name: str, *, max_num_seqs: int = 64, max_model_le
     notes.append("tok/s are roofline estimates from the chip's published peak bf16 FLOP/s and HBM bandwidth "
                  f"({chip.source}), not measurements")
     return Plan(model=label, model_type=cfg.model_type, topology=topology_name, chip=chip, num_chips=topo.num_chips,
-                split=n, dtype=dtype, quantization=quantization, max_num_seqs=max_num_seqs,
+                split=n, sharded=mesh_layout is not None, expert_parallel=enable_expert_parallel, dtype=dtype, quantization=quantization, max_num_seqs=max_num_seqs,
                 max_model_len=max_model_len, decode_batch=Bb, chunk=chunk, num_params=num_params, costs=costs,
                 sampler=sampler, memory=memory, capacity=capacity, roofline=roof, notes=tuple(notes))
 

@@ -1,5 +1,6 @@
-"""Tensor and expert parallelism (hybrid_jax.parallel): the layout options, the rule table, and one
-model run split over 2 and 4 CPU devices against one device.
+"""Tensor and expert parallelism (hybrid_jax.parallel): the layout options, the rule table, one model
+run split over 2 and 4 CPU devices against one device, and the ops that run per device (Pallas
+kernels, expert-parallel MoE) against the same ops on one device.
 
 The multi-device checks run in a subprocess that sees 8 CPU devices (parallel_worker.py), so the
 rest of the suite keeps one device."""
@@ -150,6 +151,43 @@ def test_decode_step_gathers_no_weight_matrix(worker, layout):
                 for kind, shape in split["collectives"] if kind == "all-gather"}
     assert not gathered & weights
     assert kinds.count("all-reduce") >= 4
+
+
+@pytest.fixture(scope="module")
+def per_device():
+    here = os.path.dirname(__file__)
+    r = subprocess.run([sys.executable, os.path.join(here, "per_device_worker.py")], capture_output=True, text=True,
+                       timeout=1500, env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+    assert r.returncode == 0, r.stderr[-4000:]
+    return json.loads(next(x for x in r.stdout.splitlines() if x.startswith("RESULT "))[len("RESULT "):])
+
+
+@pytest.mark.parametrize("kernel", ["chunk", "fused_recurrent"])
+def test_gated_delta_rule_kernels_run_on_each_devices_heads(per_device, kernel):
+    """The Pallas kernels (interpreted on CPU) under shard_map on 2 devices' heads: the outputs and final
+    states of one device, the state left split by heads, nothing gathered."""
+    c = per_device["gdn"][kernel]
+    assert per_device["devices"] == 8
+    assert c["per_device"] and c["rel"] <= 1e-6
+    assert c["state_sharding"] == "P(None, 'model')" and c["all_gathers"] == 0
+
+
+@pytest.mark.parametrize("tp, kv_split", [(2, True), (4, False)])
+def test_ragged_attention_reads_the_kv_heads_of_each_devices_query_heads(per_device, tp, kv_split):
+    """8 query heads, 2 KV heads: at tensor size 2 the KV pages are split with the heads; at 4 they are
+    whole on every device and each device's 2 query heads must read their own KV head."""
+    c = per_device["attention"][f"tp{tp}"]
+    assert c["per_device"] and c["kv_split"] is kv_split
+    assert c["rel"] <= 1e-6
+
+
+@pytest.mark.parametrize("form", ["gather", "dense", "sorted"])
+def test_expert_parallel_moe_sums_each_devices_experts(per_device, form):
+    """Experts split whole over 4 devices, every routed form: one device's output, one all-reduce, no
+    expert weight gathered."""
+    c = per_device["moe"][form]
+    assert c["per_device"] and c["rel"] <= 1e-5
+    assert c["all_reduces"] == 1 and c["all_gathers"] == 0
 
 
 def test_bad_layouts_fail_before_loading_weights(worker):

@@ -150,16 +150,56 @@ def test_plan_memory_and_capacity_arithmetic(plans):
 
 
 @needs_libtpu
-def test_ideal_split_divides_per_chip_figures(plans):
+def test_split_plan_compiles_the_engines_layout(plans):
+    """tensor_parallel_size 2 compiles for 2 devices with the rule table's shardings: per-chip cache and
+    weights are the shards' bytes, FLOPs those of one device's program, and its collectives are counted."""
+    from hybrid_jax.parallel import Layout, ParallelConfig, build_mesh  # noqa: PLC0415
+    from hybrid_jax.plan.chips import topology  # noqa: PLC0415
     cfg = config_from_hf_dict(TINY)
-    p2 = plan("tiny", "v6e:2x2", layers="full", tensor_parallel_size=2, config=cfg, **SHAPES)
     p1 = plans["full"]
-    assert p2.memory.weights == p1.memory.weights / 2
-    assert p2.memory.cache == pytest.approx(p1.memory.cache / 2)
-    assert p2.roofline.decode_tok_s == pytest.approx(p1.roofline.decode_tok_s)      # per chip: 2x the rate on 2 chips
-    assert any("ideal split over 2" in n for n in p2.notes)
+    p2 = plan("tiny", "v6e:2x2", layers="full", tensor_parallel_size=2, config=cfg, **SHAPES)
+    assert p2.sharded and not p1.sharded and any("engine's layout (dp1.tp2" in n for n in p2.notes)
+    # 2 KV heads, 2 key / 4 value heads over 2 chips: every per-request cache kind halves; page tables stay whole
+    for kind in ("full_kv", "recurrent_state", "conv_state"):
+        assert p2.memory.cache_by_kind[kind] == p1.memory.cache_by_kind[kind] / 2
+    assert p2.memory.cache_by_kind["row_metadata"] == p1.memory.cache_by_kind["row_metadata"]
+    # weights: split leaves halve, replicated ones (norms, the router, ...) are whole on each chip
+    pc = ParallelConfig(tensor_parallel_size=2)
+    layout = Layout(pc, build_mesh(pc, topology("v6e:2x2").devices[:2]))
+    params = abstract_params(cfg, jnp.bfloat16)
+    shardings = jax.tree.leaves(layout.param_shardings(get_model("qwen3_next"), params))
+    sizes = [x.size * x.dtype.itemsize for x in jax.tree.leaves(params)]
+    replicated = sum(n for n, sh in zip(sizes, shardings) if sh.is_fully_replicated)
+    assert 0 < replicated < 0.2 * sum(sizes)
+    assert p2.memory.weights == (sum(sizes) - replicated) / 2 + replicated
+    assert p2.roofline.min_decode_bytes == pytest.approx(
+        p2.memory.weights + (p1.roofline.min_decode_bytes - p1.memory.weights) / 2)
+    # one device's program: about half the FLOPs, and collectives where one chip had none
+    assert p2.roofline.decode_flops < 0.7 * p1.roofline.decode_flops
+    assert p2.roofline.decode_collectives > 0 == p1.roofline.decode_collectives
     with pytest.raises(PlanError, match="exceeds"):
         plan("tiny", "v6e:2x2", tensor_parallel_size=8, config=cfg, **SHAPES)
+
+
+@needs_libtpu
+def test_a_family_without_sharding_rules_gets_an_ideal_split():
+    cfg = config_from_hf_dict(V32_TINY)
+    p1, p2 = (plan("v32", "v6e:2x2", layers="full", tensor_parallel_size=n, config=cfg, **SHAPES) for n in (1, 2))
+    assert not p2.sharded
+    assert p2.memory.weights == p1.memory.weights / 2
+    assert p2.memory.cache == pytest.approx(p1.memory.cache / 2)
+    assert p2.roofline.decode_flops == pytest.approx(p1.roofline.decode_flops / 2)
+    assert p2.roofline.decode_tok_s == pytest.approx(p1.roofline.decode_tok_s)      # per chip: 2x the rate on 2 chips
+    assert any("ideal split (the deepseek_v32 family has no sharding rules yet)" in n for n in p2.notes)
+
+
+def test_collectives_are_counted_with_their_result_bytes():
+    from hybrid_jax.plan.compile import collectives_of  # noqa: PLC0415
+    hlo = ("  %all-reduce.1 = bf16[64,2048]{1,0} all-reduce(bf16[64,2048]{1,0} %x), channel_id=1\n"
+           "  %ags = (f32[4,8]{1,0}, f32[2]{0}) all-gather-start(f32[1,8]{1,0} %y), dimensions={0}\n"
+           "  %agd = f32[4,8]{1,0} all-gather-done((f32[4,8]{1,0}, f32[2]{0}) %ags)\n"
+           "  %add = f32[2]{0} add(f32[2]{0} %a, f32[2]{0} %b)\n")
+    assert collectives_of(hlo) == (2, 64 * 2048 * 2 + (4 * 8 + 2) * 4)
 
 
 @needs_libtpu

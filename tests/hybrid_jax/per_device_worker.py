@@ -1,0 +1,129 @@
+"""Run by test_parallel.py in a subprocess that sees 8 CPU devices: the ops that run per device under a
+layout (`hybrid_jax.parallel.context.per_device`) against the same op on one device. Prints one JSON
+line "RESULT {...}": per case, the largest relative difference and what the compiled program holds.
+
+    python per_device_worker.py
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+
+from hybrid_jax.layers.attention import ragged_read  # noqa: E402
+from hybrid_jax.layers.gated_deltanet import _rule  # noqa: E402
+from hybrid_jax.layers.mlp import routed_experts  # noqa: E402
+from hybrid_jax.parallel import Layout, ParallelConfig, build_mesh  # noqa: E402
+from hybrid_jax.parallel.context import active  # noqa: E402
+
+import pallas_kernels  # noqa: E402
+
+RNG = np.random.default_rng(0)
+
+
+def rand(*shape, scale=1.0):
+    return jnp.asarray(RNG.standard_normal(shape) * scale, jnp.float32)
+
+
+def layout(tp: int, ep: bool = False) -> Layout:
+    pc = ParallelConfig(tensor_parallel_size=tp, enable_expert_parallel=ep)
+    return Layout(pc, build_mesh(pc, jax.devices()[:tp]))
+
+
+def split_run(lay: Layout, fn, args, axes):
+    """fn(*args) jitted with each argument placed by its logical axes (None: replicated), traced with
+    `lay` current. Returns (output, HLO text of the compiled program); the text ends with a line saying
+    whether the lowered program has a per-device (manual) computation."""
+    placed = [jax.device_put(a, NamedSharding(lay.mesh, lay.spec(ax, a.shape, "arg")) if ax else lay.replicated)
+              for a, ax in zip(args, axes)]
+    jitted = jax.jit(fn)
+    with active(lay):
+        out = jitted(*placed)
+        lowered = jitted.lower(*placed)
+    manual = "manual_computation" in lowered.as_text() or "SPMDFullToShardShape" in lowered.as_text()
+    return out, lowered.compile().as_text() + f"\nPER_DEVICE {manual}"
+
+
+def rel(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
+
+
+def gdn_cases() -> dict:
+    """The chunked and fused-recurrent gated delta rule (Pallas kernels, interpreted here) per device on
+    2 of 4 key heads with their 4 of 8 value heads, against one device."""
+    B, T, H, HV, K, V = 2, 37, 4, 8, 16, 16
+    q, k = rand(B, T, H, K), rand(B, T, H, K)
+    v = rand(B, T, HV, V)
+    g = -jnp.abs(rand(B, T, HV, scale=0.1))
+    beta = jax.nn.sigmoid(rand(B, T, HV))
+    s0 = rand(B, HV, K, V, scale=0.1)
+    axes = [(None, None, "heads", None)] * 3 + [(None, None, "heads")] * 2 + [(None, "heads", None, None)]
+    out = {}
+    for name, kernel in (("chunk", pallas_kernels.chunk_gated_delta_rule),
+                         ("fused_recurrent", pallas_kernels.fused_recurrent_gated_delta_rule)):
+        def fn(q, k, v, g, beta, s0, kernel=kernel):
+            return _rule(kernel, q, k, v, g, beta, s0, use_qk_l2norm_in_kernel=True, impl="pallas")
+        ref = jax.jit(fn)(q, k, v, g, beta, s0)
+        got, text = split_run(layout(2), fn, (q, k, v, g, beta, s0), axes)
+        out[name] = {"rel": max(rel(got[0], ref[0]), rel(got[1], ref[1])),
+                     "state_sharding": str(got[1].sharding.spec), "per_device": "PER_DEVICE True" in text,
+                     "all_gathers": text.count(" all-gather(") + text.count(" all-gather-start(")}
+    return out
+
+
+def attention_case() -> dict:
+    """The ragged paged attention (Pallas, interpreted) on 2 query heads per device of 8 with 2 KV heads:
+    at tensor size 4 the pages are whole on every device and each reads its own KV head."""
+    Hq, Hkv, D, P, ps = 8, 2, 16, 12, 8
+    kv_lens = jnp.array([13, 30, 5], jnp.int32)
+    q_lens = np.array([4, 1, 5])
+    cu = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
+    N = int(q_lens.sum())
+    q = rand(N, Hq, D)
+    kp, vp = rand(P, ps, Hkv, D), rand(P, ps, Hkv, D)
+    table = jnp.asarray(RNG.permutation(P)[:12].reshape(3, 4), jnp.int32)
+
+    def fn(q, kp, vp, kv_lens, table, cu):
+        return ragged_read(q, kp, vp, kv_lens, table, cu, sm_scale=D ** -0.5, impl="pallas")
+    ref = jax.jit(fn)(q, kp, vp, kv_lens, table, cu)
+    out = {}
+    for tp in (2, 4):
+        kv_axes = (None, None, "kv_heads", None)
+        got, text = split_run(layout(tp), fn, (q, kp, vp, kv_lens, table, cu),
+                              [(None, "heads", None), kv_axes, kv_axes, None, None, None])
+        out[f"tp{tp}"] = {"rel": rel(got, ref), "kv_split": layout(tp).spec(kv_axes, kp.shape, "kv")[2] is not None,
+                          "per_device": "PER_DEVICE True" in text}
+    return out
+
+
+def moe_cases() -> dict:
+    """Routed experts with the experts split whole over 4 devices, each form (gather, dense, sorted):
+    the same output as one device, and no all-gather of an expert weight."""
+    Hd, I = 32, 24
+    out = {}
+    for name, (M, k, E) in {"gather": (3, 2, 16), "dense": (40, 2, 8), "sorted": (64, 2, 16)}.items():
+        x = rand(M, Hd)
+        idx = jnp.asarray(np.stack([RNG.choice(E, k, replace=False) for _ in range(M)]), jnp.int32)
+        w = jax.nn.softmax(rand(M, k), axis=-1)
+        gu, dn = rand(E, Hd, 2 * I, scale=0.2), rand(E, I, Hd, scale=0.2)
+        ref = jax.jit(routed_experts)(x, idx, w, gu, dn)
+        got, text = split_run(layout(4, ep=True), routed_experts, (x, idx, w, gu, dn),
+                              [None, None, None, ("experts", None, None), ("experts", None, None)])
+        out[name] = {"rel": rel(got, ref), "per_device": "PER_DEVICE True" in text, "all_reduces": text.count(" all-reduce(") + text.count(" all-reduce-start("),
+                     "all_gathers": text.count(" all-gather(") + text.count(" all-gather-start(")}
+    return out
+
+
+if __name__ == "__main__":
+    print("RESULT " + json.dumps({"devices": len(jax.devices()), "gdn": gdn_cases(), "attention": attention_case(),
+                                  "moe": moe_cases()}))
+    sys.stdout.flush()
