@@ -178,7 +178,9 @@ class LLM:
         model = get_model(self.config.model_type)
         L = opts["max_model_len"]
         page = opts.get("prefix_block_size", 64)
-        abstract = jax.eval_shape(lambda: model.new_cache(self.config, 1, L, self.dtype, page_size=page))
+        from hybrid_jax.parallel.context import active  # noqa: PLC0415
+        with active(self.layout):
+            abstract = jax.eval_shape(lambda: model.new_cache(self.config, 1, L, self.dtype, page_size=page))
         n = opts["max_num_seqs"]
         return max(default_budget(abstract, n, min(L, OFFLINE_TOKENS_PER_SEQ)), default_budget(abstract, n, 0)
                    + default_budget(abstract, 1, L))

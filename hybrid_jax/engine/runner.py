@@ -36,7 +36,7 @@ from hybrid_jax.errors import InputError
 from hybrid_jax.generate import bucket
 from hybrid_jax.models import get_model
 from hybrid_jax.models.ragged import pack
-from hybrid_jax.parallel.context import Traced
+from hybrid_jax.parallel.context import Traced, active
 from hybrid_jax.sampling import SamplerFlags, sample, token_logprobs
 
 MIN_T = 8
@@ -73,8 +73,9 @@ class ModelRunner:
         self.model = get_model(cfg.model_type)
         self.null_slot = ecfg.max_num_seqs            # the null row: padding rows of a bucket point at it
         rows = ecfg.max_num_seqs + 1
-        abstract = jax.eval_shape(lambda: self.model.new_cache(cfg, 1, ecfg.max_model_len, dtype,
-                                                               page_size=ecfg.prefix_block_size))
+        with active(layout):      # the cache's shapes may follow the layout (parallel.kv_replicas)
+            abstract = jax.eval_shape(lambda: self.model.new_cache(cfg, 1, ecfg.max_model_len, dtype,
+                                                                   page_size=ecfg.prefix_block_size))
         self.abstract = abstract
         budget = ecfg.kv_cache_bytes or default_budget(abstract, ecfg.max_num_seqs, ecfg.max_model_len)
         prefix_cap = (ecfg.prefix_cache_bytes or budget) if ecfg.enable_prefix_caching else 0

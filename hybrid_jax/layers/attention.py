@@ -17,7 +17,7 @@ from cache.mla import write_paged, write_paged_flat
 from hybrid_jax.layers.linear import linear
 from hybrid_jax.layers.norms import rms_norm_zero_centered
 from hybrid_jax.layers.rope import apply_rope
-from hybrid_jax.parallel.context import MODEL, current, per_device, tensor_size
+from hybrid_jax.parallel.context import MODEL, constrain, current, kv_replicas, per_device, tensor_size
 
 KEY_BLOCK = 512       # tokens of cached keys per iteration of the paged read
 
@@ -31,8 +31,15 @@ def write_kv(pool: jax.Array, new: jax.Array, page_table: jax.Array, positions: 
     new: [B, T, Hkv, D], or [L, B, T, Hkv, D] with layer=slice(None) (every layer in one write);
     page_table: [B, NP]; positions, valid: [B, T]."""
     if isinstance(layer, slice):
-        return jax.vmap(lambda p, n: write_paged(p, n, page_table, positions, valid))(pool, new)
-    return write_paged(pool, new, page_table, positions, valid, layer)
+        out = jax.vmap(lambda p, n: write_paged(p, n, page_table, positions, valid))(pool, new)
+    else:
+        out = write_paged(pool, new, page_table, positions, valid, layer)
+    return pinned_pool(out)
+
+
+def pinned_pool(pool: jax.Array) -> jax.Array:
+    """A KV pool ([..., Hkv, D]) just written, held to the cache's layout on a mesh (`parallel.constrain`)."""
+    return constrain(pool, (None,) * (pool.ndim - 2) + ("kv_heads", None))
 
 
 def _scores(qg: jax.Array, k: jax.Array) -> jax.Array:
@@ -141,7 +148,8 @@ def _qkv(p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, Hq: int, Hkv: in
     """x [B, T, Hd] -> q [B, T, Hq, D], the output gate [B, T, Hq*D], k, v [B, T, Hkv, D]: q / k
     RMS-normed and rotated (cos, sin [B, T, R]). The projections are grouped per head (so a slice of
     their columns is whole heads): qg [Hd, Hq * 2D] (query_h | gate_h, as the checkpoint's q_proj),
-    kv [Hd, Hkv * 2D] (k_h | v_h); optional biases qg_bias, kv_bias alike."""
+    kv [Hd, Hkv * 2D] (k_h | v_h); optional biases qg_bias, kv_bias alike. Under a layout that keeps
+    r copies of each KV head (`parallel.kv_replicas`), k and v come back with Hkv * r heads."""
     B, T, _ = x.shape
     qg, kv = linear(x, p["qg"]), linear(x, p["kv"])
     if "qg_bias" in p:
@@ -149,7 +157,11 @@ def _qkv(p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, Hq: int, Hkv: in
     qg, kv = qg.reshape(B, T, Hq, 2 * D), kv.reshape(B, T, Hkv, 2 * D)
     q = rms_norm_zero_centered(qg[..., :D], p["q_norm"], eps)
     k = rms_norm_zero_centered(kv[..., :D], p["k_norm"], eps)
-    return apply_rope(q, cos, sin), qg[..., D:].reshape(B, T, Hq * D), apply_rope(k, cos, sin), kv[..., D:]
+    k, v = apply_rope(k, cos, sin), kv[..., D:]
+    r = kv_replicas(Hkv)
+    if r > 1:     # the cache holds r copies of each KV head, one per device (parallel.kv_replicas)
+        k, v = jnp.repeat(k, r, axis=2), jnp.repeat(v, r, axis=2)
+    return apply_rope(q, cos, sin), qg[..., D:].reshape(B, T, Hq * D), k, v
 
 
 def _gated_output(p: dict, out: jax.Array, gate: jax.Array) -> jax.Array:
@@ -174,6 +186,7 @@ def gated_attention(p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, posit
     B, T, _ = x.shape
     Hq, Hkv, D = num_heads, num_kv_heads, head_dim
     q, gate, k, v = _qkv(p, x, cos, sin, Hq, Hkv, D, eps)
+    Hkv = k.shape[2]
 
     if not defer_write:
         k_pool = write_kv(k_pool, k, page_table, positions, valid, layer)
@@ -242,8 +255,8 @@ def gated_attention_ragged(p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array
     N = x.shape[0]
     Hq, Hkv, D = num_heads, num_kv_heads, head_dim
     q, gate, k, v = _qkv(p, x[None], cos[None], sin[None], Hq, Hkv, D, eps)
-    k_pool = write_paged_flat(k_pool, k[0], page_table, seq, positions, valid, layer)
-    v_pool = write_paged_flat(v_pool, v[0], page_table, seq, positions, valid, layer)
+    k_pool = pinned_pool(write_paged_flat(k_pool, k[0], page_table, seq, positions, valid, layer))
+    v_pool = pinned_pool(write_paged_flat(v_pool, v[0], page_table, seq, positions, valid, layer))
     o = ragged_read(q[0], k_pool[layer], v_pool[layer], kv_lens, page_table, cu_seqlens, sm_scale=D ** -0.5,
                     impl=impl)
     return _gated_output(p, o.reshape(N, Hq * D).astype(x.dtype), gate[0]), k_pool, v_pool

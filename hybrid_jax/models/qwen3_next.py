@@ -38,18 +38,21 @@ from hybrid_jax.layers.rope import rope_cos_sin
 from hybrid_jax.models.common import LayerStep, finish_step, token_positions
 from hybrid_jax.models.contract import LayerType, MTPHead, ModelFamily, StepOutput
 from hybrid_jax.models.ragged import RaggedBatch
+from hybrid_jax.parallel.context import kv_replicas
 from hybrid_jax.errors import CheckpointError
 from hybrid_jax.weights import checked_getter, concat, dense_mlp_weights, expert_weights, to_device, to_device_linear
 
 
 def new_cache(cfg: ModelConfig, batch_size: int, capacity: int, dtype, page_size: int = DEFAULT_KV_PAGE_SIZE
               ) -> ModelCache:
-    """An empty cache for this model: one group per layer type; full KV in pages of `page_size` tokens."""
+    """An empty cache for this model: one group per layer type; full KV in pages of `page_size` tokens
+    (with r copies of each KV head under a layout that keeps them, `parallel.kv_replicas`)."""
     return init_cache(
         batch_size=batch_size, capacity=capacity, layer_types=cfg.layer_types, dtype=dtype,
         conv_dim=cfg.linear_conv_dim, conv_width=cfg.linear_conv_kernel_dim,
         linear_heads=(cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim),
-        kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, page_size=page_size)
+        kv_heads=cfg.num_key_value_heads * kv_replicas(cfg.num_key_value_heads), head_dim=cfg.head_dim,
+        page_size=page_size)
 
 
 def _ffn(cfg: ModelConfig, lp: dict, x: jax.Array) -> jax.Array:

@@ -7,6 +7,9 @@ weights). Those ops run under `shard_map` instead, each device on the heads or e
 
   with active(layout): jitted(...)     traces the step with `layout` as the current one (the runner
                                        and `hybrid-jax plan` wrap their jitted steps in `Traced`)
+  kv_replicas(Hkv)                     copies of each KV head the cache holds (fewer KV heads
+                                       than devices: one per device, as vLLM lays them out)
+  constrain(x, axes)                   x pinned to its logical axes' sharding (a pool after a write)
   per_device(fn, in_axes, out_axes)    fn on each device's part of its inputs, each input and output
                                        named by logical axes (the rule table of `rules.py` turns them
                                        into PartitionSpecs: nothing here names a mesh axis but the
@@ -45,6 +48,28 @@ def tensor_size() -> int:
     """Devices of the current layout's tensor axis (1 without a layout)."""
     lay = current()
     return 1 if lay is None else dict(lay.mesh.shape).get(MODEL, 1)
+
+
+def kv_replicas(num_kv_heads: int) -> int:
+    """Copies of each KV head the cache holds under the current layout. With fewer KV heads than
+    devices on the tensor axis and the tensor size a multiple of them, tp // Hkv: the cache stores
+    Hkv * r heads (head j a copy of KV head j // r), split over the devices, so each device holds
+    exactly the one KV head its query heads read (vLLM's layout), instead of every KV head whole
+    on every device and a slice of it taken per step. 1 otherwise (one device, or KV heads split)."""
+    tp = tensor_size()
+    return tp // num_kv_heads if tp > num_kv_heads and tp % num_kv_heads == 0 else 1
+
+
+def constrain(x, axes: tuple):
+    """x held to the sharding its logical `axes` give under the current layout (x itself without one).
+    A cache pool updated inside a step is pinned this way right after the write: left free, the
+    partitioner may split a replicated pool the way a later read wants it and gather it back whole
+    (for a 32k-token KV pool, gigabytes per layer and step)."""
+    lay = current()
+    if lay is None or tensor_size() == 1:
+        return x
+    sharding = jax.sharding.NamedSharding(lay.mesh, lay.spec(axes, x.shape, "a constrained value"))
+    return jax.lax.with_sharding_constraint(x, sharding)
 
 
 class Traced:

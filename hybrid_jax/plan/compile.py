@@ -185,9 +185,10 @@ def compile_model(cfg, sh: Shapes, target, impl: str = "auto") -> tuple[StepCost
 def _compile_model(cfg, sh: Shapes, target, impl: str) -> tuple[StepCost, StepCost]:
     model = get_model(cfg.model_type)
     params = abstract_params(cfg, sh.dtype, sh.quantization)
-    layout = abstract_layout(cfg, sh.dtype, sh.max_model_len, sh.page_size)
-    pools = abstract_pools(layout, sh.rows, dict(sh.pages))
     mesh_layout = target if isinstance(target, Layout) else None
+    with active(mesh_layout):      # the cache's shapes may follow the layout (parallel.kv_replicas)
+        layout = abstract_layout(cfg, sh.dtype, sh.max_model_len, sh.page_size)
+    pools = abstract_pools(layout, sh.rows, dict(sh.pages))
     if mesh_layout is not None:
         params = _on(params, mesh_layout.param_shardings(model, params))
         pools = _on(pools, mesh_layout.cache_shardings(pools))

@@ -26,6 +26,7 @@ from hybrid_jax.generate import bucket
 from hybrid_jax.plan.chips import Chip, PlanError, topology
 from hybrid_jax.models import get_model
 from hybrid_jax.parallel import Layout, ParallelConfig, build_mesh
+from hybrid_jax.parallel.context import active
 from hybrid_jax.plan.compile import (
     ModelCosts,
     Shapes,
@@ -200,7 +201,8 @@ def plan(model: str, topology_name: str, *, max_num_seqs: int = 64, max_model_le
     params = abstract_params(cfg, dt, quantization)
     weights = tree_nbytes(params)
     num_params = sum(x.size for x in _param_leaves(params))
-    layout = abstract_layout(cfg, dt, max_model_len, page_size)
+    with active(mesh_layout):      # the cache's shapes may follow the layout (parallel.kv_replicas)
+        layout = abstract_layout(cfg, dt, max_model_len, page_size)
     rows, pages = max_num_seqs + 1, pool_pages(layout, max_num_seqs, max_model_len)
     pools = abstract_pools(layout, rows, pages)
 

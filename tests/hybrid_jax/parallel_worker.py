@@ -79,6 +79,9 @@ def run(path: str) -> dict:
             "logprobs": [o.outputs[0].cumulative_logprob for o in first],
             "hits": llm.cache_stats()["hits"], "sharding_key": runner.layout.key if runner.layout else "replicated",
             "pools_keep_shardings": kept, "weights": weight_bytes(llm),
+            # KV heads each device's pages hold (the KV group's [L, P, ps, Hkv, D] shard on device 0)
+            "kv_heads_on_device0": [next(sh.data.shape[3] for sh in g.k.addressable_shards if sh.device.id == 0)
+                                    for g in runner.cache.groups.values() if g.kind == "full_kv"],
             "split_weights": sorted({tuple(leaf.shape) for leaf in jax.tree_util.tree_leaves(llm.params)
                                      if leaf.ndim >= 2 and not leaf.sharding.is_fully_replicated}),
             "collectives": decode_collectives(path, kw) if name != "tp1" else [],

@@ -139,6 +139,13 @@ def test_each_device_holds_its_share_of_the_weights(worker, layout, tp):
     assert w["replicated"] < 0.1 * w["total"]            # norms, the router, the MTP-free rest is split
 
 
+@pytest.mark.parametrize("layout, heads", [("tp1", 2), ("tp2", 1), ("tp4", 1), ("tp4_ep", 1)])
+def test_each_device_holds_only_the_kv_heads_its_query_heads_read(worker, layout, heads):
+    """2 KV heads: split over 2 devices; over 4, each head is kept twice and each device holds one copy
+    (not both heads whole on every device)."""
+    assert worker[layout]["kv_heads_on_device0"] == [heads]
+
+
 @pytest.mark.parametrize("layout", ["tp2", "tp4", "tp4_ep"])
 def test_decode_step_gathers_no_weight_matrix(worker, layout):
     """The compiled decode program moves activations between devices, never a parameter: no all-gather
