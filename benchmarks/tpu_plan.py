@@ -1,18 +1,20 @@
 """Plans of two real models on TPU slices, built by the TPU compiler on this CPU host (no TPU, no weights).
 
-    python benchmarks/tpu_plan.py
+    python benchmarks/tpu_plan.py [qwen] [deepseek]
 
-- Qwen3-Next-80B-A3B-Instruct on v6e:2x4, split over its 8 chips;
-- DeepSeek-V3.2 (FP8 weights, as released) on the smallest v5p slice that holds it at 32k context (v5p,
-  not v6e: the reduced programs hold two of its 11 GB FP8 MoE layers plus 32k-context pools, which one
-  v6e chip's 32 GB cannot take, and until sharding exists the programs are compiled for one chip);
+- Qwen3-Next-80B-A3B-Instruct on v6e:2x4, tensor parallel over its 8 chips with expert parallelism:
+  compiled for the 8 devices with the engine's layout (hybrid_jax.parallel: the rule table's shardings,
+  the Pallas kernels per device, one copy of a KV head per device), so every figure is one chip's;
+- DeepSeek-V3.2 (FP8 weights, as released) on the smallest v5p slice that holds it at 32k context. Its
+  family has no sharding rules yet and FP8 weights are not split by the layout, so its split is an
+  *ideal* one: compiled for one device, bytes and FLOPs / N (v5p, not v6e: the reduced programs hold
+  two of its 11 GB FP8 MoE layers plus 32k-context pools, which one v6e chip's 32 GB cannot take);
 
 each at max_num_seqs 64 and 32k context: per-chip HBM, the batch that fits at 32k, decode bytes per step
-against the minimum (weights + cache read once; the goal is <= 1.2x) and the modeled decode tok/s per
-chip. Multi-device sharding does not exist yet: the programs are compiled for one device and a split
-over N chips is an ideal one (every byte and FLOP / N). Both models are compiled with one layer of each
-kind and scaled by the layer counts (hybrid_jax/plan/compile.py). Beside them, a figure MEASURED
-ELSEWHERE on real TPUs by tpu-inference, for scale only.
+against the minimum (weights + cache read once; the goal is <= 1.2x), the collectives of a decode step
+and the modeled decode tok/s per chip. Both models are compiled with one layer of each kind and scaled
+by the layer counts (hybrid_jax/plan/compile.py). Beside them, a figure MEASURED ELSEWHERE on real TPUs
+by tpu-inference, for scale only.
 """
 from __future__ import annotations
 
@@ -48,9 +50,9 @@ def smallest_slice(model: str, quantization: str | None, chip: str) -> tuple[str
     raise SystemExit(f"{model} does not fit the largest {chip} slice")
 
 
-def run(label: str, model: str, topo: str, n: int, quantization: str | None = None):
+def run(label: str, model: str, topo: str, n: int, quantization: str | None = None, ep: bool = False):
     t = time.perf_counter()
-    p = plan(model, topo, tensor_parallel_size=n, max_num_seqs=SEQS, max_model_len=CONTEXT,
+    p = plan(model, topo, tensor_parallel_size=n, enable_expert_parallel=ep, max_num_seqs=SEQS, max_model_len=CONTEXT,
              quantization=quantization, layers="reduced")
     print(f"==== {label} ({time.perf_counter() - t:.0f} s to compile and plan)")
     print(format_plan(p))
@@ -63,20 +65,24 @@ def main(argv: list[str]):
     which = set(argv) or {"qwen", "deepseek"}
     rows = []
     if "qwen" in which:
-        p = run("Qwen3-Next-80B-A3B on v6e:2x4", "qwen3_next_80b_a3b_instruct", "v6e:2x4", 8)
+        p = run("Qwen3-Next-80B-A3B on v6e:2x4, tp 8 + expert parallel", "qwen3_next_80b_a3b_instruct", "v6e:2x4", 8,
+                ep=True)
         rows.append(("Qwen3-Next-80B-A3B bf16", p))
     if "deepseek" in which:
         topo, n = smallest_slice("deepseek_v32", "fp8", "v5p")
         p = run(f"DeepSeek-V3.2 FP8 on {topo} (smallest v5p slice holding it)", "deepseek_v32", topo, n, "fp8")
         rows.append(("DeepSeek-V3.2 fp8", p))
     print("==== summary (per chip; ESTIMATES from the TPU compiler's cost analysis and published chip peaks)")
-    print(f"{'model':<26}{'slice':<10}{'HBM used':>10}{'of':>8}{'batch@32k':>11}{'bytes/min':>11}"
-          f"{'decode tok/s/chip':>19}{'at min bytes':>14}")
+    print(f"{'model':<26}{'slice':<11}{'split':<8}{'HBM used':>10}{'of':>8}{'batch@32k':>11}{'bytes/min':>11}"
+          f"{'collectives':>13}{'decode tok/s/chip':>19}{'at min bytes':>14}")
     for label, p in rows:
         used = p.memory.capacity - p.memory.free
-        print(f"{label:<26}{p.topology:<10}{used / 2**30:>8.1f}Gi{p.memory.capacity / 2**30:>6.1f}Gi"
-              f"{p.capacity.batch_at_context:>11}{p.roofline.bytes_over_min:>10.2f}{'x*' if p.costs.decode.loops else 'x '}"
+        coll = f"{p.roofline.decode_collectives:.0f}" if p.sharded else "-"
+        print(f"{label:<26}{p.topology:<11}{'layout' if p.sharded else 'ideal':<8}{used / 2**30:>8.1f}Gi"
+              f"{p.memory.capacity / 2**30:>6.1f}Gi{p.capacity.batch_at_context:>11}{p.roofline.bytes_over_min:>10.2f}"
+              f"{'x*' if p.costs.decode.loops else 'x '}{coll:>13}"
               f"{p.roofline.decode_tok_s:>18,.0f}{p.roofline.decode_tok_s_at_min:>14,.0f}")
+    print("split: 'layout' = compiled with the engine's sharding over the chips; 'ideal' = one chip's program / N")
     print("goal: decode bytes accessed <= 1.2x the minimum")
     if any(p.costs.decode.loops for _, p in rows):
         print("* the decode step runs loops (HLO while) whose iterations after the first the compiler's cost analysis "

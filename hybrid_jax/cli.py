@@ -103,8 +103,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help="a config.json, a checkpoint directory, or a published config's "
                    "name (hybrid_jax/published_configs, e.g. qwen3_next_80b_a3b_instruct)")
     p.add_argument("--topology", required=True, help="TPU slice as libtpu names it, e.g. v6e:2x4, v5e:2x2, v5p:2x2x2")
-    p.add_argument("--tensor-parallel-size", type=int, default=1,
-                   help="chips one replica is split over (an ideal split until sharding exists)")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="chips one replica is split over, with the engine's layout (an ideal split for a family "
+                        "without sharding rules)")
+    p.add_argument("--enable-expert-parallel", action="store_true",
+                   help="split routed experts whole over the chips instead of each expert's columns")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-model-len", type=int, default=32768)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
@@ -249,7 +252,8 @@ def _plan(args) -> int:
         jax.config.update("jax_platforms", "cpu")
     from hybrid_jax.plan import format_plan, plan  # noqa: PLC0415
     p = plan(args.model, args.topology, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-             tensor_parallel_size=args.tensor_parallel_size, dtype=args.dtype, quantization=args.quantization,
+             tensor_parallel_size=args.tensor_parallel_size, enable_expert_parallel=args.enable_expert_parallel,
+             dtype=args.dtype, quantization=args.quantization,
              chunk=args.prefill_chunk, layers=args.layers)
     print(format_plan(p))
     if not p.fits:

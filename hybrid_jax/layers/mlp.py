@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from hybrid_jax.layers.linear import Fp8Weight, dequantize, linear, take
-from hybrid_jax.parallel.context import MODEL, current, per_device, tensor_size
+from hybrid_jax.parallel.context import MODEL, constrain, current, per_device, tensor_size
 from pallas_kernels.grouped_matmul import fp8_grouped_matmul
 
 
@@ -134,7 +134,9 @@ def sparse_moe(p: dict, x: jax.Array, *, num_experts: int, top_k: int, norm_topk
     B, T, Hd = x.shape
     x2 = x.reshape(B * T, Hd)
     E = num_experts
-    proj = linear(x2, p["in_proj"])
+    # whole on every device (in_proj is replicated): left free, the partitioner splits these columns
+    # unevenly (E + 1 + 2Is of them) and runs the router's Top-K over the pieces with all-to-alls
+    proj = constrain(linear(x2, p["in_proj"]), (None, None))
     logits, sgate, shared_gu = proj[:, :E], proj[:, E:E + 1], proj[:, E + 1:]
     probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
     w, idx = jax.lax.top_k(probs, top_k)
@@ -143,5 +145,7 @@ def sparse_moe(p: dict, x: jax.Array, *, num_experts: int, top_k: int, norm_topk
     w = w.astype(logits.dtype)
     routed = routed_experts(x2, idx, w, p["gate_up"], p["down"])
     sg, su = jnp.split(shared_gu, 2, axis=-1)
-    shared = linear(jax.nn.silu(sg) * su, p["shared_down"]) * jax.nn.sigmoid(sgate)
+    # the shared expert's activation split as shared_down's rows are (each device slices its columns out of
+    # the whole projection: no exchange)
+    shared = linear(constrain(jax.nn.silu(sg) * su, (None, "mlp")), p["shared_down"]) * jax.nn.sigmoid(sgate)
     return (routed + shared).reshape(B, T, Hd)

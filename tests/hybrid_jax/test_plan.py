@@ -244,6 +244,11 @@ def test_cli_prints_the_plan(tmp_path, capsys):
               "compiler temporaries", "free", "largest batch at 256 tokens", "context at batch 4", "FLOPs",
               "bytes accessed", "minimum bytes", "roofline ESTIMATE", "decode", "prefill"):
         assert s in out, s
+    rc = main(["plan", "--model", str(tmp_path), "--topology", "v6e:2x2", "--max-num-seqs", "4", "--max-model-len",
+               "256", "--prefill-chunk", "64", "--layers", "full", "-tp", "2", "--enable-expert-parallel"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "split over 2 chips (expert parallel)" in out and "dp1.tp2.ep" in out
+    assert "collectives" in out
     assert main(["plan", "--model", str(tmp_path), "--topology", "v9:2x2"]) == 2
     assert "unknown TPU chip" in capsys.readouterr().err
 
