@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from cache.mla import write_paged, write_paged_flat
 from hybrid_jax.layers.linear import dequantize, linear
 from hybrid_jax.layers.rope import apply_rope
+from hybrid_jax.parallel.context import constrain, per_device
 from pallas_kernels.sparse_attention import (
     indexer_topk,
     indexer_weights,
@@ -54,6 +55,26 @@ def rope_interleaved(x, cos, sin):
     return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
 
 
+def _whole(pool: jax.Array) -> jax.Array:
+    """A latent / indexer pool just written, held whole on every device on a mesh (every head reads all
+    of it; `parallel.constrain`)."""
+    return constrain(pool, (None,) * pool.ndim)
+
+
+def _on_every_device(op, *args):
+    """op(*args) (the indexer's Top-K kernel) whole on every device under a layout: its weights and keys
+    are not split, and a Mosaic kernel must run inside shard_map on a mesh."""
+    return per_device(op, (None,) * len(args), None)(*args)
+
+
+def _per_head(op, head_axis: int, q_lat, q_rot, *rest):
+    """op(q_lat, q_rot, *rest) (a sparse MLA kernel) on each device's heads when the heads are split:
+    the queries [..., H, ...] split at `head_axis`, the pools, tables and selections whole; the output
+    [..., H, R] split like the queries."""
+    q_axes = tuple("heads" if d == head_axis else None for d in range(q_lat.ndim))
+    return per_device(op, (q_axes, q_axes) + (None,) * len(rest), q_axes, out_like=q_lat)(q_lat, q_rot, *rest)
+
+
 def sparse_attention(p: dict, x, cos, sin, positions, valid, lengths, n_new, lat, rope, ikeys, iscale,
                      page_table, index_table, page_resident, *, num_heads: int, nope: int, rope_dim: int,
                      v_dim: int, kv_lora_rank: int, index_heads: int, index_dim: int, index_topk: int,
@@ -81,8 +102,8 @@ def sparse_attention(p: dict, x, cos, sin, positions, valid, lengths, n_new, lat
     else:
         def write(pool, new, table):
             return write_paged_flat(pool, new[0], table, ragged.seq, positions[0], valid[0], layer)
-    lat = write(lat, c, page_table)
-    rope = write(rope, k_rot, page_table)
+    lat = _whole(write(lat, c, page_table))
+    rope = _whole(write(rope, k_rot, page_table))
 
     # indexer: keys written first, so a query sees its own key
     qi = apply_rope(linear(q_resid, p["idx_q"]).reshape(B, T, index_heads, index_dim), cos, sin)
@@ -90,10 +111,10 @@ def sparse_attention(p: dict, x, cos, sin, positions, valid, lengths, n_new, lat
     ki = apply_rope(ki[:, :, None], cos, sin)[:, :, 0]                                  # [B, T, Di]
     if iscale is not None:
         k8, sc = quantize_fp8(ki)
-        ikeys = write(ikeys, k8, index_table)
-        iscale = write(iscale, sc, index_table)
+        ikeys = _whole(write(ikeys, k8, index_table))
+        iscale = _whole(write(iscale, sc, index_table))
     else:
-        ikeys = write(ikeys, ki, index_table)
+        ikeys = _whole(write(ikeys, ki, index_table))
     # the ops read layer `layer` of the stacks in place (a slice handed to a kernel is a copy of the pool)
     w = indexer_weights(x.astype(jnp.float32) @ p["idx_w"].astype(jnp.float32), index_heads, index_dim)
     kv_len = lengths + n_new
@@ -102,17 +123,20 @@ def sparse_attention(p: dict, x, cos, sin, positions, valid, lengths, n_new, lat
     scale = scale or (nope + rope_dim) ** -0.5
     if ragged is None:
         qpos = jnp.where(valid, positions, -1)
-        idx = indexer_topk(qi, w, ikeys, index_table, qpos, kv_len, topk=topk, k_scale=iscale, impl=impl,
-                           layer=layer)
-        o_lat = sparse_mla_attention(q_lat, q_rot, lat, rope, page_table, idx, kv_len, layer=layer, scale=scale,
-                                     impl=impl)                                                 # [B, T, H, R] f32
+        idx = _on_every_device(lambda *a: indexer_topk(*a[:-1], topk=topk, k_scale=a[-1], impl=impl, layer=layer),
+                               qi, w, ikeys, index_table, qpos, kv_len, iscale)
+        o_lat = _per_head(lambda ql, qr, la, ro, tb, ix, kl: sparse_mla_attention(
+            ql, qr, la, ro, tb, ix, kl, layer=layer, scale=scale, impl=impl),
+            2, q_lat, q_rot, lat, rope, page_table, idx, kv_len)                                 # [B, T, H, R] f32
         hit = sparse_hit_rate(idx, page_table, page_resident, lat.shape[-2], kv_len)
     else:
         cu = ragged.cu_seqlens
-        idx = indexer_topk_ragged(qi[0], w[0], ikeys, index_table, cu, kv_len, topk=topk, k_scale=iscale, impl=impl,
-                                  layer=layer)
-        o_lat = sparse_mla_attention_ragged(q_lat[0], q_rot[0], lat, rope, page_table, cu, idx, kv_len, scale=scale,
-                                            impl=impl, layer=layer)[None]
+        idx = _on_every_device(lambda *a: indexer_topk_ragged(*a[:-1], topk=topk, k_scale=a[-1], impl=impl,
+                                                              layer=layer), qi[0], w[0], ikeys, index_table, cu, kv_len,
+                               iscale)
+        o_lat = _per_head(lambda ql, qr, la, ro, tb, c, ix, kl: sparse_mla_attention_ragged(
+            ql, qr, la, ro, tb, c, ix, kl, scale=scale, impl=impl, layer=layer),
+            1, q_lat[0], q_rot[0], lat, rope, page_table, cu, idx, kv_len)[None]
         hit = sparse_hit_rate_ragged(idx, page_table, ragged.seq, ragged.valid, page_resident, lat.shape[-2], kv_len)
     o = jnp.einsum("bthr,hvr->bthv", o_lat.astype(x.dtype), dequantize(p["w_uv"], x.dtype)).reshape(B, T, H * v_dim)
     out = linear(o, p["o_proj"]) + p.get("o_bias", 0.0)

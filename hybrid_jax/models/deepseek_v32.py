@@ -352,8 +352,45 @@ def _convert_layer(cfg: DeepseekV32Config, t, has, p: str, moe: bool, dev, lin) 
     return lp
 
 
+# Logical axes of every parameter (hybrid_jax.parallel.rules). MLA splits by heads: q_b's columns and
+# w_uk / w_uv / o_proj are head-major; the low-rank down projections (q_a, kv_a) and the latent cache
+# are shared by every head and stay whole. The indexer stays whole on every device: its Top-K is over
+# the sum of all its heads' scores, so each device computes all of them (a few percent of a layer's
+# weights) rather than all-reducing scores of every cached key per query. Experts split whole under
+# expert parallelism, else by their columns; the router and its bias are whole.
+PARAM_AXES = {
+    "embed": ("vocab", "embed"),
+    "lm_head": ("embed", "vocab"),
+    "*/attn/q_a": ("embed", None),
+    "*/attn/q_a_bias": (None,),
+    "*/attn/q_b": (None, "heads"),
+    "*/attn/kv_a": ("embed", None),
+    "*/attn/kv_a_bias": (None,),
+    "*/attn/w_uk": ("heads", None, None),
+    "*/attn/w_uv": ("heads", None, None),
+    "*/attn/o_proj": ("heads", "embed"),
+    "*/attn/o_bias": ("embed",),
+    "*/attn/idx_q": (None, None),
+    "*/attn/idx_k": ("embed", None),
+    "*/attn/idx_w": ("embed", None),
+    "*/attn/idx_k_norm_bias": (None,),
+    "*/mlp/gate_up": ("embed", "columns"),
+    "*/mlp/down": ("mlp", "embed"),
+    "*/moe/router": ("embed", None),
+    "*/moe/bias": (None,),
+    "*/moe/gate_up": ("experts", "embed", "expert_mlp"),
+    "*/moe/down": ("experts", "expert_mlp", "embed"),
+    "*/moe/shared_gate_up": ("embed", "columns"),
+    "*/moe/shared_down": ("mlp", "embed"),
+    "mtp/eh_proj": (None, "embed"),
+    "mtp/head": ("embed", "vocab"),
+    "mtp/embed": ("vocab", "embed"),
+    "*norm": (None,),
+}
+
 FAMILY = ModelFamily(
     name="deepseek_v32", forward=forward, forward_ragged=forward_ragged, new_cache=new_cache, init_params=init_params,
     convert_hf_weights=convert_hf_weights, final_norm=final_norm, layer_types=LAYER_TYPES,
     mtp=MTPHead(prefixes=mtp_prefixes, new_cache=mtp_new_cache, target_hidden=target_hidden, step=mtp_step,
-                logits=mtp_logits))
+                logits=mtp_logits),
+    param_axes=PARAM_AXES)

@@ -2,7 +2,7 @@
 imported, so the rest of the suite keeps one device). Prints one JSON line "RESULT {...}" with, per
 layout, what the test compares against one device.
 
-    python parallel_worker.py CHECKPOINT_DIR
+    python parallel_worker.py CHECKPOINT_DIR [deepseek_v32]
 """
 from __future__ import annotations
 
@@ -62,10 +62,12 @@ def decode_collectives(path: str, kw: dict) -> list:
     return [(m.group(2), m.group(1)) for m in COLLECTIVES.finditer(text)]
 
 
-def run(path: str) -> dict:
+def run(path: str, layouts: dict = LAYOUTS, full: bool = True) -> dict:
+    """Per layout: tokens, log-probabilities, prefix hits, placement; with `full`, also the decode
+    program's collectives and the layouts that must be refused."""
     out = {"devices": len(jax.devices())}
     sp = SamplingParams(max_tokens=12, temperature=0.0, logprobs=1)
-    for name, kw in LAYOUTS.items():
+    for name, kw in layouts.items():
         llm = LLM(model=path, dtype="float32", max_model_len=256, max_num_seqs=4, enable_prefix_caching=True,
                   speculative_config=SPEC, **kw)
         first = llm.generate(PROMPTS, sp)
@@ -84,8 +86,10 @@ def run(path: str) -> dict:
                                     for g in runner.cache.groups.values() if g.kind == "full_kv"],
             "split_weights": sorted({tuple(leaf.shape) for leaf in jax.tree_util.tree_leaves(llm.params)
                                      if leaf.ndim >= 2 and not leaf.sharding.is_fully_replicated}),
-            "collectives": decode_collectives(path, kw) if name != "tp1" else [],
+            "collectives": decode_collectives(path, kw) if name != "tp1" and full else [],
         }
+    if not full:
+        return out
     errors = {}
     for name, kw in {"tp3": dict(tensor_parallel_size=3), "tp16": dict(tensor_parallel_size=16),
                      "dp2": dict(tensor_parallel_size=4, data_parallel_size=2)}.items():
@@ -105,4 +109,8 @@ def run(path: str) -> dict:
 
 
 if __name__ == "__main__":
-    print("RESULT " + json.dumps(run(sys.argv[1])))
+    if sys.argv[2:] == ["deepseek_v32"]:      # 4 heads, 8 experts: split over 2, and over 4 with experts whole
+        result = run(sys.argv[1], {k: LAYOUTS[k] for k in ("tp1", "tp2", "tp4_ep")}, full=False)
+    else:
+        result = run(sys.argv[1])
+    print("RESULT " + json.dumps(result))

@@ -33,14 +33,24 @@ def splittable(tmp_path_factory):
     return make_checkpoint(tmp_path_factory.mktemp("tp") / "m", seed=3, **SPLITTABLE)
 
 
-@pytest.fixture(scope="module")
-def worker(splittable):
+def _run_worker(*args) -> dict:
     here = os.path.dirname(__file__)
-    r = subprocess.run([sys.executable, os.path.join(here, "parallel_worker.py"), splittable], capture_output=True,
+    r = subprocess.run([sys.executable, os.path.join(here, "parallel_worker.py"), *args], capture_output=True,
                        text=True, timeout=1500, env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
     assert r.returncode == 0, r.stderr[-4000:]
     line = next(x for x in r.stdout.splitlines() if x.startswith("RESULT "))
     return json.loads(line[len("RESULT "):])
+
+
+@pytest.fixture(scope="module")
+def worker(splittable):
+    return _run_worker(splittable)
+
+
+@pytest.fixture(scope="module")
+def deepseek_worker(tmp_path_factory):
+    from test_deepseek_v32 import make_checkpoint as make_v32  # noqa: PLC0415
+    return _run_worker(make_v32(tmp_path_factory.mktemp("tp_v32") / "m", seed=5), "deepseek_v32")
 
 
 # ---- one process, one device -------------------------------------------------------------------
@@ -129,6 +139,20 @@ def test_split_model_generates_what_one_device_does(worker, layout):
     assert split["hits"] >= 2 and one["hits"] >= 2
     assert split["pools_keep_shardings"] is True          # donated step after step, never re-laid
     assert split["sharding_key"] != one["sharding_key"] == "replicated"
+
+
+@pytest.mark.parametrize("layout", ["tp2", "tp4_ep"])
+def test_split_deepseek_v32_generates_what_one_device_does(deepseek_worker, layout):
+    """MLA heads split (the sparse MLA kernel per device), the latent, indexer and indexer keys whole on
+    every device, experts split by columns or whole: the greedy tokens of one device, with the prefix
+    cache and n-gram speculation on."""
+    one, split = deepseek_worker["tp1"], deepseek_worker[layout]
+    assert split["tokens"] == one["tokens"] and split["again"] == one["again"] == one["tokens"]
+    assert split["logprobs"] == pytest.approx(one["logprobs"], rel=1e-5, abs=1e-5)
+    assert split["hits"] >= 2
+    assert split["pools_keep_shardings"] is True
+    w = split["weights"]
+    assert w["device0"] < 0.75 * w["total"]              # the heads' and experts' weights are split
 
 
 @pytest.mark.parametrize("layout, tp", [("tp2", 2), ("tp4", 4), ("tp4_ep", 4)])

@@ -182,15 +182,30 @@ def test_split_plan_compiles_the_engines_layout(plans):
 
 
 @needs_libtpu
-def test_a_family_without_sharding_rules_gets_an_ideal_split():
-    cfg = config_from_hf_dict(V32_TINY)
-    p1, p2 = (plan("v32", "v6e:2x2", layers="full", tensor_parallel_size=n, config=cfg, **SHAPES) for n in (1, 2))
+def test_fp8_weights_kept_get_an_ideal_split(plans):
+    """FP8 weights kept on the device are not split by the layout yet: the split is an ideal one (one chip's
+    program, every figure / N), and the plan says why."""
+    cfg = config_from_hf_dict(TINY)
+    p1, p2 = (plan("tiny", "v6e:2x2", layers="full", tensor_parallel_size=n, quantization="fp8", config=cfg, **SHAPES)
+              for n in (1, 2))
     assert not p2.sharded
     assert p2.memory.weights == p1.memory.weights / 2
     assert p2.memory.cache == pytest.approx(p1.memory.cache / 2)
     assert p2.roofline.decode_flops == pytest.approx(p1.roofline.decode_flops / 2)
     assert p2.roofline.decode_tok_s == pytest.approx(p1.roofline.decode_tok_s)      # per chip: 2x the rate on 2 chips
-    assert any("ideal split (the deepseek_v32 family has no sharding rules yet)" in n for n in p2.notes)
+    assert any("ideal split (FP8 weights kept on the device are not split" in n for n in p2.notes)
+
+
+@needs_libtpu
+def test_deepseek_v32_plan_compiles_split_with_every_kernel_per_device():
+    """Mosaic refuses a kernel the partitioner would have to split ("wrap the call in a shard_map"): a
+    split DeepSeek-V3.2 plan compiles only if the indexer, sparse MLA and FP8-free paths all run per
+    device. Its latent and indexer caches are whole on every chip, its heads' weights split."""
+    cfg = config_from_hf_dict(V32_TINY)
+    p1, p2 = (plan("v32", "v6e:2x2", layers="full", tensor_parallel_size=n, config=cfg, **SHAPES) for n in (1, 2))
+    assert p2.sharded and p2.roofline.decode_collectives > 0
+    assert p2.memory.cache_by_kind == p1.memory.cache_by_kind
+    assert p1.memory.weights / 2 < p2.memory.weights < p1.memory.weights
 
 
 def test_collectives_are_counted_with_their_result_bytes():
