@@ -93,9 +93,6 @@ class LLM:
             self.model_name = model
             self.dtype = _resolve_dtype(dtype, self.config)
             layout = make_layout(parallel, self.config, get_model(self.config.model_type))   # before any weight
-            if layout is not None and quantization is not None:
-                raise ConfigError("tensor parallelism with FP8 weights kept on the device (quantization='fp8') is "
-                                  "not supported yet; load the checkpoint dequantized")
             n = len(reader.keys())
             show = reader.total_bytes >= LARGE_CHECKPOINT_BYTES if progress is None else progress
             family = get_model(self.config.model_type)
@@ -141,6 +138,7 @@ class LLM:
         family = get_model(self.config.model_type)
         self.layout = make_layout(parallel, self.config, family)
         if self.layout is not None:       # every parameter onto its shards (hybrid_jax.parallel)
+            params = self.layout.annotate(family, params)      # FP8 weights: how linear runs them per device
             params = self.layout.put(params, self.layout.param_shardings(family, params))
         self.max_model_len = int(max_model_len or self.config.max_position_embeddings)
         self.max_num_seqs = max_num_seqs

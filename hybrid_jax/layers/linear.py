@@ -13,6 +13,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from hybrid_jax.parallel.context import MODEL, current, per_device, tensor_size
 from pallas_kernels.grouped_matmul import dequantize_blocks, fp8_matmul
 
 
@@ -24,6 +25,9 @@ class Fp8Weight:
     w: jax.Array
     scale: jax.Array
     block: tuple[int, int] = flax.struct.field(pytree_node=False, default=(128, 128))
+    # logical axes of w when it is split over a mesh (`parallel.Layout.annotate`; both codes and scales
+    # split alike): how `linear` runs it per device. None on one device.
+    axes: tuple | None = flax.struct.field(pytree_node=False, default=None)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -61,10 +65,29 @@ def linear(x: jax.Array, w: Weight) -> jax.Array:
     if isinstance(w, ColumnConcat):
         return jnp.concatenate([linear(x, p) for p in w.parts], axis=-1)
     if isinstance(w, Fp8Weight) and w.w.ndim == 2:
-        return fp8_matmul(x, w.w, w.scale, block=w.block)     # TPU: dequantized in VMEM, tile by tile
+        return _fp8_linear(x, w)
     if isinstance(w, Fp8Weight):
         return x @ dequantize(w, x.dtype)
     return x @ w
+
+
+def _fp8_linear(x: jax.Array, w: Fp8Weight) -> jax.Array:
+    """x [..., K] @ an FP8 [K, N] weight (on TPU dequantized in VMEM, tile by tile). Split over a mesh
+    (w.axes), on each device's block of it, as Megatron's linears run: rows split, each device multiplies
+    its slice of x's features and the partial sums are all-reduced; columns split, the output columns
+    stay split."""
+    def op(x, codes, scale):
+        return fp8_matmul(x, codes, scale, block=w.block)
+    if w.axes is None or tensor_size() == 1:
+        return op(x, w.w, w.scale)
+    spec = current().spec(w.axes, w.w.shape, "an FP8 weight")
+    lead = (None,) * (x.ndim - 1)
+    if spec[0] is not None:
+        def rows(x, codes, scale):
+            return jax.lax.psum(op(x, codes, scale), MODEL)
+        return per_device(rows, (lead + (w.axes[0],), w.axes, w.axes), None)(x, w.w, w.scale)
+    out = jax.ShapeDtypeStruct(x.shape[:-1] + (w.w.shape[1],), x.dtype)
+    return per_device(op, (lead + (None,), w.axes, w.axes), lead + (w.axes[1],), out_like=out)(x, w.w, w.scale)
 
 
 def take(w: Weight, idx: jax.Array) -> Weight:

@@ -7,8 +7,11 @@
                                     (undeclared fields, page tables, lengths: replicated)
   put(tree, shardings)              the tree on the mesh (jax.device_put)
 
-An FP8 weight kept on the device (`layers.linear.Fp8Weight`) is not split yet: tensor parallelism
-with quantization="fp8" is refused at load.
+An FP8 weight kept on the device (`layers.linear.Fp8Weight`) splits its codes and block scales alike:
+a dimension is split only where each device's part is whole scale blocks (else it stays whole), and
+`annotate(family, params)` records the axes on the weight so `layers.linear` runs it per device.
+Routed experts in FP8 split whole (enable_expert_parallel): their grouped-matmul kernel cannot take an
+expert's columns split with gate | up side by side.
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from hybrid_jax.errors import ConfigError
+from hybrid_jax.layers.linear import Fp8Weight
 from hybrid_jax.parallel.config import ParallelConfig
 from hybrid_jax.parallel.rules import partition_spec, rules
 
@@ -65,19 +69,61 @@ class Layout:
     def replicated(self) -> NamedSharding:
         return NamedSharding(self.mesh, PartitionSpec())
 
-    def param_shardings(self, family, params):
-        """NamedSharding per leaf of `params` (arrays or ShapeDtypeStructs), from family.param_axes."""
+    def fp8_axes(self, axes: tuple, w: Fp8Weight, where: str) -> tuple:
+        """`axes` of an FP8 weight with every split dimension kept only where each device's part is whole
+        scale blocks (block = (bk, bn) over the last two dimensions), so codes and scales split alike."""
+        spec = self.spec(axes, w.w.shape, where)
+        mesh = dict(self.mesh.shape)
+        blocks = (1,) * (w.w.ndim - 2) + tuple(w.block)
+        out = list(axes)
+        for d, (m, dim, b) in enumerate(zip(spec, w.w.shape, blocks)):
+            if m is not None and (dim // mesh[m]) % b:
+                out[d] = None
+        if w.w.ndim == 3 and (spec[1] is not None or spec[2] is not None):
+            raise ConfigError(f"{where}: routed experts kept in FP8 are split whole or not at all; set "
+                              f"enable_expert_parallel (or load the checkpoint dequantized)")
+        return tuple(out)
+
+    def _fp8_nodes(self, family, params):
+        """[(name, Fp8Weight, its effective axes)] over params' FP8 weights."""
+        flat = jax.tree_util.tree_flatten_with_path(params, is_leaf=lambda x: isinstance(x, Fp8Weight))[0]
+        out = []
+        for path, leaf in flat:
+            if isinstance(leaf, Fp8Weight):
+                name = path_name(path)
+                out.append((name, leaf, self.fp8_axes(leaf_axes(name, family.param_axes), leaf, f"parameter {name}")))
+        return out
+
+    def annotate(self, family, params):
+        """params with every FP8 weight carrying its effective logical axes (`Fp8Weight.axes`), which
+        `param_shardings` also returns on its FP8 nodes (so the two trees have one structure)."""
+        self._require_axes(family)
+        axes = {name: ax for name, _, ax in self._fp8_nodes(family, params)}
+
+        def one(path, leaf):
+            if isinstance(leaf, Fp8Weight):
+                return dataclasses.replace(leaf, axes=axes[path_name(path)])
+            return leaf
+        return jax.tree_util.tree_map_with_path(one, params, is_leaf=lambda x: isinstance(x, Fp8Weight))
+
+    def _require_axes(self, family):
         if family.param_axes is None:
             raise ConfigError(f"model family {family.name!r} declares no parameter axes: it runs on one device only")
-        leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
-        out = []
-        for path, leaf in leaves:
+
+    def param_shardings(self, family, params):
+        """NamedSharding per leaf of `params` (arrays or ShapeDtypeStructs), from family.param_axes; an FP8
+        weight's node is an Fp8Weight of the shardings of its codes and scales, with its axes."""
+        self._require_axes(family)
+
+        def one(path, leaf):
             name = path_name(path)
-            if leaf.dtype.itemsize == 1 and "float8" in str(leaf.dtype):
-                raise ConfigError("tensor parallelism with FP8 weights kept on the device (quantization='fp8') is not "
-                                  "supported yet; load the checkpoint dequantized")
-            out.append(self._sharding(leaf_axes(name, family.param_axes), leaf.shape, f"parameter {name}"))
-        return jax.tree_util.tree_unflatten(treedef, out)
+            if isinstance(leaf, Fp8Weight):
+                ax = self.fp8_axes(leaf_axes(name, family.param_axes), leaf, f"parameter {name}")
+                return dataclasses.replace(leaf, w=self._sharding(ax, leaf.w.shape, f"parameter {name}"),
+                                           scale=self._sharding(ax, leaf.scale.shape, f"parameter {name} (scales)"),
+                                           axes=ax)
+            return self._sharding(leaf_axes(name, family.param_axes), leaf.shape, f"parameter {name}")
+        return jax.tree_util.tree_map_with_path(one, params, is_leaf=lambda x: isinstance(x, Fp8Weight))
 
     def cache_shardings(self, cache):
         """NamedSharding per leaf of a ModelCache (arrays or shapes), from its groups' AXES."""

@@ -190,7 +190,7 @@ def _compile_model(cfg, sh: Shapes, target, impl: str) -> tuple[StepCost, StepCo
         layout = abstract_layout(cfg, sh.dtype, sh.max_model_len, sh.page_size)
     pools = abstract_pools(layout, sh.rows, dict(sh.pages))
     if mesh_layout is not None:
-        params = _on(params, mesh_layout.param_shardings(model, params))
+        params = _on(mesh_layout.annotate(model, params), mesh_layout.param_shardings(model, params))
         pools = _on(pools, mesh_layout.cache_shardings(pools))
     S = jax.ShapeDtypeStruct
     out = []

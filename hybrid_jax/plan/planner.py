@@ -6,9 +6,9 @@ over N > 1 chips is compiled for N devices of the slice with the engine's real l
 (`hybrid_jax.parallel`: the rule table's shardings of every parameter and pool, the Pallas kernels per
 device): weights and cache per chip are the shards' bytes (replicated leaves in full), FLOPs, bytes
 and temporaries those of one device's partitioned program, and the collectives it runs are counted.
-A model the layout cannot split yet (a family without sharding rules, or FP8 weights kept on the
-device) falls back to an *ideal split*: compiled for one device, every byte and FLOP divided evenly by
-N, no replication and no collectives, and says so in its notes. Speeds are roofline estimates from the
+A model the layout cannot split yet (a family without sharding rules) falls back to an *ideal
+split*: compiled for one device, every byte and FLOP divided evenly by N, no replication and no
+collectives, and says so in its notes. Speeds are roofline estimates from the
 chip's published peaks (`chips.py`), not measurements, and leave out the collectives' time.
 """
 from __future__ import annotations
@@ -165,8 +165,6 @@ def _mesh_layout(cfg, topo, n: int, ep: bool, quantization) -> tuple[Layout | No
     pc.check(cfg, n)                       # heads / experts the split cannot divide: a ConfigError naming them
     if get_model(cfg.model_type).param_axes is None:
         return None, f"the {cfg.model_type} family has no sharding rules yet"
-    if quantization:
-        return None, "FP8 weights kept on the device are not split by the layout yet"
     if topo.num_devices != topo.num_chips:
         return None, f"libtpu lists {topo.num_devices} devices for the {topo.num_chips} chips of {topo.name}"
     return Layout(pc, build_mesh(pc, topo.devices[:n])), None
@@ -230,7 +228,7 @@ def plan(model: str, topology_name: str, *, max_num_seqs: int = 64, max_model_le
 
     if mesh_layout is not None:     # per chip: the shards' bytes, one device's program
         fam = get_model(cfg.model_type)
-        chip_weights = tree_nbytes(_local(params, mesh_layout.param_shardings(fam, params)))
+        chip_weights = tree_nbytes(_local(mesh_layout.annotate(fam, params), mesh_layout.param_shardings(fam, params)))
         chip_pools = _local(pools, mesh_layout.cache_shardings(pools))
         chip_layout = _local(layout, mesh_layout.cache_shardings(layout))
         memory = Memory(capacity=chip.hbm_bytes, weights=chip_weights, cache_by_kind=bytes_by_kind(chip_pools),

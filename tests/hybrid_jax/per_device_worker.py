@@ -123,7 +123,34 @@ def moe_cases() -> dict:
     return out
 
 
+def fp8_cases() -> dict:
+    """An FP8 linear (codes and 128 x 128 block scales split alike) per device on 2 devices, columns split
+    (output split) and rows split (partial sums all-reduced), against one device."""
+    import dataclasses  # noqa: PLC0415
+
+    from hybrid_jax.layers.linear import Fp8Weight, linear  # noqa: PLC0415
+    x = rand(5, 512)
+    codes = jnp.asarray(RNG.standard_normal((512, 768)) * 8, jnp.float8_e4m3fn)      # codes and per-block scales
+    scale = jnp.asarray(RNG.uniform(0.001, 0.01, (4, 6)), jnp.float32)
+    w = Fp8Weight(w=codes, scale=scale, block=(128, 128))
+    ref = jax.jit(linear)(x, w)
+    lay = layout(2)
+    out = {}
+    for name, axes in (("columns", ("embed", "heads")), ("rows", ("heads", "embed"))):
+        wa = dataclasses.replace(w, axes=lay.fp8_axes(axes, w, name))
+        shard = dataclasses.replace(wa, w=NamedSharding(lay.mesh, lay.spec(wa.axes, codes.shape, "w")),
+                                    scale=NamedSharding(lay.mesh, lay.spec(wa.axes, scale.shape, "s")))
+        placed = jax.device_put(wa, shard)
+        with active(lay):
+            jitted = jax.jit(linear)
+            got = jitted(jax.device_put(x, lay.replicated), placed)
+            text = jitted.lower(jax.device_put(x, lay.replicated), placed).as_text()
+        out[name] = {"rel": rel(got, ref), "axes": list(wa.axes), "per_device": "manual_computation" in text
+                     or "SPMDFullToShardShape" in text, "codes_on_device0": list(placed.w.addressable_shards[0].data.shape)}
+    return out
+
+
 if __name__ == "__main__":
     print("RESULT " + json.dumps({"devices": len(jax.devices()), "gdn": gdn_cases(), "attention": attention_case(),
-                                  "moe": moe_cases()}))
+                                  "moe": moe_cases(), "fp8": fp8_cases()}))
     sys.stdout.flush()

@@ -50,7 +50,7 @@ def worker(splittable):
 @pytest.fixture(scope="module")
 def deepseek_worker(tmp_path_factory):
     from test_deepseek_v32 import make_checkpoint as make_v32  # noqa: PLC0415
-    return _run_worker(make_v32(tmp_path_factory.mktemp("tp_v32") / "m", seed=5), "deepseek_v32")
+    return _run_worker(make_v32(tmp_path_factory.mktemp("tp_v32") / "m", seed=5, vocab_size=320), "deepseek_v32")
 
 
 # ---- one process, one device -------------------------------------------------------------------
@@ -219,6 +219,15 @@ def test_expert_parallel_moe_sums_each_devices_experts(per_device, form):
     c = per_device["moe"][form]
     assert c["per_device"] and c["rel"] <= 1e-5
     assert c["all_reduces"] == 1 and c["all_gathers"] == 0
+
+
+@pytest.mark.parametrize("split, shard", [("columns", [512, 384]), ("rows", [256, 768])])
+def test_fp8_linear_runs_on_each_devices_block(per_device, split, shard):
+    """An FP8 weight's codes and scales split alike over 2 devices; the linear runs per device and equals
+    one device's (rows split: partial sums all-reduced)."""
+    c = per_device["fp8"][split]
+    assert c["per_device"] and c["codes_on_device0"] == shard
+    assert c["rel"] <= 1e-5
 
 
 def test_bad_layouts_fail_before_loading_weights(worker):

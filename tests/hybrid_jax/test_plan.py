@@ -11,6 +11,7 @@ import pytest
 
 from cache.pools import build_pools
 from hybrid_jax.config import config_from_hf_dict
+from hybrid_jax.errors import ConfigError
 from hybrid_jax.models import get_model
 from hybrid_jax.plan import PlanError, parse_topology, plan
 from hybrid_jax.plan.shapes import (abstract_layout, abstract_params, bytes_by_kind, field_kind, layer_counts,
@@ -182,18 +183,40 @@ def test_split_plan_compiles_the_engines_layout(plans):
 
 
 @needs_libtpu
-def test_fp8_weights_kept_get_an_ideal_split(plans):
-    """FP8 weights kept on the device are not split by the layout yet: the split is an ideal one (one chip's
-    program, every figure / N), and the plan says why."""
+def test_a_family_without_sharding_rules_gets_an_ideal_split(plans, monkeypatch):
+    """A family that declares no parameter axes cannot be compiled split: its split is an ideal one (one
+    chip's program, every figure / N), and the plan says why."""
+    import dataclasses  # noqa: PLC0415
+
+    from hybrid_jax.plan import planner  # noqa: PLC0415
+    ruleless = dataclasses.replace(get_model("qwen3_next"), param_axes=None)
+    monkeypatch.setattr(planner, "get_model", lambda model_type: ruleless)
     cfg = config_from_hf_dict(TINY)
-    p1, p2 = (plan("tiny", "v6e:2x2", layers="full", tensor_parallel_size=n, quantization="fp8", config=cfg, **SHAPES)
-              for n in (1, 2))
+    p1, p2 = plans["full"], plan("tiny", "v6e:2x2", layers="full", tensor_parallel_size=2, config=cfg, **SHAPES)
     assert not p2.sharded
     assert p2.memory.weights == p1.memory.weights / 2
     assert p2.memory.cache == pytest.approx(p1.memory.cache / 2)
     assert p2.roofline.decode_flops == pytest.approx(p1.roofline.decode_flops / 2)
     assert p2.roofline.decode_tok_s == pytest.approx(p1.roofline.decode_tok_s)      # per chip: 2x the rate on 2 chips
-    assert any("ideal split (FP8 weights kept on the device are not split" in n for n in p2.notes)
+    assert any("ideal split (the qwen3_next family has no sharding rules yet)" in n for n in p2.notes)
+
+
+@needs_libtpu
+def test_fp8_weights_split_with_their_scales():
+    """FP8 weights kept on the device split codes and block scales alike and run per device (Mosaic's FP8
+    kernels refuse to be partitioned); FP8 experts split whole only."""
+    cfg = config_from_hf_dict(TINY)
+    with pytest.raises(ConfigError, match="enable_expert_parallel"):
+        plan("tiny", "v6e:2x2", layers="full", tensor_parallel_size=2, quantization="fp8", config=cfg, **SHAPES)
+    p1, p2 = (plan("tiny", "v6e:2x2", layers="full", tensor_parallel_size=n, enable_expert_parallel=n > 1,
+                   quantization="fp8", config=cfg, **SHAPES) for n in (1, 2))
+    assert p2.sharded and p2.roofline.decode_collectives > 0
+    # the expert stacks (codes and scales) halve; TINY's 2-D weights are narrower than two 128-wide scale
+    # blocks, so no device's part of them would be whole blocks: they stay whole
+    params = abstract_params(cfg, jnp.bfloat16, "fp8")
+    experts = sum(tree_nbytes(lp["moe"][k]) for lp in params["layers"] if "moe" in lp for k in ("gate_up", "down"))
+    assert experts > 0.2 * p1.memory.weights
+    assert p2.memory.weights == pytest.approx(p1.memory.weights - experts / 2, abs=0.05 * experts)
 
 
 @needs_libtpu
