@@ -5,10 +5,9 @@
 - Qwen3-Next-80B-A3B-Instruct on v6e:2x4, tensor parallel over its 8 chips with expert parallelism:
   compiled for the 8 devices with the engine's layout (hybrid_jax.parallel: the rule table's shardings,
   the Pallas kernels per device, one copy of a KV head per device), so every figure is one chip's;
-- DeepSeek-V3.2 (FP8 weights, as released) on the smallest v5p slice that holds it at 32k context. Its
-  family has no sharding rules yet and FP8 weights are not split by the layout, so its split is an
-  *ideal* one: compiled for one device, bytes and FLOPs / N (v5p, not v6e: the reduced programs hold
-  two of its 11 GB FP8 MoE layers plus 32k-context pools, which one v6e chip's 32 GB cannot take);
+- DeepSeek-V3.2 (FP8 weights kept, as released) on the smallest v5p slice that holds it at 32k
+  context, tensor parallel over its chips with expert parallelism, the same way: MLA heads and experts
+  split, the FP8 codes with their block scales, the latent and indexer whole on every chip;
 
 each at max_num_seqs 64 and 32k context: per-chip HBM, the batch that fits at 32k, decode bytes per step
 against the minimum (weights + cache read once; the goal is <= 1.2x), the collectives of a decode step
@@ -70,7 +69,8 @@ def main(argv: list[str]):
         rows.append(("Qwen3-Next-80B-A3B bf16", p))
     if "deepseek" in which:
         topo, n = smallest_slice("deepseek_v32", "fp8", "v5p")
-        p = run(f"DeepSeek-V3.2 FP8 on {topo} (smallest v5p slice holding it)", "deepseek_v32", topo, n, "fp8")
+        p = run(f"DeepSeek-V3.2 FP8 on {topo} (smallest v5p slice holding it), tp {n} + expert parallel",
+                "deepseek_v32", topo, n, "fp8", ep=True)
         rows.append(("DeepSeek-V3.2 fp8", p))
     print("==== summary (per chip; ESTIMATES from the TPU compiler's cost analysis and published chip peaks)")
     print(f"{'model':<26}{'slice':<11}{'split':<8}{'HBM used':>10}{'of':>8}{'batch@32k':>11}{'bytes/min':>11}"

@@ -87,6 +87,9 @@ class Traced:
         with active(self.layout):
             return self.jitted.lower(*args, **kwargs)
 
+    def __getattr__(self, name):      # the jitted function's other attributes (e.g. _cache_size)
+        return getattr(self.jitted, name)
+
 
 def _spec(lay, axes, leaf):
     if axes is None:
