@@ -205,7 +205,6 @@ def gated_attention(p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, posit
 
 
 _Q = (None, "heads", None)                     # [N, Hq, D]
-_KV = (None, None, "kv_heads", None)           # [P, ps, Hkv, D]
 
 
 def _own_kv_heads(q_heads: int, Hq: int, k_pages: jax.Array, v_pages: jax.Array):
@@ -224,23 +223,30 @@ def _own_kv_heads(q_heads: int, Hq: int, k_pages: jax.Array, v_pages: jax.Array)
 
 
 def ragged_read(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, kv_lens: jax.Array, page_table: jax.Array,
-                cu_seqlens: jax.Array, *, sm_scale: float, impl: str = "auto") -> jax.Array:
+                cu_seqlens: jax.Array, *, sm_scale: float, impl: str = "auto", layer: int | None = None) -> jax.Array:
     """`pallas_kernels.ragged_paged_attention` for every sequence of a ragged batch, on each device's
     query heads when the heads are split (`hybrid_jax.parallel`; with fewer KV heads than devices the
     pages are whole on every device and each reads the KV heads of its own query heads).
-    q [N, Hq, D]; k_pages, v_pages [P, ps, Hkv, D]; kv_lens [S]; page_table [S, NP]; cu_seqlens [S + 1].
-    Returns [N, Hq, D]."""
+    q [N, Hq, D]; k_pages, v_pages [P, ps, Hkv, D], or with `layer` the group's stacks [L, P, ps, Hkv, D]
+    read in place (the stack seen as L * P pages, the table shifted to the layer's: a layer sliced out
+    for the kernel would be a copy of its pool every step); kv_lens [S]; page_table [S, NP];
+    cu_seqlens [S + 1]. Returns [N, Hq, D]."""
     Hq, S = q.shape[1], kv_lens.shape[0]
     lay = current()
-    kv_whole = lay is not None and tensor_size() > 1 and lay.spec(_KV, k_pages.shape, "KV pages")[2] is None
+    kv_axes = (None,) * (k_pages.ndim - 2) + ("kv_heads", None)
+    kv_whole = lay is not None and tensor_size() > 1 and lay.spec(kv_axes, k_pages.shape, "KV pages")[-2] is None
 
     def fn(q, kp, vp, kv_lens, table, cu):
+        if layer is not None:
+            L, P = kp.shape[:2]
+            kp, vp = kp.reshape((L * P,) + kp.shape[2:]), vp.reshape((L * P,) + vp.shape[2:])
+            table = table + layer * P
         if kv_whole:
             kp, vp = _own_kv_heads(q.shape[1], Hq, kp, vp)
         return pallas_kernels.ragged_paged_attention.ragged_paged_attention(
             q, kp, vp, kv_lens, table, cu, jnp.full((1,), S, jnp.int32), sm_scale=sm_scale, impl=impl)
-    return per_device(fn, (_Q, _KV, _KV, None, None, None), _Q, out_like=q)(q, k_pages, v_pages, kv_lens,
-                                                                             page_table, cu_seqlens)
+    return per_device(fn, (_Q, kv_axes, kv_axes, None, None, None), _Q, out_like=q)(q, k_pages, v_pages, kv_lens,
+                                                                                     page_table, cu_seqlens)
 
 
 def gated_attention_ragged(p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, seq: jax.Array,
@@ -257,6 +263,6 @@ def gated_attention_ragged(p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array
     q, gate, k, v = _qkv(p, x[None], cos[None], sin[None], Hq, Hkv, D, eps)
     k_pool = pinned_pool(write_paged_flat(k_pool, k[0], page_table, seq, positions, valid, layer))
     v_pool = pinned_pool(write_paged_flat(v_pool, v[0], page_table, seq, positions, valid, layer))
-    o = ragged_read(q[0], k_pool[layer], v_pool[layer], kv_lens, page_table, cu_seqlens, sm_scale=D ** -0.5,
-                    impl=impl)
+    o = ragged_read(q[0], k_pool, v_pool, kv_lens, page_table, cu_seqlens, sm_scale=D ** -0.5, impl=impl,
+                    layer=layer)
     return _gated_output(p, o.reshape(N, Hq * D).astype(x.dtype), gate[0]), k_pool, v_pool

@@ -100,8 +100,14 @@ def attention_case() -> dict:
         kv_axes = (None, None, "kv_heads", None)
         got, text = split_run(layout(tp), fn, (q, kp, vp, kv_lens, table, cu),
                               [(None, "heads", None), kv_axes, kv_axes, None, None, None])
+        # the same pools as layer 1 of a stack of 2, read in place
+        def stacked(q, ks, vs, kv_lens, table, cu):
+            return ragged_read(q, ks, vs, kv_lens, table, cu, sm_scale=D ** -0.5, impl="pallas", layer=1)
+        stack_axes = (None,) + kv_axes
+        got_stacked, _ = split_run(layout(tp), stacked, (q, jnp.stack([vp, kp]), jnp.stack([kp, vp]), kv_lens, table, cu),
+                                   [(None, "heads", None), stack_axes, stack_axes, None, None, None])
         out[f"tp{tp}"] = {"rel": rel(got, ref), "kv_split": layout(tp).spec(kv_axes, kp.shape, "kv")[2] is not None,
-                          "per_device": "PER_DEVICE True" in text}
+                          "per_device": "PER_DEVICE True" in text, "stacked_rel": rel(got_stacked, ref)}
     return out
 
 
