@@ -23,7 +23,7 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from hybrid_jax.errors import ConfigError
-from hybrid_jax.layers.linear import Fp8Weight
+from hybrid_jax.layers.linear import ColumnConcat, Fp8Weight
 from hybrid_jax.parallel.config import ParallelConfig
 from hybrid_jax.parallel.rules import partition_spec, rules
 
@@ -84,46 +84,41 @@ class Layout:
                               f"enable_expert_parallel (or load the checkpoint dequantized)")
         return tuple(out)
 
-    def _fp8_nodes(self, family, params):
-        """[(name, Fp8Weight, its effective axes)] over params' FP8 weights."""
-        flat = jax.tree_util.tree_flatten_with_path(params, is_leaf=lambda x: isinstance(x, Fp8Weight))[0]
-        out = []
-        for path, leaf in flat:
-            if isinstance(leaf, Fp8Weight):
-                name = path_name(path)
-                out.append((name, leaf, self.fp8_axes(leaf_axes(name, family.param_axes), leaf, f"parameter {name}")))
-        return out
+    def _node(self, name: str, leaf, axes: tuple, placed: bool):
+        """One parameter node under `axes`: with placed, its shardings (an FP8 weight: an Fp8Weight of its
+        codes' and scales' shardings, with its effective axes), else the node itself annotated (an FP8
+        weight with its effective axes; an array unchanged). A ColumnConcat (a fused projection held as
+        column ranges of different kinds) gives each range the projection's axes."""
+        if isinstance(leaf, ColumnConcat):
+            return ColumnConcat(tuple(self._node(f"{name}/parts/{i}", p, axes, placed)
+                                      for i, p in enumerate(leaf.parts)))
+        if isinstance(leaf, Fp8Weight):
+            ax = self.fp8_axes(axes, leaf, f"parameter {name}")
+            if not placed:
+                return dataclasses.replace(leaf, axes=ax)
+            return dataclasses.replace(leaf, w=self._sharding(ax, leaf.w.shape, f"parameter {name}"),
+                                       scale=self._sharding(ax, leaf.scale.shape, f"parameter {name} (scales)"),
+                                       axes=ax)
+        return self._sharding(axes, leaf.shape, f"parameter {name}") if placed else leaf
+
+    def _map(self, family, params, placed: bool):
+        if family.param_axes is None:
+            raise ConfigError(f"model family {family.name!r} declares no parameter axes: it runs on one device only")
+
+        def one(path, leaf):
+            name = path_name(path)
+            return self._node(name, leaf, leaf_axes(name, family.param_axes), placed)
+        return jax.tree_util.tree_map_with_path(one, params, is_leaf=lambda x: isinstance(x, (Fp8Weight, ColumnConcat)))
 
     def annotate(self, family, params):
         """params with every FP8 weight carrying its effective logical axes (`Fp8Weight.axes`), which
         `param_shardings` also returns on its FP8 nodes (so the two trees have one structure)."""
-        self._require_axes(family)
-        axes = {name: ax for name, _, ax in self._fp8_nodes(family, params)}
-
-        def one(path, leaf):
-            if isinstance(leaf, Fp8Weight):
-                return dataclasses.replace(leaf, axes=axes[path_name(path)])
-            return leaf
-        return jax.tree_util.tree_map_with_path(one, params, is_leaf=lambda x: isinstance(x, Fp8Weight))
-
-    def _require_axes(self, family):
-        if family.param_axes is None:
-            raise ConfigError(f"model family {family.name!r} declares no parameter axes: it runs on one device only")
+        return self._map(family, params, placed=False)
 
     def param_shardings(self, family, params):
         """NamedSharding per leaf of `params` (arrays or ShapeDtypeStructs), from family.param_axes; an FP8
         weight's node is an Fp8Weight of the shardings of its codes and scales, with its axes."""
-        self._require_axes(family)
-
-        def one(path, leaf):
-            name = path_name(path)
-            if isinstance(leaf, Fp8Weight):
-                ax = self.fp8_axes(leaf_axes(name, family.param_axes), leaf, f"parameter {name}")
-                return dataclasses.replace(leaf, w=self._sharding(ax, leaf.w.shape, f"parameter {name}"),
-                                           scale=self._sharding(ax, leaf.scale.shape, f"parameter {name} (scales)"),
-                                           axes=ax)
-            return self._sharding(leaf_axes(name, family.param_axes), leaf.shape, f"parameter {name}")
-        return jax.tree_util.tree_map_with_path(one, params, is_leaf=lambda x: isinstance(x, Fp8Weight))
+        return self._map(family, params, placed=True)
 
     def cache_shardings(self, cache):
         """NamedSharding per leaf of a ModelCache (arrays or shapes), from its groups' AXES."""

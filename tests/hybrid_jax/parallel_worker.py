@@ -2,7 +2,7 @@
 imported, so the rest of the suite keeps one device). Prints one JSON line "RESULT {...}" with, per
 layout, what the test compares against one device.
 
-    python parallel_worker.py CHECKPOINT_DIR [deepseek_v32]
+    python parallel_worker.py CHECKPOINT_DIR [deepseek_v32 | fp8]
 """
 from __future__ import annotations
 
@@ -111,6 +111,10 @@ def run(path: str, layouts: dict = LAYOUTS, full: bool = True) -> dict:
 if __name__ == "__main__":
     if sys.argv[2:] == ["deepseek_v32"]:      # 4 heads, 8 experts: split over 2, and over 4 with experts whole
         result = run(sys.argv[1], {k: LAYOUTS[k] for k in ("tp1", "tp2", "tp4_ep")}, full=False)
+    elif sys.argv[2:] == ["fp8"]:             # an FP8 release kept in FP8, experts split whole
+        result = run(sys.argv[1], {"tp1": dict(quantization="fp8"),
+                                   "tp2_ep": dict(tensor_parallel_size=2, enable_expert_parallel=True,
+                                                  quantization="fp8")}, full=False)
     else:
         result = run(sys.argv[1])
     print("RESULT " + json.dumps(result))

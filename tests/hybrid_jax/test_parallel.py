@@ -141,6 +141,25 @@ def test_split_model_generates_what_one_device_does(worker, layout):
     assert split["sharding_key"] != one["sharding_key"] == "replicated"
 
 
+@pytest.fixture(scope="module")
+def fp8_worker(splittable, tmp_path_factory):
+    from release_formats import quantize_release  # noqa: PLC0415
+    from test_quantized_checkpoints import QWEN_FP8, SKIP, _fp8_selected  # noqa: PLC0415
+    dst = str(tmp_path_factory.mktemp("tp_fp8") / "fp8")
+    quantize_release(splittable, dst, fp8=_fp8_selected(SKIP), quantization_config=QWEN_FP8)
+    return _run_worker(dst, "fp8")
+
+
+def test_fp8_release_kept_in_fp8_splits_like_bf16(fp8_worker):
+    """An FP8 release kept in FP8 over 2 devices with the experts whole on each: the greedy tokens of one
+    device, FP8 codes split with their scales (the expert stacks), the cache prefix hits."""
+    one, split = fp8_worker["tp1"], fp8_worker["tp2_ep"]
+    assert split["tokens"] == one["tokens"] and split["again"] == one["tokens"]
+    assert split["logprobs"] == pytest.approx(one["logprobs"], rel=1e-5, abs=1e-5)
+    assert split["hits"] >= 2 and split["pools_keep_shardings"] is True
+    assert split["weights"]["device0"] < 0.8 * split["weights"]["total"]
+
+
 @pytest.mark.parametrize("layout", ["tp2", "tp4_ep"])
 def test_split_deepseek_v32_generates_what_one_device_does(deepseek_worker, layout):
     """MLA heads split (the sparse MLA kernel per device), the latent, indexer and indexer keys whole on
