@@ -35,6 +35,7 @@ from hybrid_jax.plan.compile import (
     model_costs,
 )
 from hybrid_jax.plan.shapes import (
+    KIND_LABELS,
     abstract_layout,
     abstract_params,
     abstract_pools,
@@ -263,6 +264,11 @@ def plan(model: str, topology_name: str, *, max_num_seqs: int = 64, max_model_le
                      f"({mesh_layout.key}: the rule table's shardings, Pallas kernels per device); per-chip "
                      f"figures are one device's program and shards; the roofline leaves out the "
                      f"{decode.collectives:.0f} collectives of a decode step")
+        whole = [KIND_LABELS.get(k, k) for k, v in bytes_by_kind(pools).items()
+                 if k != "row_metadata" and v and memory.cache_by_kind.get(k) == v]
+        if whole:
+            notes.append(f"whole on every chip (no head axis to split): {', '.join(whole)}; tensor parallelism "
+                         f"does not divide this cache, only more chips holding fewer requests each would")
     elif n > 1:
         notes.append(f"ideal split ({why_ideal}): compiled for one device of {topology_name}; figures per chip "
                      f"assume an ideal split over {n} chips (bytes and FLOPs / {n}, no replication, no collectives)")

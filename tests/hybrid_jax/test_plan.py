@@ -228,6 +228,7 @@ def test_deepseek_v32_plan_compiles_split_with_every_kernel_per_device():
     p1, p2 = (plan("v32", "v6e:2x2", layers="full", tensor_parallel_size=n, config=cfg, **SHAPES) for n in (1, 2))
     assert p2.sharded and p2.roofline.decode_collectives > 0
     assert p2.memory.cache_by_kind == p1.memory.cache_by_kind
+    assert any("whole on every chip (no head axis to split): indexer keys, MLA latent" in n for n in p2.notes)
     assert p1.memory.weights / 2 < p2.memory.weights < p1.memory.weights
 
 
