@@ -209,8 +209,9 @@ class ModelRunner:
         from hybrid_jax.speculative import mtp  # noqa: PLC0415
         self.mtp = True
         self.ragged = False
-        self.dcache = mtp.new_state(self.model, self.cfg, self.cache.lengths.shape[0], self.ecfg.max_model_len + extra,
-                                    self.dtype)
+        with active(self.layout):     # the MTP block is the target's: its cache follows the layout
+            self.dcache = mtp.new_state(self.model, self.cfg, self.cache.lengths.shape[0],
+                                        self.ecfg.max_model_len + extra, self.dtype)
 
     def _target(self, params, sub, tokens, n_new, **kw):
         """The target's forward (a StepOutput; with the MTP drafter its `hidden` is asked for)."""
@@ -227,7 +228,8 @@ class ModelRunner:
         return mtp.advance(self.model, self.cfg, params, dsub, tokens, hidden, n_new, fresh, impl=self.impl)
 
     def _dfwd(self, dparams, dsub, tokens, n_new, **kw):
-        return self.dmodel.forward(self.dcfg, dparams, dsub, tokens, n_new, impl=self.impl, **kw)
+        with active(None):        # a draft model is not split: its cache and forward ignore the layout
+            return self.dmodel.forward(self.dcfg, dparams, dsub, tokens, n_new, impl=self.impl, **kw)
 
     def _mixed_fn(self, params, cache, r, reset, tokens, n_new, do_sample, dparams=None, dcache=None, *, flags,
                   top_n):

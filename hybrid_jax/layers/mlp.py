@@ -15,15 +15,49 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from hybrid_jax.layers.linear import Fp8Weight, dequantize, linear, take
+from hybrid_jax.layers.linear import ColumnConcat, Fp8Weight, dequantize, linear, take
 from hybrid_jax.parallel.context import MODEL, constrain, current, per_device, tensor_size
 from pallas_kernels.grouped_matmul import fp8_grouped_matmul
 
 
+def gate_up_devices(gate_up) -> int:
+    """Devices a SwiGLU's fused gate | up columns are laid out for under the current layout (the logical
+    axis "gate_up": device d's columns are [its gate | its up], `interleave_gate_up`); 1 when whole
+    (one device, a half the tensor size does not divide, an FP8 weight whose halves' parts would not
+    be whole scale blocks, a ColumnConcat)."""
+    lay = current()
+    if lay is None or tensor_size() == 1 or isinstance(gate_up, ColumnConcat):
+        return 1
+    if isinstance(gate_up, Fp8Weight):
+        if gate_up.axes is None:
+            return 1
+        spec = lay.spec(gate_up.axes, gate_up.w.shape, "gate_up")
+    else:
+        spec = lay.spec((None,) * (gate_up.ndim - 1) + ("gate_up",), gate_up.shape, "gate_up")
+    return tensor_size() if spec[-1] is not None else 1
+
+
+def interleave_gate_up(a, n: int):
+    """[..., 2I] columns gate | up -> n device blocks [gate_d | up_d] (each I / n of both): a contiguous
+    split of the result over n devices gives each its own gate and up columns. Any array along its last
+    axis (an FP8 weight's block scales too, whose blocks then stay whole)."""
+    lead = a.shape[:-1]
+    return a.reshape(lead + (2, n, -1)).swapaxes(-3, -2).reshape(lead + (-1,))
+
+
 def swiglu(x: jax.Array, gate_up: jax.Array, down: jax.Array) -> jax.Array:
-    """x: [..., Hd]; gate_up: [Hd, 2I]; down: [I, Hd] (arrays or `layers.linear` weights)."""
-    g, u = jnp.split(linear(x, gate_up), 2, axis=-1)
-    return linear(jax.nn.silu(g) * u, down)
+    """x: [..., Hd]; gate_up: [Hd, 2I]; down: [I, Hd] (arrays or `layers.linear` weights). Under a layout
+    that splits gate_up (`gate_up_devices`), its columns are per device [gate_d | up_d] and each device
+    multiplies its own halves: the activation [..., I] comes out split as down's rows are."""
+    h = linear(x, gate_up)
+    n = gate_up_devices(gate_up)
+    if n > 1:
+        h = h.reshape(h.shape[:-1] + (n, 2, -1))
+        act = (jax.nn.silu(h[..., 0, :]) * h[..., 1, :]).reshape(h.shape[:-3] + (-1,))
+    else:
+        g, u = jnp.split(h, 2, axis=-1)
+        act = jax.nn.silu(g) * u
+    return linear(act, down)
 
 
 def _routed_gather(x, idx, w, gate_up, down):

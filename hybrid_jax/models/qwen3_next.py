@@ -492,7 +492,7 @@ PARAM_AXES = {
     "*/attn/k_norm": (None,),
     "*/attn/o_proj": ("heads", "embed"),
     "*/attn/o_bias": ("embed",),
-    "*/mlp/gate_up": ("embed", "columns"),
+    "*/mlp/gate_up": ("embed", "gate_up"),
     "*/mlp/down": ("mlp", "embed"),
     "*/moe/in_proj": ("embed", None),
     "*/moe/shared_down": ("mlp", "embed"),

@@ -24,6 +24,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from hybrid_jax.errors import ConfigError
 from hybrid_jax.layers.linear import ColumnConcat, Fp8Weight
+from hybrid_jax.layers.mlp import interleave_gate_up
 from hybrid_jax.parallel.config import ParallelConfig
 from hybrid_jax.parallel.rules import partition_spec, rules
 
@@ -77,7 +78,8 @@ class Layout:
         blocks = (1,) * (w.w.ndim - 2) + tuple(w.block)
         out = list(axes)
         for d, (m, dim, b) in enumerate(zip(spec, w.w.shape, blocks)):
-            if m is not None and (dim // mesh[m]) % b:
+            part = dim // mesh[m] // (2 if axes[d] == "gate_up" else 1) if m is not None else 0
+            if m is not None and part % b:                 # gate_up: each device holds part of each half
                 out[d] = None
         if w.w.ndim == 3 and (spec[1] is not None or spec[2] is not None):
             raise ConfigError(f"{where}: routed experts kept in FP8 are split whole or not at all; set "
@@ -89,17 +91,32 @@ class Layout:
         codes' and scales' shardings, with its effective axes), else the node itself annotated (an FP8
         weight with its effective axes; an array unchanged). A ColumnConcat (a fused projection held as
         column ranges of different kinds) gives each range the projection's axes."""
-        if isinstance(leaf, ColumnConcat):
+        if isinstance(leaf, ColumnConcat):        # its ranges are laid out whole (no gate | up interleaving)
+            axes = tuple(None if a == "gate_up" else a for a in axes)
             return ColumnConcat(tuple(self._node(f"{name}/parts/{i}", p, axes, placed)
                                       for i, p in enumerate(leaf.parts)))
         if isinstance(leaf, Fp8Weight):
             ax = self.fp8_axes(axes, leaf, f"parameter {name}")
             if not placed:
+                n = self._gate_up_devices(ax, leaf.w.shape, name)
+                if n > 1:
+                    leaf = dataclasses.replace(leaf, w=interleave_gate_up(leaf.w, n),
+                                               scale=interleave_gate_up(leaf.scale, n))
                 return dataclasses.replace(leaf, axes=ax)
             return dataclasses.replace(leaf, w=self._sharding(ax, leaf.w.shape, f"parameter {name}"),
                                        scale=self._sharding(ax, leaf.scale.shape, f"parameter {name} (scales)"),
                                        axes=ax)
-        return self._sharding(axes, leaf.shape, f"parameter {name}") if placed else leaf
+        if placed:
+            return self._sharding(axes, leaf.shape, f"parameter {name}")
+        n = self._gate_up_devices(axes, leaf.shape, name)
+        return interleave_gate_up(leaf, n) if n > 1 and isinstance(leaf, jax.Array) else leaf
+
+    def _gate_up_devices(self, axes: tuple, shape, name: str) -> int:
+        """Devices a "gate_up" dimension (the last) is split over under this layout; 1 when whole."""
+        if not axes or axes[-1] != "gate_up":
+            return 1
+        m = self.spec(axes, shape, f"parameter {name}")[-1]
+        return dict(self.mesh.shape)[m] if m is not None else 1
 
     def _map(self, family, params, placed: bool):
         if family.param_axes is None:
@@ -111,8 +128,10 @@ class Layout:
         return jax.tree_util.tree_map_with_path(one, params, is_leaf=lambda x: isinstance(x, (Fp8Weight, ColumnConcat)))
 
     def annotate(self, family, params):
-        """params with every FP8 weight carrying its effective logical axes (`Fp8Weight.axes`), which
-        `param_shardings` also returns on its FP8 nodes (so the two trees have one structure)."""
+        """params laid out for this layout: every FP8 weight carrying its effective logical axes
+        (`Fp8Weight.axes`, which `param_shardings` also returns on its FP8 nodes, so the two trees have
+        one structure), and every split "gate_up" weight's columns per device [gate_d | up_d]
+        (`layers.mlp.interleave_gate_up`; shapes, as in a plan, pass unchanged)."""
         return self._map(family, params, placed=False)
 
     def param_shardings(self, family, params):

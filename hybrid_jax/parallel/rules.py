@@ -11,8 +11,10 @@ the only place that decides which logical axis is split over which mesh axis.
   heads       attention / linear-attention heads, or a dimension made of whole heads (H * D)
   kv_heads    key-value heads; replicated when the tensor size does not divide them (vLLM does the
               same: each device then holds every KV head its query heads read)
-  columns     a fused projection's output columns (several pieces side by side, e.g. q | k | v);
-              split contiguously, replicated when the tensor size does not divide them
+  gate_up     a SwiGLU's fused gate | up columns: each half split over the tensor axis, a device's
+              columns stored as [its gate | its up] (`placement` permutes them, `layers.mlp.swiglu`
+              splits per device), so the MLP runs without moving activations; replicated when the
+              tensor size does not divide a half
   mlp         dense-MLP / shared-expert intermediate columns (column then row parallel)
   experts     routed experts (split whole under enable_expert_parallel)
   expert_mlp  a routed expert's intermediate columns (split when experts are not)
@@ -25,14 +27,14 @@ from jax.sharding import PartitionSpec
 from hybrid_jax.errors import ConfigError
 from hybrid_jax.parallel.config import ParallelConfig
 
-LOGICAL_AXES = ("vocab", "embed", "heads", "kv_heads", "columns", "mlp", "experts", "expert_mlp")
-REPLICATED_WHEN_INDIVISIBLE = frozenset({"kv_heads", "columns", "vocab"})
+LOGICAL_AXES = ("vocab", "embed", "heads", "kv_heads", "gate_up", "mlp", "experts", "expert_mlp")
+REPLICATED_WHEN_INDIVISIBLE = frozenset({"kv_heads", "gate_up", "vocab"})
 
 
 def rules(pc: ParallelConfig) -> dict[str, str | None]:
     """Logical axis -> mesh axis (None: replicated) for the layout `pc`."""
     ep = pc.enable_expert_parallel
-    return {"vocab": "model", "embed": None, "heads": "model", "kv_heads": "model", "columns": "model",
+    return {"vocab": "model", "embed": None, "heads": "model", "kv_heads": "model", "gate_up": "model",
             "mlp": "model", "experts": "model" if ep else None, "expert_mlp": None if ep else "model"}
 
 
@@ -51,7 +53,7 @@ def partition_spec(axes: tuple, shape: tuple[int, ...], table: dict[str, str | N
         if m is None or mesh_shape.get(m, 1) == 1 or m in used:
             parts.append(None)
             continue
-        if dim % mesh_shape[m]:
+        if dim % (2 * mesh_shape[m] if name == "gate_up" else mesh_shape[m]):      # gate_up: each half
             if name in REPLICATED_WHEN_INDIVISIBLE:
                 parts.append(None)
                 continue
