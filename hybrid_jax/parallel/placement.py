@@ -88,9 +88,10 @@ class Layout:
 
     def _node(self, name: str, leaf, axes: tuple, placed: bool):
         """One parameter node under `axes`: with placed, its shardings (an FP8 weight: an Fp8Weight of its
-        codes' and scales' shardings, with its effective axes), else the node itself annotated (an FP8
-        weight with its effective axes; an array unchanged). A ColumnConcat (a fused projection held as
-        column ranges of different kinds) gives each range the projection's axes."""
+        codes' and scales' shardings, with its effective axes), else the node laid out (an FP8 weight
+        with its effective axes; a split "gate_up" weight's columns per device; any other array, and any
+        shape, unchanged). A ColumnConcat (a fused projection held as column ranges of different kinds)
+        gives each range the projection's axes, "gate_up" aside (its ranges stay whole)."""
         if isinstance(leaf, ColumnConcat):        # its ranges are laid out whole (no gate | up interleaving)
             axes = tuple(None if a == "gate_up" else a for a in axes)
             return ColumnConcat(tuple(self._node(f"{name}/parts/{i}", p, axes, placed)
