@@ -121,9 +121,7 @@ class ModelRunner:
         inside a step's loop too, the partitioner keeps every pool as it is stored (left free, it may
         split a replicated KV pool the way the attention reads it, and gather it back whole at the
         step's end)."""
-        if self.layout is None:
-            return view
-        return jax.lax.with_sharding_constraint(view, self.layout.cache_shardings(view))
+        return view if self.layout is None else self.layout.pin(view)
 
     def _put_view(self, cache, rows, view):
         """put_view, with the pools' shardings pinned on a mesh (so the donated buffers are reused

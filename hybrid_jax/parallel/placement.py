@@ -155,6 +155,12 @@ class Layout:
             groups[gname] = g.replace(**upd)
         return cache.replace(groups=groups, lengths=self.replicated, version=self.replicated)
 
+    def pin(self, cache):
+        """A cache (a step's view of the pools, a forward's output cache, the pools) held to this layout
+        inside a traced step: left free, the partitioner may split a replicated pool the way a read
+        wants it and gather it back whole at the step's end."""
+        return jax.lax.with_sharding_constraint(cache, self.cache_shardings(cache))
+
     def put(self, tree, shardings):
         return jax.device_put(tree, shardings)
 

@@ -108,13 +108,6 @@ def _cost(compiled) -> StepCost:
                     float(n), float(nbytes))
 
 
-def _pinned(layout):
-    """A cache view (or the pools) held to the layout's cache shardings, as the engine's runner pins them."""
-    if layout is None:
-        return lambda c: c
-    return lambda c: jax.lax.with_sharding_constraint(c, layout.cache_shardings(c))
-
-
 def _decode_step(model, cfg, impl, pin):
     def step(params, pools, rows, tables, lengths, tokens, active):
         sub = pin(take_view(pools, rows, tables, lengths))
@@ -203,7 +196,8 @@ def _compile_model(cfg, sh: Shapes, target, impl: str) -> tuple[StepCost, StepCo
         else:
             args = (params, pools, *_on(rest, mesh_layout.replicated))
         with active(mesh_layout):
-            lowered = jax.jit(step(model, cfg, impl, _pinned(mesh_layout)), donate_argnums=(1,)).lower(*args)
+            lowered = jax.jit(step(model, cfg, impl, (lambda c: c) if mesh_layout is None else mesh_layout.pin),
+                             donate_argnums=(1,)).lower(*args)
         out.append(_cost(lowered.compile()))
     return out[0], out[1]
 
