@@ -1,5 +1,5 @@
-"""Run by test_parallel.py in a subprocess that sees 8 CPU devices (XLA_FLAGS is set before jax is
-imported, so the rest of the suite keeps one device). Prints one JSON line "RESULT {...}" with, per
+"""Run by test_parallel.py and test_parallel_models.py in a subprocess that sees 8 CPU devices on one
+core (multi_device.py; the rest of the suite keeps one device). Prints one JSON line "RESULT {...}" with, per
 layout, what the test compares against one device.
 
     python parallel_worker.py CHECKPOINT_DIR [deepseek_v32 | fp8]
@@ -7,20 +7,22 @@ layout, what the test compares against one device.
 from __future__ import annotations
 
 import json
-import os
 import re
 import sys
 
-os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+from multi_device import eight_devices  # noqa: E402
+
+eight_devices()
 
 import jax  # noqa: E402
 
 from hybrid_jax import LLM, SamplingParams  # noqa: E402
 from hybrid_jax.errors import ConfigError  # noqa: E402
 
+# tp2 splits the experts' columns (gate | up per device) and the KV heads; tp4_ep splits the experts
+# whole and keeps each KV head twice (2 heads, 4 devices).
 LAYOUTS = {"tp1": dict(tensor_parallel_size=1), "tp2": dict(tensor_parallel_size=2),
-           "tp4": dict(tensor_parallel_size=4), "tp4_ep": dict(tensor_parallel_size=4, enable_expert_parallel=True)}
+           "tp4_ep": dict(tensor_parallel_size=4, enable_expert_parallel=True)}
 PROMPTS = [{"prompt_token_ids": [5, 9, 13, 200, 7, 41] * 12}, {"prompt_token_ids": [3, 4, 5, 6] * 20}]
 SPEC = {"method": "ngram", "num_speculative_tokens": 3}
 COLLECTIVES = re.compile(r"= (\S+) (all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)(?:-start)?\(")

@@ -1,4 +1,4 @@
-"""Run by test_parallel.py in a subprocess that sees 8 CPU devices: the ops that run per device under a
+"""Run by test_parallel_ops.py in a subprocess that sees 8 CPU devices (on one core: multi_device.py): the ops that run per device under a
 layout (`hybrid_jax.parallel.context.per_device`) against the same op on one device. Prints one JSON
 line "RESULT {...}": per case, the largest relative difference and what the compiled program holds.
 
@@ -7,11 +7,11 @@ line "RESULT {...}": per case, the largest relative difference and what the comp
 from __future__ import annotations
 
 import json
-import os
 import sys
 
-os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+from multi_device import eight_devices  # noqa: E402
+
+eight_devices()
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

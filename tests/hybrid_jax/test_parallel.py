@@ -1,20 +1,18 @@
-"""Tensor and expert parallelism (hybrid_jax.parallel): the layout options, the rule table, one model
-run split over 2 and 4 CPU devices against one device, and the ops that run per device (Pallas
-kernels, expert-parallel MoE) against the same ops on one device.
+"""Tensor and expert parallelism (hybrid_jax.parallel): the layout options, the rule table, and a
+Qwen3-Next model split over 2 and 4 CPU devices against one device.
 
-The multi-device checks run in a subprocess that sees 8 CPU devices (parallel_worker.py), so the
-rest of the suite keeps one device."""
+The multi-device checks run in a subprocess that sees 8 CPU devices (parallel_worker.py through
+multi_device.py), so the rest of the suite keeps one device. DeepSeek-V3.2 and an FP8 release split
+are in test_parallel_models.py, the ops that run per device in test_parallel_ops.py."""
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 
 import jax
 import pytest
 from conftest import make_checkpoint
 from jax.sharding import Mesh, PartitionSpec
+from multi_device import run_worker
 
 from hybrid_jax.config import load_config
 from hybrid_jax.errors import ConfigError
@@ -33,24 +31,9 @@ def splittable(tmp_path_factory):
     return make_checkpoint(tmp_path_factory.mktemp("tp") / "m", seed=3, **SPLITTABLE)
 
 
-def _run_worker(*args) -> dict:
-    here = os.path.dirname(__file__)
-    r = subprocess.run([sys.executable, os.path.join(here, "parallel_worker.py"), *args], capture_output=True,
-                       text=True, timeout=1500, env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
-    assert r.returncode == 0, r.stderr[-4000:]
-    line = next(x for x in r.stdout.splitlines() if x.startswith("RESULT "))
-    return json.loads(line[len("RESULT "):])
-
-
 @pytest.fixture(scope="module")
 def worker(splittable):
-    return _run_worker(splittable)
-
-
-@pytest.fixture(scope="module")
-def deepseek_worker(tmp_path_factory):
-    from test_deepseek_v32 import make_checkpoint as make_v32  # noqa: PLC0415
-    return _run_worker(make_v32(tmp_path_factory.mktemp("tp_v32") / "m", seed=5, vocab_size=320), "deepseek_v32")
+    return run_worker("parallel_worker.py", splittable)
 
 
 # ---- one process, one device -------------------------------------------------------------------
@@ -128,7 +111,7 @@ def test_every_parameter_has_logical_axes(name, splittable):
 
 # ---- 8 CPU devices, in a subprocess -----------------------------------------------------------------
 
-@pytest.mark.parametrize("layout", ["tp2", "tp4", "tp4_ep"])
+@pytest.mark.parametrize("layout", ["tp2", "tp4_ep"])
 def test_split_model_generates_what_one_device_does(worker, layout):
     """Greedy tokens identical to one device, with the prefix cache (the second pass hits) and n-gram
     speculation on; log-probabilities equal to float32 rounding."""
@@ -141,40 +124,7 @@ def test_split_model_generates_what_one_device_does(worker, layout):
     assert split["sharding_key"] != one["sharding_key"] == "replicated"
 
 
-@pytest.fixture(scope="module")
-def fp8_worker(splittable, tmp_path_factory):
-    from release_formats import quantize_release  # noqa: PLC0415
-    from test_quantized_checkpoints import QWEN_FP8, SKIP, _fp8_selected  # noqa: PLC0415
-    dst = str(tmp_path_factory.mktemp("tp_fp8") / "fp8")
-    quantize_release(splittable, dst, fp8=_fp8_selected(SKIP), quantization_config=QWEN_FP8)
-    return _run_worker(dst, "fp8")
-
-
-def test_fp8_release_kept_in_fp8_splits_like_bf16(fp8_worker):
-    """An FP8 release kept in FP8 over 2 devices with the experts whole on each: the greedy tokens of one
-    device, FP8 codes split with their scales (the expert stacks), the cache prefix hits."""
-    one, split = fp8_worker["tp1"], fp8_worker["tp2_ep"]
-    assert split["tokens"] == one["tokens"] and split["again"] == one["tokens"]
-    assert split["logprobs"] == pytest.approx(one["logprobs"], rel=1e-5, abs=1e-5)
-    assert split["hits"] >= 2 and split["pools_keep_shardings"] is True
-    assert split["weights"]["device0"] < 0.8 * split["weights"]["total"]
-
-
-@pytest.mark.parametrize("layout", ["tp2", "tp4_ep"])
-def test_split_deepseek_v32_generates_what_one_device_does(deepseek_worker, layout):
-    """MLA heads split (the sparse MLA kernel per device), the latent, indexer and indexer keys whole on
-    every device, experts split by columns or whole: the greedy tokens of one device, with the prefix
-    cache and n-gram speculation on."""
-    one, split = deepseek_worker["tp1"], deepseek_worker[layout]
-    assert split["tokens"] == one["tokens"] and split["again"] == one["again"] == one["tokens"]
-    assert split["logprobs"] == pytest.approx(one["logprobs"], rel=1e-5, abs=1e-5)
-    assert split["hits"] >= 2
-    assert split["pools_keep_shardings"] is True
-    w = split["weights"]
-    assert w["device0"] < 0.75 * w["total"]              # the heads' and experts' weights are split
-
-
-@pytest.mark.parametrize("layout, tp", [("tp2", 2), ("tp4", 4), ("tp4_ep", 4)])
+@pytest.mark.parametrize("layout, tp", [("tp2", 2), ("tp4_ep", 4)])
 def test_each_device_holds_its_share_of_the_weights(worker, layout, tp):
     w = worker[layout]["weights"]
     assert w["total"] == worker["tp1"]["weights"]["total"]
@@ -182,14 +132,14 @@ def test_each_device_holds_its_share_of_the_weights(worker, layout, tp):
     assert w["replicated"] < 0.1 * w["total"]            # norms, the router, the MTP-free rest is split
 
 
-@pytest.mark.parametrize("layout, heads", [("tp1", 2), ("tp2", 1), ("tp4", 1), ("tp4_ep", 1)])
+@pytest.mark.parametrize("layout, heads", [("tp1", 2), ("tp2", 1), ("tp4_ep", 1)])
 def test_each_device_holds_only_the_kv_heads_its_query_heads_read(worker, layout, heads):
     """2 KV heads: split over 2 devices; over 4, each head is kept twice and each device holds one copy
     (not both heads whole on every device)."""
     assert worker[layout]["kv_heads_on_device0"] == [heads]
 
 
-@pytest.mark.parametrize("layout", ["tp2", "tp4", "tp4_ep"])
+@pytest.mark.parametrize("layout", ["tp2", "tp4_ep"])
 def test_decode_step_gathers_no_weight_matrix(worker, layout):
     """The compiled decode program moves activations between devices, never a parameter: no all-gather
     has the shape of a split weight matrix, and partial sums are all-reduced (4 layers: one or more each)."""
@@ -201,53 +151,6 @@ def test_decode_step_gathers_no_weight_matrix(worker, layout):
                 for kind, shape in split["collectives"] if kind == "all-gather"}
     assert not gathered & weights
     assert kinds.count("all-reduce") >= 4
-
-
-@pytest.fixture(scope="module")
-def per_device():
-    here = os.path.dirname(__file__)
-    r = subprocess.run([sys.executable, os.path.join(here, "per_device_worker.py")], capture_output=True, text=True,
-                       timeout=1500, env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
-    assert r.returncode == 0, r.stderr[-4000:]
-    return json.loads(next(x for x in r.stdout.splitlines() if x.startswith("RESULT "))[len("RESULT "):])
-
-
-@pytest.mark.parametrize("kernel", ["chunk", "fused_recurrent"])
-def test_gated_delta_rule_kernels_run_on_each_devices_heads(per_device, kernel):
-    """The Pallas kernels (interpreted on CPU) under shard_map on 2 devices' heads: the outputs and final
-    states of one device, the state left split by heads, nothing gathered."""
-    c = per_device["gdn"][kernel]
-    assert per_device["devices"] == 8
-    assert c["per_device"] and c["rel"] <= 1e-6
-    assert c["state_sharding"] == "P(None, 'model')" and c["all_gathers"] == 0
-
-
-@pytest.mark.parametrize("tp, kv_split", [(2, True), (4, False)])
-def test_ragged_attention_reads_the_kv_heads_of_each_devices_query_heads(per_device, tp, kv_split):
-    """8 query heads, 2 KV heads: at tensor size 2 the KV pages are split with the heads; at 4 they are
-    whole on every device and each device's 2 query heads must read their own KV head."""
-    c = per_device["attention"][f"tp{tp}"]
-    assert c["per_device"] and c["kv_split"] is kv_split
-    assert c["rel"] <= 1e-6
-    assert c["stacked_rel"] <= 1e-6            # layer 1 of a stack of pools, read in place
-
-
-@pytest.mark.parametrize("form", ["gather", "dense", "sorted"])
-def test_expert_parallel_moe_sums_each_devices_experts(per_device, form):
-    """Experts split whole over 4 devices, every routed form: one device's output, one all-reduce, no
-    expert weight gathered."""
-    c = per_device["moe"][form]
-    assert c["per_device"] and c["rel"] <= 1e-5
-    assert c["all_reduces"] == 1 and c["all_gathers"] == 0
-
-
-@pytest.mark.parametrize("split, shard", [("columns", [512, 384]), ("rows", [256, 768])])
-def test_fp8_linear_runs_on_each_devices_block(per_device, split, shard):
-    """An FP8 weight's codes and scales split alike over 2 devices; the linear runs per device and equals
-    one device's (rows split: partial sums all-reduced)."""
-    c = per_device["fp8"][split]
-    assert c["per_device"] and c["codes_on_device0"] == shard
-    assert c["rel"] <= 1e-5
 
 
 def test_bad_layouts_fail_before_loading_weights(worker):

@@ -1,0 +1,50 @@
+"""DeepSeek-V3.2 and an FP8 release (kept in FP8) split over 2 and 4 CPU devices against one device
+(parallel_worker.py in a subprocess with 8 CPU devices, through multi_device.py)."""
+from __future__ import annotations
+
+import pytest
+from conftest import make_checkpoint
+from multi_device import run_worker
+from test_parallel import SPLITTABLE
+
+
+@pytest.fixture(scope="module")
+def deepseek_worker(tmp_path_factory):
+    from test_deepseek_v32 import make_checkpoint as make_v32  # noqa: PLC0415
+    ckpt = make_v32(tmp_path_factory.mktemp("tp_v32") / "m", seed=5, vocab_size=320)
+    return run_worker("parallel_worker.py", ckpt, "deepseek_v32")
+
+
+@pytest.fixture(scope="module")
+def fp8_worker(tmp_path_factory):
+    from release_formats import quantize_release  # noqa: PLC0415
+    from test_quantized_checkpoints import QWEN_FP8, SKIP, _fp8_selected  # noqa: PLC0415
+    splittable = make_checkpoint(tmp_path_factory.mktemp("tp") / "m", seed=3, **SPLITTABLE)
+    dst = str(tmp_path_factory.mktemp("tp_fp8") / "fp8")
+    quantize_release(splittable, dst, fp8=_fp8_selected(SKIP), quantization_config=QWEN_FP8)
+    return run_worker("parallel_worker.py", dst, "fp8")
+
+
+def test_fp8_release_kept_in_fp8_splits_like_bf16(fp8_worker):
+    """An FP8 release kept in FP8 over 2 devices with the experts whole on each: the greedy tokens of one
+    device, FP8 codes split with their scales (the expert stacks), the cache prefix hits."""
+    one, split = fp8_worker["tp1"], fp8_worker["tp2_ep"]
+    assert split["tokens"] == one["tokens"] and split["again"] == one["tokens"]
+    assert split["logprobs"] == pytest.approx(one["logprobs"], rel=1e-5, abs=1e-5)
+    assert split["hits"] >= 2 and split["pools_keep_shardings"] is True
+    assert split["weights"]["device0"] < 0.8 * split["weights"]["total"]
+
+
+@pytest.mark.parametrize("layout", ["tp2", "tp4_ep"])
+def test_split_deepseek_v32_generates_what_one_device_does(deepseek_worker, layout):
+    """MLA heads split (the sparse MLA kernel per device), the latent, indexer and indexer keys whole on
+    every device, experts split by columns or whole: the greedy tokens of one device, with the prefix
+    cache and n-gram speculation on."""
+    one, split = deepseek_worker["tp1"], deepseek_worker[layout]
+    assert split["tokens"] == one["tokens"] and split["again"] == one["again"] == one["tokens"]
+    assert split["logprobs"] == pytest.approx(one["logprobs"], rel=1e-5, abs=1e-5)
+    assert split["hits"] >= 2
+    assert split["pools_keep_shardings"] is True
+    w = split["weights"]
+    assert w["device0"] < 0.75 * w["total"]              # the heads' and experts' weights are split
+
