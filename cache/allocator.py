@@ -173,8 +173,9 @@ def _make_room(state: AllocState, extra: float, what: str, protect: frozenset[in
 
 
 def allocate(state: AllocState, kind: Kind, group: str, nbytes: int, *, start: int, end: int,
-             writer_abi: str) -> tuple[AllocState, int]:
-    """(new state, id) of a new segment in WRITING, holding `nbytes` device bytes for tokens [start, end).
+             writer_abi: str, writer_layout: str = "replicated") -> tuple[AllocState, int]:
+    """(new state, id) of a new segment in WRITING, holding `nbytes` device bytes for tokens [start, end),
+    written by kernel ABI `writer_abi` in mesh layout `writer_layout`.
 
     Evicts by policy when over the cap; raises AdmissionRefused when it cannot make room.
     """
@@ -186,7 +187,8 @@ def allocate(state: AllocState, kind: Kind, group: str, nbytes: int, *, start: i
     extra = state.config.weights[kind] * nbytes
     state = _make_room(state, extra, f"{kind.value} segment of {nbytes} bytes for group {group!r}")
     seg = Segment(id=sid, kind=kind, group=group, state=SegState.FREE, start=start, end=end,
-                  last_access=state.clock + 1, writer_abi=writer_abi, nbytes=nbytes)
+                  last_access=state.clock + 1, writer_abi=writer_abi, writer_layout=writer_layout,
+                  nbytes=nbytes)
     return _put(state, seg_transition(seg, SegState.WRITING), next_id=sid + 1), sid
 
 

@@ -88,7 +88,10 @@ class PrefixCacheConfig:
     (paged groups use their page size); checkpoint_interval: keep a recurrent checkpoint every
     `interval x LCM` tokens, plus the last; fingerprint: the weights'; checkpoint_grid: a finer grid for
     checkpoint groups (a divisor of block_size), on which hits resume inside the pages of groups that
-    allow it (CacheGroup.PARTIAL_RESUME); None: block_size."""
+    allow it (CacheGroup.PARTIAL_RESUME); None: block_size. sharding: the mesh layout the pools are split
+    in (`parallel.Layout.key`); copies: (group, field, axis, r) for each pool field that holds r copies
+    of every entry along `axis` under that layout (KV heads kept once per device, `parallel.kv_replicas`):
+    the disk tier stores one copy, so its spans restore under any layout."""
     cap_bytes: int
     fingerprint: str
     dtype: str
@@ -96,6 +99,7 @@ class PrefixCacheConfig:
     checkpoint_interval: int = 8
     sharding: str = "replicated"
     checkpoint_grid: int | None = None
+    copies: tuple[tuple[str, str, int, int], ...] = ()
 
     def __post_init__(self):
         for f in ("cap_bytes", "block_size", "checkpoint_interval"):
@@ -478,7 +482,7 @@ class PrefixCache(Retention):
                 return None
         start = 0 if spec.is_checkpoint else (end - 1) // spec.block_size * spec.block_size
         self.alloc, sid = A.allocate(self.alloc, spec.kind, spec.name, nbytes, start=start, end=end,
-                                     writer_abi=spec.ctx.abi_id)
+                                     writer_abi=spec.ctx.abi_id, writer_layout=spec.ctx.sharding)
         self._units[sid] = (spec.name, unit)
         return sid
 

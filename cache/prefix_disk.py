@@ -4,8 +4,14 @@ prefetched when a request arrives, and restored into the device store through th
 A span is what one publish adds to a chain, on a fixed grid: the span ending at boundary b covers
 tokens [s(b), b) with s(b) = floor((b - 1) / S) * S and S = checkpoint_interval x LCM, and holds
 every group's blocks in that range plus the recurrent checkpoint at b. Its key is a hash of every
-group's chain key at b (so the weights fingerprint, dtype, kernel ABI and sharding are in it), and
-its parent is the span ending at s(b): resuming at b needs the spans at S, 2S, ..., s(b) and b.
+group's chain key at b (so the weights fingerprint, dtype and kernel ABI are in it), and its parent
+is the span ending at s(b): resuming at b needs the spans at S, 2S, ..., s(b) and b.
+
+A span is stored in no mesh layout: its arrays are the logical cache values, gathered from the
+devices (fields whose pools keep copies of each entry for the layout, `PrefixCacheConfig.copies`,
+stored once), and its key is hashed without the layout. A restore places them in whatever layout the
+reading engine's pools have, so a directory written at tensor size 2 serves an engine at tensor size
+4 (the device store's keys and segments keep the layout: a device object is never read in another).
 Because the grid is fixed, the exact shapes of every span are known before reading it, so each
 read is checked against a full expectation (fingerprint, ABI, dtype, shape, range) on top of the
 tier's checksums; a bad span is a miss with its reason and is recomputed, never served.
@@ -28,7 +34,7 @@ import numpy as np
 
 from cache import allocator as A
 from cache.disk_tier import DiskTier
-from cache.prefix_index import IndexEntry, key_at
+from cache.prefix_index import IndexEntry, chain_keys, key_at
 from cache.prefix_store import read_units, stored_fields, write_units
 from cache.state import ModelCache
 from cache.segments import SegState
@@ -64,6 +70,12 @@ class DiskSpans:
         # group -> field -> (unit axis, shape, dtype) of the pool arrays a stored object is made of
         self._layout = {n: {f: (ax, getattr(g, f).shape, getattr(g, f).dtype) for f, ax in stored_fields(g).items()}
                         for n, g in cache.groups.items()}
+        # group -> field -> (axis, r): the pool keeps r copies of each entry along axis; a span one
+        self._copies = {n: {} for n in self._layout}
+        for n, f, axis, r in pc.config.copies:
+            self._copies[n][f] = (axis, r)
+        # span keys: every group's chain without the layout (what a span holds is the same in all)
+        self._ctx = {s.name: dataclasses.replace(s.ctx, sharding="") for s in pc.specs}
         self.tier = DiskTier(config.directory, config.cap_bytes, fingerprint=pc.config.fingerprint)
         self.span = pc.config.checkpoint_interval * pc.geometry.lcm
         self._writer = cf.ThreadPoolExecutor(1, thread_name_prefix="prefix-disk-writer")
@@ -88,12 +100,29 @@ class DiskSpans:
         return out[::-1]
 
     def _group_keys(self, tokens: Sequence[int]) -> dict[str, tuple[str, ...]]:
+        """Every group's chain keys in the device store (with the layout)."""
         toks = list(tokens)
         return {s.name: self.pc._keys(toks, s) for s in self.pc.specs}
 
+    def _span_keys(self, tokens: Sequence[int]) -> dict[str, tuple[str, ...]]:
+        """Every group's chain keys without the layout, which span keys are made of."""
+        toks = list(tokens)
+        return {n: chain_keys(toks, self.pc.geometry.gcd, ctx) for n, ctx in self._ctx.items()}
+
     def key(self, keys: dict[str, tuple[str, ...]], b: int) -> str:
+        """The key of the span ending at b, from `_span_keys`."""
         gcd = self.pc.geometry.gcd
         return make_key("prefix-span", *(key_at(keys[n], gcd, b) for n in sorted(keys)))
+
+    def _logical(self, name: str, f: str, a: np.ndarray) -> np.ndarray:
+        """A pool field's values (any unit axis) with one copy of each entry."""
+        axis, r = self._copies[name].get(f, (0, 1))
+        return a if r == 1 else np.take(a, np.arange(0, a.shape[axis], r), axis=axis)
+
+    def _placed(self, name: str, f: str, a: np.ndarray) -> np.ndarray:
+        """Logical values (any unit axis) with the copies this engine's pools keep."""
+        axis, r = self._copies[name].get(f, (0, 1))
+        return a if r == 1 else np.repeat(a, r, axis=axis)
 
     def expect(self, b: int) -> EntryMeta:
         """The exact meta of the span ending at b: array '<group>-<field>' is the pool field with its
@@ -105,6 +134,10 @@ class DiskSpans:
             for f, (ax, shape, dtype) in self._layout[spec.name].items():
                 n = f"{spec.name}-{f}"
                 lead = () if spec.is_checkpoint else ((b - s) // spec.block_size,)
+                shape = list(shape)
+                if f in self._copies[spec.name]:
+                    axis, r = self._copies[spec.name][f]
+                    shape[axis] //= r
                 shapes[n] = tuple(shape[:ax]) + lead + tuple(shape[ax + 1:])
                 dtypes[n], abi[n] = np.dtype(dtype).name, spec.ctx.abi_id
         return EntryMeta(fingerprint=self.pc.config.fingerprint, abi=abi, dtypes=dtypes, shapes=shapes, start=s, end=b)
@@ -121,7 +154,7 @@ class DiskSpans:
         on a background thread. Skipped when the span is already on disk or a block of it is not on
         the device."""
         keys = self._group_keys(tokens)
-        k = self.key(keys, b)
+        k = self.key(self._span_keys(tokens), b)
         if k in self._written or k in self.tier:
             return
         plan, cols, sids = {}, {}, []
@@ -143,7 +176,7 @@ class DiskSpans:
         for spec in self.pc.specs:
             for f, a in data[spec.name].items():
                 ax = self._layout[spec.name][f][0]
-                a = np.take(a, np.arange(cols[spec.name]), axis=ax)
+                a = self._logical(spec.name, f, np.take(a, np.arange(cols[spec.name]), axis=ax))
                 arrays[f"{spec.name}-{f}"] = np.array(np.take(a, 0, axis=ax) if spec.is_checkpoint else a)   # ndim 0 kept
         self._written[k] = self._writer.submit(self.tier.put, k, arrays, self.expect(b))
         for sid in sids:
@@ -165,8 +198,8 @@ class DiskSpans:
     # --- find, prefetch, restore -------------------------------------------------------------------
     def find(self, tokens: Sequence[int], above: int) -> tuple[dict, list[tuple[int, str]]]:
         """The longest chain of spans on disk resuming beyond `above` tokens, leaving a token to
-        compute: (group keys, [(end, key)] ascending) or (keys, [])."""
-        keys = self._group_keys(tokens)
+        compute: (span chain keys, [(end, key)] ascending) or (keys, [])."""
+        keys = self._span_keys(tokens)
         lcm = self.pc.geometry.lcm
         top = ((len(tokens) - 1) // lcm) * lcm
         for b in range(top, above, -lcm):
@@ -207,7 +240,7 @@ class DiskSpans:
                 self.pc._note_once(f"disk:{reason}", f"a span on disk was not used ({reason}); its tokens are"
                                                      f" recomputed")
                 break
-            cache, ok, held = self._install(cache, keys, e, arrays, keep)
+            cache, ok, held = self._install(cache, keys, e, k, arrays, keep)
             if not ok:
                 break
             keep = keep | held
@@ -216,11 +249,12 @@ class DiskSpans:
             self.tokens_restored += e - self.start(e)
         return cache, installed
 
-    def _install(self, cache: ModelCache, keys: dict, b: int, arrays: dict[str, np.ndarray],
+    def _install(self, cache: ModelCache, keys: dict, b: int, span: str, arrays: dict[str, np.ndarray],
                  keep: frozenset[int] = frozenset()) -> tuple[ModelCache, bool, frozenset[int]]:
-        """Puts one span's objects into fresh pages / checkpoint units: objects already on the device
-        are kept, ones the allocator knows on disk are restored (disk -> host -> device), others are
-        allocated; nothing in `keep` is evicted for room. Returns (cache, ok, the span's segments)."""
+        """Puts one span's objects (span: its key) into fresh pages / checkpoint units: objects already
+        on the device are kept, ones the allocator knows on disk are restored (disk -> host -> device),
+        others are allocated; nothing in `keep` is evicted for room. keys: the device store's chain
+        keys. Returns (cache, ok, the span's segments)."""
         pc, gcd = self.pc, self.pc.geometry.gcd
         plan, data, new, held = {}, {}, [], set()
         for spec in pc.specs:
@@ -249,8 +283,9 @@ class DiskSpans:
                 for f, (ax, _, _) in layout.items():
                     src = arrays[f"{spec.name}-{f}"]
                     dst = cols[f].swapaxes(0, ax)           # unit axis first (a view)
-                    dst[j] = src if spec.is_checkpoint else np.take(src, j, axis=ax)
-                self._seg_spans[sid].add(self.key(keys, b))
+                    one = src if spec.is_checkpoint else np.take(src, j, axis=ax)
+                    dst[j] = self._placed(spec.name, f, np.expand_dims(one, ax))[(slice(None),) * ax + (0,)]
+                self._seg_spans[sid].add(span)
             plan[spec.name], data[spec.name] = jnp.asarray(slots), cols
         cache, pc.versions = self._write(cache, pc.versions, plan, data)
         for name, v in pc._unit_version.items():
@@ -263,11 +298,10 @@ class DiskSpans:
         for spec, sid, e, key in new:
             pc.alloc = A.commit(pc.alloc, sid)
             pc._index_insert(IndexEntry(spec.name, spec.kind, key, e, sid))
-        k = self.key(keys, b)
-        if k not in self._written:          # it is on disk: offloading these segments again is free
+        if span not in self._written:       # it is on disk: offloading these segments again is free
             f = cf.Future()
             f.set_result(True)
-            self._written[k] = f
+            self._written[span] = f
         return cache, True, frozenset(held)
 
     def _undo(self, new, held) -> bool:

@@ -104,6 +104,7 @@ class Segment:
     ref_count: int = 0
     last_access: int = 0
     writer_abi: str = ""
+    writer_layout: str = "replicated"   # the mesh layout its bytes were written in (parallel.Layout.key)
     nbytes: int = 0
     hits: int = 0                # prefix hits that read it (retention: cache.allocator.eviction_order)
 

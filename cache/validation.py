@@ -4,7 +4,9 @@
 
   1. "coverage"      the hashed hit, capped so at least one token is left to compute (for the
                      logits), covers at least one whole LCM block;
-  2. "abi_mismatch"  every found object was written by the ABI its group's reader uses;
+  2. "abi_mismatch"  every found object was written by the ABI its group's reader uses, and
+     "sharding"      in the reader's mesh layout (its bytes on the devices are split the reader's
+                     way; a layout change is a miss unless resharded, as the disk tier does);
   3. "intersection"  the longest LCM boundary every group can resume from: a full-KV / indexer
                      group needs all its blocks up to it, a checkpoint group (recurrent state, an
                      uncompressed tail kept as its own group, CSA overlap state, an SWA ring) a
@@ -31,7 +33,7 @@ from cache.allocator import AllocState, bytes_by_group, bytes_by_kind
 from cache.prefix_index import BlockGeometry, IndexEntry, KeyContext, PrefixIndex, block_geometry, chain_keys, key_at
 from cache.segments import CHECKPOINT_KINDS, SERVABLE_STATES, Kind, SegState
 
-REASONS = ("no_hit", "coverage", "abi_mismatch", "intersection", "alignment", "version")
+REASONS = ("no_hit", "coverage", "abi_mismatch", "sharding", "intersection", "alignment", "version")
 GROUP_KINDS = (Kind.FULL_KV, Kind.SWA_WINDOW, Kind.COMPRESSED_KV, Kind.INDEXER_KEYS, Kind.RECURRENT_STATE,
                Kind.UNCOMPRESSED_TAIL, Kind.CSA_OVERLAP)
 
@@ -190,13 +192,17 @@ def check_hit(tokens: Sequence[int], groups: Sequence[GroupSpec], index: PrefixI
     if top == 0:
         return _miss("coverage", f"hashed hit of {hashed} tokens (usable {min(hashed, limit)}) covers no whole"
                                  f" block of the {geo.resume}-token resume grid", hashed, matched=matched)
-    # 2. ABI of the writer == ABI of the reader, for every object the hit would draw on
+    # 2. ABI and mesh layout of the writer == the reader's, for every object the hit would draw on
     for g in groups:
         for (kind, b), e in sorted(found[g.name].items(), key=lambda kv: kv[0][1]):
             seg = state.segments.get(e.seg_id)
             if b <= top and seg is not None and seg.writer_abi != g.ctx.abi_id:
                 return _miss("abi_mismatch", f"group {g.name!r}: {seg.describe()} was written by ABI"
                                              f" {seg.writer_abi!r}, reader uses {g.ctx.abi_id!r}", hashed, g.name,
+                             matched)
+            if b <= top and seg is not None and seg.writer_layout != g.ctx.sharding:
+                return _miss("sharding", f"group {g.name!r}: {seg.describe()} was written in layout"
+                                         f" {seg.writer_layout!r}, reader uses {g.ctx.sharding!r}", hashed, g.name,
                              matched)
     # 3. multi-group intersection: the longest boundary every group can resume from
     def lacking(g: GroupSpec, boundary: int) -> str | None:

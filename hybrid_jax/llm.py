@@ -137,14 +137,17 @@ class LLM:
             parallel = ParallelConfig(tensor_parallel_size, data_parallel_size, enable_expert_parallel)
         family = get_model(self.config.model_type)
         self.layout = make_layout(parallel, self.config, family)
+        self._fingerprint: str | None = None
         if self.layout is not None:       # every parameter onto its shards (hybrid_jax.parallel)
+            # of the weights as loaded: a layout re-lays some (gate | up per device), and a cached prefix
+            # must be found by its weights under any layout (the disk tier serves every layout)
+            self._fingerprint = fingerprint(self.config, params)
             params = self.layout.annotate(family, params)      # FP8 weights: how linear runs them per device
             params = self.layout.put(params, self.layout.param_shardings(family, params))
         self.max_model_len = int(max_model_len or self.config.max_position_embeddings)
         self.max_num_seqs = max_num_seqs
         self.seed = seed
         self.generator = Generator(self.config, params, self.dtype, impl=impl)
-        self._fingerprint: str | None = None
         if speculative_config is not None:      # fail at construction, not at the first request
             from hybrid_jax.speculative.config import parse_speculative_config, resolve_rollback  # noqa: PLC0415
             from hybrid_jax.speculative.mtp import check_mtp  # noqa: PLC0415

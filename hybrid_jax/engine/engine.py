@@ -205,7 +205,8 @@ class LLMEngine:
         return PrefixCache(self.runner.cache, PrefixCacheConfig(
             cap_bytes=cap_bytes, fingerprint=llm.fingerprint(), dtype=jnp.dtype(llm.dtype).name,
             block_size=c.prefix_block_size, checkpoint_interval=c.prefix_checkpoint_interval,
-            checkpoint_grid=c.checkpoint_grid, sharding=llm.layout.key if llm.layout else "replicated"),
+            checkpoint_grid=c.checkpoint_grid, sharding=llm.layout.key if llm.layout else "replicated",
+            copies=self.runner.copies),
             self.blocks, disk=self._disk_config())
 
     def _disk_config(self) -> DiskConfig | None:

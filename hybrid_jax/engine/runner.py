@@ -37,6 +37,7 @@ from hybrid_jax.generate import bucket
 from hybrid_jax.models import get_model
 from hybrid_jax.models.ragged import pack
 from hybrid_jax.parallel.context import Traced, active
+from hybrid_jax.parallel.placement import entry_copies
 from hybrid_jax.sampling import SamplerFlags, sample, token_logprobs
 
 MIN_T = 8
@@ -77,6 +78,14 @@ class ModelRunner:
             abstract = jax.eval_shape(lambda: self.model.new_cache(cfg, 1, ecfg.max_model_len, dtype,
                                                                    page_size=ecfg.prefix_block_size))
         self.abstract = abstract
+        # pool fields that keep copies of each entry under the layout (KV heads once per device): the
+        # prefix cache's disk tier stores one, so what it writes restores under any layout
+        self.copies = ()
+        if layout is not None:
+            with active(None):
+                logical = jax.eval_shape(lambda: self.model.new_cache(cfg, 1, ecfg.max_model_len, dtype,
+                                                                      page_size=ecfg.prefix_block_size))
+            self.copies = entry_copies(logical, abstract)
         budget = ecfg.kv_cache_bytes or default_budget(abstract, ecfg.max_num_seqs, ecfg.max_model_len)
         prefix_cap = (ecfg.prefix_cache_bytes or budget) if ecfg.enable_prefix_caching else 0
         try:

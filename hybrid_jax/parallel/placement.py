@@ -165,6 +165,25 @@ class Layout:
         return jax.device_put(tree, shardings)
 
 
+def entry_copies(logical, placed) -> tuple[tuple[str, str, int, int], ...]:
+    """(group, field, axis, r) for each field of cache `placed` (shapes under a layout) that holds r
+    copies of each entry of the same field of `logical` (the shapes with no layout) along `axis`
+    (KV heads kept once per device, `context.kv_replicas`). A field that differs otherwise is an error."""
+    out = []
+    for gname, g in logical.groups.items():
+        h = placed.groups[gname]
+        for f in dataclasses.fields(g):
+            a, b = getattr(g, f.name), getattr(h, f.name)
+            if not f.metadata.get("pytree_node", True) or a is None or a.shape == b.shape:
+                continue
+            diff = [d for d, (m, n) in enumerate(zip(a.shape, b.shape)) if m != n]
+            if a.ndim != b.ndim or len(diff) != 1 or b.shape[diff[0]] % a.shape[diff[0]]:
+                raise ValueError(f"cache group {gname}.{f.name}: {b.shape} under the layout is not copies of "
+                                 f"{a.shape} along one axis")
+            out.append((gname, f.name, diff[0], b.shape[diff[0]] // a.shape[diff[0]]))
+    return tuple(out)
+
+
 def make_layout(pc: ParallelConfig, cfg, family, devices=None) -> Layout | None:
     """The Layout for `pc` over the first pc.world_size of `devices` (default jax.devices()), checked
     against the model config before any weight is read; None on one device (nothing to place)."""

@@ -23,7 +23,7 @@ V4 = (GroupSpec("ent", Kind.COMPRESSED_KV, 8, _V4, tail=False), GroupSpec("idx",
       GroupSpec("win", Kind.SWA_WINDOW, 8, _V4, checkpoint=True))
 
 
-def store(state, index, tokens, groups, upto, *, interval=2, abi=None, block_ranges=None):
+def store(state, index, tokens, groups, upto, *, interval=2, abi=None, layout=None, block_ranges=None):
     """Writes every object `groups` need for the first `upto` tokens; returns (state, index, {(group, kind, end): id})."""
     geo = block_geometry({g.name: g.block_size for g in groups})
     ids = {}
@@ -40,7 +40,8 @@ def store(state, index, tokens, groups, upto, *, interval=2, abi=None, block_ran
         for kind, start, end, b in items:
             if block_ranges and (g.name, b) in block_ranges:
                 start, end = block_ranges[(g.name, b)]
-            state, sid = A.allocate(state, kind, g.name, 16, start=start, end=end, writer_abi=abi or g.ctx.abi_id)
+            state, sid = A.allocate(state, kind, g.name, 16, start=start, end=end, writer_abi=abi or g.ctx.abi_id,
+                                    writer_layout=layout or g.ctx.sharding)
             state = A.commit(state, sid)
             index = index.insert(IndexEntry(g.name, kind, key_at(keys, geo.gcd, b), b, sid))
             ids[(g.name, kind, b)] = sid
@@ -80,6 +81,17 @@ def test_2_abi_mismatch_before_intersection():
     s, idx, _ = _setup(groups=(ATTN,), abi="attn/v0")
     hit = validate_hit(TOKENS, [ATTN, LIN], idx, s)       # LIN has nothing: ABI still reported first
     assert hit.reason == "abi_mismatch" and hit.group == "attn" and "attn/v0" in hit.detail
+
+
+def test_2_objects_written_in_another_mesh_layout_are_a_sharding_miss():
+    """A device object split another way (written under tensor size 2, read under 4) is never read as
+    if it were the reader's: a miss naming both layouts."""
+    s, idx, _ = _setup(groups=(ATTN, LIN), layout="dp1.tp2")
+    hit = validate_hit(TOKENS, [ATTN, LIN], idx, s)
+    assert (hit.ok, hit.reason, hit.group) == (False, "sharding", "attn")
+    assert "'dp1.tp2'" in hit.detail and "'replicated'" in hit.detail
+    s, idx, _ = _setup(groups=(ATTN, LIN), layout="replicated")
+    assert validate_hit(TOKENS, [ATTN, LIN], idx, s).ok
 
 
 def test_3_intersection_recurrent_needs_a_checkpoint():

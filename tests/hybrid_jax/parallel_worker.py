@@ -2,7 +2,7 @@
 core (multi_device.py; the rest of the suite keeps one device). Prints one JSON line "RESULT {...}" with, per
 layout, what the test compares against one device.
 
-    python parallel_worker.py CHECKPOINT_DIR [deepseek_v32 | fp8]
+    python parallel_worker.py CHECKPOINT_DIR [deepseek_v32 | fp8 | disk DIRECTORY]
 """
 from __future__ import annotations
 
@@ -110,6 +110,27 @@ def run(path: str, layouts: dict = LAYOUTS, full: bool = True) -> dict:
     return out
 
 
+def disk_across_layouts(path: str, directory: str) -> dict:
+    """Prompts served at tensor size 2 with a disk tier, then by a new engine at tensor size 4 (experts
+    whole: each KV head kept twice) reading the same directory: tokens, spans restored, misses."""
+    import numpy as np  # noqa: PLC0415
+    rng = np.random.default_rng(7)
+    system = rng.integers(0, 300, 100).tolist()
+    prompts = [{"prompt_token_ids": system + rng.integers(0, 300, k).tolist()} for k in (9, 21)]
+    sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    engine = {"prefix_block_size": 16, "prefix_checkpoint_interval": 2, "warmup": "none"}
+    out = {}
+    for name, kw in {"tp2": LAYOUTS["tp2"], "tp4_ep": LAYOUTS["tp4_ep"]}.items():
+        llm = LLM(model=path, dtype="float32", max_model_len=256, max_num_seqs=2, enable_prefix_caching=True,
+                  kv_cache_dir=directory, engine_config=engine, **kw)
+        tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
+        llm.engine.prefix.disk.flush()
+        st = llm.cache_stats()
+        out[name] = {"tokens": tokens, "spans_restored": st["disk"]["spans_restored"], "writes": st["disk"]["writes"],
+                     "misses": st["misses_by_reason"], "copies": [list(c) for c in llm.engine.runner.copies]}
+    return out
+
+
 if __name__ == "__main__":
     if sys.argv[2:] == ["deepseek_v32"]:      # 4 heads, 8 experts: split over 2, and over 4 with experts whole
         result = run(sys.argv[1], {k: LAYOUTS[k] for k in ("tp1", "tp2", "tp4_ep")}, full=False)
@@ -117,6 +138,8 @@ if __name__ == "__main__":
         result = run(sys.argv[1], {"tp1": dict(quantization="fp8"),
                                    "tp2_ep": dict(tensor_parallel_size=2, enable_expert_parallel=True,
                                                   quantization="fp8")}, full=False)
+    elif sys.argv[2:3] == ["disk"]:           # a disk tier written at tensor size 2, read at 4
+        result = disk_across_layouts(sys.argv[1], sys.argv[3])
     else:
         result = run(sys.argv[1])
     print("RESULT " + json.dumps(result))

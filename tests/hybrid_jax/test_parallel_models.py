@@ -1,5 +1,6 @@
-"""DeepSeek-V3.2 and an FP8 release (kept in FP8) split over 2 and 4 CPU devices against one device
-(parallel_worker.py in a subprocess with 8 CPU devices, through multi_device.py)."""
+"""DeepSeek-V3.2 and an FP8 release (kept in FP8) split over 2 and 4 CPU devices against one device,
+and a disk prefix tier written under one layout and read under another (parallel_worker.py in a
+subprocess with 8 CPU devices, through multi_device.py)."""
 from __future__ import annotations
 
 import pytest
@@ -48,3 +49,15 @@ def test_split_deepseek_v32_generates_what_one_device_does(deepseek_worker, layo
     w = split["weights"]
     assert w["device0"] < 0.75 * w["total"]              # the heads' and experts' weights are split
 
+
+def test_disk_tier_written_at_tensor_size_2_serves_tensor_size_4(tmp_path_factory):
+    """Spans hold the logical cache (each KV head once), keyed without the layout: an engine at tensor
+    size 4, whose pools keep each of the 2 KV heads twice, restores the spans written at tensor size 2
+    and answers with the same tokens; nothing is refused."""
+    ckpt = make_checkpoint(tmp_path_factory.mktemp("tp") / "m", seed=3, **SPLITTABLE)
+    r = run_worker("parallel_worker.py", ckpt, "disk", tmp_path_factory.mktemp("kv_tier"))
+    two, four = r["tp2"], r["tp4_ep"]
+    assert two["writes"] >= 2 and two["spans_restored"] == 0 and two["copies"] == []
+    assert [c[:2] + [c[3]] for c in four["copies"]] == [["full_attention", "k", 2], ["full_attention", "v", 2]]
+    assert four["spans_restored"] >= 2 and four["tokens"] == two["tokens"]
+    assert not any(v for k, v in four["misses"].items() if k != "no_hit")
