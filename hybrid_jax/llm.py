@@ -8,6 +8,7 @@ speculative_config the same engine speculates (n-gram drafting with rollback by 
 on-device loop per wave; other proposers and rollback by replay through the engine's verify step)."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import sys
@@ -30,7 +31,7 @@ from hybrid_jax.parallel.config import ParallelConfig
 from hybrid_jax.parallel.placement import make_layout
 from hybrid_jax.sampling import SamplingParams
 from hybrid_jax.tokenizer import ByteTokenizer, load_tokenizer
-from hybrid_jax.weights import LARGE_CHECKPOINT_BYTES, fingerprint, open_checkpoint
+from hybrid_jax.weights import LARGE_CHECKPOINT_BYTES, fingerprint, on_host, open_checkpoint
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 OFFLINE_TOKENS_PER_SEQ = 4096    # default pool size offline: max_num_seqs requests of this many tokens
@@ -101,7 +102,9 @@ class LLM:
             def get(name):
                 read.add(name)
                 return reader.get(name)
-            with tqdm(total=n, desc="loading weights", unit="tensor", disable=not show, file=sys.stderr) as bar:
+            # split over a mesh: converted on the host, each device then gets only its part (weights.on_host)
+            host = on_host() if layout is not None else contextlib.nullcontext()
+            with tqdm(total=n, desc="loading weights", unit="tensor", disable=not show, file=sys.stderr) as bar, host:
                 params = family.convert_hf_weights(self.config, get, reader.has, self.dtype,
                                                    progress=lambda: bar.update(1))
             from hybrid_jax.speculative.mtp import check_all_read  # noqa: PLC0415

@@ -19,6 +19,8 @@ A tensor stored quantized without its scale, with a scale of the wrong shape, or
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import json
 import math
 import os
@@ -261,13 +263,36 @@ def dense_mlp_weights(t, prefix: str, I: int, Hd: int):
             t(prefix + "down_proj.weight", (Hd, I)).T)
 
 
+_ON_HOST = contextvars.ContextVar("weights_on_host", default=False)
+
+
+@contextlib.contextmanager
+def on_host():
+    """Within it, `to_device` and `to_device_linear` give host (numpy) arrays in the run dtype instead
+    of arrays on the default device: a model split over a mesh is converted on the host and each
+    device then receives only its part of each weight (`parallel.Layout.put`), so no device ever
+    holds a whole split weight, let alone the model. A weight the conversion only re-views (a stored
+    tensor transposed or reshaped, already in the run dtype) stays a view of the memory-mapped file,
+    and placing it reads only the slices the devices own."""
+    token = _ON_HOST.set(True)
+    try:
+        yield
+    finally:
+        _ON_HOST.reset(token)
+
+
+def _array(a: np.ndarray, dtype):
+    """`a` as a device array of `dtype`, or a host one inside `on_host()` (a view when no cast is needed)."""
+    import jax.numpy as jnp  # noqa: PLC0415
+    return np.asarray(a, dtype=jnp.dtype(dtype)) if _ON_HOST.get() else jnp.asarray(a, dtype=dtype)
+
+
 def to_device(a: np.ndarray, dtype):
     """A checkpoint array as a jax array of `dtype` (integer-typed tensors go through fp32; QUANTIZED
-    records are dequantized)."""
-    import jax.numpy as jnp  # noqa: PLC0415
+    records are dequantized); a host array inside `on_host()`."""
     if a.dtype == QUANTIZED:
         a = a["v"]
-    return jnp.asarray(np.asarray(a, dtype=np.float32) if a.dtype.kind != "f" else a, dtype=dtype)
+    return _array(np.asarray(a, dtype=np.float32) if a.dtype.kind != "f" else a, dtype)
 
 
 def to_device_linear(a: np.ndarray, dtype):
@@ -290,8 +315,6 @@ def _kept(a: np.ndarray, dtype):
     """QUANTIZED records [..., K, N] -> Fp8Weight when the per-element scale is constant over blocks of
     (bk inputs, bn outputs) from KEPT_BLOCKS (the largest that fit, down to single columns) and every
     value / scale is an FP8 code; else dequantized."""
-    import jax.numpy as jnp  # noqa: PLC0415
-
     from hybrid_jax.layers.linear import Fp8Weight  # noqa: PLC0415
     K, N = a.shape[-2:]
     v, s = np.ascontiguousarray(a["v"]), np.ascontiguousarray(a["s"])
@@ -311,7 +334,7 @@ def _kept(a: np.ndarray, dtype):
         for bn in KEPT_BLOCKS + (1,):
             scale = constant(rows, bn, -1)
             if scale is not None:
-                return Fp8Weight(w=jnp.asarray(codes), scale=jnp.asarray(scale), block=(bk, bn))
+                return Fp8Weight(w=_array(codes, codes.dtype), scale=_array(scale, scale.dtype), block=(bk, bn))
     return to_device(v, dtype)
 
 
@@ -327,7 +350,10 @@ def fingerprint(config, params, sample: int = 4096) -> str:
     for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
         h.update(jax.tree_util.keystr(path).encode())
         h.update(repr((tuple(leaf.shape), str(leaf.dtype))).encode())
-        flat = leaf.reshape(-1)
-        step = max(1, flat.shape[0] // sample)
-        h.update(np.asarray(flat[::step][:sample]).tobytes())
+        step = max(1, leaf.size // sample)
+        if isinstance(leaf, np.ndarray):        # a host weight (`on_host`): read only the sampled values
+            values = leaf[np.unravel_index(np.arange(0, leaf.size, step)[:sample], leaf.shape)]
+        else:
+            values = leaf.reshape(-1)[::step][:sample]
+        h.update(np.asarray(values).tobytes())
     return h.hexdigest()

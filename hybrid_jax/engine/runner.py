@@ -96,7 +96,7 @@ class ModelRunner:
             raise InputError(f"kv_cache_bytes: {e}") from None
         self.budget_bytes = budget
         self.cache_shardings = layout.cache_shardings(abstract) if layout is not None else None
-        self.cache = self._placed(build_pools(abstract, rows, self.pages, self.units))
+        self.cache = self._new_pools()
         # block-table width of each paged group: pages a request of max_model_len tokens lists
         self.widths = {n: g.page_table.shape[1] for n, g in abstract.groups.items() if g.paged}
         self.blocks: BlockManager | None = None        # set by the engine (it owns the block manager)
@@ -121,9 +121,12 @@ class ModelRunner:
         self.dcfg = self.dparams = self.dmodel = self.dcache = None
         self.mtp = False
 
-    def _placed(self, pools):
-        """The pools on the mesh (as they are on one device)."""
-        return pools if self.layout is None else self.layout.put(pools, self.cache_shardings)
+    def _new_pools(self):
+        """Fresh, empty pools; on a mesh, created in place by each device (its part only: no device ever
+        holds a whole pool)."""
+        def build():
+            return build_pools(self.abstract, self.ecfg.max_num_seqs + 1, self.pages, self.units)
+        return build() if self.layout is None else jax.jit(build, out_shardings=self.cache_shardings)()
 
     def _pin(self, view):
         """A step's view of the pools (or a forward's output cache) pinned to the pools' layout on a mesh:
@@ -206,7 +209,7 @@ class ModelRunner:
     def reset_pools(self):
         """Fresh, empty pools (and draft rows): after a failed step, whose call may have consumed the
         donated ones. The compiled programs stay."""
-        self.cache = self._placed(build_pools(self.abstract, self.ecfg.max_num_seqs + 1, self.pages, self.units))
+        self.cache = self._new_pools()
         if self.dcache is not None:
             self.dcache = self.dmodel.new_cache(self.dcfg, *self._draft_shape)
 

@@ -432,8 +432,8 @@ def _convert_layer(cfg: ModelConfig, t, has, p: str, kind: str, moe: bool, dev, 
         qkvz, ba = gdn_in_proj(cfg, t, a)
         lp["gdn"] = {
             "qkvz": lin(qkvz.T), "ba": lin(ba.T), "conv": dev(conv[grouped_conv_channels(cfg), 0, :].T),
-            "A_log": jnp.asarray(t(a + "A_log", (HV,)), jnp.float32),
-            "dt_bias": jnp.asarray(t(a + "dt_bias", (HV,)), jnp.float32),
+            "A_log": to_device(t(a + "A_log", (HV,)), jnp.float32),
+            "dt_bias": to_device(t(a + "dt_bias", (HV,)), jnp.float32),
             "norm": dev(t(a + "norm.weight", (V,))),
             "out_proj": lin(t(a + "out_proj.weight", (Hd, HV * V)).T),
         }

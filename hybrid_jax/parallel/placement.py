@@ -20,6 +20,7 @@ import fnmatch
 from functools import cached_property
 
 import jax
+import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from hybrid_jax.errors import ConfigError
@@ -110,7 +111,7 @@ class Layout:
         if placed:
             return self._sharding(axes, leaf.shape, f"parameter {name}")
         n = self._gate_up_devices(axes, leaf.shape, name)
-        return interleave_gate_up(leaf, n) if n > 1 and isinstance(leaf, jax.Array) else leaf
+        return interleave_gate_up(leaf, n) if n > 1 and isinstance(leaf, (jax.Array, np.ndarray)) else leaf
 
     def _gate_up_devices(self, axes: tuple, shape, name: str) -> int:
         """Devices a "gate_up" dimension (the last) is split over under this layout; 1 when whole."""
@@ -162,6 +163,7 @@ class Layout:
         return jax.lax.with_sharding_constraint(cache, self.cache_shardings(cache))
 
     def put(self, tree, shardings):
+        """tree on the mesh. A host (numpy) leaf goes to each device as that device's slice only."""
         return jax.device_put(tree, shardings)
 
 

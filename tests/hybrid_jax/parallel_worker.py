@@ -64,14 +64,34 @@ def decode_collectives(path: str, kw: dict) -> list:
     return [(m.group(2), m.group(1)) for m in COLLECTIVES.finditer(text)]
 
 
+def placed_from(build) -> tuple[object, dict]:
+    """build()'s result and the bytes of the parameters it placed on the mesh by where they came from:
+    host arrays (each device receives its slice) or arrays already on one device."""
+    import numpy as np  # noqa: PLC0415
+
+    from hybrid_jax.parallel import Layout  # noqa: PLC0415
+    seen = {"host": 0, "device": 0}
+    put = Layout.put
+
+    def spy(self, tree, shardings):
+        for leaf in jax.tree_util.tree_leaves(tree):
+            seen["host" if isinstance(leaf, np.ndarray) else "device"] += leaf.size * leaf.dtype.itemsize
+        return put(self, tree, shardings)
+    Layout.put = spy
+    try:
+        return build(), seen
+    finally:
+        Layout.put = put
+
+
 def run(path: str, layouts: dict = LAYOUTS, full: bool = True) -> dict:
     """Per layout: tokens, log-probabilities, prefix hits, placement; with `full`, also the decode
     program's collectives and the layouts that must be refused."""
     out = {"devices": len(jax.devices())}
     sp = SamplingParams(max_tokens=12, temperature=0.0, logprobs=1)
     for name, kw in layouts.items():
-        llm = LLM(model=path, dtype="float32", max_model_len=256, max_num_seqs=4, enable_prefix_caching=True,
-                  speculative_config=SPEC, **kw)
+        llm, placed = placed_from(lambda kw=kw: LLM(model=path, dtype="float32", max_model_len=256, max_num_seqs=4,
+                                                    enable_prefix_caching=True, speculative_config=SPEC, **kw))
         first = llm.generate(PROMPTS, sp)
         again = llm.generate(PROMPTS, sp)          # served from the prefix cache
         runner = llm.engine.runner
@@ -82,7 +102,7 @@ def run(path: str, layouts: dict = LAYOUTS, full: bool = True) -> dict:
             "tokens": [o.outputs[0].token_ids for o in first], "again": [o.outputs[0].token_ids for o in again],
             "logprobs": [o.outputs[0].cumulative_logprob for o in first],
             "hits": llm.cache_stats()["hits"], "sharding_key": runner.layout.key if runner.layout else "replicated",
-            "pools_keep_shardings": kept, "weights": weight_bytes(llm),
+            "pools_keep_shardings": kept, "weights": weight_bytes(llm), "placed_from": placed,
             # KV heads each device's pages hold (the KV group's [L, P, ps, Hkv, D] shard on device 0)
             "kv_heads_on_device0": [next(sh.data.shape[3] for sh in g.k.addressable_shards if sh.device.id == 0)
                                     for g in runner.cache.groups.values() if g.kind == "full_kv"],

@@ -132,6 +132,14 @@ def test_each_device_holds_its_share_of_the_weights(worker, layout, tp):
     assert w["replicated"] < 0.1 * w["total"]            # norms, the router, the MTP-free rest is split
 
 
+@pytest.mark.parametrize("layout", ["tp2", "tp4_ep"])
+def test_weights_are_converted_on_the_host_and_sent_to_each_device_in_parts(worker, layout):
+    """Loading a split model puts no weight on one device first: the conversion gives host arrays (views
+    of the file where it only transposes) and each device receives its own slices."""
+    placed = worker[layout]["placed_from"]
+    assert placed["device"] == 0 and placed["host"] == worker["tp1"]["weights"]["total"]
+
+
 @pytest.mark.parametrize("layout, heads", [("tp1", 2), ("tp2", 1), ("tp4_ep", 1)])
 def test_each_device_holds_only_the_kv_heads_its_query_heads_read(worker, layout, heads):
     """2 KV heads: split over 2 devices; over 4, each head is kept twice and each device holds one copy
