@@ -29,6 +29,11 @@ def _add_parallel_args(p: argparse.ArgumentParser):
     p.add_argument("--data-parallel-size", "-dp", type=int, default=1, help="replicas (not supported yet beyond 1)")
     p.add_argument("--enable-expert-parallel", action="store_true",
                    help="split MoE experts whole over the tensor-parallel devices")
+    p.add_argument("--num-processes", type=int, default=None,
+                   help="processes (hosts) the mesh spans, each running this command (env HYBRID_JAX_NUM_PROCESSES)")
+    p.add_argument("--process-id", type=int, default=None, help="this process's index (env HYBRID_JAX_PROCESS_ID)")
+    p.add_argument("--coordinator-address", default=None,
+                   help="HOST:PORT of process 0 (env HYBRID_JAX_COORDINATOR_ADDRESS)")
 
 
 def parallel_options(args) -> dict:
@@ -265,10 +270,25 @@ def _plan(args) -> int:
     return 0
 
 
+def _join_processes(args):
+    """Several processes: joins them (hybrid_jax.parallel.hosts) before any device is touched; only
+    process 0 prints results. `serve` stays one process."""
+    if not hasattr(args, "num_processes"):
+        return
+    from hybrid_jax.parallel import hosts  # noqa: PLC0415
+    _, count, _ = hosts.resolve(args.coordinator_address, args.num_processes, args.process_id)
+    if count > 1 and args.command == "serve":
+        raise HybridJaxError("serve runs in one process for now (only process 0 would receive requests); use "
+                             "--tensor-parallel-size over one host's devices")
+    if hosts.start(args.coordinator_address, args.num_processes, args.process_id) != 0:
+        sys.stdout = open(os.devnull, "w")      # noqa: SIM115  (the process's whole life)
+
+
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     args = build_parser().parse_args(argv)
     try:
+        _join_processes(args)
         return {"generate": _generate, "align": _align, "serve": _serve, "bench": _bench,
                 "plan": _plan}[args.command](args)
     except HybridJaxError as e:

@@ -195,6 +195,10 @@ def make_layout(pc: ParallelConfig, cfg, family, devices=None) -> Layout | None:
         raise ConfigError(
             f"data_parallel_size x tensor_parallel_size = {pc.data_parallel_size} x {pc.tensor_parallel_size} = "
             f"{pc.world_size} devices, but JAX sees {len(devices)} ({devices[0].platform})")
+    if jax.process_count() > 1 and pc.world_size != len(devices):
+        raise ConfigError(
+            f"{jax.process_count()} processes share {len(devices)} devices: data_parallel_size x "
+            f"tensor_parallel_size must use all of them (got {pc.world_size}), every process running its part")
     pc.check(cfg, pc.world_size)
     if pc.single_device:
         return None
