@@ -272,14 +272,10 @@ def _plan(args) -> int:
 
 def _join_processes(args):
     """Several processes: joins them (hybrid_jax.parallel.hosts) before any device is touched; only
-    process 0 prints results. `serve` stays one process."""
+    process 0 prints results (and serves: the others follow its engine)."""
     if not hasattr(args, "num_processes"):
         return
     from hybrid_jax.parallel import hosts  # noqa: PLC0415
-    _, count, _ = hosts.resolve(args.coordinator_address, args.num_processes, args.process_id)
-    if count > 1 and args.command == "serve":
-        raise HybridJaxError("serve runs in one process for now (only process 0 would receive requests); use "
-                             "--tensor-parallel-size over one host's devices")
     if hosts.start(args.coordinator_address, args.num_processes, args.process_id) != 0:
         sys.stdout = open(os.devnull, "w")      # noqa: SIM115  (the process's whole life)
 

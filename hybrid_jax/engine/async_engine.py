@@ -29,8 +29,12 @@ class EngineRequestError(RuntimeError):
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine):
+    def __init__(self, engine: LLMEngine, mirror=None):
+        """mirror: with several processes, process 0's `parallel.hosts.Mirror`: what this loop applies
+        to the engine and each step are sent to the other processes, which step with it."""
         self.engine = engine
+        self.mirror = mirror
+        self._events: list = []     # applied since the last message (mirror only)
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stop = threading.Event()
@@ -104,11 +108,15 @@ class AsyncEngine:
             if cmd[0] == "add":
                 _, rid, prompt, params, arrival = cmd
                 self._picked += 1
+                if self.mirror is not None:
+                    self._events.append(self.mirror.add_event(rid, prompt, params, arrival))
                 try:
                     self.engine.add_request(rid, prompt, params, arrival=arrival)
                 except Exception as e:  # noqa: BLE001  (reported to the request's stream)
                     self._deliver(rid, e)
             elif cmd[0] == "abort":
+                if self.mirror is not None:
+                    self._events.append(["abort", cmd[1]])
                 self.engine.abort_request(cmd[1])
             try:
                 cmd = self._commands.get_nowait()
@@ -116,8 +124,18 @@ class AsyncEngine:
                 return
 
     def _loop(self):
+        try:
+            self._run()
+        finally:
+            if self.mirror is not None:          # the other processes stop with this one
+                self.mirror.exchange({"events": [], "step": False, "stop": True})
+
+    def _run(self):
         while not self._stop.is_set():
             self._drain(block=not self.engine.has_unfinished())
+            if self.mirror is not None:          # every iteration, idle ones too: the others wait on it
+                self.mirror.exchange({"events": self._events, "step": self.engine.has_unfinished(), "stop": False})
+                self._events = []
             if not self.engine.has_unfinished():
                 continue
             try:

@@ -8,6 +8,7 @@ import logging
 import threading
 
 from hybrid_jax.engine import EngineConfig, LLMEngine
+from hybrid_jax.errors import ConfigError
 from hybrid_jax.engine.async_engine import AsyncEngine
 from hybrid_jax.server import lifecycle
 from hybrid_jax.server.app import ServerConfig, ServerState, build_app
@@ -26,15 +27,21 @@ def ready_note(engine: LLMEngine) -> str:
     return f"ok: warm-up {mode}: {WARMUP_NOTES[mode]} ({engine.num_compiled()} programs)"
 
 
+def _engine(model: str | None, dtype: str, engine_config: EngineConfig, parallel: dict | None) -> LLMEngine:
+    from hybrid_jax import LLM  # noqa: PLC0415
+    llm = LLM(model=model, dtype=dtype, max_model_len=None, **(parallel or {}))
+    engine = LLMEngine(llm, engine_config)
+    engine.warmup()
+    return engine
+
+
 def load_engine(state: ServerState, model: str | None, dtype: str, engine_config: EngineConfig, stop=None,
-                parallel: dict | None = None):
-    """Loads the model (parallel: LLM's layout keywords, tensor_parallel_size ...) and starts the engine."""
+                parallel: dict | None = None, mirror=None):
+    """Loads the model (parallel: LLM's layout keywords, tensor_parallel_size ...) and starts the engine
+    (mirror: several processes, `parallel.hosts.Mirror`)."""
     try:
-        from hybrid_jax import LLM  # noqa: PLC0415
-        llm = LLM(model=model, dtype=dtype, max_model_len=None, **(parallel or {}))
-        engine = LLMEngine(llm, engine_config)
-        engine.warmup()
-        ae = AsyncEngine(engine)
+        engine = _engine(model, dtype, engine_config, parallel)
+        ae = AsyncEngine(engine, mirror)
         ae.start()
         state.ready_note = ready_note(engine)
         state.engine = ae
@@ -50,15 +57,30 @@ def load_engine(state: ServerState, model: str | None, dtype: str, engine_config
 def serve(*, model: str | None, host: str, port: int, dtype: str, engine_config: EngineConfig,
           server_config: ServerConfig, shutdown_timeout_s: float = 30.0, header_timeout_s: float = 10.0,
           keep_alive_timeout_s: float = 5.0, parallel: dict | None = None) -> int:
-    """Runs the server; returns the process exit code (0 after a drain, 1 when the model failed to load)."""
+    """Runs the server; returns the process exit code (0 after a drain, 1 when the model failed to load).
+    With several processes (`parallel.hosts.start` first), process 0 serves and the others follow its
+    engine (`parallel.hosts.follow`) until it stops."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:%(name)s: %(message)s")
+    import jax  # noqa: PLC0415
+
+    from hybrid_jax.parallel import hosts  # noqa: PLC0415
+    mirror = None
+    if jax.process_count() > 1:
+        if engine_config.kv_cache_dir is not None:
+            raise ConfigError("kv_cache_dir is not supported with several processes (its prefetch timing would "
+                              "make the processes' steps differ)")
+        if jax.process_index() != 0:
+            log.info("process %d: following process 0's engine", jax.process_index())
+            hosts.follow(_engine(model, dtype, engine_config, parallel))
+            return 0
+        mirror = hosts.Mirror()
     state = ServerState(server_config)
     app = build_app(state)
 
     def start_loading(server):
         def stop():
             server.should_exit = True
-        threading.Thread(target=load_engine, args=(state, model, dtype, engine_config, stop, parallel),
+        threading.Thread(target=load_engine, args=(state, model, dtype, engine_config, stop, parallel, mirror),
                          daemon=True).start()
 
     lifecycle.run(app, state, host=host, port=port, shutdown_timeout_s=shutdown_timeout_s,

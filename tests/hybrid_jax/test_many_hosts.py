@@ -1,16 +1,20 @@
 """Several processes, one mesh (hybrid_jax.parallel.hosts): two processes with four CPU devices each
 join JAX's distributed runtime on 127.0.0.1 (gloo collectives) and run `hybrid-jax generate` split
-over all eight devices, in lockstep; the options are checked before anything starts."""
+over all eight devices in lockstep, or `hybrid-jax serve` with process 0 answering HTTP and process 1
+following its engine; the options are checked before anything starts."""
 from __future__ import annotations
 
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
 
+import httpx
 import pytest
 from conftest import make_checkpoint
+from test_server import _wait_ready   # noqa: PLC2701  (sibling test module's helper)
 
 from hybrid_jax.errors import ConfigError
 from hybrid_jax.parallel import hosts
@@ -38,12 +42,20 @@ def _token_ids(stderr: str) -> list[int]:
     return [int(x) for x in m.group(1).split(",") if x.strip()]
 
 
-def _two_processes(ckpt, *extra):
+def _port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {"XLA_FLAGS": os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4",
-           "HYBRID_JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "HYBRID_JAX_NUM_PROCESSES": "2"}
+        return s.getsockname()[1]
+
+
+def _hosts_env() -> dict:
+    """Two processes of four CPU devices on 127.0.0.1."""
+    return {"XLA_FLAGS": os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4",
+            "HYBRID_JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{_port()}", "HYBRID_JAX_NUM_PROCESSES": "2"}
+
+
+def _two_processes(ckpt, *extra):
+    env = _hosts_env()
     cores = sorted(os.sched_getaffinity(0))
     procs = [_generate(ckpt, "--process-id", str(i), *extra, env=env, core=cores[i % len(cores)]) for i in range(2)]
     results = []
@@ -69,6 +81,36 @@ def test_two_processes_of_four_devices_generate_what_one_device_does(eight):
     assert _token_ids(err0) == _token_ids(err1) == want and len(want) == 8
     printed = [[x for x in o.splitlines() if not x.startswith("[Gloo]")] for o in (out0, out1)]   # gloo's own
     assert printed == [out.splitlines(), []]       # process 0 prints the text; the others print nothing
+
+
+def test_two_processes_serve_what_one_device_generates(eight):
+    """Process 0 serves HTTP and sends each engine iteration's requests to process 1, which steps with
+    it: a completion (token ids in, greedy) equals one device's; SIGTERM stops both, exiting 0."""
+    one = _generate(eight)
+    _, err = one.communicate(timeout=900)
+    want = _token_ids(err)
+    env, port = _hosts_env(), _port()
+    cores = sorted(os.sched_getaffinity(0))
+    procs = [subprocess.Popen([sys.executable, "-m", "hybrid_jax.cli", "serve", "--model", eight, "--port", str(port),
+                               "--dtype", "float32", "-tp", "8", "--enable-expert-parallel", "--max-num-seqs", "2",
+                               "--max-model-len", "256", "--warmup", "none", "--process-id", str(i)],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              preexec_fn=lambda c=cores[i % len(cores)]: os.sched_setaffinity(0, {c}),
+                              env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), **env)) for i in range(2)]
+    try:
+        url = f"http://127.0.0.1:{port}"
+        _wait_ready(procs[0], url, 600)
+        body = {"model": eight, "prompt": [int(t) for t in TOKENS.split(",")], "max_tokens": 8, "temperature": 0,
+                "ignore_eos": True, "logprobs": 0}
+        got = [httpx.post(url + "/v1/completions", json=body, timeout=600).json() for _ in range(2)]
+        assert [g["choices"][0]["logprobs"]["token_ids"] for g in got] == [want, want]
+        procs[0].send_signal(signal.SIGTERM)
+        assert [p.wait(300) for p in procs] == [0, 0]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
 
 
 def test_a_layout_that_leaves_devices_out_fails_in_every_process(eight):
