@@ -224,6 +224,10 @@ def _generate(args) -> int:
     prompt = {"prompt_token_ids": _parse_tokens(args.tokens)} if args.tokens is not None else args.prompt
     sp = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                         top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos)
+    read = getattr(llm, "checkpoint_read", None)
+    if read is not None:
+        print(f"hybrid-jax: this process read {read['bytes_read'] / 2**20:.1f} MiB of the checkpoint's "
+              f"{read['checkpoint_bytes'] / 2**20:.1f} MiB (its devices' slices)", file=sys.stderr)
     out = llm.generate(prompt, sp)[0].outputs[0]
     print(out.text)
     print(f"[{len(out.token_ids)} tokens, finish_reason={out.finish_reason}] token_ids={out.token_ids}",

@@ -116,6 +116,8 @@ class LLM:
         self._setup(params, max_model_len=max_model_len, max_num_seqs=max_num_seqs, seed=seed, impl=impl,
                     enable_prefix_caching=enable_prefix_caching, kv_cache_dir=kv_cache_dir,
                     engine_config=engine_config, speculative_config=speculative_config, parallel=parallel)
+        if model is not None and self.layout is not None:   # read by parts (weights.on_host): what this process read
+            self.checkpoint_read = {"bytes_read": reader.counter[0], "checkpoint_bytes": reader.total_bytes}
 
     @classmethod
     def from_params(cls, config: ModelConfig, params: dict, *, dtype: str = "auto", tokenizer=None,

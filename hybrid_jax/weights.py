@@ -30,6 +30,9 @@ import numpy as np
 
 from hybrid_jax import quantization as qz
 from hybrid_jax.errors import CheckpointError, ConfigError
+from hybrid_jax.lazy_weights import Lazy, Stored
+from hybrid_jax.lazy_weights import concat as lazy_concat
+from hybrid_jax.lazy_weights import stack as lazy_stack
 
 LARGE_CHECKPOINT_BYTES = 64 << 20    # above this, loading shows a progress bar
 QUANTIZATION_MODES = (None, "fp8")
@@ -122,6 +125,7 @@ class CheckpointReader:
             if missing:
                 raise CheckpointError(f"the index names tensors its shards do not hold, e.g. {missing[:3]}")
         self.total_bytes = sum(os.path.getsize(os.path.join(path, f)) for f in files)
+        self.counter = [0]          # bytes read inside `on_host()` (where tensors are read by parts)
         self.path = path
         self.quant = _read_quant_config(path)
         self.keep_quantized = quantization == "fp8"
@@ -155,7 +159,9 @@ class CheckpointReader:
             if scale_name is not None and a.dtype.kind == "f" and self.quant is not None:
                 raise CheckpointError(f"tensor {name!r} is stored as {a.dtype} but has a scale {scale_name!r}: "
                                       f"only FP8 / FP4 tensors carry one")
-            return a
+            return Stored(a, self.counter) if _ON_HOST.get() else a
+        if _ON_HOST.get():                  # decoded below: read whole
+            self.counter[0] += a.nbytes
         q = self.quant
         if q is None:
             raise CheckpointError(f"tensor {name!r} is stored quantized ({'float8' if fp8 else 'packed int8'}) but "
@@ -220,7 +226,8 @@ def checked_getter(get, has, progress=lambda: None):
     def t(name: str, shape=None) -> np.ndarray:
         if not has(name):
             raise CheckpointError(f"checkpoint lacks tensor {name!r}")
-        a = np.asarray(get(name))
+        a = get(name)
+        a = a if isinstance(a, Lazy) else np.asarray(a)
         if shape is not None and tuple(a.shape) != tuple(shape):
             raise CheckpointError(f"tensor {name!r} has shape {tuple(a.shape)}, expected {tuple(shape)} "
                                   f"from config.json")
@@ -231,8 +238,10 @@ def checked_getter(get, has, progress=lambda: None):
 
 def concat(parts, axis: int = 0) -> np.ndarray:
     """np.concatenate for weight pieces of which some may be QUANTIZED records (the others become
-    records marked as not quantized), for the fused projections of a model's conversion."""
+    records marked as not quantized), for the fused projections of a model's conversion. Host weights
+    read by parts (`on_host`) give one too (`lazy_weights.Concat`)."""
     if any(p.dtype == QUANTIZED for p in parts):
+        parts = [np.asarray(p) for p in parts]
         def rec(p):
             if p.dtype == QUANTIZED:
                 return p
@@ -240,7 +249,16 @@ def concat(parts, axis: int = 0) -> np.ndarray:
             r["v"], r["s"] = p, 0.0
             return r
         parts = [rec(p) for p in parts]
+    if any(isinstance(p, Lazy) for p in parts):
+        return lazy_concat(parts, axis)
     return np.concatenate(parts, axis=axis)
+
+
+def stack(parts, axis: int = 0):
+    """np.stack, or a `lazy_weights.Stack` of host weights read by parts."""
+    if any(isinstance(p, Lazy) for p in parts) and not any(p.dtype == QUANTIZED for p in parts):
+        return lazy_stack(parts, axis)
+    return np.stack([np.asarray(p) for p in parts], axis=axis)
 
 
 def expert_weights(t, has, prefix: str, E: int, I: int, Hd: int, names=("gate_proj", "up_proj", "down_proj")):
@@ -252,8 +270,8 @@ def expert_weights(t, has, prefix: str, E: int, I: int, Hd: int, names=("gate_pr
         return (np.swapaxes(t(prefix + "experts.gate_up_proj", (E, 2 * I, Hd)), 1, 2),
                 np.swapaxes(t(prefix + "experts.down_proj", (E, Hd, I)), 1, 2))
     g, u, d = (f"{prefix}experts.{{}}.{n}.weight" for n in names)
-    gate_up = np.stack([concat([t(g.format(e), (I, Hd)), t(u.format(e), (I, Hd))], 0).T for e in range(E)])
-    return gate_up, np.stack([t(d.format(e), (Hd, I)).T for e in range(E)])
+    gate_up = stack([concat([t(g.format(e), (I, Hd)), t(u.format(e), (I, Hd))], 0).T for e in range(E)])
+    return gate_up, stack([t(d.format(e), (Hd, I)).T for e in range(E)])
 
 
 def dense_mlp_weights(t, prefix: str, I: int, Hd: int):
@@ -282,9 +300,12 @@ def on_host():
 
 
 def _array(a: np.ndarray, dtype):
-    """`a` as a device array of `dtype`, or a host one inside `on_host()` (a view when no cast is needed)."""
+    """`a` as a device array of `dtype`, or a host one inside `on_host()` (a view when no cast is needed;
+    a weight read by parts stays one, cast as each part is read)."""
     import jax.numpy as jnp  # noqa: PLC0415
-    return np.asarray(a, dtype=jnp.dtype(dtype)) if _ON_HOST.get() else jnp.asarray(a, dtype=dtype)
+    if not _ON_HOST.get():
+        return jnp.asarray(a, dtype=dtype)
+    return a.astype(jnp.dtype(dtype)) if isinstance(a, Lazy) else np.asarray(a, dtype=jnp.dtype(dtype))
 
 
 def to_device(a: np.ndarray, dtype):
@@ -292,7 +313,7 @@ def to_device(a: np.ndarray, dtype):
     records are dequantized); a host array inside `on_host()`."""
     if a.dtype == QUANTIZED:
         a = a["v"]
-    return _array(np.asarray(a, dtype=np.float32) if a.dtype.kind != "f" else a, dtype)
+    return _array(np.asarray(a, dtype=np.float32) if a.dtype.kind != "f" else a, dtype)   # ints: read whole
 
 
 def to_device_linear(a: np.ndarray, dtype):
@@ -351,8 +372,9 @@ def fingerprint(config, params, sample: int = 4096) -> str:
         h.update(jax.tree_util.keystr(path).encode())
         h.update(repr((tuple(leaf.shape), str(leaf.dtype))).encode())
         step = max(1, leaf.size // sample)
-        if isinstance(leaf, np.ndarray):        # a host weight (`on_host`): read only the sampled values
-            values = leaf[np.unravel_index(np.arange(0, leaf.size, step)[:sample], leaf.shape)]
+        if isinstance(leaf, (np.ndarray, Lazy)):     # a host weight (`on_host`): read only the sampled values
+            at = np.unravel_index(np.arange(0, leaf.size, step)[:sample], leaf.shape)
+            values = leaf.points(at) if isinstance(leaf, Lazy) else leaf[at]
         else:
             values = leaf.reshape(-1)[::step][:sample]
         h.update(np.asarray(values).tobytes())

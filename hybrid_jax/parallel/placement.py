@@ -26,6 +26,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from hybrid_jax.errors import ConfigError
 from hybrid_jax.layers.linear import ColumnConcat, Fp8Weight
 from hybrid_jax.layers.mlp import interleave_gate_up
+from hybrid_jax.lazy_weights import Lazy
+from hybrid_jax.lazy_weights import concat as lazy_concat
 from hybrid_jax.parallel.config import ParallelConfig
 from hybrid_jax.parallel.rules import partition_spec, rules
 
@@ -111,6 +113,8 @@ class Layout:
         if placed:
             return self._sharding(axes, leaf.shape, f"parameter {name}")
         n = self._gate_up_devices(axes, leaf.shape, name)
+        if n > 1 and isinstance(leaf, Lazy):       # read by parts: the columns re-ordered lazily
+            return lazy_gate_up(leaf, n)
         return interleave_gate_up(leaf, n) if n > 1 and isinstance(leaf, (jax.Array, np.ndarray)) else leaf
 
     def _gate_up_devices(self, axes: tuple, shape, name: str) -> int:
@@ -163,8 +167,28 @@ class Layout:
         return jax.lax.with_sharding_constraint(cache, self.cache_shardings(cache))
 
     def put(self, tree, shardings):
-        """tree on the mesh. A host (numpy) leaf goes to each device as that device's slice only."""
-        return jax.device_put(tree, shardings)
+        """tree on the mesh. A host leaf goes to each device as that device's slice only; one read by
+        parts (`lazy_weights.Lazy`) reads only those slices, each once."""
+        def one(x, sharding):
+            if not isinstance(x, Lazy):
+                return jax.device_put(x, sharding)
+            parts = {}
+
+            def part(index):
+                key = tuple((s.start, s.stop) for s in index)
+                if key not in parts:
+                    parts[key] = x.read(index)
+                return parts[key]
+            return jax.make_array_from_callback(x.shape, sharding, part)
+        return jax.tree.map(one, tree, shardings, is_leaf=lambda x: isinstance(x, Lazy))
+
+
+def lazy_gate_up(a: Lazy, n: int) -> Lazy:
+    """`layers.mlp.interleave_gate_up` of a weight read by parts, still read by parts: its columns
+    [gate | up] as n device blocks [gate_d | up_d]."""
+    per = a.shape[-1] // 2 // n
+    half = a.shape[-1] // 2
+    return lazy_concat([a[..., lo:lo + per] for d in range(n) for lo in (d * per, half + d * per)], -1)
 
 
 def entry_copies(logical, placed) -> tuple[tuple[str, str, int, int], ...]:

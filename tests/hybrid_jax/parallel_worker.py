@@ -66,16 +66,19 @@ def decode_collectives(path: str, kw: dict) -> list:
 
 def placed_from(build) -> tuple[object, dict]:
     """build()'s result and the bytes of the parameters it placed on the mesh by where they came from:
-    host arrays (each device receives its slice) or arrays already on one device."""
+    weights read from the file by parts (each device's slice read alone), host arrays (each device
+    receives its slice), or arrays already on one device."""
     import numpy as np  # noqa: PLC0415
 
+    from hybrid_jax.lazy_weights import Lazy  # noqa: PLC0415
     from hybrid_jax.parallel import Layout  # noqa: PLC0415
-    seen = {"host": 0, "device": 0}
+    seen = {"by_parts": 0, "host": 0, "device": 0}
     put = Layout.put
 
     def spy(self, tree, shardings):
-        for leaf in jax.tree_util.tree_leaves(tree):
-            seen["host" if isinstance(leaf, np.ndarray) else "device"] += leaf.size * leaf.dtype.itemsize
+        for leaf in jax.tree_util.tree_leaves(tree, is_leaf=lambda x: isinstance(x, Lazy)):
+            kind = "by_parts" if isinstance(leaf, Lazy) else "host" if isinstance(leaf, np.ndarray) else "device"
+            seen[kind] += leaf.size * leaf.dtype.itemsize
         return put(self, tree, shardings)
     Layout.put = spy
     try:

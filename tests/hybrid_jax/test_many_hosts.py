@@ -79,6 +79,9 @@ def test_two_processes_of_four_devices_generate_what_one_device_does(eight):
                                                            "--enable-expert-parallel")
     assert rc0 == 0 and rc1 == 0, (err0[-3000:], err1[-3000:])
     assert _token_ids(err0) == _token_ids(err1) == want and len(want) == 8
+    # each process read its devices' slices of the file: about half of it (norms, router, conv taps whole)
+    read = [re.search(r"read ([\d.]+) MiB of the checkpoint's ([\d.]+) MiB", e).groups() for e in (err0, err1)]
+    assert all(0.4 < float(r) / float(total) < 0.65 for r, total in read), read
     printed = [[x for x in o.splitlines() if not x.startswith("[Gloo]")] for o in (out0, out1)]   # gloo's own
     assert printed == [out.splitlines(), []]       # process 0 prints the text; the others print nothing
 
