@@ -178,14 +178,20 @@ def test_expectation_mismatch_is_a_miss_with_its_reason(tier, change, reason):
     assert tier.stats()["misses_by_reason"] == {reason: 1} and key not in tier
 
 
+# Elements per array of the entries that fill a tier: Orbax's files of one entry vary from write to
+# write (OCDBT writes 10 to 12 files of a few KB), so the arrays must outweigh that by far for "room
+# for two entries but not three" to hold for every write (with 256 elements, the metadata was most
+# of an entry and three small writes sometimes fitted under the cap).
+FILL_N = 1 << 16
+
+
 def _tier_full_with_two(path, k) -> int:
-    """Stores k[0] and k[1] (entries 0 and 1) in a roomy tier at `path`; returns a cap with room for
-    them but not for a third entry. Orbax's files of one entry vary by +-20% from write to write
-    (OCDBT writes 10 to 12 files), so the cap comes from the stored sizes, not from a probe entry."""
+    """Stores k[0] and k[1] (entries 0 and 1 of FILL_N elements) in a roomy tier at `path`; returns a cap
+    with room for them but not for a third entry, from the stored sizes (not from a probe entry)."""
     with DiskTier(path, 10**8, fingerprint=FP) as roomy:
-        assert roomy.put(k[0], *entry(0))
+        assert roomy.put(k[0], *entry(0, FILL_N))
         s0 = roomy.stats()["bytes"]
-        assert roomy.put(k[1], *entry(1))
+        assert roomy.put(k[1], *entry(1, FILL_N))
         s1 = roomy.stats()["bytes"] - s0
     return s0 + s1 + min(s0, s1) * 2 // 3
 
@@ -197,7 +203,7 @@ def test_tiny_cap_evicts_lru_and_refuses_oversized(tmp_path):
         assert k[0] in t and k[1] in t
         time.sleep(0.01)
         assert t.get(k[0])[1] is None                       # k0 is now more recent than k1
-        assert t.put(k[2], *entry(2))
+        assert t.put(k[2], *entry(2, FILL_N))
         assert k[1] not in t and k[0] in t and k[2] in t
         assert t.stats()["evictions"] == 1 and disk_bytes(t) <= cap
         big, big_meta = entry(3, n=cap)                     # raw bytes alone exceed the cap
@@ -221,10 +227,10 @@ def test_lru_follows_access_order_under_a_bad_wall_clock(tmp_path, monkeypatch, 
     cap = _tier_full_with_two(tmp_path / "kv", k)
     with DiskTier(tmp_path / "kv", cap, fingerprint=FP) as t:
         assert t.get(k[0])[1] is None                       # k1 is now the least recently used
-        assert t.put(k[2], *entry(2))
+        assert t.put(k[2], *entry(2, FILL_N))
         assert k[1] not in t and k[0] in t and k[2] in t
         assert t.get(k[2])[1] is None and t.get(k[0])[1] is None
-        assert t.put(k[1], *entry(1))                       # k2 is now the least recently used
+        assert t.put(k[1], *entry(1, FILL_N))                       # k2 is now the least recently used
         assert k[2] not in t and k[0] in t and k[1] in t
 
 
