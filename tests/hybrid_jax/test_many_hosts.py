@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -31,9 +32,14 @@ def _generate(ckpt, *extra, env=None, core=None):
     """Starts `hybrid-jax generate` (greedy, 8 tokens of TOKENS) on `core`; returns the Popen."""
     cmd = [sys.executable, "-m", "hybrid_jax.cli", "generate", "--model", ckpt, "--tokens", TOKENS, "--max-tokens",
            "8", "--temperature", "0", "--ignore-eos", "--dtype", "float32", *extra]
-    pre = (lambda: os.sched_setaffinity(0, {core})) if core is not None else None
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=pre,
+    return subprocess.Popen(_on_core(cmd, core), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), **(env or {})))
+
+
+def _on_core(cmd: list, core) -> list:
+    """cmd run on one core (taskset; a preexec_fn would fork this multithreaded process unsafely), so
+    the two processes of a test do not take the other pytest worker's core as well."""
+    return ["taskset", "-c", str(core), *cmd] if core is not None and shutil.which("taskset") else cmd
 
 
 def _token_ids(stderr: str) -> list[int]:
@@ -94,11 +100,11 @@ def test_two_processes_serve_what_one_device_generates(eight):
     want = _token_ids(err)
     env, port = _hosts_env(), _port()
     cores = sorted(os.sched_getaffinity(0))
-    procs = [subprocess.Popen([sys.executable, "-m", "hybrid_jax.cli", "serve", "--model", eight, "--port", str(port),
-                               "--dtype", "float32", "-tp", "8", "--enable-expert-parallel", "--max-num-seqs", "2",
-                               "--max-model-len", "256", "--warmup", "none", "--process-id", str(i)],
+    procs = [subprocess.Popen(_on_core([sys.executable, "-m", "hybrid_jax.cli", "serve", "--model", eight, "--port",
+                                        str(port), "--dtype", "float32", "-tp", "8", "--enable-expert-parallel",
+                                        "--max-num-seqs", "2", "--max-model-len", "256", "--warmup", "none",
+                                        "--process-id", str(i)], cores[i % len(cores)]),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              preexec_fn=lambda c=cores[i % len(cores)]: os.sched_setaffinity(0, {c}),
                               env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), **env)) for i in range(2)]
     try:
         url = f"http://127.0.0.1:{port}"
