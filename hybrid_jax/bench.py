@@ -135,12 +135,42 @@ def summarize(results: list[RequestResult], seconds: float) -> dict:
             "ttft_ms": pct(ttft), "itl_ms": pct(itl)}
 
 
+def step_figures(before: dict, after: dict, seconds: float) -> dict:
+    """Device-busy fraction and host ms per step between two readings {"steps", "host_s", "device_s"} of
+    the engine's step totals (`EngineMetrics.note_step`) taken around a run of `seconds`."""
+    steps = after["steps"] - before["steps"]
+    return {"steps": steps, "device_busy": (after["device_s"] - before["device_s"]) / seconds,
+            "host_ms_per_step": 1e3 * (after["host_s"] - before["host_s"]) / max(steps, 1)}
+
+
+def engine_totals(metrics) -> dict:
+    return {"steps": metrics.steps, "host_s": metrics.host_seconds, "device_s": metrics.device_seconds}
+
+
+def scraped_totals(url: str, headers: dict) -> dict:
+    """The same totals from a server's /metrics."""
+    import httpx  # noqa: PLC0415
+    text = httpx.get(url + "/metrics", headers=headers, timeout=30).text
+    val = {}
+    for line in text.splitlines():
+        name, _, v = line.partition(" ")
+        if name in ("hybrid_jax_step_host_seconds_count", "hybrid_jax_step_host_seconds_sum",
+                    "hybrid_jax_device_busy_seconds_total"):
+            val[name] = float(v)
+    return {"steps": int(val.get("hybrid_jax_step_host_seconds_count", 0)),
+            "host_s": val.get("hybrid_jax_step_host_seconds_sum", 0.0),
+            "device_s": val.get("hybrid_jax_device_busy_seconds_total", 0.0)}
+
+
 def print_summary(s: dict):
     print(f"requests {s['requests']} in {s['seconds']:.2f} s: {s['throughput_tok_s']:.1f} output tok/s, "
           f"{s['requests_s']:.2f} req/s")
     for k in ("ttft_ms", "itl_ms"):
         v = s[k]
         print(f"  {k[:-3].upper():5} ms  p50 {v['p50']:8.2f}  p90 {v['p90']:8.2f}  p99 {v['p99']:8.2f}")
+    if "device_busy" in s:
+        print(f"  device busy {100 * s['device_busy']:.0f}% of the run; host {s['host_ms_per_step']:.2f} ms per step "
+              f"({s['steps']} steps)")
 
 
 def main(args, engine_config) -> int:
@@ -152,7 +182,9 @@ def main(args, engine_config) -> int:
         card = httpx.get(args.url.rstrip("/") + "/v1/models", headers=headers, timeout=30).json()["data"][0]
         vocab = int(card.get("vocab_size", 256))      # token ids the server's model accepts
         wl = make_workload(args.num_requests, vocab=vocab, **wl_kw)
+        before = scraped_totals(args.url.rstrip("/"), headers)
         results, secs = asyncio.run(run_load(wl, args.concurrency, url=args.url.rstrip("/"), api_key=args.api_key))
+        steps = step_figures(before, scraped_totals(args.url.rstrip("/"), headers), secs)
     else:
         from hybrid_jax import LLM  # noqa: PLC0415
         from hybrid_jax.engine import LLMEngine  # noqa: PLC0415
@@ -164,10 +196,12 @@ def main(args, engine_config) -> int:
         ae = AsyncEngine(engine)
         ae.start()
         wl = make_workload(args.num_requests, vocab=llm.config.vocab_size, **wl_kw)
+        before = engine_totals(engine.metrics)
         try:
             results, secs = asyncio.run(run_load(wl, args.concurrency, engine=ae))
         finally:
             ae.shutdown()
+        steps = step_figures(before, engine_totals(engine.metrics), secs)
         print(f"compiled programs: {engine.runner.num_compiled()} (after warm-up: see warmup)")
-    print_summary(summarize(results, secs))
+    print_summary({**summarize(results, secs), **steps})
     return 0

@@ -339,6 +339,7 @@ class LLMEngine:
         output with finish_reason "error"); any other failure resets the step state (`_recover`)
         and the requests go on. Nothing a request sends makes this raise."""
         self._planned: list[Request] = []
+        t0, d0 = time.perf_counter(), self.runner.device_seconds
         try:
             return self._step()
         except RequestFailed as e:
@@ -348,6 +349,9 @@ class LLMEngine:
             return [self._fail(req, str(e))] if req is not None else []
         except Exception as e:  # noqa: BLE001  (no client input reaches here unchecked: recover, keep serving)
             return self._recover(e)
+        finally:
+            if self._planned:           # a step ran: its host time is its wall time less the device wait
+                self.metrics.note_step(time.perf_counter() - t0, self.runner.device_seconds - d0)
 
     def _recover(self, exc: BaseException) -> list[RequestOutput]:
         """A step failed and no single request can be blamed: the pools may have been consumed by

@@ -47,6 +47,11 @@ class EngineMetrics:
                               " token) / (output tokens - 1)", buckets=_LAT, registry=r)
         self.step_seconds = Histogram(p + "step_seconds", "Device time of one engine step", buckets=_LAT,
                                       registry=r)
+        self.step_host_seconds = Histogram(p + "step_host_seconds", "Host time of one engine step: scheduling, "
+                                           "building its inputs, reading and appending its tokens (its wall time less "
+                                           "the wait for the device)", buckets=_LAT, registry=r)
+        self.device_busy_seconds = Counter(p + "device_busy_seconds", "Time the engine waited for the device to finish "
+                                           "a step (the device busy while the host had nothing to do)", registry=r)
         self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens prefilled", registry=r)
         self.generation_tokens = Counter(p + "generation_tokens", "Tokens generated", registry=r)
         self.finished = Counter(p + "requests_finished", "Requests finished (stop or length)", registry=r)
@@ -81,6 +86,8 @@ class EngineMetrics:
                   self.sparse_hit_rate, self.spec_acceptance):
             g.set(float("nan"))
         self._recent: collections.deque = collections.deque()
+        self._busy: collections.deque = collections.deque()      # (time, device seconds) of recent steps
+        self.steps, self.host_seconds, self.device_seconds = 0, 0.0, 0.0   # totals of `note_step`
         self._lock = threading.Lock()
         self._live = None            # () -> dict of present figures (bound by the engine / server)
         r.register(_Live(self._collect_live))
@@ -98,6 +105,24 @@ class EngineMetrics:
         n = len(req.output_ids)
         if n > 1 and req.first_token_time is not None:
             self.tpot.observe((now - req.first_token_time) / (n - 1))
+
+    def note_step(self, wall: float, device: float):
+        """One engine step: `wall` seconds in all, `device` of them waiting for the device."""
+        self.step_host_seconds.observe(max(wall - device, 0.0))
+        self.device_busy_seconds.inc(device)
+        self.steps += 1
+        self.host_seconds += max(wall - device, 0.0)
+        self.device_seconds += device
+        with self._lock:
+            self._busy.append((time.monotonic(), device))
+
+    def device_busy(self, window: float = THROUGHPUT_WINDOW_S) -> float:
+        """Share of the last `window` seconds the device spent running steps (0 when idle)."""
+        now = time.monotonic()
+        with self._lock:
+            while self._busy and self._busy[0][0] < now - window:
+                self._busy.popleft()
+            return min(sum(d for _, d in self._busy) / window, 1.0)
 
     def throughput(self, window: float = THROUGHPUT_WINDOW_S) -> float:
         """Output tokens per second over the last `window` seconds (0 when idle)."""
@@ -124,6 +149,8 @@ class EngineMetrics:
                               f"Output tokens per second over the last {THROUGHPUT_WINDOW_S:g} s",
                               value=self.throughput()),
         ]
+        out.append(GaugeMetricFamily(P + "device_busy_ratio", f"Share of the last {THROUGHPUT_WINDOW_S:g} s the "
+                                     "device spent running engine steps", value=self.device_busy()))
         out.append(GaugeMetricFamily(P + "compiled_programs", "Programs compiled so far (steps, copies, prefix "
                                      "store)", value=v.get("compiled", 0)))
         usage = v.get("cache_usage", {})

@@ -20,6 +20,7 @@ the set of programs is finite and `warmup` can compile all of them before the fi
 """
 from __future__ import annotations
 
+import time
 
 import jax
 import jax.numpy as jnp
@@ -120,6 +121,15 @@ class ModelRunner:
         # (self.mtp), dcache holds the MTP state instead and dparams stays None.
         self.dcfg = self.dparams = self.dmodel = self.dcache = None
         self.mtp = False
+        self.device_seconds = 0.0      # time spent waiting for step results (`_wait`)
+
+    def _wait(self, *outs):
+        """Blocks until a step's results are ready, adding the wait to `device_seconds`: the host waits
+        right after dispatching a step, so the wait is the part of the step the device runs while the
+        host has nothing to do (the device-busy figure of `LLMEngine.step`)."""
+        t = time.perf_counter()
+        jax.block_until_ready(outs)
+        self.device_seconds += time.perf_counter() - t
 
     def _new_pools(self):
         """Fresh, empty pools; on a mesh, created in place by each device (its part only: no device ever
@@ -384,6 +394,7 @@ class ModelRunner:
         n_acc, out, self.cache, self.dcache = self._verify(
             self.params, self.cache, self._rows(reqs, Bb), tokens, meta, self.dparams,
             self.dcache, flags=self._flags(reqs), replay=replay)
+        self._wait(n_acc, out)
         return np.asarray(n_acc)[:n], np.asarray(out)[:n]
 
     def _loop_fn(self, params, cache, r, hist, first, rows, tune, stop_ids, *, lc):
@@ -423,6 +434,7 @@ class ModelRunner:
         tune = np.asarray([spec.draft_cost, spec.ewma_decay], np.float32)
         out, n_out, log, branch, self.cache = self._loop(self.params, self.cache, self._rows(reqs, Bb), hist, first,
                                                          rows, tune, self._stop_ids(reqs, Bb, eos_ids), lc=lc)
+        self._wait(out, n_out, log, branch)
         out, n_out = np.asarray(out)[:n], np.asarray(n_out)[:n]
         toks = np.where(np.arange(out.shape[1] - 1)[None] < (n_out - 1)[:, None], out[:, 1:], -1)
         return toks, np.asarray(log)[:, :, :n], np.asarray(branch)
@@ -506,6 +518,7 @@ class ModelRunner:
             tok, lps, self.cache, self.dcache = self._mixed(
                 self.params, self.cache, r, reset, tokens, n_new,
                 do_sample, self.dparams, self.dcache, flags=self._flags(reqs), top_n=top_n)
+        self._wait(tok, lps)
         tok = np.asarray(tok)[:n]
         c, v, i = (np.asarray(a)[:n] for a in lps)
         return tok[:, None], (c[:, None], v[:, None], i[:, None])
@@ -528,6 +541,7 @@ class ModelRunner:
             self.params, self.cache, self._rows(reqs, Bb), last, active, stop_ids,
             remaining, self.dparams, self.dcache, steps=steps, flags=self._flags(reqs),
             top_n=self._top_n(reqs))
+        self._wait(out, lps)
         return np.asarray(out)[:n], tuple(np.asarray(a)[:n] for a in lps)
 
     # --- warm-up -----------------------------------------------------------------------------------

@@ -204,3 +204,22 @@ def test_mixed_steps_are_ragged_and_equal_the_padded_path(llm):
     b = [o.token_ids for o in padded.generate([{"prompt_token_ids": p} for p in prompts], sp)]
     assert a == b == [greedy_reference(llm, p, 10) for p in prompts]
     assert ragged.runner._ragged._cache_size() > 0 and padded.runner._ragged._cache_size() == 0
+
+
+def test_each_step_splits_into_device_wait_and_host_time(shared):
+    """Every step that ran is counted, its wall time split into the wait for the device and the host's
+    part; the split adds up to no more than the steps' wall time, and /metrics carries both."""
+    import time  # noqa: PLC0415
+    m = shared.metrics
+    steps, host, dev = m.steps, m.host_seconds, m.device_seconds
+    t0 = time.perf_counter()
+    shared.generate([{"prompt_token_ids": p} for p in _prompts(3, seed=4)],
+                    SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    wall = time.perf_counter() - t0
+    ran = m.steps - steps
+    assert ran >= 3                                      # prefill chunks and decode steps
+    assert m.device_seconds > dev and m.host_seconds > host
+    assert (m.device_seconds - dev) + (m.host_seconds - host) <= wall
+    text = m.render().decode()
+    count = next(float(x.split()[1]) for x in text.splitlines() if x.startswith("hybrid_jax_step_host_seconds_count"))
+    assert count == m.steps and "hybrid_jax_device_busy_ratio" in text and 0 < m.device_busy() <= 1

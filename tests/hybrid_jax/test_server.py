@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -212,7 +213,8 @@ def test_metrics_exposes_the_promised_series(server):
     for name in ("time_to_first_token_seconds_bucket", "inter_token_latency_seconds_bucket",
                  "generation_throughput_tokens_per_second", "num_requests_waiting", "num_requests_running",
                  "prefix_cache_hit_rate", "prefix_cache_validation_pass_rate", "prefix_cache_effective_reuse",
-                 "sparse_attention_hit_rate", "spec_decode_acceptance_rate"):
+                 "sparse_attention_hit_rate", "spec_decode_acceptance_rate", "device_busy_ratio",
+                 "device_busy_seconds_total", "step_host_seconds_count"):
         assert "hybrid_jax_" + name in text, name
 
 
@@ -222,6 +224,9 @@ def test_bench_cli_against_the_server(server, capsys):
                  "--prompt-len", "4:20", "--output-len", "2:6"]) == 0
     out = capsys.readouterr().out
     assert "requests 6 in" in out and "TTFT" in out and "ITL" in out
+    busy, host, steps = re.search(r"device busy (\d+)% of the run; host ([\d.]+) ms per step \((\d+) steps\)",
+                                  out).groups()
+    assert 0 < int(busy) <= 100 and float(host) > 0 and int(steps) >= 6
 
 
 def test_unknown_routes_and_methods_get_the_openai_error_shape(server):
