@@ -14,6 +14,7 @@ with a `quantization_config` (see `quantization.py`) is decoded here:
                        model's conversion re-lays them like any array, and `to_device_linear` keeps
                        the weights that layers multiply through `layers.linear` in FP8 on the device
                        with their block scales (~1 byte per weight).
+Inside `on_host()` (a model split over a mesh) tensors are read by parts: see `lazy_weights`.
 A tensor stored quantized without its scale, with a scale of the wrong shape, or quantized where
 `modules_to_not_convert` says it is not, is a CheckpointError naming the tensor.
 """
@@ -286,12 +287,12 @@ _ON_HOST = contextvars.ContextVar("weights_on_host", default=False)
 
 @contextlib.contextmanager
 def on_host():
-    """Within it, `to_device` and `to_device_linear` give host (numpy) arrays in the run dtype instead
-    of arrays on the default device: a model split over a mesh is converted on the host and each
-    device then receives only its part of each weight (`parallel.Layout.put`), so no device ever
-    holds a whole split weight, let alone the model. A weight the conversion only re-views (a stored
-    tensor transposed or reshaped, already in the run dtype) stays a view of the memory-mapped file,
-    and placing it reads only the slices the devices own."""
+    """Within it, the reader gives stored tensors as `lazy_weights.Stored` (nothing read), `concat` /
+    `stack` and the re-layouts keep them lazy, and `to_device` / `to_device_linear` give host weights in
+    the run dtype instead of arrays on the default device: a model split over a mesh is converted
+    without reading it, and `parallel.Layout.put` reads each device's slice alone, so neither a device
+    nor the host holds the model and each process reads only its devices' part. What a conversion does
+    beyond the lazy re-layouts (and FP8 weights kept on the device) reads that weight whole."""
     token = _ON_HOST.set(True)
     try:
         yield

@@ -8,8 +8,8 @@ import logging
 import threading
 
 from hybrid_jax.engine import EngineConfig, LLMEngine
-from hybrid_jax.errors import ConfigError
 from hybrid_jax.engine.async_engine import AsyncEngine
+from hybrid_jax.errors import ConfigError
 from hybrid_jax.server import lifecycle
 from hybrid_jax.server.app import ServerConfig, ServerState, build_app
 
