@@ -186,16 +186,13 @@ def main(args, engine_config) -> int:
         results, secs = asyncio.run(run_load(wl, args.concurrency, url=args.url.rstrip("/"), api_key=args.api_key))
         steps = step_figures(before, scraped_totals(args.url.rstrip("/"), headers), secs)
     else:
-        from hybrid_jax import LLM  # noqa: PLC0415
-        from hybrid_jax.engine import LLMEngine  # noqa: PLC0415
-        from hybrid_jax.engine.async_engine import AsyncEngine  # noqa: PLC0415
         from hybrid_jax.cli import parallel_options  # noqa: PLC0415
-        llm = LLM(model=args.model, dtype=args.dtype, **parallel_options(args))
-        engine = LLMEngine(llm, engine_config)
-        engine.warmup()
+        from hybrid_jax.engine.async_engine import AsyncEngine  # noqa: PLC0415
+        from hybrid_jax.engine.build import build_engine  # noqa: PLC0415
+        engine = build_engine(args.model, args.dtype, engine_config, parallel_options(args))
         ae = AsyncEngine(engine)
         ae.start()
-        wl = make_workload(args.num_requests, vocab=llm.config.vocab_size, **wl_kw)
+        wl = make_workload(args.num_requests, vocab=engine.llm.config.vocab_size, **wl_kw)
         before = engine_totals(engine.metrics)
         try:
             results, secs = asyncio.run(run_load(wl, args.concurrency, engine=ae))

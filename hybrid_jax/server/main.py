@@ -9,6 +9,7 @@ import threading
 
 from hybrid_jax.engine import EngineConfig, LLMEngine
 from hybrid_jax.engine.async_engine import AsyncEngine
+from hybrid_jax.engine.build import build_engine
 from hybrid_jax.errors import ConfigError
 from hybrid_jax.server import lifecycle
 from hybrid_jax.server.app import ServerConfig, ServerState, build_app
@@ -27,20 +28,12 @@ def ready_note(engine: LLMEngine) -> str:
     return f"ok: warm-up {mode}: {WARMUP_NOTES[mode]} ({engine.num_compiled()} programs)"
 
 
-def _engine(model: str | None, dtype: str, engine_config: EngineConfig, parallel: dict | None) -> LLMEngine:
-    from hybrid_jax import LLM  # noqa: PLC0415
-    llm = LLM(model=model, dtype=dtype, max_model_len=None, **(parallel or {}))
-    engine = LLMEngine(llm, engine_config)
-    engine.warmup()
-    return engine
-
-
 def load_engine(state: ServerState, model: str | None, dtype: str, engine_config: EngineConfig, stop=None,
                 parallel: dict | None = None, mirror=None):
     """Loads the model (parallel: LLM's layout keywords, tensor_parallel_size ...) and starts the engine
     (mirror: several processes, `parallel.hosts.Mirror`)."""
     try:
-        engine = _engine(model, dtype, engine_config, parallel)
+        engine = build_engine(model, dtype, engine_config, parallel)
         ae = AsyncEngine(engine, mirror)
         ae.start()
         state.ready_note = ready_note(engine)
@@ -71,7 +64,7 @@ def serve(*, model: str | None, host: str, port: int, dtype: str, engine_config:
                               "make the processes' steps differ)")
         if jax.process_index() != 0:
             log.info("process %d: following process 0's engine", jax.process_index())
-            hosts.follow(_engine(model, dtype, engine_config, parallel))
+            hosts.follow(build_engine(model, dtype, engine_config, parallel))
             return 0
         mirror = hosts.Mirror()
     state = ServerState(server_config)
