@@ -28,7 +28,7 @@ from hybrid_jax.errors import ConfigError, InputError
 from hybrid_jax.generate import Generator
 from hybrid_jax.models import get_model
 from hybrid_jax.parallel.config import ParallelConfig
-from hybrid_jax.parallel.placement import make_layout
+from hybrid_jax.parallel.placement import Layout, make_layout
 from hybrid_jax.sampling import SamplingParams
 from hybrid_jax.tokenizer import ByteTokenizer, load_tokenizer
 from hybrid_jax.weights import LARGE_CHECKPOINT_BYTES, fingerprint, on_host, open_checkpoint
@@ -78,6 +78,7 @@ class LLM:
                  speculative_config: dict | None = None, quantization: str | None = None,
                  tensor_parallel_size: int = 1, data_parallel_size: int = 1, enable_expert_parallel: bool = False):
         parallel = ParallelConfig(tensor_parallel_size, data_parallel_size, enable_expert_parallel)
+        layout = None
         if model is None:
             if quantization is not None:
                 raise ConfigError("quantization applies to a checkpoint's quantized weights; the embedded default "
@@ -85,6 +86,7 @@ class LLM:
             self.config = default_config()
             self.model_name = DEFAULT_MODEL_NAME
             self.dtype = _resolve_dtype(dtype, self.config)
+            layout = make_layout(parallel, self.config, get_model(self.config.model_type))
             params = get_model(self.config.model_type).init_params(self.config, seed=DEFAULT_SEED, dtype=self.dtype)
             self.tokenizer = ByteTokenizer()
         else:
@@ -113,9 +115,9 @@ class LLM:
                 self.tokenizer = ByteTokenizer()
             else:
                 self.tokenizer = load_tokenizer(tokenizer or model)
-        self._setup(params, max_model_len=max_model_len, max_num_seqs=max_num_seqs, seed=seed, impl=impl,
+        self._setup(params, layout, max_model_len=max_model_len, max_num_seqs=max_num_seqs, seed=seed, impl=impl,
                     enable_prefix_caching=enable_prefix_caching, kv_cache_dir=kv_cache_dir,
-                    engine_config=engine_config, speculative_config=speculative_config, parallel=parallel)
+                    engine_config=engine_config, speculative_config=speculative_config)
         if model is not None and self.layout is not None:   # read by parts (weights.on_host): what this process read
             self.checkpoint_read = {"bytes_read": reader.counter[0], "checkpoint_bytes": reader.total_bytes}
 
@@ -128,20 +130,20 @@ class LLM:
         llm = cls.__new__(cls)
         llm.config, llm.model_name, llm.tokenizer = config, name, tokenizer
         llm.dtype = _resolve_dtype(dtype, config)
-        llm._setup(params, **kw)
+        parallel = ParallelConfig(kw.pop("tensor_parallel_size", 1), kw.pop("data_parallel_size", 1),
+                                  kw.pop("enable_expert_parallel", False))
+        llm._setup(params, make_layout(parallel, config, get_model(config.model_type)), **kw)
         return llm
 
-    def _setup(self, params, *, max_model_len: int | None = None, max_num_seqs: int = 16, seed: int = 0,
+    def _setup(self, params, layout: Layout | None, *, max_model_len: int | None = None, max_num_seqs: int = 16, seed: int = 0,
                impl: str = "auto", enable_prefix_caching: bool = False, kv_cache_dir: str | None = None,
-               engine_config: dict | None = None, speculative_config: dict | None = None,
-               parallel: ParallelConfig | None = None, tensor_parallel_size: int = 1, data_parallel_size: int = 1,
-               enable_expert_parallel: bool = False):
+               engine_config: dict | None = None, speculative_config: dict | None = None):
+        """The rest of construction, from parameters in this project's layout; `layout`: make_layout's
+        result for this model (None: one device), built before any weight was read."""
         if max_num_seqs <= 0:
             raise InputError(f"max_num_seqs must be positive; got {max_num_seqs}")
-        if parallel is None:
-            parallel = ParallelConfig(tensor_parallel_size, data_parallel_size, enable_expert_parallel)
         family = get_model(self.config.model_type)
-        self.layout = make_layout(parallel, self.config, family)
+        self.layout = layout
         self._fingerprint: str | None = None
         if self.layout is not None:       # every parameter onto its shards (hybrid_jax.parallel)
             # of the weights as loaded: a layout re-lays some (gate | up per device), and a cached prefix
