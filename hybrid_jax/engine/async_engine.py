@@ -143,9 +143,8 @@ class AsyncEngine:
             except Exception as e:  # noqa: BLE001  (step() isolates failures itself: this is a last resort)
                 self.error = e
                 log.exception("engine step raised; failing every request it held and going on")
-                for rid in list(self.engine.requests):
+                for rid in self.engine.abort_all():
                     self._deliver(rid, EngineRequestError(f"request {rid!r}: engine step failed: {e}"))
-                    self.engine.abort_request(rid)
                 continue
             for o in outs:
                 self._deliver(o.request_id, o)

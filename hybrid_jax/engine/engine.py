@@ -151,6 +151,14 @@ class LLMEngine:
             self._drop(req, "abort")
             self.metrics.aborted.inc()
 
+    def abort_all(self) -> list[str]:
+        """Aborts every request the engine holds (after a step raised past its own isolation: nothing
+        is known about the state it left); returns their ids."""
+        ids = list(self.requests)
+        for rid in ids:
+            self.abort_request(rid)
+        return ids
+
     def _fail(self, req: Request, message: str) -> RequestOutput:
         """Fails one request (finish_reason "error"); the engine and every other request go on."""
         if not req.finished:

@@ -130,7 +130,6 @@ def follow(engine, mirror: Mirror | None = None):
                 engine.step()
             except Exception as e:  # noqa: BLE001  (process 0 failed the same step and aborts the same)
                 log.error("engine step raised (%s); aborting every request, as process 0 does", e)
-                for rid in list(engine.requests):
-                    engine.abort_request(rid)
+                engine.abort_all()
                 continue
             engine.flush_publishes()
