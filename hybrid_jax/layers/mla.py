@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from cache.mla import write_paged, write_paged_flat
 from hybrid_jax.layers.linear import dequantize, linear
 from hybrid_jax.layers.rope import apply_rope
-from hybrid_jax.parallel.context import constrain, per_device
+from hybrid_jax.parallel.context import MODEL, constrain, per_device, tensor_size
 from pallas_kernels.sparse_attention import (
     indexer_topk,
     indexer_weights,
@@ -61,10 +61,17 @@ def _whole(pool: jax.Array) -> jax.Array:
     return constrain(pool, (None,) * pool.ndim)
 
 
-def _on_every_device(op, *args):
-    """op(*args) (the indexer's Top-K kernel) whole on every device under a layout: its weights and keys
-    are not split, and a Mosaic kernel must run inside shard_map on a mesh."""
-    return per_device(op, (None,) * len(args), None)(*args)
+def _indexer_per_head(op, qi, w, *rest):
+    """op(qi, w, *rest, head_axis=...) (the indexer's Top-K) on each device's indexer heads when the heads
+    are split: qi [..., Hi, Di] and w [..., Hi] split by heads, the keys and tables whole; the op sums the
+    devices' partial scores over the tensor axis before it selects, so every device gets the same
+    indices (the global Top-K)."""
+    split = tensor_size() > 1
+    h = qi.ndim - 2
+    q_axes = tuple("heads" if d == h else None for d in range(qi.ndim))
+    w_axes = tuple("heads" if d == h else None for d in range(w.ndim))
+    return per_device(lambda *a: op(*a, head_axis=MODEL if split else None),
+                      (q_axes, w_axes) + (None,) * len(rest), None)(qi, w, *rest)
 
 
 def _per_head(op, head_axis: int, q_lat, q_rot, *rest):
@@ -123,17 +130,18 @@ def sparse_attention(p: dict, x, cos, sin, positions, valid, lengths, n_new, lat
     scale = scale or (nope + rope_dim) ** -0.5
     if ragged is None:
         qpos = jnp.where(valid, positions, -1)
-        idx = _on_every_device(lambda *a: indexer_topk(*a[:-1], topk=topk, k_scale=a[-1], impl=impl, layer=layer),
-                               qi, w, ikeys, index_table, qpos, kv_len, iscale)
+        idx = _indexer_per_head(lambda *a, head_axis: indexer_topk(*a[:-1], topk=topk, k_scale=a[-1], impl=impl,
+                                                                   layer=layer, head_axis=head_axis),
+                                qi, w, ikeys, index_table, qpos, kv_len, iscale)
         o_lat = _per_head(lambda ql, qr, la, ro, tb, ix, kl: sparse_mla_attention(
             ql, qr, la, ro, tb, ix, kl, layer=layer, scale=scale, impl=impl),
             2, q_lat, q_rot, lat, rope, page_table, idx, kv_len)                                 # [B, T, H, R] f32
         hit = sparse_hit_rate(idx, page_table, page_resident, lat.shape[-2], kv_len)
     else:
         cu = ragged.cu_seqlens
-        idx = _on_every_device(lambda *a: indexer_topk_ragged(*a[:-1], topk=topk, k_scale=a[-1], impl=impl,
-                                                              layer=layer), qi[0], w[0], ikeys, index_table, cu, kv_len,
-                               iscale)
+        idx = _indexer_per_head(lambda *a, head_axis: indexer_topk_ragged(
+            *a[:-1], topk=topk, k_scale=a[-1], impl=impl, layer=layer, head_axis=head_axis),
+            qi[0], w[0], ikeys, index_table, cu, kv_len, iscale)
         o_lat = _per_head(lambda ql, qr, la, ro, tb, c, ix, kl: sparse_mla_attention_ragged(
             ql, qr, la, ro, tb, c, ix, kl, scale=scale, impl=impl, layer=layer),
             1, q_lat[0], q_rot[0], lat, rope, page_table, cu, idx, kv_len)[None]

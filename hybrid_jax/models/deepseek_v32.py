@@ -354,10 +354,12 @@ def _convert_layer(cfg: DeepseekV32Config, t, has, p: str, moe: bool, dev, lin) 
 
 # Logical axes of every parameter (hybrid_jax.parallel.rules). MLA splits by heads: q_b's columns and
 # w_uk / w_uv / o_proj are head-major; the low-rank down projections (q_a, kv_a) and the latent cache
-# are shared by every head and stay whole. The indexer stays whole on every device: its Top-K is over
-# the sum of all its heads' scores, so each device computes all of them (a few percent of a layer's
-# weights) rather than all-reducing scores of every cached key per query. Experts split whole under
-# expert parallelism, else by their columns; the router and its bias are whole.
+# are shared by every head and stay whole. The indexer splits by its heads too (idx_q's head-major
+# columns, idx_w's per-head weights): each device scores the keys with its heads and the partial scores
+# are all-reduced before the Top-K (one [T, S] all-reduce per layer, instead of every device running
+# all 64 heads: on a long context the indexer's scoring is most of a layer's FLOPs); its key projection
+# and the indexer keys are shared by every head and stay whole. Experts split whole under expert
+# parallelism, else by their columns; the router and its bias are whole.
 PARAM_AXES = {
     "embed": ("vocab", "embed"),
     "lm_head": ("embed", "vocab"),
@@ -370,9 +372,9 @@ PARAM_AXES = {
     "*/attn/w_uv": ("heads", None, None),
     "*/attn/o_proj": ("heads", "embed"),
     "*/attn/o_bias": ("embed",),
-    "*/attn/idx_q": (None, None),
+    "*/attn/idx_q": (None, "heads"),
     "*/attn/idx_k": ("embed", None),
-    "*/attn/idx_w": ("embed", None),
+    "*/attn/idx_w": ("embed", "heads"),
     "*/attn/idx_k_norm_bias": (None,),
     "*/mlp/gate_up": ("embed", "gate_up"),
     "*/mlp/down": ("mlp", "embed"),

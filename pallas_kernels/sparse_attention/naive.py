@@ -19,9 +19,10 @@ def key_positions_allowed(q_positions, kv_lengths, page_table, num_pages: int, p
     return ok & page_valid(page_table, num_pages, page_size)[:, None, :]
 
 
-def index_scores_reference(q, w, k_pages, page_table, q_positions, kv_lengths, k_scale=None):
+def index_scores_reference(q, w, k_pages, page_table, q_positions, kv_lengths, k_scale=None, head_axis=None):
     """q [B, T, H, D], w [B, T, H] (scales folded in), k_pages [P, ps, D], k_scale [P, ps] or None
-    -> scores [B, T, S] f32 with -inf where a key may not be selected (S = NP * ps)."""
+    -> scores [B, T, S] f32 with -inf where a key may not be selected (S = NP * ps). head_axis: the
+    heads are split over that mesh axis (inside shard_map): the partial scores are summed over it."""
     P, ps, D = k_pages.shape
     keys = gather_pages(k_pages, page_table).astype(jnp.float32)                 # [B, S, D]
     if k_scale is not None:
@@ -30,13 +31,16 @@ def index_scores_reference(q, w, k_pages, page_table, q_positions, kv_lengths, k
                    precision=jax.lax.Precision.HIGHEST)                           # [B, T, H, S]
     s = jnp.einsum("bths,bth->bts", jax.nn.relu(s), w.astype(jnp.float32),
                    precision=jax.lax.Precision.HIGHEST)                           # [B, T, S]
+    if head_axis is not None:
+        s = jax.lax.psum(s, head_axis)
     allowed = key_positions_allowed(q_positions, kv_lengths, page_table, P, ps)
     return jnp.where(allowed, s, -jnp.inf)
 
 
-def indexer_topk_reference(q, w, k_pages, page_table, q_positions, kv_lengths, *, topk: int, k_scale=None):
+def indexer_topk_reference(q, w, k_pages, page_table, q_positions, kv_lengths, *, topk: int, k_scale=None,
+                           head_axis=None):
     """-> indices [B, T, topk] int32 logical positions, best first, -1 where fewer keys qualify."""
-    s = index_scores_reference(q, w, k_pages, page_table, q_positions, kv_lengths, k_scale)
+    s = index_scores_reference(q, w, k_pages, page_table, q_positions, kv_lengths, k_scale, head_axis)
     vals, idx = jax.lax.top_k(s, topk)
     return jnp.where(jnp.isfinite(vals), idx, -1).astype(jnp.int32)
 

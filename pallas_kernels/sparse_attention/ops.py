@@ -41,10 +41,14 @@ def indexer_topk(
     k_scale: jax.Array | None = None,   # [P, ps] f32 per-token scale of fp8 keys
     impl: str = "auto",
     layer: int | None = None,
+    head_axis: str | None = None,
 ) -> jax.Array:
     """Indices [B, T, topk] int32 of the topk best keys per query by sum_h w_h relu(q_h . k), -1 padded.
     layer: k_pages [L, P, ps, D] (and k_scale [L, P, ps]) are the layers' stacks and layer `layer` is read
-    (the TPU kernel reads it in place; a slice handed to it would be a copy of the layer's keys)."""
+    (the TPU kernel reads it in place; a slice handed to it would be a copy of the layer's keys).
+    head_axis: called inside shard_map with the heads split over that mesh axis (q and w hold this
+    device's heads): the per-device scores are summed over the axis before any selection, so the
+    Top-K is the global one and every device returns the same indices."""
     stacks = k_pages, k_scale
     if layer is not None:
         k_pages, k_scale = _layer_of(k_pages, layer), _layer_of(k_scale, layer)
@@ -63,16 +67,19 @@ def indexer_topk(
         raise ValueError(f"k_scale must be [P, ps] = {(P, ps)}; got {k_scale.shape}")
     if k_pages.dtype == jnp.float8_e4m3fn and k_scale is None:
         raise ValueError("fp8 indexer keys need their per-token k_scale [P, ps]")
+    if head_axis is not None and not isinstance(head_axis, str):
+        raise ValueError(f"head_axis must be a mesh axis name or None; got {head_axis!r}")
     if not 0 < topk <= NP * ps:
         raise ValueError(f"topk={topk} must be in [1, context capacity {NP * ps}] (page_table has {NP} pages "
                          f"of {ps}); clamp it to the context for short requests")
     def on_args(fn, stacked=False):
         def call(q, w, kp, pt, qp, kl, ks, **be):
             if layer is None:
-                return fn(q, w, kp, pt, qp, kl, topk=topk, k_scale=ks, **be)
+                return fn(q, w, kp, pt, qp, kl, topk=topk, k_scale=ks, head_axis=head_axis, **be)
             if stacked:
-                return fn(q, w, kp, pt, qp, kl, topk=topk, k_scale=ks, layer=layer, **be)
-            return fn(q, w, kp[layer], pt, qp, kl, topk=topk, k_scale=None if ks is None else ks[layer], **be)
+                return fn(q, w, kp, pt, qp, kl, topk=topk, k_scale=ks, layer=layer, head_axis=head_axis, **be)
+            return fn(q, w, kp[layer], pt, qp, kl, topk=topk, k_scale=None if ks is None else ks[layer],
+                      head_axis=head_axis, **be)
         return call
     return dispatch.run(
         "indexer_topk", impl, (q, w, stacks[0], page_table, q_positions, kv_lengths, stacks[1]),

@@ -24,6 +24,12 @@ Backends (both proven by `jax.export` tests):
     table) and a threshold kernel (grid (B, T)) reading the score rows back; Triton programs run
     unordered, so no block can stay resident across pages. H is padded to 16 (zero weights) for
     tl.dot; ps and D must be powers of two.
+
+Heads split over devices (`head_axis`, inside shard_map): each device's scores cover its heads only,
+so the threshold cannot run on them. The TPU path then runs the scoring kernel alone, all-reduces the
+[B, T, S] scores over the axis, and runs a threshold kernel (grid (B, T/tq), a [tq, S] block of the
+summed rows) -- the same search as the fused kernel's last page; the GPU path all-reduces between its
+two kernels.
 """
 from __future__ import annotations
 
@@ -83,16 +89,22 @@ def _kth_largest(load_row_block, n_blocks: int, topk: int):
     return ans ^ jnp.int32(INT_MIN)
 
 
+def _thresholds(s_ref, tau_ref, *, tq, ps, NP, topk):
+    """tau_ref [tq, 1] <- the K-th largest key of each of the tq score rows of s_ref [tq, S]."""
+    for r in range(tq):
+        def load(j, r=r):
+            return s_ref[pl.ds(r, 1), pl.ds(pl.multiple_of(j * ps, ps), ps)]
+        tau_ref[pl.ds(r, 1), :] = _kth_largest(load, NP, topk)
+
+
 def _tpu_kernel(pt_ref, len_ref, qpos_ref,             # SMEM: [B * NP], [B], [B * Tp]
                 q_ref,                                 # [tq, H, D]
                 w_ref,                                 # [tq, H, 1] f32
                 k_ref,                                 # [ps, D]
-                *rest, tq, ps, NP, P, Tp, topk, has_scale):
-    if has_scale:
-        sc_ref, s_ref, tau_ref = rest                  # [1, ps]; [tq, S] f32; [tq, 1] int32
-        scale_row = sc_ref[...].astype(jnp.float32)
-    else:
-        (s_ref, tau_ref), scale_row = rest, None
+                *rest, tq, ps, NP, P, Tp, topk, has_scale, threshold):
+    rest = list(rest)
+    scale_row = rest.pop(0)[...].astype(jnp.float32) if has_scale else None     # [1, ps]
+    s_ref = rest.pop(0)                                                           # [tq, S] f32
     b, i, p = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     page = pt_ref[b * NP + p]
     page_ok = (page >= 0) & (page < P)
@@ -102,12 +114,14 @@ def _tpu_kernel(pt_ref, len_ref, qpos_ref,             # SMEM: [B * NP], [B], [B
         s = _mask(s, p, ps, qpos_ref[b * Tp + i * tq + r], len_ref[b], page_ok)
         s_ref[pl.ds(r, 1), pl.ds(pl.multiple_of(p * ps, ps), ps)] = s
 
-    @pl.when(p == NP - 1)
-    def _():
-        for r in range(tq):
-            def load(j, r=r):
-                return s_ref[pl.ds(r, 1), pl.ds(pl.multiple_of(j * ps, ps), ps)]
-            tau_ref[pl.ds(r, 1), :] = _kth_largest(load, NP, topk)
+    if threshold:                                      # else the scores are summed over devices first
+        @pl.when(p == NP - 1)
+        def _():
+            _thresholds(s_ref, rest[0], tq=tq, ps=ps, NP=NP, topk=topk)      # [tq, 1] int32
+
+
+def _tpu_threshold_kernel(s_ref, tau_ref, *, tq, ps, NP, topk):     # [tq, S] f32 -> [tq, 1] int32
+    _thresholds(s_ref, tau_ref, tq=tq, ps=ps, NP=NP, topk=topk)
 
 
 def _gpu_score_kernel(pt_ref, len_ref, qpos_ref,      # [B, NP], [B, 1], [B, Tp] int32
@@ -133,13 +147,16 @@ def _gpu_threshold_kernel(s_ref, tau_ref, *, ps, NP, topk):     # [1, S] f32 -> 
     tau_ref[...] = _kth_largest(lambda j: s_ref[:, pl.ds(j * ps, ps)], NP, topk)
 
 
-@functools.partial(jax.jit, static_argnames=("topk", "config", "backend", "interpret", "layer"))
+@functools.partial(jax.jit, static_argnames=("topk", "config", "backend", "interpret", "layer", "head_axis"))
 def index_scores_threshold_pallas(q, w, k_pages, page_table, q_positions, kv_lengths, *, topk: int,
                                   k_scale=None, config: IndexerConfig = IndexerConfig(),
-                                  backend: str = "tpu", interpret: bool = False, layer: int | None = None):
+                                  backend: str = "tpu", interpret: bool = False, layer: int | None = None,
+                                  head_axis: str | None = None):
     """q [B, T, H, D], w [B, T, H] f32 (scales folded), k_pages [P, ps, D] (bf16/f32/fp8),
     k_scale [P, ps] | None, page_table [B, NP], q_positions [B, T], kv_lengths [B]
-    -> (scores [B, T, S] f32 (-inf = not selectable), tau [B, T] int32 ordered key of the K-th best)."""
+    -> (scores [B, T, S] f32 (-inf = not selectable), tau [B, T] int32 ordered key of the K-th best).
+    head_axis: inside shard_map with the heads split over that mesh axis, the scoring kernel's partial
+    scores (this device's heads) are summed over it (psum) before the threshold kernel runs on them."""
     if layer is not None and backend != "tpu":
         k_pages, k_scale, layer = k_pages[layer], None if k_scale is None else k_scale[layer], None
     B, T, H, D = q.shape
@@ -172,19 +189,33 @@ def index_scores_threshold_pallas(q, w, k_pages, page_table, q_positions, kv_len
             in_specs.append(pl.BlockSpec((*lead, None, 1, ps), lambda b, i, p, pt_, *_: at(
                 jnp.clip(pt_[b * NP + p], 0, P - 1), 0, 0)))
             args.append(k_scale.astype(jnp.float32).reshape(*k_scale.shape[:-1], 1, ps))
+        fused = head_axis is None              # the threshold in the scoring kernel, on its resident rows
+        score_spec = pl.BlockSpec((None, tq, S), lambda b, i, p, *_: (b, i, 0))
+        tau_spec = pl.BlockSpec((None, tq, 1), lambda b, i, p, *_: (b, i, 0))
+        score_shape = jax.ShapeDtypeStruct((B, Tp, S), jnp.float32)
+        tau_shape = jax.ShapeDtypeStruct((B, Tp, 1), jnp.int32)
         grid_spec = pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=3, grid=(B, Tp // tq, NP), in_specs=in_specs,
-            out_specs=[pl.BlockSpec((None, tq, S), lambda b, i, p, *_: (b, i, 0)),
-                       pl.BlockSpec((None, tq, 1), lambda b, i, p, *_: (b, i, 0))])
-        kernel = functools.partial(_tpu_kernel, tq=tq, ps=ps, NP=NP, P=P, Tp=Tp, topk=topk, has_scale=has_scale)
-        scores, tau = pl.pallas_call(
-            kernel, grid_spec=grid_spec,
-            out_shape=[jax.ShapeDtypeStruct((B, Tp, S), jnp.float32), jax.ShapeDtypeStruct((B, Tp, 1), jnp.int32)],
+            out_specs=[score_spec, tau_spec] if fused else [score_spec])
+        kernel = functools.partial(_tpu_kernel, tq=tq, ps=ps, NP=NP, P=P, Tp=Tp, topk=topk, has_scale=has_scale,
+                                   threshold=fused)
+        outs = pl.pallas_call(
+            kernel, grid_spec=grid_spec, out_shape=[score_shape, tau_shape] if fused else [score_shape],
             compiler_params=compiler_params("tpu", ("parallel", "parallel", "arbitrary")),
-            interpret=interpret, name="dsa_indexer_topk",
+            interpret=interpret, name="dsa_indexer_topk" if fused else "dsa_indexer_scores",
             cost_estimate=_cost(q, jax.ShapeDtypeStruct(k_pages.shape[-3:], k_pages.dtype), k_scale, NP, tq,
-                                threshold=True),
+                                threshold=fused),
         )(pt.reshape(-1), lens, qpos.reshape(-1), *args)
+        if fused:
+            scores, tau = outs
+        else:
+            scores = jax.lax.psum(outs[0], head_axis)
+            tau = pl.pallas_call(
+                functools.partial(_tpu_threshold_kernel, tq=tq, ps=ps, NP=NP, topk=topk), grid=(B, Tp // tq),
+                in_specs=[pl.BlockSpec((None, tq, S), lambda b, i: (b, i, 0))],
+                out_specs=pl.BlockSpec((None, tq, 1), lambda b, i: (b, i, 0)), out_shape=tau_shape,
+                compiler_params=compiler_params("tpu", ("parallel", "parallel")), interpret=interpret,
+                name="dsa_indexer_threshold", cost_estimate=_threshold_cost(B, Tp, S))(scores)
         return scores[:, :T], tau[:, :T, 0]
     # GPU: pad heads to a multiple of 16 (tl.dot) with zero weights; relu(q.k) * 0 adds nothing.
     Hp = max(16, 1 << (H - 1).bit_length())
@@ -209,13 +240,15 @@ def index_scores_threshold_pallas(q, w, k_pages, page_table, q_positions, kv_len
         out_shape=jax.ShapeDtypeStruct((B, Tp, S), jnp.float32),
         compiler_params=compiler_params("gpu", (), config.num_warps), interpret=interpret,
         name="dsa_indexer_scores", cost_estimate=_cost(q, k_pages, k_scale, NP, tq, threshold=False))(*args)
+    if head_axis is not None:
+        scores = jax.lax.psum(scores, head_axis)
     tau = pl.pallas_call(
         functools.partial(_gpu_threshold_kernel, ps=ps, NP=NP, topk=topk), grid=(B, Tp),
         in_specs=[pl.BlockSpec((None, 1, S), lambda b, t: (b, t, 0))],
         out_specs=pl.BlockSpec((None, 1, 1), lambda b, t: (b, t, 0)),
         out_shape=jax.ShapeDtypeStruct((B, Tp, 1), jnp.int32),
         compiler_params=compiler_params("gpu", (), config.num_warps), interpret=interpret,
-        name="dsa_indexer_threshold")(scores)
+        name="dsa_indexer_threshold", cost_estimate=_threshold_cost(B, Tp, S))(scores)
     return scores[:, :T], tau[:, :T, 0]
 
 
@@ -231,6 +264,11 @@ def _cost(q, k_pages, k_scale, NP, tq, *, threshold: bool):
     keys = B * (Tp // tq) * S * per_key
     return cost(n * (2 * H * D + 3 * H + (64 if threshold else 0)), 0, q,
                 extra_bytes=B * Tp * H * 4 + keys + n * 4 + B * Tp * 4)
+
+
+def _threshold_cost(B, Tp, S):
+    """The threshold search alone: 32 counting passes over each f32 score row, read from HBM once."""
+    return cost(B * Tp * S * 64, 0, extra_bytes=B * Tp * S * 4 + B * Tp * 4)
 
 
 def _count_prefix(mask, blk: int = 128):
@@ -270,10 +308,10 @@ def select_from_threshold(scores, tau, topk: int):
 
 def indexer_topk_pallas(q, w, k_pages, page_table, q_positions, kv_lengths, *, topk: int, k_scale=None,
                         config: IndexerConfig = IndexerConfig(), backend: str = "tpu", interpret: bool = False,
-                        layer: int | None = None):
+                        layer: int | None = None, head_axis: str | None = None):
     """Shapes as ops.indexer_topk -> indices [B, T, topk] int32 in position order, -1 padded: the kernel's
-    scores and threshold, then the compaction (XLA)."""
+    scores and threshold, then the compaction (XLA). head_axis: see index_scores_threshold_pallas."""
     scores, tau = index_scores_threshold_pallas(q, w, k_pages, page_table, q_positions, kv_lengths, topk=topk,
                                                 k_scale=k_scale, config=config, backend=backend,
-                                                interpret=interpret, layer=layer)
+                                                interpret=interpret, layer=layer, head_axis=head_axis)
     return select_from_threshold(scores, tau, topk)

@@ -74,16 +74,18 @@ def indexer_topk_ragged(
     max_q_len: int = 1,
     prefill_tile: int = PREFILL_TILE,
     group: int = GROUP,
+    head_axis: str | None = None,
 ) -> jax.Array:
     """`ops.indexer_topk` over a ragged batch -> indices [N, topk] int32 (-1 padded; padding tokens all -1).
-    A token's position is kv_lengths[s] - (its sequence's step tokens) + its index in the step."""
+    A token's position is kv_lengths[s] - (its sequence's step tokens) + its index in the step.
+    head_axis: the heads are split over that mesh axis (see ops.indexer_topk)."""
     if q.ndim != 3 or w.shape != q.shape[:2]:
         raise ValueError(f"q must be [N, H, D] and w [N, H]; got {q.shape}, {w.shape}")
     out = jnp.full((q.shape[0], topk), -1, jnp.int32)
 
     def fn(t, pt, kl, qp):
         return (ops.indexer_topk(t[0], t[1], k_pages, pt, qp, kl, topk=topk, k_scale=k_scale, impl=impl,
-                                 layer=layer),)
+                                 layer=layer, head_axis=head_axis),)
     return _over_tiles(fn, (out,), (q, w), page_table, cu_seqlens, kv_lengths, page_size=k_pages.shape[-2],
                        max_q_len=max_q_len, prefill_tile=prefill_tile, group=group)[0]
 

@@ -22,19 +22,22 @@ class XlaConfig:
     block_q: int = 64          # queries per step of the sparse attention
 
 
-def _scores_block(q, w, keys, pos, q_positions, kv_lengths, valid_page):
+def _scores_block(q, w, keys, pos, q_positions, kv_lengths, valid_page, head_axis):
     # q [B, T, H, D] f32; keys [B, bs, D] f32; pos [bs]; valid_page [B, bs]
     s = jnp.einsum("bthd,bsd->bths", q, keys, precision=jax.lax.Precision.HIGHEST)
     s = jnp.einsum("bths,bth->bts", jax.nn.relu(s), w, precision=jax.lax.Precision.HIGHEST)
+    if head_axis is not None:                   # this device's heads: the other devices' added in
+        s = jax.lax.psum(s, head_axis)
     ok = (pos[None, None, :] <= q_positions[:, :, None]) & (pos[None, None, :] < kv_lengths[:, None, None])
     return jnp.where(ok & valid_page[:, None, :], s, -jnp.inf)
 
 
-@functools.partial(jax.jit, static_argnames=("topk", "config"))
+@functools.partial(jax.jit, static_argnames=("topk", "config", "head_axis"))
 def indexer_topk_xla(q, w, k_pages, page_table, q_positions, kv_lengths, *, topk: int, k_scale=None,
-                     config: XlaConfig = XlaConfig()):
+                     config: XlaConfig = XlaConfig(), head_axis: str | None = None):
     """q [B, T, H, D], w [B, T, H], k_pages [P, ps, D], k_scale [P, ps] | None, page_table [B, NP]
-    -> indices [B, T, topk] int32 (best first, -1 padding)."""
+    -> indices [B, T, topk] int32 (best first, -1 padding). head_axis: inside shard_map with the heads
+    split over that mesh axis, each key block's scores are summed over it before the block is merged."""
     P, ps, D = k_pages.shape
     B, NP = page_table.shape
     T = q.shape[1]
@@ -53,7 +56,7 @@ def indexer_topk_xla(q, w, k_pages, page_table, q_positions, kv_lengths, *, topk
             keys = keys * k_scale[safe][..., None]
         keys = keys.reshape(B, bp * ps, D)
         pos = i * bp * ps + jnp.arange(bp * ps, dtype=jnp.int32)
-        s = _scores_block(qf, wf, keys, pos, q_positions, kv_lengths, jnp.repeat(okp, ps, axis=1))
+        s = _scores_block(qf, wf, keys, pos, q_positions, kv_lengths, jnp.repeat(okp, ps, axis=1), head_axis)
         cand_v = jnp.concatenate([vals, s], axis=-1)
         cand_i = jnp.concatenate([idx, jnp.broadcast_to(pos, s.shape)], axis=-1)
         v, j = jax.lax.top_k(cand_v, topk)

@@ -22,7 +22,7 @@ from hybrid_jax.layers.attention import ragged_read  # noqa: E402
 from hybrid_jax.layers.gated_deltanet import _rule  # noqa: E402
 from hybrid_jax.layers.mlp import routed_experts  # noqa: E402
 from hybrid_jax.parallel import Layout, ParallelConfig, build_mesh  # noqa: E402
-from hybrid_jax.parallel.context import active  # noqa: E402
+from hybrid_jax.parallel.context import active, per_device  # noqa: E402
 
 import pallas_kernels  # noqa: E402
 
@@ -156,7 +156,52 @@ def fp8_cases() -> dict:
     return out
 
 
+def indexer_cases() -> dict:
+    """The DSA indexer's Top-K with its 8 heads split over 4 devices (each scores the keys with its 2
+    heads; the partial scores are all-reduced before the selection), every implementation and the ragged
+    form, against one device: the same selected keys, on every device."""
+    from pallas_kernels.sparse_attention import indexer_topk  # noqa: PLC0415
+    from pallas_kernels.sparse_attention.ragged import indexer_topk_ragged  # noqa: PLC0415
+    from hybrid_jax.parallel.context import MODEL  # noqa: PLC0415
+    B, T, H, D, P, ps, K = 2, 3, 8, 16, 10, 8, 12
+    q, w = rand(B, T, H, D), jax.nn.softmax(rand(B, T, H), axis=-1)
+    keys = rand(P, ps, D)
+    table = jnp.asarray(RNG.permutation(P)[:8].reshape(2, 4), jnp.int32)
+    kv_len = jnp.array([29, 17], jnp.int32)
+    qpos = kv_len[:, None] - T + jnp.arange(T, dtype=jnp.int32)[None, :]
+    lay = layout(4)
+    axes = [(None, None, "heads", None), (None, None, "heads"), None, None, None, None]
+    out = {}
+    for impl in ("reference", "xla", "pallas"):
+        ref = jax.jit(lambda *a, impl=impl: indexer_topk(*a, topk=K, impl=impl))(q, w, keys, table, qpos, kv_len)
+
+        def fn(q, w, keys, table, qpos, kv_len, impl=impl):
+            return per_device(lambda *a: indexer_topk(*a, topk=K, impl=impl, head_axis=MODEL),
+                              tuple(axes), None)(q, w, keys, table, qpos, kv_len)
+        got, text = split_run(lay, fn, (q, w, keys, table, qpos, kv_len), axes)
+        shards = [np.sort(np.asarray(s.data), axis=-1).tolist() for s in got.addressable_shards]
+        out[impl] = {"same": np.array_equal(np.sort(np.asarray(got), -1), np.sort(np.asarray(ref), -1)),
+                     "devices_agree": all(x == shards[0] for x in shards), "per_device": "PER_DEVICE True" in text,
+                     "all_reduces": text.count(" all-reduce(") + text.count(" all-reduce-start("),
+                     "q_gathered": any(f"f32[{B},{T},{H},{D}]" in line for line in text.splitlines()
+                                       if "all-gather" in line)}
+    # ragged: the two rows' three tokens back to back
+    cu = jnp.array([0, T, 2 * T], jnp.int32)
+    ragged_axes = [(None, "heads", None), (None, "heads"), None, None, None, None]
+    ref = jax.jit(lambda *a: indexer_topk_ragged(*a, topk=K, impl="xla", max_q_len=T))(
+        q.reshape(B * T, H, D), w.reshape(B * T, H), keys, table, cu, kv_len)
+
+    def rfn(q, w, keys, table, cu, kv_len):
+        return per_device(lambda *a: indexer_topk_ragged(*a, topk=K, impl="xla", max_q_len=T, head_axis=MODEL),
+                          tuple(ragged_axes), None)(q, w, keys, table, cu, kv_len)
+    got, text = split_run(lay, rfn, (q.reshape(B * T, H, D), w.reshape(B * T, H), keys, table, cu, kv_len), ragged_axes)
+    out["ragged"] = {"same": np.array_equal(np.sort(np.asarray(got), -1), np.sort(np.asarray(ref), -1)),
+                     "per_device": "PER_DEVICE True" in text, "devices_agree": True,
+                     "all_reduces": text.count(" all-reduce(") + text.count(" all-reduce-start("), "q_gathered": False}
+    return out
+
+
 if __name__ == "__main__":
     print("RESULT " + json.dumps({"devices": len(jax.devices()), "gdn": gdn_cases(), "attention": attention_case(),
-                                  "moe": moe_cases(), "fp8": fp8_cases()}))
+                                  "moe": moe_cases(), "fp8": fp8_cases(), "indexer": indexer_cases()}))
     sys.stdout.flush()

@@ -1,5 +1,5 @@
 """The ops that run per device under a layout (Pallas kernels, ragged paged attention, expert-parallel
-MoE, FP8 linears) against the same op on one device, in a subprocess with 8 CPU devices
+MoE, FP8 linears, the DSA indexer split by heads) against the same op on one device, in a subprocess with 8 CPU devices
 (per_device_worker.py through multi_device.py)."""
 from __future__ import annotations
 
@@ -49,3 +49,13 @@ def test_fp8_linear_runs_on_each_devices_block(per_device, split, shard):
     c = per_device["fp8"][split]
     assert c["per_device"] and c["codes_on_device0"] == shard
     assert c["rel"] <= 1e-5
+
+
+@pytest.mark.parametrize("impl", ["reference", "xla", "pallas", "ragged"])
+def test_indexer_split_by_heads_selects_the_global_top_k(per_device, impl):
+    """8 indexer heads over 4 devices: each device scores with its 2 heads, the partial scores are
+    all-reduced before the selection (not the queries gathered), and every device selects the keys one
+    device selects over all 8 heads."""
+    c = per_device["indexer"][impl]
+    assert c["per_device"] and c["same"] and c["devices_agree"]
+    assert c["all_reduces"] >= 1 and not c["q_gathered"]

@@ -76,3 +76,30 @@ def test_decode_baselines():
                  if measured[k][m] > TOLERANCE * recorded[k][m]} for k in measured}
     worse = {k: v for k, v in worse.items() if v}
     assert not worse, f"compiled cost rose more than 5% over tpu_baselines.json (recorded, now): {worse}"
+
+
+@pytest.mark.parametrize("T", [1, 16])
+def test_indexer_split_by_heads_compiles_for_a_slice(T):
+    """DeepSeek-V3.2's indexer (64 heads of 128, 128-token pages, 32k context, Top-K 2048) with its heads
+    split over the 4 chips of a v5e 2x2 slice: each chip's scoring kernel, one all-reduce of the scores,
+    then the threshold kernel on the summed rows."""
+    need_chip("v5e")
+    import numpy as np  # noqa: PLC0415
+    from jax.experimental import topologies  # noqa: PLC0415
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: PLC0415
+    from tpu_cases import _indexer_args  # noqa: PLC0415
+
+    import pallas_kernels.sparse_attention as sa  # noqa: PLC0415
+    devices = topologies.get_topology_desc(platform="tpu", topology_name="v5e:2x2").devices
+    mesh = Mesh(np.array(devices), ("model",))
+    heads = PartitionSpec(None, None, "model")
+    specs = (heads, heads) + (PartitionSpec(),) * 4
+
+    def split(q, w, keys, table, qpos, lens):
+        return jax.shard_map(lambda *a: sa.indexer_topk(*a, topk=2048, impl="pallas", head_axis="model"),
+                             mesh=mesh, in_specs=specs, out_specs=PartitionSpec(), check_vma=False)(
+            q, w, keys, table, qpos, lens)
+    args = _indexer_args(8, T, 64, 128, 128, 256, jnp.bfloat16, jnp.bfloat16)
+    placed = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, s)) for a, s in zip(args, specs)]
+    text = jax.jit(split).lower(*placed).compile().as_text()
+    assert text.count("tpu_custom_call") >= 2 and "all-reduce" in text
