@@ -199,6 +199,6 @@ def main(args, engine_config) -> int:
         finally:
             ae.shutdown()
         steps = step_figures(before, engine_totals(engine.metrics), secs)
-        print(f"compiled programs: {engine.runner.num_compiled()} (after warm-up: see warmup)")
+        print(f"compiled programs: {engine.num_compiled()} (after warm-up: see warmup)")
     print_summary({**summarize(results, secs), **steps})
     return 0

@@ -26,7 +26,7 @@ def _add_parallel_args(p: argparse.ArgumentParser):
     """vLLM's layout options (hybrid_jax.parallel): devices are jax.devices()."""
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="devices the heads, MLP columns and vocabulary are split over")
-    p.add_argument("--data-parallel-size", "-dp", type=int, default=1, help="replicas (not supported yet beyond 1)")
+    p.add_argument("--data-parallel-size", "-dp", type=int, default=1, help="engine replicas, each on its own tensor_parallel_size devices with its own weights and cache")
     p.add_argument("--enable-expert-parallel", action="store_true",
                    help="split MoE experts whole over the tensor-parallel devices")
     p.add_argument("--num-processes", type=int, default=None,

@@ -9,6 +9,7 @@ on-device loop per wave; other proposers and rollback by replay through the engi
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import os
 import sys
@@ -104,8 +105,10 @@ class LLM:
             def get(name):
                 read.add(name)
                 return reader.get(name)
-            # split over a mesh: converted on the host, each device then gets only its part (weights.on_host)
-            host = on_host() if layout is not None else contextlib.nullcontext()
+            # split over a mesh: converted on the host, each device then gets only its part (weights.on_host);
+            # a family without sharding rules (data-parallel replicas of one device each) loads as usual
+            by_parts = layout is not None and get_model(self.config.model_type).param_axes is not None
+            host = on_host() if by_parts else contextlib.nullcontext()
             with tqdm(total=n, desc="loading weights", unit="tensor", disable=not show, file=sys.stderr) as bar, host:
                 params = family.convert_hf_weights(self.config, get, reader.has, self.dtype,
                                                    progress=lambda: bar.update(1))
@@ -118,7 +121,7 @@ class LLM:
         self._setup(params, layout, max_model_len=max_model_len, max_num_seqs=max_num_seqs, seed=seed, impl=impl,
                     enable_prefix_caching=enable_prefix_caching, kv_cache_dir=kv_cache_dir,
                     engine_config=engine_config, speculative_config=speculative_config)
-        if model is not None and self.layout is not None:   # read by parts (weights.on_host): what this process read
+        if model is not None and by_parts:   # read by parts (weights.on_host): what this process read
             self.checkpoint_read = {"bytes_read": reader.counter[0], "checkpoint_bytes": reader.total_bytes}
 
     @classmethod
@@ -143,18 +146,24 @@ class LLM:
         if max_num_seqs <= 0:
             raise InputError(f"max_num_seqs must be positive; got {max_num_seqs}")
         family = get_model(self.config.model_type)
-        self.layout = layout
+        self.parallel = layout.pc if layout is not None else ParallelConfig()
+        replicas = layout.replicas() if layout is not None else [None]
+        self.layout = replicas[0]         # this LLM's own weights: the first data-parallel replica's
         self._fingerprint: str | None = None
-        if self.layout is not None:       # every parameter onto its shards (hybrid_jax.parallel)
+        placed = [params]
+        if layout is not None:            # every parameter onto its shards (hybrid_jax.parallel)
             # of the weights as loaded: a layout re-lays some (gate | up per device), and a cached prefix
             # must be found by its weights under any layout (the disk tier serves every layout)
             self._fingerprint = fingerprint(self.config, params)
-            params = self.layout.annotate(family, params)      # FP8 weights: how linear runs them per device
-            params = self.layout.put(params, self.layout.param_shardings(family, params))
+            placed = [lay.place(family, params) for lay in replicas]
+            params = placed[0]
         self.max_model_len = int(max_model_len or self.config.max_position_embeddings)
         self.max_num_seqs = max_num_seqs
         self.seed = seed
         self.generator = Generator(self.config, params, self.dtype, impl=impl)
+        # data parallelism: the other replicas' layouts and generators (`replicas()`)
+        self._others = [(lay, Generator(self.config, p, self.dtype, impl=impl))
+                        for lay, p in zip(replicas[1:], placed[1:])]
         if speculative_config is not None:      # fail at construction, not at the first request
             from hybrid_jax.speculative.config import parse_speculative_config, resolve_rollback  # noqa: PLC0415
             from hybrid_jax.speculative.mtp import check_mtp  # noqa: PLC0415
@@ -197,9 +206,28 @@ class LLM:
     def engine(self):
         """The engine core this LLM generates through (built on first use: its pools take memory)."""
         if self._engine is None:
-            from hybrid_jax.engine import LLMEngine  # noqa: PLC0415
-            self._engine = LLMEngine(self, self.engine_config)
+            self._engine = self.make_engine(self.engine_config)
         return self._engine
+
+    def make_engine(self, config):
+        """A new engine core over this model with EngineConfig `config`: an LLMEngine, or with
+        data_parallel_size > 1 a DataParallelEngine of one LLMEngine per replica."""
+        if not self._others:
+            from hybrid_jax.engine import LLMEngine  # noqa: PLC0415
+            return LLMEngine(self, config)
+        from hybrid_jax.engine.data_parallel import DataParallelEngine  # noqa: PLC0415
+        return DataParallelEngine(self.replicas(), config)
+
+    def replicas(self) -> list[LLM]:
+        """This model once per data-parallel replica, each on its own devices with its own copy of the
+        weights ([self] without data parallelism). The others are views of this LLM (same config,
+        tokenizer and options) that differ only in their layout and weights."""
+        views = [self]
+        for lay, gen in self._others:
+            v = copy.copy(self)
+            v.layout, v.generator, v._others, v._engine = lay, gen, [], None
+            views.append(v)
+        return views
 
     @property
     def params(self):

@@ -57,8 +57,7 @@ class AsyncEngine:
         self._stop.set()
         self._commands.put(("wake",))
         self._thread.join(timeout=timeout)
-        if self.engine.prefix is not None:
-            self.engine.prefix.close()
+        self.engine.close()
 
     # --- called from the event loop ----------------------------------------------------------------
     def validate(self, prompt: Any, params: SamplingParams) -> list[int]:

@@ -51,7 +51,9 @@ class Publish:
 
 
 class LLMEngine:
-    def __init__(self, llm, config: EngineConfig | None = None):
+    def __init__(self, llm, config: EngineConfig | None = None, metrics: EngineMetrics | None = None):
+        """metrics: a registry shared with other engines (data-parallel replicas: the owner binds its
+        live figures); by default the engine's own."""
         self.llm = llm
         self.config = config or EngineConfig()
         if self.config.max_model_len > llm.max_model_len:
@@ -93,8 +95,9 @@ class LLMEngine:
                                    next_stop=self._next_publish if self.prefix else None,
                                    on_release=self._before_release if self.prefix else None,
                                    isolate=lambda q: q.strikes > 0)
-        self.metrics = EngineMetrics()
-        self.metrics.bind(self.live_figures)
+        self.metrics = metrics or EngineMetrics()
+        if metrics is None:
+            self.metrics.bind(self.live_figures)
         self.requests: dict[str, Request] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._eos = llm.eos_token_ids()
@@ -326,6 +329,11 @@ class LLMEngine:
         cap = self.prefix.config.cap_bytes if prefix_cache_bytes is None else prefix_cache_bytes
         self.prefix.close()
         self.prefix = self._new_prefix_cache(cap)
+
+    def close(self):
+        """Closes the prefix store (waits for the disk tier's pending writes)."""
+        if self.prefix is not None:
+            self.prefix.close()
 
     def cache_stats(self) -> dict:
         """Prefix-cache figures (hit rate, validation pass rate, effective reuse, misses by reason,

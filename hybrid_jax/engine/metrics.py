@@ -110,10 +110,10 @@ class EngineMetrics:
         """One engine step: `wall` seconds in all, `device` of them waiting for the device."""
         self.step_host_seconds.observe(max(wall - device, 0.0))
         self.device_busy_seconds.inc(device)
-        self.steps += 1
-        self.host_seconds += max(wall - device, 0.0)
-        self.device_seconds += device
-        with self._lock:
+        with self._lock:             # data-parallel replicas step on their own threads
+            self.steps += 1
+            self.host_seconds += max(wall - device, 0.0)
+            self.device_seconds += device
             self._busy.append((time.monotonic(), device))
 
     def device_busy(self, window: float = THROUGHPUT_WINDOW_S) -> float:

@@ -69,6 +69,24 @@ class Layout:
     def _sharding(self, axes: tuple, shape, where: str) -> NamedSharding:
         return NamedSharding(self.mesh, self.spec(axes, shape, where))
 
+    def place(self, family, params):
+        """The parameters on this layout's devices, each on its shards (`annotate`, then `put`). A family
+        without sharding rules may still run on a one-device replica: every leaf whole there."""
+        if family.param_axes is None and dict(self.mesh.shape).get("model", 1) == 1:
+            return self.put(params, jax.tree.map(lambda _: self.replicated, params,
+                                                 is_leaf=lambda x: isinstance(x, Lazy)))
+        params = self.annotate(family, params)      # FP8 weights: how linear runs them per device
+        return self.put(params, self.param_shardings(family, params))
+
+    def replicas(self) -> list[Layout]:
+        """One layout per data-parallel replica: its row of the [data, model] mesh (tensor_parallel_size
+        devices) with data_parallel_size 1; [self] without data parallelism. Each replica holds its own
+        copy of the weights and its own pools (`engine.data_parallel`)."""
+        if self.pc.data_parallel_size == 1:
+            return [self]
+        pc = dataclasses.replace(self.pc, data_parallel_size=1)
+        return [Layout(pc, Mesh(row[None, :], self.mesh.axis_names)) for row in self.mesh.devices]
+
     @property
     def replicated(self) -> NamedSharding:
         return NamedSharding(self.mesh, PartitionSpec())
@@ -223,12 +241,13 @@ def make_layout(pc: ParallelConfig, cfg, family, devices=None) -> Layout | None:
         raise ConfigError(
             f"{jax.process_count()} processes share {len(devices)} devices: data_parallel_size x "
             f"tensor_parallel_size must use all of them (got {pc.world_size}), every process running its part")
+    if jax.process_count() > 1 and pc.data_parallel_size > 1:
+        raise ConfigError("data_parallel_size > 1 with several processes is not supported yet: run one "
+                          "multi-process server per replica")
     pc.check(cfg, pc.world_size)
     if pc.single_device:
         return None
-    if pc.data_parallel_size > 1:
-        raise ConfigError("data_parallel_size > 1 is not supported yet: run one server per replica")
-    if family.param_axes is None:
+    if family.param_axes is None and pc.tensor_parallel_size > 1:
         raise ConfigError(f"model family {family.name!r} has no sharding rules yet: it runs with "
                           f"tensor_parallel_size 1 only")
     return Layout(pc, build_mesh(pc, devices[:pc.world_size]))

@@ -2,7 +2,7 @@
 core (multi_device.py; the rest of the suite keeps one device). Prints one JSON line "RESULT {...}" with, per
 layout, what the test compares against one device.
 
-    python parallel_worker.py CHECKPOINT_DIR [deepseek_v32 | fp8 | disk DIRECTORY]
+    python parallel_worker.py CHECKPOINT_DIR [deepseek_v32 | fp8 | v4_dp | disk DIRECTORY]
 """
 from __future__ import annotations
 
@@ -17,12 +17,15 @@ eight_devices()
 import jax  # noqa: E402
 
 from hybrid_jax import LLM, SamplingParams  # noqa: E402
+from hybrid_jax.engine.data_parallel import DataParallelEngine  # noqa: E402
 from hybrid_jax.errors import ConfigError  # noqa: E402
 
 # tp2 splits the experts' columns (gate | up per device) and the KV heads; tp4_ep splits the experts
-# whole and keeps each KV head twice (2 heads, 4 devices).
+# whole and keeps each KV head twice (2 heads, 4 devices); dp2_tp2 runs two tp2 engines, on devices
+# 0-1 and 2-3.
 LAYOUTS = {"tp1": dict(tensor_parallel_size=1), "tp2": dict(tensor_parallel_size=2),
-           "tp4_ep": dict(tensor_parallel_size=4, enable_expert_parallel=True)}
+           "tp4_ep": dict(tensor_parallel_size=4, enable_expert_parallel=True),
+           "dp2_tp2": dict(tensor_parallel_size=2, data_parallel_size=2)}
 PROMPTS = [{"prompt_token_ids": [5, 9, 13, 200, 7, 41] * 12}, {"prompt_token_ids": [3, 4, 5, 6] * 20}]
 SPEC = {"method": "ngram", "num_speculative_tokens": 3}
 COLLECTIVES = re.compile(r"= (\S+) (all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)(?:-start)?\(")
@@ -38,6 +41,13 @@ def weight_bytes(llm) -> dict:
         if leaf.sharding.is_fully_replicated:
             replicated += n
     return {"total": total, "device0": dev0, "replicated": replicated}
+
+
+def whole_matrices(params) -> list:
+    """The parameters of two or more dimensions held whole on every device, by path ("layers/*/attn/idx_k")."""
+    from hybrid_jax.parallel.placement import path_name  # noqa: PLC0415
+    return sorted({re.sub(r"/\d+/", "/*/", path_name(p)) for p, leaf in jax.tree_util.tree_leaves_with_path(params)
+                   if leaf.ndim >= 2 and leaf.sharding.is_fully_replicated})
 
 
 def decode_collectives(path: str, kw: dict) -> list:
@@ -97,7 +107,9 @@ def run(path: str, layouts: dict = LAYOUTS, full: bool = True) -> dict:
                                                     enable_prefix_caching=True, speculative_config=SPEC, **kw))
         first = llm.generate(PROMPTS, sp)
         again = llm.generate(PROMPTS, sp)          # served from the prefix cache
-        runner = llm.engine.runner
+        engine = llm.engine
+        dp = isinstance(engine, DataParallelEngine)
+        runner = engine.replicas[0].runner if dp else engine.runner
         kept = all(a.sharding.is_equivalent_to(s, a.ndim) for a, s in zip(jax.tree_util.tree_leaves(runner.cache),
                                                    jax.tree_util.tree_leaves(runner.cache_shardings))) \
             if runner.cache_shardings is not None else None
@@ -111,13 +123,17 @@ def run(path: str, layouts: dict = LAYOUTS, full: bool = True) -> dict:
                                     for g in runner.cache.groups.values() if g.kind == "full_kv"],
             "split_weights": sorted({tuple(leaf.shape) for leaf in jax.tree_util.tree_leaves(llm.params)
                                      if leaf.ndim >= 2 and not leaf.sharding.is_fully_replicated}),
-            "collectives": decode_collectives(path, kw) if name != "tp1" and full else [],
+            "whole_matrices": whole_matrices(llm.params),
+            "collectives": decode_collectives(path, kw) if name != "tp1" and full and not dp else [],
+            "routed": engine.routed if dp else None,
+            "replica_devices": [sorted({d.id for leaf in jax.tree_util.tree_leaves(r.params) for d in leaf.devices()})
+                                for r in llm.replicas()],
         }
     if not full:
         return out
     errors = {}
     for name, kw in {"tp3": dict(tensor_parallel_size=3), "tp16": dict(tensor_parallel_size=16),
-                     "dp2": dict(tensor_parallel_size=4, data_parallel_size=2)}.items():
+                     "dp2_tp3": dict(tensor_parallel_size=3, data_parallel_size=2)}.items():
         import hybrid_jax.weights as w  # noqa: PLC0415
         read = []
         orig = w.CheckpointReader.get
@@ -154,6 +170,19 @@ def disk_across_layouts(path: str, directory: str) -> dict:
     return out
 
 
+def data_parallel_one_device_replicas(path: str) -> dict:
+    """A family without sharding rules (DeepSeek-V4) as two replicas of one device each, against one
+    device: tokens, each replica's devices, requests per replica."""
+    sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    prompts = [{"prompt_token_ids": [5, 9, 13, 20, 7, 41] * 5}, {"prompt_token_ids": [3, 4, 5, 6] * 9}]  # vocab 97
+    one = LLM(model=path, max_model_len=256, max_num_seqs=2)
+    two = LLM(model=path, max_model_len=256, max_num_seqs=2, data_parallel_size=2)
+    return {"one": [o.outputs[0].token_ids for o in one.generate(prompts, sp)],
+            "two": [o.outputs[0].token_ids for o in two.generate(prompts, sp)],
+            "devices": [sorted({d.id for x in jax.tree_util.tree_leaves(r.params) for d in x.devices()})
+                        for r in two.replicas()], "routed": two.engine.routed}
+
+
 if __name__ == "__main__":
     if sys.argv[2:] == ["deepseek_v32"]:      # 4 heads, 8 experts: split over 2, and over 4 with experts whole
         result = run(sys.argv[1], {k: LAYOUTS[k] for k in ("tp1", "tp2", "tp4_ep")}, full=False)
@@ -161,6 +190,8 @@ if __name__ == "__main__":
         result = run(sys.argv[1], {"tp1": dict(quantization="fp8"),
                                    "tp2_ep": dict(tensor_parallel_size=2, enable_expert_parallel=True,
                                                   quantization="fp8")}, full=False)
+    elif sys.argv[2:] == ["v4_dp"]:           # DeepSeek-V4 (no sharding rules): replicas of one device
+        result = data_parallel_one_device_replicas(sys.argv[1])
     elif sys.argv[2:3] == ["disk"]:           # a disk tier written at tensor size 2, read at 4
         result = disk_across_layouts(sys.argv[1], sys.argv[3])
     else:

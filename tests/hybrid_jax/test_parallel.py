@@ -167,5 +167,18 @@ def test_bad_layouts_fail_before_loading_weights(worker):
     e = worker["errors"]
     assert "does not divide the model's attention heads (num_attention_heads = 8)" in e["tp3"]["message"]
     assert "16 devices, but JAX sees 8" in e["tp16"]["message"]
-    assert "data_parallel_size > 1 is not supported yet" in e["dp2"]["message"]
+    assert "does not divide the model's attention heads (num_attention_heads = 8)" in e["dp2_tp3"]["message"]
     assert all(x["tensors_read"] == 0 for x in e.values())
+
+
+def test_data_parallel_replicas_each_serve_on_their_own_devices(worker):
+    """data_parallel_size 2 x tensor_parallel_size 2: two engines, on devices 0-1 and 2-3, each with its
+    own copy of the weights; one prompt goes to each, the second pass to the replica that cached it;
+    the greedy tokens of one device."""
+    one, dp = worker["tp1"], worker["dp2_tp2"]
+    assert dp["tokens"] == one["tokens"] and dp["again"] == one["tokens"]
+    assert dp["logprobs"] == pytest.approx(one["logprobs"], rel=1e-5, abs=1e-5)
+    assert dp["replica_devices"] == [[0, 1], [2, 3]] and one["replica_devices"] == [[0]]
+    assert dp["routed"] == [2, 2] and dp["hits"] >= 2
+    assert dp["sharding_key"] == "dp1.tp2"            # a replica's cache is a tensor-size-2 cache
+    assert dp["weights"]["device0"] == worker["tp2"]["weights"]["device0"]

@@ -1,5 +1,5 @@
 """DeepSeek-V3.2 and an FP8 release (kept in FP8) split over 2 and 4 CPU devices against one device,
-and a disk prefix tier written under one layout and read under another (parallel_worker.py in a
+DeepSeek-V4 as data-parallel replicas of one device each, and a disk prefix tier written under one layout and read under another (parallel_worker.py in a
 subprocess with 8 CPU devices, through multi_device.py)."""
 from __future__ import annotations
 
@@ -38,9 +38,9 @@ def test_fp8_release_kept_in_fp8_splits_like_bf16(fp8_worker):
 
 @pytest.mark.parametrize("layout", ["tp2", "tp4_ep"])
 def test_split_deepseek_v32_generates_what_one_device_does(deepseek_worker, layout):
-    """MLA heads split (the sparse MLA kernel per device), the latent, indexer and indexer keys whole on
-    every device, experts split by columns or whole: the greedy tokens of one device, with the prefix
-    cache and n-gram speculation on."""
+    """MLA heads and indexer heads split (the sparse MLA kernel per device, the indexer's partial scores
+    all-reduced before its Top-K), the latent and indexer keys whole on every device, experts split by
+    columns or whole: the greedy tokens of one device, with the prefix cache and n-gram speculation on."""
     one, split = deepseek_worker["tp1"], deepseek_worker[layout]
     assert split["tokens"] == one["tokens"] and split["again"] == one["again"] == one["tokens"]
     assert split["logprobs"] == pytest.approx(one["logprobs"], rel=1e-5, abs=1e-5)
@@ -48,6 +48,10 @@ def test_split_deepseek_v32_generates_what_one_device_does(deepseek_worker, layo
     assert split["pools_keep_shardings"] is True
     w = split["weights"]
     assert w["device0"] < 0.75 * w["total"]              # the heads' and experts' weights are split
+    # the indexer splits by its heads (its Top-K sums the devices' scores); only the projections every
+    # head shares, and the router, are whole
+    assert split["whole_matrices"] == ["layers/*/attn/idx_k", "layers/*/attn/kv_a", "layers/*/attn/q_a",
+                                       "layers/*/moe/router"]
 
 
 def test_disk_tier_written_at_tensor_size_2_serves_tensor_size_4(tmp_path_factory):
@@ -61,3 +65,11 @@ def test_disk_tier_written_at_tensor_size_2_serves_tensor_size_4(tmp_path_factor
     assert [c[:2] + [c[3]] for c in four["copies"]] == [["full_attention", "k", 2], ["full_attention", "v", 2]]
     assert four["spans_restored"] >= 2 and four["tokens"] == two["tokens"]
     assert not any(v for k, v in four["misses"].items() if k != "no_hit")
+
+
+def test_a_family_without_sharding_rules_runs_data_parallel_on_one_device_per_replica(tmp_path_factory):
+    """DeepSeek-V4 has no rule table yet (tensor_parallel_size > 1 is refused), but data_parallel_size 2
+    runs two one-device engines, on devices 0 and 1, one prompt each, with one device's tokens."""
+    from test_deepseek_v4 import make_checkpoint as make_v4  # noqa: PLC0415
+    r = run_worker("parallel_worker.py", make_v4(tmp_path_factory.mktemp("v4_dp") / "m", seed=1), "v4_dp")
+    assert r["two"] == r["one"] and r["devices"] == [[0], [1]] and r["routed"] == [1, 1]
