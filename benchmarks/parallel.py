@@ -1,4 +1,4 @@
-"""Tensor and expert parallelism on CPU devices: per layout, what each device holds and what one
+"""Tensor, expert and data parallelism on CPU devices: per layout, what each device holds and what one
 decode step moves between devices, read off the compiled program; the step time is for the record
 only (8 CPU "devices" share this machine's cores: it is not a speed figure).
 
@@ -7,9 +7,10 @@ The model is the benchmark's tiny Qwen3-Next with head counts 2 and 4 divide (be
 Per layout: device 0's parameter and cache-pool bytes against the totals, the collectives of the
 engine's compiled decode program (count and bytes by kind), and the number the layout needs at
 least: one all-reduce per row-parallel projection (two per layer: the mixer's output projection and
-the MLP's / experts' down projection).
+the MLP's / experts' down projection). A data-parallel layout (dp2_tp4: two engines of 4 devices)
+shows replica 0's figures: each replica is a tp4 engine; its step time is the pair's, 4 requests each.
 
-    python benchmarks/parallel.py [--layouts tp1,tp2,tp4,tp4_ep] [--steps 32]
+    python benchmarks/parallel.py [--layouts tp1,tp2,tp4,tp4_ep,dp2_tp4] [--steps 32]
 """
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 LAYOUTS = {"tp1": dict(tensor_parallel_size=1), "tp2": dict(tensor_parallel_size=2),
-           "tp4": dict(tensor_parallel_size=4), "tp4_ep": dict(tensor_parallel_size=4, enable_expert_parallel=True)}
+           "tp4": dict(tensor_parallel_size=4), "tp4_ep": dict(tensor_parallel_size=4, enable_expert_parallel=True),
+           "dp2_tp4": dict(data_parallel_size=2, tensor_parallel_size=4)}
 COLLECTIVE = re.compile(r"= (\w+)\[([\d,]*)\]\S* (all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)"
                         r"(?:-start)?\(")
 ITEMSIZE = {"f32": 4, "bf16": 2, "s32": 4, "u32": 4, "pred": 1, "f16": 2}
@@ -45,6 +47,7 @@ def child(layouts: list[str], steps: int):
     from tiny_qwen3_next import CONFIG, write_checkpoint  # noqa: PLC0415
 
     from hybrid_jax import LLM, SamplingParams  # noqa: PLC0415
+    from hybrid_jax.engine.data_parallel import DataParallelEngine  # noqa: PLC0415
     cfg = dict(CONFIG, num_attention_heads=8, linear_num_key_heads=4, linear_num_value_heads=8)
     path = write_checkpoint(os.path.join(tempfile.mkdtemp(), "m"), config=cfg)
     layers = cfg["num_hidden_layers"]
@@ -56,7 +59,8 @@ def child(layouts: list[str], steps: int):
           f"{'step ms':>9}")
     for name in layouts:
         llm = LLM(model=path, dtype="float32", max_model_len=256, max_num_seqs=8, **LAYOUTS[name])
-        runner = llm.engine.runner
+        engine = llm.engine
+        runner = (engine.replicas[0] if isinstance(engine, DataParallelEngine) else engine).runner
         seen = {}
         jitted = runner._decode
 
@@ -95,7 +99,7 @@ def child(layouts: list[str], steps: int):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--layouts", default="tp1,tp2,tp4,tp4_ep")
+    ap.add_argument("--layouts", default="tp1,tp2,tp4,tp4_ep,dp2_tp4")
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()

@@ -21,11 +21,11 @@ from hybrid_jax.engine.data_parallel import DataParallelEngine  # noqa: E402
 from hybrid_jax.errors import ConfigError  # noqa: E402
 
 # tp2 splits the experts' columns (gate | up per device) and the KV heads; tp4_ep splits the experts
-# whole and keeps each KV head twice (2 heads, 4 devices); dp2_tp2 runs two tp2 engines, on devices
-# 0-1 and 2-3.
+# whole and keeps each KV head twice (2 heads, 4 devices); dp2_tp4 runs two tp4 engines, on devices
+# 0-3 and 4-7.
 LAYOUTS = {"tp1": dict(tensor_parallel_size=1), "tp2": dict(tensor_parallel_size=2),
            "tp4_ep": dict(tensor_parallel_size=4, enable_expert_parallel=True),
-           "dp2_tp2": dict(tensor_parallel_size=2, data_parallel_size=2)}
+           "dp2_tp4": dict(tensor_parallel_size=4, data_parallel_size=2)}
 PROMPTS = [{"prompt_token_ids": [5, 9, 13, 200, 7, 41] * 12}, {"prompt_token_ids": [3, 4, 5, 6] * 20}]
 SPEC = {"method": "ngram", "num_speculative_tokens": 3}
 COLLECTIVES = re.compile(r"= (\S+) (all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)(?:-start)?\(")
@@ -185,7 +185,7 @@ def data_parallel_one_device_replicas(path: str) -> dict:
 
 if __name__ == "__main__":
     if sys.argv[2:] == ["deepseek_v32"]:      # 4 heads, 8 experts: split over 2, and over 4 with experts whole
-        result = run(sys.argv[1], {k: LAYOUTS[k] for k in ("tp1", "tp2", "tp4_ep")}, full=False)
+        result = run(sys.argv[1], {k: LAYOUTS[k] for k in ("tp1", "tp2", "tp4_ep", "dp2_tp4")}, full=False)
     elif sys.argv[2:] == ["fp8"]:             # an FP8 release kept in FP8, experts split whole
         result = run(sys.argv[1], {"tp1": dict(quantization="fp8"),
                                    "tp2_ep": dict(tensor_parallel_size=2, enable_expert_parallel=True,

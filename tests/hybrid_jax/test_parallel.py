@@ -172,13 +172,14 @@ def test_bad_layouts_fail_before_loading_weights(worker):
 
 
 def test_data_parallel_replicas_each_serve_on_their_own_devices(worker):
-    """data_parallel_size 2 x tensor_parallel_size 2: two engines, on devices 0-1 and 2-3, each with its
+    """data_parallel_size 2 x tensor_parallel_size 4: two engines, on devices 0-3 and 4-7, each with its
     own copy of the weights; one prompt goes to each, the second pass to the replica that cached it;
     the greedy tokens of one device."""
-    one, dp = worker["tp1"], worker["dp2_tp2"]
+    one, dp = worker["tp1"], worker["dp2_tp4"]
     assert dp["tokens"] == one["tokens"] and dp["again"] == one["tokens"]
     assert dp["logprobs"] == pytest.approx(one["logprobs"], rel=1e-5, abs=1e-5)
-    assert dp["replica_devices"] == [[0, 1], [2, 3]] and one["replica_devices"] == [[0]]
+    assert dp["replica_devices"] == [[0, 1, 2, 3], [4, 5, 6, 7]] and one["replica_devices"] == [[0]]
     assert dp["routed"] == [2, 2] and dp["hits"] >= 2
-    assert dp["sharding_key"] == "dp1.tp2"            # a replica's cache is a tensor-size-2 cache
-    assert dp["weights"]["device0"] == worker["tp2"]["weights"]["device0"]
+    assert dp["sharding_key"] == "dp1.tp4"            # a replica's cache is a tensor-size-4 cache
+    assert dp["weights"]["device0"] == (dp["weights"]["total"] - dp["weights"]["replicated"]) // 4 + \
+        dp["weights"]["replicated"]

@@ -36,11 +36,12 @@ def test_fp8_release_kept_in_fp8_splits_like_bf16(fp8_worker):
     assert split["weights"]["device0"] < 0.8 * split["weights"]["total"]
 
 
-@pytest.mark.parametrize("layout", ["tp2", "tp4_ep"])
+@pytest.mark.parametrize("layout", ["tp2", "tp4_ep", "dp2_tp4"])
 def test_split_deepseek_v32_generates_what_one_device_does(deepseek_worker, layout):
     """MLA heads and indexer heads split (the sparse MLA kernel per device, the indexer's partial scores
     all-reduced before its Top-K), the latent and indexer keys whole on every device, experts split by
-    columns or whole: the greedy tokens of one device, with the prefix cache and n-gram speculation on."""
+    columns or whole, and two such engines of 4 devices (data parallel): the greedy tokens of one device,
+    with the prefix cache and n-gram speculation on."""
     one, split = deepseek_worker["tp1"], deepseek_worker[layout]
     assert split["tokens"] == one["tokens"] and split["again"] == one["again"] == one["tokens"]
     assert split["logprobs"] == pytest.approx(one["logprobs"], rel=1e-5, abs=1e-5)
