@@ -13,6 +13,11 @@ Compressor (per closed window w of `rate` tokens, entry position w * rate):
        2 * rate slots (window 0 has no a-half); then RoPE ("compress") at w * rate.
 The indexer compresses its own keys the same way (CSA layout, index_head_dim) and scores
 sum_h w_h relu(q_h . k_j) through the shared DSA indexer op (pallas_kernels.sparse_attention).
+
+On a mesh (`hybrid_jax.parallel`): the query heads, sinks and output groups split over the tensor axis
+(the read runs per device on its heads), the indexer on its heads (`mla.indexer_per_head`: partial
+scores all-reduced before the Top-K); the shared K = V, the window ring and every compressor and its
+entries are whole on every device (the compressor kernel runs whole on each).
 """
 from __future__ import annotations
 
@@ -21,8 +26,9 @@ import jax.numpy as jnp
 from cache.compressed import write_entries
 from hybrid_jax.layers.hyper_connections import unweighted_rms
 from hybrid_jax.layers.linear import dequantize, linear
-from hybrid_jax.layers.mla import rms_norm
+from hybrid_jax.layers.mla import indexer_per_head, rms_norm
 from hybrid_jax.layers.rope import frequencies
+from hybrid_jax.parallel.context import per_device
 from pallas_kernels.compressed_attention import compress_windows, compressed_sparse_read
 from pallas_kernels.sparse_attention import indexer_topk, indexer_weights
 
@@ -62,9 +68,11 @@ def compress(kv_new, gate_new, tail_kv, tail_gate, tail_count, n_new, entry_coun
     norm_w [D] (D = C/2 with overlap, else C).
     Returns (entries [B, NW, D], entry_index [B, NW] (NE-safe: -1 where no window closed),
     tail (kv, gate, count), overlap (kv, gate) or None). NW = (rate - 1 + T) // rate static."""
-    return compress_windows(kv_new, gate_new, tail_kv, tail_gate, tail_count, n_new, entry_count, overlap_kv,
-                            overlap_gate, bias, norm_w, freqs, rate=rate, overlap=overlap, eps=eps,
-                            rope_scale=rope_scale, impl=impl)
+    def op(*a):
+        return compress_windows(*a, rate=rate, overlap=overlap, eps=eps, rope_scale=rope_scale, impl=impl)
+    args = (kv_new, gate_new, tail_kv, tail_gate, tail_count, n_new, entry_count, overlap_kv, overlap_gate, bias,
+            norm_w, freqs)
+    return per_device(op, (None,) * len(args), None)(*args)        # whole on every device
 
 
 def window_update(ring, kv_new, positions, valid, new_lengths):
@@ -89,8 +97,14 @@ def attend(q, kv_new, ring, positions, valid, lengths, entries, table, indices, 
     dt = jnp.promote_types(ring.dtype, kv_new.dtype)
     keys = jnp.concatenate([ring.astype(dt), kv_new.astype(dt)], axis=1)                # [B, W + T, D]
     kpos = jnp.concatenate([jnp.where(rpos >= 0, rpos, -1), jnp.where(valid, positions, -1)], axis=1)
-    return compressed_sparse_read(q, keys, kpos.astype(jnp.int32), positions.astype(jnp.int32), entries, table,
-                                  indices, count, sinks, window=window, scale=scale, rate=rate, impl=impl)
+
+    def op(q, sinks, *rest):
+        k, kp, qp, e, t, i, c = rest
+        return compressed_sparse_read(q, k, kp, qp, e, t, i, c, sinks, window=window, scale=scale, rate=rate,
+                                      impl=impl)
+    rest = (keys, kpos.astype(jnp.int32), positions.astype(jnp.int32), entries, table, indices, count)
+    q_axes = (None, None, "heads", None)
+    return per_device(op, (q_axes, ("heads",)) + (None,) * len(rest), q_axes, out_like=q)(q, sinks, *rest)
 
 
 def compressed_attention(p: dict, x, layer_type: str, positions, valid, lengths, n_new, ring, comp_state: dict,
@@ -166,4 +180,5 @@ def _index(p, x, q_res, positions, valid, n_new, cs, new_state, freqs_comp, *, c
     NE = table.shape[1] * keys.shape[1]
     # entry j is visible to position p once its window closed: j <= (p + 1) // rate - 1
     qpos = jnp.where(valid, (positions + 1) // rate - 1, -1)
-    return indexer_topk(qi, w, keys, table, qpos, count, topk=min(cfg.index_topk, NE), impl=impl)
+    return indexer_per_head(lambda *a, head_axis: indexer_topk(*a, topk=min(cfg.index_topk, NE), impl=impl,
+                                                               head_axis=head_axis), qi, w, keys, table, qpos, count)

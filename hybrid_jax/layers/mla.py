@@ -61,7 +61,7 @@ def _whole(pool: jax.Array) -> jax.Array:
     return constrain(pool, (None,) * pool.ndim)
 
 
-def _indexer_per_head(op, qi, w, *rest):
+def indexer_per_head(op, qi, w, *rest):
     """op(qi, w, *rest, head_axis=...) (the indexer's Top-K) on each device's indexer heads when the heads
     are split: qi [..., Hi, Di] and w [..., Hi] split by heads, the keys and tables whole; the op sums the
     devices' partial scores over the tensor axis before it selects, so every device gets the same
@@ -130,7 +130,7 @@ def sparse_attention(p: dict, x, cos, sin, positions, valid, lengths, n_new, lat
     scale = scale or (nope + rope_dim) ** -0.5
     if ragged is None:
         qpos = jnp.where(valid, positions, -1)
-        idx = _indexer_per_head(lambda *a, head_axis: indexer_topk(*a[:-1], topk=topk, k_scale=a[-1], impl=impl,
+        idx = indexer_per_head(lambda *a, head_axis: indexer_topk(*a[:-1], topk=topk, k_scale=a[-1], impl=impl,
                                                                    layer=layer, head_axis=head_axis),
                                 qi, w, ikeys, index_table, qpos, kv_len, iscale)
         o_lat = _per_head(lambda ql, qr, la, ro, tb, ix, kl: sparse_mla_attention(
@@ -139,7 +139,7 @@ def sparse_attention(p: dict, x, cos, sin, positions, valid, lengths, n_new, lat
         hit = sparse_hit_rate(idx, page_table, page_resident, lat.shape[-2], kv_len)
     else:
         cu = ragged.cu_seqlens
-        idx = _indexer_per_head(lambda *a, head_axis: indexer_topk_ragged(
+        idx = indexer_per_head(lambda *a, head_axis: indexer_topk_ragged(
             *a[:-1], topk=topk, k_scale=a[-1], impl=impl, layer=layer, head_axis=head_axis),
             qi[0], w[0], ikeys, index_table, cu, kv_len, iscale)
         o_lat = _per_head(lambda ql, qr, la, ro, tb, c, ix, kl: sparse_mla_attention_ragged(

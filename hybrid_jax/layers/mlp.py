@@ -12,6 +12,8 @@ outputs are summed over the devices: one all-reduce of [M, Hd] per block, no exp
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -45,33 +47,45 @@ def interleave_gate_up(a, n: int):
     return a.reshape(lead + (2, n, -1)).swapaxes(-3, -2).reshape(lead + (-1,))
 
 
-def swiglu(x: jax.Array, gate_up: jax.Array, down: jax.Array) -> jax.Array:
-    """x: [..., Hd]; gate_up: [Hd, 2I]; down: [I, Hd] (arrays or `layers.linear` weights). Under a layout
-    that splits gate_up (`gate_up_devices`), its columns are per device [gate_d | up_d] and each device
-    multiplies its own halves: the activation [..., I] comes out split as down's rows are."""
+def _act(g, u, limit: float | None):
+    """silu(gate) * up; with `limit` (DeepSeek-V4's swiglu_limit) the gate clamped above and up both sides."""
+    if limit is not None:
+        g, u = jnp.minimum(g, limit), jnp.clip(u, -limit, limit)
+    return jax.nn.silu(g) * u
+
+
+def _split_act(h, limit: float | None = None):
+    """The SwiGLU activation [..., I] of pre-activations h [..., 2I] = [gate | up]."""
+    g, u = jnp.split(h, 2, axis=-1)
+    return _act(g, u, limit)
+
+
+def swiglu(x: jax.Array, gate_up: jax.Array, down: jax.Array, limit: float | None = None) -> jax.Array:
+    """x: [..., Hd]; gate_up: [Hd, 2I]; down: [I, Hd] (arrays or `layers.linear` weights); limit: clamp
+    the pre-activations (`_act`). Under a layout that splits gate_up (`gate_up_devices`), its columns
+    are per device [gate_d | up_d] and each device multiplies its own halves: the activation [..., I]
+    comes out split as down's rows are."""
     h = linear(x, gate_up)
     n = gate_up_devices(gate_up)
     if n > 1:
         h = h.reshape(h.shape[:-1] + (n, 2, -1))
-        act = (jax.nn.silu(h[..., 0, :]) * h[..., 1, :]).reshape(h.shape[:-3] + (-1,))
+        act = _act(h[..., 0, :], h[..., 1, :], limit).reshape(h.shape[:-3] + (-1,))
     else:
-        g, u = jnp.split(h, 2, axis=-1)
-        act = jax.nn.silu(g) * u
+        act = _split_act(h, limit)
     return linear(act, down)
 
 
-def _routed_gather(x, idx, w, gate_up, down):
+def _routed_gather(x, idx, w, gate_up, down, limit=None):
     # x: [M, Hd]; idx, w: [M, k]; gate_up: [E, Hd, 2I]; down: [E, I, Hd] (only the chosen experts are decoded)
     h = jnp.einsum("mh,mkhi->mki", x, dequantize(take(gate_up, idx), x.dtype))
-    g, u = jnp.split(h, 2, axis=-1)
-    y = jnp.einsum("mki,mkih->mkh", jax.nn.silu(g) * u, dequantize(take(down, idx), x.dtype))
+    y = jnp.einsum("mki,mkih->mkh", _split_act(h, limit), dequantize(take(down, idx), x.dtype))
     return jnp.einsum("mkh,mk->mh", y, w.astype(y.dtype))
 
 
 BATCHED_UP_ROWS = 64   # _routed_dense: fewer rows than this use the batched up projection
 
 
-def _routed_dense(x, idx, w, gate_up, down):
+def _routed_dense(x, idx, w, gate_up, down, limit=None):
     # Every expert on every row, with the routing weights (zero where not routed) folded into the
     # activations. Wastes E/k of the FLOPs but has no gather or scatter: the fastest form when E is
     # small. Two up projections: few rows (decode, short verify windows) take a batched matmul over
@@ -85,12 +99,10 @@ def _routed_dense(x, idx, w, gate_up, down):
     combine = jnp.sum(jax.nn.one_hot(idx, E, dtype=x.dtype) * w[..., None].astype(x.dtype), axis=1)   # [M, E]
     if M < BATCHED_UP_ROWS:
         h = jnp.einsum("emh,ehi->emi", jnp.broadcast_to(x, (E, M, Hd)), gate_up)        # [E, M, 2I]
-        g, u = jnp.split(h, 2, axis=-1)
-        act = jnp.moveaxis(jax.nn.silu(g) * u * combine.T[..., None], 0, 1)              # [M, E, I]
+        act = jnp.moveaxis(_split_act(h, limit) * combine.T[..., None], 0, 1)            # [M, E, I]
     else:
         h = jnp.einsum("mh,ehi->mei", x, gate_up)                                        # [M, E, 2I]
-        g, u = jnp.split(h, 2, axis=-1)
-        act = jax.nn.silu(g) * u * combine[..., None]                                    # [M, E, I]
+        act = _split_act(h, limit) * combine[..., None]                                  # [M, E, I]
     # contracted over (E, I) as two axes, not reshaped into one: split experts or a split intermediate
     # axis (hybrid_jax.parallel) stay split, and each device sums its own part
     return jnp.einsum("mei,eih->mh", act, down)
@@ -106,7 +118,7 @@ def _grouped(xs, w, sizes):
     return jax.lax.ragged_dot(xs, dequantize(w, xs.dtype), sizes)
 
 
-def _routed_sorted(x, idx, w, gate_up, down):
+def _routed_sorted(x, idx, w, gate_up, down, limit=None):
     # idx may hold E (= gate_up.shape[0]): an assignment to no expert here (another device's), sorted
     # last and left out of the groups
     M, k = idx.shape
@@ -116,9 +128,7 @@ def _routed_sorted(x, idx, w, gate_up, down):
     tok = order // k
     sizes = jnp.bincount(flat_e, length=E).astype(jnp.int32)
     xs = x[tok]
-    h = _grouped(xs, gate_up, sizes)
-    g, u = jnp.split(h, 2, axis=-1)
-    y = _grouped(jax.nn.silu(g) * u, down, sizes)
+    y = _grouped(_split_act(_grouped(xs, gate_up, sizes), limit), down, sizes)
     mine = (flat_e[order] < E)[:, None]              # rows past the groups are not computed: never read them
     y = jnp.where(mine, y * w.reshape(-1)[order][:, None].astype(y.dtype), 0)
     return jnp.zeros_like(x).at[tok].add(y)
@@ -136,14 +146,16 @@ def _form(M: int, k: int, E: int):
 _EXPERTS = ("experts", None, None)     # gate_up [E, Hd, 2I], down [E, I, Hd] (and an FP8 weight's scales)
 
 
-def routed_experts(x: jax.Array, idx: jax.Array, w: jax.Array, gate_up: jax.Array, down: jax.Array) -> jax.Array:
-    """The routed experts' output: x [M, Hd]; idx, w [M, k] (chosen experts, their weights);
-    gate_up [E, Hd, 2I]; down [E, I, Hd] (arrays or `layers.linear` weights: an FP8 expert is decoded
-    inside the step, only the chosen ones on the gather path). Picks the form by shape (see the module
-    docstring); with the experts split over devices, each runs it on its own (module docstring)."""
+def routed_experts(x: jax.Array, idx: jax.Array, w: jax.Array, gate_up: jax.Array, down: jax.Array,
+                   limit: float | None = None) -> jax.Array:
+    """The routed experts' output: x [M, Hd]; idx, w [M, k] (chosen experts, their weights; an expert
+    chosen twice in a row counts twice); gate_up [E, Hd, 2I]; down [E, I, Hd] (arrays or `layers.linear`
+    weights: an FP8 expert is decoded inside the step, only the chosen ones on the gather path); limit:
+    clamp the SwiGLU pre-activations (DeepSeek-V4). Picks the form by shape (see the module docstring);
+    with the experts split over devices, each runs it on its own (module docstring)."""
     M, k = idx.shape
     E = gate_up.shape[0]
-    form = _form(M, k, E)
+    form = functools.partial(_form(M, k, E), limit=limit)
     lay = current()
     if lay is None or tensor_size() == 1 or lay.spec(_EXPERTS, gate_up.shape, "experts")[0] is None:
         return form(x, idx, w, gate_up, down)
@@ -155,7 +167,7 @@ def routed_experts(x: jax.Array, idx: jax.Array, w: jax.Array, gate_up: jax.Arra
         # another device's expert: index El (the sorted form leaves it out of its groups), clipped to a
         # real one with weight 0 on the gather form; the dense form's one-hot of El is all zeros
         local = jnp.where(mine, idx - first, El)
-        if form is _routed_gather:
+        if form.func is _routed_gather:
             local = jnp.minimum(local, El - 1)
         y = form(x, local, jnp.where(mine, w, jnp.zeros_like(w)), gate_up, down)
         return jax.lax.psum(y, MODEL)

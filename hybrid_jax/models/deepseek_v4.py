@@ -28,8 +28,9 @@ from cache import ModelCache
 from cache.compressed import init_compressed_groups
 from hybrid_jax.layers.compressed_attention import compressed_attention, inv_freq
 from hybrid_jax.layers.hyper_connections import hc_head, hc_merge, hc_weights
-from hybrid_jax.layers.linear import dequantize, linear, take
+from hybrid_jax.layers.linear import linear
 from hybrid_jax.layers.mla import rms_norm
+from hybrid_jax.layers.mlp import routed_experts, swiglu
 from hybrid_jax.models.common import LayerStep, finish_step, token_positions
 from hybrid_jax.models.contract import LayerType, MTPHead, ModelFamily, StepOutput
 from hybrid_jax.models.deepseek_v4_config import DeepseekV4Config
@@ -92,35 +93,6 @@ def _score(cfg, logits):
     return jax.nn.sigmoid(logits)
 
 
-def _clamped_swiglu(h, limit):
-    g, u = jnp.split(h, 2, axis=-1)
-    return jax.nn.silu(jnp.minimum(g, limit)) * jnp.clip(u, -limit, limit)
-
-
-def _experts(x, idx, w, gate_up, down, limit):
-    """x [M, Hd]; idx, w [M, k]; gate_up [E, Hd, 2I]; down [E, I, Hd]. Few rows gather the chosen experts'
-    weights; many rows with few experts run them all densely (masked); else rows are sorted by expert
-    for two grouped matmuls (lax.ragged_dot). Repeated experts in a row (a hash table may hold them) add up."""
-    M, k = idx.shape
-    E = gate_up.shape[0]
-    if M * k <= E:         # only the chosen experts are decoded (FP8 weights kept on the device)
-        a = _clamped_swiglu(jnp.einsum("mh,mkhi->mki", x, dequantize(take(gate_up, idx), x.dtype)), limit)
-        return jnp.einsum("mki,mkih,mk->mh", a, dequantize(take(down, idx), x.dtype), w.astype(x.dtype))
-    gate_up, down = dequantize(gate_up, x.dtype), dequantize(down, x.dtype)
-    if E <= 4 * k:         # few experts: every expert on every row, masked by the routing weights
-        Hd, I2 = gate_up.shape[1:]
-        h = (x @ gate_up.transpose(1, 0, 2).reshape(Hd, E * I2)).reshape(M, E, I2)
-        combine = jnp.sum(jax.nn.one_hot(idx, E, dtype=h.dtype) * w[..., None].astype(h.dtype), axis=1)   # [M, E]
-        return (_clamped_swiglu(h, limit) * combine[..., None]).reshape(M, -1) @ down.reshape(-1, Hd)
-    flat = idx.reshape(-1)
-    order = jnp.argsort(flat, stable=True)
-    tok = order // k
-    sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
-    a = _clamped_swiglu(jax.lax.ragged_dot(x[tok], gate_up, sizes), limit)
-    y = jax.lax.ragged_dot(a, down, sizes) * w.reshape(-1)[order][:, None].astype(x.dtype)
-    return jnp.zeros_like(x).at[tok].add(y)
-
-
 def moe(cfg: DeepseekV4Config, p: dict, x, tokens):
     """x [B, T, Hd], tokens [B, T]. Scores score_fn(x W_r); experts from tid2eid[token] (hash) or Top-K of
     scores + bias; weights = chosen scores renormalised (always) * routed_scaling_factor; + shared expert.
@@ -134,8 +106,8 @@ def moe(cfg: DeepseekV4Config, p: dict, x, tokens):
         _, idx = jax.lax.top_k(scores + p["bias"], cfg.num_experts_per_tok)
     w = jnp.take_along_axis(scores, idx, axis=1)
     w = w / (jnp.sum(w, axis=-1, keepdims=True) + 1e-20) * cfg.routed_scaling_factor
-    routed = _experts(x2, idx, w, p["gate_up"], p["down"], cfg.swiglu_limit)
-    shared = linear(_clamped_swiglu(linear(x2, p["shared_gate_up"]), cfg.swiglu_limit), p["shared_down"])
+    routed = routed_experts(x2, idx, w, p["gate_up"], p["down"], limit=cfg.swiglu_limit)
+    shared = swiglu(x2, p["shared_gate_up"], p["shared_down"], limit=cfg.swiglu_limit)
     return (routed + shared).reshape(B, T, Hd).astype(x.dtype)
 
 
@@ -515,11 +487,11 @@ def convert_hf_weights(cfg: DeepseekV4Config, get: Callable[[str], np.ndarray], 
                                                  dtype),
               "shared_down": lin(ml + "shared_experts.down_proj.weight", Hd, I)}
         if hash_moe:
-            tab = t(ml + "gate.tid2eid", (cfg.vocab_size, k))
+            tab = np.asarray(t(ml + "gate.tid2eid", (cfg.vocab_size, k)))       # read whole: every id is checked
             if tab.min() < 0 or tab.max() >= E:
                 from hybrid_jax.errors import CheckpointError  # noqa: PLC0415
                 raise CheckpointError(f"{ml}gate.tid2eid holds expert ids outside [0, {E})")
-            mo["tid2eid"] = jnp.asarray(tab, jnp.int32)
+            mo["tid2eid"] = to_device(tab, jnp.int32)
         else:
             mo["bias"] = dev(t(ml + "gate.e_score_correction_bias", (E,)), f32)
         return {"attn_norm": dev(t(p + "input_layernorm.weight", (Hd,))),
@@ -536,8 +508,48 @@ def convert_hf_weights(cfg: DeepseekV4Config, get: Callable[[str], np.ndarray], 
     return params
 
 
+# Logical axes of every parameter (hybrid_jax.parallel.rules), first match wins ("*" spans "/": the MTP
+# block's layer matches the layers' patterns). The query heads (q_b's head-major columns), their sinks
+# and the grouped output projection split by heads: o_a by its groups, o_b by its rows (each group's
+# o_lora outputs: row parallel, one all-reduce). The indexer splits by its heads (its Top-K sums the
+# devices' scores). The shared K = V projection, the compressors, the hyper-connections and the router
+# (and the hash table) are whole. Experts split whole under expert parallelism, else by their
+# intermediate columns; the shared expert is column then row parallel (gate | up laid out per device).
+PARAM_AXES = {
+    "embed": ("vocab", "embed"),
+    "lm_head": ("embed", "vocab"),
+    "*/attn/q_a": ("embed", None),
+    "*/attn/q_b": (None, "heads"),
+    "*/attn/kv": ("embed", None),
+    "*/attn/sinks": ("heads",),
+    "*/attn/o_a": ("heads", None, None),
+    "*/attn/o_b": ("heads", "embed"),
+    "*/attn/c_kv": ("embed", None),
+    "*/attn/c_gate": ("embed", None),
+    "*/attn/c_bias": (None, None),
+    "*/attn/i_kv": ("embed", None),
+    "*/attn/i_gate": ("embed", None),
+    "*/attn/i_bias": (None, None),
+    "*/attn/i_q": (None, "heads"),
+    "*/attn/i_w": ("embed", "heads"),
+    "*/moe/router": ("embed", None),
+    "*/moe/bias": (None,),
+    "*/moe/tid2eid": (None, None),
+    "*/moe/gate_up": ("experts", "embed", "expert_mlp"),
+    "*/moe/down": ("experts", "expert_mlp", "embed"),
+    "*/moe/shared_gate_up": ("embed", "gate_up"),
+    "*/moe/shared_down": ("mlp", "embed"),
+    "*hc*/fn": (None, None),
+    "*hc*/base": (None,),
+    "*hc*/scale": (None,),
+    "mtp/e_proj": (None, "embed"),
+    "mtp/h_proj": (None, "embed"),
+    "*norm": (None,),
+}
+
 FAMILY = ModelFamily(
     name="deepseek_v4", forward=forward, forward_ragged=forward_ragged, new_cache=new_cache, init_params=init_params,
     convert_hf_weights=convert_hf_weights, final_norm=final_norm, layer_types=LAYER_TYPES,
     mtp=MTPHead(prefixes=mtp_prefixes, new_cache=mtp_new_cache, target_hidden=target_hidden, step=mtp_step,
-                logits=mtp_logits, hidden_shape=mtp_hidden_shape))
+                logits=mtp_logits, hidden_shape=mtp_hidden_shape),
+    param_axes=PARAM_AXES)

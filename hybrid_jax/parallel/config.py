@@ -25,6 +25,7 @@ HEAD_FIELDS = {
     "linear_num_key_heads": "linear-attention key heads",
     "linear_num_value_heads": "linear-attention value heads",
     "index_n_heads": "indexer heads",
+    "o_groups": "output-projection groups",
 }
 EXPERT_FIELDS = ("num_experts", "n_routed_experts")
 

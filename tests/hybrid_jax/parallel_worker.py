@@ -2,7 +2,7 @@
 core (multi_device.py; the rest of the suite keeps one device). Prints one JSON line "RESULT {...}" with, per
 layout, what the test compares against one device.
 
-    python parallel_worker.py CHECKPOINT_DIR [deepseek_v32 | fp8 | v4_dp | disk DIRECTORY]
+    python parallel_worker.py CHECKPOINT_DIR [deepseek_v32 | deepseek_v4 | fp8 | disk DIRECTORY]
 """
 from __future__ import annotations
 
@@ -170,19 +170,6 @@ def disk_across_layouts(path: str, directory: str) -> dict:
     return out
 
 
-def data_parallel_one_device_replicas(path: str) -> dict:
-    """A family without sharding rules (DeepSeek-V4) as two replicas of one device each, against one
-    device: tokens, each replica's devices, requests per replica."""
-    sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    prompts = [{"prompt_token_ids": [5, 9, 13, 20, 7, 41] * 5}, {"prompt_token_ids": [3, 4, 5, 6] * 9}]  # vocab 97
-    one = LLM(model=path, max_model_len=256, max_num_seqs=2)
-    two = LLM(model=path, max_model_len=256, max_num_seqs=2, data_parallel_size=2)
-    return {"one": [o.outputs[0].token_ids for o in one.generate(prompts, sp)],
-            "two": [o.outputs[0].token_ids for o in two.generate(prompts, sp)],
-            "devices": [sorted({d.id for x in jax.tree_util.tree_leaves(r.params) for d in x.devices()})
-                        for r in two.replicas()], "routed": two.engine.routed}
-
-
 if __name__ == "__main__":
     if sys.argv[2:] == ["deepseek_v32"]:      # 4 heads, 8 experts: split over 2, and over 4 with experts whole
         result = run(sys.argv[1], {k: LAYOUTS[k] for k in ("tp1", "tp2", "tp4_ep", "dp2_tp4")}, full=False)
@@ -190,8 +177,8 @@ if __name__ == "__main__":
         result = run(sys.argv[1], {"tp1": dict(quantization="fp8"),
                                    "tp2_ep": dict(tensor_parallel_size=2, enable_expert_parallel=True,
                                                   quantization="fp8")}, full=False)
-    elif sys.argv[2:] == ["v4_dp"]:           # DeepSeek-V4 (no sharding rules): replicas of one device
-        result = data_parallel_one_device_replicas(sys.argv[1])
+    elif sys.argv[2:] == ["deepseek_v4"]:     # 4 heads in 4 output groups, 32 indexer heads, 8 experts
+        result = run(sys.argv[1], {k: LAYOUTS[k] for k in ("tp1", "tp2", "tp4_ep", "dp2_tp4")}, full=False)
     elif sys.argv[2:3] == ["disk"]:           # a disk tier written at tensor size 2, read at 4
         result = disk_across_layouts(sys.argv[1], sys.argv[3])
     else:

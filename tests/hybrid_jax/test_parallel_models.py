@@ -1,5 +1,5 @@
-"""DeepSeek-V3.2 and an FP8 release (kept in FP8) split over 2 and 4 CPU devices against one device,
-DeepSeek-V4 as data-parallel replicas of one device each, and a disk prefix tier written under one layout and read under another (parallel_worker.py in a
+"""DeepSeek-V3.2, DeepSeek-V4 and an FP8 release (kept in FP8) split over 2 and 4 CPU devices and over
+two replicas of 4 against one device, and a disk prefix tier written under one layout and read under another (parallel_worker.py in a
 subprocess with 8 CPU devices, through multi_device.py)."""
 from __future__ import annotations
 
@@ -68,9 +68,26 @@ def test_disk_tier_written_at_tensor_size_2_serves_tensor_size_4(tmp_path_factor
     assert not any(v for k, v in four["misses"].items() if k != "no_hit")
 
 
-def test_a_family_without_sharding_rules_runs_data_parallel_on_one_device_per_replica(tmp_path_factory):
-    """DeepSeek-V4 has no rule table yet (tensor_parallel_size > 1 is refused), but data_parallel_size 2
-    runs two one-device engines, on devices 0 and 1, one prompt each, with one device's tokens."""
+@pytest.fixture(scope="module")
+def v4_worker(tmp_path_factory):
     from test_deepseek_v4 import make_checkpoint as make_v4  # noqa: PLC0415
-    r = run_worker("parallel_worker.py", make_v4(tmp_path_factory.mktemp("v4_dp") / "m", seed=1), "v4_dp")
-    assert r["two"] == r["one"] and r["devices"] == [[0], [1]] and r["routed"] == [1, 1]
+    ckpt = make_v4(tmp_path_factory.mktemp("tp_v4") / "m", seed=5, vocab_size=320, o_groups=4)
+    return run_worker("parallel_worker.py", ckpt, "deepseek_v4")
+
+
+@pytest.mark.parametrize("layout", ["tp2", "tp4_ep", "dp2_tp4"])
+def test_split_deepseek_v4_generates_what_one_device_does(v4_worker, layout):
+    """DeepSeek-V4's query heads, sinks and output groups split (the compressed read per device), its
+    indexer by heads, the shared K = V, window and compressed entries whole on every device, experts by
+    columns or whole, and two such engines (data parallel): one device's greedy tokens, with the prefix
+    cache and n-gram speculation on."""
+    one, split = v4_worker["tp1"], v4_worker[layout]
+    assert split["tokens"] == one["tokens"] and split["again"] == one["again"] == one["tokens"]
+    assert split["logprobs"] == pytest.approx(one["logprobs"], rel=1e-5, abs=1e-5)
+    assert split["hits"] >= 2 and split["pools_keep_shardings"] is True
+    w = split["weights"]
+    assert w["device0"] < 0.75 * w["total"]
+    assert split["whole_matrices"] == [
+        "hc_head/fn", "layers/*/attn/c_bias", "layers/*/attn/c_gate", "layers/*/attn/c_kv", "layers/*/attn/i_bias",
+        "layers/*/attn/i_gate", "layers/*/attn/i_kv", "layers/*/attn/kv", "layers/*/attn/q_a",
+        "layers/*/attn_hc/fn", "layers/*/ffn_hc/fn", "layers/*/moe/router", "layers/*/moe/tid2eid"]
