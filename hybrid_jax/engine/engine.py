@@ -10,7 +10,6 @@ stored pages with the requests that hit them.
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from typing import Any
@@ -25,6 +24,7 @@ from hybrid_jax.engine.config import EngineConfig
 from hybrid_jax.engine.detokenize import IncrementalDetokenizer
 from hybrid_jax.engine.limits import check_request
 from hybrid_jax.engine.metrics import EngineMetrics
+from hybrid_jax.engine.publish_points import Publish, PublishPoints
 from hybrid_jax.engine.request import Request, RequestFailed, RequestOutput, RequestStatus, attributed
 from hybrid_jax.engine.runner import ModelRunner, enable_persistent_compilation_cache
 from hybrid_jax.engine.scheduler import Scheduler
@@ -34,20 +34,6 @@ from hybrid_jax.generate import bucket
 from hybrid_jax.sampling import SamplingParams
 
 log = logging.getLogger("hybrid_jax.engine")
-
-
-@dataclasses.dataclass(frozen=True)
-class Publish:
-    """A publish a step queued: request `request_id` (row `row`) holds tokens[:boundary] exactly;
-    branch: `boundary` is its branch point (PrefixCache.publish)."""
-    row: int
-    request_id: str
-    tokens: list[int]
-    boundary: int
-    branch: bool = False
-    decoded: bool = False       # a point reached while decoding (PrefixCache.publish's `durable`)
-    spare: bool = False         # the prompt's spare point (PrefixCache.spare_point)
-    keep: int = 0               # a decoded point's: the prompt's end, kept as a spare (PrefixCache.publish)
 
 
 class LLMEngine:
@@ -67,9 +53,7 @@ class LLMEngine:
         self.prefix: PrefixCache | None = None
         if self.config.enable_prefix_caching:
             self.prefix = self._new_prefix_cache(self.config.prefix_cache_bytes or self.runner.budget_bytes)
-        self._stops: dict[str, tuple[int, ...]] = {}   # request -> publish points of its prefill
-        self._branches: dict[str, int] = {}             # request -> its branch point (`_reuse_prefix`)
-        self.decode_publishes = 0                       # publishes of decoded tokens (`_publish`)
+        self.points = PublishPoints()                   # where each request publishes its prefix
         self.spec = None
         if self.config.speculative_config:
             self.spec = EngineSpeculator(self.config.speculative_config, llm.config.vocab_size,
@@ -140,8 +124,7 @@ class LLMEngine:
         req.status, req.finish_reason = RequestStatus.ABORTED, reason
         self.metrics.success.labels(finished_reason=reason).inc()
         self._detok.pop(req.request_id, None)
-        self._stops.pop(req.request_id, None)
-        self._branches.pop(req.request_id, None)
+        self.points.forget(req.request_id)
         self._pending = [x for x in self._pending if x.request_id != req.request_id]
         if self.spec is not None:
             self.spec.forget(req.request_id)
@@ -227,16 +210,8 @@ class LLMEngine:
         return DiskConfig(directory=c.kv_cache_dir, cap_bytes=c.kv_cache_dir_bytes, policy=c.prefetch_policy,
                           timeout_s=c.prefetch_timeout_s)
 
-    def _publish_points(self, q: Request) -> tuple[int, ...]:
-        """Where the request's prefill stops to publish: the retention policy's boundaries of its
-        prompt, and its branch point (set at admission, `_reuse_prefix`)."""
-        pts = self._stops.get(q.request_id)
-        if pts is None:
-            pts = self._stops[q.request_id] = self.prefix.publish_boundaries(len(q.prompt_ids))
-        return pts
-
     def _next_publish(self, q: Request) -> int | None:
-        return next((b for b in self._publish_points(q) if b > q.num_computed), None)
+        return self.points.next_point(self.prefix, q)
 
     def _reuse_prefix(self, q: Request) -> int:
         """Scheduler hook on admission: the new request gets its cached prefix when a hit validates
@@ -246,11 +221,7 @@ class LLMEngine:
         self.runner.cache, got = self.prefix.reuse(self.runner.cache, q.slot, q.request_id, q.all_ids)
         n = got.boundary
         q.num_cached_tokens = n
-        pts = self.prefix.publish_boundaries(len(q.prompt_ids))
-        if got.branch:
-            pts = tuple(sorted(set(pts) | {got.branch}))
-            self._branches[q.request_id] = got.branch
-        self._stops[q.request_id] = pts
+        self.points.admitted(self.prefix, q, got.branch)
         self.metrics.prefix_queries.inc(len(q.all_ids))
         self.metrics.prefix_hits.inc(n)
         st = self.prefix.stats
@@ -259,46 +230,11 @@ class LLMEngine:
         self.metrics.effective_reuse.set(st.effective_reuse)
         return n
 
-    def _publish(self, reqs, toks):
-        """After a step: rows that just reached one of their publish points queue it: a prompt's
-        boundaries and branch point, and while decoding every point of the resume grid (the decode
-        stops there, `_decode_caps`), so a finished request leaves its prompt + output behind up to the
-        last grid point and the next turn of a conversation resumes after this answer. toks[i]: the
-        tokens the step sampled for reqs[i] (-1: none). The copy runs at the start of the next step,
-        before anything can change those rows, so the sampled tokens stream out first (publishing
-        never adds to a request's TTFT)."""
-        grid = self.prefix.geometry.resume
-        for q, row in zip(reqs, toks):
-            b = q.num_computed
-            if q.slot is None or b <= 0:
-                continue
-            prompt_point = b in self._publish_points(q)
-            decoded = b > len(q.prompt_ids) and b % grid == 0 and not prompt_point
-            if prompt_point or decoded:
-                self.decode_publishes += int(decoded)
-                ids = q.all_ids + [int(t) for t in row if t >= 0]   # the first b were fed to the model
-                branch = self._branches.get(q.request_id) == b
-                spare = prompt_point and not branch and b == self.prefix.spare_point(len(q.prompt_ids))
-                keep = len(q.prompt_ids) // grid * grid if decoded else 0
-                keep = keep if keep > q.num_cached_tokens else 0     # one it published itself
-                self._pending.append(Publish(q.slot, q.request_id, ids, b, branch, decoded, spare, keep))
-
     def _decode_caps(self, reqs) -> list[int] | None:
-        """Per request, the most tokens a plain decode call may sample for it so that it stops on its
-        next grid point (and publishes there, `_publish`). Serving: every grid point. Offline
-        (run_to_completion, one call per request's life), only the last one before its max_tokens end:
-        a row stopped early idles until the call's longest row ends."""
+        """Plain decode calls stop each row on its next publish point (`PublishPoints.decode_caps`)."""
         if self.prefix is None:
             return None
-        grid, caps = self.prefix.geometry.resume, []
-        for q in reqs:
-            c = q.num_computed
-            if self.config.run_to_completion:
-                last = (c + q.remaining_tokens - 1) // grid * grid     # the last position fed, on the grid
-                caps.append(last - c if last > c else q.remaining_tokens)
-            else:
-                caps.append((c // grid + 1) * grid - c)
-        return caps
+        return self.points.decode_caps(self.prefix, reqs, self.config.run_to_completion)
 
     def flush_publishes(self):
         """Runs the publishes queued by the last step, then gives back the rows and pages of the
@@ -341,7 +277,7 @@ class LLMEngine:
         if self.prefix is None:
             return {"enabled": False}
         self.flush_publishes()
-        return {"enabled": True, **self.prefix.cache_stats(), "decode_publishes": self.decode_publishes,
+        return {"enabled": True, **self.prefix.cache_stats(), "decode_publishes": self.points.decode_publishes,
                 "pools": self.pool_usage()}
 
     def pool_usage(self) -> dict:
@@ -408,8 +344,7 @@ class LLMEngine:
             except Exception:  # noqa: BLE001  (the old store's pools are gone; only the disk flush matters)
                 log.exception("closing the prefix store after a failed step")
             self.prefix = self._new_prefix_cache(self.prefix.config.cap_bytes)
-        self._stops.clear()
-        self._branches.clear()
+        self.points.clear()
 
     def _step(self) -> list[RequestOutput]:
         if self._pending or self._releasing:
@@ -451,7 +386,7 @@ class LLMEngine:
                     self.metrics.prompt_tokens.inc(p.num_tokens)
             reqs = [p.request for p in plan.rows]
         if self.prefix is not None:
-            self._publish(reqs, toks)
+            self._pending += self.points.reached(self.prefix, reqs, toks)
         self.metrics.step_seconds.observe(time.perf_counter() - t0)
         now = time.monotonic()
         outs = []
@@ -601,8 +536,7 @@ class LLMEngine:
                     break
         if q.finish_reason is not None:
             self._detok.pop(q.request_id, None)
-            self._stops.pop(q.request_id, None)
-            self._branches.pop(q.request_id, None)
+            self.points.forget(q.request_id)
             if self.spec is not None:
                 self.spec.forget(q.request_id)
             q.status = RequestStatus.FINISHED
