@@ -88,8 +88,10 @@ def test_two_processes_of_four_devices_generate_what_one_device_does(eight):
     # each process read its devices' slices of the file: about half of it (norms, router, conv taps whole)
     read = [re.search(r"read ([\d.]+) MiB of the checkpoint's ([\d.]+) MiB", e).groups() for e in (err0, err1)]
     assert all(0.4 < float(r) / float(total) < 0.65 for r, total in read), read
-    printed = [[x for x in o.splitlines() if not x.startswith("[Gloo]")] for o in (out0, out1)]   # gloo's own
-    assert printed == [out.splitlines(), []]       # process 0 prints the text; the others print nothing
+    # process 0 prints the text; the others print nothing. Gloo's own lines come from its threads and once
+    # left a stray line break beside process 0's output (the suite under load): blank lines are not compared
+    printed = [[x for x in o.splitlines() if x.strip() and not x.startswith("[Gloo]")] for o in (out0, out1)]
+    assert printed == [[x for x in out.splitlines() if x.strip()], []]
 
 
 def test_two_processes_serve_what_one_device_generates(eight):
