@@ -1,0 +1,212 @@
+"""Host overhead: how much of the device's decode rate the engine and the HTTP server deliver.
+
+For each model and concurrency (1, 8, 32, 64), in one run:
+  bare    the engine's compiled decode program called back to back at that batch (c requests
+          prefilled, then nothing but the program: no scheduling, no token read back until the end):
+          the ceiling
+  engine  the async engine alone (AsyncEngine, as the server drives it), c requests in flight
+  server  `hybrid-jax serve` in a child process, c streaming completions at once through the official
+          OpenAI client
+Tokens/s of each (and of engine and server as a share of bare), the engine's device-busy share of the
+run and host time per step (its own figures; the server's scraped from /metrics), and TTFT / ITL p50
+and p99. Every configuration first serves two passes of other prompts (the shapes they batch into
+compile: warm-up is `minimal`), then is measured.
+
+Models: the embedded default model, and the benchmarks' proportional Qwen3-Next in float32, whose
+weights (about 56 MB) exceed this machine's last-level cache. Greedy, ignore_eos, token-id prompts of
+16-64 tokens, 32 output tokens.
+
+    python benchmarks/host_overhead.py [--concurrency 1,8,32,64] [--models default,medium] [--requests-per 2]
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from hybrid_jax import LLM, SamplingParams  # noqa: E402
+from hybrid_jax.bench import (RequestResult, engine_totals, make_workload, run_load, scraped_totals,  # noqa: E402
+                              step_figures, summarize)
+from hybrid_jax.engine import EngineConfig, LLMEngine  # noqa: E402
+from hybrid_jax.engine.async_engine import AsyncEngine  # noqa: E402
+
+MAX_SEQS = 64
+OUT_LEN = 32
+PROMPT_LEN = (16, 64)
+
+
+def engine_config(**kw) -> EngineConfig:
+    return EngineConfig(**{**dict(max_num_seqs=MAX_SEQS, max_num_batched_tokens=512, max_model_len=2048,
+                                  decode_steps=4, warmup="minimal", compilation_cache_dir=None), **kw})
+
+
+def bare(llm, c: int, calls: int = 24) -> float:
+    """Tokens/s of the decode program alone at batch c (module docstring)."""
+    eng = LLMEngine(llm, engine_config())
+    sp = SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True)
+    rng = np.random.default_rng(0)
+    for i in range(c):
+        eng.add_request(f"b{i}", {"prompt_token_ids": rng.integers(0, llm.config.vocab_size, 32).tolist()}, sp)
+    runner, seen = eng.runner, {}
+    jitted = runner._decode
+
+    def spy(*a, **k):
+        out = jitted(*a, **k)
+        seen.setdefault("call", (a, k, out))
+        return out
+    runner._decode = spy
+    while "call" not in seen or len(eng.scheduler.running) < c:
+        seen.clear()
+        eng.step()
+    runner._decode = jitted
+    a, k, out = seen["call"]
+    cache, dcache = out[2], out[3]
+    for timed in (False, True):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            toks, _, cache, dcache = jitted(a[0], cache, *a[2:8], dcache, **k)
+        jax.block_until_ready(toks)
+        if timed:
+            return c * k["steps"] * calls / (time.perf_counter() - t0)
+
+
+def engine_run(llm, c: int, n: int) -> dict:
+    eng = LLMEngine(llm, engine_config())
+    eng.warmup()
+    ae = AsyncEngine(eng)
+    ae.start()
+    try:
+        wl = make_workload(n, PROMPT_LEN, (OUT_LEN, OUT_LEN), 0.0, llm.config.vocab_size, seed=c)
+        for seed in (c + 100, c + 200):          # two passes of other prompts: the shapes they batch into compile
+            warm = make_workload(n, PROMPT_LEN, (OUT_LEN, OUT_LEN), 0.0, llm.config.vocab_size, seed=seed)
+            asyncio.run(run_load(warm, c, engine=ae, progress=False))
+        before = engine_totals(eng.metrics)
+        results, secs = asyncio.run(run_load(wl, c, engine=ae, progress=False))
+        return {**summarize(results, secs), **step_figures(before, engine_totals(eng.metrics), secs)}
+    finally:
+        ae.shutdown()
+
+
+async def _openai_load(url: str, model: str, wl, c: int) -> tuple[list[RequestResult], float]:
+    from openai import AsyncOpenAI  # noqa: PLC0415
+    client = AsyncOpenAI(base_url=url + "/v1", api_key="unused", timeout=600, max_retries=0)
+    sem = asyncio.Semaphore(c)
+
+    async def one(prompt, n_out):
+        async with sem:
+            t0 = time.perf_counter()
+            last, ttft, itls, toks = t0, None, [], []
+            stream = await client.completions.create(model=model, prompt=prompt, max_tokens=n_out, temperature=0,
+                                                     stream=True, extra_body={"ignore_eos": True})
+            async for chunk in stream:
+                new = (chunk.choices[0].model_extra or {}).get("token_ids") or [] if chunk.choices else []
+                now = time.perf_counter()
+                if new:
+                    if ttft is None:
+                        ttft = now - t0
+                    else:
+                        itls += [(now - last) / len(new)] * len(new)
+                    last = now
+                    toks += new
+            return RequestResult(ttft, itls, toks, time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    results = await asyncio.gather(*(one(p, k) for p, k in zip(wl.prompts, wl.output_lens)))
+    await client.close()
+    return list(results), time.perf_counter() - t0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def server_runs(path: str | None, dtype: str, vocab: int, levels: list[int], per: int) -> dict:
+    """One `hybrid-jax serve` child for all concurrency levels (the same engine config as the others)."""
+    import httpx  # noqa: PLC0415
+    port = _free_port()
+    cmd = [sys.executable, "-m", "hybrid_jax.cli", "serve", "--port", str(port), "--dtype", dtype,
+           "--max-num-seqs", str(MAX_SEQS), "--max-num-batched-tokens", "512", "--max-model-len", "2048",
+           "--decode-steps", "4", "--warmup", "minimal", "--compilation-cache-dir", "none"]
+    if path:
+        cmd += ["--model", path]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(600):
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        else:
+            raise RuntimeError("the server did not become ready")
+        model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
+        out = {}
+        for c in levels:
+            wl = make_workload(per * c, PROMPT_LEN, (OUT_LEN, OUT_LEN), 0.0, vocab, seed=c)
+            for seed in (c + 100, c + 200):      # two passes of other prompts: the shapes they batch into compile
+                warm = make_workload(per * c, PROMPT_LEN, (OUT_LEN, OUT_LEN), 0.0, vocab, seed=seed)
+                asyncio.run(_openai_load(url, model, warm, c))
+            before = scraped_totals(url, {})
+            results, secs = asyncio.run(_openai_load(url, model, wl, c))
+            out[c] = {**summarize(results, secs), **step_figures(before, scraped_totals(url, {}), secs)}
+        return out
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+
+
+def model(name: str) -> tuple[LLM, str | None, str]:
+    if name == "default":
+        return LLM(), None, "auto"
+    from tiny_qwen3_next import CONFIG_PROPORTIONAL, write_checkpoint  # noqa: PLC0415
+    path = write_checkpoint(os.path.join(tempfile.mkdtemp(), "medium"), config=CONFIG_PROPORTIONAL)
+    return LLM(model=path, dtype="float32"), path, "float32"
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--concurrency", default="1,8,32,64")
+    ap.add_argument("--models", default="default,medium")
+    ap.add_argument("--requests-per", type=int, default=2, help="requests per unit of concurrency")
+    args = ap.parse_args()
+    levels = [int(x) for x in args.concurrency.split(",")]
+    for name in args.models.split(","):
+        llm, path, dtype = model(name)
+        nbytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(llm.params))
+        print(f"\n{name}: {llm.config.model_type}, weights {nbytes / 2**20:.1f} MiB ({dtype}); {OUT_LEN} output "
+              f"tokens, prompts {PROMPT_LEN[0]}-{PROMPT_LEN[1]}, {args.requests_per} requests per unit of concurrency")
+        rows = {c: {"bare": bare(llm, c), "engine": engine_run(llm, c, args.requests_per * c)} for c in levels}
+        for c, r in server_runs(path, dtype, llm.config.vocab_size, levels, args.requests_per).items():
+            rows[c]["server"] = r
+        print(f"{'conc':>5} {'bare tok/s':>11} {'engine':>8} {'of bare':>8} {'server':>8} {'of bare':>8} "
+              f"{'busy e/s':>9} {'host ms/step e/s':>17} {'TTFT p50/p99 ms e | s':>24} {'ITL p50/p99 ms e | s':>23}")
+        for c, r in rows.items():
+            e, s, b = r["engine"], r["server"], r["bare"]
+            print(f"{c:>5} {b:>11.0f} {e['throughput_tok_s']:>8.0f} {e['throughput_tok_s'] / b:>8.0%} "
+                  f"{s['throughput_tok_s']:>8.0f} {s['throughput_tok_s'] / b:>8.0%} "
+                  f"{e['device_busy']:>4.0%}/{s['device_busy']:<4.0%} "
+                  f"{e['host_ms_per_step']:>8.2f}/{s['host_ms_per_step']:<8.2f} "
+                  f"{e['ttft_ms']['p50']:>5.0f}/{e['ttft_ms']['p99']:<5.0f}|{s['ttft_ms']['p50']:>5.0f}/"
+                  f"{s['ttft_ms']['p99']:<6.0f} {e['itl_ms']['p50']:>5.1f}/{e['itl_ms']['p99']:<5.1f}|"
+                  f"{s['itl_ms']['p50']:>5.1f}/{s['itl_ms']['p99']:<5.1f}")
+    print("\n(bare: the decode program back to back at the batch, the ceiling; busy: the share of the run the "
+          "engine waited on the device; one run on a shared 2-core CPU: ratios within a run are the figures)")
+
+
+if __name__ == "__main__":
+    main()
