@@ -37,8 +37,8 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from hybrid_jax import LLM, SamplingParams  # noqa: E402
-from hybrid_jax.bench import (RequestResult, engine_totals, make_workload, run_load, scraped_totals,  # noqa: E402
-                              step_figures, summarize)
+from hybrid_jax.bench import (RequestResult, StreamTally, engine_totals, make_workload, run_load,  # noqa: E402
+                              scraped_totals, step_figures, summarize)
 from hybrid_jax.engine import EngineConfig, LLMEngine  # noqa: E402
 from hybrid_jax.engine.async_engine import AsyncEngine  # noqa: E402
 
@@ -106,21 +106,12 @@ async def _openai_load(url: str, model: str, wl, c: int) -> tuple[list[RequestRe
 
     async def one(prompt, n_out):
         async with sem:
-            t0 = time.perf_counter()
-            last, ttft, itls, toks = t0, None, [], []
+            tally = StreamTally()
             stream = await client.completions.create(model=model, prompt=prompt, max_tokens=n_out, temperature=0,
                                                      stream=True, extra_body={"ignore_eos": True})
-            async for chunk in stream:
-                new = (chunk.choices[0].model_extra or {}).get("token_ids") or [] if chunk.choices else []
-                now = time.perf_counter()
-                if new:
-                    if ttft is None:
-                        ttft = now - t0
-                    else:
-                        itls += [(now - last) / len(new)] * len(new)
-                    last = now
-                    toks += new
-            return RequestResult(ttft, itls, toks, time.perf_counter() - t0)
+            async for chunk in stream:       # the server's token_ids extension rides in the choice's extras
+                tally.add((chunk.choices[0].model_extra or {}).get("token_ids") or [] if chunk.choices else [])
+            return tally.result()
     t0 = time.perf_counter()
     results = await asyncio.gather(*(one(p, k) for p, k in zip(wl.prompts, wl.output_lens)))
     await client.close()

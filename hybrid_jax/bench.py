@@ -56,44 +56,47 @@ def make_workload(n: int, prompt_len: tuple[int, int], output_len: tuple[int, in
     return Workload(prompts, outs)
 
 
+class StreamTally:
+    """One streamed request's figures: started at construction, fed each piece's new token ids."""
+
+    def __init__(self):
+        self.t0 = self.last = time.perf_counter()
+        self.ttft, self.itls, self.tokens = None, [], []
+
+    def add(self, new: list[int]):
+        now = time.perf_counter()
+        if new:
+            if self.ttft is None:
+                self.ttft = now - self.t0
+            else:
+                self.itls += [(now - self.last) / len(new)] * len(new)
+            self.last = now
+            self.tokens += new
+
+    def result(self) -> RequestResult:
+        return RequestResult(self.ttft, self.itls, self.tokens, time.perf_counter() - self.t0)
+
+
 async def _one_engine(engine, i, prompt, n_out) -> RequestResult:
     from hybrid_jax.sampling import SamplingParams  # noqa: PLC0415
-    t0 = time.perf_counter()
-    last, ttft, itls, toks = t0, None, [], []
+    tally = StreamTally()
     sp = SamplingParams(max_tokens=n_out, temperature=0, ignore_eos=True)
     async for out in engine.generate(f"bench-{i}-{time.monotonic_ns()}", {"prompt_token_ids": prompt}, sp):
-        now = time.perf_counter()
-        if out.new_token_ids:
-            if ttft is None:
-                ttft = now - t0
-            else:
-                itls += [(now - last) / len(out.new_token_ids)] * len(out.new_token_ids)
-            last = now
-            toks += out.new_token_ids
-    return RequestResult(ttft, itls, toks, time.perf_counter() - t0)
+        tally.add(out.new_token_ids)
+    return tally.result()
 
 
 async def _one_http(client, url, api_key, i, prompt, n_out) -> RequestResult:
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     body = {"prompt": prompt, "max_tokens": n_out, "temperature": 0, "ignore_eos": True, "stream": True}
-    t0 = time.perf_counter()
-    last, ttft, itls, toks = t0, None, [], []
+    tally = StreamTally()
     async with client.stream("POST", url + "/v1/completions", json=body, headers=headers) as r:
         if r.status_code != 200:
             raise RuntimeError(f"request {i}: HTTP {r.status_code}: {(await r.aread()).decode()[:200]}")
         async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            new = json.loads(line[6:])["choices"][0].get("token_ids") or []
-            now = time.perf_counter()
-            if new:
-                if ttft is None:
-                    ttft = now - t0
-                else:
-                    itls += [(now - last) / len(new)] * len(new)
-                last = now
-                toks += new
-    return RequestResult(ttft, itls, toks, time.perf_counter() - t0)
+            if line.startswith("data: ") and line != "data: [DONE]":
+                tally.add(json.loads(line[6:])["choices"][0].get("token_ids") or [])
+    return tally.result()
 
 
 async def run_load(workload: Workload, concurrency: int, *, engine=None, url: str | None = None,
