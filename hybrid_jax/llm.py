@@ -146,7 +146,6 @@ class LLM:
         if max_num_seqs <= 0:
             raise InputError(f"max_num_seqs must be positive; got {max_num_seqs}")
         family = get_model(self.config.model_type)
-        self.parallel = layout.pc if layout is not None else ParallelConfig()
         replicas = layout.replicas() if layout is not None else [None]
         self.layout = replicas[0]         # this LLM's own weights: the first data-parallel replica's
         self._fingerprint: str | None = None
