@@ -280,6 +280,13 @@ def _join_processes(args):
     if not hasattr(args, "num_processes"):
         return
     from hybrid_jax.parallel import hosts  # noqa: PLC0415
+    if hosts.resolve(args.coordinator_address, args.num_processes, args.process_id)[1] > 1:
+        # The runtime's C++ threads (gloo's "connected to N peer ranks" lines) write to fd 1 a piece at a
+        # time, and would land inside our output: fd 1 goes to stderr, Python's stdout keeps the real one.
+        sys.stdout.flush()
+        real = os.dup(1)
+        os.dup2(2, 1)
+        sys.stdout = os.fdopen(real, "w", buffering=1)      # noqa: SIM115  (the process's whole life)
     if hosts.start(args.coordinator_address, args.num_processes, args.process_id) != 0:
         sys.stdout = open(os.devnull, "w")      # noqa: SIM115  (the process's whole life)
 

@@ -76,10 +76,6 @@ def eight(tmp_path_factory):
     return make_checkpoint(tmp_path_factory.mktemp("hosts") / "m", seed=11, **EIGHT)
 
 
-GLOO = re.compile(r"\[Gloo\]\s*Rank\s*\d+\s*is\s*connected\s*to\s*\d+\s*peer\s*ranks\.\s*Expected\s*number\s*of"
-                  r"\s*connected\s*peer\s*ranks\s*is\s*:\s*\d+")
-
-
 def test_two_processes_of_four_devices_generate_what_one_device_does(eight):
     one = _generate(eight)
     out, err = one.communicate(timeout=900)
@@ -92,11 +88,10 @@ def test_two_processes_of_four_devices_generate_what_one_device_does(eight):
     # each process read its devices' slices of the file: about half of it (norms, router, conv taps whole)
     read = [re.search(r"read ([\d.]+) MiB of the checkpoint's ([\d.]+) MiB", e).groups() for e in (err0, err1)]
     assert all(0.4 < float(r) / float(total) < 0.65 for r, total in read), read
-    # process 0 prints the text; the others print nothing. Gloo prints its connection lines to the same
-    # stdout from its own threads, piece by piece: under load process 0's line break once landed inside
-    # one ("[Gloo] Rank 0" / " is connected to 3 ..."), so they are cut out word by word, not by line
-    printed = [GLOO.sub(" ", o).split() for o in (out0, out1)]
-    assert printed == [out.split(), []]
+    # process 0 prints the text; the others print nothing. The runtime's own lines (gloo's, written by its
+    # C++ threads a piece at a time) go to stderr: stdout is exactly one device's
+    assert [out0, out1] == [out, ""]
+    assert "[Gloo]" not in out0 + out1
 
 
 def test_two_processes_serve_what_one_device_generates(eight):
