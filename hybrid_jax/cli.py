@@ -89,6 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--timeout-body", type=float, default=30.0,
                    help="408 when a request body stops arriving for this long (seconds)")
     s.add_argument("--timeout-keep-alive", type=float, default=5.0, help="close idle keep-alive connections")
+    s.add_argument("--no-engine-process", dest="engine_process", action="store_false",
+                   help="run the engine on a thread of the server's process instead of a process of its own "
+                        "(always so with several processes)")
     _add_engine_args(s)
     _add_parallel_args(s)
     s.set_defaults(warmup="all")      # no request compiles on the serving path (see /health)
@@ -185,7 +188,8 @@ def _serve(args) -> int:
                                             max_request_bytes=args.max_request_bytes,
                                             max_tokens_limit=args.max_tokens_limit, body_timeout_s=args.timeout_body),
                  shutdown_timeout_s=args.shutdown_timeout, header_timeout_s=args.timeout_header,
-                 keep_alive_timeout_s=args.timeout_keep_alive)
+                 keep_alive_timeout_s=args.timeout_keep_alive, engine_process=args.engine_process,
+                 processes=_processes(args))
 
 
 API_KEY_ENV = "HYBRID_JAX_API_KEY"
@@ -274,13 +278,18 @@ def _plan(args) -> int:
     return 0
 
 
+def _processes(args) -> int:
+    from hybrid_jax.parallel import hosts  # noqa: PLC0415
+    return hosts.resolve(args.coordinator_address, args.num_processes, args.process_id)[1]
+
+
 def _join_processes(args):
     """Several processes: joins them (hybrid_jax.parallel.hosts) before any device is touched; only
     process 0 prints results (and serves: the others follow its engine)."""
     if not hasattr(args, "num_processes"):
         return
     from hybrid_jax.parallel import hosts  # noqa: PLC0415
-    if hosts.resolve(args.coordinator_address, args.num_processes, args.process_id)[1] > 1:
+    if _processes(args) > 1:
         # The runtime's C++ threads (gloo's "connected to N peer ranks" lines) write to fd 1 a piece at a
         # time, and would land inside our output: fd 1 goes to stderr, Python's stdout keeps the real one.
         sys.stdout.flush()

@@ -31,6 +31,7 @@ from hybrid_jax.models import get_model
 from hybrid_jax.parallel.config import ParallelConfig
 from hybrid_jax.parallel.placement import Layout, make_layout
 from hybrid_jax.sampling import SamplingParams
+from hybrid_jax.engine.limits import encode_prompt
 from hybrid_jax.tokenizer import ByteTokenizer, load_tokenizer
 from hybrid_jax.weights import LARGE_CHECKPOINT_BYTES, fingerprint, on_host, open_checkpoint
 
@@ -257,31 +258,7 @@ class LLM:
         return tuple(sorted(ids))
 
     def _encode(self, prompt: Any) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise InputError("this checkpoint has no tokenizer.json: pass {'prompt_token_ids': [...]} "
-                                 "instead of a string, or LLM(..., tokenizer=PATH)")
-            text, ids = prompt, self.tokenizer.encode(prompt)
-        elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            text, ids = prompt.get("prompt"), prompt["prompt_token_ids"]
-        elif isinstance(prompt, dict) and "prompt" in prompt:
-            return self._encode(prompt["prompt"])
-        else:
-            raise InputError(f"a prompt must be a string or a dict with 'prompt_token_ids'; got {type(prompt).__name__}")
-        ids = list(ids) if not isinstance(ids, np.ndarray) else ids.tolist()
-        if not ids:
-            raise InputError("empty prompt: it has no tokens")
-        try:
-            arr = np.asarray(ids)
-        except (OverflowError, ValueError, TypeError):     # e.g. an int past int64: named below
-            arr = None
-        if (arr is not None and arr.ndim == 1 and arr.dtype.kind in "iu"
-                and 0 <= arr.min() and arr.max() < self.config.vocab_size):
-            return text, arr.tolist()        # the common case, checked in one pass over an int array
-        bad = [t for t in ids if not isinstance(t, (int, np.integer)) or not 0 <= t < self.config.vocab_size]
-        if bad:
-            raise InputError(f"token ids outside the vocabulary [0, {self.config.vocab_size}): {bad[:5]}")
-        return text, [int(t) for t in ids]
+        return encode_prompt(prompt, self.tokenizer, self.config.vocab_size)
 
     # --- generation --------------------------------------------------------------------------------
     def generate(self, prompts: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

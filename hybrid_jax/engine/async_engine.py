@@ -59,6 +59,21 @@ class AsyncEngine:
         self._thread.join(timeout=timeout)
         self.engine.close()
 
+    # --- what the API server reads (the same on an EngineCoreClient) ------------------------------
+    @property
+    def tokenizer(self):
+        return self.engine.llm.tokenizer
+
+    def model_card(self) -> dict:
+        """What a client may send: max_model_len, vocab_size."""
+        return {"max_model_len": self.engine.config.max_model_len, "vocab_size": self.engine.llm.config.vocab_size}
+
+    def render_metrics(self) -> bytes:
+        return self.engine.metrics.render()
+
+    def count_error(self, kind: str):
+        self.engine.metrics.errors.labels(type=kind).inc()
+
     # --- called from the event loop ----------------------------------------------------------------
     def validate(self, prompt: Any, params: SamplingParams) -> list[int]:
         """Raises InputError for a prompt or parameters the engine would refuse (before streaming)."""

@@ -37,6 +37,8 @@ class EngineConfig:
     prefetch_timeout_s: float = 1.0
     speculative_config: dict | None = None  # vLLM's shape, e.g. {"method": "ngram", "num_speculative_tokens": 4}
     run_to_completion: bool = False      # offline: a decode step takes every decoding row to its end (LLM.generate)
+    async_scheduling: bool = True        # enqueue the next step before reading this one's tokens (no speculation)
+    detokenize: bool = True              # False: only requests with stop strings (an API front end does the rest)
     seed: int = 0                        # seeds of requests that bring none are drawn from this
 
     @property

@@ -4,12 +4,24 @@
 or `decode_steps` decode iterations when nothing is prefilling), then does the host-side work:
 append tokens, detokenize, check stop strings, finish and free rows and pages, record metrics.
 
+Overlap (`EngineConfig.async_scheduling`): a step is enqueued on the device before the tokens of the
+step before it are read back (a `Flight`), so the device never waits for the host's work between
+steps. Sampling stays on the device, and a row whose last token is still in flight is fed it from
+there (the runner's `slot_last`). The host counts a request's in-flight tokens ahead of time
+(`Request.num_inflight`: the step's iterations, its max_tokens and its publish cap are known; only a
+stop token id can end it sooner, on the device) and applies what only it can check (stop strings,
+finishing, aborts) when it reads them back, one step late: the tokens a finished request's next step
+sampled are discarded, never emitted. A step at whose end a request publishes its prefix is read back
+before anything else is enqueued (its rows are copied as they stand then). Speculative decoding reads
+every step's tokens before drafting the next, so it does not overlap.
+
 Memory: the runner's pools (cache.pools) and one block manager (cache.block_manager) that hands out
 their rows, pages and checkpoint units to the requests and to the prefix cache, which shares its
 stored pages with the requests that hit them.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Any
@@ -22,11 +34,11 @@ from cache.prefix_cache import PrefixCache, PrefixCacheConfig
 from cache.prefix_disk import DiskConfig
 from hybrid_jax.engine.config import EngineConfig
 from hybrid_jax.engine.detokenize import IncrementalDetokenizer
-from hybrid_jax.engine.limits import check_request
+from hybrid_jax.engine.limits import admit
 from hybrid_jax.engine.metrics import EngineMetrics
 from hybrid_jax.engine.publish_points import Publish, PublishPoints
 from hybrid_jax.engine.request import Request, RequestFailed, RequestOutput, RequestStatus, attributed
-from hybrid_jax.engine.runner import ModelRunner, enable_persistent_compilation_cache
+from hybrid_jax.engine.runner import Dispatched, ModelRunner, enable_persistent_compilation_cache
 from hybrid_jax.engine.scheduler import Scheduler
 from hybrid_jax.engine.speculate import EngineSpeculator
 from hybrid_jax.errors import InputError
@@ -34,6 +46,18 @@ from hybrid_jax.generate import bucket
 from hybrid_jax.sampling import SamplingParams
 
 log = logging.getLogger("hybrid_jax.engine")
+
+
+@dataclasses.dataclass
+class Flight:
+    """A step enqueued on the device whose tokens the host has not read yet: its requests, the tokens
+    counted for each ahead of time (`Request.num_inflight`), and whether it must be read back before
+    the next step is enqueued (a request publishes its prefix at its end)."""
+    reqs: list[Request]
+    dispatched: Dispatched
+    counted: list[int]
+    sync: bool
+    rates: Any = None          # its rows' sparse hit rates, on the device (`LLMEngine._hit_rates`)
 
 
 class LLMEngine:
@@ -66,6 +90,11 @@ class LLMEngine:
                 check_mtp(self.runner.model, llm.config, llm.params, llm.model_name)
                 self.runner.set_mtp(extra=self.spec.spec.num_speculative_tokens + 1)
         self._pending: list[Publish] = []       # publishes queued by the last step
+        self._flight: Flight | None = None      # the step enqueued last, not read back yet
+        self._landing: Flight | None = None     # the one before it, while a step is being enqueued
+        self._overlap = (self.config.async_scheduling and self.spec is None
+                         and not self.config.run_to_completion)
+        self.overlapped = 0                     # steps enqueued while the one before was still in flight
         self._releasing: list[Request] = []     # finished, row and pages given back after _pending's publishes
         k_max = self.spec.spec.num_speculative_tokens + 1 if self.spec is not None else 1
         # pages a decoding request gets ahead of its writes: a decode call's tokens or a verify's
@@ -91,12 +120,7 @@ class LLMEngine:
     def check(self, prompt: Any, params: SamplingParams) -> tuple[str | None, list[int]]:
         """Admission: raises InputError for a prompt or parameters this model and engine cannot
         serve (see engine/limits.py); returns the prompt's text and token ids."""
-        check_request(params, self.llm.config.vocab_size)
-        text, ids = self.llm._encode(prompt)
-        if len(ids) + params.max_tokens > self.config.max_model_len:
-            raise InputError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
-                             f"max_model_len {self.config.max_model_len}")
-        return text, ids
+        return admit(prompt, params, self.llm.tokenizer, self.llm.config.vocab_size, self.config.max_model_len)
 
     def add_request(self, request_id: str, prompt: Any, params: SamplingParams | None = None,
                     arrival: float | None = None) -> Request:
@@ -110,7 +134,7 @@ class LLMEngine:
         req = Request(request_id=request_id, prompt_ids=ids, params=params, seed=seed, prompt_text=text,
                       arrival=time.monotonic() if arrival is None else arrival)
         self.requests[request_id] = req
-        if self.llm.tokenizer is not None:
+        if self.llm.tokenizer is not None and (self.config.detokenize or params.stop):
             self._detok[request_id] = IncrementalDetokenizer(self.llm.tokenizer)
         if self.prefix is not None:
             self.prefix.prefetch(request_id, ids)    # a disk hit starts loading now, overlapping other work
@@ -177,7 +201,10 @@ class LLMEngine:
         return len(self.scheduler.running)
 
     def has_unfinished(self) -> bool:
-        return bool(self.scheduler.waiting) or len(self.scheduler.running) > len(self._releasing)
+        """Whether a step has work: requests to run, or tokens in flight for one that has not finished
+        (a step left in flight for finished requests only is read back by the next, and dropped)."""
+        return (bool(self.scheduler.waiting) or len(self.scheduler.running) > len(self._releasing)
+                or (self._flight is not None and not all(q.finished for q in self._flight.reqs)))
 
     def warmup(self, mode: str | None = None):
         t0 = time.perf_counter()
@@ -291,19 +318,24 @@ class LLMEngine:
         output with finish_reason "error"); any other failure resets the step state (`_recover`)
         and the requests go on. Nothing a request sends makes this raise."""
         self._planned: list[Request] = []
-        t0, d0 = time.perf_counter(), self.runner.device_seconds
+        t0, w0, d0 = time.perf_counter(), self.runner.wait_seconds, self.runner.device_seconds
         try:
             return self._step()
         except RequestFailed as e:
             log.error("request %s failed in an engine step; the other requests go on", e.request_id,
                       exc_info=e.cause)
+            try:
+                outs = self._land_late()    # the step before this one is still in flight: its tokens stand
+            except Exception as e2:  # noqa: BLE001
+                return self._recover(e2)
             req = self.requests.get(e.request_id)
-            return [self._fail(req, str(e))] if req is not None else []
+            return outs + ([self._fail(req, str(e))] if req is not None else [])
         except Exception as e:  # noqa: BLE001  (no client input reaches here unchecked: recover, keep serving)
             return self._recover(e)
         finally:
             if self._planned:           # a step ran: its host time is its wall time less the device wait
-                self.metrics.note_step(time.perf_counter() - t0, self.runner.device_seconds - d0)
+                self.metrics.note_step(time.perf_counter() - t0, self.runner.wait_seconds - w0,
+                                       self.runner.device_seconds - d0)
 
     def _recover(self, exc: BaseException) -> list[RequestOutput]:
         """A step failed and no single request can be blamed: the pools may have been consumed by
@@ -315,6 +347,9 @@ class LLMEngine:
         fails again fails. So a request that always breaks a step fails by itself and cannot wedge
         the engine, while the innocents of its step go on, with unchanged outputs."""
         self.metrics.step_failures.labels(attributable="false").inc()
+        self._flight = self._landing = None     # what was in flight is lost with the pools: it is sampled again
+        for q in self.requests.values():        # (at the same sampling steps, so the outputs do not change)
+            q.num_inflight = 0
         planned = list(self._planned)
         for q in planned:
             q.strikes += 1
@@ -352,47 +387,121 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         for r in plan.preempted:
             self.metrics.preemptions.inc()
-        if not plan.rows:
-            return []
-        now = time.monotonic()
-        for p in plan.rows:
-            q = p.request
-            self._planned.append(q)
-            if q.scheduled_time is None:
-                q.scheduled_time = now
-                self.metrics.queue_time.observe(now - q.arrival)
-        self._copy_on_write(plan)
-        t0 = time.perf_counter()
-        if plan.is_decode_only:
-            reqs = [p.request for p in plan.rows]
-            if self._loop_mode(reqs):
-                toks, lps = self._ngram_loop(reqs)
-            else:
-                t_draft = time.perf_counter()
-                drafts, shadows = self.spec.plan(reqs) if self.spec is not None else (None, None)
-                if self.spec is not None:
-                    dt = time.perf_counter() - t_draft
-                    self.spec.metrics.draft_time_s += dt
-                    self.metrics.spec_draft_seconds.inc(dt)
-                if drafts is not None and any(len(d) for d in drafts):
-                    toks, lps = self._verify(reqs, drafts)
-                else:
-                    toks, lps = self._decode(reqs, shadows)
-        else:
-            toks, lps = self.runner.run_mixed(plan.rows)
+        self._landing, self._flight = self._flight, None   # read back once this step is enqueued
+        outs = []
+        if plan.rows:
+            now = time.monotonic()
             for p in plan.rows:
-                p.request.num_computed += p.num_tokens
-                if not p.request.output_ids:
-                    self.metrics.prompt_tokens.inc(p.num_tokens)
+                q = p.request
+                self._planned.append(q)
+                if q.scheduled_time is None:
+                    q.scheduled_time = now
+                    self.metrics.queue_time.observe(now - q.arrival)
+            self._copy_on_write(plan)
             reqs = [p.request for p in plan.rows]
-        if self.prefix is not None:
-            self._pending += self.points.reached(self.prefix, reqs, toks)
+            if plan.is_decode_only and self.spec is not None:
+                outs = self._step_speculative(reqs)
+            else:
+                self._flight = self._dispatch_decode(reqs) if plan.is_decode_only else self._dispatch_mixed(plan.rows)
+                self.overlapped += self._landing is not None
+        outs = self._land_late() + outs
+        if self._flight is not None and (self._flight.sync or not self._overlap):
+            f, self._flight = self._flight, None
+            outs += self._land(f)
+        return outs
+
+    def _dispatch_mixed(self, rows) -> Flight:
+        """Enqueues a mixed step (prefill chunks beside decodes); a row that samples counts one token."""
+        d = self.runner.dispatch_mixed(rows)
+        for p in rows:
+            q = p.request
+            q.num_computed += p.num_tokens
+            q.num_inflight += int(p.sample)
+            if not q.output_ids:
+                self.metrics.prompt_tokens.inc(p.num_tokens)
+        return self._in_flight([p.request for p in rows], d, [int(p.sample) for p in rows])
+
+    def _dispatch_decode(self, reqs) -> Flight:
+        """Enqueues plain decode iterations: `decode_steps` of them, or offline every row to its end in
+        one call. Each row counts min(steps, its remaining tokens, its publish cap) tokens: it samples
+        that many unless a stop token id ends it sooner."""
+        steps = self.config.decode_steps
+        if self.config.run_to_completion:
+            steps = (self.spec.fallback_steps(reqs) if self.spec is not None
+                     else bucket(max(q.remaining_tokens for q in reqs), 16))
+        caps = self._decode_caps(reqs)
+        d = self.runner.dispatch_decode(reqs, self._eos, steps, caps=caps)
+        counted = [min(steps, q.remaining_tokens, caps[i] if caps is not None else steps) for i, q in enumerate(reqs)]
+        for q, n in zip(reqs, counted):
+            q.num_computed += n       # each iteration fed one token, then sampled one
+            q.num_inflight += n
+        return self._in_flight(reqs, d, counted)
+
+    def _in_flight(self, reqs, d: Dispatched, counted: list[int]) -> Flight:
+        sync = self.prefix is not None and any(self.points.due(self.prefix, q) for q in reqs)
+        return Flight(reqs, d, counted, sync, self._hit_rates(reqs))
+
+    def _land_late(self) -> list[RequestOutput]:
+        """Reads back the step that was in flight while this one was enqueued."""
+        f, self._landing = self._landing, None
+        return self._land(f) if f is not None else []
+
+    def _read(self, f: Flight):
+        """A flight's tokens and logprobs, its requests' counts made exact: a row that stopped on a stop
+        token id sampled fewer than counted (it is finished; any later step's tokens for it are dropped)."""
+        toks, lps = self.runner.land(f.dispatched)
+        self.metrics.step_seconds.observe(time.perf_counter() - f.dispatched.dispatched)
+        for q, n, row in zip(f.reqs, f.counted, toks):
+            got = int(np.sum(row >= 0))
+            q.num_inflight -= n
+            if got != n:
+                stops = set(q.params.stop_token_ids) | (set() if q.params.ignore_eos else set(self._eos))
+                if got > n or not (got and int(row[got - 1]) in stops):
+                    raise RuntimeError(f"request {q.request_id!r}: a step sampled {got} tokens where {n} were "
+                                       f"counted")
+                if q.status is RequestStatus.RUNNING:
+                    q.num_computed -= n - got
+        return toks, lps
+
+    def _land(self, f: Flight) -> list[RequestOutput]:
+        toks, lps = self._read(f)
+        return self._emit(f.reqs, toks, lps, publish=f.sync, rates=f.rates)
+
+    def _step_speculative(self, reqs) -> list[RequestOutput]:
+        """A decode-only step with speculation (never overlapped: drafting reads the tokens): the
+        on-device n-gram loop, a verify of the drafts, or plain decode iterations the drafter shadows."""
+        t0 = time.perf_counter()
+        if self._loop_mode(reqs):
+            toks, lps = self._ngram_loop(reqs)
+        else:
+            drafts, shadows = self.spec.plan(reqs)
+            dt = time.perf_counter() - t0
+            self.spec.metrics.draft_time_s += dt
+            self.metrics.spec_draft_seconds.inc(dt)
+            if drafts is not None and any(len(d) for d in drafts):
+                toks, lps = self._verify(reqs, drafts)
+            else:
+                t1 = time.perf_counter()
+                f = self._dispatch_decode(reqs)
+                toks, lps = self._read(f)
+                if shadows is not None:
+                    self.spec.record_shadow(reqs, shadows, toks, time.perf_counter() - t1)
+                return self._emit(reqs, toks, lps, rates=f.rates)
         self.metrics.step_seconds.observe(time.perf_counter() - t0)
+        return self._emit(reqs, toks, lps, rates=self._hit_rates(reqs))
+
+    def _emit(self, reqs, toks, lps, publish: bool = True, rates=None) -> list[RequestOutput]:
+        """The host's work on a step's tokens: the publishes it reached (`publish`: only a step read back
+        before the next was enqueued can reach one), then per request append, stop checks, finishing.
+        A request that finished or was dropped while the step was in flight gets nothing. rates: the
+        step's sparse hit rates (`_hit_rates`)."""
+        if self.prefix is not None and publish:
+            self._pending += self.points.reached(self.prefix, reqs, toks)
         now = time.monotonic()
         outs = []
         for i, q in enumerate(reqs):
             new = [int(t) for t in toks[i] if t >= 0]
-            if not new:
+            if not new or q.finished or self.requests.get(q.request_id) is not q:
                 continue
             try:
                 with attributed(q):
@@ -403,7 +512,7 @@ class LLMEngine:
                 out = self._fail(q, str(e))
             if out is not None:
                 outs.append(out)
-        self._sparse_hit_rate([p.request.slot for p in plan.rows if p.request.slot is not None])
+        self._sparse_hit_rate(rates)
         self.metrics.note_tokens(sum(len(o.new_token_ids) for o in outs))
         return outs
 
@@ -446,22 +555,6 @@ class LLMEngine:
         n, T = toks.shape
         return toks, (np.zeros((n, T), np.float32), np.zeros((n, T, 0), np.float32), np.zeros((n, T, 0), np.int32))
 
-    def _decode(self, reqs, shadows):
-        """Plain decode iterations: `decode_steps` of them, or offline every row to its end in one call
-        (with speculation, a chunk of `EngineSpeculator.fallback_steps`, checked against the
-        proposals `shadows`)."""
-        steps = self.config.decode_steps
-        if self.config.run_to_completion:
-            steps = (self.spec.fallback_steps(reqs) if self.spec is not None
-                     else bucket(max(q.remaining_tokens for q in reqs), 16))
-        t0 = time.perf_counter()
-        toks, lps = self.runner.run_decode(reqs, self._eos, steps, caps=self._decode_caps(reqs))
-        for q, row in zip(reqs, toks):
-            q.num_computed += int(np.sum(row >= 0))   # each iteration fed one token, then sampled one
-        if shadows is not None:
-            self.spec.record_shadow(reqs, shadows, toks, time.perf_counter() - t0)
-        return toks, lps
-
     def _spec_gauges(self):
         figures = self.spec.metrics.as_dict()
         self.metrics.spec_acceptance.set(figures["acceptance_rate"])
@@ -487,15 +580,45 @@ class LLMEngine:
         """Speculative decoding figures; {"enabled": False} without a speculative config."""
         return {"enabled": True, **self.spec.stats()} if self.spec is not None else {"enabled": False}
 
-    def _sparse_hit_rate(self, slots: list[int]):
+    def _hit_rates(self, reqs):
         """Models with Top-K sparse attention record, per row, the resident share of the positions
-        their last step selected; the gauge shows its mean over the rows of this step."""
+        their last step selected: right after a step is enqueued, its rows' figures (a device array,
+        read with the step's tokens; the pools themselves move on to the next step), else None."""
         g = next((g for g in self.runner.cache.groups.values() if g.kind == "mla_latent"), None)
-        if g is not None and slots:
-            self.metrics.sparse_hit_rate.set(float(np.mean(np.asarray(g.hit_rate)[slots])))
+        slots = [q.slot for q in reqs if q.slot is not None]
+        return jnp.take(g.hit_rate, jnp.asarray(slots, jnp.int32)) if g is not None and slots else None
+
+    def _sparse_hit_rate(self, rates):
+        """The gauge: the mean over a step's rows (`_hit_rates`)."""
+        if rates is not None:
+            self.metrics.sparse_hit_rate.set(float(np.mean(np.asarray(rates))))
+
+    @staticmethod
+    def _detokenize(q: Request, detok: IncrementalDetokenizer, accepted: list[int], old_text: str) -> list[int]:
+        """Sets q.text from the new tokens; with stop strings, token by token, cutting the tokens after
+        the one that completes a stop string (and the text before it). Returns the tokens kept."""
+        if not q.params.stop:
+            detok.add(accepted)
+            if q.finish_reason is not None:
+                detok.finish()
+            q.text = detok.text
+            return accepted
+        for j, t in enumerate(accepted):
+            detok.add([t])
+            if j == len(accepted) - 1 and q.finish_reason is not None:
+                detok.finish()
+            for s in q.params.stop:
+                at = detok.text.find(s, max(0, len(old_text) - len(s)))
+                if at >= 0:
+                    q.text, q.finish_reason = detok.text[:at], "stop"
+                    return accepted[:j + 1]
+        q.text = detok.text
+        return accepted
 
     def _append(self, q: Request, new: list[int], lps, now: float) -> RequestOutput | None:
-        """Adds sampled tokens to a request; applies stop ids, max tokens and stop strings."""
+        """Adds sampled tokens to a request; applies stop ids, max tokens and stop strings. A stop string
+        ends the output at the token that completes it, however the steps cut the tokens (text cut
+        before it), so the outputs do not depend on batching."""
         stops = set(q.params.stop_token_ids) | (set() if q.params.ignore_eos else set(self._eos))
         accepted = []
         for t in new:
@@ -506,6 +629,10 @@ class LLMEngine:
             if len(q.output_ids) + len(accepted) >= q.params.max_tokens:
                 q.finish_reason = "length"
                 break
+        old_text = q.text
+        detok = self._detok.get(q.request_id)
+        if detok is not None:
+            accepted = self._detokenize(q, detok, accepted, old_text)
         if q.first_token_time is None:
             self.metrics.ttft.observe(now - q.arrival)
         elif accepted:
@@ -520,20 +647,8 @@ class LLMEngine:
                         "top": [(int(ids[j, m]), float(v[j, m])) for m in range(n)]}
                        for j, t in enumerate(accepted)]
             q.logprobs += new_lps
-        old_text = q.text
         q.output_ids += accepted
         self.metrics.generation_tokens.inc(len(accepted))
-        detok = self._detok.get(q.request_id)
-        if detok is not None:
-            detok.add(accepted)
-            if q.finish_reason is not None:
-                detok.finish()
-            q.text = detok.text
-            for s in q.params.stop:
-                at = q.text.find(s, max(0, len(old_text) - len(s)))
-                if at >= 0:
-                    q.text, q.finish_reason = q.text[:at], "stop"
-                    break
         if q.finish_reason is not None:
             self._detok.pop(q.request_id, None)
             self.points.forget(q.request_id)

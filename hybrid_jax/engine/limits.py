@@ -16,6 +16,8 @@ Documented limits (README, Serve section):
 """
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from hybrid_jax.errors import InputError
@@ -56,3 +58,45 @@ def row_top_k(top_k: int, vocab_size: int) -> int:
 def row_temperature(t: float) -> float:
     """The step's float32 temperature: 0 (greedy) below MIN_TEMPERATURE, where logits / t overflow."""
     return float(t) if t >= MIN_TEMPERATURE else 0.0
+
+
+def encode_prompt(prompt: Any, tokenizer, vocab_size: int) -> tuple[str | None, list[int]]:
+    """A prompt (a string, {"prompt_token_ids": [...]} with an optional "prompt" text, or {"prompt": str})
+    as (its text or None, its token ids), every id checked against the vocabulary."""
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise InputError("this checkpoint has no tokenizer.json: pass {'prompt_token_ids': [...]} "
+                             "instead of a string, or LLM(..., tokenizer=PATH)")
+        text, ids = prompt, tokenizer.encode(prompt)
+    elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+        text, ids = prompt.get("prompt"), prompt["prompt_token_ids"]
+    elif isinstance(prompt, dict) and "prompt" in prompt:
+        return encode_prompt(prompt["prompt"], tokenizer, vocab_size)
+    else:
+        raise InputError(f"a prompt must be a string or a dict with 'prompt_token_ids'; got {type(prompt).__name__}")
+    ids = list(ids) if not isinstance(ids, np.ndarray) else ids.tolist()
+    if not ids:
+        raise InputError("empty prompt: it has no tokens")
+    try:
+        arr = np.asarray(ids)
+    except (OverflowError, ValueError, TypeError):     # e.g. an int past int64: named below
+        arr = None
+    if (arr is not None and arr.ndim == 1 and arr.dtype.kind in "iu"
+            and 0 <= arr.min() and arr.max() < vocab_size):
+        return text, arr.tolist()        # the common case, checked in one pass over an int array
+    bad = [t for t in ids if not isinstance(t, (int, np.integer)) or not 0 <= t < vocab_size]
+    if bad:
+        raise InputError(f"token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+    return text, [int(t) for t in ids]
+
+
+def admit(prompt: Any, params, tokenizer, vocab_size: int, max_model_len: int) -> tuple[str | None, list[int]]:
+    """Admission of one request (`check_request`, the prompt encoded and checked, prompt + max_tokens
+    within max_model_len): its text and token ids, or InputError naming the problem. The engine runs
+    it in `add_request`; an API server in front of an engine process runs it before answering."""
+    check_request(params, vocab_size)
+    text, ids = encode_prompt(prompt, tokenizer, vocab_size)
+    if len(ids) + params.max_tokens > max_model_len:
+        raise InputError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
+                         f"max_model_len {max_model_len}")
+    return text, ids

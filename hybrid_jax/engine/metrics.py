@@ -50,8 +50,9 @@ class EngineMetrics:
         self.step_host_seconds = Histogram(p + "step_host_seconds", "Host time of one engine step: scheduling, "
                                            "building its inputs, reading and appending its tokens (its wall time less "
                                            "the wait for the device)", buckets=_LAT, registry=r)
-        self.device_busy_seconds = Counter(p + "device_busy_seconds", "Time the engine waited for the device to finish "
-                                           "a step (the device busy while the host had nothing to do)", registry=r)
+        self.device_busy_seconds = Counter(p + "device_busy_seconds", "Time the device spent running engine steps, "
+                                           "from when each could start (its dispatch, or the previous step's end) to "
+                                           "its end as the host saw it", registry=r)
         self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens prefilled", registry=r)
         self.generation_tokens = Counter(p + "generation_tokens", "Tokens generated", registry=r)
         self.finished = Counter(p + "requests_finished", "Requests finished (stop or length)", registry=r)
@@ -106,13 +107,15 @@ class EngineMetrics:
         if n > 1 and req.first_token_time is not None:
             self.tpot.observe((now - req.first_token_time) / (n - 1))
 
-    def note_step(self, wall: float, device: float):
-        """One engine step: `wall` seconds in all, `device` of them waiting for the device."""
-        self.step_host_seconds.observe(max(wall - device, 0.0))
+    def note_step(self, wall: float, waited: float, device: float):
+        """One engine step: `wall` seconds in all, `waited` of them blocked on the device's results;
+        `device`: the device time of the steps read back in it (with overlap, mostly while the host
+        worked)."""
+        self.step_host_seconds.observe(max(wall - waited, 0.0))
         self.device_busy_seconds.inc(device)
         with self._lock:             # data-parallel replicas step on their own threads
             self.steps += 1
-            self.host_seconds += max(wall - device, 0.0)
+            self.host_seconds += max(wall - waited, 0.0)
             self.device_seconds += device
             self._busy.append((time.monotonic(), device))
 

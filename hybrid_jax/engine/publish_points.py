@@ -65,19 +65,26 @@ class PublishPoints:
         grid, out = prefix.geometry.resume, []
         for q, row in zip(reqs, toks):
             b = q.num_computed
-            if q.slot is None or b <= 0:
+            if not self.due(prefix, q):
                 continue
             prompt_point = b in self.points(prefix, q)
-            decoded = b > len(q.prompt_ids) and b % grid == 0 and not prompt_point
-            if prompt_point or decoded:
-                self.decode_publishes += int(decoded)
-                ids = q.all_ids + [int(t) for t in row if t >= 0]   # the first b were fed to the model
-                branch = self._branches.get(q.request_id) == b
-                spare = prompt_point and not branch and b == prefix.spare_point(len(q.prompt_ids))
-                keep = len(q.prompt_ids) // grid * grid if decoded else 0
-                keep = keep if keep > q.num_cached_tokens else 0     # one it published itself
-                out.append(Publish(q.slot, q.request_id, ids, b, branch, decoded, spare, keep))
+            decoded = not prompt_point
+            self.decode_publishes += int(decoded)
+            ids = q.all_ids + [int(t) for t in row if t >= 0]   # the first b were fed to the model
+            branch = self._branches.get(q.request_id) == b
+            spare = prompt_point and not branch and b == prefix.spare_point(len(q.prompt_ids))
+            keep = len(q.prompt_ids) // grid * grid if decoded else 0
+            keep = keep if keep > q.num_cached_tokens else 0     # one it published itself
+            out.append(Publish(q.slot, q.request_id, ids, b, branch, decoded, spare, keep))
         return out
+
+    def due(self, prefix: PrefixCache, q: Request) -> bool:
+        """Whether the request's row, holding its first q.num_computed tokens, is at one of its points:
+        a prompt point, or a point of the resume grid past its prompt (`reached` publishes it)."""
+        b = q.num_computed
+        if q.slot is None or b <= 0:
+            return False
+        return b in self.points(prefix, q) or (b > len(q.prompt_ids) and b % prefix.geometry.resume == 0)
 
     def decode_caps(self, prefix: PrefixCache, reqs, run_to_completion: bool) -> list[int]:
         """Per request, the most tokens a plain decode call may sample for it so that it stops on its

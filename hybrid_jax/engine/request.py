@@ -1,4 +1,8 @@
-"""A request's life on the host: tokens known, tokens already in the cache, what was streamed."""
+"""A request's life on the host: tokens known, tokens already in the cache, what was streamed.
+
+With overlapped stepping a request may have tokens in flight (`num_inflight`): sampled by a step the
+engine dispatched and has not read back yet. They count as computed and as output for scheduling
+(`num_output`, `remaining_tokens`, `num_uncomputed`) though their ids are not in `output_ids` yet."""
 from __future__ import annotations
 
 import contextlib
@@ -37,6 +41,7 @@ class Request:
     num_cached_tokens: int = 0             # prompt tokens the last admission took from the prefix cache
     scheduled_time: float | None = None    # first admission into a row (queue time ends here)
     strikes: int = 0                       # unattributable step failures this request was part of
+    num_inflight: int = 0                  # tokens a dispatched, unread step samples for it (engine overlap)
 
     @property
     def all_ids(self) -> list[int]:
@@ -45,7 +50,12 @@ class Request:
     @property
     def num_uncomputed(self) -> int:
         """Known tokens not yet in the cache: the prompt (or its rest) at first, then the last sample."""
-        return len(self.prompt_ids) + len(self.output_ids) - self.num_computed
+        return len(self.prompt_ids) + self.num_output - self.num_computed
+
+    @property
+    def num_output(self) -> int:
+        """Output tokens sampled so far: those read back and those in flight."""
+        return len(self.output_ids) + self.num_inflight
 
     @property
     def finished(self) -> bool:
@@ -53,7 +63,7 @@ class Request:
 
     @property
     def remaining_tokens(self) -> int:
-        return self.params.max_tokens - len(self.output_ids)
+        return self.params.max_tokens - self.num_output
 
 
 @dataclasses.dataclass

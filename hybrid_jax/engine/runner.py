@@ -17,9 +17,16 @@ block's state (`hybrid_jax.speculative.mtp`), which also reads the target's hidd
 
 Bb is a power of two up to the row count, T one of a few token buckets up to the token budget, so
 the set of programs is finite and `warmup` can compile all of them before the first request.
+
+Overlap: the mixed and decode steps are dispatched (`dispatch_mixed`, `dispatch_decode`) and read back
+later (`land`), so the engine can enqueue the next step first. Each writes every row's last sampled
+token into `slot_last` (on the device, one entry per row); a row whose last token is still on the
+device (`from_dev`, the request's `num_inflight`) is fed from there, so the next step never waits
+for a device-to-host copy.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import jax
@@ -68,6 +75,20 @@ def default_budget(abstract, max_num_seqs: int, max_model_len: int) -> int:
     return rows * row_bytes + max_num_seqs * pages
 
 
+@dataclasses.dataclass
+class Dispatched:
+    """A mixed or decode step enqueued on the device and not read back yet (`ModelRunner.land`):
+    tokens [Bb] (mixed) or [Bb, steps] (decode) and logprob triples, for the first n rows."""
+    n: int
+    tokens: jax.Array
+    lps: tuple
+    program: tuple             # which compiled program ran (its device time stands in when not measured)
+    dispatched: float          # perf_counter at dispatch
+
+    def ready(self) -> bool:
+        return all(a.is_ready() for a in (self.tokens, *self.lps))
+
+
 class ModelRunner:
     def __init__(self, cfg, params, dtype, ecfg: EngineConfig, impl: str = "auto", layout=None):
         self.cfg, self.params, self.ecfg, self.impl, self.dtype = cfg, params, ecfg, impl, dtype
@@ -105,7 +126,7 @@ class ModelRunner:
         self._ragged = jax.jit(self._ragged_fn, static_argnames=("flags", "top_n"), donate_argnames=("cache",))
         # Mixed steps (prefill chunks beside decodes) run as one flat token-major batch when the family
         # has a ragged forward, no drafter state rides along (a draft model / the MTP block advance on
-        # the padded [B, T] tokens) and padding would cost more tokens (run_mixed); else padded.
+        # the padded [B, T] tokens) and padding would cost more tokens (dispatch_mixed); else padded.
         self.ragged = self.model.forward_ragged is not None
         self._decode = jax.jit(self._decode_fn, static_argnames=("steps", "flags", "top_n"),
                                donate_argnames=("cache", "dcache"))
@@ -121,15 +142,50 @@ class ModelRunner:
         # (self.mtp), dcache holds the MTP state instead and dparams stays None.
         self.dcfg = self.dparams = self.dmodel = self.dcache = None
         self.mtp = False
-        self.device_seconds = 0.0      # time spent waiting for step results (`_wait`)
+        self.slot_last = self._new_slot_last()
+        self.wait_seconds = 0.0        # time the host spent blocked on step results (`_wait`, `land`)
+        self.device_seconds = 0.0      # time the device spent running steps, as far as the host saw it
+        self._device_free = 0.0        # when the last step the host read finished (perf_counter)
+        self._typical: dict = {}       # program -> its last measured device time
+
+    def _new_slot_last(self):
+        """[max_num_seqs + 1] int32 on the device (replicated on a mesh): each row's last sampled token."""
+        z = jnp.zeros((self.ecfg.max_num_seqs + 1,), jnp.int32)
+        return z if self.layout is None else jax.device_put(z, self.layout.replicated)
 
     def _wait(self, *outs):
-        """Blocks until a step's results are ready, adding the wait to `device_seconds`: the host waits
-        right after dispatching a step, so the wait is the part of the step the device runs while the
-        host has nothing to do (the device-busy figure of `LLMEngine.step`)."""
+        """Blocks until a step dispatched just now is ready (verify and loop steps, read at once): the
+        wait is the step's device time."""
         t = time.perf_counter()
         jax.block_until_ready(outs)
-        self.device_seconds += time.perf_counter() - t
+        now = time.perf_counter()
+        self.wait_seconds += now - t
+        self.device_seconds += now - max(t, self._device_free)
+        self._device_free = now
+
+    def land(self, d: "Dispatched"):
+        """Reads a dispatched step's results: (tokens [n, W] int32, -1 where a row sampled nothing;
+        logprob triples [n, W], [n, W, top_n] x 2). Device time: from when the device could start it
+        (its dispatch, or the end of the step before) to when it finished; when it finished before the
+        host looked, the program's last measured time stands in for it (the device idled after it)."""
+        t = time.perf_counter()
+        start = max(d.dispatched, self._device_free)
+        if d.ready():
+            busy = min(t - start, self._typical.get(d.program, t - start))
+            self._device_free = max(start + busy, self._device_free)
+        else:
+            jax.block_until_ready((d.tokens, d.lps))
+            now = time.perf_counter()
+            self.wait_seconds += now - t
+            busy = now - start
+            self._typical[d.program] = busy
+            self._device_free = now
+        self.device_seconds += busy
+        tok = np.asarray(d.tokens)[:d.n]
+        lps = tuple(np.asarray(a)[:d.n] for a in d.lps)
+        if tok.ndim == 1:                 # a mixed step: one token per row at most
+            return tok[:, None], tuple(a[:, None] for a in lps)
+        return tok, lps
 
     def _new_pools(self):
         """Fresh, empty pools; on a mesh, created in place by each device (its part only: no device ever
@@ -220,6 +276,7 @@ class ModelRunner:
         """Fresh, empty pools (and draft rows): after a failed step, whose call may have consumed the
         donated ones. The compiled programs stay."""
         self.cache = self._new_pools()
+        self.slot_last = self._new_slot_last()
         if self.dcache is not None:
             self.dcache = self.dmodel.new_cache(self.dcfg, *self._draft_shape)
 
@@ -251,8 +308,14 @@ class ModelRunner:
         with active(None):        # a draft model is not split: its cache and forward ignore the layout
             return self.dmodel.forward(self.dcfg, dparams, dsub, tokens, n_new, impl=self.impl, **kw)
 
-    def _mixed_fn(self, params, cache, r, reset, tokens, n_new, do_sample, dparams=None, dcache=None, *, flags,
-                  top_n):
+    @staticmethod
+    def _noted(last, rows, tok):
+        """slot_last with each row's new last token tok [Bb] (-1: the row sampled none) written in."""
+        return last.at[rows].set(jnp.where(tok >= 0, tok, last[rows]))
+
+    def _mixed_fn(self, params, cache, last, r, reset, tokens, n_new, do_sample, dparams=None, dcache=None, *,
+                  flags, top_n):
+        tokens = tokens.at[:, 0].set(jnp.where(r["from_dev"], last[r["rows"]], tokens[:, 0]))
         sub = take_view(cache, r["rows"], r["tables"], r["lengths"], reset)
         out = self._target(params, sub, tokens, n_new)
         logits, sub = out.logits, out.cache
@@ -267,18 +330,23 @@ class ModelRunner:
         elif dcache is not None:
             dsub = self._dfwd(dparams, take_rows(dcache, r["rows"], reset), tokens, n_new).cache
             dcache = put_rows(dcache, r["rows"], dsub)
-        return tok, lps, self._put_view(cache, r["rows"], sub), dcache
+        return tok, lps, self._put_view(cache, r["rows"], sub), dcache, self._noted(last, r["rows"], tok)
 
-    def _ragged_fn(self, params, cache, r, reset, batch, do_sample, *, flags, top_n):
+    def _ragged_fn(self, params, cache, last, r, reset, batch, do_sample, *, flags, top_n):
         """`_mixed_fn` over a ragged batch (models.ragged.RaggedBatch of the step's S rows)."""
+        first = batch.cu_seqlens[:-1]            # each row's first token (a row fed from the device has one)
+        fed = jnp.where(r["from_dev"], last[r["rows"]], batch.tokens[jnp.minimum(first, batch.tokens.shape[0] - 1)])
+        batch = batch.replace(tokens=batch.tokens.at[first].set(fed, mode="drop"))
         sub = take_view(cache, r["rows"], r["tables"], r["lengths"], reset)
         out = self.model.forward_ragged(self.cfg, params, self._pin(sub), batch, impl=self.impl)
         tok, lps = self._sample(out.logits, r, flags, top_n)
-        return jnp.where(do_sample, tok, -1), lps, self._put_view(cache, r["rows"], out.cache)
+        tok = jnp.where(do_sample, tok, -1)
+        return tok, lps, self._put_view(cache, r["rows"], out.cache), self._noted(last, r["rows"], tok)
 
-    def _decode_fn(self, params, cache, r, last_tok, active, stop_ids, remaining, dparams=None, dcache=None, *,
-                   steps, flags, top_n):
+    def _decode_fn(self, params, cache, last, r, last_tok, active, stop_ids, remaining, dparams=None, dcache=None,
+                   *, steps, flags, top_n):
         from hybrid_jax.speculative import mtp  # noqa: PLC0415
+        last_tok = jnp.where(r["from_dev"], last[r["rows"]], last_tok)
         sub = take_view(cache, r["rows"], r["tables"], r["lengths"])
         dsub = None
         if dcache is not None:
@@ -313,7 +381,10 @@ class ModelRunner:
         _, _, _, sub, dsub, out, lp_c, lp_v, lp_i = jax.lax.while_loop(cond, body, state)
         if dcache is not None:
             dcache = mtp.put(dcache, r["rows"], dsub) if self.mtp else put_rows(dcache, r["rows"], dsub)
-        return out, (lp_c, lp_v, lp_i), self._put_view(cache, r["rows"], sub), dcache
+        n_out = jnp.sum(out >= 0, axis=1)
+        final = jnp.where(n_out > 0, jnp.take_along_axis(out, jnp.maximum(n_out - 1, 0)[:, None], 1)[:, 0], -1)
+        return out, (lp_c, lp_v, lp_i), self._put_view(cache, r["rows"], sub), dcache, self._noted(last, r["rows"],
+                                                                                                     final)
 
     def _draft(self, step, carry, r, pending, K, flags):
         """K draft tokens per row: step(carry, token [Bb]) -> (logits [Bb, V], carry) is the drafter (a
@@ -447,7 +518,7 @@ class ModelRunner:
         ra = {"rows": np.full((Bb,), self.null_slot, np.int32), "seeds": np.zeros((Bb,), np.uint32),
               "steps": np.zeros((Bb,), np.int32), "temperature": np.zeros((Bb,), np.float32),
               "top_k": np.full((Bb,), -1, np.int32), "top_p": np.ones((Bb,), np.float32),
-              "lengths": np.zeros((Bb,), np.int32)}
+              "lengths": np.zeros((Bb,), np.int32), "from_dev": np.zeros((Bb,), bool)}
         ids = [q.request_id for q in reqs] + [None] * (Bb - n)
         ra["tables"] = (self.blocks.block_tables(ids, self.widths) if self.blocks is not None
                         else {g: np.full((Bb, w), -1, np.int32) for g, w in self.widths.items()})
@@ -455,7 +526,8 @@ class ModelRunner:
         for i, q in enumerate(reqs):
             with attributed(q):
                 ra["rows"][i], ra["lengths"][i] = q.slot, q.num_computed
-                ra["seeds"][i], ra["steps"][i] = q.seed % 2**32, len(q.output_ids)
+                ra["seeds"][i], ra["steps"][i] = q.seed % 2**32, q.num_output
+                ra["from_dev"][i] = q.num_inflight > 0      # its last token is still on the device
                 ra["temperature"][i] = row_temperature(q.params.temperature)
                 ra["top_k"][i] = row_top_k(q.params.top_k, V)
                 ra["top_p"][i] = q.params.top_p
@@ -480,8 +552,10 @@ class ModelRunner:
     def _top_n(reqs):
         return LOGPROBS_WIDTH if any(q.params.logprobs is not None for q in reqs) else 0
 
-    def run_mixed(self, plan_rows):
-        """plan_rows: scheduler rows. Returns (tokens [n], logprob triples) for those rows."""
+    def dispatch_mixed(self, plan_rows) -> Dispatched:
+        """Enqueues a mixed step of scheduler rows (prefill chunks and decodes; `land` gives tokens
+        [n, 1], -1 for a row that does not sample); a row whose request has tokens in flight is fed its
+        last one from `slot_last`."""
         reqs = [p.request for p in plan_rows]
         n = len(reqs)
         Bb = bucket(n)
@@ -492,7 +566,8 @@ class ModelRunner:
         for i, p in enumerate(plan_rows):
             q = p.request
             with attributed(q):
-                chunks.append(q.all_ids[q.num_computed:q.num_computed + p.num_tokens])
+                # a row fed from the device (its last token in flight) gets a placeholder the step replaces
+                chunks.append(q.all_ids[q.num_computed:q.num_computed + p.num_tokens] if not q.num_inflight else [0])
                 reset[i], do_sample[i] = p.reset, p.sample
                 # the MTP state starts over with the row, and after a prefix hit (it holds no prefix)
                 fresh[i] = p.reset or (q.num_cached_tokens > 0 and q.num_computed == q.num_cached_tokens)
@@ -503,10 +578,12 @@ class ModelRunner:
         # Ragged when padding to the longest row would cost more tokens than the flat batch (several
         # rows of unequal length); a step of one row, or of equal rows, is no smaller flat, and the
         # padded step is the faster program for it (XLA:CPU: ~13% on a 512-token chunk over 4k).
+        t = time.perf_counter()
         if self.ragged and Bb * T > N:
             batch = pack(chunks, [p.request.num_computed for p in plan_rows], N, Bb)
-            tok, lps, self.cache = self._ragged(self.params, self.cache, r, reset, batch,
-                                                do_sample, flags=self._flags(reqs), top_n=top_n)
+            tok, lps, self.cache, self.slot_last = self._ragged(self.params, self.cache, self.slot_last, r, reset,
+                                                                batch, do_sample, flags=self._flags(reqs), top_n=top_n)
+            program = ("ragged", Bb, N, top_n)
         else:
             tokens = np.zeros((Bb, T), np.int32)
             n_new = np.zeros((Bb,), np.int32)
@@ -515,17 +592,16 @@ class ModelRunner:
                 n_new[i] = len(c)
             if self.mtp:
                 r["mtp_fresh"] = fresh
-            tok, lps, self.cache, self.dcache = self._mixed(
-                self.params, self.cache, r, reset, tokens, n_new,
+            tok, lps, self.cache, self.dcache, self.slot_last = self._mixed(
+                self.params, self.cache, self.slot_last, r, reset, tokens, n_new,
                 do_sample, self.dparams, self.dcache, flags=self._flags(reqs), top_n=top_n)
-        self._wait(tok, lps)
-        tok = np.asarray(tok)[:n]
-        c, v, i = (np.asarray(a)[:n] for a in lps)
-        return tok[:, None], (c[:, None], v[:, None], i[:, None])
+            program = ("mixed", Bb, T, top_n)
+        return Dispatched(n, tok, lps, program, t)
 
-    def run_decode(self, reqs, eos_ids, steps: int, caps: list[int] | None = None):
-        """Decodes up to `steps` tokens for running requests (each stops at a stop id, its max_tokens
-        or caps[i] tokens, on device). Returns (tokens [n, steps], -1 past a row's end, logprobs)."""
+    def dispatch_decode(self, reqs, eos_ids, steps: int, caps: list[int] | None = None) -> Dispatched:
+        """Enqueues up to `steps` decode iterations for running requests (each stops at a stop id, its
+        max_tokens or caps[i] tokens, on device; `land` gives tokens [n, steps], -1 past a row's end);
+        a request with tokens in flight is fed its last from `slot_last`."""
         n = len(reqs)
         Bb = bucket(n)
         last = np.zeros((Bb,), np.int32)
@@ -533,16 +609,15 @@ class ModelRunner:
         remaining = np.zeros((Bb,), np.int32)
         for i, q in enumerate(reqs):
             with attributed(q):
-                last[i], active[i], remaining[i] = q.output_ids[-1], True, q.remaining_tokens
+                last[i], active[i], remaining[i] = q.output_ids[-1] if not q.num_inflight else 0, True, q.remaining_tokens
                 if caps is not None:
                     remaining[i] = min(remaining[i], caps[i])
         stop_ids = self._stop_ids(reqs, Bb, eos_ids)
-        out, lps, self.cache, self.dcache = self._decode(
-            self.params, self.cache, self._rows(reqs, Bb), last, active, stop_ids,
-            remaining, self.dparams, self.dcache, steps=steps, flags=self._flags(reqs),
-            top_n=self._top_n(reqs))
-        self._wait(out, lps)
-        return np.asarray(out)[:n], tuple(np.asarray(a)[:n] for a in lps)
+        t, top_n = time.perf_counter(), self._top_n(reqs)
+        out, lps, self.cache, self.dcache, self.slot_last = self._decode(
+            self.params, self.cache, self.slot_last, self._rows(reqs, Bb), last, active, stop_ids,
+            remaining, self.dparams, self.dcache, steps=steps, flags=self._flags(reqs), top_n=top_n)
+        return Dispatched(n, out, lps, ("decode", Bb, steps, top_n), t)
 
     # --- warm-up -----------------------------------------------------------------------------------
     def warmup(self, mode: str):
@@ -565,13 +640,14 @@ class ModelRunner:
             for top_n in widths:
                 for T in tbs:
                     if self.ragged and Bb > 1:        # a step of several rows may run either way
-                        _, _, self.cache = self._ragged(self.params, self.cache, r, z, pack([], [], T, Bb), z,
-                                                        flags=FULL_SAMPLER, top_n=top_n)
-                    _, _, self.cache, self.dcache = self._mixed(
-                        self.params, self.cache, rm, z, np.zeros((Bb, T), np.int32), np.zeros((Bb,), np.int32), z,
-                        self.dparams, self.dcache, flags=FULL_SAMPLER, top_n=top_n)
-                _, _, self.cache, self.dcache = self._decode(
-                    self.params, self.cache, r, np.zeros((Bb,), np.int32), z,
+                        _, _, self.cache, self.slot_last = self._ragged(
+                            self.params, self.cache, self.slot_last, r, z, pack([], [], T, Bb), z, flags=FULL_SAMPLER,
+                            top_n=top_n)
+                    _, _, self.cache, self.dcache, self.slot_last = self._mixed(
+                        self.params, self.cache, self.slot_last, rm, z, np.zeros((Bb, T), np.int32),
+                        np.zeros((Bb,), np.int32), z, self.dparams, self.dcache, flags=FULL_SAMPLER, top_n=top_n)
+                _, _, self.cache, self.dcache, self.slot_last = self._decode(
+                    self.params, self.cache, self.slot_last, r, np.zeros((Bb,), np.int32), z,
                     np.full((Bb, self.ecfg.max_stop_ids), -1, np.int32), np.zeros((Bb,), np.int32), self.dparams,
                     self.dcache, steps=self.ecfg.decode_steps, flags=FULL_SAMPLER, top_n=top_n)
         jax.block_until_ready(self.cache)

@@ -42,7 +42,7 @@ class StepPlan:
 
     @property
     def is_decode_only(self) -> bool:
-        return all(r.num_tokens == 1 and r.sample and not r.reset and r.request.output_ids for r in self.rows)
+        return all(r.num_tokens == 1 and r.sample and not r.reset and r.request.num_output for r in self.rows)
 
 
 class Scheduler:
@@ -95,7 +95,7 @@ class Scheduler:
 
     def _decoding(self, r: Request) -> bool:
         """Only its last sample is missing from the cache (a prompt's last chunk of 1 is not that)."""
-        return r.num_uncomputed == 1 and bool(r.output_ids) and r.request_id not in self._fresh
+        return r.num_uncomputed == 1 and r.num_output > 0 and r.request_id not in self._fresh
 
     def _limit(self, r: Request) -> int:
         """Most tokens the request can ever hold (prompt + max_tokens)."""
@@ -119,7 +119,8 @@ class Scheduler:
         budget = self.token_budget
         # Decodes first: each needs one token of budget and pages `lookahead` tokens ahead.
         for r in list(self.running):
-            if r in self.running and self._decoding(r):
+            # (a request whose in-flight step samples its last tokens waits for them to be read back)
+            if r in self.running and self._decoding(r) and r.remaining_tokens > 0:
                 need = self._limit(r) if self.lookahead is None else min(r.num_computed + self.lookahead, self._limit(r))
                 if self._grow_or_preempt(r, need, preempted):
                     rows.append(ScheduledRow(r, 1, True, False))

@@ -45,7 +45,7 @@ class ServerState:
 
     def __init__(self, config: ServerConfig):
         self.config = config
-        self.engine = None           # AsyncEngine
+        self.engine = None           # AsyncEngine, or EngineCoreClient (the engine in its own process)
         self.load_error: str | None = None
         self.ready_note = "ok"       # /health's body once ready: what the warm-up compiled
         self.draining = False
@@ -149,7 +149,7 @@ def build_app(state: ServerState) -> FastAPI:
     def err(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
             code: str | None = None) -> JSONResponse:
         if state.engine is not None:
-            state.engine.engine.metrics.errors.labels(type=kind).inc()
+            state.engine.count_error(kind)
         return JSONResponse(error_body(message, kind, param, code), status_code=status)
 
     def input_error(e: InputError) -> JSONResponse:
@@ -182,14 +182,13 @@ def build_app(state: ServerState) -> FastAPI:
     async def metrics():
         if state.engine is None:
             return PlainTextResponse("", status_code=503)
-        return Response(state.engine.engine.metrics.render(), media_type="text/plain; version=0.0.4")
+        return Response(await asyncio.to_thread(state.engine.render_metrics), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
     async def models():
         card = {"id": cfg.model_name, "object": "model", "created": 0, "owned_by": "hybrid-jax"}
         if state.engine is not None:        # vLLM-style extensions: what a client may send
-            eng = state.engine.engine
-            card.update(max_model_len=eng.config.max_model_len, vocab_size=eng.llm.config.vocab_size)
+            card.update(state.engine.model_card())
         return {"object": "list", "data": [card]}
 
     async def read_body(request: Request) -> bytes:
@@ -257,7 +256,7 @@ def build_app(state: ServerState) -> FastAPI:
                                f"{cfg.model_name!r}", "not_found_error", param="model", code="model_not_found")
             params = protocol.sampling_params(data, max_tokens_limit=cfg.max_tokens_limit, chat=chat)
             eng = state.engine
-            tok = eng.engine.llm.tokenizer
+            tok = eng.tokenizer
             if chat:
                 prompt = _render_chat(tok, protocol.chat_messages(data))
             else:
@@ -305,12 +304,12 @@ def build_app(state: ServerState) -> FastAPI:
                             chunk["usage"] = usage(len(out.token_ids))
                         yield f"data: {json.dumps(chunk)}\n\n"
                 except _Shutdown:
-                    state.engine.engine.metrics.errors.labels(type="server_shutdown").inc()
+                    state.engine.count_error("server_shutdown")
                     yield "data: " + json.dumps(error_body(f"request {rid}: the server shut down before it "
                                                            "finished", "server_shutdown")) + "\n\n"
                 except (EngineRequestError, InputError) as e:
                     kind = "server_error" if isinstance(e, EngineRequestError) else "invalid_request_error"
-                    state.engine.engine.metrics.errors.labels(type=kind).inc()
+                    state.engine.count_error(kind)
                     yield "data: " + json.dumps(error_body(str(e), kind)) + "\n\n"
                 yield "data: [DONE]\n\n"
             return StreamingResponse(events(), media_type="text/event-stream")

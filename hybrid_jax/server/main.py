@@ -1,5 +1,7 @@
 """`hybrid-jax serve`: start uvicorn at once, load and warm the model on a background thread;
-/health turns 200 when the engine is ready. A model that fails to load stops the server: the
+/health turns 200 when the engine is ready. The engine core runs in its own process
+(engine/core_process.py: the device loop alone on its thread; HTTP, tokenization and detokenization
+stay here), or with `engine_process=False` (and always with several processes) on a thread of this one. A model that fails to load stops the server: the
 process exits 1 with the error in its log (never a 503 forever). On SIGTERM the server drains
 (lifecycle.py), then the engine and the prefix store's disk tier are shut down and it exits 0."""
 from __future__ import annotations
@@ -29,10 +31,13 @@ def ready_note(engine: LLMEngine) -> str:
 
 
 def load_engine(state: ServerState, model: str | None, dtype: str, engine_config: EngineConfig, stop=None,
-                parallel: dict | None = None, mirror=None):
+                parallel: dict | None = None, mirror=None, engine_process: bool = False):
     """Loads the model (parallel: LLM's layout keywords, tensor_parallel_size ...) and starts the engine
-    (mirror: several processes, `parallel.hosts.Mirror`)."""
+    (mirror: several processes, `parallel.hosts.Mirror`; engine_process: in a process of its own)."""
     try:
+        if engine_process:
+            state.engine = _start_core(state, model, dtype, engine_config, parallel)
+            return
         engine = build_engine(model, dtype, engine_config, parallel)
         ae = AsyncEngine(engine, mirror)
         ae.start()
@@ -47,18 +52,35 @@ def load_engine(state: ServerState, model: str | None, dtype: str, engine_config
             stop()
 
 
+def _start_core(state: ServerState, model, dtype, engine_config, parallel):
+    from hybrid_jax.engine.core_client import EngineCoreClient  # noqa: PLC0415
+    from hybrid_jax.engine.core_process import start_core  # noqa: PLC0415
+    from hybrid_jax.tokenizer import ByteTokenizer, load_tokenizer  # noqa: PLC0415
+    proc, address, authkey, info = start_core(model, dtype, engine_config, parallel)
+    tok = {"byte": ByteTokenizer, "checkpoint": lambda: load_tokenizer(model)}.get(info["tokenizer"], lambda: None)()
+    client = EngineCoreClient(address, authkey, info, tok, process=proc)
+    mode = info["warmup"]
+    state.ready_note = f"ok: warm-up {mode}: {WARMUP_NOTES[mode]} ({info['num_compiled']} programs)"
+    log.info("model ready in engine core process %d (warm-up %s, %.1f s, %d programs)", info["pid"], mode,
+             info["warmup_seconds"], info["num_compiled"])
+    return client
+
+
 def serve(*, model: str | None, host: str, port: int, dtype: str, engine_config: EngineConfig,
           server_config: ServerConfig, shutdown_timeout_s: float = 30.0, header_timeout_s: float = 10.0,
-          keep_alive_timeout_s: float = 5.0, parallel: dict | None = None) -> int:
+          keep_alive_timeout_s: float = 5.0, parallel: dict | None = None, processes: int = 1,
+          engine_process: bool = True) -> int:
     """Runs the server; returns the process exit code (0 after a drain, 1 when the model failed to load).
     With several processes (`parallel.hosts.start` first), process 0 serves and the others follow its
-    engine (`parallel.hosts.follow`) until it stops."""
+    engine (`parallel.hosts.follow`) until it stops; its engine then runs on a thread of process 0.
+    Otherwise (engine_process) this process never touches a device: the core's process owns them."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:%(name)s: %(message)s")
-    import jax  # noqa: PLC0415
-
-    from hybrid_jax.parallel import hosts  # noqa: PLC0415
     mirror = None
-    if jax.process_count() > 1:
+    if processes > 1:
+        import jax  # noqa: PLC0415
+
+        from hybrid_jax.parallel import hosts  # noqa: PLC0415
+        engine_process = False
         if engine_config.kv_cache_dir is not None:
             raise ConfigError("kv_cache_dir is not supported with several processes (its prefetch timing would "
                               "make the processes' steps differ)")
@@ -73,8 +95,8 @@ def serve(*, model: str | None, host: str, port: int, dtype: str, engine_config:
     def start_loading(server):
         def stop():
             server.should_exit = True
-        threading.Thread(target=load_engine, args=(state, model, dtype, engine_config, stop, parallel, mirror),
-                         daemon=True).start()
+        threading.Thread(target=load_engine, args=(state, model, dtype, engine_config, stop, parallel, mirror,
+                                                   engine_process), daemon=True).start()
 
     lifecycle.run(app, state, host=host, port=port, shutdown_timeout_s=shutdown_timeout_s,
                   header_timeout_s=header_timeout_s, keep_alive_timeout_s=keep_alive_timeout_s,

@@ -192,7 +192,7 @@ def test_mixed_steps_are_ragged_and_equal_the_padded_path(llm):
     """Prefill chunks beside decodes run as one flat token-major batch (no padding to the longest row)
     and give the tokens the padded [B, T] step gives; the scheduler's chunk cap is then the token
     budget itself, not budget / rows. (A step whose padding would cost nothing, e.g. one row, stays
-    padded: `run_mixed`.)"""
+    padded: `dispatch_mixed`.)"""
     prompts = _prompts(6, seed=5, lo=20, hi=80)
     sp = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
     ragged, padded = _engine(llm), _engine(llm)
@@ -208,7 +208,8 @@ def test_mixed_steps_are_ragged_and_equal_the_padded_path(llm):
 
 def test_each_step_splits_into_device_wait_and_host_time(shared):
     """Every step that ran is counted, its wall time split into the wait for the device and the host's
-    part; the split adds up to no more than the steps' wall time, and /metrics carries both."""
+    part; the device's time (overlapping the host's: the next step is enqueued before this one is read)
+    and the host's are each within the steps' wall time, and /metrics carries both."""
     import time  # noqa: PLC0415
     m = shared.metrics
     steps, host, dev = m.steps, m.host_seconds, m.device_seconds
@@ -219,7 +220,7 @@ def test_each_step_splits_into_device_wait_and_host_time(shared):
     ran = m.steps - steps
     assert ran >= 3                                      # prefill chunks and decode steps
     assert m.device_seconds > dev and m.host_seconds > host
-    assert (m.device_seconds - dev) + (m.host_seconds - host) <= wall
+    assert (m.device_seconds - dev) <= wall and (m.host_seconds - host) <= wall
     text = m.render().decode()
     count = next(float(x.split()[1]) for x in text.splitlines() if x.startswith("hybrid_jax_step_host_seconds_count"))
     assert count == m.steps and "hybrid_jax_device_busy_ratio" in text and 0 < m.device_busy() <= 1

@@ -96,8 +96,11 @@ def test_attributable_failure_fails_only_that_request(engine, baseline, monkeypa
     assert all(o.error is None for rid, o in done.items() if rid != "bad")
 
 
-def test_unattributable_failure_resets_and_the_requests_go_on(engine, baseline, monkeypatch, caplog):
-    real = engine.runner.run_decode
+@pytest.mark.parametrize("where", ["dispatch_decode", "land"])
+def test_unattributable_failure_resets_and_the_requests_go_on(engine, baseline, monkeypatch, caplog, where):
+    """A step fails when it is enqueued, or when its results are read back (a device error surfaces
+    there, with the next step already enqueued): everything is reset and recomputed, outputs unchanged."""
+    real = getattr(engine.runner, where)
     calls = {"n": 0}
 
     def flaky(*a, **kw):
@@ -107,7 +110,7 @@ def test_unattributable_failure_resets_and_the_requests_go_on(engine, baseline, 
             raise RuntimeError("device fault")
         return out
 
-    monkeypatch.setattr(engine.runner, "run_decode", flaky)
+    monkeypatch.setattr(engine.runner, where, flaky)
     with caplog.at_level("ERROR", logger="hybrid_jax.engine"):
         done = _run(engine)
     assert calls["n"] > 2
@@ -116,7 +119,7 @@ def test_unattributable_failure_resets_and_the_requests_go_on(engine, baseline, 
     assert engine.metrics.step_failures.labels(attributable="false")._value.get() >= 1
 
 
-@pytest.mark.parametrize("where", ["run_mixed", "run_decode"])
+@pytest.mark.parametrize("where", ["dispatch_mixed", "dispatch_decode"])
 def test_a_request_that_always_breaks_a_step_fails_alone(engine, baseline, monkeypatch, where):
     """A request whose rows always break the device step (no host work names it) runs beside the
     innocents: the step fails, everyone is requeued, the suspects run alone, and only it fails."""
@@ -168,7 +171,7 @@ def test_reset_with_prefix_caching_keeps_outputs(llm, baseline, monkeypatch):
                                       compilation_cache_dir=None, warmup="none", enable_prefix_caching=True,
                                       prefix_block_size=16, prefix_checkpoint_interval=1))
     assert {rid: o.token_ids for rid, o in _run(eng).items()} == baseline        # publishes prefixes
-    real, calls = eng.runner.run_decode, {"n": 0}
+    real, calls = eng.runner.dispatch_decode, {"n": 0}
 
     def flaky(*a, **kw):
         calls["n"] += 1
@@ -176,7 +179,7 @@ def test_reset_with_prefix_caching_keeps_outputs(llm, baseline, monkeypatch):
             raise RuntimeError("device fault")
         return real(*a, **kw)
 
-    monkeypatch.setattr(eng.runner, "run_decode", flaky)
+    monkeypatch.setattr(eng.runner, "dispatch_decode", flaky)
     old_store = eng.prefix
     assert {rid: o.token_ids for rid, o in _run(eng).items()} == baseline        # hits, then the reset
     assert eng.prefix is not old_store and calls["n"] > 3

@@ -1,0 +1,187 @@
+"""The engine core in its own process: the device loop with nothing else on its thread.
+
+`hybrid-jax serve` starts it (`start_core`, a spawned child) and talks to it from the API server
+process through `EngineCoreClient` (engine/core_client.py). The API servers do HTTP, JSON, chat
+templates, tokenization (once, at admission) and incremental detokenization; the core only adds
+and aborts requests and steps the engine (`EngineConfig.detokenize=False`: it detokenizes only the
+requests whose stop strings it must check). Several API server processes can feed one core: each
+connects to its address and gets the outputs of the requests it sent.
+
+Channel: `multiprocessing.connection` over a Unix socket (an authenticated local socket, pickled
+tuples). Client to core:
+
+  ("add", request_id, prompt_ids, SamplingParams, arrival)   arrival: time.monotonic() (one clock per host)
+  ("abort", request_id)
+  ("error", kind)                 an API-side error, counted in the core's /metrics
+  ("metrics", token)              answered ("metrics", token, Prometheus text bytes)
+  ("shutdown",)                   finish the current step, close the prefix store, exit
+
+Core to client, once per engine step for the requests that client sent:
+
+  ("out", [(request_id, new_token_ids, finished, finish_reason, new_logprobs, error, text, new_text,
+            logprobs), ...])      text / new_text: "" unless the request has stop strings (the core
+                                  detokenizes only those; the client all the others)
+  ("failed", request_id, message) the core refused a request (the client validated it already)
+"""
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import secrets
+import tempfile
+import threading
+from multiprocessing.connection import Connection, Listener, wait
+
+from hybrid_jax.errors import HybridJaxError
+
+log = logging.getLogger("hybrid_jax.engine")
+
+
+def start_core(model: str | None, dtype: str, engine_config, parallel: dict | None = None):
+    """Spawns the core for a checkpoint directory (or the embedded default model) and waits until it
+    is warm. Returns (process, address, authkey, info: the core's "ready" dict). Raises
+    HybridJaxError with the core's message when loading fails."""
+    ctx = multiprocessing.get_context("spawn")     # a fresh interpreter: no fork of a threaded process
+    address = os.path.join(tempfile.mkdtemp(prefix="hybrid-jax-core-"), "core.sock")
+    authkey = secrets.token_bytes(32)
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=run_core, args=(model, dtype, engine_config, parallel, address, authkey, child),
+                       name="hybrid-jax-engine-core", daemon=True)
+    proc.start()
+    child.close()
+    try:
+        msg = parent.recv()
+    except EOFError:
+        proc.join(timeout=5)
+        raise HybridJaxError(f"the engine core process exited while loading (exit code {proc.exitcode})") from None
+    if msg[0] != "ready":
+        proc.join(timeout=30)
+        raise HybridJaxError(msg[1])
+    return proc, address, authkey, msg[1]
+
+
+def run_core(model, dtype, engine_config, parallel, address, authkey, ready: Connection):
+    """The core process's body: load, warm up, then serve clients until told to shut down."""
+    import dataclasses  # noqa: PLC0415
+
+    from hybrid_jax.engine.build import build_engine  # noqa: PLC0415
+    from hybrid_jax.tokenizer import ByteTokenizer  # noqa: PLC0415
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s:%(name)s: %(message)s")
+    try:
+        engine = build_engine(model, dtype, dataclasses.replace(engine_config, detokenize=False), parallel)
+    except Exception as e:  # noqa: BLE001  (reported to the server, which exits with it)
+        ready.send(("failed", f"loading failed: {type(e).__name__}: {e}"))
+        return
+    tok = engine.llm.tokenizer
+    info = {"max_model_len": engine.config.max_model_len, "vocab_size": engine.llm.config.vocab_size,
+            "tokenizer": "byte" if isinstance(tok, ByteTokenizer) else ("checkpoint" if tok is not None else None),
+            "warmup": engine.config.warmup, "warmup_seconds": getattr(engine, "warmup_seconds", 0.0),
+            "num_compiled": engine.num_compiled(), "pid": os.getpid()}
+    listener = Listener(address, family="AF_UNIX", authkey=authkey)
+    ready.send(("ready", info))
+    ready.close()
+    Core(engine, listener).run()
+
+
+class Core:
+    """The loop: take every waiting command, step the engine when it has work, send each client its
+    requests' outputs. A client that goes away has its requests aborted."""
+
+    def __init__(self, engine, listener: Listener):
+        self.engine, self.listener = engine, listener
+        self.clients: list[Connection] = []
+        self.owner: dict[str, Connection] = {}
+        self._lock = threading.Lock()
+        self._stop = False
+        threading.Thread(target=self._accept, name="hybrid-jax-core-accept", daemon=True).start()
+
+    def _accept(self):
+        while True:
+            try:
+                conn = self.listener.accept()
+            except OSError:                 # closed at shutdown
+                return
+            except Exception:  # noqa: BLE001  (a connection that failed authentication)
+                log.warning("engine core: refused a connection", exc_info=True)
+                continue
+            with self._lock:
+                self.clients.append(conn)
+
+    def run(self):
+        eng = self.engine
+        try:
+            while not self._stop:
+                with self._lock:
+                    clients = list(self.clients)
+                busy = eng.has_unfinished()
+                for conn in wait(clients, timeout=0 if busy else 0.05) if clients else ():
+                    self._receive(conn)
+                if self._stop or not eng.has_unfinished():
+                    continue
+                try:
+                    outs = eng.step()
+                except Exception as e:  # noqa: BLE001  (step() isolates failures itself: a last resort)
+                    log.exception("engine step raised; failing every request it held and going on")
+                    for rid in eng.abort_all():
+                        self._send_to(self.owner.pop(rid, None), ("failed", rid, f"request {rid!r}: engine step "
+                                                                   f"failed: {e}"))
+                    continue
+                self._deliver(outs)
+                eng.flush_publishes()    # after the tokens went out: publishing never delays one
+        finally:
+            self.listener.close()
+            eng.close()
+
+    def _receive(self, conn: Connection):
+        eng = self.engine
+        try:
+            while conn.poll():
+                cmd = conn.recv()
+                kind = cmd[0]
+                if kind == "add":
+                    _, rid, ids, params, arrival = cmd
+                    try:
+                        eng.add_request(rid, {"prompt_token_ids": ids}, params, arrival=arrival)
+                        self.owner[rid] = conn
+                    except Exception as e:  # noqa: BLE001  (reported to the request's stream)
+                        self._send_to(conn, ("failed", rid, str(e)))
+                elif kind == "abort":
+                    eng.abort_request(cmd[1])
+                    self.owner.pop(cmd[1], None)
+                elif kind == "error":
+                    eng.metrics.errors.labels(type=cmd[1]).inc()
+                elif kind == "metrics":
+                    self._send_to(conn, ("metrics", cmd[1], eng.metrics.render()))
+                elif kind == "shutdown":
+                    self._stop = True
+                    return
+        except (EOFError, OSError):        # the client went away: its requests end
+            with self._lock:
+                if conn in self.clients:
+                    self.clients.remove(conn)
+            for rid in [r for r, c in self.owner.items() if c is conn]:
+                eng.abort_request(rid)
+                del self.owner[rid]
+
+    def _deliver(self, outs):
+        batches: dict[int, tuple[Connection, list]] = {}
+        for o in outs:
+            conn = self.owner.get(o.request_id)
+            if o.finished:
+                self.owner.pop(o.request_id, None)
+            if conn is None:
+                continue
+            item = (o.request_id, o.new_token_ids, o.finished, o.finish_reason, o.new_logprobs, o.error,
+                    o.text, o.new_text, o.logprobs)
+            batches.setdefault(id(conn), (conn, []))[1].append(item)
+        for conn, items in batches.values():
+            self._send_to(conn, ("out", items))
+
+    def _send_to(self, conn: Connection | None, msg):
+        if conn is None:
+            return
+        try:
+            conn.send(msg)
+        except (OSError, EOFError):        # gone: `_receive` notices and aborts its requests
+            pass

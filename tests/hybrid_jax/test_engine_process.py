@@ -1,0 +1,103 @@
+"""The engine core in its own process (engine/core_process.py) behind API-side clients
+(engine/core_client.py): two clients, as two API server processes would, feed one core at once and
+get what the in-process engine gives, text included (each client detokenizes its own requests; the
+core only those with stop strings, which it checks); a client that goes away has its requests
+aborted and the core serves on."""
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from hybrid_jax import LLM, SamplingParams
+from hybrid_jax.engine import EngineConfig, LLMEngine
+from hybrid_jax.engine.core_client import EngineCoreClient
+from hybrid_jax.engine.core_process import start_core
+from hybrid_jax.tokenizer import ByteTokenizer
+
+CONFIG = EngineConfig(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=256, decode_steps=4,
+                      warmup="none", compilation_cache_dir=None)
+
+
+@pytest.fixture(scope="module")
+def core():
+    proc, address, authkey, info = start_core(None, "auto", CONFIG)
+    yield address, authkey, info
+    EngineCoreClient(address, authkey, info, ByteTokenizer(), process=proc).shutdown()
+    assert proc.exitcode == 0
+
+
+def _requests(tag: str):
+    text = "Hello, hybrid world"
+    return [(f"{tag}-greedy", text, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)),
+            (f"{tag}-seeded", {"prompt_token_ids": [72, 105, 33, 10]},
+             SamplingParams(max_tokens=14, temperature=0.8, seed=4, ignore_eos=True)),
+            (f"{tag}-stop", text, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, stop=["@@"]))]
+
+
+def _in_process(reqs, stop_at: str | None):
+    """The same requests through an in-process engine (its own detokenizer); the stop request gets a
+    stop string cut from its free run, so it ends on the host."""
+    eng = LLMEngine(LLM(), CONFIG)
+    outs = eng.generate([p for _, p, _ in reqs], [sp for _, _, sp in reqs])
+    return {rid: (o.token_ids, o.text, o.finish_reason) for (rid, _, _), o in zip(reqs, outs)}
+
+
+def _client_run(core, reqs, results: dict, close_after: int | None = None):
+    """One API server: its own connection and event loop, its requests streamed at once."""
+    address, authkey, info = core
+    client = EngineCoreClient(address, authkey, info, ByteTokenizer())
+
+    async def one(rid, prompt, sp):
+        text, n = "", 0
+        async for o in client.generate(rid, prompt, sp):
+            text += o.new_text
+            n += 1
+            if close_after is not None and n >= close_after:
+                client.close()                    # the API server went away mid-stream
+                return
+        assert text == o.text                     # the streamed pieces add up to the final text
+        results[rid] = (o.token_ids, o.text, o.finish_reason)
+
+    async def main():
+        await asyncio.gather(*(one(*r) for r in reqs))
+    asyncio.run(main())
+    return client
+
+
+def test_two_clients_feed_one_core_and_get_the_in_process_outputs(core):
+    a, b = _requests("a"), _requests("b")
+    want = _in_process(a, None)
+    stop = want["a-stop"][1][5:7]                 # a stop string from the free run: the core checks it
+    a[2] = (a[2][0], a[2][1], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, stop=[stop]))
+    b[2] = (b[2][0], b[2][1], a[2][2])
+    want = _in_process(a, None)
+    assert want["a-stop"][2] == "stop" and stop not in want["a-stop"][1]
+    got: dict = {}
+    threads = [threading.Thread(target=_client_run, args=(core, r, got)) for r in (a, b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=600)
+    assert {k: v for k, v in got.items() if k.startswith("a-")} == want
+    assert {k.replace("b-", "a-"): v for k, v in got.items() if k.startswith("b-")} == want
+    assert all(v[1] for v in got.values())         # text on every request: detokenized on one side or the other
+
+
+def test_a_client_that_goes_away_has_its_requests_aborted(core):
+    address, authkey, info = core
+    watcher = EngineCoreClient(address, authkey, info, ByteTokenizer())
+
+    def aborted() -> float:
+        text = watcher.render_metrics().decode()
+        line = next(x for x in text.splitlines() if x.startswith("hybrid_jax_requests_aborted_total "))
+        return float(line.split()[1])
+
+    before = aborted()
+    long = [("gone", {"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=200, ignore_eos=True))]
+    _client_run(core, long, {}, close_after=2)
+    got: dict = {}
+    _client_run(core, _requests("c")[:1], got)     # the core serves on
+    assert got["c-greedy"][2] == "length" and len(got["c-greedy"][0]) == 20
+    assert aborted() == before + 1
