@@ -158,11 +158,12 @@ def scraped_totals(url: str, headers: dict) -> dict:
     for line in text.splitlines():
         name, _, v = line.partition(" ")
         if name in ("hybrid_jax_step_host_seconds_count", "hybrid_jax_step_host_seconds_sum",
-                    "hybrid_jax_device_busy_seconds_total"):
+                    "hybrid_jax_device_busy_seconds_total", "hybrid_jax_compiled_programs"):
             val[name] = float(v)
     return {"steps": int(val.get("hybrid_jax_step_host_seconds_count", 0)),
             "host_s": val.get("hybrid_jax_step_host_seconds_sum", 0.0),
-            "device_s": val.get("hybrid_jax_device_busy_seconds_total", 0.0)}
+            "device_s": val.get("hybrid_jax_device_busy_seconds_total", 0.0),
+            "compiled": int(val.get("hybrid_jax_compiled_programs", 0))}
 
 
 def print_summary(s: dict):

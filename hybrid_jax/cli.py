@@ -92,6 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--no-engine-process", dest="engine_process", action="store_false",
                    help="run the engine on a thread of the server's process instead of a process of its own "
                         "(always so with several processes)")
+    s.add_argument("--api-server-count", type=int, default=1,
+                   help="API server processes on the port, all feeding the one engine core (default 1)")
     _add_engine_args(s)
     _add_parallel_args(s)
     s.set_defaults(warmup="all")      # no request compiles on the serving path (see /health)
@@ -189,6 +191,7 @@ def _serve(args) -> int:
                                             max_tokens_limit=args.max_tokens_limit, body_timeout_s=args.timeout_body),
                  shutdown_timeout_s=args.shutdown_timeout, header_timeout_s=args.timeout_header,
                  keep_alive_timeout_s=args.timeout_keep_alive, engine_process=args.engine_process,
+                 api_server_count=args.api_server_count,
                  processes=_processes(args))
 
 

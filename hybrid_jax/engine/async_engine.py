@@ -28,6 +28,30 @@ class EngineRequestError(RuntimeError):
     """This request failed inside the engine (the server answers 500 naming it)."""
 
 
+class OutputStream:
+    """A request's outputs from its asyncio.Queue until the one that finishes it; an exception put on
+    the queue, or an output that carries an error, is raised (the request is over either way)."""
+
+    def __init__(self, q: asyncio.Queue):
+        self.q, self.finished = q, False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self.q.get()
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        if item.error is not None:
+            self.finished = True
+            raise EngineRequestError(item.error)
+        self.finished = item.finished
+        return item
+
+
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, mirror=None):
         """mirror: with several processes, process 0's `parallel.hosts.Mirror`: what this loop applies
@@ -68,6 +92,11 @@ class AsyncEngine:
         """What a client may send: max_model_len, vocab_size."""
         return {"max_model_len": self.engine.config.max_model_len, "vocab_size": self.engine.llm.config.vocab_size}
 
+    @property
+    def alive(self) -> bool:
+        """Whether the engine thread runs (it stops only at shutdown)."""
+        return self._thread.is_alive() or not self._thread.ident
+
     def render_metrics(self) -> bytes:
         return self.engine.metrics.render()
 
@@ -87,23 +116,13 @@ class AsyncEngine:
         self._streams[request_id] = (loop, q)
         self._sent += 1
         self._commands.put(("add", request_id, prompt, params, arrival))
-        finished = False
+        outs = OutputStream(q)
         try:
-            while True:
-                item = await q.get()
-                if isinstance(item, BaseException):
-                    finished = True          # the engine already dropped it
-                    raise item
-                if item.error is not None:
-                    finished = True
-                    raise EngineRequestError(item.error)
-                finished = item.finished
+            async for item in outs:
                 yield item
-                if finished:
-                    return
         finally:
             self._streams.pop(request_id, None)
-            if not finished:
+            if not outs.finished:           # the caller stopped early: the request is aborted
                 self._commands.put(("abort", request_id))
 
     # --- the engine thread -------------------------------------------------------------------------

@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 from multiprocessing.connection import Client
 from typing import Any
 
-from hybrid_jax.engine.async_engine import EngineRequestError
+from hybrid_jax.engine.async_engine import EngineRequestError, OutputStream
 from hybrid_jax.engine.detokenize import IncrementalDetokenizer
 from hybrid_jax.engine.limits import admit
 from hybrid_jax.engine.request import RequestOutput
@@ -43,6 +43,7 @@ class EngineCoreClient:
         core's model has (loaded here); process: the core's process when this server started it (its
         `shutdown` then stops it)."""
         self.info, self._tokenizer, self.process = info, tokenizer, process
+        self.connection = (address, authkey, info)      # what another API server needs to connect
         self.conn = Client(address, family="AF_UNIX", authkey=authkey)
         self._send_lock = threading.Lock()
         self._streams: dict[str, _Stream] = {}
@@ -61,6 +62,11 @@ class EngineCoreClient:
 
     def model_card(self) -> dict:
         return {"max_model_len": self.info["max_model_len"], "vocab_size": self.info["vocab_size"]}
+
+    @property
+    def alive(self) -> bool:
+        """False once the core has gone away (/health then answers 503)."""
+        return self.error is None
 
     def render_metrics(self) -> bytes:
         """The core's /metrics text (blocking: the server calls it on a worker thread)."""
@@ -89,20 +95,13 @@ class EngineCoreClient:
         stream = _Stream(asyncio.get_running_loop(), ids, params, self._tokenizer)
         self._streams[request_id] = stream
         self._send(("add", request_id, ids, params, time.monotonic() if arrival is None else arrival))
-        finished = False
+        outs = OutputStream(stream.queue)
         try:
-            while True:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                finished = item.finished
+            async for item in outs:
                 yield item
-                if finished:
-                    return
         finally:
             self._streams.pop(request_id, None)
-            if not finished and self.error is None and not self._closed:
+            if not outs.finished and self.error is None and not self._closed:
                 try:
                     self._send(("abort", request_id))
                 except HybridJaxError:         # the core is gone: nothing left to abort
@@ -160,6 +159,7 @@ class EngineCoreClient:
             if self._closed:
                 return
             self.error = f"the engine core exited ({type(e).__name__})"
+            log.error("%s: every open request fails, and new ones get a 500", self.error)
             for s in list(self._streams.values()):
                 s.loop.call_soon_threadsafe(s.queue.put_nowait, EngineRequestError(self.error))
 
@@ -167,9 +167,6 @@ class EngineCoreClient:
     def _hand_over(items):
         """On the event loop: each output detokenized and put on its stream."""
         for s, (rid, new_ids, finished, reason, new_lps, error, text, new_text, lps) in items:
-            if error is not None:
-                s.queue.put_nowait(EngineRequestError(error))
-                continue
             s.token_ids += new_ids
             if s.detok is not None:
                 old = s.detok.text
@@ -179,4 +176,4 @@ class EngineCoreClient:
                 text = s.detok.text
                 new_text = text[len(old):] if text.startswith(old) else text
             s.queue.put_nowait(RequestOutput(rid, new_ids, new_text, list(s.token_ids), text, finished, reason,
-                                             s.prompt_ids, new_lps, lps, None))
+                                             s.prompt_ids, new_lps, lps, error))

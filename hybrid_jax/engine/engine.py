@@ -415,10 +415,10 @@ class LLMEngine:
         d = self.runner.dispatch_mixed(rows)
         for p in rows:
             q = p.request
+            if not q.num_output:            # (a decode row's token may be in flight: it is no prompt token)
+                self.metrics.prompt_tokens.inc(p.num_tokens)
             q.num_computed += p.num_tokens
             q.num_inflight += int(p.sample)
-            if not q.output_ids:
-                self.metrics.prompt_tokens.inc(p.num_tokens)
         return self._in_flight([p.request for p in rows], d, [int(p.sample) for p in rows])
 
     def _dispatch_decode(self, reqs) -> Flight:

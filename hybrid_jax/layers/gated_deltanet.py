@@ -151,7 +151,6 @@ def gated_deltanet_ragged(p: dict, x: jax.Array, seq: jax.Array, valid: jax.Arra
     cu_seqlens [S + 1]; conv_state [S, W-1, C]; ssm_state [S, HV, K, V] fp32 (row s: sequence s's).
     The chunked rule runs the packed sequences with `cu_seqlens` (each padded to the chunk size, no
     padding to the longest). Returns (out [N, Hd], conv_state, ssm_state)."""
-    N = x.shape[0]
     H, HV, K, V = num_k_heads, num_v_heads, head_k_dim, head_v_dim
     qkv, z, b, a = _project(p, x, H, HV, K, V)
     qkv, conv_state = ragged_causal_conv(qkv, conv_state, p["conv"], seq, cu_seqlens)

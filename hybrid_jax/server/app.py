@@ -176,6 +176,8 @@ def build_app(state: ServerState) -> FastAPI:
         if state.engine is None:
             return PlainTextResponse("loading failed (see the server log)" if state.load_error else "loading",
                                      status_code=503)
+        if not state.engine.alive:
+            return PlainTextResponse("the engine stopped (see the server log)", status_code=503)
         return PlainTextResponse(state.ready_note)
 
     @app.get("/metrics")

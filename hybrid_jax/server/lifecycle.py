@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import socket
 
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -54,9 +55,9 @@ def header_timeout_protocol(header_timeout_s: float) -> type:
 class DrainingServer(uvicorn.Server):
     """uvicorn.Server that drains (see the module doc) instead of re-raising the signal."""
 
-    def __init__(self, config: uvicorn.Config, state, shutdown_timeout_s: float):
+    def __init__(self, config: uvicorn.Config, state, shutdown_timeout_s: float, on_drain=None):
         super().__init__(config)
-        self.state, self.shutdown_timeout_s = state, shutdown_timeout_s
+        self.state, self.shutdown_timeout_s, self.on_drain = state, shutdown_timeout_s, on_drain
         self._loop: asyncio.AbstractEventLoop | None = None
 
     async def startup(self, sockets=None):
@@ -72,18 +73,34 @@ class DrainingServer(uvicorn.Server):
                  self.shutdown_timeout_s)
         if self._loop is not None:
             self._loop.call_soon_threadsafe(self.state.begin_drain, self.shutdown_timeout_s)
+        if self.on_drain is not None:
+            self.on_drain()
         self.should_exit = True
 
 
+def reuse_port_socket(host: str, port: int) -> socket.socket:
+    """A listening socket on host:port that other processes may bind too (SO_REUSEPORT: the kernel
+    spreads new connections over them): how several API server processes share one port."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    return sock
+
+
 def run(app, state, *, host: str, port: int, shutdown_timeout_s: float, header_timeout_s: float,
-        keep_alive_timeout_s: float, on_server=None):
-    """Serves until a signal (drained) or `server.should_exit` (set by the loader when loading fails)."""
+        keep_alive_timeout_s: float, on_server=None, sockets=None, on_drain=None):
+    """Serves until a signal (drained) or `server.should_exit` (set by the loader when loading fails).
+    sockets: listening sockets to serve on instead of binding host:port; on_drain: called when a
+    signal starts the drain (the API server that owns others passes it on)."""
     config = uvicorn.Config(app, host=host, port=port, log_level="info", http=header_timeout_protocol(header_timeout_s),
                             timeout_keep_alive=keep_alive_timeout_s,
                             # the drain deadline ends every request; this is only a backstop behind it
                             timeout_graceful_shutdown=shutdown_timeout_s + 5)
-    server = DrainingServer(config, state, shutdown_timeout_s)
+    server = DrainingServer(config, state, shutdown_timeout_s, on_drain)
     if on_server is not None:
         on_server(server)
-    server.run()
+    server.run(sockets=sockets)
     return server

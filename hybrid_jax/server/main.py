@@ -31,12 +31,15 @@ def ready_note(engine: LLMEngine) -> str:
 
 
 def load_engine(state: ServerState, model: str | None, dtype: str, engine_config: EngineConfig, stop=None,
-                parallel: dict | None = None, mirror=None, engine_process: bool = False):
+                parallel: dict | None = None, mirror=None, engine_process: bool = False, more_servers=None):
     """Loads the model (parallel: LLM's layout keywords, tensor_parallel_size ...) and starts the engine
-    (mirror: several processes, `parallel.hosts.Mirror`; engine_process: in a process of its own)."""
+    (mirror: several processes, `parallel.hosts.Mirror`; engine_process: in a process of its own, and
+    more_servers(address, authkey, info) then starts the other API server processes)."""
     try:
         if engine_process:
             state.engine = _start_core(state, model, dtype, engine_config, parallel)
+            if more_servers is not None:
+                more_servers(*state.engine.connection)
             return
         engine = build_engine(model, dtype, engine_config, parallel)
         ae = AsyncEngine(engine, mirror)
@@ -53,27 +56,44 @@ def load_engine(state: ServerState, model: str | None, dtype: str, engine_config
 
 
 def _start_core(state: ServerState, model, dtype, engine_config, parallel):
-    from hybrid_jax.engine.core_client import EngineCoreClient  # noqa: PLC0415
     from hybrid_jax.engine.core_process import start_core  # noqa: PLC0415
-    from hybrid_jax.tokenizer import ByteTokenizer, load_tokenizer  # noqa: PLC0415
     proc, address, authkey, info = start_core(model, dtype, engine_config, parallel)
-    tok = {"byte": ByteTokenizer, "checkpoint": lambda: load_tokenizer(model)}.get(info["tokenizer"], lambda: None)()
-    client = EngineCoreClient(address, authkey, info, tok, process=proc)
-    mode = info["warmup"]
-    state.ready_note = f"ok: warm-up {mode}: {WARMUP_NOTES[mode]} ({info['num_compiled']} programs)"
-    log.info("model ready in engine core process %d (warm-up %s, %.1f s, %d programs)", info["pid"], mode,
+    client = _core_client(state, model, address, authkey, info, proc)
+    log.info("model ready in engine core process %d (warm-up %s, %.1f s, %d programs)", info["pid"], info["warmup"],
              info["warmup_seconds"], info["num_compiled"])
     return client
+
+
+def _core_client(state: ServerState, model, address, authkey, info, proc=None):
+    """A client of the core for this API server, with the model's tokenizer loaded here."""
+    from hybrid_jax.engine.core_client import EngineCoreClient  # noqa: PLC0415
+    from hybrid_jax.tokenizer import ByteTokenizer, load_tokenizer  # noqa: PLC0415
+    tok = {"byte": ByteTokenizer, "checkpoint": lambda: load_tokenizer(model)}.get(info["tokenizer"], lambda: None)()
+    mode = info["warmup"]
+    state.ready_note = f"ok: warm-up {mode}: {WARMUP_NOTES[mode]} ({info['num_compiled']} programs)"
+    return EngineCoreClient(address, authkey, info, tok, process=proc)
+
+
+def api_server(model, address, authkey, info, server_config: ServerConfig, host: str, port: int, timeouts: dict):
+    """Another API server process (`serve(api_server_count=N)`): the same port, the same core."""
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s:%(name)s: %(message)s")
+    state = ServerState(server_config)
+    state.engine = _core_client(state, model, address, authkey, info)
+    lifecycle.run(build_app(state), state, host=host, port=port, sockets=[lifecycle.reuse_port_socket(host, port)],
+                  **timeouts)
+    state.engine.close()
 
 
 def serve(*, model: str | None, host: str, port: int, dtype: str, engine_config: EngineConfig,
           server_config: ServerConfig, shutdown_timeout_s: float = 30.0, header_timeout_s: float = 10.0,
           keep_alive_timeout_s: float = 5.0, parallel: dict | None = None, processes: int = 1,
-          engine_process: bool = True) -> int:
+          engine_process: bool = True, api_server_count: int = 1) -> int:
     """Runs the server; returns the process exit code (0 after a drain, 1 when the model failed to load).
     With several processes (`parallel.hosts.start` first), process 0 serves and the others follow its
     engine (`parallel.hosts.follow`) until it stops; its engine then runs on a thread of process 0.
-    Otherwise (engine_process) this process never touches a device: the core's process owns them."""
+    Otherwise (engine_process) this process never touches a device: the core's process owns them, and
+    api_server_count > 1 runs that many API server processes on the port (SO_REUSEPORT), all feeding
+    the one core; a signal to this one drains them all."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:%(name)s: %(message)s")
     mirror = None
     if processes > 1:
@@ -89,18 +109,42 @@ def serve(*, model: str | None, host: str, port: int, dtype: str, engine_config:
             hosts.follow(build_engine(model, dtype, engine_config, parallel))
             return 0
         mirror = hosts.Mirror()
+    if api_server_count > 1 and not engine_process:
+        raise ConfigError("several API server processes feed an engine core in its own process: drop "
+                          "--no-engine-process (and run one process of the mesh per host)")
     state = ServerState(server_config)
     app = build_app(state)
+    timeouts = dict(shutdown_timeout_s=shutdown_timeout_s, header_timeout_s=header_timeout_s,
+                    keep_alive_timeout_s=keep_alive_timeout_s)
+    others: list = []
+
+    def more_servers(address, authkey, info):
+        import multiprocessing  # noqa: PLC0415
+        ctx = multiprocessing.get_context("spawn")
+        for _ in range(api_server_count - 1):
+            p = ctx.Process(target=api_server, args=(model, address, authkey, info, server_config, host, port, timeouts),
+                            name="hybrid-jax-api-server")
+            p.start()
+            others.append(p)
+
+    def drain_others():
+        for p in others:
+            if p.is_alive():
+                p.terminate()        # SIGTERM: each drains as this one does
 
     def start_loading(server):
         def stop():
             server.should_exit = True
         threading.Thread(target=load_engine, args=(state, model, dtype, engine_config, stop, parallel, mirror,
-                                                   engine_process), daemon=True).start()
+                                                   engine_process, more_servers if api_server_count > 1 else None),
+                         daemon=True).start()
 
-    lifecycle.run(app, state, host=host, port=port, shutdown_timeout_s=shutdown_timeout_s,
-                  header_timeout_s=header_timeout_s, keep_alive_timeout_s=keep_alive_timeout_s,
-                  on_server=start_loading)
+    sockets = [lifecycle.reuse_port_socket(host, port)] if api_server_count > 1 else None
+    lifecycle.run(app, state, host=host, port=port, on_server=start_loading, sockets=sockets, on_drain=drain_others,
+                  **timeouts)
+    drain_others()
+    for p in others:
+        p.join(timeout=shutdown_timeout_s + 15)
     if state.engine is not None:
         log.info("shutting down the engine")
         state.engine.shutdown()

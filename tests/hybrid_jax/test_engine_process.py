@@ -101,3 +101,24 @@ def test_a_client_that_goes_away_has_its_requests_aborted(core):
     _client_run(core, _requests("c")[:1], got)     # the core serves on
     assert got["c-greedy"][2] == "length" and len(got["c-greedy"][0]) == 20
     assert aborted() == before + 1
+
+
+def test_a_core_that_dies_fails_its_requests_and_says_so():
+    import os  # noqa: PLC0415
+    import signal  # noqa: PLC0415
+
+    from hybrid_jax.engine.async_engine import EngineRequestError  # noqa: PLC0415
+    proc, address, authkey, info = start_core(None, "auto", CONFIG)
+    client = EngineCoreClient(address, authkey, info, ByteTokenizer(), process=proc)
+    assert client.alive
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.join(timeout=30)
+    client._reader.join(timeout=30)
+    assert not client.alive and "exited" in client.error
+
+    async def ask():
+        async for _ in client.generate("late", {"prompt_token_ids": [1, 2]}, SamplingParams(max_tokens=2)):
+            pass
+    with pytest.raises(EngineRequestError, match="engine core exited"):
+        asyncio.run(ask())
+    client.shutdown(timeout=1)

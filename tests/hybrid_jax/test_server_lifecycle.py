@@ -133,3 +133,68 @@ def test_a_model_that_fails_to_load_exits_nonzero(tmp_path):
     out = proc.stdout.read().decode()
     assert code == 1, out[-2000:]
     assert "loading failed" in out and "does not exist" in out
+
+
+def _children(pid: int) -> list[int]:
+    """The processes `pid` spawned (multiprocessing's spawn; not its resource tracker)."""
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    parent = int(f.read().rsplit(")", 1)[1].split()[1])
+                with open(f"/proc/{d}/cmdline", "rb") as f:
+                    spawned = b"spawn_main" in f.read()
+            except (OSError, IndexError, ValueError):
+                continue
+            if parent == pid and spawned:
+                out.append(int(d))
+    return out
+
+
+def test_two_api_server_processes_share_the_port_and_the_core(tiny_checkpoint, tmp_path_factory):
+    """--api-server-count 2: the engine core and a second API server run as this server's children,
+    requests on fresh connections (spread over both by the kernel) all get the offline engine's
+    tokens, and SIGTERM to the first stops them all, exiting 0."""
+    from hybrid_jax import LLM, SamplingParams  # noqa: PLC0415
+    cc = os.environ.get("JAX_COMPILATION_CACHE_DIR") or tmp_path_factory.mktemp("jaxcache")
+    proc, port = _start(["--model", tiny_checkpoint, "--api-server-count", "2", "--max-num-seqs", "4",
+                         "--max-num-batched-tokens", "32", "--max-model-len", "256", "--warmup", "none",
+                         "--compilation-cache-dir", str(cc), "--shutdown-timeout", "2"])
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_ready(proc, url, 500)
+        deadline = time.time() + 120
+        while len(_children(proc.pid)) < 2 and time.time() < deadline:
+            time.sleep(0.5)
+        kids = _children(proc.pid)
+        assert len(kids) == 2, kids                    # the core and the second API server
+        prompts = [[5 + i, 9, 13, 2 * i] for i in range(8)]
+
+        async def one(p):
+            async with httpx.AsyncClient(timeout=300) as c:     # a connection of its own
+                for _ in range(60):                              # the second server may still be starting
+                    r = await c.post(url + "/v1/completions", json={"prompt": p, "max_tokens": 6, "temperature": 0,
+                                                                    "ignore_eos": True})
+                    if r.status_code != 503:
+                        return r
+                    await asyncio.sleep(1)
+                return r
+
+        async def main():
+            return await asyncio.gather(*(one(p) for p in prompts))
+        rs = asyncio.run(main())
+        assert all(r.status_code == 200 for r in rs), [r.text for r in rs]
+        llm = LLM(model=tiny_checkpoint)
+        want = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts],
+                                                             SamplingParams(max_tokens=6, temperature=0,
+                                                                            ignore_eos=True))]
+        assert [r.json()["choices"][0]["token_ids"] for r in rs] == want
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=90) == 0
+        time.sleep(1)
+        assert not [k for k in kids if os.path.exists(f"/proc/{k}") and "zombie" not in open(f"/proc/{k}/status").read()]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
