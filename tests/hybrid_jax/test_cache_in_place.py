@@ -123,7 +123,7 @@ def test_engine_decode_loop_writes_pools_in_place(spec, B):
                                                                 compilation_cache_dir=None, warmup="none"))
     arrays = per_position_arrays(cfg, runner.cache)
     z = np.zeros((B,), np.int32)
-    hlo = runner._decode.lower(params, runner.cache, runner._rows([], B), z, z.astype(bool),
+    hlo = runner._decode.lower(params, runner.cache, runner.slot_last, runner._rows([], B), z, z.astype(bool),
                                np.full((B, 1), -1, np.int32), z + 8, None, None, steps=16,
                                flags=SamplerFlags(False, False, False), top_n=0).compile().as_text()
     assert "while" in hlo
