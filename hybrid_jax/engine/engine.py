@@ -455,13 +455,16 @@ class LLMEngine:
             got = int(np.sum(row >= 0))
             q.num_inflight -= n
             if got != n:
-                stops = set(q.params.stop_token_ids) | (set() if q.params.ignore_eos else set(self._eos))
-                if got > n or not (got and int(row[got - 1]) in stops):
+                if got > n or not (got and int(row[got - 1]) in self._stop_set(q)):
                     raise RuntimeError(f"request {q.request_id!r}: a step sampled {got} tokens where {n} were "
                                        f"counted")
                 if q.status is RequestStatus.RUNNING:
                     q.num_computed -= n - got
         return toks, lps
+
+    def _stop_set(self, q: Request) -> set[int]:
+        """The token ids that end the request: its stop_token_ids and, unless ignore_eos, the model's EOS."""
+        return set(q.params.stop_token_ids) | (set() if q.params.ignore_eos else set(self._eos))
 
     def _land(self, f: Flight) -> list[RequestOutput]:
         toks, lps = self._read(f)
@@ -619,7 +622,7 @@ class LLMEngine:
         """Adds sampled tokens to a request; applies stop ids, max tokens and stop strings. A stop string
         ends the output at the token that completes it, however the steps cut the tokens (text cut
         before it), so the outputs do not depend on batching."""
-        stops = set(q.params.stop_token_ids) | (set() if q.params.ignore_eos else set(self._eos))
+        stops = self._stop_set(q)
         accepted = []
         for t in new:
             accepted.append(t)
