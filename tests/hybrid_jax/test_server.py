@@ -45,6 +45,25 @@ def _wait_ready(proc, url: str, seconds: float):
     pytest.fail(f"server did not become ready: {proc.stdout.read().decode()[-3000:]}")
 
 
+_SERVERS: dict[str, subprocess.Popen] = {}      # url -> the server process (to find its engine core)
+
+
+def _engine_core_pid(url: str) -> int:
+    """The pid of the server's engine core: the one child process of the server (`serve` spawns it)."""
+    pid = _SERVERS[url].pid
+    children = set()
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            children |= {int(c) for c in f.read().split()}
+    cores = []
+    for c in children:
+        with open(f"/proc/{c}/cmdline", "rb") as f:
+            if b"spawn_main" in f.read():     # multiprocessing's spawned child (not its resource tracker)
+                cores.append(c)
+    assert len(cores) == 1, f"expected one engine core among the server's children {sorted(children)}"
+    return cores[0]
+
+
 @pytest.fixture(scope="module")
 def server(tiny_checkpoint, tmp_path_factory):
     port = _free_port()
@@ -57,6 +76,7 @@ def server(tiny_checkpoint, tmp_path_factory):
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, "JAX_PLATFORMS": "cpu"})
     url = f"http://127.0.0.1:{port}"
     _wait_ready(proc, url, 400)
+    _SERVERS[url] = proc
     yield url
     proc.terminate()
     try:
@@ -191,20 +211,48 @@ def test_chat_without_template_is_400(server):
 
 
 def test_client_disconnect_frees_request(server):
+    """A streaming client that hangs up mid-stream has its request aborted. The engine core runs in its
+    own process and can finish 200 tiny-model tokens before the hang-up reaches it, so the test freezes
+    the core (SIGSTOP) once the first chunk is here: if everything the core had sent by then still leaves
+    the request unfinished, the request is in flight, and the client hangs up while the core is frozen.
+    The core, let go, must abort it. (A request that had already finished is tried again.)"""
+    import signal  # noqa: PLC0415
+    core = _engine_core_pid(server)
     aborted = _metric(server, "hybrid_jax_requests_aborted_total")
-    with httpx.Client(timeout=60) as c:
-        with c.stream("POST", server + "/v1/completions", headers=H,
-                      json={"prompt": [3, 4, 5], "max_tokens": 200, "ignore_eos": True, "stream": True}) as r:
-            for line in r.iter_lines():
-                if line.startswith("data: "):
-                    break                     # got a first chunk: hang up
+    in_flight = False
+    for _ in range(5):
+        try:
+            with httpx.Client(timeout=httpx.Timeout(60, read=3)) as c, \
+                    c.stream("POST", server + "/v1/completions", headers=H,
+                             json={"prompt": [3, 4, 5], "max_tokens": 200, "ignore_eos": True, "stream": True}) as r:
+                lines = r.iter_lines()
+                for line in lines:
+                    if line.startswith("data: "):
+                        break
+                os.kill(core, signal.SIGSTOP)
+                finished = False
+                try:                          # drain what the core sent before it froze
+                    for line in lines:
+                        if line.startswith("data: "):
+                            finished |= line == "data: [DONE]" or \
+                                json.loads(line[6:])["choices"][0]["finish_reason"] is not None
+                except httpx.ReadTimeout:     # nothing more is coming: the request is in flight
+                    in_flight = not finished
+            # the client has hung up (the stream and its connection are closed)
+            if in_flight:
+                time.sleep(1.0)               # the API server sees the disconnect and sends the abort
+        finally:
+            os.kill(core, signal.SIGCONT)
+        if in_flight:
+            break
+    assert in_flight, "every try finished its 200 tokens before the core could be frozen"
     deadline = time.time() + 30
     while time.time() < deadline:
         if (_metric(server, "hybrid_jax_requests_aborted_total") > aborted
                 and _metric(server, "hybrid_jax_num_requests_running") == 0):
             break
         time.sleep(0.2)
-    assert _metric(server, "hybrid_jax_requests_aborted_total") > aborted
+    assert _metric(server, "hybrid_jax_requests_aborted_total") == aborted + 1
     assert _metric(server, "hybrid_jax_num_requests_running") == 0
 
 
