@@ -160,6 +160,16 @@ class LLMEngine:
         if req is not None and not req.finished:
             self._drop(req, "abort")
             self.metrics.aborted.inc()
+            self._land_if_finished()
+
+    def _land_if_finished(self):
+        """Reads back now a step in flight whose requests have all finished (stopped, aborted): nothing
+        will step behind it, and read later (at the next request, after an idle gap) the device time it
+        took could no longer be told from the gap. Its tokens are dropped."""
+        f = self._flight
+        if f is not None and all(q.finished for q in f.reqs):
+            self._flight = None
+            self._land(f)
 
     def abort_all(self) -> list[str]:
         """Aborts every request the engine holds (after a step raised past its own isolation: nothing
@@ -202,7 +212,7 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         """Whether a step has work: requests to run, or tokens in flight for one that has not finished
-        (a step left in flight for finished requests only is read back by the next, and dropped)."""
+        (a step in flight for finished requests only is read back at once: `_land_if_finished`)."""
         return (bool(self.scheduler.waiting) or len(self.scheduler.running) > len(self._releasing)
                 or (self._flight is not None and not all(q.finished for q in self._flight.reqs)))
 
@@ -408,6 +418,7 @@ class LLMEngine:
         if self._flight is not None and (self._flight.sync or not self._overlap):
             f, self._flight = self._flight, None
             outs += self._land(f)
+        self._land_if_finished()
         return outs
 
     def _dispatch_mixed(self, rows) -> Flight:

@@ -123,3 +123,27 @@ def test_preemption_and_prefix_caching_overlapped(llm):
         assert eng.points.decode_publishes > 0
         assert (eng.overlapped > 0) == o
     assert outs[True] == outs[False]
+
+
+def test_an_idle_gap_after_an_abort_is_not_device_time(llm):
+    """A request aborted with its next step in flight, then a second of nothing: that step is read back
+    at the abort, so the device time the engine counts over the whole run stays within its wall time
+    (read at the next request instead, the idle second would count as the device running)."""
+    import time  # noqa: PLC0415
+    eng = _engine(llm, True)
+    eng.add_request("warm", {"prompt_token_ids": [100, 101, 102]}, SamplingParams(max_tokens=9, ignore_eos=True))
+    while eng.has_unfinished():             # every program this test runs compiled before the clock starts
+        eng.step()
+    t0, d0 = time.perf_counter(), eng.runner.device_seconds
+    eng.add_request("a", {"prompt_token_ids": [100, 101, 102]}, SamplingParams(max_tokens=40, ignore_eos=True))
+    for _ in range(3):
+        eng.step()
+    assert eng._flight is not None           # its next step is in flight
+    eng.abort_request("a")
+    assert eng._flight is None and not eng.has_unfinished()
+    time.sleep(1.0)
+    eng.add_request("b", {"prompt_token_ids": [100, 101, 102]}, SamplingParams(max_tokens=9, ignore_eos=True))
+    while eng.has_unfinished():
+        eng.step()
+    wall = time.perf_counter() - t0
+    assert 0 < eng.runner.device_seconds - d0 < wall - 0.9
