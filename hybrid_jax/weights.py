@@ -31,6 +31,8 @@ import numpy as np
 
 from hybrid_jax import quantization as qz
 from hybrid_jax.errors import CheckpointError, ConfigError
+from hybrid_jax.lazy_quantized import (RECORDS, BlockScaled, Fp4Codes, Unquantized, as_values, column_pieces,
+                                       constant, fp8_parts, kept_blocks)
 from hybrid_jax.lazy_weights import Lazy, Stored
 from hybrid_jax.lazy_weights import concat as lazy_concat
 from hybrid_jax.lazy_weights import stack as lazy_stack
@@ -39,7 +41,7 @@ LARGE_CHECKPOINT_BYTES = 64 << 20    # above this, loading shows a progress bar
 QUANTIZATION_MODES = (None, "fp8")
 # A quantized tensor in the kept-on-device mode: its float32 value and the scale of its block
 # (0 marks an element that was not quantized). Numpy re-lays records like any array.
-QUANTIZED = np.dtype([("v", np.float32), ("s", np.float32)])
+QUANTIZED = RECORDS
 KEPT_BLOCKS = (128, 64, 32, 16)      # block sizes an FP8 weight on the device may use, per axis
 
 _DTYPES = {"BOOL": np.bool_, "U8": np.uint8, "I8": np.int8, "U16": np.uint16, "I16": np.int16, "U32": np.uint32,
@@ -161,8 +163,6 @@ class CheckpointReader:
                 raise CheckpointError(f"tensor {name!r} is stored as {a.dtype} but has a scale {scale_name!r}: "
                                       f"only FP8 / FP4 tensors carry one")
             return Stored(a, self.counter) if _ON_HOST.get() else a
-        if _ON_HOST.get():                  # decoded below: read whole
-            self.counter[0] += a.nbytes
         q = self.quant
         if q is None:
             raise CheckpointError(f"tensor {name!r} is stored quantized ({'float8' if fp8 else 'packed int8'}) but "
@@ -190,6 +190,11 @@ class CheckpointReader:
         if not ok:
             raise CheckpointError(f"scale {scale_name!r} has shape {tuple(scale.shape)}; tensor {name!r} "
                                   f"{'FP8' if fp8 else 'FP4'} {tuple(shape)} with blocks {block} needs {want}")
+        if _ON_HOST.get():                  # read by parts: codes from the file, the block scales whole
+            codes = Stored(a, self.counter) if fp8 else Fp4Codes(Stored(a, self.counter))
+            full = (1,) * (len(shape) - 2) + tuple(block) if block is not None else shape
+            coarse = np.asarray(scale, np.float32).reshape(tuple(-(-n // b) for n, b in zip(shape, full)))
+            return BlockScaled(codes, coarse, full, records=self.keep_quantized)
         values = qz.unpack_fp4(a) if not fp8 else a.astype(np.float32)
         smap = qz.scale_map(scale, shape, block)
         if not self.keep_quantized:
@@ -241,6 +246,8 @@ def concat(parts, axis: int = 0) -> np.ndarray:
     """np.concatenate for weight pieces of which some may be QUANTIZED records (the others become
     records marked as not quantized), for the fused projections of a model's conversion. Host weights
     read by parts (`on_host`) give one too (`lazy_weights.Concat`)."""
+    if all(isinstance(p, Lazy) for p in parts) and any(p.dtype == QUANTIZED for p in parts):
+        return lazy_concat([p if p.dtype == QUANTIZED else Unquantized(p) for p in parts], axis)   # `on_host`
     if any(p.dtype == QUANTIZED for p in parts):
         parts = [np.asarray(p) for p in parts]
         def rec(p):
@@ -257,7 +264,9 @@ def concat(parts, axis: int = 0) -> np.ndarray:
 
 def stack(parts, axis: int = 0):
     """np.stack, or a `lazy_weights.Stack` of host weights read by parts."""
-    if any(isinstance(p, Lazy) for p in parts) and not any(p.dtype == QUANTIZED for p in parts):
+    quantized = [p.dtype == QUANTIZED for p in parts]
+    if any(isinstance(p, Lazy) for p in parts) and (not any(quantized) or
+                                                    all(isinstance(p, Lazy) for p in parts) and all(quantized)):
         return lazy_stack(parts, axis)
     return np.stack([np.asarray(p) for p in parts], axis=axis)
 
@@ -291,8 +300,9 @@ def on_host():
     `stack` and the re-layouts keep them lazy, and `to_device` / `to_device_linear` give host weights in
     the run dtype instead of arrays on the default device: a model split over a mesh is converted
     without reading it, and `parallel.Layout.put` reads each device's slice alone, so neither a device
-    nor the host holds the model and each process reads only its devices' part. What a conversion does
-    beyond the lazy re-layouts (and FP8 weights kept on the device) reads that weight whole."""
+    nor the host holds the model and each process reads only its devices' part. FP8 / FP4 tensors come
+    as `lazy_quantized.BlockScaled` (codes read by parts, block scales whole). What a conversion does
+    beyond the lazy re-layouts reads that weight whole."""
     token = _ON_HOST.set(True)
     try:
         yield
@@ -313,7 +323,8 @@ def to_device(a: np.ndarray, dtype):
     """A checkpoint array as a jax array of `dtype` (integer-typed tensors go through fp32; QUANTIZED
     records are dequantized); a host array inside `on_host()`."""
     if a.dtype == QUANTIZED:
-        a = a["v"]
+        v = as_values(a) if isinstance(a, Lazy) else None
+        a = v if v is not None else np.asarray(a)["v"]
     return _array(np.asarray(a, dtype=np.float32) if a.dtype.kind != "f" else a, dtype)   # ints: read whole
 
 
@@ -326,11 +337,29 @@ def to_device_linear(a: np.ndarray, dtype):
     if a.dtype != QUANTIZED:
         return to_device(a, dtype)
     from hybrid_jax.layers.linear import ColumnConcat  # noqa: PLC0415
+    if isinstance(a, Lazy):                 # read by parts (`on_host`): the stored codes, re-laid
+        runs = column_pieces(a)
+        parts = [_kept_lazy(p) if quantized else to_device(as_values(p), dtype) for quantized, p in runs]
+        if runs and all(p is not None for p in parts):
+            return parts[0] if len(parts) == 1 else ColumnConcat(tuple(parts))
+        a = np.asarray(a)                   # a re-layout cut through scale blocks: read whole
     quantized = np.all((a["s"] != 0).reshape(-1, a.shape[-1]), axis=0)            # per output column
     edges = [0] + [j for j in range(1, a.shape[-1]) if quantized[j] != quantized[j - 1]] + [a.shape[-1]]
     parts = [_kept(a[..., lo:hi], dtype) if quantized[lo] else to_device(a[..., lo:hi]["v"], dtype)
              for lo, hi in zip(edges[:-1], edges[1:])]
     return parts[0] if len(parts) == 1 else ColumnConcat(tuple(parts))
+
+
+def _kept_lazy(a: Lazy):
+    """Lazy QUANTIZED records -> an Fp8Weight of the stored codes (read by parts) and the block scales
+    `_kept` would find in the weight read whole; None where `lazy_quantized` cannot follow them."""
+    from hybrid_jax.layers.linear import Fp8Weight  # noqa: PLC0415
+    parts = fp8_parts(a)
+    got = kept_blocks(*parts, KEPT_BLOCKS) if parts is not None else None
+    if got is None:
+        return None
+    scale, block = got
+    return Fp8Weight(w=parts[0], scale=scale, block=block)
 
 
 def _kept(a: np.ndarray, dtype):
@@ -343,12 +372,6 @@ def _kept(a: np.ndarray, dtype):
     codes = (v / s).astype(ml_dtypes.float8_e4m3fn)
     if not np.array_equal(codes.astype(np.float32) * s, v):
         return to_device(v, dtype)
-
-    def constant(x, block, axis):       # x's every block-th entries, if spread over their blocks they give x
-        n = x.shape[axis]
-        first = np.take(x, np.arange(0, n, block), axis=axis)
-        return first if np.array_equal(np.take(np.repeat(first, block, axis=axis), np.arange(n), axis=axis), x) else None
-
     for bk in KEPT_BLOCKS:
         rows = constant(s, bk, -2)
         if rows is None:

@@ -122,8 +122,8 @@ class Layout:
             if not placed:
                 n = self._gate_up_devices(ax, leaf.w.shape, name)
                 if n > 1:
-                    leaf = dataclasses.replace(leaf, w=interleave_gate_up(leaf.w, n),
-                                               scale=interleave_gate_up(leaf.scale, n))
+                    w = lazy_gate_up(leaf.w, n) if isinstance(leaf.w, Lazy) else interleave_gate_up(leaf.w, n)
+                    leaf = dataclasses.replace(leaf, w=w, scale=interleave_gate_up(leaf.scale, n))
                 return dataclasses.replace(leaf, axes=ax)
             return dataclasses.replace(leaf, w=self._sharding(ax, leaf.w.shape, f"parameter {name}"),
                                        scale=self._sharding(ax, leaf.scale.shape, f"parameter {name} (scales)"),

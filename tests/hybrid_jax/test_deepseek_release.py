@@ -52,9 +52,8 @@ def v4_release_name(name: str) -> str:
     return re.sub(r"\.attn\.norm\.weight$", ".attn.kv_norm.weight", name)
 
 
-@pytest.fixture(scope="module")
-def v4(tmp_path_factory):
-    root = tmp_path_factory.mktemp("v4rel")
+def v4_release(root) -> tuple[str, str]:
+    """(DeepSeek-V4 in its release layout under root, the float32 reference of its values)."""
     modern = {"layer_types": None, "compress_rates": None, "mlp_layer_types": None, "partial_rotary_factor": None}
     src = make_v4(root / "src", seed=0, **{**V4_LEGACY, **modern})
     return _release(root, src, v4_names=True, rename=v4_release_name, quantization_config=V4_QUANT,
@@ -62,6 +61,11 @@ def v4(tmp_path_factory):
                     fp8=lambda n, a: a.ndim == 2 and n.endswith(".weight") and "weights_proj" not in n
                     and (".attn." in n or ".shared_experts." in n),
                     config_update={**V4_LEGACY, "expert_dtype": "fp4", "rope_parameters": None, **modern})
+
+
+@pytest.fixture(scope="module")
+def v4(tmp_path_factory):
+    return v4_release(tmp_path_factory.mktemp("v4rel"))
 
 
 def test_v4_release_names_formats_and_legacy_config(v4):
@@ -93,9 +97,8 @@ def test_v4_release_kept_in_fp8_and_aligned(v4):
         assert len(report.rows) == 3 + 2
 
 
-@pytest.fixture(scope="module")
-def v32(tmp_path_factory):
-    root = tmp_path_factory.mktemp("v32rel")
+def v32_release(root) -> tuple[str, str]:
+    """(DeepSeek-V3.2 FP8 with power-of-two scales and YaRN under root, the float32 reference)."""
     src = make_v32(root / "src", seed=1, **V32)
     q = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128],
          "scale_fmt": "ue8m0"}
@@ -103,6 +106,11 @@ def v32(tmp_path_factory):
                     fp8=lambda n, a: a.ndim == 2 and n.endswith(".weight") and (".self_attn." in n or ".mlp." in n)
                     and not n.endswith("mlp.gate.weight") and "weights_proj" not in n,
                     config_update={"rope_scaling": V32["rope_scaling"], "rope_parameters": None})
+
+
+@pytest.fixture(scope="module")
+def v32(tmp_path_factory):
+    return v32_release(tmp_path_factory.mktemp("v32rel"))
 
 
 def test_v32_fp8_release_with_yarn(v32):

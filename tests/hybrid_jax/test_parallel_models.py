@@ -28,8 +28,11 @@ def fp8_worker(tmp_path_factory):
 
 def test_fp8_release_kept_in_fp8_splits_like_bf16(fp8_worker):
     """An FP8 release kept in FP8 over 2 devices with the experts whole on each: the greedy tokens of one
-    device, FP8 codes split with their scales (the expert stacks), the cache prefix hits."""
+    device, FP8 codes split with their scales (the expert stacks) and read from the file by parts
+    (no weight decoded whole on the host first), the cache prefix hits."""
     one, split = fp8_worker["tp1"], fp8_worker["tp2_ep"]
+    placed = split["placed_from"]
+    assert placed["device"] == 0 and placed["by_parts"] > 0.9 * (placed["by_parts"] + placed["host"])
     assert split["tokens"] == one["tokens"] and split["again"] == one["tokens"]
     assert split["logprobs"] == pytest.approx(one["logprobs"], rel=1e-5, abs=1e-5)
     assert split["hits"] >= 2 and split["pools_keep_shardings"] is True
