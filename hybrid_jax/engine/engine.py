@@ -539,10 +539,11 @@ class LLMEngine:
         """Pages the step will write that a request shares (a prefix whose last page it continues)
         become private copies first; the step then writes only pages nobody else reads."""
         copies: dict[str, list[tuple[int, int]]] = {}
+        decode_only = plan.is_decode_only
         for p in plan.rows:
             q = p.request
             ahead = self.scheduler.lookahead or q.remaining_tokens
-            end = q.num_computed + (ahead if plan.is_decode_only else p.num_tokens)
+            end = q.num_computed + (ahead if decode_only else p.num_tokens)
             got = self.blocks.writable(q.request_id, q.num_computed, end)
             if got is None:
                 raise RuntimeError(f"request {q.request_id!r}: no free page for a copy-on-write")

@@ -20,7 +20,7 @@ class RequestStatus(enum.Enum):
     ABORTED = "aborted"
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)          # an entity: equal only to itself (the scheduler's `in` tests)
 class Request:
     request_id: str
     prompt_ids: list[int]
