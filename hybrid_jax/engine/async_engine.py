@@ -11,6 +11,7 @@ prefix store (waiting for the disk tier's pending writes).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import queue
 import threading
@@ -30,10 +31,14 @@ class EngineRequestError(RuntimeError):
 
 class OutputStream:
     """A request's outputs from its asyncio.Queue until the one that finishes it; an exception put on
-    the queue, or an output that carries an error, is raised (the request is over either way)."""
+    the queue, or an output that carries an error, is raised (the request is over either way).
+    Outputs that queued up while the reader was busy come as one (their new tokens, text and logprobs
+    joined, as vLLM's output streams merge them): a reader that falls behind catches up in one piece
+    instead of paying the per-output cost (an SSE event, a JSON encode) once for each step."""
 
     def __init__(self, q: asyncio.Queue):
         self.q, self.finished = q, False
+        self._held = None          # taken from the queue while merging, not mergeable: the next one out
 
     def __aiter__(self):
         return self
@@ -41,7 +46,14 @@ class OutputStream:
     async def __anext__(self) -> RequestOutput:
         if self.finished:
             raise StopAsyncIteration
-        item = await self.q.get()
+        item, self._held = (self._held, None) if self._held is not None else (await self.q.get(), None)
+        while not isinstance(item, BaseException) and item.error is None and not item.finished \
+                and not self.q.empty():
+            nxt = self.q.get_nowait()
+            if isinstance(nxt, BaseException) or nxt.error is not None:
+                self._held = nxt
+                break
+            item = merged(item, nxt)
         if isinstance(item, BaseException):
             self.finished = True
             raise item
@@ -50,6 +62,12 @@ class OutputStream:
             raise EngineRequestError(item.error)
         self.finished = item.finished
         return item
+
+
+def merged(a: RequestOutput, b: RequestOutput) -> RequestOutput:
+    """Two consecutive outputs of one request as one: b's state, both steps' new tokens / text / logprobs."""
+    return dataclasses.replace(b, new_token_ids=a.new_token_ids + b.new_token_ids, new_text=a.new_text + b.new_text,
+                               new_logprobs=a.new_logprobs + b.new_logprobs)
 
 
 class AsyncEngine:

@@ -71,7 +71,7 @@ class LLMEngine:
                              f"{llm.max_model_len}")
         enable_persistent_compilation_cache(self.config.compilation_cache_dir)
         self.runner = ModelRunner(llm.config, llm.params, llm.dtype, self.config, impl=llm.generator.impl,
-                                  layout=llm.layout)
+                                  layout=llm.layout, eos_ids=llm.eos_token_ids())
         self.blocks = BlockManager(self.runner.geometry(), num_rows=self.config.max_num_seqs)
         self.runner.blocks = self.blocks
         self.prefix: PrefixCache | None = None
@@ -441,7 +441,7 @@ class LLMEngine:
             steps = (self.spec.fallback_steps(reqs) if self.spec is not None
                      else bucket(max(q.remaining_tokens for q in reqs), 16))
         caps = self._decode_caps(reqs)
-        d = self.runner.dispatch_decode(reqs, self._eos, steps, caps=caps)
+        d = self.runner.dispatch_decode(reqs, steps, caps=caps)
         counted = [min(steps, q.remaining_tokens, caps[i] if caps is not None else steps) for i, q in enumerate(reqs)]
         for q, n in zip(reqs, counted):
             q.num_computed += n       # each iteration fed one token, then sampled one
@@ -560,7 +560,7 @@ class LLMEngine:
 
     def _ngram_loop(self, reqs):
         t0 = time.perf_counter()
-        toks, log, branch = self.runner.run_ngram_loop(reqs, self._eos, self.spec.spec)
+        toks, log, branch = self.runner.run_ngram_loop(reqs, self.spec.spec)
         dt = time.perf_counter() - t0
         self.spec.record_loop(reqs, log, branch, dt)
         self.metrics.spec_verify_seconds.inc(dt)

@@ -90,8 +90,9 @@ class Dispatched:
 
 
 class ModelRunner:
-    def __init__(self, cfg, params, dtype, ecfg: EngineConfig, impl: str = "auto", layout=None):
+    def __init__(self, cfg, params, dtype, ecfg: EngineConfig, impl: str = "auto", layout=None, eos_ids=()):
         self.cfg, self.params, self.ecfg, self.impl, self.dtype = cfg, params, ecfg, impl, dtype
+        self.eos_ids = tuple(eos_ids)     # the model's end-of-sequence ids (a row stops on them unless ignore_eos)
         self.layout = layout      # hybrid_jax.parallel.Layout: the pools are split like the parameters
         self.model = get_model(cfg.model_type)
         self.null_slot = ecfg.max_num_seqs            # the null row: padding rows of a bucket point at it
@@ -477,7 +478,7 @@ class ModelRunner:
             cfg=self.cfg, impl=self.impl, flags=FULL_SAMPLER, lc=lc)
         return out, n_out, log, branch, self._put_view(cache, r["rows"], sub)
 
-    def run_ngram_loop(self, reqs, eos_ids, spec):
+    def run_ngram_loop(self, reqs, spec):
         """Runs decoding requests to their ends with n-gram speculation in ONE on-device loop (draft,
         verify, accept, roll back by selection, emit: no host round trip per step), over their rows
         and pages (all of them allocated up to each request's limit). spec: the SpeculativeConfig.
@@ -504,7 +505,7 @@ class ModelRunner:
                 rows[:, i] = (len(ids) - 1, 1, len(q.output_ids) - 1, q.remaining_tokens + 1)
         tune = np.asarray([spec.draft_cost, spec.ewma_decay], np.float32)
         out, n_out, log, branch, self.cache = self._loop(self.params, self.cache, self._rows(reqs, Bb), hist, first,
-                                                         rows, tune, self._stop_ids(reqs, Bb, eos_ids), lc=lc)
+                                                         rows, tune, self._stop_ids(reqs, Bb), lc=lc)
         self._wait(out, n_out, log, branch)
         out, n_out = np.asarray(out)[:n], np.asarray(n_out)[:n]
         toks = np.where(np.arange(out.shape[1] - 1)[None] < (n_out - 1)[:, None], out[:, 1:], -1)
@@ -522,26 +523,33 @@ class ModelRunner:
         ids = [q.request_id for q in reqs] + [None] * (Bb - n)
         ra["tables"] = (self.blocks.block_tables(ids, self.widths) if self.blocks is not None
                         else {g: np.full((Bb, w), -1, np.int32) for g, w in self.widths.items()})
-        V = self.cfg.vocab_size
-        for i, q in enumerate(reqs):
-            with attributed(q):
-                ra["rows"][i], ra["lengths"][i] = q.slot, q.num_computed
-                ra["seeds"][i], ra["steps"][i] = q.seed % 2**32, q.num_output
-                ra["from_dev"][i] = q.num_inflight > 0      # its last token is still on the device
-                ra["temperature"][i] = row_temperature(q.params.temperature)
-                ra["top_k"][i] = row_top_k(q.params.top_k, V)
-                ra["top_p"][i] = q.params.top_p
+        if n:
+            consts = [self._row_consts(q) for q in reqs]
+            ra["seeds"][:n], ra["temperature"][:n], ra["top_k"][:n], ra["top_p"][:n] = zip(*(c[:4] for c in consts))
+            ra["rows"][:n] = [q.slot for q in reqs]
+            ra["lengths"][:n] = [q.num_computed for q in reqs]
+            ra["steps"][:n] = [q.num_output for q in reqs]
+            ra["from_dev"][:n] = [q.num_inflight > 0 for q in reqs]      # its last token is still on the device
         return ra
 
-    def _stop_ids(self, reqs, Bb, eos_ids) -> np.ndarray:
-        """[Bb, max_stop_ids] int32, -1 padded: each request's stop token ids and (unless ignore_eos)
-        the model's end-of-sequence ids."""
-        S = self.ecfg.max_stop_ids
-        stop_ids = np.full((Bb, S), -1, np.int32)
-        for i, q in enumerate(reqs):
+    def _row_consts(self, q) -> tuple:
+        """A request's step inputs that never change, made once: (seed, temperature, top_k, top_p, its
+        stop ids [max_stop_ids] -1 padded: stop_token_ids and, unless ignore_eos, the model's EOS)."""
+        if q.row_consts is None:
             with attributed(q):
-                ids = list(q.params.stop_token_ids) + ([] if q.params.ignore_eos else list(eos_ids))
-                stop_ids[i, :len(ids[:S])] = ids[:S]
+                S = self.ecfg.max_stop_ids
+                ids = (list(q.params.stop_token_ids) + ([] if q.params.ignore_eos else list(self.eos_ids)))[:S]
+                stop = np.full((S,), -1, np.int32)
+                stop[:len(ids)] = ids
+                q.row_consts = (q.seed % 2**32, row_temperature(q.params.temperature),
+                                row_top_k(q.params.top_k, self.cfg.vocab_size), q.params.top_p, stop)
+        return q.row_consts
+
+    def _stop_ids(self, reqs, Bb) -> np.ndarray:
+        """[Bb, max_stop_ids] int32, -1 padded: each request's stop ids (`_row_consts`)."""
+        stop_ids = np.full((Bb, self.ecfg.max_stop_ids), -1, np.int32)
+        if reqs:
+            stop_ids[:len(reqs)] = [self._row_consts(q)[4] for q in reqs]
         return stop_ids
 
     @staticmethod
@@ -598,7 +606,7 @@ class ModelRunner:
             program = ("mixed", Bb, T, top_n)
         return Dispatched(n, tok, lps, program, t)
 
-    def dispatch_decode(self, reqs, eos_ids, steps: int, caps: list[int] | None = None) -> Dispatched:
+    def dispatch_decode(self, reqs, steps: int, caps: list[int] | None = None) -> Dispatched:
         """Enqueues up to `steps` decode iterations for running requests (each stops at a stop id, its
         max_tokens or caps[i] tokens, on device; `land` gives tokens [n, steps], -1 past a row's end);
         a request with tokens in flight is fed its last from `slot_last`."""
@@ -607,12 +615,13 @@ class ModelRunner:
         last = np.zeros((Bb,), np.int32)
         active = np.zeros((Bb,), bool)
         remaining = np.zeros((Bb,), np.int32)
-        for i, q in enumerate(reqs):
-            with attributed(q):
-                last[i], active[i], remaining[i] = q.output_ids[-1] if not q.num_inflight else 0, True, q.remaining_tokens
-                if caps is not None:
-                    remaining[i] = min(remaining[i], caps[i])
-        stop_ids = self._stop_ids(reqs, Bb, eos_ids)
+        if n:
+            last[:n] = [q.output_ids[-1] if not q.num_inflight else 0 for q in reqs]
+            active[:n] = True
+            remaining[:n] = [q.remaining_tokens for q in reqs]
+            if caps is not None:
+                remaining[:n] = np.minimum(remaining[:n], caps)
+        stop_ids = self._stop_ids(reqs, Bb)
         t, top_n = time.perf_counter(), self._top_n(reqs)
         out, lps, self.cache, self.dcache, self.slot_last = self._decode(
             self.params, self.cache, self.slot_last, self._rows(reqs, Bb), last, active, stop_ids,
