@@ -77,21 +77,18 @@ class BlockScaled(Lazy):
         self.shape, self.dtype = codes.shape, (RECORDS if records else np.dtype(np.float32))
 
     def _read(self, index):
-        smap = _scale_part(self.scale, self.block, index)
-        v = self.codes._read(index).astype(np.float32) * smap
-        if not self.records:
-            return v
-        out = np.empty(v.shape, RECORDS)
-        out["v"], out["s"] = v, np.where(smap == 0, 1.0, smap)
-        return out
+        return self._decoded(self.codes._read(index), _scale_part(self.scale, self.block, index))
 
     def _points(self, coords):
-        s = self.scale[tuple(c // b for c, b in zip(coords, self.block))]
-        v = self.codes._points(coords).astype(np.float32) * s
+        return self._decoded(self.codes._points(coords), self.scale[tuple(c // b for c, b in zip(coords, self.block))])
+
+    def _decoded(self, codes: np.ndarray, scale: np.ndarray) -> np.ndarray:
+        """codes and their per-element scale -> values, or the records (a zero scale recorded as 1)."""
+        v = codes.astype(np.float32) * scale
         if not self.records:
             return v
         out = np.empty(v.shape, RECORDS)
-        out["v"], out["s"] = v, np.where(s == 0, 1.0, s)
+        out["v"], out["s"] = v, np.where(scale == 0, 1.0, scale)
         return out
 
 
