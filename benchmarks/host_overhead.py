@@ -43,6 +43,18 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
+# HYBRID_JAX_ENGINE_CPUS=0: the "device" gets CPU 0 to itself, as an accelerator would be apart from the
+# host: this process (bare, replay, the in-process engine) and the server's engine core run there, the
+# API server and the load generator on the other CPUs. Set before JAX starts its threads (they inherit it).
+DEVICE_CPUS = HOST_CPUS = None
+if os.environ.get("HYBRID_JAX_ENGINE_CPUS"):
+    from hybrid_jax.engine.core_process import parse_cpus  # noqa: E402
+    DEVICE_CPUS = parse_cpus(os.environ["HYBRID_JAX_ENGINE_CPUS"])
+    HOST_CPUS = os.sched_getaffinity(0) - DEVICE_CPUS
+    if not HOST_CPUS:
+        sys.exit("HYBRID_JAX_ENGINE_CPUS leaves no CPU for the host")
+    os.sched_setaffinity(0, DEVICE_CPUS)
+
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
@@ -194,6 +206,8 @@ def server_runs(path: str | None, dtype: str, vocab: int, levels: list[int], per
            "--decode-steps", "4", "--warmup", "minimal", "--compilation-cache-dir", "none"]
     if path:
         cmd += ["--model", path]
+    if HOST_CPUS:                            # the API server on the host's CPUs, its engine core on the device's
+        cmd = ["taskset", "-c", ",".join(map(str, sorted(HOST_CPUS)))] + cmd
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -207,6 +221,8 @@ def server_runs(path: str | None, dtype: str, vocab: int, levels: list[int], per
         else:
             raise RuntimeError("the server did not become ready")
         model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
+        if HOST_CPUS:                        # the load generator (this thread) on the host's CPUs too
+            os.sched_setaffinity(0, HOST_CPUS)
         out = {}
         for c in levels:
             wl = make_workload(per * c, PROMPT_LEN, (OUT_LEN, OUT_LEN), 0.0, vocab, seed=c)
@@ -223,6 +239,8 @@ def server_runs(path: str | None, dtype: str, vocab: int, levels: list[int], per
                       "compiled": after["compiled"] - before["compiled"]}
         return out
     finally:
+        if DEVICE_CPUS:
+            os.sched_setaffinity(0, DEVICE_CPUS)
         proc.terminate()
         proc.wait(timeout=60)
 

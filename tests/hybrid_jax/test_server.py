@@ -73,7 +73,8 @@ def server(tiny_checkpoint, tmp_path_factory):
          "--api-key", KEY, "--max-num-seqs", "2", "--max-num-batched-tokens", "32", "--max-model-len", "256",
          "--max-tokens-limit", "200", "--max-request-bytes", "20000", "--warmup", "all",
          "--compilation-cache-dir", str(cc)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        env={**os.environ, "JAX_PLATFORMS": "cpu", "HYBRID_JAX_ENGINE_CPUS": "0"})   # the core keeps to CPU 0
     url = f"http://127.0.0.1:{port}"
     _wait_ready(proc, url, 400)
     _SERVERS[url] = proc
@@ -208,6 +209,24 @@ def test_malformed_requests_get_4xx_and_server_keeps_serving(server, body, statu
 def test_chat_without_template_is_400(server):
     r = httpx.post(server + "/v1/chat/completions", headers=H, json={"messages": [{"role": "user", "content": "hi"}]})
     assert r.status_code == 400 and "chat template" in r.json()["error"]["message"]
+
+
+def test_engine_core_keeps_to_the_cpus_it_is_given(server):
+    """HYBRID_JAX_ENGINE_CPUS=0 (the fixture's): the core process, XLA's threads included, runs on CPU 0
+    only; the API server process is not held to it."""
+    core = _engine_core_pid(server)
+    tasks = os.listdir(f"/proc/{core}/task")
+    assert len(tasks) > 1 and all(os.sched_getaffinity(int(t)) == {0} for t in tasks)
+    if len(os.sched_getaffinity(0)) > 1:
+        assert os.sched_getaffinity(_SERVERS[server].pid) != {0}
+
+
+def test_a_bad_engine_cpu_list_is_named():
+    from hybrid_jax.engine.core_process import parse_cpus  # noqa: PLC0415
+    from hybrid_jax.errors import HybridJaxError  # noqa: PLC0415
+    assert parse_cpus("0-2, 5") == {0, 1, 2, 5}
+    with pytest.raises(HybridJaxError, match="HYBRID_JAX_ENGINE_CPUS='0-x' is not a CPU list"):
+        parse_cpus("0-x")
 
 
 def test_client_disconnect_frees_request(server):
