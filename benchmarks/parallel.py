@@ -5,9 +5,10 @@ only (8 CPU "devices" share this machine's cores: it is not a speed figure).
 Runs itself in a child process that sees 8 CPU devices (XLA_FLAGS is set before jax is imported).
 The model is the benchmark's tiny Qwen3-Next with head counts 2 and 4 divide (benchmarks/tiny_qwen3_next.py).
 Per layout: device 0's parameter and cache-pool bytes against the totals, the collectives of the
-engine's compiled decode program (count and bytes by kind), and the number the layout needs at
-least: one all-reduce per row-parallel projection (two per layer: the mixer's output projection and
-the MLP's / experts' down projection). A data-parallel layout (dp2_tp4: two engines of 4 devices)
+engine's compiled decode program (count and bytes by kind): the all-reduces of the hidden state
+against what the layout needs (one per row-parallel projection, two a layer: the mixer's output
+projection and the MLP's / experts' down projection, and one for the vocabulary-split embedding),
+and the sampler's all-reduces of a number per row over the split vocabulary apart. A data-parallel layout (dp2_tp4: two engines of 4 devices)
 shows replica 0's figures: each replica is a tp4 engine; its step time is the pair's, 4 requests each.
 
     python benchmarks/parallel.py [--layouts tp1,tp2,tp4,tp4_ep,dp2_tp4] [--steps 32]
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import math
 import os
 import re
 import subprocess
@@ -55,7 +57,7 @@ def child(layouts: list[str], steps: int):
           f"(KV {cfg['num_key_value_heads']}), linear heads {cfg['linear_num_key_heads']} / "
           f"{cfg['linear_num_value_heads']}, {cfg['num_experts']} experts; {len(jax.devices())} CPU devices")
     print(f"{'layout':<8}{'weights/dev':>13}{'of total':>9}{'cache/dev':>12}{'of total':>9}  "
-          f"{'all-reduce':>11}{'(min)':>6}{'all-gather':>11}{'permute':>9}{'other':>7}{'KiB moved':>11}"
+          f"{'hidden-sum':>11}{'(max)':>6}{'sampler':>8}{'all-gather':>11}{'permute':>9}{'other':>7}{'KiB moved':>11}"
           f"{'step ms':>9}")
     for name in layouts:
         llm = LLM(model=path, dtype="float32", max_model_len=256, max_num_seqs=8, **LAYOUTS[name])
@@ -81,20 +83,25 @@ def child(layouts: list[str], steps: int):
         text = jitted.lower(*a, **k).compile().as_text()
         count, moved = collections.Counter(), 0
         for m in COLLECTIVE.finditer(text):
-            count[m.group(3)] += 1
-            n = 1
-            for d in m.group(2).split(","):
-                n *= int(d) if d else 1
-            moved += n * ITEMSIZE.get(m.group(1), 4)
+            dims = [int(d) for d in m.group(2).split(",") if d]
+            kind = m.group(3)
+            if kind == "all-reduce":          # of the hidden state, or the sampler's numbers per row
+                kind = "hidden-sum" if dims and dims[-1] == cfg["hidden_size"] else "sampler-sum"
+            count[kind] += 1
+            moved += math.prod(dims) * ITEMSIZE.get(m.group(1), 4)
         wt, w0 = device0_bytes(llm.params)
         ct, c0 = device0_bytes(runner.cache)
         tp = LAYOUTS[name]["tensor_parallel_size"]
-        other = sum(v for k2, v in count.items() if k2 not in ("all-reduce", "all-gather", "collective-permute"))
+        other = sum(v for k2, v in count.items()
+                    if k2 not in ("hidden-sum", "sampler-sum", "all-gather", "collective-permute"))
         print(f"{name:<8}{w0 / 1024:>11.0f}Ki{w0 / wt:>9.2f}{c0 / 1024:>10.0f}Ki{c0 / ct:>9.2f}  "
-              f"{count['all-reduce']:>11}{2 * layers if tp > 1 else 0:>6}{count['all-gather']:>11}"
+              f"{count['hidden-sum']:>11}{2 * layers + 1 if tp > 1 else 0:>6}{count['sampler-sum']:>8}"
+              f"{count['all-gather']:>11}"
               f"{count['collective-permute']:>9}{other:>7}{moved / 1024:>11.1f}{ms:>9.2f}")
-    print("(the decode program loops over its steps: its collectives are per step. 'min': one all-reduce per "
-          "row-parallel projection. Step ms: 8 requests, CPU devices sharing 2 cores; for the record only.)")
+    print("(the decode program loops over its steps: its collectives are per step. hidden-sum: all-reduces of "
+          "the hidden state; 'max': what the layout needs, one per row-parallel projection (two a layer) and one "
+          "for the vocabulary-split embedding; XLA may merge some. sampler: all-reduces of a number per row over "
+          "the split vocabulary. Step ms: 8 requests, CPU devices sharing 2 cores; for the record only.)")
 
 
 def main():
