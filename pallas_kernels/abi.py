@@ -46,6 +46,9 @@ def all_abis() -> dict[str, KernelABI]:
 # The objects the current kernels write. Every implementation of one op (reference, xla, pallas)
 # writes the same layout, so they share one id: a state written by one may be read by another.
 GATED_DELTA_RULE = register(KernelABI("gated_delta_rule", "state[N,HV,K,V]:f32", 1))
+# Kimi Delta Attention (pallas_kernels.kda): the gated delta rule with a decay per key channel. Its state has GDN's
+# layout, but a state one rule wrote means nothing to the other, so the id is its own.
+KIMI_DELTA_ATTENTION = register(KernelABI("kimi_delta_attention", "state[N,HV,K,V]:f32", 1))
 CAUSAL_CONV1D = register(KernelABI("causal_conv1d", "conv_state[N,C,W-1]", 1))
 # Full attention over a paged KV pool (pallas_kernels.ragged_paged_attention): separate K and V pools of pages of
 # ps tokens, token-major inside a page, addressed per sequence by page_indices. The op only reads; the full-attention

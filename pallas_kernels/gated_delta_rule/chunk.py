@@ -21,7 +21,9 @@ resets the state at each sequence's first chunk and records it after each of its
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -125,14 +127,17 @@ def chunk_scan(h0, qc, kc, u, w, attn, eg, dk, decay):
     return o, h
 
 
-def chunk_scan_varlen(h0, *parts_and_meta):
-    """chunk_scan for a packed batch (B == 1): h0 [N, 1, H, r, K, V]; seq, first [NC].
+def chunk_scan_varlen(h0, *parts_and_meta, scan=None):
+    """chunk_scan (or `scan`, another rule's sequential part of the same form, e.g. KDA's) for a packed
+    batch (B == 1): h0 [N, 1, H, r, K, V]; seq, first [NC].
     Returns (o [NC, 1, H, r, C, V], final states [N, 1, H, r, K, V])."""
+    scan = scan or chunk_scan
+
     def step(carry, xs):
         h, finals = carry
         *parts, s, f = xs
         h = jnp.where(f, h0[s], h)
-        o, h = chunk_scan(h, *(p[None] for p in parts))
+        o, h = scan(h, *(p[None] for p in parts))
         finals = finals.at[s].set(h)
         return (h, finals), o[0]
     (_, finals), o = jax.lax.scan(step, (jnp.zeros_like(h0[0]), h0), parts_and_meta)
@@ -142,6 +147,21 @@ def chunk_scan_varlen(h0, *parts_and_meta):
 # Best chunk for XLA on CPU (measured by benchmarks/gdn.py, T = 8192, K = V = 128): the intra-chunk
 # work grows with C, the sequential scan shrinks; 32 wins on CPU, 64 on the accelerators.
 DEFAULT_CHUNK_SIZE = 32
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkRule:
+    """A delta rule in chunked form, as `_chunk_xla` runs it: prepare(q, k, v, g, beta, C) is the
+    intra-chunk work of all chunks at once (q, k [B, T, H, K]; v [B, T, H, r, V]; g [B, T, H, r] or, per
+    channel, [B, T, H, r, K]; beta [B, T, H, r]) and returns the per-chunk parts scan(h0, *parts) carries
+    the state [B, H, r, K, V] across, returning (o [N, B, H, r, C, V], final h). per_channel: g has a
+    decay per key channel (Kimi Delta Attention, pallas_kernels.kda.chunk)."""
+    prepare: Callable
+    scan: Callable
+    per_channel: bool = False
+
+
+GATED_DELTA = ChunkRule(chunk_prepare, chunk_scan)
 
 
 def chunk_gated_delta_rule_xla(
@@ -161,17 +181,25 @@ def chunk_gated_delta_rule_xla(
     T is padded up to a multiple of chunk_size with g = 0, beta = 0 (which leave the state unchanged);
     with cu_seqlens each sequence is padded so, and N is the number of sequences.
     A missing initial state becomes zeros before the jit boundary: one compilation serves both."""
-    B, T, H, K, HV, V = check_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
+    return run_chunked(GATED_DELTA, q, k, v, g, beta, scale, initial_state, output_final_state,
+                       use_qk_l2norm_in_kernel, cu_seqlens, chunk_size or DEFAULT_CHUNK_SIZE)
+
+
+def run_chunked(rule: ChunkRule, q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+                cu_seqlens, chunk_size: int):
+    """`rule` in chunked form over the inputs of `chunk_gated_delta_rule_xla` (g per channel with a
+    per-channel rule); a missing initial state becomes zeros before the jit boundary."""
+    B, T, H, K, HV, V = check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, per_channel=rule.per_channel)
     if initial_state is None:
         n = B if cu_seqlens is None else varlen.check_cu_seqlens(cu_seqlens)
         initial_state = jnp.zeros((n, HV, K, V), jnp.float32)
     return _chunk_xla(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                       output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                      cu_seqlens=cu_seqlens, chunk_size=chunk_size or DEFAULT_CHUNK_SIZE)
+                      cu_seqlens=cu_seqlens, chunk_size=chunk_size, rule=rule)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "output_final_state", "use_qk_l2norm_in_kernel",
-                                             "chunk_size"))
+                                             "chunk_size", "rule"))
 def _chunk_xla(
     q: jax.Array,            # [B, T, H, K]
     k: jax.Array,            # [B, T, H, K]
@@ -184,8 +212,10 @@ def _chunk_xla(
     use_qk_l2norm_in_kernel: bool = False,
     cu_seqlens: jax.Array | None = None,     # [N + 1] int32, packed batch (B == 1)
     chunk_size: int = DEFAULT_CHUNK_SIZE,
+    rule: ChunkRule | None = None,
 ):
-    B, T, H, K, HV, V = check_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
+    rule = rule or GATED_DELTA
+    B, T, H, K, HV, V = check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, per_channel=rule.per_channel)
     N = B if cu_seqlens is None else varlen.check_cu_seqlens(cu_seqlens)
     r = HV // H
     out_dtype = v.dtype
@@ -202,12 +232,12 @@ def _chunk_xla(
     Tp = q.shape[1]
     h0 = (jnp.zeros((N, HV, K, V), jnp.float32) if initial_state is None
           else initial_state.astype(jnp.float32)).reshape(N, H, r, K, V)
-    parts = chunk_prepare(q, k, v.reshape(B, Tp, H, r, V), g.reshape(B, Tp, H, r),
-                          beta.reshape(B, Tp, H, r), C)
+    parts = rule.prepare(q, k, v.reshape(B, Tp, H, r, V), g.reshape((B, Tp, H, r) + g.shape[3:]),
+                         beta.reshape(B, Tp, H, r), C)
     if cu_seqlens is None:
-        o, h = chunk_scan(h0, *parts)
+        o, h = rule.scan(h0, *parts)
     else:
-        o, h = chunk_scan_varlen(h0[:, None], *parts, seq, first)
+        o, h = chunk_scan_varlen(h0[:, None], *parts, seq, first, scan=rule.scan)
     # o: [NC, B, H, r, C, V] -> [B, NC, C, H, r, V]
     o = o.transpose(1, 0, 4, 2, 3, 5).reshape(B, Tp, HV, V)
     o = (o[:, :T] if cu_seqlens is None else varlen.scatter_back(o, pos)).astype(out_dtype)

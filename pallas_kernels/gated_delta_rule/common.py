@@ -2,7 +2,7 @@
 
 Conventions (flash-linear-attention's):
   q, k: [B, T, H, K]      v: [B, T, HV, V] with HV a multiple of H
-  g (log decay), beta:    [B, T, HV]
+  g (log decay), beta:    [B, T, HV]  (g [B, T, HV, K] for a per-channel decay, KDA)
   state:                  [N, HV, K, V] in fp32 (N = B, or the number of sequences with cu_seqlens)
 Value head `hv` reads key head `hv // (HV // H)`; keys are never repeated in memory.
 """
@@ -17,8 +17,10 @@ def l2norm(x: jax.Array, eps: float = 1e-6) -> jax.Array:
     return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
 
 
-def check_inputs(q, k, v, g, beta, initial_state, cu_seqlens=None):
-    """Validates shapes; returns (B, T, H, K, HV, V). Raises ValueError naming the problem."""
+def check_inputs(q, k, v, g, beta, initial_state, cu_seqlens=None, per_channel: bool = False):
+    """Validates shapes; returns (B, T, H, K, HV, V). Raises ValueError naming the problem.
+    per_channel: the decay is one per key channel, g [B, T, HV, K] (Kimi Delta Attention), not one
+    per head, g [B, T, HV] (Gated DeltaNet)."""
     if q.ndim != 4 or k.shape != q.shape:
         raise ValueError(f"q and k must both be [B, T, H, K]; got q {q.shape}, k {k.shape}")
     B, T, H, K = q.shape
@@ -27,7 +29,9 @@ def check_inputs(q, k, v, g, beta, initial_state, cu_seqlens=None):
     HV, V = v.shape[2], v.shape[3]
     if HV % H:
         raise ValueError(f"value heads HV={HV} must be a multiple of key heads H={H}")
-    if g.shape != (B, T, HV):
+    if per_channel and g.shape != (B, T, HV, K):
+        raise ValueError(f"g must be [B, T, HV, K] = {(B, T, HV, K)} (a decay per key channel); got {g.shape}")
+    if not per_channel and g.shape != (B, T, HV):
         raise ValueError(f"g must be [B, T, HV] = {(B, T, HV)}; got {g.shape}")
     if beta.shape != (B, T, HV):
         raise ValueError(f"beta must be [B, T, HV] = {(B, T, HV)}; got {beta.shape}")

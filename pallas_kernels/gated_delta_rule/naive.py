@@ -22,9 +22,17 @@ from pallas_kernels.gated_delta_rule.common import check_inputs, default_scale, 
 ABI = abi.GATED_DELTA_RULE   # writes state[N, HV, K, V] f32, like every other implementation
 
 
+def decay(S, g_t):
+    """S * exp(g_t), the decay broadcast over the state's trailing axes: g_t [B, H, r] (one per head,
+    Gated DeltaNet) scales the whole [K, V] state, g_t [B, H, r, K] (one per key channel, KDA) its rows."""
+    a = jnp.exp(g_t)
+    return S * a.reshape(a.shape + (1,) * (S.ndim - a.ndim))
+
+
 def _update(S, q_t, k_t, v_t, g_t, b_t):
-    # S: [B, H, r, K, V]; q_t, k_t: [B, H, K]; v_t: [B, H, r, V]; g_t, b_t: [B, H, r]
-    S = S * jnp.exp(g_t)[..., None, None]
+    # S: [B, H, r, K, V]; q_t, k_t: [B, H, K]; v_t: [B, H, r, V]; b_t: [B, H, r]; g_t: [B, H, r] or,
+    # per channel, [B, H, r, K]
+    S = decay(S, g_t)
     kv = jnp.einsum("bhk,bhrkv->bhrv", k_t, S, precision="highest")
     delta = (v_t - kv) * b_t[..., None]
     S = S + k_t[:, :, None, :, None] * delta[:, :, :, None, :]
@@ -71,6 +79,7 @@ def recurrent_gated_delta_rule(
     *,
     update=_update,
     k_major: bool = False,
+    per_channel: bool = False,
 ):
     """Token-level scan. Returns (o [B, T, HV, V] in v.dtype, final state [N, HV, K, V] fp32 or None,
     and, with output_all_states, the state after every token [B, T, HV, K, V] fp32, or, with
@@ -78,8 +87,9 @@ def recurrent_gated_delta_rule(
     N = B, or the number of sequences with cu_seqlens.
     update(S, q_t, k_t, v_t, g_t, b_t) -> (S, o_t, delta) is one token's step (shapes as `_update`'s;
     `fused_recurrent` passes its own); k_major: it carries the state as [B, H, K, r, V] instead of
-    [B, H, r, K, V]."""
-    B, T, H, K, HV, V = check_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
+    [B, H, r, K, V]; per_channel: g is [B, T, HV, K], a decay per key channel (Kimi Delta Attention,
+    pallas_kernels.kda), and g_t [B, H, r, K]."""
+    B, T, H, K, HV, V = check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, per_channel=per_channel)
     keep = per_token_output(output_all_states, output_deltas)
     N = B if cu_seqlens is None else varlen.check_cu_seqlens(cu_seqlens)
     r = HV // H
@@ -92,7 +102,7 @@ def recurrent_gated_delta_rule(
     S0 = layout(S0)
     xs = (jnp.moveaxis(q, 1, 0), jnp.moveaxis(k, 1, 0),
           jnp.moveaxis(v.reshape(B, T, H, r, V), 1, 0),
-          jnp.moveaxis(g.reshape(B, T, H, r), 1, 0), jnp.moveaxis(beta.reshape(B, T, H, r), 1, 0))
+          jnp.moveaxis(g.reshape((B, T, H, r) + g.shape[3:]), 1, 0), jnp.moveaxis(beta.reshape(B, T, H, r), 1, 0))
     if cu_seqlens is None:
         S, (o, per_tok) = jax.lax.scan(functools.partial(_step, keep=keep, update=update), S0, xs)
         final = S

@@ -1,5 +1,9 @@
 """Fused recurrent gated delta rule in Pallas: decode steps and speculative-verify windows.
 
+One kernel for both decays: Gated DeltaNet's, one log decay per head (g [B, T, HV]: the state is scaled
+by a scalar), and Kimi Delta Attention's, one per key channel (g [B, T, HV, K]: row c of the state
+[K, V] is scaled by exp(g[c])). The choice is static, made from g.ndim; the GDN path is unchanged by it.
+
 The state block [K, block_v] stays on chip (VMEM on TPU, registers / shared memory on GPU) for the
 whole window and goes back to HBM once per sequence. Gating (exp(g)), beta and the q/k l2norm are
 fused into the token step. The update is independent per value column, so V is split into blocks for
@@ -13,9 +17,10 @@ Backends (lowered by `jax.export` and, for TPU, compiled by Mosaic in the tests)
     whole (block_t = T for short windows, else 16: a bf16 tile) and unrolls its tokens with static
     row offsets; Mosaic cannot prove a single bf16 row at a dynamic offset aligned (E2003), and a
     per-token state output over all of T would not fit VMEM (E1001 at T = 200 on v5e). Outputs
-    gather in an f32 scratch and are stored as one aligned block. g and beta travel lane-dense,
-    [T / block_t, block_t] per head, resident for the head ([T, 1] columns would be padded to 128
-    lanes in HBM). Per-token metadata (sequence id, flags) sits in SMEM.
+    gather in an f32 scratch and are stored as one aligned block. A per-head g and beta travel
+    lane-dense, [T / block_t, block_t] per head, resident for the head ([T, 1] columns would be padded
+    to 128 lanes in HBM); a per-channel g is a [block_t, K] block per value head, walked like q / k
+    (f32: block_t = 16 is two sublane tiles). Per-token metadata (sequence id, flags) sits in SMEM.
   * GPU (Triton, `pallas.triton.CompilerParams`): grid (B, HV, V / block_v); each program walks
     the tokens with `lax.fori_loop`. JAX 0.10's default Mosaic GPU lowering lacks the reductions
     this kernel needs; Triton lowers them. Export needs
@@ -72,13 +77,14 @@ def copy_states(src_ref, dst_ref):
     jax.lax.fori_loop(0, src_ref.shape[0], body, 0)
 
 
-def _token_step(S, q, k, v, g, beta, eye, *, scale: float, use_l2norm: bool):
-    """One token. S [K, bv] f32; q, k [1, K] f32; v [1, bv] f32; g, beta [1, 1] f32.
+def _token_step(S, q, k, v, g, beta, eye, *, scale: float, use_l2norm: bool, per_channel: bool = False):
+    """One token. S [K, bv] f32; q, k [1, K] f32; v [1, bv] f32; beta [1, 1] f32; g [1, 1] f32 (one
+    decay for the head) or, per_channel, [1, K] f32 (one per key channel: row c of S decays by exp(g[c])).
     Returns (new S, o [1, bv] = S_new^T q, delta [1, bv])."""
     if use_l2norm:
         q, k = l2norm_row(q), l2norm_row(k)
     q_col, k_col = row_to_col(q * scale, eye), row_to_col(k, eye)   # [K, 1]
-    S = S * jnp.exp(g)
+    S = S * (row_to_col(jnp.exp(g), eye) if per_channel else jnp.exp(g))   # [K, 1] or [1, 1]
     kv = jnp.sum(k_col * S, axis=0, keepdims=True)                   # [1, bv] = S^T k
     delta = (v - kv) * beta
     S = S + k_col * delta
@@ -94,12 +100,13 @@ def _eye(K):
 def _gpu_kernel(seq_ref, flag_ref,                        # [B * T] int32
                 q_ref, k_ref,                             # [T, K]
                 v_ref,                                    # [T, bv]
-                g_ref, b_ref,                             # [T, 1] f32
+                g_ref,                                    # [T, 1] f32, per_channel [T, K]
+                b_ref,                                    # [T, 1] f32
                 h0_ref,                                   # [NB, K, bv] f32
                 o_ref,                                    # [T, bv]
                 hT_ref,                                   # [NB, K, bv] f32 (aliases h0)
                 *rest,                                    # states_ref [T, K, bv] or deltas_ref [T, bv] f32
-                scale: float, use_l2norm: bool, T: int, keep: str | None):
+                scale: float, use_l2norm: bool, T: int, keep: str | None, per_channel: bool = False):
     out_ref = rest[0] if keep else None
     b = pl.program_id(0)
     eye = _eye(q_ref.shape[1])
@@ -113,7 +120,7 @@ def _gpu_kernel(seq_ref, flag_ref,                        # [B * T] int32
         S_new, o, delta = _token_step(
             S, q_ref[pl.ds(t, 1), :].astype(jnp.float32), k_ref[pl.ds(t, 1), :].astype(jnp.float32),
             v_ref[pl.ds(t, 1), :].astype(jnp.float32), g_ref[pl.ds(t, 1), :], b_ref[pl.ds(t, 1), :], eye,
-            scale=scale, use_l2norm=use_l2norm)
+            scale=scale, use_l2norm=use_l2norm, per_channel=per_channel)
         S = jnp.where(valid, S_new, S)
         o_ref[pl.ds(t, 1), :] = jnp.where(valid, o, 0.0).astype(o_ref.dtype)
         hT_ref[s] = jnp.where(valid, S, hT_ref[s])
@@ -129,13 +136,16 @@ def _gpu_kernel(seq_ref, flag_ref,                        # [B * T] int32
 def _tpu_kernel(seq_ref, flag_ref,                        # [B * Tp] int32 in SMEM
                 q_ref, k_ref,                             # [Tb, K]
                 v_ref,                                    # [Tb, bv]
-                g_ref, b_ref,                             # [NT, Tb] f32 (the head's whole window)
+                g_ref,                                    # [NT, Tb] f32 (the head's whole window);
+                                                          # per_channel [Tb, K] f32 (this block's)
+                b_ref,                                    # [NT, Tb] f32 (the head's whole window)
                 h0_ref,                                   # [NB, K, bv] f32
                 o_ref,                                    # [Tb, bv]
                 hT_ref,                                   # [NB, K, bv] f32 (aliases h0)
                 *rest,                                    # [states_ref [Tb, K, bv] | deltas_ref [Tb, bv]],
                                                           # S_scr [K, bv] f32, o_scr [Tb, bv] f32
-                scale: float, use_l2norm: bool, Tp: int, Tb: int, keep: str | None, varl: bool):
+                scale: float, use_l2norm: bool, Tp: int, Tb: int, keep: str | None, varl: bool,
+                per_channel: bool = False):
     out_ref = rest[0] if keep else None
     S_scr, o_scr = rest[-2:]
     b, tb = pl.program_id(0), pl.program_id(3)
@@ -147,7 +157,11 @@ def _tpu_kernel(seq_ref, flag_ref,                        # [B * Tp] int32 in SM
 
     eye = _eye(q_ref.shape[1])
     qs, ks, vs = (r[...].astype(jnp.float32) for r in (q_ref, k_ref, v_ref))    # aligned whole-block loads
-    g_row, b_row = g_ref[pl.ds(tb, 1), :], b_ref[pl.ds(tb, 1), :]              # [1, Tb]
+    b_row = b_ref[pl.ds(tb, 1), :]                                             # [1, Tb]
+    if per_channel:
+        gs = g_ref[...]                                   # [Tb, K], like q / k
+    else:
+        g_row = g_ref[pl.ds(tb, 1), :]                    # [1, Tb]
     lane = jax.lax.broadcasted_iota(jnp.int32, (1, Tb), 1)
     S = S_scr[...]
     for r in range(Tb):                                   # static offsets: aligned slices of the blocks
@@ -156,10 +170,13 @@ def _tpu_kernel(seq_ref, flag_ref,                        # [B * Tp] int32 in SM
         flag = flag_ref[i]
         first, valid = (flag & 1) == 1, (flag & 2) == 2
         S = jnp.where(first, h0_ref[s], S)
-        g = jnp.sum(jnp.where(lane == r, g_row, 0.0), axis=1, keepdims=True)      # [1, 1]
+        if per_channel:
+            g = gs[r:r + 1]                                                        # [1, K]
+        else:
+            g = jnp.sum(jnp.where(lane == r, g_row, 0.0), axis=1, keepdims=True)  # [1, 1]
         beta = jnp.sum(jnp.where(lane == r, b_row, 0.0), axis=1, keepdims=True)
         S_new, o, delta = _token_step(S, qs[r:r + 1], ks[r:r + 1], vs[r:r + 1], g, beta, eye,
-                                      scale=scale, use_l2norm=use_l2norm)
+                                      scale=scale, use_l2norm=use_l2norm, per_channel=per_channel)
         S = jnp.where(valid, S_new, S)                    # tokens of no sequence leave the state alone
         o_scr[r:r + 1, :] = jnp.where(valid, o, 0.0)
         if varl:
@@ -181,7 +198,7 @@ def fused_recurrent_gated_delta_rule_pallas(
     q: jax.Array,            # [B, T, H, K]
     k: jax.Array,            # [B, T, H, K]
     v: jax.Array,            # [B, T, HV, V]
-    g: jax.Array,            # [B, T, HV]  log decay
+    g: jax.Array,            # [B, T, HV] log decay per head (GDN), or [B, T, HV, K] per key channel (KDA)
     beta: jax.Array,         # [B, T, HV]
     scale: float | None = None,
     initial_state: jax.Array | None = None,  # [N, HV, K, V] fp32
@@ -198,9 +215,12 @@ def fused_recurrent_gated_delta_rule_pallas(
     and, with output_all_states, the state after every token [B, T, HV, K, V] f32, or, with
     output_deltas, every token's state update [B, T, HV, V] f32.
 
+    g [B, T, HV] decays the state of a head by one factor (Gated DeltaNet), g [B, T, HV, K] each of its
+    key rows by its own (Kimi Delta Attention); the kernel is chosen statically from g.ndim.
     The initial state buffer is aliased to the final state (`input_output_aliases`): under
     `jax.jit(..., donate_argnames=...)` the state is updated in place."""
-    B, T, H, K, HV, V = check_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
+    per_channel = g.ndim == 4
+    B, T, H, K, HV, V = check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, per_channel=per_channel)
     keep = per_token_output(output_all_states, output_deltas)
     config = config or RecurrentConfig()
     bv = config.block_v or V
@@ -220,7 +240,7 @@ def fused_recurrent_gated_delta_rule_pallas(
           else initial_state.astype(jnp.float32))
     qt, kt = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3)         # [B, H, T, K]
     vt = v.transpose(0, 2, 1, 3)                                       # [B, HV, T, V]
-    gt = g.astype(jnp.float32).transpose(0, 2, 1)                      # [B, HV, T]
+    gt = g.astype(jnp.float32).swapaxes(1, 2)                          # [B, HV, T] (per_channel [B, HV, T, K])
     bt = beta.astype(jnp.float32).transpose(0, 2, 1)
     varl = cu_seqlens is not None
     out_shape = [jax.ShapeDtypeStruct((B, HV, T, V), v.dtype), jax.ShapeDtypeStruct((N, HV, K, V), jnp.float32)]
@@ -239,32 +259,36 @@ def fused_recurrent_gated_delta_rule_pallas(
         # block padding Pallas adds; the state ignores them and their outputs are clipped.
         seq = jnp.pad(seq.reshape(B, T), ((0, 0), (0, Tp - T))).reshape(-1)
         flag = jnp.pad(flag.reshape(B, T), ((0, 0), (0, Tp - T))).reshape(-1)
-        gt, bt = (jnp.pad(x, pad).reshape(B, HV, NT, Tb) for x in (gt, bt))
-        in_specs, out_specs = time_block_specs(B * Tp, Tb, NT, K, bv, r, NB, varl)
+        bt = jnp.pad(bt, pad).reshape(B, HV, NT, Tb)
+        gt = jnp.pad(gt, pad + ((0, 0),)) if per_channel else jnp.pad(gt, pad).reshape(B, HV, NT, Tb)
+        in_specs, out_specs = time_block_specs(B * Tp, Tb, NT, K, bv, r, NB, varl, per_channel=per_channel)
         if keep == "states":
             out_specs.append(pl.BlockSpec((None, Tb, None, K, bv), lambda b, h, j, t: (b, t, h, 0, j)))
         if keep == "deltas":
             out_specs.append(pl.BlockSpec((None, None, Tb, bv), lambda b, h, j, t: (b, h, t, j)))
         kernel = functools.partial(_tpu_kernel, scale=scale, use_l2norm=use_qk_l2norm_in_kernel, Tp=Tp, Tb=Tb,
-                                   keep=keep, varl=varl)
+                                   keep=keep, varl=varl, per_channel=per_channel)
         grid = (B, HV, V // bv, NT)
         scratch = [pltpu.VMEM((K, bv), jnp.float32), pltpu.VMEM((Tb, bv), jnp.float32)]
         params = compiler_params(backend, (b_sem, "parallel", "parallel", "arbitrary"),
                                  vmem_limit_bytes=TPU_VMEM_LIMIT)
     else:
-        in_specs, out_specs = whole_sequence_specs(backend, B * T, T, K, bv, r, NB, varl)
-        gt, bt = gt[..., None], bt[..., None]                          # [B, HV, T, 1]
+        in_specs, out_specs = whole_sequence_specs(backend, B * T, T, K, bv, r, NB, varl, per_channel=per_channel)
+        bt = bt[..., None]                                             # [B, HV, T, 1]
+        gt = gt if per_channel else gt[..., None]                      # [B, HV, T, 1] (per_channel [.., K])
         if keep == "states":
             out_specs.append(pl.BlockSpec((None, T, None, K, bv), lambda b, h, j: (b, 0, h, 0, j)))
         if keep == "deltas":
             out_specs.append(pl.BlockSpec((None, None, T, bv), lambda b, h, j: (b, h, 0, j)))
-        kernel = functools.partial(_gpu_kernel, scale=scale, use_l2norm=use_qk_l2norm_in_kernel, T=T, keep=keep)
+        kernel = functools.partial(_gpu_kernel, scale=scale, use_l2norm=use_qk_l2norm_in_kernel, T=T, keep=keep,
+                                   per_channel=per_channel)
         grid, scratch = (B, HV, V // bv), []
         params = compiler_params(backend, (), config.num_warps)
     outs = pl.pallas_call(
         kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape, scratch_shapes=scratch,
-        input_output_aliases={7: 1}, compiler_params=params, interpret=interpret, name="gdn_fused_recurrent",
-        cost_estimate=_cost(q, k, v, h0, out_shape, HV, use_qk_l2norm_in_kernel),
+        input_output_aliases={7: 1}, compiler_params=params, interpret=interpret,
+        name="kda_fused_recurrent" if per_channel else "gdn_fused_recurrent",
+        cost_estimate=_cost(q, k, v, h0, out_shape, HV, use_qk_l2norm_in_kernel, g if per_channel else None),
     )(seq, flag, qt, kt, vt, gt, bt, h0)
     o = outs[0].transpose(0, 2, 1, 3)
     final = outs[1] if output_final_state else None
@@ -275,40 +299,47 @@ def fused_recurrent_gated_delta_rule_pallas(
     return o, final
 
 
-def time_block_specs(n_meta: int, Tb: int, NT: int, K: int, bv: int, r: int, NB: int, varl: bool):
-    """The Mosaic layout of both GDN kernels: grid (B, HV, V / bv, NT), the last axis walking blocks of Tb
-    tokens (q, k [Tb, K] of key head h // r; v [Tb, bv]); g and beta lane-dense, the head's whole
-    [NT, Tb] resident; the state block [NB, K, bv]; the two int32 vectors [n_meta] in SMEM. Returns
-    (in_specs, out_specs) for (seq, flag, q, k, v, g, beta, h0) -> (o [Tb, bv], final state)."""
+def time_block_specs(n_meta: int, Tb: int, NT: int, K: int, bv: int, r: int, NB: int, varl: bool,
+                     per_channel: bool = False):
+    """The Mosaic layout of the GDN / KDA kernels: grid (B, HV, V / bv, NT), the last axis walking blocks of
+    Tb tokens (q, k [Tb, K] of key head h // r; v [Tb, bv]); g and beta lane-dense, the head's whole
+    [NT, Tb] resident, or, per_channel, g [Tb, K] of value head h walked like q / k (over g [B, HV, Tp, K]);
+    the state block [NB, K, bv]; the two int32 vectors [n_meta] in SMEM. Returns (in_specs, out_specs)
+    for (seq, flag, q, k, v, g, beta, h0) -> (o [Tb, bv], final state)."""
     hmap = lambda b, h, j, t: (0 if varl else b, h, 0, j)  # noqa: E731
     qk = pl.BlockSpec((None, None, Tb, K), lambda b, h, j, t: (b, jax.lax.div(h, r), t, 0))
     gates = pl.BlockSpec((None, None, NT, Tb), lambda b, h, j, t: (b, h, 0, 0))
+    decay = pl.BlockSpec((None, None, Tb, K), lambda b, h, j, t: (b, h, t, 0)) if per_channel else gates
     rows = pl.BlockSpec((None, None, Tb, bv), lambda b, h, j, t: (b, h, t, j))
     state = pl.BlockSpec((NB, None, K, bv), hmap)
-    return ([smem_spec("tpu", n_meta), smem_spec("tpu", n_meta), qk, qk, rows, gates, gates, state], [rows, state])
+    return ([smem_spec("tpu", n_meta), smem_spec("tpu", n_meta), qk, qk, rows, decay, gates, state], [rows, state])
 
 
-def whole_sequence_specs(backend: str, n_meta: int, L: int, K: int, bv: int, r: int, NB: int, varl: bool):
-    """The Triton layout of both GDN kernels: program (b, h, j) holds its head's whole sequence of L tokens
-    (q, k [L, K] of key head h // r; v [L, bv]; g, beta [L, 1]) and its state block [NB, K, bv]; the two
-    per-step int32 vectors [n_meta] (sequence ids, flags) whole. Returns (in_specs, out_specs) for
-    (seq, flag, q, k, v, g, beta, h0) -> (o [L, bv], final state)."""
+def whole_sequence_specs(backend: str, n_meta: int, L: int, K: int, bv: int, r: int, NB: int, varl: bool,
+                         per_channel: bool = False):
+    """The Triton layout of the GDN / KDA kernels: program (b, h, j) holds its head's whole sequence of L
+    tokens (q, k [L, K] of key head h // r; v [L, bv]; g, beta [L, 1], or, per_channel, g [L, K]) and its
+    state block [NB, K, bv]; the two per-step int32 vectors [n_meta] (sequence ids, flags) whole. Returns
+    (in_specs, out_specs) for (seq, flag, q, k, v, g, beta, h0) -> (o [L, bv], final state)."""
     hmap = lambda b, h, j: (0 if varl else b, h, 0, j)  # noqa: E731
     qk = pl.BlockSpec((None, None, L, K), lambda b, h, j: (b, jax.lax.div(h, r), 0, 0))
     col = pl.BlockSpec((None, None, L, 1), lambda b, h, j: (b, h, 0, 0))
+    decay = pl.BlockSpec((None, None, L, K), lambda b, h, j: (b, h, 0, 0)) if per_channel else col
     rows = pl.BlockSpec((None, None, L, bv), lambda b, h, j: (b, h, 0, j))
     state = pl.BlockSpec((NB, None, K, bv), hmap)
-    return ([smem_spec(backend, n_meta), smem_spec(backend, n_meta), qk, qk, rows, col, col, state], [rows, state])
+    return ([smem_spec(backend, n_meta), smem_spec(backend, n_meta), qk, qk, rows, decay, col, state], [rows, state])
 
 
-def _cost(q, k, v, h0, out_shape, HV, l2norm):
+def _cost(q, k, v, h0, out_shape, HV, l2norm, g_channels=None):
     """Per token and value head: decay, S^T k, the rank-one update and S^T q over the [K, V] state
-    (7 K V flops), the l2norms (4 K); exp(g) and two rsqrt."""
+    (7 K V flops), the l2norms (4 K); exp(g) and two rsqrt. g_channels: a per-channel g [B, T, HV, K],
+    K exps a token and as many bytes as q (a per-head g is negligible beside q, k, v)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     tokens = B * T * HV
-    return cost(tokens * (7 * K * V + (4 * K if l2norm else 0)), tokens * (3 if l2norm else 1),
-                q, k, v, h0, *out_shape)
+    return cost(tokens * (7 * K * V + (4 * K if l2norm else 0)),
+                tokens * ((1 if g_channels is None else K) + (2 if l2norm else 0)),
+                q, k, v, g_channels, h0, *out_shape)
 
 
 def _check_blocks(backend: str, K: int, V: int, bv: int):

@@ -21,6 +21,7 @@ import pytest
 
 from pallas_kernels import dispatch
 from pallas_kernels.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule, ops
+from pallas_kernels.kda import chunk_kda, fused_recurrent_kda
 
 TRITON_CALL = "__gpu$xla.gpu.triton"
 CALLS = {"tpu": "tpu_custom_call", "cuda": TRITON_CALL}
@@ -30,6 +31,12 @@ S = jax.ShapeDtypeStruct
 def _args(T, dtype=jnp.bfloat16, B=1, H=2, HV=4, K=128, V=128, N=None):
     return (S((B, T, H, K), dtype), S((B, T, H, K), dtype), S((B, T, HV, V), dtype),
             S((B, T, HV), jnp.float32), S((B, T, HV), jnp.float32), S((N or B, HV, K, V), jnp.float32))
+
+
+def _kda_args(T, dtype=jnp.bfloat16, B=1, H=2, HV=4, K=128, V=128, N=None):
+    """_args with Kimi Delta Attention's per-channel log decay g [B, T, HV, K] f32."""
+    a = _args(T, dtype, B, H, HV, K, V, N)
+    return a[:3] + (S((B, T, HV, K), jnp.float32),) + a[4:]
 
 
 def _export(fn, platform, args):
@@ -47,27 +54,38 @@ OPS = {
     "recurrent_deltas": lambda **kw: lambda *a, **k2: fused_recurrent_gated_delta_rule(
         *a, output_deltas=True, **kw, **k2),
 }
+# Kimi Delta Attention: its own chunked kernel, and the recurrent kernel above with a per-channel decay.
+KDA_OPS = {
+    "kda_chunk": lambda **kw: lambda *a, **k2: chunk_kda(*a, **kw, **k2),
+    "kda_recurrent": lambda **kw: lambda *a, **k2: fused_recurrent_kda(*a, **kw, **k2),
+    "kda_recurrent_all_states": lambda **kw: lambda *a, **k2: fused_recurrent_kda(
+        *a, output_all_states=True, **kw, **k2),
+    "kda_recurrent_deltas": lambda **kw: lambda *a, **k2: fused_recurrent_kda(*a, output_deltas=True, **kw, **k2),
+}
 
 
 @pytest.mark.parametrize("impl", ["pallas", "auto"])
 @pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
 @pytest.mark.parametrize("platform", ["tpu", "cuda"])
-@pytest.mark.parametrize("kernel", list(OPS))
+@pytest.mark.parametrize("kernel", list(OPS) + list(KDA_OPS))
 def test_public_op_exports_the_platforms_kernel(kernel, platform, varlen, impl):
     call = CALLS[platform]
-    T = 200 if kernel == "chunk" else 4          # a prefill; a verify window
-    op = OPS[kernel](output_final_state=True, use_qk_l2norm_in_kernel=True, impl=impl)
+    T = 200 if kernel.endswith("chunk") else 4   # a prefill; a verify window
+    op = {**OPS, **KDA_OPS}[kernel](output_final_state=True, use_qk_l2norm_in_kernel=True, impl=impl)
+    _args_of = _kda_args if kernel in KDA_OPS else _args
     if varlen:
         def fn(q, k, v, g, beta, h0, cu):
             return op(q, k, v, g, beta, initial_state=h0, cu_seqlens=cu)
-        args = _args(T, N=3) + (S((4,), jnp.int32),)
+        args = _args_of(T, N=3) + (S((4,), jnp.int32),)
     else:
         def fn(q, k, v, g, beta, h0):
             return op(q, k, v, g, beta, initial_state=h0)
-        args = _args(T, B=2)
+        args = _args_of(T, B=2)
     text = _export(fn, platform, args)
     assert call in text
     assert (CALLS["cuda"] if platform == "tpu" else CALLS["tpu"]) not in text
+    if kernel in KDA_OPS:    # the per-channel kernels, not GDN's
+        assert ("kda_chunk" if kernel == "kda_chunk" else "kda_fused_recurrent") in text
 
 
 @pytest.mark.parametrize("impl", ["xla", "auto", "pallas"])
@@ -78,12 +96,13 @@ def test_cpu_lowering_has_no_accelerator_kernel(impl):
     assert "tpu_custom_call" not in text and TRITON_CALL not in text
 
 
-def test_chunk_exports_with_value_blocks_fp32():
+@pytest.mark.parametrize("op,args_of", [(chunk_gated_delta_rule, _args), (chunk_kda, _kda_args)], ids=["gdn", "kda"])
+def test_chunk_exports_with_value_blocks_fp32(op, args_of):
     """fp32 inputs and V = 256 through the public op, for both targets."""
     for platform, call in CALLS.items():
         def fn(q, k, v, g, beta, h0):
-            return chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, impl="pallas")
-        assert call in _export(fn, platform, _args(128, jnp.float32, V=256))
+            return op(q, k, v, g, beta, initial_state=h0, impl="pallas")
+        assert call in _export(fn, platform, args_of(128, jnp.float32, V=256))
 
 
 def test_state_aliasing_survives_export():

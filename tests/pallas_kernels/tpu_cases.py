@@ -5,6 +5,8 @@ compiled by the TPU compiler (XLA + Mosaic) through the public ops, on a host wi
 Lowering (test_export.py) proves the kernels have a TPU lowering; this proves Mosaic accepts them:
 block shapes, layouts, alignment, VMEM. Real models' shapes, on v5e, v6e and v5p, in bf16 and f32:
   * Qwen3-Next-80B-A3B / Qwen3.5 Gated DeltaNet: 16 QK heads, 32 V heads, K = V = 128;
+  * Kimi-Linear-48B-A3B Kimi Delta Attention (the decay per key channel, g [B, T, HV, K] f32): 32 heads,
+    K = V = 128;
   * DeepSeek-V3.2 DSA: indexer 64 heads of 128 over 128-token pages, Top-K 2048; MLA with 128 query
     heads over a latent of 512 + rope 64 (64-token pages);
   * DeepSeek-V3.2 FP8 routed experts (grouped matmul): 256 experts 7168 -> 2 x 2048, 64 rows x Top-8;
@@ -71,6 +73,12 @@ def gdn_args(B, T, H, HV, K, V, dt, N=None):
             S((N or B, HV, K, V), F32))
 
 
+def kda_args(B, T, H, HV, K, V, dt, N=None):
+    """gdn_args with KDA's per-channel log decay g [B, T, HV, K] f32."""
+    a = gdn_args(B, T, H, HV, K, V, dt, N)
+    return a[:3] + (S((B, T, HV, K), F32),) + a[4:]
+
+
 def _chunk(q, k, v, g, b, h, *cu):
     return pk.chunk_gated_delta_rule(q, k, v, g, b, initial_state=h, output_final_state=True,
                                      use_qk_l2norm_in_kernel=True, cu_seqlens=cu[0] if cu else None, impl="pallas")
@@ -81,6 +89,19 @@ def _recurrent(**kw):
         return pk.fused_recurrent_gated_delta_rule(q, k, v, g, b, initial_state=h, output_final_state=True,
                                                    use_qk_l2norm_in_kernel=True, cu_seqlens=cu[0] if cu else None,
                                                    impl="pallas", **kw)
+    return fn
+
+
+def _kda_chunk(q, k, v, g, b, h, *cu):
+    return pk.chunk_kda(q, k, v, g, b, initial_state=h, output_final_state=True, use_qk_l2norm_in_kernel=True,
+                        cu_seqlens=cu[0] if cu else None, impl="pallas")
+
+
+def _kda_recurrent(**kw):
+    def fn(q, k, v, g, b, h, *cu):
+        return pk.fused_recurrent_kda(q, k, v, g, b, initial_state=h, output_final_state=True,
+                                      use_qk_l2norm_in_kernel=True, cu_seqlens=cu[0] if cu else None,
+                                      impl="pallas", **kw)
     return fn
 
 
@@ -153,6 +174,8 @@ def _nbytes(dt):
 B8, CTX = 8, 32768
 GH, GHV, GK = 16, 32, 128
 STATE = B8 * GHV * GK * GK * 4
+KH, KK = 32, 128                        # Kimi-Linear's KDA: 32 heads (q / k and v alike), K = V = 128
+KDA_STATE = B8 * KH * KK * KK * 4
 REAL = {
     "gdn_decode": Case(_recurrent(), lambda dt: gdn_args(B8, 1, GH, GHV, GK, GK, dt),
                        min_flops=B8 * GHV * 4 * GK * GK, min_bytes=lambda dt: 2 * STATE, donate=(5,), decode=True),
@@ -162,6 +185,14 @@ REAL = {
                               min_flops=2 * 2048 * GHV * 4 * GK * GK,
                               min_bytes=lambda dt: 2 * 2048 * (2 * GH * GK + 2 * GHV * GK) * _nbytes(dt),
                               donate=(5,)),
+    # Kimi-Linear KDA: the recurrent kernel (GDN's, per-channel g) and the chunked one
+    "kda_decode": Case(_kda_recurrent(), lambda dt: kda_args(B8, 1, KH, KH, KK, KK, dt),
+                       min_flops=B8 * KH * 4 * KK * KK, min_bytes=lambda dt: 2 * KDA_STATE, donate=(5,), decode=True),
+    "kda_verify_deltas": Case(_kda_recurrent(output_deltas=True), lambda dt: kda_args(B8, 4, KH, KH, KK, KK, dt),
+                              min_flops=4 * B8 * KH * 4 * KK * KK, min_bytes=lambda dt: 2 * KDA_STATE, donate=(5,)),
+    "kda_chunk_prefill": Case(_kda_chunk, lambda dt: kda_args(2, 2048, KH, KH, KK, KK, dt),
+                              min_flops=2 * 2048 * KH * 4 * KK * KK,
+                              min_bytes=lambda dt: 2 * 2048 * KH * (3 * KK * _nbytes(dt) + KK * 4), donate=(5,)),
     # DeepSeek-V3.2: indexer over 128-token pages, MLA over 64-token pages.
     "dsa_indexer_decode": Case(_indexer(2048), lambda dt: _indexer_args(B8, 1, 64, 128, 128, CTX // 128, dt, dt),
                                min_flops=B8 * CTX * 2 * 64 * 128, min_bytes=lambda dt: B8 * CTX * 128 * _nbytes(dt),
@@ -202,6 +233,17 @@ AWKWARD = {
     "gdn_recurrent_varlen_deltas": Case(_recurrent(output_deltas=True),
                                         lambda dt: gdn_args(1, 33, 2, 4, 128, 128, dt, N=3) + (S((4,), I32),)),
     "gdn_all_states_T200": Case(_recurrent(output_all_states=True), lambda dt: gdn_args(B8, 200, GH, GHV, GK, GK, dt)),
+    # KDA: odd T with HV = 2 H and K != V, packed batches, C = 24 (sub-blocks of 8), every-token states at T = 200
+    "kda_chunk_T75_hv2h": Case(_kda_chunk, lambda dt: kda_args(3, 75, 2, 4, 64, 96, dt)),
+    "kda_chunk_varlen": Case(_kda_chunk, lambda dt: kda_args(1, 140, 2, 4, 128, 128, dt, N=3) + (S((4,), I32),)),
+    "kda_chunk_C24": Case(lambda q, k, v, g, b, h: pk.chunk_kda(q, k, v, g, b, initial_state=h, chunk_size=24,
+                                                                impl="pallas"),
+                          lambda dt: kda_args(2, 75, 2, 2, 128, 128, dt)),
+    "kda_recurrent_T63_hv2h": Case(_kda_recurrent(), lambda dt: kda_args(3, 63, 2, 4, 64, 96, dt)),
+    "kda_recurrent_varlen_deltas": Case(_kda_recurrent(output_deltas=True),
+                                        lambda dt: kda_args(1, 33, 2, 4, 128, 128, dt, N=3) + (S((4,), I32),)),
+    "kda_all_states_T200": Case(_kda_recurrent(output_all_states=True),
+                                lambda dt: kda_args(B8, 200, KH, KH, KK, KK, dt)),
     "dsa_indexer_prefill_fp8": Case(_indexer(100), lambda dt: _indexer_args(
         2, 75, 64, 128, 128, 3, jnp.float8_e4m3fn, dt, scale=True)),
     "dsa_mla_K100": Case(_mla, lambda dt: _mla_args(2, 3, 16, 512, 64, 64, 5, 100, dt)),
