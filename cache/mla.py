@@ -95,23 +95,31 @@ def contiguous_page_table(batch_size: int, capacity: int, page_size: int):
     return jnp.arange(batch_size * n, dtype=jnp.int32).reshape(batch_size, n)
 
 
+def init_latent_group(*, batch_size: int, capacity: int, layer_ids: tuple[int, ...], kv_lora_rank: int,
+                      rope_dim: int, dtype, page_size: int = 64) -> MLALatentGroup:
+    """The MLA latent group alone (Kimi-Linear's MLA has no indexer): pages of min(page_size, capacity)."""
+    ps = min(page_size, capacity)
+    pt = contiguous_page_table(batch_size, capacity, ps)
+    L, P = len(layer_ids), pt.size
+    return MLALatentGroup(latent=jnp.zeros((L, P, ps, kv_lora_rank), dtype), rope=jnp.zeros((L, P, ps, rope_dim), dtype),
+                          page_table=pt, page_resident=jnp.ones((P,), bool),
+                          hit_rate=jnp.ones((batch_size,), jnp.float32), layer_ids=tuple(layer_ids))
+
+
 def init_mla_groups(*, batch_size: int, capacity: int, layer_ids: tuple[int, ...], kv_lora_rank: int,
                     rope_dim: int, index_dim: int, dtype, latent_page_size: int = 64,
                     index_page_size: int = 128, index_dtype=None) -> dict:
     """The two DSA groups for `batch_size` rows of up to `capacity` tokens.
     index_dtype=jnp.float8_e4m3fn stores the indexer keys as fp8 with a per-token scale."""
-    ps = min(latent_page_size, capacity)
     ips = min(index_page_size, capacity)
-    pt = contiguous_page_table(batch_size, capacity, ps)
     ipt = contiguous_page_table(batch_size, capacity, ips)
-    L, P, P2 = len(layer_ids), pt.size, ipt.size
+    L, P2 = len(layer_ids), ipt.size
     idt = index_dtype or dtype
     fp8 = jnp.dtype(idt) == jnp.float8_e4m3fn
     return {
-        "sparse_attention": MLALatentGroup(
-            latent=jnp.zeros((L, P, ps, kv_lora_rank), dtype), rope=jnp.zeros((L, P, ps, rope_dim), dtype),
-            page_table=pt, page_resident=jnp.ones((P,), bool), hit_rate=jnp.ones((batch_size,), jnp.float32),
-            layer_ids=tuple(layer_ids)),
+        "sparse_attention": init_latent_group(batch_size=batch_size, capacity=capacity, layer_ids=layer_ids,
+                                              kv_lora_rank=kv_lora_rank, rope_dim=rope_dim, dtype=dtype,
+                                              page_size=latent_page_size),
         "indexer": IndexerKeyGroup(
             keys=jnp.zeros((L, P2, ips, index_dim), idt),
             scale=jnp.ones((L, P2, ips), jnp.float32) if fp8 else None,

@@ -50,7 +50,7 @@ def states_after(parts: dict, idx: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 @flax.struct.dataclass
 class RecurrentGroup(CacheGroup):
-    """Gated DeltaNet state of every linear-attention layer: conv window and recurrent state."""
+    """Gated DeltaNet (or KDA) state of every linear-attention layer: conv window and recurrent state."""
     conv: jax.Array            # [L, B, W-1, C]  the last W-1 conv inputs of each row (channels as the layer orders them)
     ssm: jax.Array             # [L, B, HV, K, V] fp32
     layer_ids: tuple[int, ...] = flax.struct.field(pytree_node=False, default=())
@@ -129,6 +129,17 @@ class ModelCache:
 DEFAULT_KV_PAGE_SIZE = 64     # tokens per full-KV page (the prefix cache's full-KV block)
 
 
+def recurrent_group(layer_ids: tuple[int, ...], batch_size: int, conv_width: int, conv_dim: int,
+                    heads: tuple[int, int, int], dtype, writer_abi: str = kernel_abi.GATED_DELTA_RULE.id
+                    ) -> RecurrentGroup:
+    """An empty recurrent group: conv [L, B, W-1, C] in `dtype`, states [L, B, HV, K, V] f32 (heads =
+    (HV, K, V)), written by the rule `writer_abi` names (Gated DeltaNet's, or KDA's)."""
+    hv, kd, vd = heads
+    return RecurrentGroup(conv=jnp.zeros((len(layer_ids), batch_size, conv_width - 1, conv_dim), dtype),
+                          ssm=jnp.zeros((len(layer_ids), batch_size, hv, kd, vd), jnp.float32),
+                          layer_ids=tuple(layer_ids), writer_abi=writer_abi)
+
+
 def init_cache(*, batch_size: int, capacity: int, layer_types: tuple[str, ...], dtype,
                conv_dim: int = 0, conv_width: int = 0, linear_heads: tuple[int, int, int] = (0, 0, 0),
                kv_heads: int = 0, head_dim: int = 0, page_size: int = DEFAULT_KV_PAGE_SIZE) -> ModelCache:
@@ -142,11 +153,7 @@ def init_cache(*, batch_size: int, capacity: int, layer_types: tuple[str, ...], 
     lin = tuple(i for i, t in enumerate(layer_types) if t == "linear_attention")
     full = tuple(i for i, t in enumerate(layer_types) if t == "full_attention")
     if lin:
-        hv, kd, vd = linear_heads
-        groups["linear_attention"] = RecurrentGroup(
-            conv=jnp.zeros((len(lin), batch_size, conv_width - 1, conv_dim), dtype),
-            ssm=jnp.zeros((len(lin), batch_size, hv, kd, vd), jnp.float32),
-            layer_ids=lin)
+        groups["linear_attention"] = recurrent_group(lin, batch_size, conv_width, conv_dim, linear_heads, dtype)
     if full:
         ps = min(page_size, capacity)
         table = contiguous_page_table(batch_size, capacity, ps)

@@ -78,13 +78,14 @@ _STATE = (None, "heads", None, None)               # [B, HV, K, V]
 
 
 def _rule(kernel, q, k, v, g, beta, state, cu_seqlens=None, **kw):
-    """`kernel` (a pallas_kernels gated-delta-rule op) on q, k, v, g, beta with initial state `state`, run
+    """`kernel` (a pallas_kernels gated-delta-rule or KDA op) on q, k, v, g, beta with initial state `state`, run
     on each device's heads when the heads are split (`hybrid_jax.parallel`: a device's key heads and
     their value heads sit together, so the rule needs nothing from another device)."""
     def fn(q, k, v, g, beta, state, cu):
         return kernel(q, k, v, g, beta, initial_state=state, output_final_state=True, cu_seqlens=cu, **kw)
     n_out = 3 if kw.get("output_deltas") else 2
-    return per_device(fn, (_TOKENS_HEADS,) * 3 + (_GATES,) * 2 + (_STATE, None),
+    g_axes = _GATES + (None,) * (g.ndim - 3)      # a decay per key channel (KDA): g [B, T, HV, K]
+    return per_device(fn, (_TOKENS_HEADS,) * 3 + (g_axes, _GATES, _STATE, None),
                       (_TOKENS_HEADS, _STATE, _TOKENS_HEADS)[:n_out])(q, k, v, g, beta, state, cu_seqlens)
 
 

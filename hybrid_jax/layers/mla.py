@@ -1,4 +1,5 @@
-"""DeepSeek-V3.2 sparse attention layer: MLA (q/kv low-rank, decoupled RoPE key) + the DSA indexer.
+"""DeepSeek-V3.2 sparse attention layer: MLA (q/kv low-rank, decoupled RoPE key) + the DSA indexer; and
+Kimi-Linear's MLA without positional encoding (`nope_attention`, dense over the same latent pools).
 
 Per layer and step, for the T new tokens of each row (positions lengths[b] + t, t < n_new[b]):
   q_resid = RMSNorm(x W_qa);   q = q_resid W_qb -> [H, nope | rope]      (interleaved RoPE on rope part)
@@ -18,6 +19,7 @@ from hybrid_jax.layers.linear import dequantize, linear
 from hybrid_jax.layers.rope import apply_rope
 from hybrid_jax.parallel.context import MODEL, constrain, per_device, tensor_size
 from pallas_kernels.sparse_attention import (
+    dense_mla_attention,
     indexer_topk,
     indexer_weights,
     quantize_fp8,
@@ -149,3 +151,28 @@ def sparse_attention(p: dict, x, cos, sin, positions, valid, lengths, n_new, lat
     o = jnp.einsum("bthr,hvr->bthv", o_lat.astype(x.dtype), dequantize(p["w_uv"], x.dtype)).reshape(B, T, H * v_dim)
     out = linear(o, p["o_proj"]) + p.get("o_bias", 0.0)
     return out.astype(x.dtype), lat, rope, ikeys, iscale, hit
+
+
+def nope_attention(p: dict, x, positions, valid, lengths, n_new, lat, rope, page_table, *, num_heads: int, nope: int,
+                   rope_dim: int, v_dim: int, kv_lora_rank: int, scale: float, eps: float = 1e-6,
+                   layer: int | None = None):
+    """MLA without positional encoding or indexer (Kimi-Linear's `mla_use_nope`): q = x W_q [H, nope | Dr];
+    c, k_r = split(x W_kva), c = RMSNorm(c); the `Dr` channels are a key part every head shares, never
+    rotated. Dense absorbed attention over every cached position <= the query's: q_lat = q_nope W_uk,
+    o = softmax(q_lat c + q_r k_r) c, then o W_uv W_o. eps: the latent norm's, 1e-6 whatever the model's
+    rms_norm_eps (its norm is built with the norm's default, as in DeepSeek-V3's MLA). Shapes as `sparse_attention`'s (lat, rope one
+    layer's pools or, with `layer`, the group's stacks written in place). Returns (out [B, T, Hd], lat, rope)."""
+    B, T, _ = x.shape
+    H, R = num_heads, kv_lora_rank
+    q = linear(x, p["q"]).reshape(B, T, H, nope + rope_dim)
+    kv = linear(x, p["kv_a"])
+    c = rms_norm(kv[..., :R], p["kv_a_norm"], eps)                                      # [B, T, R]
+    lat = _whole(write_paged(lat, c, page_table, positions, valid, layer))
+    rope = _whole(write_paged(rope, kv[..., R:], page_table, positions, valid, layer))
+    q_lat = jnp.einsum("bthn,hnr->bthr", q[..., :nope], dequantize(p["w_uk"], x.dtype))   # [B, T, H, R]
+    one = (lambda a: a) if layer is None else (lambda a: a[layer])
+    o_lat = _per_head(lambda ql, qr, la, ro, tb, qp, kl: dense_mla_attention(ql, qr, one(la), one(ro), tb, qp, kl,
+                                                                              scale=scale),
+                      2, q_lat, q[..., nope:], lat, rope, page_table, jnp.where(valid, positions, -1), lengths + n_new)
+    o = jnp.einsum("bthr,hvr->bthv", o_lat.astype(x.dtype), dequantize(p["w_uv"], x.dtype)).reshape(B, T, H * v_dim)
+    return linear(o, p["o_proj"]).astype(x.dtype), lat, rope

@@ -20,3 +20,10 @@ def gated_rms_norm(x: jax.Array, gate: jax.Array, w: jax.Array, eps: float) -> j
     """Norm before gate: (w * rmsnorm(x)) * silu(gate). x, gate: [..., D]; w: [D]."""
     y = w * _rms(x, eps).astype(x.dtype)
     return (y * jax.nn.silu(gate.astype(jnp.float32))).astype(x.dtype)
+
+
+def sigmoid_gated_rms_norm(x: jax.Array, gate: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+    """Kimi-Linear's output norm: (w * rmsnorm(x)) * sigmoid(gate), all in fp32, cast back once.
+    x, gate: [..., D]; w: [D]."""
+    y = w.astype(jnp.float32) * _rms(x, eps)
+    return (y * jax.nn.sigmoid(gate.astype(jnp.float32))).astype(x.dtype)

@@ -153,9 +153,7 @@ def _layers(cfg: DeepseekV32Config, params: dict, x: jax.Array, step: _Step, ret
     for i, lp in enumerate(params["layers"]):
         h = rms_norm(x, lp["input_norm"], cfg.rms_norm_eps)
         x = x + LAYER_TYPES[cfg.layer_types[i]].mixer(cfg, lp, h, step, i)
-        y = rms_norm(x, lp["post_norm"], cfg.rms_norm_eps)
-        x = x + (deepseek_moe(cfg, lp["moe"], y) if "moe" in lp else mlp_lib.swiglu(y, lp["mlp"]["gate_up"],
-                                                                                      lp["mlp"]["down"]))
+        x = x + ffn(cfg, lp, rms_norm(x, lp["post_norm"], cfg.rms_norm_eps))
         if return_hidden:
             hidden.append(x)
     groups = dict(cache.groups)
@@ -247,14 +245,7 @@ def init_params(cfg: DeepseekV32Config, seed: int = 0, dtype=jnp.float32, rng=No
                       "idx_q": n(s["Rq"], s["Hi"] * s["Di"]), "idx_k": n(Hd, s["Di"]),
                       "idx_k_norm": jnp.ones((s["Di"],), dtype), "idx_k_norm_bias": jnp.zeros((s["Di"],), dtype),
                       "idx_w": n(Hd, s["Hi"], dt=jnp.float32)}
-        if cfg.is_moe_layer(i):
-            E, I, Is = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.moe_intermediate_size * cfg.n_shared_experts
-            lp["moe"] = {"router": n(Hd, E, dt=jnp.float32), "bias": jnp.zeros((E,), jnp.float32),
-                         "gate_up": n(E, Hd, 2 * I), "down": n(E, I, Hd),
-                         "shared_gate_up": n(Hd, 2 * Is), "shared_down": n(Is, Hd)}
-        else:
-            I = cfg.intermediate_size
-            lp["mlp"] = {"gate_up": n(Hd, 2 * I), "down": n(I, Hd)}
+        lp.update(init_ffn(cfg, i, n))
         params["layers"].append(lp)
     return params
 
@@ -334,22 +325,47 @@ def _convert_layer(cfg: DeepseekV32Config, t, has, p: str, moe: bool, dev, lin) 
         at["kv_a_bias"] = dev(t(a + "kv_a_proj_with_mqa.bias", (s["R"] + s["Dr"],)))
         at["o_bias"] = dev(t(a + "o_proj.bias", (Hd,)))
     lp["attn"] = at
-    m = p + "mlp."
+    lp.update(convert_ffn(cfg, t, has, p + "mlp.", moe, dev, lin))
+    return lp
+
+
+def convert_ffn(cfg, t, has, m: str, moe: bool, dev, lin, expert_names=("gate_proj", "up_proj", "down_proj")) -> dict:
+    """A DeepSeek feed-forward under prefix m (`model.layers.3.mlp.`): {"moe": ...} (router [E, Hd], its
+    correction bias, the routed experts, spelt `expert_names` (gate, up, down), and the shared experts) or
+    {"mlp": ...} (a dense SwiGLU). Kimi-Linear's releases keep the same under `block_sparse_moe.`, experts
+    as w1 / w3 / w2."""
+    Hd = cfg.hidden_size
     if moe:
         E, I = cfg.n_routed_experts, cfg.moe_intermediate_size
         Is = I * cfg.n_shared_experts
-        gate_up, down = expert_weights(t, has, m, E, I, Hd)
-        lp["moe"] = {
+        gate_up, down = expert_weights(t, has, m, E, I, Hd, names=expert_names)
+        return {"moe": {
             "router": dev(t(m + "gate.weight", (E, Hd)).T, jnp.float32),
             "bias": dev(t(m + "gate.e_score_correction_bias", (E,)), jnp.float32),
             "gate_up": lin(gate_up), "down": lin(down),
             "shared_gate_up": lin(concat([t(m + "shared_experts.gate_proj.weight", (Is, Hd)),
                                           t(m + "shared_experts.up_proj.weight", (Is, Hd))], 0).T),
-            "shared_down": lin(t(m + "shared_experts.down_proj.weight", (Hd, Is)).T)}
-    else:
-        gate_up, down = dense_mlp_weights(t, m, cfg.intermediate_size, Hd)
-        lp["mlp"] = {"gate_up": lin(gate_up), "down": lin(down)}
-    return lp
+            "shared_down": lin(t(m + "shared_experts.down_proj.weight", (Hd, Is)).T)}}
+    gate_up, down = dense_mlp_weights(t, m, cfg.intermediate_size, Hd)
+    return {"mlp": {"gate_up": lin(gate_up), "down": lin(down)}}
+
+
+def init_ffn(cfg, i: int, n) -> dict:
+    """Layer i's random feed-forward in the converted layout (`convert_ffn`'s); n(*shape, dt=) draws."""
+    Hd = cfg.hidden_size
+    if cfg.is_moe_layer(i):
+        E, I, Is = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.moe_intermediate_size * cfg.n_shared_experts
+        return {"moe": {"router": n(Hd, E, dt=jnp.float32), "bias": jnp.zeros((E,), jnp.float32),
+                        "gate_up": n(E, Hd, 2 * I), "down": n(E, I, Hd),
+                        "shared_gate_up": n(Hd, 2 * Is), "shared_down": n(Is, Hd)}}
+    I = cfg.intermediate_size
+    return {"mlp": {"gate_up": n(Hd, 2 * I), "down": n(I, Hd)}}
+
+
+def ffn(cfg, lp: dict, y: jax.Array) -> jax.Array:
+    """The layer's feed-forward on y [B, T, Hd] (after its norm): the MoE or the dense MLP."""
+    return deepseek_moe(cfg, lp["moe"], y) if "moe" in lp else mlp_lib.swiglu(y, lp["mlp"]["gate_up"],
+                                                                               lp["mlp"]["down"])
 
 
 # Logical axes of every parameter (hybrid_jax.parallel.rules). MLA splits by heads: q_b's columns and

@@ -24,6 +24,7 @@ HEAD_FIELDS = {
     "num_attention_heads": "attention heads",
     "linear_num_key_heads": "linear-attention key heads",
     "linear_num_value_heads": "linear-attention value heads",
+    "linear_num_heads": "linear-attention heads",
     "index_n_heads": "indexer heads",
     "o_groups": "output-projection groups",
 }

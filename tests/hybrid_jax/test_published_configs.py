@@ -52,3 +52,11 @@ def test_deepseek_v4_flash():
     assert (cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk) == (64, 128, 512)
     kinds = {t: cfg.layer_types.count(t) for t in set(cfg.layer_types)}
     assert kinds == {"compressed_sparse_attention": 20, "heavily_compressed_attention": 23}
+
+
+def test_kimi_linear_48b():
+    cfg = config_from_hf_dict(_load("kimi_linear_48b_a3b_instruct.json"))
+    assert cfg.layer_types.count("linear_attention") == 20 and cfg.layers_of("full_attention") == (3, 7, 11, 15, 19, 23, 26)
+    assert (cfg.linear_num_heads, cfg.linear_head_dim, cfg.linear_conv_kernel_dim) == (32, 128, 4)
+    assert (cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.n_shared_experts) == (256, 8, 1)
+    assert cfg.mlp_layer_types == ("dense",) + ("sparse",) * 26

@@ -1,0 +1,190 @@
+"""Conformance of the Kimi-Linear family (Kimi Delta Attention + MLA without positional encoding +
+DeepSeek MoE) with transformers' KimiLinearForCausalLM on tiny random checkpoints, two layer patterns:
+prefill logits (fp32, 1e-4), 32 greedy tokens equal to HF generate, decode after prefill and chunked
+prefill equal to full recompute, prefix caching and speculative decoding equal to plain greedy."""
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from hybrid_jax import LLM, SamplingParams
+from hybrid_jax.config import config_from_hf_dict
+from hybrid_jax.errors import ConfigError
+
+TOL = 1e-4
+BASE = dict(vocab_size=97, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=4,
+            num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8,
+            qk_nope_head_dim=16, v_head_dim=12, num_local_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2,
+            routed_scaling_factor=2.5, eos_token_id=None, bos_token_id=None, pad_token_id=None, max_position_embeddings=512,
+            linear_attn_config={"head_dim": 16, "num_heads": 2, "short_conv_kernel_size": 4,
+                                "kda_layers": [1, 2, 3], "full_attn_layers": [4]})
+CONFIGS = {
+    "kda3_mla1": {},
+    # MLA first, dense MLPs in two layers, KDA heads of 8; tie_word_embeddings set, which transformers' Kimi
+    # does not read (it saves and uses its own head): the stored head is used
+    "mla_first_tied": dict(num_hidden_layers=3, tie_word_embeddings=True, first_k_dense_replace=2,
+                           linear_attn_config={"head_dim": 8, "num_heads": 4, "short_conv_kernel_size": 3,
+                                               "kda_layers": [2, 3], "full_attn_layers": [1]}),
+}
+
+
+def make_checkpoint(path, seed=0, **overrides):
+    from transformers import KimiLinearConfig, KimiLinearForCausalLM  # noqa: PLC0415
+    torch.manual_seed(seed)
+    model = KimiLinearForCausalLM(KimiLinearConfig(**{**BASE, **overrides})).eval()
+    with torch.no_grad():     # perturb norms, biases and the router's correction bias away from their init
+        for name, p in list(model.named_parameters()) + list(model.named_buffers()):
+            if "norm" in name or name.endswith("bias"):
+                p.add_(0.1 * torch.randn_like(p))
+    model.save_pretrained(str(path))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("kimi")
+    return {k: make_checkpoint(root / k, seed=i, **kw) for i, (k, kw) in enumerate(CONFIGS.items())}
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def pair(request, checkpoints):
+    from transformers import AutoModelForCausalLM  # noqa: PLC0415
+    torch.set_num_threads(2)
+    path = checkpoints[request.param]
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True).eval()
+    return LLM(model=path, dtype="float32"), hf
+
+
+def _prompt(n, vocab, seed):
+    return np.random.default_rng(seed).integers(0, vocab, n).tolist()
+
+
+def test_config_reads_the_one_based_layer_lists(checkpoints):
+    llm = LLM(model=checkpoints["mla_first_tied"], dtype="float32")
+    cfg = llm.config
+    assert cfg.layer_types == ("full_attention", "linear_attention", "linear_attention")
+    assert cfg.mlp_layer_types == ("dense", "dense", "sparse")
+    assert (cfg.linear_num_heads, cfg.linear_head_dim, cfg.linear_conv_kernel_dim) == (4, 8, 3)
+    cache = llm.new_cache(2, 100)
+    assert set(cache.groups) == {"linear_attention", "full_attention"}
+    assert cache.groups["linear_attention"].writer_abi.startswith("kimi_delta_attention/")
+    assert cache.groups["full_attention"].writer_abi.startswith("sparse_mla/")
+
+
+def _release_dict(**kw):
+    d = dict(model_type="kimi_linear", vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+             kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12, q_lora_rank=None,
+             intermediate_size=48, moe_intermediate_size=16, num_experts=8, num_experts_per_token=2,
+             linear_attn_config={"head_dim": 16, "num_heads": 2, "kda_layers": [1], "full_attn_layers": [2]})
+    d.update(kw)
+    return d
+
+
+@pytest.mark.parametrize("kw, words", [
+    (dict(q_lora_rank=24), "q_lora_rank=24 is not supported"),
+    (dict(mla_use_nope=False), "mla_use_nope false"),
+    (dict(moe_router_activation_func="softmax"), "moe_router_activation_func 'softmax'"),
+    (dict(linear_attn_config={"head_dim": 16, "num_heads": 2, "kda_layers": [1], "full_attn_layers": [1]}),
+     "must name each of the 2 layers once"),
+    (dict(layer_types=["full_attention", "linear_attention"]), "disagrees with linear_attn_config"),
+    (dict(moe_layer_freq=2), "moe_layer_freq=2 is not supported"),
+])
+def test_fields_that_change_the_math_are_refused_by_name(kw, words):
+    config_from_hf_dict(_release_dict())
+    with pytest.raises(ConfigError, match=words):
+        config_from_hf_dict(_release_dict(**kw))
+
+
+def test_prefill_logits_match_transformers(pair):
+    llm, hf = pair
+    for n in (1, 9, 75, 150):
+        ids = _prompt(n, llm.config.vocab_size, seed=n)
+        with torch.no_grad():
+            ref = hf(torch.tensor([ids]), use_cache=False).logits[0].numpy()
+        got = llm.logits(ids)
+        err = np.max(np.abs(got - ref))
+        assert err < TOL, f"T={n}: max abs logit error {err:.3e}"
+
+
+def test_greedy_32_tokens_identical_to_hf_generate(pair):
+    llm, hf = pair
+    prompts = [_prompt(40, llm.config.vocab_size, seed=140)]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=32, temperature=0))
+    for p, o in zip(prompts, outs):
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([p]), max_new_tokens=32, do_sample=False, min_new_tokens=32)
+        assert o.outputs[0].token_ids == ref[0, len(p):].tolist()
+
+
+def test_decode_and_chunked_prefill_equal_full_recompute(pair):
+    llm, _ = pair
+    ids = _prompt(90, llm.config.vocab_size, seed=7)
+    gen = llm.generator
+    full = llm.logits(ids)
+    cache = gen.new_cache(1, 128)
+    tok = np.zeros((1, 64), np.int32)
+    tok[0, :40] = ids[:40]
+    out = gen._forward(gen.params, cache, jnp.asarray(tok), jnp.asarray([40], jnp.int32))
+    np.testing.assert_allclose(np.asarray(out.logits[0]), full[39], atol=TOL, rtol=0)
+    tok = np.zeros((1, 32), np.int32)
+    tok[0, :30] = ids[40:70]
+    out = gen._forward(gen.params, out.cache, jnp.asarray(tok), jnp.asarray([30], jnp.int32), logits_at="all")
+    np.testing.assert_allclose(np.asarray(out.logits[0, :30]), full[40:70], atol=TOL, rtol=0)
+    cache = out.cache
+    for i in range(70, 90):
+        out = gen._forward(gen.params, cache, jnp.asarray([[ids[i]]], jnp.int32), jnp.asarray([1], jnp.int32))
+        cache = out.cache
+        np.testing.assert_allclose(np.asarray(out.logits[0]), full[i], atol=TOL, rtol=0, err_msg=f"decode at {i}")
+    assert int(cache.lengths[0]) == 90
+
+
+def test_prefix_caching_and_speculative_decoding_equal_plain_greedy(checkpoints):
+    """The KDA state checkpoints and the MLA latent pages serve a second pass of the same prompts (hits
+    counted); n-gram speculation gives the plain greedy tokens, rolling back by selecting the state after
+    the last accepted token or by replaying the accepted ones from the pre-verify cache."""
+    path = checkpoints["kda3_mla1"]
+    base = [_prompt(70, 97, 21), _prompt(33, 97, 22)]
+    prompts = [{"prompt_token_ids": p + p[:20] * 2} for p in base]            # repeats: n-gram drafts land
+    sp = SamplingParams(max_tokens=24, temperature=0)
+    cached = LLM(model=path, dtype="float32", enable_prefix_caching=True)
+    plain = [o.outputs[0].token_ids for o in cached.generate(prompts, sp)]       # a cold cache: nothing reused
+    assert cached.cache_stats()["hits"] == 0
+    again = [o.outputs[0].token_ids for o in cached.generate(prompts, sp)]
+    assert again == plain and cached.cache_stats()["hits"] >= 2
+    for rollback in ("selection", "replay"):
+        spec = LLM(model=path, dtype="float32", speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                                                    "rollback": rollback})
+        assert [o.outputs[0].token_ids for o in spec.generate(prompts, sp)] == plain, rollback
+        assert spec.engine.spec_stats()["accepted_tokens"] > 0, rollback          # drafts were accepted
+
+
+def test_pallas_impl_matches_xla_in_the_model(checkpoints):
+    llm = LLM(model=checkpoints["kda3_mla1"], dtype="float32")
+    from hybrid_jax.models import kimi_linear as m  # noqa: PLC0415
+    ids = _prompt(40, 97, 3)
+    tok = jnp.asarray([ids], jnp.int32)
+    outs = [m.forward(llm.config, llm.params, m.new_cache(llm.config, 1, 48, jnp.float32), tok,
+                      jnp.asarray([40], jnp.int32), logits_at="all", impl=impl).logits for impl in ("xla", "pallas")]
+    np.testing.assert_allclose(np.asarray(outs[1]), np.asarray(outs[0]), atol=TOL, rtol=0)
+
+
+def test_engine_serves_it_like_offline(checkpoints):
+    """The continuous-batching engine the server drives (slot rows over the shared pools, chunked prefill
+    of 32 tokens, a third request queued behind two rows) gives the offline path's greedy tokens."""
+    from hybrid_jax.engine import EngineConfig, LLMEngine  # noqa: PLC0415
+    llm = LLM(model=checkpoints["mla_first_tied"], dtype="float32")
+    eng = LLMEngine(llm, EngineConfig(max_num_seqs=2, max_num_batched_tokens=32, max_model_len=192,
+                                      compilation_cache_dir=None, warmup="none"))
+    prompts = [_prompt(n, 97, seed=n) for n in (5, 70, 33)]
+    sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    got = [o.token_ids for o in eng.generate([{"prompt_token_ids": p} for p in prompts], sp)]
+    assert got == [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], sp)]
+
+
+def test_align_cli_against_transformers(checkpoints, capsys):
+    from hybrid_jax.cli import main  # noqa: PLC0415
+    assert main(["align", "--model", checkpoints["kda3_mla1"], "--tokens", "1,2,3,4,5,6,7,8,9"]) == 0
+    out = capsys.readouterr().out
+    assert "layer 2 (linear_attention)" in out and "layer 3 + final norm" in out and "all stages agree" in out
