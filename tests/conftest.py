@@ -100,19 +100,26 @@ CONFIGS = {
 }
 
 
-def make_checkpoint(path, seed: int = 0, **overrides):
-    """Writes a random Qwen3-Next checkpoint with transformers; returns the path."""
+def save_random_checkpoint(model_cls, config, path, seed: int = 0, biases: bool = True) -> str:
+    """A transformers model of `config`, random (torch seed `seed`), with its norm weights (and, with
+    `biases`, its biases and buffers ending in "bias", e.g. a router's correction bias) moved off their
+    initial values, so that a wrong norm or bias formula shows up; saved with save_pretrained."""
     import torch  # noqa: PLC0415
-    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM  # noqa: PLC0415
-    kw = {**BASE, **overrides}
     torch.manual_seed(seed)
-    model = Qwen3NextForCausalLM(Qwen3NextConfig(**kw)).eval()
-    with torch.no_grad():   # HF zero-inits the norms; perturb them so a wrong norm formula shows up
-        for name, p in model.named_parameters():
-            if "norm" in name:
+    model = model_cls(config).eval()
+    with torch.no_grad():
+        for name, p in list(model.named_parameters()) + (list(model.named_buffers()) if biases else []):
+            if "norm" in name or (biases and name.endswith("bias")):
                 p.add_(0.1 * torch.randn_like(p))
     model.save_pretrained(str(path))
     return str(path)
+
+
+def make_checkpoint(path, seed: int = 0, **overrides):
+    """Writes a random Qwen3-Next checkpoint with transformers; returns the path."""
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM  # noqa: PLC0415
+    return save_random_checkpoint(Qwen3NextForCausalLM, Qwen3NextConfig(**{**BASE, **overrides}), path, seed,
+                                  biases=False)
 
 
 @pytest.fixture(scope="session")

@@ -376,6 +376,16 @@ def ffn(cfg, lp: dict, y: jax.Array) -> jax.Array:
 # all 64 heads: on a long context the indexer's scoring is most of a layer's FLOPs); its key projection
 # and the indexer keys are shared by every head and stay whole. Experts split whole under expert
 # parallelism, else by their columns; the router and its bias are whole.
+FFN_AXES = {      # the feed-forward's (`convert_ffn`'s layout), which Kimi-Linear shares
+    "*/mlp/gate_up": ("embed", "gate_up"),
+    "*/mlp/down": ("mlp", "embed"),
+    "*/moe/router": ("embed", None),
+    "*/moe/bias": (None,),
+    "*/moe/gate_up": ("experts", "embed", "expert_mlp"),
+    "*/moe/down": ("experts", "expert_mlp", "embed"),
+    "*/moe/shared_gate_up": ("embed", "gate_up"),
+    "*/moe/shared_down": ("mlp", "embed"),
+}
 PARAM_AXES = {
     "embed": ("vocab", "embed"),
     "lm_head": ("embed", "vocab"),
@@ -392,14 +402,7 @@ PARAM_AXES = {
     "*/attn/idx_k": ("embed", None),
     "*/attn/idx_w": ("embed", "heads"),
     "*/attn/idx_k_norm_bias": (None,),
-    "*/mlp/gate_up": ("embed", "gate_up"),
-    "*/mlp/down": ("mlp", "embed"),
-    "*/moe/router": ("embed", None),
-    "*/moe/bias": (None,),
-    "*/moe/gate_up": ("experts", "embed", "expert_mlp"),
-    "*/moe/down": ("experts", "expert_mlp", "embed"),
-    "*/moe/shared_gate_up": ("embed", "gate_up"),
-    "*/moe/shared_down": ("mlp", "embed"),
+    **FFN_AXES,
     "mtp/eh_proj": (None, "embed"),
     "mtp/head": ("embed", "vocab"),
     "mtp/embed": ("vocab", "embed"),

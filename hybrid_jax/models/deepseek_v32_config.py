@@ -11,7 +11,7 @@ from typing import Any
 
 from hybrid_jax.errors import ConfigError
 from hybrid_jax.layers.rope import RopeSpec, softmax_scale
-from hybrid_jax.models.config_common import LayerPattern, common_fields
+from hybrid_jax.models.config_common import LayerPattern, check_grouped_topk, common_fields
 
 _HF_LAYER_TYPES = {"indexed_attention": "sparse_attention", "sparse_attention": "sparse_attention"}
 
@@ -78,17 +78,7 @@ class DeepseekV32Config(LayerPattern):
             raise ConfigError(f"qk_rope_head_dim={self.qk_rope_head_dim} must be even and <= index_head_dim="
                               f"{self.index_head_dim}")
         if "sparse" in self.mlp_layer_types:
-            E = self.n_routed_experts
-            if E <= 0 or self.n_group <= 0 or E % self.n_group:
-                raise ConfigError(f"n_routed_experts={E} must be a positive multiple of n_group={self.n_group}")
-            if not 0 < self.topk_group <= self.n_group:
-                raise ConfigError(f"topk_group={self.topk_group} must be in [1, n_group={self.n_group}]")
-            if E // self.n_group < 2:
-                raise ConfigError(f"each expert group needs >= 2 experts (group score = top-2 sum); got "
-                                  f"{E // self.n_group}")
-            if not 0 < self.num_experts_per_tok <= self.topk_group * (E // self.n_group):
-                raise ConfigError(f"num_experts_per_tok={self.num_experts_per_tok} must be in [1, experts in the "
-                                  f"{self.topk_group} chosen groups]")
+            check_grouped_topk(self.n_routed_experts, self.n_group, self.topk_group, self.num_experts_per_tok)
 
     def is_moe_layer(self, i: int) -> bool:
         return self.mlp_layer_types[i] == "sparse"

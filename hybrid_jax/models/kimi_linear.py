@@ -31,7 +31,7 @@ from hybrid_jax.layers.kimi_delta_attention import kimi_delta_attention
 from hybrid_jax.layers.mla import nope_attention, rms_norm
 from hybrid_jax.models.common import LayerStep, finish_step, token_positions
 from hybrid_jax.models.contract import LayerType, ModelFamily, StepOutput
-from hybrid_jax.models.deepseek_v32 import convert_ffn, ffn, init_ffn
+from hybrid_jax.models.deepseek_v32 import FFN_AXES, convert_ffn, ffn, init_ffn
 from hybrid_jax.models.kimi_linear_config import KimiLinearConfig
 from hybrid_jax.weights import checked_getter, concat, to_device, to_device_linear
 from pallas_kernels import abi as kernel_abi
@@ -254,14 +254,7 @@ PARAM_AXES = {
     "*/attn/w_uk": ("heads", None, None),
     "*/attn/w_uv": ("heads", None, None),
     "*/attn/o_proj": ("heads", "embed"),
-    "*/mlp/gate_up": ("embed", "gate_up"),
-    "*/mlp/down": ("mlp", "embed"),
-    "*/moe/router": ("embed", None),
-    "*/moe/bias": (None,),
-    "*/moe/gate_up": ("experts", "embed", "expert_mlp"),
-    "*/moe/down": ("experts", "expert_mlp", "embed"),
-    "*/moe/shared_gate_up": ("embed", "gate_up"),
-    "*/moe/shared_down": ("mlp", "embed"),
+    **FFN_AXES,
     "*norm": (None,),
 }
 

@@ -14,7 +14,7 @@ import dataclasses
 from typing import Any
 
 from hybrid_jax.errors import ConfigError
-from hybrid_jax.models.config_common import LayerPattern, common_fields
+from hybrid_jax.models.config_common import LayerPattern, check_grouped_topk, common_fields
 
 LAYER_TYPES = ("linear_attention", "full_attention")
 
@@ -80,16 +80,8 @@ class KimiLinearConfig(LayerPattern):
                 if getattr(self, name) <= 0:
                     raise ConfigError(f"{name} must be positive; got {getattr(self, name)}")
         if "sparse" in self.mlp_layer_types:
-            E = self.n_routed_experts
-            if E <= 0 or self.n_group <= 0 or E % self.n_group:
-                raise ConfigError(f"num_experts={E} must be a positive multiple of num_expert_group={self.n_group}")
-            if not 0 < self.topk_group <= self.n_group:
-                raise ConfigError(f"topk_group={self.topk_group} must be in [1, num_expert_group={self.n_group}]")
-            if E // self.n_group < 2:
-                raise ConfigError(f"each expert group needs >= 2 experts (group score = top-2 sum); got {E // self.n_group}")
-            if not 0 < self.num_experts_per_tok <= self.topk_group * (E // self.n_group):
-                raise ConfigError(f"num_experts_per_token={self.num_experts_per_tok} must be in [1, experts in the "
-                                  f"{self.topk_group} chosen groups]")
+            check_grouped_topk(self.n_routed_experts, self.n_group, self.topk_group, self.num_experts_per_tok,
+                               names=("num_experts", "num_expert_group", "num_experts_per_token"))
 
     def is_moe_layer(self, i: int) -> bool:
         return self.mlp_layer_types[i] == "sparse"

@@ -88,3 +88,29 @@ def scatter_back(o: jax.Array, pos: jax.Array) -> jax.Array:
     """o [1, Tp, ...] in the padded layout -> [1, T, ...] token layout, zeros for tokens in no sequence."""
     oz = jnp.concatenate([o, jnp.zeros((1, 1) + o.shape[2:], o.dtype)], axis=1)
     return jnp.take(oz, jnp.minimum(pos, o.shape[1]), axis=1)
+
+
+def chunked(arrays: tuple, cu_seqlens: jax.Array | None, B: int, T: int, C: int):
+    """The per-token inputs of a chunked kernel laid out in whole chunks, and each chunk's metadata.
+
+    arrays: [B, T, ...] each. Without cu_seqlens every row is padded to NC = ceil(T / C) chunks with zeros
+    (g = 0, beta = 0 leave the state as it is); with them (B == 1) every sequence is padded to a multiple
+    of C (`chunk_layout`). Returns (arrays [B, NC * C, ...], seq [B * NC] int32 (the sequence, i.e. the
+    state slot, each chunk continues), flag [B * NC] int32 (1: the chunk starts its sequence), NC, N (the
+    sequences: B, or len(cu_seqlens) - 1), NB (the state slots one row may write: 1, or N), pos (for
+    `unchunked`; None without cu_seqlens))."""
+    if cu_seqlens is None:
+        pad = (-T) % C
+        if pad:
+            arrays = tuple(jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)) for x in arrays)
+        NC = (T + pad) // C
+        return (arrays, jnp.zeros((B * NC,), jnp.int32), jnp.tile((jnp.arange(NC) == 0).astype(jnp.int32), B),
+                NC, B, 1, None)
+    N = check_cu_seqlens(cu_seqlens)
+    src, pos, seq, first = chunk_layout(cu_seqlens, T, C)
+    return tuple(gather_tokens(x, src) for x in arrays), seq, first.astype(jnp.int32), seq.shape[0], N, N, pos
+
+
+def unchunked(o: jax.Array, T: int, pos: jax.Array | None) -> jax.Array:
+    """A chunked kernel's output [B, NC * C, ...] back to the tokens' layout [B, T, ...] (`chunked`'s pos)."""
+    return o[:, :T] if pos is None else scatter_back(o, pos)

@@ -235,21 +235,7 @@ def chunk_kda_pallas(
     c = sub_block(C)
     r = HV // H
     scale = default_scale(scale, K)
-    if cu_seqlens is None:
-        N, NB = B, 1
-        pad = (-T) % C
-        if pad:
-            q, k, v, g, beta = (jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
-                                for x in (q, k, v, g, beta))
-        NC = (T + pad) // C
-        seq = jnp.zeros((B * NC,), jnp.int32)
-        flag = jnp.tile((jnp.arange(NC) == 0).astype(jnp.int32), B)
-    else:
-        N = NB = varlen.check_cu_seqlens(cu_seqlens)
-        src, pos, seq, first = varlen.chunk_layout(cu_seqlens, T, C)
-        q, k, v, g, beta = (varlen.gather_tokens(x, src) for x in (q, k, v, g, beta))
-        NC = seq.shape[0]
-        flag = first.astype(jnp.int32)
+    (q, k, v, g, beta), seq, flag, NC, N, NB, pos = varlen.chunked((q, k, v, g, beta), cu_seqlens, B, T, C)
     h0 = (jnp.zeros((N, HV, K, V), jnp.float32) if initial_state is None
           else initial_state.astype(jnp.float32))
     qt, kt = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3)          # [B, H, Tp, K]
@@ -283,7 +269,7 @@ def chunk_kda_pallas(
         cost_estimate=_cost(qt, kt, vt, gt, h0, out_shape, C, c, bv, use_qk_l2norm_in_kernel),
     )(seq, flag, qt, kt, vt, gt, bt, h0)
     o = o.transpose(0, 2, 1, 3)                                         # [B, Tp, HV, V]
-    o = o[:, :T] if cu_seqlens is None else varlen.scatter_back(o, pos)
+    o = varlen.unchunked(o, T, pos)
     return o, (hT if output_final_state else None)
 
 

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from conftest import save_random_checkpoint
 
 from hybrid_jax import LLM, SamplingParams
 from hybrid_jax.config import config_from_hf_dict
@@ -32,14 +33,7 @@ CONFIGS = {
 
 def make_checkpoint(path, seed=0, **overrides):
     from transformers import KimiLinearConfig, KimiLinearForCausalLM  # noqa: PLC0415
-    torch.manual_seed(seed)
-    model = KimiLinearForCausalLM(KimiLinearConfig(**{**BASE, **overrides})).eval()
-    with torch.no_grad():     # perturb norms, biases and the router's correction bias away from their init
-        for name, p in list(model.named_parameters()) + list(model.named_buffers()):
-            if "norm" in name or name.endswith("bias"):
-                p.add_(0.1 * torch.randn_like(p))
-    model.save_pretrained(str(path))
-    return str(path)
+    return save_random_checkpoint(KimiLinearForCausalLM, KimiLinearConfig(**{**BASE, **overrides}), path, seed)
 
 
 @pytest.fixture(scope="module")
