@@ -4,6 +4,12 @@ prefill logits (fp32, 1e-4), 32 greedy tokens equal to HF generate, decode after
 prefill equal to full recompute, prefix caching and speculative decoding equal to plain greedy."""
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
+import httpx
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -182,3 +188,39 @@ def test_align_cli_against_transformers(checkpoints, capsys):
     assert main(["align", "--model", checkpoints["kda3_mla1"], "--tokens", "1,2,3,4,5,6,7,8,9"]) == 0
     out = capsys.readouterr().out
     assert "layer 2 (linear_attention)" in out and "layer 3 + final norm" in out and "all stages agree" in out
+
+
+def test_the_server_serves_it_like_offline(checkpoints, tmp_path):
+    """`hybrid-jax serve` on a Kimi-Linear checkpoint (its engine core in its own process): a completion
+    and a streamed one give the offline greedy tokens; a malformed request is a 400 and it keeps serving."""
+    from test_server import _free_port, _wait_ready  # noqa: PLC0415
+    path, port = checkpoints["kda3_mla1"], _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "hybrid_jax.cli", "serve", "--model", path, "--port", str(port),
+                             "--dtype", "float32", "--max-num-seqs", "2", "--max-model-len", "256",
+                             "--compilation-cache-dir", str(tmp_path / "cc")],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_ready(proc, url, 300)
+        prompts = [_prompt(30, 97, 31), _prompt(9, 97, 32)]
+        sp = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+        want = [o.outputs[0].token_ids
+                for o in LLM(model=path, dtype="float32").generate([{"prompt_token_ids": p} for p in prompts], sp)]
+        body = {"prompt": prompts[0], "max_tokens": 10, "temperature": 0, "ignore_eos": True}
+        r = httpx.post(url + "/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["token_ids"] == want[0]
+        assert httpx.post(url + "/v1/completions", json={"prompt": prompts[1], "max_tokens": -1}, timeout=30).status_code == 400
+        streamed = []
+        with httpx.stream("POST", url + "/v1/completions", timeout=120,
+                          json={**body, "prompt": prompts[1], "stream": True}) as s:
+            for line in s.iter_lines():
+                if line.startswith("data: {"):
+                    streamed += json.loads(line[6:])["choices"][0].get("token_ids") or []
+        assert streamed == want[1]
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
