@@ -179,6 +179,8 @@ if __name__ == "__main__":
                                                   quantization="fp8")}, full=False)
     elif sys.argv[2:] == ["deepseek_v4"]:     # 4 heads in 4 output groups, 32 indexer heads, 8 experts
         result = run(sys.argv[1], {k: LAYOUTS[k] for k in ("tp1", "tp2", "tp4_ep", "dp2_tp4")}, full=False)
+    elif sys.argv[2:] == ["kimi_linear"]:     # 4 MLA heads, 4 KDA heads, 8 experts
+        result = run(sys.argv[1], {k: LAYOUTS[k] for k in ("tp1", "tp2", "tp4_ep")}, full=False)
     elif sys.argv[2:3] == ["disk"]:           # a disk tier written at tensor size 2, read at 4
         result = disk_across_layouts(sys.argv[1], sys.argv[3])
     else:

@@ -1,4 +1,4 @@
-"""DeepSeek-V3.2, DeepSeek-V4 and an FP8 release (kept in FP8) split over 2 and 4 CPU devices and over
+"""DeepSeek-V3.2, DeepSeek-V4, Kimi-Linear and an FP8 release (kept in FP8) split over 2 and 4 CPU devices and over
 two replicas of 4 against one device, and a disk prefix tier written under one layout and read under another (parallel_worker.py in a
 subprocess with 8 CPU devices, through multi_device.py)."""
 from __future__ import annotations
@@ -94,3 +94,27 @@ def test_split_deepseek_v4_generates_what_one_device_does(v4_worker, layout):
         "hc_head/fn", "layers/*/attn/c_bias", "layers/*/attn/c_gate", "layers/*/attn/c_kv", "layers/*/attn/i_bias",
         "layers/*/attn/i_gate", "layers/*/attn/i_kv", "layers/*/attn/kv", "layers/*/attn/q_a",
         "layers/*/attn_hc/fn", "layers/*/ffn_hc/fn", "layers/*/moe/router", "layers/*/moe/tid2eid"]
+
+
+@pytest.fixture(scope="module")
+def kimi_worker(tmp_path_factory):
+    from test_kimi_linear import make_checkpoint as make_kimi  # noqa: PLC0415
+    ckpt = make_kimi(tmp_path_factory.mktemp("tp_kimi") / "m", seed=5, vocab_size=320,
+                     linear_attn_config={"head_dim": 16, "num_heads": 4, "short_conv_kernel_size": 4,
+                                         "kda_layers": [1, 2, 3], "full_attn_layers": [4]})
+    return run_worker("parallel_worker.py", ckpt, "kimi_linear")
+
+
+@pytest.mark.parametrize("layout", ["tp2", "tp4_ep"])
+def test_split_kimi_linear_generates_what_one_device_does(kimi_worker, layout):
+    """KDA heads split (the conv and the recurrent state follow them), MLA heads split over the whole
+    latent, experts by columns or whole: the greedy tokens of one device, with the prefix cache (KDA state
+    checkpoints, latent pages) and n-gram speculation on."""
+    one, split = kimi_worker["tp1"], kimi_worker[layout]
+    assert split["tokens"] == one["tokens"] and split["again"] == one["again"] == one["tokens"]
+    assert split["logprobs"] == pytest.approx(one["logprobs"], rel=1e-5, abs=1e-5)
+    assert split["hits"] >= 2 and split["pools_keep_shardings"] is True
+    assert split["weights"]["device0"] < 0.75 * split["weights"]["total"]
+    # only what every head shares stays whole: the low-rank gate inputs, the latent projection, the router
+    assert split["whole_matrices"] == ["layers/*/attn/kv_a", "layers/*/kda/f_a", "layers/*/kda/g_a",
+                                       "layers/*/moe/router"]
