@@ -173,7 +173,7 @@ def _gated_output(p: dict, out: jax.Array, gate: jax.Array) -> jax.Array:
 def gated_attention(p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, positions: jax.Array,
                     valid: jax.Array, k_pool: jax.Array, v_pool: jax.Array, page_table: jax.Array, *,
                     num_heads: int, num_kv_heads: int, head_dim: int, eps: float, layer: int | None = None,
-                    defer_write: bool = False):
+                    defer_write: bool = False, impl: str = "auto"):
     """x: [B, T, Hd]; cos, sin: [B, T, R]; positions, valid: [B, T]; k_pool, v_pool: [P, ps, Hkv, D]
     pages, or with `layer` the KV group's stacks [L, P, ps, Hkv, D], updated in place (`write_kv`);
     page_table: [B, NP].
@@ -182,7 +182,10 @@ def gated_attention(p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, posit
     attend to each other from their fresh entries, for any T) and the new entries k, v
     [B, T, Hkv, D] are returned in place of the pools, for the caller to write (`write_kv`):
     a program that branches between forwards then writes the cache once, after the branch,
-    instead of in every branch (XLA copies a cache that a conditional's branches update)."""
+    instead of in every branch (XLA copies a cache that a conditional's branches update).
+    impl: how a decode step (T = 1) reads the pages: "auto" runs the ragged paged attention kernel when
+    lowered for a TPU or GPU (`_decode_read`) and the paged XLA read on the CPU; "pallas" the kernel
+    everywhere (interpreted on the CPU); "xla" / "reference" the paged XLA read."""
     B, T, _ = x.shape
     Hq, Hkv, D = num_heads, num_kv_heads, head_dim
     q, gate, k, v = _qkv(p, x, cos, sin, Hq, Hkv, D, eps)
@@ -195,7 +198,18 @@ def gated_attention(p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, posit
     rep = Hq // Hkv
     qg = q.reshape(B, T, Hkv, rep, D).transpose(0, 2, 3, 1, 4) * jnp.asarray(D ** -0.5, q.dtype)  # [B, G, R, T, D]
     if T == 1 and not defer_write:
-        out = _normalise(*_paged_partial(qg, k_pool, v_pool, page_table, positions, inclusive=True, layer=layer))
+        def paged(qg, q, k_pool, v_pool):
+            return _normalise(*_paged_partial(qg, k_pool, v_pool, page_table, positions, inclusive=True, layer=layer))
+
+        def kernel(qg, q, k_pool, v_pool, how="auto"):
+            return _decode_read(q, k_pool, v_pool, page_table, positions, layer, how).reshape(qg.shape)
+        args = (qg, q, k_pool, v_pool)
+        if impl in ("xla", "reference"):
+            out = paged(*args)
+        elif impl == "pallas":
+            out = kernel(*args, how="pallas")
+        else:
+            out = jax.lax.platform_dependent(*args, cpu=paged, default=kernel)
     else:
         out = _prefill_attention(qg, k, v, k_pool, v_pool, page_table, positions, layer=layer)
     out = _gated_output(p, out.transpose(0, 3, 1, 2, 4).reshape(B, T, Hq * D).astype(x.dtype), gate)
@@ -205,6 +219,20 @@ def gated_attention(p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, posit
 
 
 _Q = (None, "heads", None)                     # [N, Hq, D]
+
+
+def _decode_read(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, page_table: jax.Array, positions: jax.Array,
+                 layer: int | None, impl: str) -> jax.Array:
+    """A decode step's attention through the ragged paged attention op (`ragged_read`): each row one
+    sequence of one query, q [B, 1, Hq, D] (unscaled) at positions [B, 1], its keys the row's first
+    position + 1 entries. Returns [B, Hkv, Hq / Hkv, 1, D] f32 (gated_attention's layout). A row without
+    a new token reads as if it had one (its output is not used); the length is kept inside the table."""
+    B, _, Hq, D = q.shape
+    Hkv = k_pool.shape[-2]
+    kv_lens = jnp.minimum(positions[:, 0] + 1, page_table.shape[1] * k_pool.shape[-3]).astype(jnp.int32)
+    cu = jnp.arange(B + 1, dtype=jnp.int32)
+    o = ragged_read(q[:, 0], k_pool, v_pool, kv_lens, page_table, cu, sm_scale=D ** -0.5, impl=impl, layer=layer)
+    return o.astype(jnp.float32).reshape(B, Hkv, Hq // Hkv, 1, D)
 
 
 def _own_kv_heads(q_heads: int, Hq: int, k_pages: jax.Array, v_pages: jax.Array):

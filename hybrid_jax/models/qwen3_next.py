@@ -119,7 +119,7 @@ def _full_attention(cfg: ModelConfig, lp: dict, h: jax.Array, step: _Step, i: in
         return h
     h, k, v = gated_attention(
         lp["attn"], h, step.cos, step.sin, step.positions, step.valid, step.k_all, step.v_all, kv.page_table,
-        defer_write=step.defer_kv_write, **heads)
+        defer_write=step.defer_kv_write, impl=step.impl, **heads)
     if step.defer_kv_write:
         step.k_new.append(k)
         step.v_new.append(v)

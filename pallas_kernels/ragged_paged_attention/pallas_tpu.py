@@ -37,6 +37,7 @@ from jax.experimental.pallas import tpu as pltpu
 from pallas_kernels import abi
 from pallas_kernels.dispatch import KernelUnsupported
 from pallas_kernels.gated_delta_rule.pallas_recurrent import compiler_params
+from pallas_kernels.kernel_params import cost
 from pallas_kernels.ragged_paged_attention import kernel_io
 from pallas_kernels.ragged_paged_attention.common import Dims, as_int32, cap_scores, softmax_fold, visible
 from pallas_kernels.ragged_paged_attention.kernel_io import BLK_HI, BLK_LO, KV_LEN, META_WIDTH, POS0, SEQ
@@ -174,8 +175,20 @@ def _call(tiles: kernel_io.KernelTiles, k_flat, v_flat, page_indices, dims: Dims
     return pl.pallas_call(
         kernel, grid_spec=grid_spec, out_shape=jax.ShapeDtypeStruct(tiles.q.shape, tiles.q.dtype),
         compiler_params=compiler_params("tpu", ("arbitrary",)), interpret=interpret,
-        name="ragged_paged_attention",
+        name="ragged_paged_attention", cost_estimate=_cost(tiles, k_flat, page_indices, dims),
     )(tiles.meta.reshape(-1), page_indices.reshape(-1), tiles.num_active, tiles.q, k_flat, v_flat)
+
+
+def _cost(tiles: kernel_io.KernelTiles, k_flat, page_indices, dims: Dims) -> pl.CostEstimate:
+    """The most a tile class can cost, which a step at full context costs: every tile reads its sequence's
+    whole page table span of K and V (NP pages; the lengths are not static) and scores its Mp rows per kv
+    head against those keys (q k^T and p v: 4 D FLOPs a pair, one exp). The pools themselves are not
+    counted whole: only the pages read are (they are the stack of every layer, read one layer at a time)."""
+    W, Hkv, Mp, D = tiles.q.shape
+    keys = dims.pages_per_seq * dims.page_size
+    pages = W * keys * Hkv * D * 2 * jnp.dtype(k_flat.dtype).itemsize
+    return cost(4 * W * Hkv * Mp * keys * D, W * Hkv * Mp * keys, tiles.q, tiles.q, tiles.meta, page_indices,
+                extra_bytes=pages)
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap", "max_q_len",
