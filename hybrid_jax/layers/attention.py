@@ -231,7 +231,8 @@ def _decode_read(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, page_table:
     Hkv = k_pool.shape[-2]
     kv_lens = jnp.minimum(positions[:, 0] + 1, page_table.shape[1] * k_pool.shape[-3]).astype(jnp.int32)
     cu = jnp.arange(B + 1, dtype=jnp.int32)
-    o = ragged_read(q[:, 0], k_pool, v_pool, kv_lens, page_table, cu, sm_scale=D ** -0.5, impl=impl, layer=layer)
+    o = ragged_read(q[:, 0], k_pool, v_pool, kv_lens, page_table, cu, sm_scale=D ** -0.5, impl=impl, layer=layer,
+                    max_q_len=1, decode_only=True)
     return o.astype(jnp.float32).reshape(B, Hkv, Hq // Hkv, 1, D)
 
 
@@ -251,14 +252,15 @@ def _own_kv_heads(q_heads: int, Hq: int, k_pages: jax.Array, v_pages: jax.Array)
 
 
 def ragged_read(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, kv_lens: jax.Array, page_table: jax.Array,
-                cu_seqlens: jax.Array, *, sm_scale: float, impl: str = "auto", layer: int | None = None) -> jax.Array:
+                cu_seqlens: jax.Array, *, sm_scale: float, impl: str = "auto", layer: int | None = None,
+                max_q_len: int | None = None, decode_only: bool = False) -> jax.Array:
     """`pallas_kernels.ragged_paged_attention` for every sequence of a ragged batch, on each device's
     query heads when the heads are split (`hybrid_jax.parallel`; with fewer KV heads than devices the
     pages are whole on every device and each reads the KV heads of its own query heads).
     q [N, Hq, D]; k_pages, v_pages [P, ps, Hkv, D], or with `layer` the group's stacks [L, P, ps, Hkv, D]
     read in place (the stack seen as L * P pages, the table shifted to the layer's: a layer sliced out
     for the kernel would be a copy of its pool every step); kv_lens [S]; page_table [S, NP];
-    cu_seqlens [S + 1]. Returns [N, Hq, D]."""
+    cu_seqlens [S + 1]; max_q_len, decode_only: the op's static hints. Returns [N, Hq, D]."""
     Hq, S = q.shape[1], kv_lens.shape[0]
     lay = current()
     kv_axes = (None,) * (k_pages.ndim - 2) + ("kv_heads", None)
@@ -272,7 +274,8 @@ def ragged_read(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, kv_lens: j
         if kv_whole:
             kp, vp = _own_kv_heads(q.shape[1], Hq, kp, vp)
         return pallas_kernels.ragged_paged_attention.ragged_paged_attention(
-            q, kp, vp, kv_lens, table, cu, jnp.full((1,), S, jnp.int32), sm_scale=sm_scale, impl=impl)
+            q, kp, vp, kv_lens, table, cu, jnp.full((1,), S, jnp.int32), sm_scale=sm_scale, impl=impl,
+            max_q_len=max_q_len, decode_only=decode_only)
     return per_device(fn, (_Q, kv_axes, kv_axes, None, None, None), _Q, out_like=q)(q, k_pages, v_pages, kv_lens,
                                                                                      page_table, cu_seqlens)
 

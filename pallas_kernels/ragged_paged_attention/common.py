@@ -275,11 +275,11 @@ def plan_tiles(kv_lens, cu_q_lens, num_seqs, dims: Dims, *, tile: int, longer_th
                     blk_lo=blk_lo, blk_hi=blk_hi, tile=tile, block=block)
 
 
-def tile_classes(num_tokens: int, decode_tile: int, prefill_tile: int):
+def tile_classes(num_tokens: int, decode_tile: int, prefill_tile: int, decode_only: bool = False):
     """The two tile classes as (tile, longer_than, at_most): decode tiles hold a whole short sequence
     (q_len <= decode_tile), prefill tiles cut the longer ones. The prefill class is dropped when no sequence can
-    be longer than a decode tile."""
+    be longer than a decode tile: num_tokens <= decode_tile, or the caller's promise (decode_only)."""
     classes = [(decode_tile, 0, decode_tile)]
-    if num_tokens > decode_tile:
+    if num_tokens > decode_tile and not decode_only:
         classes.append((prefill_tile, decode_tile, None))
     return classes

@@ -42,11 +42,11 @@ def round_up(x: int, m: int) -> int:
 
 
 def kernel_tiles(q, kv_lens, cu_q_lens, num_seqs, dims: Dims, *, decode_tile: int, prefill_tile: int, block: int,
-                 sliding_window, rows_multiple) -> list[KernelTiles]:
+                 sliding_window, rows_multiple, decode_only: bool = False) -> list[KernelTiles]:
     """The batch's tile classes (common.tile_classes) in kernel layout. rows_multiple(m) -> Mp: the padded
     query rows per kv head the kernel wants for m = tile * Gq real ones."""
     out = []
-    for tile, longer_than, at_most in tile_classes(dims.num_tokens, decode_tile, prefill_tile):
+    for tile, longer_than, at_most in tile_classes(dims.num_tokens, decode_tile, prefill_tile, decode_only):
         plan = plan_tiles(kv_lens, cu_q_lens, num_seqs, dims, tile=tile, longer_than=longer_than, at_most=at_most,
                           block=block, sliding_window=sliding_window)
         if plan.size:

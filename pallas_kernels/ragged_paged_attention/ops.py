@@ -50,6 +50,7 @@ def ragged_paged_attention(
     soft_cap: float | None = None,
     impl: str = "auto",
     max_q_len: int | None = None,
+    decode_only: bool = False,
     num_kv_pages_per_block: int | None = None,
     num_queries_per_block: int | None = None,
     decode_queries_per_block: int | None = None,
@@ -58,11 +59,15 @@ def ragged_paged_attention(
 
     max_q_len: a static hint, the longest q_len of the decode-like sequences (1 for decode, k + 1 for a
     speculative verify window): their queries are handled as one small tile each; longer sequences are still
-    served, as prefill tiles. num_kv_pages_per_block / num_queries_per_block / decode_queries_per_block tune
-    the Pallas kernel (defaults from its table, pallas_tpu.tuned_block_sizes); they are ignored by the
+    served, as prefill tiles. decode_only: the caller's promise that no sequence has more than max_q_len
+    queries (a decode step): the prefill tiles are not built, so a static cost (`pl.CostEstimate`) counts
+    the decode tiles alone; a longer sequence would go unserved. num_kv_pages_per_block /
+    num_queries_per_block / decode_queries_per_block tune the Pallas kernel (defaults from its table, pallas_tpu.tuned_block_sizes); they are ignored by the
     reference and XLA paths."""
     check_inputs(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale=sm_scale,
                  sliding_window=sliding_window, soft_cap=soft_cap, max_q_len=max_q_len)
+    if decode_only and max_q_len is None:
+        raise ValueError("decode_only promises that no sequence has more than max_q_len queries: give max_q_len")
     args = (q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
     kw = dict(sm_scale=float(sm_scale), sliding_window=sliding_window,
               soft_cap=None if soft_cap is None else float(soft_cap))
@@ -70,5 +75,6 @@ def ragged_paged_attention(
                   decode_queries_per_block=decode_queries_per_block)
     return dispatch.run("ragged_paged_attention", impl, args,
                         reference=functools.partial(naive.ragged_paged_attention_reference, **kw),
-                        xla=functools.partial(xla.ragged_paged_attention_xla, **kw, max_q_len=max_q_len),
-                        pallas=lambda: _kernel(**kw, max_q_len=max_q_len, **blocks))
+                        xla=functools.partial(xla.ragged_paged_attention_xla, **kw, max_q_len=max_q_len,
+                                              decode_only=decode_only),
+                        pallas=lambda: _kernel(**kw, max_q_len=max_q_len, decode_only=decode_only, **blocks))

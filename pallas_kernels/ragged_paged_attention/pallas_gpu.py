@@ -77,12 +77,13 @@ def _kernel(meta_ref,                 # [8] int32: this tile's metadata row
     o_ref[...] = (acc / jnp.where(l > 0, l, 1.0)).astype(o_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap", "max_q_len",
+@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap", "max_q_len", "decode_only",
                                              "num_kv_pages_per_block", "num_queries_per_block",
                                              "decode_queries_per_block", "num_warps", "interpret"))
 def ragged_paged_attention_gpu(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *,
                                sm_scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
-                               max_q_len: int | None = None, num_kv_pages_per_block: int | None = None,
+                               max_q_len: int | None = None, decode_only: bool = False,
+                               num_kv_pages_per_block: int | None = None,
                                num_queries_per_block: int | None = None,
                                decode_queries_per_block: int | None = None, num_warps: int | None = None,
                                interpret: bool = False):
@@ -103,7 +104,7 @@ def ragged_paged_attention_gpu(q, k_pages, v_pages, kv_lens, page_indices, cu_q_
     decode = min(decode_queries_per_block or max_q_len or 1, prefill)
     kv_lens, page_indices, cu_q_lens, ns = as_int32(kv_lens, page_indices, cu_q_lens, num_seqs)
     tiles = kernel_io.kernel_tiles(q, kv_lens, cu_q_lens, ns, dims, decode_tile=decode, prefill_tile=prefill,
-                                   block=ps, sliding_window=sliding_window, rows_multiple=_pow2)
+                                   block=ps, sliding_window=sliding_window, rows_multiple=_pow2, decode_only=decode_only)
     pt = page_indices.reshape(-1)
     pt = jnp.pad(pt, (0, _pow2(pt.shape[0], 1) - pt.shape[0]))
     k_flat, v_flat = (x.reshape(P * ps, Hkv * D) for x in (k_pages, v_pages))

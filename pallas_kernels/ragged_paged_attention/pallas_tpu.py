@@ -191,12 +191,13 @@ def _cost(tiles: kernel_io.KernelTiles, k_flat, page_indices, dims: Dims) -> pl.
                 extra_bytes=pages)
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap", "max_q_len",
+@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap", "max_q_len", "decode_only",
                                              "num_kv_pages_per_block", "num_queries_per_block",
                                              "decode_queries_per_block", "interpret"))
 def ragged_paged_attention_tpu(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *,
                                sm_scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
-                               max_q_len: int | None = None, num_kv_pages_per_block: int | None = None,
+                               max_q_len: int | None = None, decode_only: bool = False,
+                               num_kv_pages_per_block: int | None = None,
                                num_queries_per_block: int | None = None,
                                decode_queries_per_block: int | None = None, interpret: bool = False):
     """Shapes as ops.ragged_paged_attention -> o [N, Hq, D] in q.dtype. The decode tile holds
@@ -216,7 +217,8 @@ def ragged_paged_attention_tpu(q, k_pages, v_pages, kv_lens, page_indices, cu_q_
     sub = max(sublanes(q.dtype), sublanes(k_pages.dtype))
     tiles = kernel_io.kernel_tiles(q, kv_lens, cu_q_lens, ns, dims, decode_tile=sizes.decode_queries_per_block,
                                    prefill_tile=sizes.num_queries_per_block, block=bp * ps,
-                                   sliding_window=sliding_window, rows_multiple=lambda m: kernel_io.round_up(m, sub))
+                                   sliding_window=sliding_window, rows_multiple=lambda m: kernel_io.round_up(m, sub),
+                                   decode_only=decode_only)
     k_flat, v_flat = (x.reshape(P, ps, Hkv * D) for x in (k_pages, v_pages))
     outs = [_call(t, k_flat, v_flat, page_indices, dims, bp, sm_scale=sm_scale, sliding_window=sliding_window,
                   soft_cap=soft_cap, interpret=interpret) for t in tiles]

@@ -169,10 +169,11 @@ def _walk(out, q, k_pages, v_pages, page_indices, plan: TilePlan, dims: Dims, *,
     return jax.lax.while_loop(lambda cr: cr[0] < ends[-1], body, init)[-1]
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap", "max_q_len", "config"))
+@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap", "max_q_len", "config",
+                                             "decode_only"))
 def ragged_paged_attention_xla(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *,
                                sm_scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
-                               max_q_len: int | None = None, config: XlaConfig | None = None):
+                               max_q_len: int | None = None, config: XlaConfig | None = None, decode_only: bool = False):
     """Shapes as ops.ragged_paged_attention -> o [N, Hq, D] in q.dtype. max_q_len: the decode tile's rows (a
     hint: longer sequences take the prefill tiles). config: None = tuned_config for the head shape."""
     N, Hq, D = q.shape
@@ -185,7 +186,7 @@ def ragged_paged_attention_xla(q, k_pages, v_pages, kv_lens, page_indices, cu_q_
               for b in (config.block_tokens, config.prefill_block_tokens or config.block_tokens)]
     decode_tile = min(max_q_len or config.decode_tile, config.prefill_tile, N)
     out = jnp.zeros((N, Hq, D), q.dtype)
-    for (tile, longer_than, at_most), group, bk in zip(tile_classes(N, decode_tile, min(config.prefill_tile, N)),
+    for (tile, longer_than, at_most), group, bk in zip(tile_classes(N, decode_tile, min(config.prefill_tile, N), decode_only),
                                                        (config.decode_group, config.prefill_group), blocks):
         plan = plan_tiles(kv_lens, cu_q_lens, ns, dims, tile=tile, longer_than=longer_than, at_most=at_most,
                           block=bk, sliding_window=sliding_window)
