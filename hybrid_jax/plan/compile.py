@@ -58,9 +58,9 @@ class StepCost:
     transcendentals: float
     temp_bytes: float
     # run-time loops (HLO while) in the program: XLA's cost analysis counts ONE iteration of a loop body,
-    # so whatever a loop reads per iteration is under-counted (Qwen3-Next's paged attention read walks the
-    # KV pages in a loop: its KV read is almost absent from bytes_accessed). Sums and differences keep the
-    # larger count.
+    # so whatever a loop reads per iteration is under-counted (the paged XLA attention read walks the KV
+    # pages in a loop; on a TPU a decode step reads them through the ragged kernel instead, which reports
+    # its own cost). Sums and differences keep the larger count.
     loops: int = 0
     # collectives of a program split over devices (all-reduce, all-gather, ...; start ops of async
     # pairs counted once) and the bytes of their results
