@@ -20,10 +20,11 @@ from hybrid_jax import LLM, SamplingParams  # noqa: E402
 from hybrid_jax.engine.data_parallel import DataParallelEngine  # noqa: E402
 from hybrid_jax.errors import ConfigError  # noqa: E402
 
-# tp2 splits the experts' columns (gate | up per device) and the KV heads; tp4_ep splits the experts
-# whole and keeps each KV head twice (2 heads, 4 devices); dp2_tp4 runs two tp4 engines, on devices
-# 0-3 and 4-7.
+# tp2 splits the experts' columns (gate | up per device) and the KV heads; tp4 the same over 4 devices,
+# each KV head kept twice (2 heads, 4 devices); tp4_ep splits the experts whole, the KV heads as tp4;
+# dp2_tp4 runs two tp4 engines, on devices 0-3 and 4-7.
 LAYOUTS = {"tp1": dict(tensor_parallel_size=1), "tp2": dict(tensor_parallel_size=2),
+           "tp4": dict(tensor_parallel_size=4),
            "tp4_ep": dict(tensor_parallel_size=4, enable_expert_parallel=True),
            "dp2_tp4": dict(tensor_parallel_size=4, data_parallel_size=2)}
 PROMPTS = [{"prompt_token_ids": [5, 9, 13, 200, 7, 41] * 12}, {"prompt_token_ids": [3, 4, 5, 6] * 20}]
@@ -172,15 +173,15 @@ def disk_across_layouts(path: str, directory: str) -> dict:
 
 if __name__ == "__main__":
     if sys.argv[2:] == ["deepseek_v32"]:      # 4 heads, 8 experts: split over 2, and over 4 with experts whole
-        result = run(sys.argv[1], {k: LAYOUTS[k] for k in ("tp1", "tp2", "tp4_ep", "dp2_tp4")}, full=False)
+        result = run(sys.argv[1], {k: LAYOUTS[k] for k in ("tp1", "tp2", "tp4", "tp4_ep", "dp2_tp4")}, full=False)
     elif sys.argv[2:] == ["fp8"]:             # an FP8 release kept in FP8, experts split whole
         result = run(sys.argv[1], {"tp1": dict(quantization="fp8"),
                                    "tp2_ep": dict(tensor_parallel_size=2, enable_expert_parallel=True,
                                                   quantization="fp8")}, full=False)
     elif sys.argv[2:] == ["deepseek_v4"]:     # 4 heads in 4 output groups, 32 indexer heads, 8 experts
-        result = run(sys.argv[1], {k: LAYOUTS[k] for k in ("tp1", "tp2", "tp4_ep", "dp2_tp4")}, full=False)
+        result = run(sys.argv[1], {k: LAYOUTS[k] for k in ("tp1", "tp2", "tp4", "tp4_ep", "dp2_tp4")}, full=False)
     elif sys.argv[2:] == ["kimi_linear"]:     # 4 MLA heads, 4 KDA heads, 8 experts
-        result = run(sys.argv[1], {k: LAYOUTS[k] for k in ("tp1", "tp2", "tp4_ep")}, full=False)
+        result = run(sys.argv[1], {k: LAYOUTS[k] for k in ("tp1", "tp2", "tp4", "tp4_ep")}, full=False)
     elif sys.argv[2:3] == ["disk"]:           # a disk tier written at tensor size 2, read at 4
         result = disk_across_layouts(sys.argv[1], sys.argv[3])
     else:

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from conftest import save_random_checkpoint
+from conftest import hf_model, save_random_checkpoint
 
 from hybrid_jax import LLM, SamplingParams
 from hybrid_jax.config import config_from_hf_dict
@@ -50,11 +50,8 @@ def checkpoints(tmp_path_factory):
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
 def pair(request, checkpoints):
-    from transformers import AutoModelForCausalLM  # noqa: PLC0415
-    torch.set_num_threads(2)
     path = checkpoints[request.param]
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True).eval()
-    return LLM(model=path, dtype="float32"), hf
+    return LLM(model=path, dtype="float32"), hf_model(path)
 
 
 def _prompt(n, vocab, seed):

@@ -112,7 +112,7 @@ def test_every_parameter_has_logical_axes(name, splittable):
 
 # ---- 8 CPU devices, in a subprocess -----------------------------------------------------------------
 
-@pytest.mark.parametrize("layout", ["tp2", "tp4_ep"])
+@pytest.mark.parametrize("layout", ["tp2", "tp4", "tp4_ep"])
 def test_split_model_generates_what_one_device_does(worker, layout):
     """Greedy tokens identical to one device, with the prefix cache (the second pass hits) and n-gram
     speculation on; log-probabilities equal to float32 rounding."""
@@ -125,7 +125,7 @@ def test_split_model_generates_what_one_device_does(worker, layout):
     assert split["sharding_key"] != one["sharding_key"] == "replicated"
 
 
-@pytest.mark.parametrize("layout, tp", [("tp2", 2), ("tp4_ep", 4)])
+@pytest.mark.parametrize("layout, tp", [("tp2", 2), ("tp4", 4), ("tp4_ep", 4)])
 def test_each_device_holds_its_share_of_the_weights(worker, layout, tp):
     w = worker[layout]["weights"]
     assert w["total"] == worker["tp1"]["weights"]["total"]
