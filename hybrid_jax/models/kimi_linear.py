@@ -33,6 +33,7 @@ from hybrid_jax.models.common import LayerStep, finish_step, token_positions
 from hybrid_jax.models.contract import LayerType, ModelFamily, StepOutput
 from hybrid_jax.models.deepseek_v32 import FFN_AXES, convert_ffn, ffn, init_ffn
 from hybrid_jax.models.kimi_linear_config import KimiLinearConfig
+from hybrid_jax.models.qwen3_next import per_head_channels
 from hybrid_jax.weights import checked_getter, concat, to_device, to_device_linear
 from pallas_kernels import abi as kernel_abi
 
@@ -138,13 +139,6 @@ def final_norm(cfg: KimiLinearConfig, params: dict, x: jax.Array) -> jax.Array:
 # ------------------------------------------------------------------------------------------------
 # Parameters: deterministic init and the one-time HF re-layout.
 
-def _grouped_qkv_channels(H: int, D: int) -> np.ndarray:
-    """Checkpoint channel (q | k | v, each heads in order) of each channel of the per-head grouping
-    (q_h | k_h | v_h for h = 0 .. H-1): index [H * 3D]."""
-    d = np.arange(D)
-    return np.concatenate([np.concatenate([h * D + d, (H + h) * D + d, (2 * H + h) * D + d]) for h in range(H)])
-
-
 def init_params(cfg: KimiLinearConfig, seed: int = 0, dtype=jnp.float32, rng=None) -> dict:
     """Deterministic random parameters in the converted layout (std 0.02; norms at 1; decay parameters
     as Kimi initialises them). rng: as deepseek_v32.init_params."""
@@ -209,7 +203,7 @@ def convert_hf_weights(cfg: KimiLinearConfig, get: Callable[[str], np.ndarray], 
 def _convert_kda(cfg: KimiLinearConfig, t, a: str, dev, lin) -> dict:
     Hd, H, D, W = cfg.hidden_size, cfg.linear_num_heads, cfg.linear_head_dim, cfg.linear_conv_kernel_dim
     HD = H * D
-    order = _grouped_qkv_channels(H, D)
+    order = per_head_channels(H, D, D)            # q | k | v -> q_h | k_h | v_h, as Qwen3-Next's conv channels
     qkv = concat([t(a + f"{x}_proj.weight", (HD, Hd)) for x in "qkv"], 0)                # [3HD, Hd] q | k | v
     conv = concat([t(a + f"{x}_conv1d.weight", (HD, 1, W)) for x in "qkv"], 0)           # [3HD, 1, W]
     return {"kda": {

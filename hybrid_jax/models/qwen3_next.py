@@ -364,7 +364,12 @@ def grouped_conv_channels(cfg: ModelConfig) -> np.ndarray:
     """Checkpoint conv channel (q | k | v, each heads in order) of each channel of the layers' per-key-head
     grouping (q_h | k_h | v_h for h = 0 .. H-1): index [H * (2K + rV)]."""
     H, HV, K, V = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
-    rV = (HV // H) * V
+    return per_head_channels(H, K, (HV // H) * V)
+
+
+def per_head_channels(H: int, K: int, rV: int) -> np.ndarray:
+    """Index [H * (2K + rV)]: for each channel of a per-head grouping q_h | k_h | v_h (h = 0 .. H-1), its
+    channel in the q | k | v order checkpoints store (q and k K wide per head, v rV wide)."""
     return np.concatenate([np.concatenate([h * K + np.arange(K), H * K + h * K + np.arange(K),
                                            2 * H * K + h * rV + np.arange(rV)]) for h in range(H)])
 
