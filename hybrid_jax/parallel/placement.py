@@ -121,19 +121,14 @@ class Layout:
             ax = self.fp8_axes(axes, leaf, f"parameter {name}")
             if not placed:
                 n = self._gate_up_devices(ax, leaf.w.shape, name)
-                if n > 1:
-                    w = lazy_gate_up(leaf.w, n) if isinstance(leaf.w, Lazy) else interleave_gate_up(leaf.w, n)
-                    leaf = dataclasses.replace(leaf, w=w, scale=interleave_gate_up(leaf.scale, n))
+                leaf = dataclasses.replace(leaf, w=_gate_up_laid_out(leaf.w, n), scale=_gate_up_laid_out(leaf.scale, n))
                 return dataclasses.replace(leaf, axes=ax)
             return dataclasses.replace(leaf, w=self._sharding(ax, leaf.w.shape, f"parameter {name}"),
                                        scale=self._sharding(ax, leaf.scale.shape, f"parameter {name} (scales)"),
                                        axes=ax)
         if placed:
             return self._sharding(axes, leaf.shape, f"parameter {name}")
-        n = self._gate_up_devices(axes, leaf.shape, name)
-        if n > 1 and isinstance(leaf, Lazy):       # read by parts: the columns re-ordered lazily
-            return lazy_gate_up(leaf, n)
-        return interleave_gate_up(leaf, n) if n > 1 and isinstance(leaf, (jax.Array, np.ndarray)) else leaf
+        return _gate_up_laid_out(leaf, self._gate_up_devices(axes, leaf.shape, name))
 
     def _gate_up_devices(self, axes: tuple, shape, name: str) -> int:
         """Devices a "gate_up" dimension (the last) is split over under this layout; 1 when whole."""
@@ -251,3 +246,14 @@ def make_layout(pc: ParallelConfig, cfg, family, devices=None) -> Layout | None:
         raise ConfigError(f"model family {family.name!r} has no sharding rules yet: it runs with "
                           f"tensor_parallel_size 1 only")
     return Layout(pc, build_mesh(pc, devices[:pc.world_size]))
+
+
+def _gate_up_laid_out(x, n: int):
+    """A "gate_up" array's columns in n device blocks [gate_d | up_d]: a Lazy one re-ordered as it is read,
+    an array now; an abstract shape (a plan's ShapeDtypeStruct) keeps its shape, which the order does not
+    change; n == 1 leaves any unchanged."""
+    if n == 1:
+        return x
+    if isinstance(x, Lazy):
+        return lazy_gate_up(x, n)
+    return interleave_gate_up(x, n) if isinstance(x, (jax.Array, np.ndarray)) else x

@@ -219,6 +219,19 @@ def test_fp8_weights_split_with_their_scales():
     assert p2.memory.weights == pytest.approx(p1.memory.weights - experts / 2, abs=0.05 * experts)
 
 
+
+@needs_libtpu
+def test_fp8_gate_up_wide_enough_to_split_plans_from_abstract_weights():
+    """A dense MLP wide enough that each device's gate and up halves are whole 128-column scale blocks is
+    split [gate_d | up_d] per device; from abstract weights (a plan's shapes) that layout keeps the shapes
+    and the plan compiles, the MLP's codes and scales halved per chip."""
+    cfg = config_from_hf_dict(dict(TINY, intermediate_size=512))
+    p1, p2 = (plan("tiny", "v6e:2x2", layers="full", tensor_parallel_size=n, enable_expert_parallel=n > 1,
+                   quantization="fp8", config=cfg, **SHAPES) for n in (1, 2))
+    mlp = tree_nbytes(abstract_params(cfg, jnp.bfloat16, "fp8")["layers"][1]["mlp"]["gate_up"])
+    assert mlp > 0
+    assert p2.sharded and p2.memory.weights < p1.memory.weights - mlp / 2 * 0.99
+
 @needs_libtpu
 def test_deepseek_v32_plan_compiles_split_with_every_kernel_per_device():
     """Mosaic refuses a kernel the partitioner would have to split ("wrap the call in a shard_map"): a
