@@ -50,6 +50,24 @@ def check_inputs(q, k, v, g, beta, initial_state, cu_seqlens=None, per_channel: 
     return B, T, H, K, HV, V
 
 
+def check_state_indices(q, v, initial_state, state_indices, cu_seqlens, keep) -> jax.Array:
+    """Validates a pooled initial state (`state_indices` [B] int32 into initial_state [P, HV, K, V] f32);
+    returns the pool. Raises ValueError naming the problem."""
+    B, HV, K, V = q.shape[0], v.shape[2], q.shape[3], v.shape[3]
+    if initial_state is None:
+        raise ValueError("state_indices index rows of initial_state, which is missing")
+    if cu_seqlens is not None:
+        raise ValueError("state_indices are for one sequence per batch row; a packed batch (cu_seqlens) has none")
+    if keep is not None:
+        raise ValueError("state_indices update the pool's rows in place; per-token states or deltas are not kept")
+    if state_indices.shape != (B,) or not jnp.issubdtype(state_indices.dtype, jnp.integer):
+        raise ValueError(f"state_indices must be [B] = ({B},) integers; got {state_indices.shape} {state_indices.dtype}")
+    if initial_state.ndim != 4 or initial_state.shape[1:] != (HV, K, V) or initial_state.dtype != jnp.float32:
+        raise ValueError(f"a pooled initial_state must be [P, HV, K, V] = [P, {HV}, {K}, {V}] float32; got "
+                         f"{initial_state.shape} {initial_state.dtype}")
+    return initial_state
+
+
 def prepare(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel):
     """Casts to fp32, applies l2norm and the query scale. Returns fp32 (q, k, v, g, beta)."""
     if use_qk_l2norm_in_kernel:

@@ -18,12 +18,13 @@ share one kernel ABI id (`pallas_kernels.abi.GATED_DELTA_RULE`).
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 from pallas_kernels import dispatch
 from pallas_kernels.gated_delta_rule import chunk as _chunk
 from pallas_kernels.gated_delta_rule import fused_recurrent as _fused_recurrent
 from pallas_kernels.gated_delta_rule import naive as _naive
-from pallas_kernels.gated_delta_rule.common import check_inputs
+from pallas_kernels.gated_delta_rule.common import check_inputs, check_state_indices, per_token_output
 
 
 def _pallas_chunk():
@@ -81,11 +82,33 @@ def fused_recurrent_gated_delta_rule(
     cu_seqlens: jax.Array | None = None,
     impl: str = "auto",
     output_deltas: bool = False,
+    state_indices: jax.Array | None = None,  # [B] int32 rows of a pooled initial_state [P, HV, K, V]
 ):
     """Token-by-token gated delta rule (decode, speculative verify).
     Returns (o, final state or None) and, with output_all_states, the states [B, T, HV, K, V] too, or,
     with output_deltas, every token's state update [B, T, HV, V] (`state_after` rebuilds the state
-    after any one token from them)."""
+    after any one token from them).
+    state_indices: initial_state is a pool [P, HV, K, V] f32 whose row state_indices[b] is batch row b's
+    state; the final state is the pool with those rows updated (the Pallas TPU kernel reads and writes
+    them in place; the other implementations gather and scatter)."""
+    if state_indices is not None:
+        pool = check_state_indices(q, v, initial_state, state_indices, cu_seqlens,
+                                   per_token_output(output_all_states, output_deltas))
+        idx = state_indices.astype(jnp.int32)
+
+        def gathered(fn):
+            def run(q, k, v, g, beta, pool, idx):
+                o, final = fn(q, k, v, g, beta, pool[idx], None)
+                return o, (pool.at[idx].set(final) if output_final_state else None)
+            return run
+        kw = dict(scale=scale, output_final_state=True, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+        pooled = dict(kw, output_final_state=output_final_state)
+        return dispatch.run(
+            "fused_recurrent_gated_delta_rule", impl, (q, k, v, g, beta, pool, idx),
+            reference=gathered(_on_args(_naive.naive_recurrent_gated_delta_rule, **kw)),
+            xla=gathered(_on_args(_fused_recurrent.fused_recurrent_gated_delta_rule_xla, **kw)),
+            pallas=lambda: (lambda q, k, v, g, beta, pool, idx, **be: _pallas_recurrent()(
+                q, k, v, g, beta, initial_state=pool, state_indices=idx, **pooled, **be)))
     check_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
     kw = dict(scale=scale, output_final_state=output_final_state, output_all_states=output_all_states,
               use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, output_deltas=output_deltas)

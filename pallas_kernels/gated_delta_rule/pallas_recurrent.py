@@ -44,7 +44,7 @@ from jax.experimental.pallas import tpu as pltpu
 from pallas_kernels import abi
 from pallas_kernels.dispatch import KernelUnsupported
 from pallas_kernels.gated_delta_rule import varlen
-from pallas_kernels.gated_delta_rule.common import check_inputs, default_scale, per_token_output
+from pallas_kernels.gated_delta_rule.common import check_inputs, check_state_indices, default_scale, per_token_output
 from pallas_kernels.kernel_params import TPU_VMEM_LIMIT, check_backend, compiler_params, cost, smem_spec
 
 ABI = abi.GATED_DELTA_RULE   # writes state[N, HV, K, V] f32, like every other implementation
@@ -210,25 +210,43 @@ def fused_recurrent_gated_delta_rule_pallas(
     backend: str = "tpu",
     interpret: bool = False,
     output_deltas: bool = False,
+    state_indices: jax.Array | None = None,  # [B] int32: row b's state is initial_state[state_indices[b]]
 ):
     """Fused recurrent kernel. Returns (o [B, T, HV, V] in v.dtype, final [N, HV, K, V] f32 or None)
     and, with output_all_states, the state after every token [B, T, HV, K, V] f32, or, with
     output_deltas, every token's state update [B, T, HV, V] f32.
+
+    state_indices [B] (no cu_seqlens, no per-token output): initial_state is a pool [P, HV, K, V] f32
+    of which row b reads and writes row state_indices[b]; the final state is the pool with those rows
+    updated (rows visited twice, e.g. padding pointing at one null row, end as one of them). On TPU the
+    kernel reaches the rows through a scalar-prefetched index and updates the pool in place (aliased):
+    a decode step moves each row's state once, with no gather before or scatter after; the Triton
+    variant gathers and scatters around the kernel.
 
     g [B, T, HV] decays the state of a head by one factor (Gated DeltaNet), g [B, T, HV, K] each of its
     key rows by its own (Kimi Delta Attention); the kernel is chosen statically from g.ndim.
     The initial state buffer is aliased to the final state (`input_output_aliases`): under
     `jax.jit(..., donate_argnames=...)` the state is updated in place."""
     per_channel = g.ndim == 4
-    B, T, H, K, HV, V = check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, per_channel=per_channel)
     keep = per_token_output(output_all_states, output_deltas)
+    if state_indices is not None:
+        pool = check_state_indices(q, v, initial_state, state_indices, cu_seqlens, keep)
+        if backend != "tpu":
+            idx = state_indices.astype(jnp.int32)
+            o, final = fused_recurrent_gated_delta_rule_pallas(
+                q, k, v, g, beta, scale=scale, initial_state=pool[idx], output_final_state=True,
+                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, config=config, backend=backend, interpret=interpret)
+            return o, (pool.at[idx].set(final) if output_final_state else None)
+        initial_state = pool
+    B, T, H, K, HV, V = check_inputs(q, k, v, g, beta, None if state_indices is not None else initial_state,
+                                     cu_seqlens, per_channel=per_channel)
     config = config or RecurrentConfig()
     bv = config.block_v or V
     _check_blocks(backend, K, V, bv)
     r = HV // H
     scale = default_scale(scale, K)
     if cu_seqlens is None:
-        N, NB = B, 1
+        N, NB = (B if state_indices is None else initial_state.shape[0]), 1
         t = jnp.arange(T, dtype=jnp.int32)
         seq = jnp.zeros((B * T,), jnp.int32)
         flag = jnp.tile(jnp.where(t == 0, 3, 2).astype(jnp.int32), B)
@@ -272,6 +290,20 @@ def fused_recurrent_gated_delta_rule_pallas(
         scratch = [pltpu.VMEM((K, bv), jnp.float32), pltpu.VMEM((Tb, bv), jnp.float32)]
         params = compiler_params(backend, (b_sem, "parallel", "parallel", "arbitrary"),
                                  vmem_limit_bytes=TPU_VMEM_LIMIT)
+        if state_indices is not None:
+            # the state blocks are the pool's rows state_indices[b]: a scalar-prefetched index, the
+            # pool aliased to the final state (rows no program visits keep what they held)
+            in_specs, out_specs = pooled_specs(in_specs, out_specs, 7, 1)
+            outs = pl.pallas_call(
+                lambda idx_ref, *refs: kernel(*refs),
+                grid_spec=pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=1, grid=grid, in_specs=in_specs,
+                                                       out_specs=out_specs, scratch_shapes=scratch),
+                out_shape=out_shape, input_output_aliases={8: 1}, compiler_params=params, interpret=interpret,
+                name="kda_fused_recurrent" if per_channel else "gdn_fused_recurrent",
+                cost_estimate=_cost(q, k, v, None, out_shape[:1], HV, use_qk_l2norm_in_kernel,
+                                    g if per_channel else None, state_rows=B),
+            )(state_indices.astype(jnp.int32), seq, flag, qt, kt, vt, gt, bt, h0)
+            return outs[0].transpose(0, 2, 1, 3), (outs[1] if output_final_state else None)
     else:
         in_specs, out_specs = whole_sequence_specs(backend, B * T, T, K, bv, r, NB, varl, per_channel=per_channel)
         bt = bt[..., None]                                             # [B, HV, T, 1]
@@ -315,6 +347,25 @@ def time_block_specs(n_meta: int, Tb: int, NT: int, K: int, bv: int, r: int, NB:
     return ([smem_spec("tpu", n_meta), smem_spec("tpu", n_meta), qk, qk, rows, decay, gates, state], [rows, state])
 
 
+def pooled_specs(in_specs: list, out_specs: list, state_in: int, state_out: int):
+    """The specs of a kernel whose state block is a pool's row: index maps take the scalar-prefetched
+    row indices as a trailing argument; the state's (in_specs[state_in], out_specs[state_out], block
+    (1, None, K, bv) at (0, h, 0, j)) go to row idx[b], the others ignore it."""
+    def ignore(spec):
+        if spec.index_map is None:
+            return spec
+        return pl.BlockSpec(spec.block_shape, lambda *a, f=spec.index_map: f(*a[:-1]), memory_space=spec.memory_space)
+
+    def row(spec):
+        def index_map(b, h, j, t, idx, f=spec.index_map):
+            return (idx[b],) + tuple(f(b, h, j, t))[1:]
+        return pl.BlockSpec(spec.block_shape, index_map)
+
+    ins = [row(sp) if i == state_in else ignore(sp) for i, sp in enumerate(in_specs)]
+    outs = [row(sp) if i == state_out else ignore(sp) for i, sp in enumerate(out_specs)]
+    return ins, outs
+
+
 def whole_sequence_specs(backend: str, n_meta: int, L: int, K: int, bv: int, r: int, NB: int, varl: bool,
                          per_channel: bool = False):
     """The Triton layout of the GDN / KDA kernels: program (b, h, j) holds its head's whole sequence of L
@@ -330,16 +381,17 @@ def whole_sequence_specs(backend: str, n_meta: int, L: int, K: int, bv: int, r: 
     return ([smem_spec(backend, n_meta), smem_spec(backend, n_meta), qk, qk, rows, decay, col, state], [rows, state])
 
 
-def _cost(q, k, v, h0, out_shape, HV, l2norm, g_channels=None):
+def _cost(q, k, v, h0, out_shape, HV, l2norm, g_channels=None, state_rows: int = 0):
     """Per token and value head: decay, S^T k, the rank-one update and S^T q over the [K, V] state
     (7 K V flops), the l2norms (4 K); exp(g) and two rsqrt. g_channels: a per-channel g [B, T, HV, K],
-    K exps a token and as many bytes as q (a per-head g is negligible beside q, k, v)."""
+    K exps a token and as many bytes as q (a per-head g is negligible beside q, k, v). state_rows: the
+    rows of a state pool read and written once each (h0 and the final state left out of out_shape)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     tokens = B * T * HV
     return cost(tokens * (7 * K * V + (4 * K if l2norm else 0)),
                 tokens * ((1 if g_channels is None else K) + (2 if l2norm else 0)),
-                q, k, v, g_channels, h0, *out_shape)
+                q, k, v, g_channels, h0, *out_shape, extra_bytes=2 * state_rows * HV * K * V * 4)
 
 
 def _check_blocks(backend: str, K: int, V: int, bv: int):

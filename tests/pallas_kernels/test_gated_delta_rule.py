@@ -275,6 +275,44 @@ PALLAS_CASES = [(T, r, K, dtype, init)
 PALLAS_IDS = [f"T{T}-r{r}-K{K}-{jnp.dtype(d).name}-{'init' if i else 'zero'}" for T, r, K, d, i in PALLAS_CASES]
 
 
+POOL_ROWS = np.array([5, 1, 6, 6], np.int32)      # row 6: the null row two padding batch rows point at
+
+
+def check_pooled(run, T):
+    """run(q, k, v, g, beta, initial_state=pool, state_indices=rows, output_final_state=True, ...) against
+    the token scan over the gathered rows."""
+    (q, k, v, g, beta), pool = make_inputs(T, 2, 32, init=True, B=4, N=8, V=256, seed=3)
+    kw = dict(output_final_state=True, use_qk_l2norm_in_kernel=True)
+    o_ref, f_ref = naive_recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=pool[POOL_ROWS], **kw)
+    o, f = run(q, k, v, g, beta, initial_state=pool, state_indices=jnp.asarray(POOL_ROWS), **kw)
+    chex.assert_shape(f, pool.shape)
+    assert rel_rms(o[:2], o_ref[:2]) < F32_TOL
+    for b in (0, 1):
+        assert rel_rms(f[POOL_ROWS[b]], f_ref[b]) < 10 * F32_TOL
+    assert min(rel_rms(f[6], f_ref[2]), rel_rms(f[6], f_ref[3])) < 10 * F32_TOL
+    untouched = [i for i in range(8) if i not in POOL_ROWS]
+    np.testing.assert_array_equal(np.asarray(f)[untouched], np.asarray(pool)[untouched])
+
+
+@pytest.mark.parametrize("impl", ["reference", "xla", "pallas"])
+def test_pooled_state_rows_through_the_public_op(impl):
+    check_pooled(functools.partial(fused_recurrent_gated_delta_rule, impl=impl), 1)
+
+
+def test_pooled_state_bad_input():
+    (q, k, v, g, beta), pool = make_inputs(1, 2, 32, init=True, B=2, N=5)
+    rows = jnp.array([0, 3], jnp.int32)
+    run = functools.partial(fused_recurrent_gated_delta_rule, q, k, v, g, beta, output_final_state=True)
+    with pytest.raises(ValueError, match="initial_state, which is missing"):
+        run(state_indices=rows)
+    with pytest.raises(ValueError, match=r"state_indices must be \[B\]"):
+        run(initial_state=pool, state_indices=rows[:1])
+    with pytest.raises(ValueError, match="per-token states or deltas"):
+        run(initial_state=pool, state_indices=rows, output_deltas=True)
+    with pytest.raises(ValueError, match="float32"):
+        run(initial_state=pool.astype(jnp.bfloat16), state_indices=rows)
+
+
 class TestPallasTPU:
     """The Mosaic TPU variants in interpret mode."""
     BACKEND = "tpu"
@@ -334,6 +372,13 @@ class TestPallasTPU:
         step = jax.jit(lambda s: self.recurrent(*a, initial_state=s, output_final_state=True)[1],
                        donate_argnums=0)
         assert rel_rms(step(jnp.array(h0)), ref[1]) < F32_TOL
+
+    @pytest.mark.parametrize("T", [1, 3])
+    def test_pooled_state_rows(self, T):
+        """state_indices: the batch's states are rows of a pool (out of order, two padding rows on one null
+        row), read and written in place, with value blocks; rows no batch row names are left as they were."""
+        check_pooled(lambda *a, **kw: self.recurrent(*a, config=pallas_recurrent.RecurrentConfig(block_v=128), **kw),
+                     T)
 
     def test_abi(self):
         """Every implementation writes the same state layout, so all share one ABI id."""

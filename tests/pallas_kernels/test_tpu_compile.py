@@ -46,6 +46,19 @@ def test_auto_picks_the_kernel_when_compiled_for_tpu():
     assert "tpu_custom_call" in program.as_text()
 
 
+@pytest.mark.parametrize("chip", ("v5e", "v6e"))
+def test_pooled_decode_moves_only_the_batchs_states(chip):
+    """The decode step's recurrent kernel over a pool of 3 x 65 rows (every layer's states; batch rows reach
+    theirs through a scalar-prefetched index, the pool aliased to the output) costs what the kernel over the
+    batch's own 8 states costs: the pool is neither copied, gathered, scattered nor counted whole
+    (a gather before and a scatter after would add 4 x the states' bytes; a copy of the pool, 48 x)."""
+    need_chip(chip)
+    pooled, own = compiled("gdn_decode_pooled", "bf16", chip), compiled("gdn_decode", "bf16", chip)
+    text = pooled[0].as_text()
+    assert "tpu_custom_call" in text and " gather(" not in text and " scatter(" not in text
+    assert pooled[1].bytes_accessed <= 1.02 * own[1].bytes_accessed, (pooled[1], own[1])
+
+
 def _measured():
     return {f"{chip}/{name}/bf16": dataclasses.asdict(compiled(name, "bf16", chip)[1])
             for chip in BASELINE_CHIPS for name, case in REAL.items() if case.decode}

@@ -92,6 +92,17 @@ def _recurrent(**kw):
     return fn
 
 
+def _pooled_recurrent(q, k, v, g, b, pool, rows):
+    """The decode step's recurrent op over a state pool [P, HV, K, V]: batch row b's state is pool[rows[b]]."""
+    return pk.fused_recurrent_gated_delta_rule(q, k, v, g, b, initial_state=pool, state_indices=rows,
+                                               output_final_state=True, use_qk_l2norm_in_kernel=True, impl="pallas")
+
+
+def pooled_gdn_args(B, H, HV, K, V, dt, P):
+    """gdn_args of a decode step (T = 1) whose states are rows [B] of a pool of P rows."""
+    return gdn_args(B, 1, H, HV, K, V, dt)[:5] + (S((P, HV, K, V), F32), S((B,), I32))
+
+
 def _kda_chunk(q, k, v, g, b, h, *cu):
     return pk.chunk_kda(q, k, v, g, b, initial_state=h, output_final_state=True, use_qk_l2norm_in_kernel=True,
                         cu_seqlens=cu[0] if cu else None, impl="pallas")
@@ -179,6 +190,11 @@ KDA_STATE = B8 * KH * KK * KK * 4
 REAL = {
     "gdn_decode": Case(_recurrent(), lambda dt: gdn_args(B8, 1, GH, GHV, GK, GK, dt),
                        min_flops=B8 * GHV * 4 * GK * GK, min_bytes=lambda dt: 2 * STATE, donate=(5,), decode=True),
+    # the engine's decode: the batch's rows of a pool of every layer's states (3 layers x 65 rows here),
+    # read and written in place by the kernel
+    "gdn_decode_pooled": Case(_pooled_recurrent, lambda dt: pooled_gdn_args(B8, GH, GHV, GK, GK, dt, 3 * 65),
+                              min_flops=B8 * GHV * 4 * GK * GK, min_bytes=lambda dt: 2 * STATE, donate=(5,),
+                              decode=True),
     "gdn_verify_deltas": Case(_recurrent(output_deltas=True), lambda dt: gdn_args(B8, 4, GH, GHV, GK, GK, dt),
                               min_flops=4 * B8 * GHV * 4 * GK * GK, min_bytes=lambda dt: 2 * STATE, donate=(5,)),
     "gdn_chunk_prefill": Case(_chunk, lambda dt: gdn_args(2, 2048, GH, GHV, GK, GK, dt),
@@ -232,6 +248,7 @@ AWKWARD = {
     "gdn_recurrent_T63_hv3h": Case(_recurrent(), lambda dt: gdn_args(3, 63, 2, 6, 64, 64, dt)),
     "gdn_recurrent_varlen_deltas": Case(_recurrent(output_deltas=True),
                                         lambda dt: gdn_args(1, 33, 2, 4, 128, 128, dt, N=3) + (S((4,), I32),)),
+    "gdn_pooled_hv3h": Case(_pooled_recurrent, lambda dt: pooled_gdn_args(3, 2, 6, 64, 64, dt, 5), donate=(5,)),
     "gdn_all_states_T200": Case(_recurrent(output_all_states=True), lambda dt: gdn_args(B8, 200, GH, GHV, GK, GK, dt)),
     # KDA: odd T with HV = 2 H and K != V, packed batches, C = 24 (sub-blocks of 8), every-token states at T = 200
     "kda_chunk_T75_hv2h": Case(_kda_chunk, lambda dt: kda_args(3, 75, 2, 4, 64, 96, dt)),
