@@ -22,7 +22,8 @@ A group is a flax.struct pytree whose class names the roles of its array fields:
 
 and inherits the behaviour below from `CacheGroup`:
 
-  take(rows, table, reset) / put(rows, view)   the rows [R] of a step's view, and back
+  take(rows, table, reset, in_place) / put(rows, view)
+                                               the rows [R] of a step's view, and back
   copy(fields, src, dst, valid)                index copies along each field's axis (publish a
                                                checkpoint, load one on a hit, copy-on-write a page)
   truncate(states, n_keep)                     the group after the first n_keep [B] fed tokens
@@ -57,6 +58,11 @@ class CacheGroup:
     # the request's first write into it copies it (copy-on-write); the prefix store can resume such a
     # group on a grid finer than its pages (cache.prefix_index.BlockGeometry.resume)
     PARTIAL_RESUME: ClassVar[bool] = False
+    # row fields an in-place view keeps whole: take(in_place=True) leaves them as the pools and records
+    # the step's rows in the group's `view_rows` field ([R] int32); the layers read and write their rows
+    # of those pools through it (a decode step then moves each recurrent state once, inside the kernel,
+    # not as a gathered copy in and a scattered copy out). Small row fields are still gathered.
+    IN_PLACE_FIELDS: ClassVar[tuple[str, ...]] = ()
 
     @property
     def entry_tokens(self) -> int:
@@ -116,11 +122,20 @@ class CacheGroup:
         return self._unit_bytes(self.row_fields())
 
     # ---- take / put / copy -----------------------------------------------------------------------
-    def take(self, rows: jax.Array, table: jax.Array | None = None, reset: jax.Array | None = None):
+    def take(self, rows: jax.Array, table: jax.Array | None = None, reset: jax.Array | None = None,
+             in_place: bool = False):
         """The group as a step over rows [R] reads it: row fields gathered (rows flagged in `reset` [R]
-        come back as FILL), paged fields whole, the page table replaced by `table` [R, NP] when given."""
-        upd = {}
+        come back as FILL), paged fields whole, the page table replaced by `table` [R, NP] when given.
+        in_place (no reset): the IN_PLACE_FIELDS stay whole and `view_rows` holds `rows`; a group without
+        them ignores it."""
+        upd, whole = {}, ()
+        if in_place and self.IN_PLACE_FIELDS:
+            if reset is not None:
+                raise ValueError(f"{type(self).__name__}: an in-place view cannot reset rows (take them gathered)")
+            upd["view_rows"], whole = rows, self.IN_PLACE_FIELDS
         for f, ax in self.row_fields().items():
+            if f in whole:
+                continue
             # rows are engine rows, always in bounds: jnp.take's default (fill out-of-bounds) adds a select
             # that the TPU compiler materialises, a second copy of every recurrent state a decode step reads
             a = jnp.take(getattr(self, f), rows, axis=ax, mode="clip")
@@ -135,9 +150,11 @@ class CacheGroup:
     def put(self, rows: jax.Array, view, table: bool = False):
         """The group after a step over rows [R] whose result is `view`: row fields scattered back,
         paged fields as the step left them (written in place); with table, the view's page table rows
-        too (a cache whose rows own their pages)."""
-        upd = {f: getattr(self, f).at[(slice(None),) * ax + (rows,)].set(getattr(view, f))
-               for f, ax in self.row_fields().items()}
+        too (a cache whose rows own their pages). An in-place view's IN_PLACE_FIELDS are the pools, as
+        the step wrote them."""
+        whole = self.IN_PLACE_FIELDS if getattr(view, "view_rows", None) is not None else ()
+        upd = {f: getattr(view, f) if f in whole else getattr(self, f).at[(slice(None),) * ax + (rows,)].set(
+                   getattr(view, f)) for f, ax in self.row_fields().items()}
         upd.update({f: getattr(view, f) for f in self.page_fields()})
         if table:
             upd["page_table"] = self.page_table.at[rows].set(view.page_table)

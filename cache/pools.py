@@ -64,11 +64,14 @@ def build_pools(abstract: ModelCache, rows: int, pages: dict[str, int], units: d
 
 
 def take_view(pools: ModelCache, rows: jax.Array, tables: dict[str, jax.Array], lengths: jax.Array,
-              reset: jax.Array | None = None) -> ModelCache:
+              reset: jax.Array | None = None, in_place: bool = False) -> ModelCache:
     """The cache a step's forward reads for rows [Bb]: paged groups keep their whole pools and get the
-    step's block tables [Bb, NP_g]; row fields are gathered (empty where `reset`). lengths [Bb]: tokens
-    each row holds before the step (the host's count)."""
-    groups = {name: g.take(rows, tables[name] if g.paged else None, reset) for name, g in pools.groups.items()}
+    step's block tables [Bb, NP_g]; row fields are gathered (empty where `reset`), or, with in_place,
+    kept whole where the group can be read in place (its `view_rows` = rows: the layers read and write
+    their rows of the pools; a decode step's recurrent states move once). lengths [Bb]: tokens each row
+    holds before the step (the host's count)."""
+    groups = {name: g.take(rows, tables[name] if g.paged else None, reset, in_place)
+              for name, g in pools.groups.items()}
     return ModelCache(groups=groups, lengths=lengths, version=pools.version[rows] + 1)
 
 

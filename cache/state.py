@@ -53,6 +53,9 @@ class RecurrentGroup(CacheGroup):
     """Gated DeltaNet (or KDA) state of every linear-attention layer: conv window and recurrent state."""
     conv: jax.Array            # [L, B, W-1, C]  the last W-1 conv inputs of each row (channels as the layer orders them)
     ssm: jax.Array             # [L, B, HV, K, V] fp32
+    # an in-place view (`CacheGroup.take(in_place=True)`): ssm is the whole pool [L, R, HV, K, V] and
+    # these [Bb] are the step's rows of it (conv is gathered: [L, Bb, W-1, C], small)
+    view_rows: jax.Array | None = None
     layer_ids: tuple[int, ...] = flax.struct.field(pytree_node=False, default=())
     writer_abi: str = flax.struct.field(pytree_node=False, default=kernel_abi.GATED_DELTA_RULE.id)
 
@@ -61,12 +64,41 @@ class RecurrentGroup(CacheGroup):
     ROW_FIELDS = {"conv": 1, "ssm": 1}       # field -> its row (slot) axis
     AXES = {"conv": (None, None, None, "heads"), "ssm": (None, None, "heads", None, None)}
     ROLLBACK = "select"
+    IN_PLACE_FIELDS = ("ssm",)
+
+    def layer_state(self, s: int) -> tuple[jax.Array, jax.Array]:
+        """Layer slot s's (conv [B, W-1, C], ssm [B, HV, K, V]) of the step's rows (an in-place view's
+        states gathered from the pool)."""
+        if self.view_rows is None:
+            return self.conv[s], self.ssm[s]
+        return self.conv[s], self.ssm.at[s, self.view_rows].get(mode="clip")
+
+    def ssm_pool(self, s: int) -> tuple[jax.Array, jax.Array]:
+        """An in-place view's layer slot s as the recurrent op's pooled state: (the pool's rows of every
+        layer [L * R, HV, K, V], a free reshape; the step's rows of layer s in it [Bb]). `with_ssm_pool`
+        takes the pool back."""
+        L, R = self.ssm.shape[:2]
+        return self.ssm.reshape((L * R,) + self.ssm.shape[2:]), s * R + self.view_rows
+
+    def with_layer_state(self, s: int, conv: jax.Array, ssm: jax.Array, pooled: bool = False) -> "RecurrentGroup":
+        """The group with layer slot s's states of the step's rows replaced (written in place: a layer's
+        slice is updated, never the [L, ...] stack rebuilt). pooled: ssm is the pool `ssm_pool` lent out,
+        [L * R, HV, K, V], as the op left it (an in-place view)."""
+        if pooled:
+            new_ssm = ssm.reshape(self.ssm.shape)
+        else:
+            at = (s,) if self.view_rows is None else (s, self.view_rows)
+            new_ssm = self.ssm.at[at].set(ssm.astype(self.ssm.dtype))
+        return self.replace(conv=self.conv.at[s].set(conv.astype(self.conv.dtype)), ssm=new_ssm)
 
     def truncate(self, states: dict, n_keep: jax.Array) -> "RecurrentGroup":
         """The state after the first n_keep[b] fed tokens of each row, selected from the verify
         forward's per-position parts over the group's L layers (conv_window [L, B, W-1+T, C], ssm0
         [L, B, HV, K, V], k [L, B, T, H, K], g [L, B, T, HV], delta [L, B, T, HV, V]; see
         `layers.gated_deltanet`); rows with n_keep = 0 fed nothing and keep their state."""
+        if self.view_rows is not None:
+            raise ValueError("an in-place view of the recurrent pools cannot be truncated; take the verify's "
+                             "view gathered")
         idx = jnp.maximum(n_keep - 1, 0)
         fed = (n_keep > 0)
         conv, ssm = jax.vmap(lambda parts: states_after(parts, idx))(states)

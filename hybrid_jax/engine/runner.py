@@ -348,7 +348,8 @@ class ModelRunner:
                    *, steps, flags, top_n):
         from hybrid_jax.speculative import mtp  # noqa: PLC0415
         last_tok = jnp.where(r["from_dev"], last[r["rows"]], last_tok)
-        sub = take_view(cache, r["rows"], r["tables"], r["lengths"])
+        # in place: each layer reads and writes its rows of the recurrent pools once per token
+        sub = take_view(cache, r["rows"], r["tables"], r["lengths"], in_place=True)
         dsub = None
         if dcache is not None:
             dsub = mtp.take(dcache, r["rows"]) if self.mtp else take_rows(dcache, r["rows"])

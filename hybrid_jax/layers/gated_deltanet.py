@@ -77,23 +77,27 @@ _GATES = (None, None, "heads")                     # g, beta [B, T, HV]
 _STATE = (None, "heads", None, None)               # [B, HV, K, V]
 
 
-def _rule(kernel, q, k, v, g, beta, state, cu_seqlens=None, **kw):
+def _rule(kernel, q, k, v, g, beta, state, cu_seqlens=None, state_rows=None, **kw):
     """`kernel` (a pallas_kernels gated-delta-rule or KDA op) on q, k, v, g, beta with initial state `state`, run
     on each device's heads when the heads are split (`hybrid_jax.parallel`: a device's key heads and
-    their value heads sit together, so the rule needs nothing from another device)."""
-    def fn(q, k, v, g, beta, state, cu):
-        return kernel(q, k, v, g, beta, initial_state=state, output_final_state=True, cu_seqlens=cu, **kw)
+    their value heads sit together, so the rule needs nothing from another device). state_rows [B]: `state`
+    is a pool [P, HV, K, V] and these are the batch's rows of it (the recurrent op's state_indices)."""
+    def fn(q, k, v, g, beta, state, cu, rows):
+        pooled = {} if rows is None else {"state_indices": rows}
+        return kernel(q, k, v, g, beta, initial_state=state, output_final_state=True, cu_seqlens=cu, **pooled, **kw)
     n_out = 3 if kw.get("output_deltas") else 2
     g_axes = _GATES + (None,) * (g.ndim - 3)      # a decay per key channel (KDA): g [B, T, HV, K]
-    return per_device(fn, (_TOKENS_HEADS,) * 3 + (g_axes, _GATES, _STATE, None),
-                      (_TOKENS_HEADS, _STATE, _TOKENS_HEADS)[:n_out])(q, k, v, g, beta, state, cu_seqlens)
+    return per_device(fn, (_TOKENS_HEADS,) * 3 + (g_axes, _GATES, _STATE, None, None),
+                      (_TOKENS_HEADS, _STATE, _TOKENS_HEADS)[:n_out])(q, k, v, g, beta, state, cu_seqlens, state_rows)
 
 
 def gated_deltanet(p: dict, x: jax.Array, valid: jax.Array, n_new: jax.Array, conv_state: jax.Array,
                    ssm_state: jax.Array, *, num_k_heads: int, num_v_heads: int, head_k_dim: int,
                    head_v_dim: int, eps: float, impl: str = "auto", fused_recurrent: bool = False,
-                   per_token_states: bool = False):
+                   per_token_states: bool = False, state_rows: jax.Array | None = None):
     """x: [B, T, Hd]; valid: [B, T]; n_new: [B]; conv_state: [B, W-1, C]; ssm_state: [B, HV, K, V] fp32.
+    state_rows [B] (the token-by-token rule only): ssm_state is a pool [P, HV, K, V] of which row
+    state_rows[b] is row b's state, updated in place; the returned ssm_state is the pool.
     Returns (out [B, T, Hd], conv_state, ssm_state) and, with per_token_states, a dict of what the
     states after every position are made from: conv_window [B, W-1+T, C] (for `RecurrentGroup.truncate`);
     ssm0 [B, HV, K, V] (the state before the window), k [B, T, H, K], g [B, T, HV] and delta
@@ -101,6 +105,8 @@ def gated_deltanet(p: dict, x: jax.Array, valid: jax.Array, n_new: jax.Array, co
     Padding positions (past n_new) have g = 0 and delta = 0: their state is the last real one."""
     B, T, _ = x.shape
     H, HV, K, V = num_k_heads, num_v_heads, head_k_dim, head_v_dim
+    if state_rows is not None and (per_token_states or not (T == 1 or fused_recurrent)):
+        raise ValueError("state_rows (a pooled state) is for the token-by-token rule without per-token states")
     qkv, z, b, a = _project(p, x, H, HV, K, V)
     if per_token_states:
         qkv, conv_state, conv_window = causal_conv(qkv, conv_state, p["conv"], n_new, return_window=True)
@@ -114,7 +120,7 @@ def gated_deltanet(p: dict, x: jax.Array, valid: jax.Array, n_new: jax.Array, co
                                              ssm_state, output_deltas=True, use_qk_l2norm_in_kernel=True, impl=impl)
     elif T == 1 or fused_recurrent:
         o, ssm_state = _rule(pallas_kernels.fused_recurrent_gated_delta_rule, q, k, v, g, beta, ssm_state,
-                             use_qk_l2norm_in_kernel=True, impl=impl)
+                             state_rows=state_rows, use_qk_l2norm_in_kernel=True, impl=impl)
     else:
         o, ssm_state = _rule(pallas_kernels.chunk_gated_delta_rule, q, k, v, g, beta, ssm_state,
                              use_qk_l2norm_in_kernel=True, impl=impl)

@@ -26,7 +26,7 @@ import numpy as np
 
 from cache import ModelCache
 from cache.mla import init_latent_group
-from cache.state import recurrent_group
+from cache.state import RecurrentGroup, recurrent_group
 from hybrid_jax.layers.kimi_delta_attention import kimi_delta_attention
 from hybrid_jax.layers.mla import nope_attention, rms_norm
 from hybrid_jax.models.common import LayerStep, finish_step, token_positions
@@ -64,20 +64,18 @@ class _Step(LayerStep):
     per_token_states: bool = False
     latent: jax.Array | None = None
     rope: jax.Array | None = None
-    conv: list = dataclasses.field(default_factory=list)
-    ssm: list = dataclasses.field(default_factory=list)
+    rec: RecurrentGroup | None = None  # the KDA group, its layers' states written in place one by one
     per_token: list = dataclasses.field(default_factory=list)
 
 
 def _kda(cfg: KimiLinearConfig, lp: dict, h: jax.Array, step: _Step, i: int) -> jax.Array:
-    rec = step.cache.groups["linear_attention"]
+    rec = step.rec
     s = rec.layer_ids.index(i)
-    res = kimi_delta_attention(lp["kda"], h, step.valid, step.n_new, rec.conv[s], rec.ssm[s],
+    res = kimi_delta_attention(lp["kda"], h, step.valid, step.n_new, *rec.layer_state(s),
                                num_heads=cfg.linear_num_heads, head_dim=cfg.linear_head_dim, eps=cfg.rms_norm_eps,
                                impl=step.impl, fused_recurrent=step.fused_recurrent,
                                per_token_states=step.per_token_states)
-    step.conv.append(res[1])
-    step.ssm.append(res[2])
+    step.rec = rec.with_layer_state(s, res[1], res[2])
     if step.per_token_states:
         step.per_token.append(res[3])
     return res[0]
@@ -114,6 +112,7 @@ def forward(cfg: KimiLinearConfig, params: dict, cache: ModelCache, tokens: jax.
     lg = cache.groups.get("full_attention")
     if lg is not None:
         step.latent, step.rope = lg.latent, lg.rope
+    step.rec = cache.groups.get("linear_attention")
     hidden = [x] if return_hidden else None
     for i, lp in enumerate(params["layers"]):
         x = x + LAYER_TYPES[cfg.layer_types[i]].mixer(cfg, lp, rms_norm(x, lp["input_norm"], cfg.rms_norm_eps), step, i)
@@ -121,8 +120,8 @@ def forward(cfg: KimiLinearConfig, params: dict, cache: ModelCache, tokens: jax.
         if return_hidden:
             hidden.append(x)
     groups = dict(cache.groups)
-    if "linear_attention" in groups:
-        groups["linear_attention"] = groups["linear_attention"].replace(conv=jnp.stack(step.conv), ssm=jnp.stack(step.ssm))
+    if step.rec is not None:
+        groups["linear_attention"] = step.rec
     if lg is not None:
         groups["full_attention"] = lg.replace(latent=step.latent, rope=step.rope)
     out = finish_step(cfg, params, cache, groups, x, n_new, final_norm=final_norm, logits_at=logits_at, hidden=hidden)

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from cache import ModelCache, init_cache
-from cache.state import DEFAULT_KV_PAGE_SIZE
+from cache.state import DEFAULT_KV_PAGE_SIZE, RecurrentGroup
 from hybrid_jax.config import ModelConfig
 from hybrid_jax.layers.attention import gated_attention, gated_attention_ragged, write_kv
 from hybrid_jax.layers.gated_deltanet import gated_deltanet, gated_deltanet_ragged
@@ -73,8 +73,7 @@ class _Step(LayerStep):
     ragged: RaggedBatch | None = None  # forward_ragged: the flat batch (positions, valid: [N] then)
     k_all: jax.Array | None = None     # the KV page stacks, written in place layer after layer
     v_all: jax.Array | None = None
-    conv: list = dataclasses.field(default_factory=list)
-    ssm: list = dataclasses.field(default_factory=list)
+    rec: RecurrentGroup | None = None  # the recurrent group, its layers' states written in place one by one
     per_token: list = dataclasses.field(default_factory=list)
     k_new: list = dataclasses.field(default_factory=list)
     v_new: list = dataclasses.field(default_factory=list)
@@ -82,23 +81,30 @@ class _Step(LayerStep):
 
 def _linear_attention(cfg: ModelConfig, lp: dict, h: jax.Array, step: _Step, i: int) -> jax.Array:
     """Gated DeltaNet over the layer's slice of the recurrent group; the new conv / recurrent state
-    are collected (the group's stack is written once, as the layers finish)."""
-    rec = step.cache.groups["linear_attention"]
+    are written into that slice in place."""
+    rec = step.rec
     s = rec.layer_ids.index(i)
+    # an in-place view (a decode step) lends the token-by-token rule the pool: the kernel moves each row's
+    # state once; other steps read the rows gathered
+    pooled = rec.view_rows is not None and step.ragged is None and not step.per_token_states and (
+        step.fused_recurrent or h.shape[1] == 1)
+    if pooled:
+        conv0, (ssm0, rows) = rec.conv[s], rec.ssm_pool(s)
+    else:
+        conv0, ssm0 = rec.layer_state(s)
+        rows = None
     heads = dict(num_k_heads=cfg.linear_num_key_heads, num_v_heads=cfg.linear_num_value_heads,
                  head_k_dim=cfg.linear_key_head_dim, head_v_dim=cfg.linear_value_head_dim, eps=cfg.rms_norm_eps)
     if step.ragged is not None:
         rb = step.ragged
-        h, conv, ssm = gated_deltanet_ragged(lp["gdn"], h, rb.seq, rb.valid, rb.cu_seqlens, rec.conv[s], rec.ssm[s],
+        h, conv, ssm = gated_deltanet_ragged(lp["gdn"], h, rb.seq, rb.valid, rb.cu_seqlens, conv0, ssm0,
                                              impl=step.impl, **heads)
-        step.conv.append(conv)
-        step.ssm.append(ssm)
+        step.rec = rec.with_layer_state(s, conv, ssm)
         return h
     res = gated_deltanet(
-        lp["gdn"], h, step.valid, step.n_new, rec.conv[s], rec.ssm[s], impl=step.impl,
-        fused_recurrent=step.fused_recurrent, per_token_states=step.per_token_states, **heads)
-    step.conv.append(res[1])
-    step.ssm.append(res[2])
+        lp["gdn"], h, step.valid, step.n_new, conv0, ssm0, impl=step.impl,
+        fused_recurrent=step.fused_recurrent, per_token_states=step.per_token_states, state_rows=rows, **heads)
+    step.rec = rec.with_layer_state(s, res[1], res[2], pooled=pooled)
     if step.per_token_states:
         step.per_token.append(res[3])
     return res[0]
@@ -194,6 +200,7 @@ def _layers(cfg: ModelConfig, params: dict, x: jax.Array, step: _Step, return_hi
     kv = cache.groups.get("full_attention")
     if kv is not None:
         step.k_all, step.v_all = kv.k, kv.v
+    step.rec = cache.groups.get("linear_attention")
     hidden = [x] if return_hidden else None
     ragged = step.ragged is not None
     for i, lp in enumerate(params["layers"]):
@@ -204,9 +211,8 @@ def _layers(cfg: ModelConfig, params: dict, x: jax.Array, step: _Step, return_hi
         if return_hidden:
             hidden.append(x)
     groups = dict(cache.groups)
-    if "linear_attention" in groups:
-        groups["linear_attention"] = groups["linear_attention"].replace(conv=jnp.stack(step.conv),
-                                                                        ssm=jnp.stack(step.ssm))
+    if step.rec is not None:
+        groups["linear_attention"] = step.rec
     if kv is not None:
         groups["full_attention"] = kv.replace(k=step.k_all, v=step.v_all)
     return x, groups, hidden

@@ -2,7 +2,7 @@
 
 Two programs are compiled, as the engine runs them (`engine/runner.py`), with the pools donated:
 
-  decode        [Bb] last tokens, one forward over the pools' view (take_view -> forward -> put_view),
+  decode        [Bb] last tokens, one forward over the pools' view (take_view in place -> forward -> put_view),
                 then the engine's full sampler (temperature, top-k, top-p) on the [Bb, V] logits
   prefill chunk [1, T] tokens of one request (a chunk of the mixed step), same path, no sampling
 
@@ -110,7 +110,7 @@ def _cost(compiled) -> StepCost:
 
 def _decode_step(model, cfg, impl, pin):
     def step(params, pools, rows, tables, lengths, tokens, active):
-        sub = pin(take_view(pools, rows, tables, lengths))
+        sub = pin(take_view(pools, rows, tables, lengths, in_place=True))
         out = model.forward(cfg, params, sub, tokens[:, None], active.astype(jnp.int32), impl=impl)
         return out.logits, pin(put_view(pools, rows, pin(out.cache)))
     return step

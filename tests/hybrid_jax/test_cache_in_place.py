@@ -57,14 +57,15 @@ def per_position_arrays(cfg, cache) -> list:
         [] if g["indexer"].scale is None else [g["indexer"].scale])
 
 
-def cache_materializations(hlo: str, arrays) -> list[str]:
+def cache_materializations(hlo: str, arrays, whole_only=()) -> list[str]:
     """Instructions of the optimized HLO (outside fusion bodies) that produce a new buffer with the
     shape of one of the arrays or of one layer of it (the array without its leading layer axis),
     either also with a page pool's two page axes merged (seen as flat slots); axes of size 1 do not
     count (a layer sliced as [1, ...]). Allowed: in-place updates (a dynamic-update-slice or a
     scatter, or a fusion whose root is one), a gather (a read through the page table), and what
     makes no buffer (parameter, get-tuple-element, bitcast, tuple). Anything else (a copy, a slice,
-    a concatenation that stacks the layers) writes a whole cache array."""
+    a concatenation that stacks the layers) writes a whole cache array. whole_only: shapes checked
+    whole only (not per layer)."""
     def squeeze(shape):
         return tuple(d for d in shape if d != 1)
 
@@ -74,6 +75,7 @@ def cache_materializations(hlo: str, arrays) -> list[str]:
         shapes.update({squeeze(full), squeeze(full[1:])})
         if len(full) in (3, 4):                  # [L, P, ps(, X)] page pool: P * ps flat slots
             shapes.update({squeeze(full[:1] + (full[1] * full[2],) + full[3:]), squeeze((full[1] * full[2],) + full[3:])})
+    shapes.update(squeeze(tuple(a.shape)) for a in whole_only)
     comps, name = {}, None
     for line in hlo.splitlines():
         head = re.match(r"(?:ENTRY )?%(\S+) \(", line)
@@ -189,3 +191,35 @@ def test_speculative_device_loop_writes_cache_in_place(B):
                                cfg=cfg, impl="auto", flags=SamplerFlags(False, False, False), lc=lc).compile().as_text()
     assert hlo.count("conditional(") >= 1 and "while" in hlo
     assert cache_materializations(hlo, per_position_arrays(cfg, cache)) == []
+
+
+def _decode_hlo(runner, params, B: int) -> str:
+    z = np.zeros((B,), np.int32)
+    return runner._decode.lower(params, runner.cache, runner.slot_last, runner._rows([], B), z, z.astype(bool),
+                                np.full((B, 1), -1, np.int32), z + 8, None, None, steps=16,
+                                flags=SamplerFlags(False, False, False), top_n=0).compile().as_text()
+
+
+@pytest.mark.parametrize("B", [1, 2])
+def test_engine_decode_loop_moves_recurrent_state_in_place(B, monkeypatch):
+    """The decode program lends the Gated DeltaNet state pool to the recurrent op, which reads and writes
+    the batch's rows of it in place: no copy of the pool or of a layer of it, and no [L, B, ...] stack of
+    the batch's states (gathering the rows of every layer into a view, slicing a layer out, stacking the
+    layers back and scattering the view into the pool moved each state five times or more per token;
+    compiled for a TPU that was a third of Qwen3-Next-80B's decode bytes). The conv windows, (W-1) x C
+    a row, are gathered into the view; their pool is not copied either. The same program taken with
+    the old gathered view makes such buffers: the check can fail."""
+    import hybrid_jax.engine.runner as runner_mod  # noqa: PLC0415
+    cfg, params = _model(QWEN)
+    runner = ModelRunner(cfg, params, jnp.float32, EngineConfig(max_num_seqs=2, max_model_len=CAPACITY,
+                                                                compilation_cache_dir=None, warmup="none"))
+    rec = runner.cache.groups["linear_attention"]
+    stacked = [jax.ShapeDtypeStruct((rec.ssm.shape[0], B) + rec.ssm.shape[2:], rec.ssm.dtype)]
+    arrays = [rec.conv, rec.ssm]
+    assert cache_materializations(_decode_hlo(runner, params, B), arrays, stacked) == []
+
+    take = runner_mod.take_view
+    monkeypatch.setattr(runner_mod, "take_view", lambda *a, in_place=False, **k: take(*a, **k))
+    runner = ModelRunner(cfg, params, jnp.float32, EngineConfig(max_num_seqs=2, max_model_len=CAPACITY,
+                                                                compilation_cache_dir=None, warmup="none"))
+    assert cache_materializations(_decode_hlo(runner, params, B), arrays, stacked) != []
