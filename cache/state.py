@@ -75,8 +75,8 @@ class RecurrentGroup(CacheGroup):
 
     def ssm_pool(self, s: int) -> tuple[jax.Array, jax.Array]:
         """An in-place view's layer slot s as the recurrent op's pooled state: (the pool's rows of every
-        layer [L * R, HV, K, V], a free reshape; the step's rows of layer s in it [Bb]). `with_ssm_pool`
-        takes the pool back."""
+        layer [L * R, HV, K, V], a free reshape; the step's rows of layer s in it [Bb]).
+        `with_layer_state(..., pooled=True)` takes the pool back."""
         L, R = self.ssm.shape[:2]
         return self.ssm.reshape((L * R,) + self.ssm.shape[2:]), s * R + self.view_rows
 

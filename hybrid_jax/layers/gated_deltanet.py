@@ -96,8 +96,9 @@ def gated_deltanet(p: dict, x: jax.Array, valid: jax.Array, n_new: jax.Array, co
                    head_v_dim: int, eps: float, impl: str = "auto", fused_recurrent: bool = False,
                    per_token_states: bool = False, state_rows: jax.Array | None = None):
     """x: [B, T, Hd]; valid: [B, T]; n_new: [B]; conv_state: [B, W-1, C]; ssm_state: [B, HV, K, V] fp32.
-    state_rows [B] (the token-by-token rule only): ssm_state is a pool [P, HV, K, V] of which row
-    state_rows[b] is row b's state, updated in place; the returned ssm_state is the pool.
+    state_rows [B]: ssm_state is a pool [P, HV, K, V] of which row state_rows[b] is row b's state; the
+    returned ssm_state is the pool with those rows updated (in place by the token-by-token rule; the
+    chunked rule and per_token_states run on the rows gathered).
     Returns (out [B, T, Hd], conv_state, ssm_state) and, with per_token_states, a dict of what the
     states after every position are made from: conv_window [B, W-1+T, C] (for `RecurrentGroup.truncate`);
     ssm0 [B, HV, K, V] (the state before the window), k [B, T, H, K], g [B, T, HV] and delta
@@ -106,7 +107,11 @@ def gated_deltanet(p: dict, x: jax.Array, valid: jax.Array, n_new: jax.Array, co
     B, T, _ = x.shape
     H, HV, K, V = num_k_heads, num_v_heads, head_k_dim, head_v_dim
     if state_rows is not None and (per_token_states or not (T == 1 or fused_recurrent)):
-        raise ValueError("state_rows (a pooled state) is for the token-by-token rule without per-token states")
+        pool = ssm_state
+        out = gated_deltanet(p, x, valid, n_new, conv_state, pool[state_rows], num_k_heads=H, num_v_heads=HV,
+                             head_k_dim=K, head_v_dim=V, eps=eps, impl=impl, fused_recurrent=fused_recurrent,
+                             per_token_states=per_token_states)
+        return (*out[:2], pool.at[state_rows].set(out[2]), *out[3:])
     qkv, z, b, a = _project(p, x, H, HV, K, V)
     if per_token_states:
         qkv, conv_state, conv_window = causal_conv(qkv, conv_state, p["conv"], n_new, return_window=True)

@@ -84,10 +84,9 @@ def _linear_attention(cfg: ModelConfig, lp: dict, h: jax.Array, step: _Step, i: 
     are written into that slice in place."""
     rec = step.rec
     s = rec.layer_ids.index(i)
-    # an in-place view (a decode step) lends the token-by-token rule the pool: the kernel moves each row's
-    # state once; other steps read the rows gathered
-    pooled = rec.view_rows is not None and step.ragged is None and not step.per_token_states and (
-        step.fused_recurrent or h.shape[1] == 1)
+    # an in-place view (a decode step) lends the layer the pool: its token-by-token rule moves each row's
+    # state once
+    pooled = rec.view_rows is not None and step.ragged is None
     if pooled:
         conv0, (ssm0, rows) = rec.conv[s], rec.ssm_pool(s)
     else:

@@ -68,6 +68,13 @@ def check_state_indices(q, v, initial_state, state_indices, cu_seqlens, keep) ->
     return initial_state
 
 
+def on_gathered_rows(fn, pool: jax.Array, idx: jax.Array, output_final_state: bool):
+    """A pooled rule run on the rows it names: fn(h0 [B, HV, K, V]) -> (o, final [B, HV, K, V]) over
+    pool[idx]; returns (o, the pool with rows idx replaced, or None)."""
+    o, final = fn(pool[idx])
+    return o, (pool.at[idx].set(final) if output_final_state else None)
+
+
 def prepare(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel):
     """Casts to fp32, applies l2norm and the query scale. Returns fp32 (q, k, v, g, beta)."""
     if use_qk_l2norm_in_kernel:

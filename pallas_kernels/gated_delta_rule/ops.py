@@ -24,7 +24,8 @@ from pallas_kernels import dispatch
 from pallas_kernels.gated_delta_rule import chunk as _chunk
 from pallas_kernels.gated_delta_rule import fused_recurrent as _fused_recurrent
 from pallas_kernels.gated_delta_rule import naive as _naive
-from pallas_kernels.gated_delta_rule.common import check_inputs, check_state_indices, per_token_output
+from pallas_kernels.gated_delta_rule.common import (check_inputs, check_state_indices, on_gathered_rows,
+                                                    per_token_output)
 
 
 def _pallas_chunk():
@@ -97,10 +98,8 @@ def fused_recurrent_gated_delta_rule(
         idx = state_indices.astype(jnp.int32)
 
         def gathered(fn):
-            def run(q, k, v, g, beta, pool, idx):
-                o, final = fn(q, k, v, g, beta, pool[idx], None)
-                return o, (pool.at[idx].set(final) if output_final_state else None)
-            return run
+            return lambda q, k, v, g, beta, pool, idx: on_gathered_rows(
+                lambda h0: fn(q, k, v, g, beta, h0, None), pool, idx, output_final_state)
         kw = dict(scale=scale, output_final_state=True, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
         pooled = dict(kw, output_final_state=output_final_state)
         return dispatch.run(

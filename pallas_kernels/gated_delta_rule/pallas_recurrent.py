@@ -44,7 +44,8 @@ from jax.experimental.pallas import tpu as pltpu
 from pallas_kernels import abi
 from pallas_kernels.dispatch import KernelUnsupported
 from pallas_kernels.gated_delta_rule import varlen
-from pallas_kernels.gated_delta_rule.common import check_inputs, check_state_indices, default_scale, per_token_output
+from pallas_kernels.gated_delta_rule.common import (check_inputs, check_state_indices, default_scale,
+                                                    on_gathered_rows, per_token_output)
 from pallas_kernels.kernel_params import TPU_VMEM_LIMIT, check_backend, compiler_params, cost, smem_spec
 
 ABI = abi.GATED_DELTA_RULE   # writes state[N, HV, K, V] f32, like every other implementation
@@ -232,11 +233,10 @@ def fused_recurrent_gated_delta_rule_pallas(
     if state_indices is not None:
         pool = check_state_indices(q, v, initial_state, state_indices, cu_seqlens, keep)
         if backend != "tpu":
-            idx = state_indices.astype(jnp.int32)
-            o, final = fused_recurrent_gated_delta_rule_pallas(
-                q, k, v, g, beta, scale=scale, initial_state=pool[idx], output_final_state=True,
-                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, config=config, backend=backend, interpret=interpret)
-            return o, (pool.at[idx].set(final) if output_final_state else None)
+            return on_gathered_rows(lambda h0: fused_recurrent_gated_delta_rule_pallas(
+                q, k, v, g, beta, scale=scale, initial_state=h0, output_final_state=True,
+                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, config=config, backend=backend, interpret=interpret),
+                pool, state_indices.astype(jnp.int32), output_final_state)
         initial_state = pool
     B, T, H, K, HV, V = check_inputs(q, k, v, g, beta, None if state_indices is not None else initial_state,
                                      cu_seqlens, per_channel=per_channel)
