@@ -1,6 +1,6 @@
 """Paged cache groups of DeepSeek sparse attention (DSA): the MLA latent and the indexer keys.
 
-  MLALatentGroup  (sparse_attention)  latent [L, P, ps, R], rope [L, P, ps, Dr], page_table [B, NP],
+  MLALatentGroup  (sparse_attention)  latent [L, P, ps, R], rope [L, P, ps, Wr] (Wr: rope_width(Dr)), page_table [B, NP],
                                       page_resident [P] bool, hit_rate [B] f32 (last step)
   IndexerKeyGroup (indexer)           keys [L, P2, ps2, D] (bf16/f32, or fp8 with scale [L, P2, ps2])
                                       page_table [B, NP2]; its own block size ps2
@@ -26,7 +26,7 @@ from pallas_kernels import abi as kernel_abi
 class MLALatentGroup(CacheGroup):
     """Compressed KV (normed latent) and decoupled RoPE key of every sparse-attention layer."""
     latent: jax.Array          # [L, P, ps, R]
-    rope: jax.Array            # [L, P, ps, Dr]
+    rope: jax.Array            # [L, P, ps, Wr]: Wr = rope_width(Dr), the channels past Dr zero
     page_table: jax.Array      # [B, NP] int32
     page_resident: jax.Array   # [P] bool
     hit_rate: jax.Array        # [B] f32: resident fraction of the last step's selected positions
@@ -95,13 +95,34 @@ def contiguous_page_table(batch_size: int, capacity: int, page_size: int):
     return jnp.arange(batch_size * n, dtype=jnp.int32).reshape(batch_size, n)
 
 
+LANES = 128     # a TPU vector register's lanes: the minor dimension of every HBM tile
+
+
+def rope_width(rope_dim: int) -> int:
+    """Channels one token's RoPE key takes in the rope pool: rope_dim rounded up to whole 128-lane rows,
+    the channels past rope_dim zero (the writers pad the key and the readers' queries alike, so the
+    scores are unchanged).
+
+    Why: a TPU lays an array whose last dimension is narrower than 128 lanes either padded to 128 or,
+    as the compiler prefers for a pool [L, P, ps, 64], transposed so that a larger dimension is minor.
+    The sparse MLA kernel DMAs rows in the row-major tiled layout, so with a 64-wide pool XLA copied the
+    whole rope stack into that layout before every layer's kernel and back after its write (DeepSeek-V3.2
+    on v5p: 5 of the 8.3 GiB a decode layer accessed). Stored 128 wide, the pool is already in the
+    kernel's layout: the cost is the 64 zero channels (DeepSeek's latent + rope row 1,280 instead of
+    1,152 bytes, +11%), which the TPU's padded layout would hold anyway. One layout on every platform,
+    so a prefix span written on one restores on another."""
+    return -(-rope_dim // LANES) * LANES
+
+
 def init_latent_group(*, batch_size: int, capacity: int, layer_ids: tuple[int, ...], kv_lora_rank: int,
                       rope_dim: int, dtype, page_size: int = 64) -> MLALatentGroup:
-    """The MLA latent group alone (Kimi-Linear's MLA has no indexer): pages of min(page_size, capacity)."""
+    """The MLA latent group alone (Kimi-Linear's MLA has no indexer): pages of min(page_size, capacity);
+    the rope pool is `rope_width(rope_dim)` wide."""
     ps = min(page_size, capacity)
     pt = contiguous_page_table(batch_size, capacity, ps)
     L, P = len(layer_ids), pt.size
-    return MLALatentGroup(latent=jnp.zeros((L, P, ps, kv_lora_rank), dtype), rope=jnp.zeros((L, P, ps, rope_dim), dtype),
+    return MLALatentGroup(latent=jnp.zeros((L, P, ps, kv_lora_rank), dtype),
+                          rope=jnp.zeros((L, P, ps, rope_width(rope_dim)), dtype),
                           page_table=pt, page_resident=jnp.ones((P,), bool),
                           hit_rate=jnp.ones((batch_size,), jnp.float32), layer_ids=tuple(layer_ids))
 

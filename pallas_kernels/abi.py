@@ -54,7 +54,8 @@ CAUSAL_CONV1D = register(KernelABI("causal_conv1d", "conv_state[N,C,W-1]", 1))
 # ps tokens, token-major inside a page, addressed per sequence by page_indices. The op only reads; the full-attention
 # KV group that writes these pages records this id as its writer.
 RAGGED_PAGED_ATTENTION = register(KernelABI("ragged_paged_attention", "k,v[P,ps,Hkv,D]:paged", 1))
-SPARSE_MLA_LATENT = register(KernelABI("sparse_mla", "latent[P,ps,R]+rope[P,ps,Dr]:paged", 1))
+SPARSE_MLA_LATENT = register(KernelABI(
+    "sparse_mla", "latent[P,ps,R]+rope[P,ps,ceil128(Dr)]:paged", 2))   # v2: the rope pool 128 lanes wide
 INDEXER_KEYS = register(KernelABI("dsa_indexer", "keys[P,ps,D](+scale[P,ps]:f32):paged", 1))
 # DeepSeek-V4 compressed attention (pallas_kernels.compressed_attention). The compressor writes, per layer,
 # entries (RMS-normed, RoPE'd at w * rate) into pages, the open window's tail (raw gates, with its count) and

@@ -63,6 +63,12 @@ def _whole(pool: jax.Array) -> jax.Array:
     return constrain(pool, (None,) * pool.ndim)
 
 
+def to_pool_width(x: jax.Array, width: int) -> jax.Array:
+    """x [..., Dr] with zero channels appended to `width` (the rope pool's, cache.mla.rope_width): the
+    RoPE keys written and the queries that score them alike, so q . k is unchanged."""
+    return x if x.shape[-1] == width else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, width - x.shape[-1])])
+
+
 def indexer_per_head(op, qi, w, *rest):
     """op(qi, w, *rest, head_axis=...) (the indexer's Top-K) on each device's indexer heads when the heads
     are split: qi [..., Hi, Di] and w [..., Hi] split by heads, the keys and tables whole; the op sums the
@@ -90,7 +96,8 @@ def sparse_attention(p: dict, x, cos, sin, positions, valid, lengths, n_new, lat
                      eps: float, impl: str = "auto", layer: int | None = None, scale: float | None = None,
                      ragged=None):
     """x [B, T, Hd]; cos, sin [B, T, Dr]; positions, valid [B, T]; lengths, n_new [B];
-    lat [P, ps, R], rope [P, ps, Dr] (one layer's latent pools), ikeys [P2, ps2, Di], iscale [P2, ps2] | None,
+    lat [P, ps, R], rope [P, ps, Wr] (one layer's latent pools; Wr = cache.mla.rope_width(Dr), the
+    queries and keys zero-padded to it), ikeys [P2, ps2, Di], iscale [P2, ps2] | None,
     or with `layer` the groups' stacks of them ([L, ...]), written in place at that layer (`write_paged`).
     scale: the attention softmax scale (default (nope + rope_dim)^-0.5; DeepSeek's YaRN corrects it).
     ragged: a hybrid_jax.models.ragged.RaggedBatch of S sequences; x is then [1, N, Hd] (cos, sin, positions,
@@ -105,6 +112,7 @@ def sparse_attention(p: dict, x, cos, sin, positions, valid, lengths, n_new, lat
     kv = linear(x, p["kv_a"]) + p.get("kv_a_bias", 0.0)
     c = rms_norm(kv[..., :R], p["kv_a_norm"], eps)                                     # [B, T, R]
     k_rot = rope_interleaved(kv[..., None, R:], cos, sin)[:, :, 0]                      # [B, T, Dr]
+    q_rot, k_rot = to_pool_width(q_rot, rope.shape[-1]), to_pool_width(k_rot, rope.shape[-1])  # [.., Wr]
     if ragged is None:
         def write(pool, new, table):
             return write_paged(pool, new, table, positions, valid, layer)
@@ -168,11 +176,11 @@ def nope_attention(p: dict, x, positions, valid, lengths, n_new, lat, rope, page
     kv = linear(x, p["kv_a"])
     c = rms_norm(kv[..., :R], p["kv_a_norm"], eps)                                      # [B, T, R]
     lat = _whole(write_paged(lat, c, page_table, positions, valid, layer))
-    rope = _whole(write_paged(rope, kv[..., R:], page_table, positions, valid, layer))
+    rope = _whole(write_paged(rope, to_pool_width(kv[..., R:], rope.shape[-1]), page_table, positions, valid, layer))
     q_lat = jnp.einsum("bthn,hnr->bthr", q[..., :nope], dequantize(p["w_uk"], x.dtype))   # [B, T, H, R]
     one = (lambda a: a) if layer is None else (lambda a: a[layer])
     o_lat = _per_head(lambda ql, qr, la, ro, tb, qp, kl: dense_mla_attention(ql, qr, one(la), one(ro), tb, qp, kl,
                                                                               scale=scale),
-                      2, q_lat, q[..., nope:], lat, rope, page_table, jnp.where(valid, positions, -1), lengths + n_new)
+                      2, q_lat, to_pool_width(q[..., nope:], rope.shape[-1]), lat, rope, page_table, jnp.where(valid, positions, -1), lengths + n_new)
     o = jnp.einsum("bthr,hvr->bthv", o_lat.astype(x.dtype), dequantize(p["w_uv"], x.dtype)).reshape(B, T, H * v_dim)
     return linear(o, p["o_proj"]).astype(x.dtype), lat, rope

@@ -17,7 +17,7 @@ def test_groups_shapes_and_abi():
     lat, idx = g["sparse_attention"], g["indexer"]
     assert isinstance(lat, MLALatentGroup) and isinstance(idx, IndexerKeyGroup)
     chex.assert_shape(lat.latent, (3, 8, 32, 16))          # 2 rows x ceil(100 / 32) pages
-    chex.assert_shape(lat.rope, (3, 8, 32, 8))
+    chex.assert_shape(lat.rope, (3, 8, 32, 128))            # Dr 8, stored 128 lanes wide (rope_width)
     chex.assert_shape(idx.keys, (3, 4, 64, 32))             # its own block size
     assert lat.writer_abi == abi.SPARSE_MLA_LATENT.id and idx.writer_abi == abi.INDEXER_KEYS.id
     assert abi.get("sparse_mla") is abi.SPARSE_MLA_LATENT and abi.get("dsa_indexer") is abi.INDEXER_KEYS
@@ -26,8 +26,8 @@ def test_groups_shapes_and_abi():
     leaves, tree = jax.tree_util.tree_flatten(g)
     back = jax.tree_util.tree_unflatten(tree, leaves)
     assert back["indexer"].writer_abi == idx.writer_abi and back["sparse_attention"].layer_ids == (0, 1, 2)
-    # a page: latent + RoPE key [L, ps, R + Dr] in bf16, and its residency flag (one bool)
-    assert lat.page_nbytes() == 3 * 32 * (16 + 8) * 2 + 1 and idx.page_nbytes() == 3 * 64 * 32 * 2
+    # a page: latent + RoPE key [L, ps, R + 128] in bf16, and its residency flag (one bool)
+    assert lat.page_nbytes() == 3 * 32 * (16 + 128) * 2 + 1 and idx.page_nbytes() == 3 * 64 * 32 * 2
 
 
 def test_fp8_indexer_group_has_scales():
@@ -54,6 +54,11 @@ def test_write_paged_follows_the_table_and_drops_padding():
     assert out[3].sum() == 0 and out[1].sum() == 0 and out[0, 1] == 6
 
 
+def test_rope_width_rounds_up_to_whole_lanes():
+    from cache.mla import rope_width  # noqa: PLC0415
+    assert [rope_width(d) for d in (4, 64, 128, 129, 192)] == [128, 128, 128, 256, 256]
+
+
 def test_contiguous_table_rejects_bad_sizes():
     with pytest.raises(ValueError, match="page_size"):
         contiguous_page_table(2, 10, 0)
@@ -64,5 +69,5 @@ def test_bytes_per_token_counts_every_layer():
     from cache.mla import init_mla_groups  # noqa: PLC0415
     g = init_mla_groups(batch_size=2, capacity=64, layer_ids=(0, 1, 2), kv_lora_rank=16, rope_dim=8,
                         index_dim=32, dtype=jnp.bfloat16)
-    assert g["sparse_attention"].bytes_per_token() == 3 * (16 + 8) * 2
+    assert g["sparse_attention"].bytes_per_token() == 3 * (16 + 128) * 2      # the rope pool's zero lanes count
     assert g["indexer"].bytes_per_token() == 3 * 32 * 2

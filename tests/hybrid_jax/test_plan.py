@@ -357,3 +357,36 @@ def test_loops_the_cost_analysis_counts_once_are_counted():
              for rows in (4, 64)]
     assert [c.loops for c in costs] == [1, 1]
     assert costs[1].bytes_accessed < 2 * costs[0].bytes_accessed        # 16x the rows to walk, not 16x the bytes
+
+
+@needs_libtpu
+@pytest.mark.parametrize("lane_dense", [True, False], ids=["rope_pool_128_lanes", "rope_pool_64_lanes"])
+def test_deepseek_v32_decode_reads_its_pools_where_they_lie(monkeypatch, lane_dense):
+    """A TPU lays a pool whose last dimension is 64 wide transposed (a larger dimension minor), and the
+    sparse MLA kernel reads the row-major tiled layout: with DeepSeek's 64-channel RoPE key stored as it
+    comes, XLA copied the whole rope stack before every layer's kernel (and back for the next write).
+    Stored 128 lanes wide (cache.mla.rope_width) the decode step compiled for a TPU copies no pool; with
+    the old 64-wide pool (monkeypatched back) the same check finds the copies."""
+    import re  # noqa: PLC0415
+
+    import cache.mla  # noqa: PLC0415
+    import hybrid_jax.plan.compile as plan_compile  # noqa: PLC0415
+    if not lane_dense:
+        monkeypatch.setattr(cache.mla, "rope_width", lambda d: d)
+    texts = []
+    cost = plan_compile._cost
+    monkeypatch.setattr(plan_compile, "_COMPILED", {})        # compile afresh: the pools' width is not in its key
+    monkeypatch.setattr(plan_compile, "_cost", lambda c: texts.append(c.as_text()) or cost(c))
+    cfg = config_from_hf_dict(dict(V32_TINY, qk_rope_head_dim=64, index_head_dim=128, kv_lora_rank=128,
+                                   hidden_size=128))
+    shapes = dict(SHAPES, max_model_len=4096)     # 256 pages: a pool small enough is left row-major
+    plan("v32", "v6e:2x2", layers="full", config=cfg, **shapes)
+    decode = texts[0]
+    layout = abstract_layout(cfg, jnp.bfloat16, shapes["max_model_len"], 64)
+    lat = layout.groups["sparse_attention"]
+    assert lat.rope.shape[-1] == (128 if lane_dense else 64)
+    P = pool_pages(layout, shapes["max_num_seqs"], shapes["max_model_len"])["sparse_attention"]
+    pools = {f"bf16[{len(lat.layer_ids)},{P},{lat.page_size},{x}]" for x in (lat.latent.shape[-1], lat.rope.shape[-1])}
+    copies = [ln for ln in decode.splitlines() if re.search(r"= (\S+)\{[^}]*\} copy\(", ln)
+              and re.search(r"= (\S+)\{", ln).group(1) in pools]
+    assert (not copies) if lane_dense else copies, copies[:2]

@@ -8,7 +8,8 @@ block shapes, layouts, alignment, VMEM. Real models' shapes, on v5e, v6e and v5p
   * Kimi-Linear-48B-A3B Kimi Delta Attention (the decay per key channel, g [B, T, HV, K] f32): 32 heads,
     K = V = 128;
   * DeepSeek-V3.2 DSA: indexer 64 heads of 128 over 128-token pages, Top-K 2048; MLA with 128 query
-    heads over a latent of 512 + rope 64 (64-token pages);
+    heads over a latent of 512 + rope 64 (64-token pages; the engine's rope pool is 128 lanes wide,
+    cache.mla.rope_width, so the decode case reads that);
   * DeepSeek-V3.2 FP8 routed experts (grouped matmul): 256 experts 7168 -> 2 x 2048, 64 rows x Top-8;
   * DeepSeek-V4 (-Flash, transformers' DeepseekV4Config defaults): 64 query heads of 512, a 128-token
     window, CSA rate 4 (compressor width 2 x 512, indexer 64 x 128, Top-K 512), HCA rate 128;
@@ -29,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from cache.mla import rope_width
 import pallas_kernels as pk
 from pallas_kernels import aot
 from pallas_kernels import compressed_attention as ca
@@ -213,7 +215,7 @@ REAL = {
     "dsa_indexer_decode": Case(_indexer(2048), lambda dt: _indexer_args(B8, 1, 64, 128, 128, CTX // 128, dt, dt),
                                min_flops=B8 * CTX * 2 * 64 * 128, min_bytes=lambda dt: B8 * CTX * 128 * _nbytes(dt),
                                decode=True),
-    "dsa_mla_decode": Case(_mla, lambda dt: _mla_args(B8, 1, 128, 512, 64, 64, CTX // 64, 2048, dt),
+    "dsa_mla_decode": Case(_mla, lambda dt: _mla_args(B8, 1, 128, 512, rope_width(64), 64, CTX // 64, 2048, dt),
                            min_flops=B8 * 2048 * 2 * 128 * (512 + 64),
                            min_bytes=lambda dt: B8 * 2048 * (512 + 64) * _nbytes(dt), decode=True),
     # DeepSeek-V3.2's FP8 routed experts at a 64-row decode step (64 x 8 routed rows, 256 experts): the up
