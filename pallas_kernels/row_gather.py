@@ -15,6 +15,7 @@ on chip. Pages must then hold a multiple of 8 rows.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -48,7 +49,9 @@ def scratch(pools: list[tuple[int, Any]], bk: int, G: int) -> list:
 class RowGather:
     """Inside a kernel: rows_ref SMEM [n] int32 flat pool rows (page * ps + slot); pools HBM refs
     [P, ps, X_p]; bufs VMEM refs [2, bk, G, X_p]; sem DMA semaphores [2, n_pools, bk]. A step's rows are
-    rows_ref[base .. base + bk - 1]."""
+    rows_ref[base .. base + bk - 1]. locate: instead of rows_ref, a function k -> (page, slot) of the
+    step's k-th row (a kernel that turns logical positions into pages itself, from its page table in
+    SMEM)."""
     rows_ref: Any
     pools: tuple
     bufs: tuple
@@ -56,8 +59,11 @@ class RowGather:
     ps: int
     bk: int
     G: int
+    locate: Callable | None = None
 
     def _offset(self, base, i):
+        if self.locate is not None:
+            return self.locate(base + i)
         r = self.rows_ref[base + i]
         return jax.lax.div(r, self.ps), jax.lax.rem(r, self.ps)
 

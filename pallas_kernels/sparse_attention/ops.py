@@ -176,14 +176,35 @@ def _dense_mla(q_lat, q_rope, latent, rope, page_table, q_positions, kv_lengths,
                        allowed, jnp.float32(scale))
 
 
+# Above this many (selection, page-table slot) pairs, sparse_hit_rate gathers instead of comparing.
+COMPARE_PAIRS = 1 << 28
+
+
 def sparse_hit_rate(indices: jax.Array, page_table: jax.Array, page_resident: jax.Array, page_size: int,
                     kv_lengths: jax.Array) -> jax.Array:
     """Fraction of the step's selected positions whose page is resident on the device, per row.
 
     indices [B, T, K] (-1 padded), page_table [B, NP], page_resident [P] bool -> [B] f32
-    (1.0 for a row that selected nothing). The rest would have to be fetched from host or disk."""
+    (1.0 for a row that selected nothing). The rest would have to be fetched from host or disk.
+
+    A decode step (B * T * K * NP pairs up to COMPARE_PAIRS) counts each row's selections per page-table
+    slot by comparison, with no gather of the [B, T, K] selections: a TPU pays an XLA gather a memory
+    tile per gathered entry (0.7 GiB a DeepSeek-V3.2 layer at 64 rows x Top-K 2048, more than the layer's
+    weights). Only the [B, NP] residency of the slots is gathered, the same for every layer of a step.
+    Larger problems (prefill chunks) gather, as common.physical_rows."""
+    B, T, K = indices.shape
+    NP = page_table.shape[1]
     P = page_resident.shape[0]
-    rows, ok = physical_rows(indices, page_table, page_size, P, kv_lengths)
-    hit = ok & page_resident[rows // page_size]
-    n = jnp.sum(ok, axis=(1, 2))
-    return jnp.where(n > 0, jnp.sum(hit, axis=(1, 2)) / jnp.maximum(n, 1), 1.0).astype(jnp.float32)
+    if B * T * K * NP > COMPARE_PAIRS:
+        rows, ok = physical_rows(indices, page_table, page_size, P, kv_lengths)
+        hit = ok & page_resident[rows // page_size]
+        n, h = jnp.sum(ok, axis=(1, 2)), jnp.sum(hit, axis=(1, 2))
+    else:
+        slot_ok = (page_table >= 0) & (page_table < P)                                     # [B, NP]
+        slot_hit = slot_ok & page_resident[jnp.clip(page_table, 0, P - 1)]
+        ok = (indices >= 0) & (indices < kv_lengths[:, None, None]) & (indices < NP * page_size)
+        slot = jnp.where(ok, indices // page_size, -1)                                     # [B, T, K]
+        per_slot = jnp.sum(slot[..., None] == jnp.arange(NP, dtype=slot.dtype), axis=2, dtype=jnp.int32)
+        n = jnp.sum(per_slot * slot_ok[:, None, :], axis=(1, 2))                           # [B]
+        h = jnp.sum(per_slot * slot_hit[:, None, :], axis=(1, 2))
+    return jnp.where(n > 0, h / jnp.maximum(n, 1), 1.0).astype(jnp.float32)

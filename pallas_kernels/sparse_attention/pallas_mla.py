@@ -8,13 +8,16 @@ R + Dr values per selected token and nothing per head. Softmax is online (runnin
 accumulator [H, R] in f32), one selected token at a time.
 
 The logical indices are turned into physical pool rows (page_table[b, j // ps] * ps + j % ps, with a
-readable flag) by a tiny XLA prologue over [B, T, K] ints; unreadable rows point at row 0 and are
-masked in the kernel, so no index reaches another request's pages.
+readable flag; common.physical_rows): on TPU inside the kernel, from the row's page table in SMEM (an
+XLA gather of B * T * K table entries costs a TPU a memory tile per entry); for Triton by an XLA
+prologue over [B, T, K] ints. Unreadable rows point at row 0 and are masked in the kernel, so no index
+reaches another request's pages.
 
 Backends (both proven by `jax.export` tests):
-  * TPU (Mosaic): grid (B, T, K / bk). Each (b, t)'s K rows and flags come into SMEM as a block of the
-    [B, T, K] arrays (not scalar-prefetched whole: at 64 rows x Top-K 2048, or a 2048-token prefill
-    chunk, they are 1 to 32 MiB, and SMEM holds 1 MiB); the pools stay in HBM and every grid step DMAs its bk scattered rows (pallas_kernels.row_gather), fetching
+  * TPU (Mosaic): grid (B, T, K / bk). Each (b, t)'s K selections and its row's page table come into
+    SMEM as blocks of the [B, T, K] and [B, NP] arrays (not scalar-prefetched whole: at 64 rows x Top-K
+    2048, or a 2048-token prefill chunk, they are 1 to 32 MiB, and SMEM holds 1 MiB); kv_lengths [B]
+    is scalar-prefetched; the pools stay in HBM and every grid step DMAs its bk scattered rows (pallas_kernels.row_gather), fetching
     step i + 1's rows while step i computes. bf16 rows travel in aligned 8-row groups, so pages must
     hold a multiple of 8 tokens. Running statistics live in VMEM scratch; the output block is
     resident across the K axis.
@@ -55,16 +58,32 @@ def _online_step(q_lat, q_rope, lat, rp, ok, scale, m, l, acc):
     return m_new, alpha * l + e, alpha * acc + e * lat
 
 
-def _tpu_kernel(rows_ref, ok_ref,                     # SMEM [1, Kp] int32: this (b, t)'s selections
+def _locate(idx_ref, pt_ref, kv_len, k, *, ps: int, NP: int, P: int):
+    """Selection k of this (b, t) as (page, slot, readable), from its logical position idx_ref[0, k] and
+    the row's page table pt_ref [1, NP] (SMEM), as common.physical_rows computes them; an unreadable
+    selection points at page 0, slot 0 (masked by the caller)."""
+    pos = idx_ref[0, k]
+    ok = (pos >= 0) & (pos < kv_len) & (pos < NP * ps)
+    pos = jnp.where(ok, pos, 0)
+    page = pt_ref[0, jax.lax.div(pos, ps)]
+    ok = ok & (page >= 0) & (page < P)
+    return jnp.where(ok, page, 0), jnp.where(ok, jax.lax.rem(pos, ps), 0), ok
+
+
+def _tpu_kernel(len_ref,                              # scalar prefetch [B] int32: kv_lengths
+                idx_ref, pt_ref,                      # SMEM [1, Kp], [1, NP] int32: this (b, t)'s selections
+                                                      # (logical positions) and its row's page table
                 ql_ref, qr_ref,                       # [H, R], [H, Dr]
                 lat_hbm, rp_hbm,                      # [P, ps, R], [P, ps, Dr] in HBM
                 o_ref,                                # [H, R] f32
                 lat_buf, rp_buf, sem,                 # row_gather scratch
                 m_sc, l_sc, acc_sc,                   # [H, 1], [H, 1], [H, R] f32
-                *, bk, ps, G, scale, layer):
+                *, bk, ps, NP, P, G, scale, layer):
     j = pl.program_id(2)
+    kv_len = len_ref[pl.program_id(0)]
     pools = (lat_hbm, rp_hbm) if layer is None else (lat_hbm.at[layer], rp_hbm.at[layer])
-    gather = RowGather(rows_ref.at[0], pools, (lat_buf, rp_buf), sem, ps, bk, G)
+    locate = functools.partial(_locate, idx_ref, pt_ref, kv_len, ps=ps, NP=NP, P=P)
+    gather = RowGather(None, pools, (lat_buf, rp_buf), sem, ps, bk, G, locate=lambda k: locate(k)[:2])
 
     @pl.when(j == 0)
     def _():
@@ -79,7 +98,7 @@ def _tpu_kernel(rows_ref, ok_ref,                     # SMEM [1, Kp] int32: this
     m, l, acc = m_sc[...], l_sc[...], acc_sc[...]
     base = base_of(j)
     for i in range(bk):
-        ok = ok_ref[0, base + i] == 1
+        ok = locate(base + i)[2]
         m, l, acc = _online_step(q_lat, q_rope, gather.row(0, slot, i, base), gather.row(1, slot, i, base), ok,
                                  scale, m, l, acc)
     m_sc[...], l_sc[...], acc_sc[...] = m, l, acc
@@ -121,31 +140,36 @@ def sparse_mla_pallas(q_lat, q_rope, latent, rope, page_table, indices, kv_lengt
     Dr = q_rope.shape[-1]
     P, ps, _ = latent.shape[-3:]
     K = indices.shape[-1]
-    rows, ok = physical_rows(indices.astype(jnp.int32), page_table.astype(jnp.int32), ps, P,
-                             kv_lengths.astype(jnp.int32))               # [B, T, K]
-    ok = ok.astype(jnp.int32)
+    NP = page_table.shape[1]
     if backend == "tpu":
         from jax.experimental.pallas import tpu as pltpu  # noqa: PLC0415
         G = max(row_gather.check_pool(latent.dtype, ps, "sparse MLA"), row_gather.check_pool(rope.dtype, ps, "sparse MLA"))
         bk = min(config.block_k, K)
-        Kp = -(-K // bk) * bk                          # padded selections: row 0, never read (ok = 0)
-        pad = ((0, 0), (0, 0), (0, Kp - K))
-        q_spec = lambda d: pl.BlockSpec((None, None, H, d), lambda b, t, j: (b, t, 0, 0))  # noqa: E731
-        # [B * T, 1, Kp]: a block's last two dims must be whole (or (8, 128)-aligned) dims of the array
-        sel_spec = pl.BlockSpec((None, 1, Kp), lambda b, t, j: (b * T + t, 0, 0), memory_space=pltpu.SMEM)
+        Kp = -(-K // bk) * bk                          # padded selections: -1, never read
+        q_spec = lambda d: pl.BlockSpec((None, None, H, d), lambda b, t, j, lens: (b, t, 0, 0))  # noqa: E731
+        # [B * T, 1, Kp], [B, 1, NP]: a block's last two dims must be whole (or (8, 128)-aligned) dims of the
+        # array. The kernel turns positions into pages itself (_locate): an XLA gather of B * T * K page-table
+        # entries costs a TPU a tile per entry (0.57 GiB a DeepSeek-V3.2 decode layer at 64 rows)
+        sel_spec = pl.BlockSpec((None, 1, Kp), lambda b, t, j, lens: (b * T + t, 0, 0), memory_space=pltpu.SMEM)
+        pt_spec = pl.BlockSpec((None, 1, NP), lambda b, t, j, lens: (b, 0, 0), memory_space=pltpu.SMEM)
         any_spec = pl.BlockSpec(memory_space=pl.ANY)
         grid_spec = pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=0, grid=(B, T, Kp // bk),
-            in_specs=[sel_spec, sel_spec, q_spec(R), q_spec(Dr), any_spec, any_spec],
-            out_specs=pl.BlockSpec((None, None, H, R), lambda b, t, j: (b, t, 0, 0)),
+            num_scalar_prefetch=1, grid=(B, T, Kp // bk),
+            in_specs=[sel_spec, pt_spec, q_spec(R), q_spec(Dr), any_spec, any_spec],
+            out_specs=pl.BlockSpec((None, None, H, R), lambda b, t, j, lens: (b, t, 0, 0)),
             scratch_shapes=row_gather.scratch([(R, latent.dtype), (Dr, rope.dtype)], bk, G)
             + [pltpu.VMEM((H, 1), jnp.float32), pltpu.VMEM((H, 1), jnp.float32), pltpu.VMEM((H, R), jnp.float32)])
+        idx = jnp.pad(indices.astype(jnp.int32), ((0, 0), (0, 0), (0, Kp - K)), constant_values=-1)
         return pl.pallas_call(
-            functools.partial(_tpu_kernel, bk=bk, ps=ps, G=G, scale=scale, layer=layer), grid_spec=grid_spec,
-            out_shape=jax.ShapeDtypeStruct((B, T, H, R), jnp.float32),
+            functools.partial(_tpu_kernel, bk=bk, ps=ps, NP=NP, P=P, G=G, scale=scale, layer=layer),
+            grid_spec=grid_spec, out_shape=jax.ShapeDtypeStruct((B, T, H, R), jnp.float32),
             compiler_params=compiler_params("tpu", ("parallel", "parallel", "arbitrary")),
             interpret=interpret, name="dsa_sparse_mla", cost_estimate=_cost(q_lat, q_rope, latent, rope, K, G),
-        )(jnp.pad(rows, pad).reshape(B * T, 1, Kp), jnp.pad(ok, pad).reshape(B * T, 1, Kp), q_lat, q_rope, latent, rope)
+        )(kv_lengths.astype(jnp.int32), idx.reshape(B * T, 1, Kp), page_table.astype(jnp.int32).reshape(B, 1, NP),
+          q_lat, q_rope, latent, rope)
+    rows, ok = physical_rows(indices.astype(jnp.int32), page_table.astype(jnp.int32), ps, P,
+                             kv_lengths.astype(jnp.int32))               # [B, T, K]
+    ok = ok.astype(jnp.int32)
     Hp = 1 << (H - 1).bit_length()
     for name, x in (("R", R), ("Dr", Dr), ("K", K)):
         if x & (x - 1):

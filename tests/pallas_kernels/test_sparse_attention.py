@@ -12,6 +12,8 @@ import pytest
 
 from pallas_kernels import sparse_attention as sa
 from pallas_kernels.sparse_attention import naive
+from pallas_kernels.sparse_attention import ops as sa_ops
+from pallas_kernels.sparse_attention.common import physical_rows
 
 TRITON_CALL = "__gpu$xla.gpu.triton"
 
@@ -183,6 +185,28 @@ def test_sparse_hit_rate():
     idx = jnp.asarray([[[0, 1, 5, -1]], [[0, 7, 6, 3]]], jnp.int32)      # row 0: pages 0, 0, 1
     hr = sa.sparse_hit_rate(idx, pt, resident, 4, jnp.asarray([8, 8]))
     np.testing.assert_allclose(np.asarray(hr), [2 / 3, 1.0])
+
+
+def test_sparse_hit_rate_counts_alike_with_and_without_a_gather(monkeypatch):
+    """The decode form (selections counted per page-table slot by comparison) and the gathering form
+    (physical rows, for large problems) give the same rates, with padding, positions past a row's
+    length or its table, pages outside the pool and non-resident pages among the selections."""
+    rng = np.random.default_rng(3)
+    B, T, K, ps, NP, P = 3, 2, 16, 4, 6, 20
+    pt = jnp.asarray(rng.permutation(P)[:B * NP].reshape(B, NP), jnp.int32).at[1, 2].set(P + 3).at[2, 0].set(-1)
+    resident = jnp.asarray(rng.random(P) < 0.6)
+    idx = jnp.asarray(rng.integers(-2, NP * ps + 3, (B, T, K)), jnp.int32)
+    lens = jnp.asarray([NP * ps, 9, 17], jnp.int32)
+    compared = sa.sparse_hit_rate(idx, pt, resident, ps, lens)
+    monkeypatch.setattr(sa_ops, "COMPARE_PAIRS", 0)
+    gathered = sa.sparse_hit_rate(idx, pt, resident, ps, lens)
+    np.testing.assert_array_equal(np.asarray(compared), np.asarray(gathered))
+    rows, ok = physical_rows(idx, pt, ps, P, lens)                       # by hand, row by row
+    for b in range(B):
+        n = int(np.sum(ok[b]))
+        want = float(np.sum(np.asarray(ok[b]) & np.asarray(resident)[np.asarray(rows[b]) // ps])) / n if n else 1.0
+        assert abs(float(compared[b]) - want) < 1e-6
+    assert 0 < float(np.min(compared)) < 1
 
 
 def _export(fn, platform, args):
