@@ -171,3 +171,27 @@ def greedy_reference(llm, prompt, n: int, stop_ids=()) -> list[int]:
         if t in stop_ids:
             break
     return out
+
+
+def check_cost_baselines(path, measured: dict, about: str, tolerance: float = 1.05) -> None:
+    """Compiled costs held to their record: measured {case: {"flops", "bytes_accessed"}} may not rise more
+    than `tolerance` over the JSON file at `path`, and every case needs a record. With UPDATE_TPU_BASELINES=1
+    the file is rewritten from `measured` first (after a deliberate change; commit it with the change)."""
+    import json  # noqa: PLC0415
+    import pathlib  # noqa: PLC0415
+
+    import jax  # noqa: PLC0415
+    import libtpu  # noqa: PLC0415
+    path = pathlib.Path(path)
+    if os.environ.get("UPDATE_TPU_BASELINES"):
+        path.write_text(json.dumps({
+            "about": about, "jax": jax.__version__, "libtpu": getattr(libtpu, "__version__", "unknown"),
+            "cases": {k: {"flops": v["flops"], "bytes_accessed": v["bytes_accessed"]} for k, v in measured.items()},
+        }, indent=1, sort_keys=True) + "\n")
+    recorded = json.loads(path.read_text())["cases"]
+    missing = sorted(set(measured) - set(recorded))
+    assert not missing, f"cases without a baseline (regenerate {path.name}): {missing}"
+    worse = {k: {m: (recorded[k][m], measured[k][m]) for m in ("flops", "bytes_accessed")
+                 if measured[k][m] > tolerance * recorded[k][m]} for k in measured}
+    worse = {k: v for k, v in worse.items() if v}
+    assert not worse, f"compiled cost rose more than {tolerance - 1:.0%} over {path.name} (recorded, now): {worse}"

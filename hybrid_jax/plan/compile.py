@@ -165,17 +165,21 @@ def _on(tree, shardings):
     return jax.tree.map(lambda a, s: S(a.shape, a.dtype, sharding=s), tree, shardings)
 
 
-def compile_model(cfg, sh: Shapes, target, impl: str = "auto") -> tuple[StepCost, StepCost]:
+NOTHING = StepCost(0.0, 0.0, 0.0, 0.0)
+
+
+def compile_model(cfg, sh: Shapes, target, impl: str = "auto", prefill: bool = True) -> tuple[StepCost, StepCost]:
     """(decode, prefill chunk) costs of cfg's model part (no sampler), each compiled once for `target`
     (one device, or a Layout over devices of the slice: per-device costs), remembered per process:
-    plans of the same model at other splits compile nothing again."""
-    key = (repr(cfg), repr(sh), _target_key(target), impl)
+    plans of the same model at other splits compile nothing again. prefill=False compiles the decode
+    step alone (the prefill chunk's cost comes back as NOTHING)."""
+    key = (repr(cfg), repr(sh), _target_key(target), impl, prefill)
     if key not in _COMPILED:
-        _COMPILED[key] = _compile_model(cfg, sh, target, impl)
+        _COMPILED[key] = _compile_model(cfg, sh, target, impl, prefill)
     return _COMPILED[key]
 
 
-def _compile_model(cfg, sh: Shapes, target, impl: str) -> tuple[StepCost, StepCost]:
+def _compile_model(cfg, sh: Shapes, target, impl: str, prefill: bool = True) -> tuple[StepCost, StepCost]:
     model = get_model(cfg.model_type)
     params = abstract_params(cfg, sh.dtype, sh.quantization)
     mesh_layout = target if isinstance(target, Layout) else None
@@ -187,9 +191,9 @@ def _compile_model(cfg, sh: Shapes, target, impl: str) -> tuple[StepCost, StepCo
         pools = _on(pools, mesh_layout.cache_shardings(pools))
     S = jax.ShapeDtypeStruct
     out = []
-    for step, Bb, extra in ((_decode_step, sh.decode_batch, (S((sh.decode_batch,), jnp.int32),
-                                                              S((sh.decode_batch,), jnp.bool_))),
-                            (_prefill_step, 1, (S((1, sh.chunk), jnp.int32), S((1,), jnp.int32)))):
+    steps = ((_decode_step, sh.decode_batch, (S((sh.decode_batch,), jnp.int32), S((sh.decode_batch,), jnp.bool_))),
+             (_prefill_step, 1, (S((1, sh.chunk), jnp.int32), S((1,), jnp.int32))))
+    for step, Bb, extra in steps[:2 if prefill else 1]:
         rest = (*_row_args(layout, Bb), *extra)
         if mesh_layout is None:
             args = on_device((params, pools, *rest), target)
@@ -199,7 +203,7 @@ def _compile_model(cfg, sh: Shapes, target, impl: str) -> tuple[StepCost, StepCo
             lowered = jax.jit(step(model, cfg, impl, (lambda c: c) if mesh_layout is None else mesh_layout.pin),
                              donate_argnums=(1,)).lower(*args)
         out.append(_cost(lowered.compile()))
-    return out[0], out[1]
+    return out[0], out[1] if prefill else NOTHING
 
 
 @functools.lru_cache(maxsize=16)
@@ -227,23 +231,24 @@ class ModelCosts:
     per_layer: dict                      # signature -> (decode, prefill) StepCost of one layer (reduced only)
 
 
-def model_costs(cfg, sh: Shapes, target, layers: str = "auto", impl: str = "auto") -> ModelCosts:
-    """The model part's costs, by a full compile or by layer scaling (module docstring)."""
+def model_costs(cfg, sh: Shapes, target, layers: str = "auto", impl: str = "auto", prefill: bool = True) -> ModelCosts:
+    """The model part's costs, by a full compile or by layer scaling (module docstring). prefill=False:
+    the decode step's alone (the prefill figures are NOTHING)."""
     counts = layer_counts(cfg)
     if layers == "auto":
         layers = "full" if cfg.num_hidden_layers <= 2 * len(counts) + 2 else "reduced"
     if layers == "full":
-        d, p = compile_model(cfg, sh, target, impl)
+        d, p = compile_model(cfg, sh, target, impl, prefill)
         return ModelCosts(d, p, "full", (cfg.num_hidden_layers,), {})
     if layers != "reduced":
         raise ValueError(f"layers must be 'auto', 'full' or 'reduced'; got {layers!r}")
     first = first_of_each(cfg)
     base_idx = list(first.values())
-    base = compile_model(select_layers(cfg, base_idx), sh, target, impl)
+    base = compile_model(select_layers(cfg, base_idx), sh, target, impl, prefill)
     decode, prefill = base
     per_layer, sizes = {}, [len(base_idx)]
     for sig, i in first.items():
-        more = compile_model(select_layers(cfg, base_idx + [i]), sh, target, impl)
+        more = compile_model(select_layers(cfg, base_idx + [i]), sh, target, impl, prefill)
         sizes.append(len(base_idx) + 1)
         dl, pl = more[0] - base[0], more[1] - base[1]
         per_layer[sig] = (dl, pl)

@@ -200,14 +200,8 @@ def plan(model: str, topology_name: str, *, max_num_seqs: int = 64, max_model_le
     params = abstract_params(cfg, dt, quantization)
     weights = tree_nbytes(params)
     num_params = sum(x.size for x in _param_leaves(params))
-    with active(mesh_layout):      # the cache's shapes may follow the layout (parallel.kv_replicas)
-        layout = abstract_layout(cfg, dt, max_model_len, page_size)
-    rows, pages = max_num_seqs + 1, pool_pages(layout, max_num_seqs, max_model_len)
-    pools = abstract_pools(layout, rows, pages)
-
-    Bb = bucket(max_num_seqs)
-    sh = Shapes(dtype=dt, quantization=quantization, rows=rows, pages=tuple(sorted(pages.items())),
-                max_model_len=max_model_len, page_size=page_size, decode_batch=Bb, chunk=chunk)
+    layout, pools, sh = _shapes(cfg, dt, quantization, mesh_layout, max_num_seqs, max_model_len, page_size, chunk)
+    Bb = sh.decode_batch
     layers = costs_mode(layers, cfg, weights if mesh_layout is None else weights / n, chip)
     try:
         costs = model_costs(cfg, sh, target, layers=layers, impl=impl)
@@ -288,6 +282,29 @@ def plan(model: str, topology_name: str, *, max_num_seqs: int = 64, max_model_le
                 split=n, sharded=mesh_layout is not None, expert_parallel=enable_expert_parallel, dtype=dtype, quantization=quantization, max_num_seqs=max_num_seqs,
                 max_model_len=max_model_len, decode_batch=Bb, chunk=chunk, num_params=num_params, costs=costs,
                 sampler=sampler, memory=memory, capacity=capacity, roofline=roof, notes=tuple(notes))
+
+
+def _shapes(cfg, dt, quantization, mesh_layout, max_num_seqs: int, max_model_len: int, page_size: int, chunk: int):
+    """(one row's cache layout, the pools, the programs' Shapes) as the engine would size them."""
+    with active(mesh_layout):      # the cache's shapes may follow the layout (parallel.kv_replicas)
+        layout = abstract_layout(cfg, dt, max_model_len, page_size)
+    rows, pages = max_num_seqs + 1, pool_pages(layout, max_num_seqs, max_model_len)
+    sh = Shapes(dtype=dt, quantization=quantization, rows=rows, pages=tuple(sorted(pages.items())),
+                max_model_len=max_model_len, page_size=page_size, decode_batch=bucket(max_num_seqs), chunk=chunk)
+    return layout, abstract_pools(layout, rows, pages), sh
+
+
+def decode_cost_per_token(model: str, chip: str, *, max_num_seqs: int = 8, max_model_len: int = 4096,
+                          quantization: str | None = None, dtype: str = "bfloat16", page_size: int = 64,
+                          layers: str = "reduced", config=None) -> dict[str, float]:
+    """{"flops", "bytes_accessed"} per token of the model part's decode step (no sampler) on one `chip`
+    device ("v5e", "v6e", "v5p"), compiled alone (no prefill program): the step's compiler figures over
+    its decode batch. The figures tests/hybrid_jax/test_model_baselines.py holds to their record."""
+    from pallas_kernels.aot import tpu_device  # noqa: PLC0415
+    label, cfg = (model, config) if config is not None else resolve_model(model)
+    _, _, sh = _shapes(cfg, DTYPES[dtype], quantization, None, max_num_seqs, max_model_len, page_size, 1)
+    d = model_costs(cfg, sh, tpu_device(chip), layers=layers, prefill=False).decode
+    return {"flops": d.flops / sh.decode_batch, "bytes_accessed": d.bytes_accessed / sh.decode_batch}
 
 
 def costs_mode(layers: str, cfg, weights: int, chip: Chip) -> str:

@@ -6,13 +6,12 @@ test_tpu_compile_f32.py. Every test skips, saying why, where the TPU compiler (`
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 import pathlib
 
 import jax
 import jax.numpy as jnp
 import pytest
+from conftest import check_cost_baselines
 from tpu_cases import AWKWARD, CHIPS, REAL, check_real, compiled, gdn_args, need_chip
 
 import pallas_kernels as pk
@@ -71,24 +70,12 @@ def test_decode_baselines():
     """
     for chip in BASELINE_CHIPS:
         need_chip(chip)
-    import libtpu  # noqa: PLC0415
-    measured = _measured()
-    if os.environ.get("UPDATE_TPU_BASELINES"):
-        BASELINES.write_text(json.dumps({
-            "about": "Compiled cost per decode step of each kernel at the real models' shapes (B = 8 rows, 32k "
-                     "context, bf16; shapes in tests/pallas_kernels/tpu_cases.py), from the TPU compiler's cost "
-                     "analysis. Regenerate: UPDATE_TPU_BASELINES=1 python -m pytest "
-                     "tests/pallas_kernels/test_tpu_compile.py -k baselines",
-            "jax": jax.__version__, "libtpu": getattr(libtpu, "__version__", "unknown"),
-            "cases": {k: {"flops": v["flops"], "bytes_accessed": v["bytes_accessed"]} for k, v in measured.items()},
-        }, indent=1, sort_keys=True) + "\n")
-    recorded = json.loads(BASELINES.read_text())["cases"]
-    missing = sorted(set(measured) - set(recorded))
-    assert not missing, f"cases without a baseline (regenerate tpu_baselines.json): {missing}"
-    worse = {k: {m: (recorded[k][m], measured[k][m]) for m in ("flops", "bytes_accessed")
-                 if measured[k][m] > TOLERANCE * recorded[k][m]} for k in measured}
-    worse = {k: v for k, v in worse.items() if v}
-    assert not worse, f"compiled cost rose more than 5% over tpu_baselines.json (recorded, now): {worse}"
+    check_cost_baselines(
+        BASELINES, _measured(),
+        "Compiled cost per decode step of each kernel at the real models' shapes (B = 8 rows, 32k context, bf16; "
+        "shapes in tests/pallas_kernels/tpu_cases.py), from the TPU compiler's cost analysis. Regenerate: "
+        "UPDATE_TPU_BASELINES=1 python -m pytest tests/pallas_kernels/test_tpu_compile.py -k baselines",
+        TOLERANCE)
 
 
 @pytest.mark.parametrize("T", [1, 16])
