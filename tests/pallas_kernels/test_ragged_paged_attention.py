@@ -343,7 +343,8 @@ COMPILE_SCRIPT = textwrap.dedent("""
     S = jax.ShapeDtypeStruct
     Hq, Hkv, D, N, R, NP, P = 16, 2, 256, 256, 32, 64, 2048
     for topology, dtype, ps in (("v5e:2x2", jnp.bfloat16, 16), ("v5e:2x2", jnp.float32, 32),
-                                ("v6e:2x2", jnp.bfloat16, 32), ("v6e:2x2", jnp.float32, 16)):
+                                ("v6e:2x2", jnp.bfloat16, 32), ("v6e:2x2", jnp.float32, 16),
+                                ("v5p:2x2x1", jnp.bfloat16, 16), ("v5p:2x2x1", jnp.float32, 32)):
         device = topologies.get_topology_desc(platform="tpu", topology_name=topology).devices[0]
         sh = SingleDeviceSharding(device)
         args = (S((N, Hq, D), dtype), S((P, ps, Hkv, D), dtype), S((P, ps, Hkv, D), dtype), S((R,), jnp.int32),
@@ -368,7 +369,7 @@ COMPILE_SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_tpu_kernel_compiles_for_v5e_and_v6e():
+def test_tpu_kernel_compiles_for_v5e_v6e_and_v5p():
     """The real TPU compiler (libtpu, no TPU needed) takes the kernel at Qwen3-Next-80B's attention shapes (Hq 16,
     Hkv 2, D 256), pages of 16 and 32 tokens, bf16 and f32, and a decode step's compiled cost counts its pages.
     In a subprocess: libtpu takes a process-wide lock that ALLOW_MULTIPLE_LIBTPU_LOAD lets several processes share."""
@@ -382,7 +383,7 @@ def test_tpu_kernel_compiles_for_v5e_and_v6e():
     res = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT], env=env, capture_output=True, text=True,
                          timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
-    assert res.stdout.count("compiled") == 4, res.stdout
+    assert res.stdout.count("compiled") == 6, res.stdout
     # the kernel's pl.CostEstimate counts a decode step's pages (its table span of K and V) once per tile class:
     # without decode_only the prefill class is counted too, as a static cost must, one span more. (The program
     # also reads and writes both pools once more: the [P, ps, Hkv, D] -> [P, ps, Hkv * D] view the kernel
