@@ -231,24 +231,25 @@ class ModelCosts:
     per_layer: dict                      # signature -> (decode, prefill) StepCost of one layer (reduced only)
 
 
-def model_costs(cfg, sh: Shapes, target, layers: str = "auto", impl: str = "auto", prefill: bool = True) -> ModelCosts:
-    """The model part's costs, by a full compile or by layer scaling (module docstring). prefill=False:
+def model_costs(cfg, sh: Shapes, target, layers: str = "auto", impl: str = "auto",
+                with_prefill: bool = True) -> ModelCosts:
+    """The model part's costs, by a full compile or by layer scaling (module docstring). with_prefill=False:
     the decode step's alone (the prefill figures are NOTHING)."""
     counts = layer_counts(cfg)
     if layers == "auto":
         layers = "full" if cfg.num_hidden_layers <= 2 * len(counts) + 2 else "reduced"
     if layers == "full":
-        d, p = compile_model(cfg, sh, target, impl, prefill)
+        d, p = compile_model(cfg, sh, target, impl, with_prefill)
         return ModelCosts(d, p, "full", (cfg.num_hidden_layers,), {})
     if layers != "reduced":
         raise ValueError(f"layers must be 'auto', 'full' or 'reduced'; got {layers!r}")
     first = first_of_each(cfg)
     base_idx = list(first.values())
-    base = compile_model(select_layers(cfg, base_idx), sh, target, impl, prefill)
+    base = compile_model(select_layers(cfg, base_idx), sh, target, impl, with_prefill)
     decode, prefill = base
     per_layer, sizes = {}, [len(base_idx)]
     for sig, i in first.items():
-        more = compile_model(select_layers(cfg, base_idx + [i]), sh, target, impl, prefill)
+        more = compile_model(select_layers(cfg, base_idx + [i]), sh, target, impl, with_prefill)
         sizes.append(len(base_idx) + 1)
         dl, pl = more[0] - base[0], more[1] - base[1]
         per_layer[sig] = (dl, pl)

@@ -298,12 +298,12 @@ def decode_cost_per_token(model: str, chip: str, *, max_num_seqs: int = 8, max_m
                           quantization: str | None = None, dtype: str = "bfloat16", page_size: int = 64,
                           layers: str = "reduced", config=None) -> dict[str, float]:
     """{"flops", "bytes_accessed"} per token of the model part's decode step (no sampler) on one `chip`
-    device ("v5e", "v6e", "v5p"), compiled alone (no prefill program): the step's compiler figures over
+    device ("v5e", "v6e", "v5p"), compiled alone (no prefill program; `model` is not read when `config` is given): the step's compiler figures over
     its decode batch. The figures tests/hybrid_jax/test_model_baselines.py holds to their record."""
     from pallas_kernels.aot import tpu_device  # noqa: PLC0415
-    label, cfg = (model, config) if config is not None else resolve_model(model)
+    cfg = config if config is not None else resolve_model(model)[1]
     _, _, sh = _shapes(cfg, DTYPES[dtype], quantization, None, max_num_seqs, max_model_len, page_size, 1)
-    d = model_costs(cfg, sh, tpu_device(chip), layers=layers, prefill=False).decode
+    d = model_costs(cfg, sh, tpu_device(chip), layers=layers, with_prefill=False).decode
     return {"flops": d.flops / sh.decode_batch, "bytes_accessed": d.bytes_accessed / sh.decode_batch}
 
 
