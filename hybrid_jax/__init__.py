@@ -1,7 +1,7 @@
 """hybrid-jax: serving hybrid-attention LLMs (Gated DeltaNet, gated attention, MoE) in JAX.
 
     from hybrid_jax import LLM, SamplingParams
-    llm = LLM()                                        # embedded untrained default; or LLM(model=PATH)
+    llm = LLM()                          # the small trained model shipped in the package; or LLM(model=PATH)
     out = llm.generate("Hello", SamplingParams(max_tokens=16, temperature=0))
     print(out[0].outputs[0].text)
 """

@@ -118,9 +118,9 @@ def align(llm, token_ids: list[int], atol: float = 1e-4) -> AlignmentReport:
     """Compares `llm` (a hybrid_jax.LLM loaded from a checkpoint dir) with transformers on token_ids."""
     if not token_ids:
         raise InputError("align needs at least one token")
-    if not os.path.isdir(str(llm.model_name)):
-        raise InputError("align compares against a checkpoint directory; the embedded default has none")
-    ref_hidden, ref_logits = hf_hidden_states(llm.model_name, token_ids)
+    if llm.checkpoint_dir is None:
+        raise InputError("align compares against a checkpoint directory; this LLM was built from parameters")
+    ref_hidden, ref_logits = hf_hidden_states(llm.checkpoint_dir, token_ids)
     mine = llm.generator.hidden_states(np.asarray(token_ids, np.int32))
     L = len(mine) - 1
     cfg = llm.config

@@ -23,7 +23,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from hybrid_jax.config import ModelConfig, load_config
-from hybrid_jax.default_model import DEFAULT_MODEL_NAME, DEFAULT_SEED, default_config
+from hybrid_jax.default_model import DEFAULT_MODEL_DIR, DEFAULT_MODEL_NAME
 from hybrid_jax.engine.limits import check_request
 from hybrid_jax.errors import ConfigError, InputError
 from hybrid_jax.generate import Generator
@@ -66,8 +66,8 @@ def _resolve_dtype(dtype: str, cfg: ModelConfig):
 
 
 class LLM:
-    """Loads a local Hugging Face checkpoint directory (or, with model=None, the embedded untrained
-    default) and generates. Weight re-layout happens once, here. A block-quantized checkpoint (FP8,
+    """Loads a local Hugging Face checkpoint directory (with model=None, the one shipped in the package:
+    hybrid_jax.default_model) and generates. Weight re-layout happens once, here. A block-quantized checkpoint (FP8,
     FP4 experts) is dequantized to `dtype` at load; quantization="fp8" keeps its linear weights in
     FP8 on the device instead. tensor_parallel_size / enable_expert_parallel (vLLM's names) split the
     parameters and the cache over that many of jax.devices() (hybrid_jax.parallel); the layout is
@@ -80,49 +80,41 @@ class LLM:
                  speculative_config: dict | None = None, quantization: str | None = None,
                  tensor_parallel_size: int = 1, data_parallel_size: int = 1, enable_expert_parallel: bool = False):
         parallel = ParallelConfig(tensor_parallel_size, data_parallel_size, enable_expert_parallel)
-        layout = None
-        if model is None:
-            if quantization is not None:
-                raise ConfigError("quantization applies to a checkpoint's quantized weights; the embedded default "
-                                  "has none")
-            self.config = default_config()
-            self.model_name = DEFAULT_MODEL_NAME
-            self.dtype = _resolve_dtype(dtype, self.config)
-            layout = make_layout(parallel, self.config, get_model(self.config.model_type))
-            params = get_model(self.config.model_type).init_params(self.config, seed=DEFAULT_SEED, dtype=self.dtype)
+        default = model is None       # the shipped checkpoint (hybrid_jax.default_model), loaded like any other
+        if default:
+            model = DEFAULT_MODEL_DIR
+        model = os.fspath(model)
+        reader = open_checkpoint(model, quantization)   # checks the directory and the weight files first
+        self.config = load_config(model)
+        self.model_name = DEFAULT_MODEL_NAME if default else model
+        self.checkpoint_dir = model       # where config, weights and tokenizer were read
+        self.dtype = _resolve_dtype(dtype, self.config)
+        layout = make_layout(parallel, self.config, get_model(self.config.model_type))   # before any weight
+        n = len(reader.keys())
+        show = reader.total_bytes >= LARGE_CHECKPOINT_BYTES if progress is None else progress
+        family = get_model(self.config.model_type)
+        read: set[str] = set()
+
+        def get(name):
+            read.add(name)
+            return reader.get(name)
+        # split over a mesh: converted on the host, each device then gets only its part (weights.on_host);
+        # a family without sharding rules (data-parallel replicas of one device each) loads as usual
+        by_parts = layout is not None and get_model(self.config.model_type).param_axes is not None
+        host = on_host() if by_parts else contextlib.nullcontext()
+        with tqdm(total=n, desc="loading weights", unit="tensor", disable=not show, file=sys.stderr) as bar, host:
+            params = family.convert_hf_weights(self.config, get, reader.has, self.dtype,
+                                               progress=lambda: bar.update(1))
+        from hybrid_jax.speculative.mtp import check_all_read  # noqa: PLC0415
+        check_all_read(family, self.config, reader.keys(), read)     # an MTP layout it does not know fails
+        if tokenizer == "byte":
             self.tokenizer = ByteTokenizer()
         else:
-            model = os.fspath(model)
-            reader = open_checkpoint(model, quantization)   # checks the directory and the weight files first
-            self.config = load_config(model)
-            self.model_name = model
-            self.dtype = _resolve_dtype(dtype, self.config)
-            layout = make_layout(parallel, self.config, get_model(self.config.model_type))   # before any weight
-            n = len(reader.keys())
-            show = reader.total_bytes >= LARGE_CHECKPOINT_BYTES if progress is None else progress
-            family = get_model(self.config.model_type)
-            read: set[str] = set()
-
-            def get(name):
-                read.add(name)
-                return reader.get(name)
-            # split over a mesh: converted on the host, each device then gets only its part (weights.on_host);
-            # a family without sharding rules (data-parallel replicas of one device each) loads as usual
-            by_parts = layout is not None and get_model(self.config.model_type).param_axes is not None
-            host = on_host() if by_parts else contextlib.nullcontext()
-            with tqdm(total=n, desc="loading weights", unit="tensor", disable=not show, file=sys.stderr) as bar, host:
-                params = family.convert_hf_weights(self.config, get, reader.has, self.dtype,
-                                                   progress=lambda: bar.update(1))
-            from hybrid_jax.speculative.mtp import check_all_read  # noqa: PLC0415
-            check_all_read(family, self.config, reader.keys(), read)     # an MTP layout it does not know fails
-            if tokenizer == "byte":
-                self.tokenizer = ByteTokenizer()
-            else:
-                self.tokenizer = load_tokenizer(tokenizer or model)
+            self.tokenizer = load_tokenizer(tokenizer or model)
         self._setup(params, layout, max_model_len=max_model_len, max_num_seqs=max_num_seqs, seed=seed, impl=impl,
                     enable_prefix_caching=enable_prefix_caching, kv_cache_dir=kv_cache_dir,
                     engine_config=engine_config, speculative_config=speculative_config)
-        if model is not None and by_parts:   # read by parts (weights.on_host): what this process read
+        if by_parts:   # read by parts (weights.on_host): what this process read
             self.checkpoint_read = {"bytes_read": reader.counter[0], "checkpoint_bytes": reader.total_bytes}
 
     @classmethod
@@ -133,6 +125,7 @@ class LLM:
         or None (token-id prompts only). kw: the options of LLM()."""
         llm = cls.__new__(cls)
         llm.config, llm.model_name, llm.tokenizer = config, name, tokenizer
+        llm.checkpoint_dir = None
         llm.dtype = _resolve_dtype(dtype, config)
         parallel = ParallelConfig(kw.pop("tensor_parallel_size", 1), kw.pop("data_parallel_size", 1),
                                   kw.pop("enable_expert_parallel", False))

@@ -67,8 +67,9 @@ def _start_core(state: ServerState, model, dtype, engine_config, parallel):
 def _core_client(state: ServerState, model, address, authkey, info, proc=None):
     """A client of the core for this API server, with the model's tokenizer loaded here."""
     from hybrid_jax.engine.core_client import EngineCoreClient  # noqa: PLC0415
+    from hybrid_jax.default_model import checkpoint_dir  # noqa: PLC0415
     from hybrid_jax.tokenizer import ByteTokenizer, load_tokenizer  # noqa: PLC0415
-    tok = {"byte": ByteTokenizer, "checkpoint": lambda: load_tokenizer(model)}.get(info["tokenizer"], lambda: None)()
+    tok = {"byte": ByteTokenizer, "checkpoint": lambda: load_tokenizer(checkpoint_dir(model))}.get(info["tokenizer"], lambda: None)()
     mode = info["warmup"]
     state.ready_note = f"ok: warm-up {mode}: {WARMUP_NOTES[mode]} ({info['num_compiled']} programs)"
     return EngineCoreClient(address, authkey, info, tok, process=proc)

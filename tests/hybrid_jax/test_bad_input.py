@@ -109,16 +109,17 @@ def test_empty_prompt(llm):
         llm.generate([], SamplingParams(max_tokens=2))
 
 
-def test_empty_text_prompt_on_default_model_still_has_bos():
-    # The byte tokenizer adds BOS, so "" is a one-token prompt rather than an empty one.
-    out = LLM().generate("", SamplingParams(max_tokens=2, temperature=0))[0]
-    assert out.prompt_token_ids == [256]
+def test_empty_text_prompt_on_default_model_is_an_empty_prompt():
+    # The default model's tokenizer adds no BOS, so "" encodes to no tokens at all.
+    with pytest.raises(InputError, match="empty prompt"):
+        LLM().generate("", SamplingParams(max_tokens=2, temperature=0))
 
 
 @pytest.mark.parametrize("kw,msg", [
     (dict(max_tokens=0), "max_tokens"), (dict(max_tokens=-3), "max_tokens"), (dict(max_tokens=2.5), "max_tokens"),
     (dict(temperature=-1.0), "temperature"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
-    (dict(top_k=-2), "top_k"), (dict(seed=-1), "seed"), (dict(stop_token_ids=[-4]), "stop_token_ids")])
+    (dict(top_k=-2), "top_k"), (dict(seed=-1), "seed"), (dict(stop_token_ids=[-4]), "stop_token_ids"),
+    (dict(logprobs=-2), "logprobs"), (dict(logprobs=21), "logprobs")])
 def test_bad_sampling_params(kw, msg):
     with pytest.raises(InputError, match=msg):
         SamplingParams(**kw)

@@ -1,6 +1,6 @@
-"""Conformance with Hugging Face transformers on tiny random Qwen3-Next checkpoints:
-prefill logits (fp32, 1e-4), 32 greedy tokens identical to HF generate, incremental decode equal
-to full recompute."""
+"""Conformance with Hugging Face transformers on tiny random Qwen3-Next checkpoints and on the default
+model shipped in the package: prefill logits (fp32, 1e-4), 32 greedy tokens identical to HF generate,
+incremental decode equal to full recompute."""
 from __future__ import annotations
 
 import numpy as np
@@ -9,13 +9,14 @@ import torch
 
 from conftest import CONFIGS, hf_model
 from hybrid_jax import LLM, SamplingParams
+from hybrid_jax.default_model import DEFAULT_MODEL_DIR
 
 TOL = 1e-4
 
 
-@pytest.fixture(scope="module", params=sorted(CONFIGS))
+@pytest.fixture(scope="module", params=sorted(CONFIGS) + ["shipped_default"])
 def pair(request, checkpoints):
-    path = checkpoints[request.param]
+    path = DEFAULT_MODEL_DIR if request.param == "shipped_default" else checkpoints[request.param]
     return LLM(model=path, dtype="float32"), hf_model(path)
 
 

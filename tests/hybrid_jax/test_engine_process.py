@@ -14,7 +14,8 @@ from hybrid_jax import LLM, SamplingParams
 from hybrid_jax.engine import EngineConfig, LLMEngine
 from hybrid_jax.engine.core_client import EngineCoreClient
 from hybrid_jax.engine.core_process import start_core
-from hybrid_jax.tokenizer import ByteTokenizer
+from hybrid_jax.default_model import DEFAULT_MODEL_DIR
+from hybrid_jax.tokenizer import load_tokenizer
 
 CONFIG = EngineConfig(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=256, decode_steps=4,
                       warmup="none", compilation_cache_dir=None)
@@ -24,7 +25,7 @@ CONFIG = EngineConfig(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=2
 def core():
     proc, address, authkey, info = start_core(None, "auto", CONFIG)
     yield address, authkey, info
-    EngineCoreClient(address, authkey, info, ByteTokenizer(), process=proc).shutdown()
+    EngineCoreClient(address, authkey, info, load_tokenizer(DEFAULT_MODEL_DIR), process=proc).shutdown()
     assert proc.exitcode == 0
 
 
@@ -47,7 +48,7 @@ def _in_process(reqs, stop_at: str | None):
 def _client_run(core, reqs, results: dict, close_after: int | None = None):
     """One API server: its own connection and event loop, its requests streamed at once."""
     address, authkey, info = core
-    client = EngineCoreClient(address, authkey, info, ByteTokenizer())
+    client = EngineCoreClient(address, authkey, info, load_tokenizer(DEFAULT_MODEL_DIR))
 
     async def one(rid, prompt, sp):
         text, n = "", 0
@@ -87,7 +88,7 @@ def test_two_clients_feed_one_core_and_get_the_in_process_outputs(core):
 
 def test_a_client_that_goes_away_has_its_requests_aborted(core):
     address, authkey, info = core
-    watcher = EngineCoreClient(address, authkey, info, ByteTokenizer())
+    watcher = EngineCoreClient(address, authkey, info, load_tokenizer(DEFAULT_MODEL_DIR))
 
     def aborted() -> float:
         text = watcher.render_metrics().decode()
@@ -109,7 +110,7 @@ def test_a_core_that_dies_fails_its_requests_and_says_so():
 
     from hybrid_jax.engine.async_engine import EngineRequestError  # noqa: PLC0415
     proc, address, authkey, info = start_core(None, "auto", CONFIG)
-    client = EngineCoreClient(address, authkey, info, ByteTokenizer(), process=proc)
+    client = EngineCoreClient(address, authkey, info, load_tokenizer(DEFAULT_MODEL_DIR), process=proc)
     assert client.alive
     os.kill(proc.pid, signal.SIGKILL)
     proc.join(timeout=30)

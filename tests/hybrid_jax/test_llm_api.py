@@ -76,9 +76,9 @@ def test_stop_token_ids_end_generation(llm):
 
 def test_default_model_generates_text_and_stops_at_max_tokens(default_llm):
     out = default_llm.generate("Hello", SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0]
-    assert out.prompt_token_ids[0] == default_llm.tokenizer.bos_token_id
+    assert out.prompt_token_ids == default_llm.tokenizer.encode("Hello")
     assert len(out.outputs[0].token_ids) == 8
-    assert isinstance(out.outputs[0].text, str)
+    assert out.outputs[0].text == default_llm.tokenizer.decode(out.outputs[0].token_ids)
 
 
 def test_default_model_is_deterministic():
