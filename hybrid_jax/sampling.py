@@ -17,7 +17,9 @@ from hybrid_jax.errors import InputError
 @dataclasses.dataclass
 class SamplingParams:
     """vLLM's sampling parameters. `logprobs=n` returns the sampled token's log-probability and the
-    n most likely ones at each step (of the model's distribution, before temperature and filters)."""
+    n most likely ones at each step (of the model's distribution, before temperature and filters);
+    `logprobs=-1` returns the whole vocabulary's, most likely first (as vLLM: `hybrid-jax eval` reads
+    next-token distributions so)."""
     max_tokens: int = 16
     temperature: float = 1.0
     top_p: float = 1.0
@@ -46,8 +48,9 @@ class SamplingParams:
             self.stop = [self.stop]
         if not all(isinstance(x, str) and x for x in self.stop):
             raise InputError(f"stop must be a list of non-empty strings; got {self.stop!r}")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
-            raise InputError(f"logprobs must be an integer in [0, 20]; got {self.logprobs!r}")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not -1 <= self.logprobs <= 20):
+            raise InputError(f"logprobs must be an integer in [0, 20], or -1 for the whole vocabulary; got "
+                             f"{self.logprobs!r}")
         bad = [t for t in self.stop_token_ids if not isinstance(t, int) or t < 0]
         if bad:
             raise InputError(f"stop_token_ids must be non-negative integers; got {bad}")

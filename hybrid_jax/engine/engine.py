@@ -657,9 +657,9 @@ class LLMEngine:
         new_lps = []
         if q.params.logprobs is not None:
             c, v, ids = lps
-            n = q.params.logprobs
+            n = q.params.logprobs if q.params.logprobs >= 0 else ids.shape[1]    # -1: the whole vocabulary
             new_lps = [{"token_id": t, "logprob": float(c[j]),
-                        "top": [(int(ids[j, m]), float(v[j, m])) for m in range(n)]}
+                        "top": list(zip(ids[j, :n].tolist(), v[j, :n].tolist()))}
                        for j, t in enumerate(accepted)]
             q.logprobs += new_lps
         q.output_ids += accepted

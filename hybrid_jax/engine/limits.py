@@ -12,7 +12,7 @@ Documented limits (README, Serve section):
   top_k             -1 / 0 (off) or >= 1; a value >= vocab_size keeps every token (the same as off)
   top_p             in (0, 1] and > 0 once rounded to float32
   temperature       finite in float32 (values below MIN_TEMPERATURE sample greedily, as in vLLM)
-  logprobs          0 .. 20
+  logprobs          0 .. 20, or -1: the whole vocabulary, sorted (offline API only; the server takes 0 .. 20)
 """
 from __future__ import annotations
 

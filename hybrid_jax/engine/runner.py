@@ -557,9 +557,13 @@ class ModelRunner:
     def _flags(reqs):
         return FULL_SAMPLER
 
-    @staticmethod
-    def _top_n(reqs):
-        return LOGPROBS_WIDTH if any(q.params.logprobs is not None for q in reqs) else 0
+    def _top_n(self, reqs):
+        """The step's logprobs width: the vocabulary when a request asks for all of it (logprobs=-1),
+        else LOGPROBS_WIDTH when any asks, else 0."""
+        asked = [q.params.logprobs for q in reqs if q.params.logprobs is not None]
+        if -1 in asked:
+            return self.cfg.vocab_size
+        return LOGPROBS_WIDTH if asked else 0
 
     def dispatch_mixed(self, plan_rows) -> Dispatched:
         """Enqueues a mixed step of scheduler rows (prefill chunks and decodes; `land` gives tokens

@@ -130,6 +130,10 @@ def sampling_params(data: dict[str, Any], *, max_tokens_limit: int, default_max_
         logprobs = _typed(data, "top_logprobs", (int,), 0) if logprobs else None
     elif logprobs is not None:
         logprobs = _typed(data, "logprobs", (int,), 0)
+    if logprobs is not None and isinstance(logprobs, int) and not 0 <= logprobs <= 20:
+        # (the offline API's -1, the whole vocabulary, is no answer to send over HTTP)
+        name = "top_logprobs" if chat else "logprobs"
+        raise InputError(f"'{name}' must be an integer in [0, 20]; got {logprobs!r}")
     return SamplingParams(
         max_tokens=max_tokens,
         temperature=_float(data, "temperature", 1.0),

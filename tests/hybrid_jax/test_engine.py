@@ -146,6 +146,27 @@ def test_logprobs_match_the_model(llm, shared):
         assert [t for t, _ in e["top"]] == list(np.argsort(-row)[:3])
 
 
+def test_logprobs_minus_one_is_the_whole_distribution(llm, shared):
+    """logprobs=-1 (vLLM's spelling): every token's log-probability, most likely first, as the model gives
+    them; beside a request asking for 2, which keeps its 2."""
+    eng = shared
+    p = _prompts(1, seed=8)[0]
+    eng.add_request("all", {"prompt_token_ids": p}, SamplingParams(max_tokens=2, temperature=0, logprobs=-1))
+    eng.add_request("two", {"prompt_token_ids": p}, SamplingParams(max_tokens=2, temperature=0, logprobs=2))
+    got = {"all": [], "two": []}
+    while eng.has_unfinished():
+        for out in eng.step():
+            got[out.request_id] += out.new_logprobs
+    ref = llm.logits(p).astype(np.float64)[-1]
+    ref = ref - ref.max() - np.log(np.sum(np.exp(ref - ref.max())))
+    top = got["all"][0]["top"]
+    assert sorted(t for t, _ in top) == list(range(llm.config.vocab_size))
+    vals = np.asarray([v for _, v in top])
+    assert np.all(np.diff(vals) <= 0)
+    np.testing.assert_allclose(vals, ref[[t for t, _ in top]], atol=1e-4, rtol=0)
+    assert [t for t, _ in got["two"][0]["top"]] == [t for t, _ in top[:2]]
+
+
 def test_fcfs_admission_order():
     blocks = BlockManager([GroupGeometry("kv", "full_kv", page_tokens=16, num_units=64, unit_nbytes=1)], num_rows=2)
     s = Scheduler(max_num_seqs=2, max_num_batched_tokens=64, blocks=blocks)

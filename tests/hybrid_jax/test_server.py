@@ -190,6 +190,7 @@ def test_bounded_load_no_request_lost_and_all_match(server, offline):
     (json.dumps({"prompt": [1], "top_p": 1e-46, "temperature": 1}).encode(), 400, "rounds to 0"),
     (json.dumps({"prompt": [1], "stop": ["a"] * 100}).encode(), 400, "at most"),
     (json.dumps({"prompt": [1], "logprobs": 21}).encode(), 400, "logprobs"),
+    (json.dumps({"prompt": [1], "logprobs": -1}).encode(), 400, "logprobs"),
     # unsupported OpenAI fields are refused, not ignored
     (json.dumps({"prompt": [1], "echo": True}).encode(), 400, "'echo'"),
     (json.dumps({"prompt": [1], "best_of": 3}).encode(), 400, "'best_of'"),
