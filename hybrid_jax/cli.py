@@ -1,15 +1,18 @@
-"""Command line: `hybrid-jax generate | align | serve | bench | plan`.
+"""Command line: `hybrid-jax generate | align | serve | bench | plan | eval`.
 
-    hybrid-jax generate --prompt "Hello"                 # the embedded default model (untrained)
+    hybrid-jax generate --prompt "And God said"          # the default model shipped in the package
     hybrid-jax generate --model PATH --prompt "Hello" --max-tokens 64 --temperature 0
     hybrid-jax align --model PATH --tokens 1,2,3
     hybrid-jax serve --model PATH --port 8000
     hybrid-jax bench --url http://127.0.0.1:8000 --num-requests 64 --concurrency 8
     hybrid-jax plan --model qwen3_next_80b_a3b_instruct --topology v6e:2x4 --tensor-parallel-size 8
+    hybrid-jax eval --file text.txt                                         # perplexity
+    hybrid-jax eval --file text.txt --compare '{"enable_prefix_caching": true}'   # what an option costs
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
@@ -18,7 +21,7 @@ from hybrid_jax.errors import HybridJaxError
 
 def _add_model_args(p: argparse.ArgumentParser):
     p.add_argument("--model", default=None, help="local Hugging Face checkpoint directory (default: the "
-                   "embedded untrained model)")
+                   "small trained model shipped in the package)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
 
 
@@ -125,6 +128,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-chunk", type=int, default=2048, help="tokens of the compiled prefill chunk")
     p.add_argument("--layers", default="auto", choices=["auto", "full", "reduced"],
                    help="compile every layer, or one of each kind scaled by the layer counts (auto: by size)")
+    e = sub.add_parser("eval", help="perplexity of a text through the engine; --compare: KL between two configurations")
+    _add_model_args(e)
+    e.add_argument("--file", required=True, help="a UTF-8 text file")
+    e.add_argument("--context", type=int, default=256, help="tokens of each scoring window")
+    e.add_argument("--stride", type=int, default=128, help="tokens between window starts (each position is scored "
+                   "with at least context - stride tokens before it)")
+    e.add_argument("--max-positions", type=int, default=None, help="score only the text's first N positions")
+    e.add_argument("--generate", type=int, default=32, help="greedy tokens compared after the text's start")
+    e.add_argument("--config", default=None, type=_json_dict, help="configuration A: LLM options as JSON "
+                   '(e.g. \'{"quantization": "fp8"}\'); default: none')
+    e.add_argument("--compare", default=None, type=_json_dict, help="configuration B: report perplexity of both "
+                   'and KL(A || B), e.g. \'{"enable_prefix_caching": true}\'')
     return ap
 
 
@@ -181,8 +196,6 @@ def _engine_config(args):
 def _serve(args) -> int:
     from hybrid_jax.server.app import ServerConfig  # noqa: PLC0415
     from hybrid_jax.server.main import serve  # noqa: PLC0415
-    if args.model is None:
-        print("hybrid-jax: serving the embedded default model (UNTRAINED: its output is noise).", file=sys.stderr)
     name = args.served_model_name or (args.model or "hybrid-jax-default")
     return serve(model=args.model, host=args.host, port=args.port, dtype=args.dtype,
                  engine_config=_engine_config(args), parallel=parallel_options(args),
@@ -224,9 +237,6 @@ def _bench(args) -> int:
 def _generate(args) -> int:
     from hybrid_jax.llm import LLM  # noqa: PLC0415
     from hybrid_jax.sampling import SamplingParams  # noqa: PLC0415
-    if args.model is None:
-        print("hybrid-jax: using the embedded default model. It is UNTRAINED (deterministic random "
-              "weights): its output is noise. Pass --model PATH for a real checkpoint.", file=sys.stderr)
     llm = LLM(model=args.model, dtype=args.dtype, **parallel_options(args))
     prompt = {"prompt_token_ids": _parse_tokens(args.tokens)} if args.tokens is not None else args.prompt
     sp = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
@@ -245,8 +255,6 @@ def _generate(args) -> int:
 def _align(args) -> int:
     from hybrid_jax.align import align  # noqa: PLC0415
     from hybrid_jax.llm import LLM  # noqa: PLC0415
-    if args.model is None:
-        raise HybridJaxError("align needs --model PATH (a checkpoint transformers can also load)")
     llm = LLM(model=args.model, dtype="float32", quantization=args.quantization)
     if args.tokens is not None:
         ids = _parse_tokens(args.tokens)
@@ -281,6 +289,39 @@ def _plan(args) -> int:
     return 0
 
 
+def _eval(args) -> int:
+    from hybrid_jax import evaluate  # noqa: PLC0415
+    from hybrid_jax.llm import LLM  # noqa: PLC0415
+    try:
+        with open(args.file, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise HybridJaxError(f"--file {args.file}: {e}") from None
+    configs = [args.config or {}] + ([args.compare] if args.compare is not None else [])
+    scored, ids = [], None
+    for opts in configs:
+        opts = dict(opts)
+        opts.setdefault("max_model_len", max(args.context, args.context // 2 + args.generate) + 1)
+        try:
+            llm = LLM(model=args.model, dtype=opts.pop("dtype", args.dtype), **opts)
+        except TypeError as e:
+            raise HybridJaxError(f"a configuration names an option LLM() does not take: {e}") from None
+        if llm.tokenizer is None:
+            raise HybridJaxError("this checkpoint has no tokenizer.json: eval reads text")
+        ids = llm.tokenizer.encode(text)
+        scored.append(evaluate.score(llm, ids, context=args.context, stride=args.stride,
+                                     max_positions=args.max_positions, generate_tokens=args.generate,
+                                     keep_distributions=len(configs) > 1))
+        del llm
+    if len(scored) == 1:
+        print(evaluate.format_score(args.file, len(ids), scored[0], args.context, args.stride))
+        return 0
+    labels = tuple(json.dumps(c) if c else "(default)" for c in configs)
+    print(evaluate.format_comparison(args.file, len(ids), evaluate.compare(*scored), labels, args.context,
+                                     args.stride))
+    return 0
+
+
 def _processes(args) -> int:
     from hybrid_jax.parallel import hosts  # noqa: PLC0415
     return hosts.resolve(args.coordinator_address, args.num_processes, args.process_id)[1]
@@ -309,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         _join_processes(args)
         return {"generate": _generate, "align": _align, "serve": _serve, "bench": _bench,
-                "plan": _plan}[args.command](args)
+                "plan": _plan, "eval": _eval}[args.command](args)
     except HybridJaxError as e:
         print(f"hybrid-jax: error: {e}", file=sys.stderr)
         return 2
