@@ -125,6 +125,11 @@ def kl_divergence(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 def compare(a: Scored, b: Scored) -> Comparison:
+    """A against B (each `score`d with keep_distributions, over the same positions)."""
+    if a.logprobs is None or b.logprobs is None:
+        raise InputError("compare needs both readings' distributions (score with keep_distributions=True)")
+    if not np.array_equal(a.positions, b.positions):
+        raise InputError(f"the two readings scored different positions ({len(a.positions)} and {len(b.positions)})")
     kl = kl_divergence(a.logprobs, b.logprobs)
     agree = float(np.mean(np.argmax(a.logprobs, -1) == np.argmax(b.logprobs, -1)))
     diff = next((i for i, (x, y) in enumerate(zip(a.greedy, b.greedy)) if x != y), None)
