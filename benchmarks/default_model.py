@@ -7,7 +7,8 @@
      n-gram speculative decoding (exact), bfloat16 activations against float32 (approximate);
   3. n-gram speculative decoding on the model's own text: acceptance rate and tokens per verify step
      (emitted tokens / verify steps) on continuations of held-out chapter openings, and on a
-     repetitive prompt (a held-out passage, then its first verse again, so the continuation can copy).
+     repetitive prompt (a held-out passage of six verses, then its first seven words again, so the
+     continuation can copy).
 
     python benchmarks/default_model.py [--tokens 2048] [--context 256] [--stride 128] [--k 4]
 """
@@ -82,7 +83,7 @@ def main() -> None:
     # 3. n-gram speculation on the model's text
     openings = [c.split("\n")[0] for c in chapters[:8]]
     passage = "\n".join(chapters[1].split("\n")[:6])
-    repetitive = [passage + "\n" + passage.split("\n")[0][:40]]
+    repetitive = [passage + "\n" + " ".join(passage.split()[:7])]       # its first seven words again
     print(f"\n3. n-gram speculation (k={a.k}, greedy, {a.max_tokens} tokens)")
     for label, prompts in (("own text: 8 held-out chapter openings", openings),
                            ("repetitive: a passage, then its start again", repetitive)):
