@@ -42,12 +42,8 @@ def score_windows(n_tokens: int, context: int, stride: int) -> Windows:
         raise InputError(f"stride must be in [1, context]; got stride {stride}, context {context}")
     if n_tokens < 2:
         raise InputError(f"the text has {n_tokens} token(s): at least 2 are needed to score one")
-    pos, starts = [], []
-    for p in range(1, n_tokens):
-        s = 0 if p < context else ((p - context) // stride + 1) * stride
-        pos.append(p)
-        starts.append(s)
-    return Windows(np.asarray(pos), np.asarray(starts))
+    p = np.arange(1, n_tokens)
+    return Windows(p, np.where(p < context, 0, ((p - context) // stride + 1) * stride))
 
 
 @dataclasses.dataclass
@@ -82,9 +78,9 @@ def score(llm, token_ids: Sequence[int], *, context: int = 256, stride: int = 12
     dists = np.empty((len(outs), V), np.float32) if keep_distributions else None
     nll = np.empty(len(outs), np.float64)
     for j, (o, p) in enumerate(zip(outs, w.positions)):
-        top = o.outputs[0].logprobs[0]["top"]
+        top = np.asarray(o.outputs[0].logprobs[0]["top"], np.float64)      # [V, 2]: (token id, logprob)
         d = np.full(V, -np.inf, np.float32)
-        d[[t for t, _ in top]] = [v for _, v in top]
+        d[top[:, 0].astype(np.int64)] = top[:, 1]
         nll[j] = -float(d[ids[p]])
         if dists is not None:
             dists[j] = d

@@ -23,7 +23,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from hybrid_jax.config import ModelConfig, load_config
-from hybrid_jax.default_model import DEFAULT_MODEL_DIR, DEFAULT_MODEL_NAME
+from hybrid_jax.default_model import DEFAULT_MODEL_NAME, checkpoint_dir
 from hybrid_jax.engine.limits import check_request
 from hybrid_jax.errors import ConfigError, InputError
 from hybrid_jax.generate import Generator
@@ -81,9 +81,7 @@ class LLM:
                  tensor_parallel_size: int = 1, data_parallel_size: int = 1, enable_expert_parallel: bool = False):
         parallel = ParallelConfig(tensor_parallel_size, data_parallel_size, enable_expert_parallel)
         default = model is None       # the shipped checkpoint (hybrid_jax.default_model), loaded like any other
-        if default:
-            model = DEFAULT_MODEL_DIR
-        model = os.fspath(model)
+        model = os.fspath(checkpoint_dir(model))
         reader = open_checkpoint(model, quantization)   # checks the directory and the weight files first
         self.config = load_config(model)
         self.model_name = DEFAULT_MODEL_NAME if default else model
