@@ -1,20 +1,24 @@
-"""Host overhead: how much of the device's decode rate the engine and the HTTP server deliver.
+"""Host overhead: how much of the device's rate the engine and the HTTP server deliver.
+
+The "device" is XLA's compute threads kept to CPU 0 (HYBRID_JAX_ENGINE_CPUS, default 0), and the host
+every Python thread (this process's step loop, the server's engine core loop, its API server and the
+OpenAI client load) kept to the other CPUs (`hybrid_jax/engine/cpu_affinity.py`): on an accelerator a
+host cycle never takes a device cycle, and on a CPU shared by both every one would. `--shared-cpus`
+runs everything on every CPU instead.
 
 For each model and concurrency (1, 8, 32, 64), in one run:
-  bare    the engine's compiled decode program called back to back at that batch (c requests
-          prefilled, then nothing but the program: no scheduling, no token read back until the end)
-  replay  the step programs the engine ran in its measured pass (prefill chunks, decode calls at
-          growing contexts, the batch as it fills and drains), recorded with their inputs and
-          replayed back to back with nothing on the host between them: the device doing exactly the
-          engine's work, the ceiling of that work
+  bare    the device alone doing this batch's work: the step programs the engine ran in its measured
+          pass (prefill chunks, decode calls at growing contexts, the batch as it fills and drains),
+          recorded with their inputs and replayed back to back with nothing on the host between them
+  decode  the engine's decode program alone, back to back at batch c after 32-token prompts: shorter
+          contexts and no prefill, a lighter workload than serving these requests (for reference)
   engine  the async engine alone (AsyncEngine, as the server drives it), c requests in flight
   server  `hybrid-jax serve` in a child process (its engine core in a process of its own), c
           streaming completions at once through the official OpenAI client
-Tokens/s of each (engine and server as a share of bare and of replay), the engine's device-busy share
-of the run and host time per step (its own figures; the server's scraped from /metrics), and TTFT /
-ITL p50 and p99. Bare runs short contexts without prefill, so it is above what any serving of the
-workload can reach; replay is the same work. On this CPU the "device" is the same two cores the
-host, the API server and the load generator run on: every host cycle is one the device loses.
+Tokens/s of each (engine and server as a share of bare), the engine's device-busy share of the run and
+host time per step (its own figures; the server's scraped from /metrics), and TTFT / ITL p50 and p99.
+`--baseline` measures the design before overlapped stepping and the engine core process: the engine
+reads each step back before it enqueues the next, and the server steps it on a thread of its own.
 
 Every configuration first serves two passes of other prompts (the shapes they batch into compile:
 warm-up is `minimal`), then is measured; a measured pass during which a program compiled (a batch
@@ -26,7 +30,7 @@ weights (about 42 MB) exceed this machine's last-level cache. Greedy, ignore_eos
 16-64 tokens, 256 output tokens (decode-bound, as serving is), c requests per level.
 
     python benchmarks/host_overhead.py [--concurrency 1,8,32,64] [--models default,medium]
-        [--requests-per 1] [--output-len 256] [--prompt-len 16:64]
+        [--requests-per 1] [--output-len 256] [--prompt-len 16:64] [--baseline] [--shared-cpus]
 """
 from __future__ import annotations
 
@@ -43,17 +47,17 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-# HYBRID_JAX_ENGINE_CPUS=0: the "device" gets CPU 0 to itself, as an accelerator would be apart from the
-# host: this process (bare, replay, the in-process engine) and the server's engine core run there, the
-# API server and the load generator on the other CPUs. Set before JAX starts its threads (they inherit it).
+from hybrid_jax.engine import cpu_affinity  # noqa: E402
+
+# Set before JAX starts its threads (they inherit it); the server's engine core reads the same variable.
 DEVICE_CPUS = HOST_CPUS = None
-if os.environ.get("HYBRID_JAX_ENGINE_CPUS"):
-    from hybrid_jax.engine.core_process import parse_cpus  # noqa: E402
-    DEVICE_CPUS = parse_cpus(os.environ["HYBRID_JAX_ENGINE_CPUS"])
-    HOST_CPUS = os.sched_getaffinity(0) - DEVICE_CPUS
-    if not HOST_CPUS:
-        sys.exit("HYBRID_JAX_ENGINE_CPUS leaves no CPU for the host")
-    os.sched_setaffinity(0, DEVICE_CPUS)
+if "--shared-cpus" not in sys.argv and (os.cpu_count() or 1) > 1:
+    DEVICE_CPUS = cpu_affinity.from_env() or {0}
+    HOST_CPUS = cpu_affinity.host_cpus(DEVICE_CPUS)
+    if HOST_CPUS == DEVICE_CPUS:
+        sys.exit(f"{cpu_affinity.CPUS_ENV} leaves no CPU for the host")
+    os.environ[cpu_affinity.CPUS_ENV] = ",".join(map(str, sorted(DEVICE_CPUS)))
+    cpu_affinity.keep_to(DEVICE_CPUS)
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -66,16 +70,24 @@ from hybrid_jax.engine.async_engine import AsyncEngine  # noqa: E402
 
 MAX_SEQS = 64
 MEASURE_TRIES = 4
+BASELINE = False         # --baseline: no overlapped stepping, the server's engine on a thread of its own
 OUT_LEN = 256
 PROMPT_LEN = (16, 64)
 
 
 def engine_config(**kw) -> EngineConfig:
     return EngineConfig(**{**dict(max_num_seqs=MAX_SEQS, max_num_batched_tokens=512, max_model_len=2048,
-                                  decode_steps=4, warmup="minimal", compilation_cache_dir=None), **kw})
+                                  decode_steps=4, warmup="minimal", compilation_cache_dir=None,
+                                  async_scheduling=not BASELINE), **kw})
 
 
-def bare(llm, c: int, calls: int = 24) -> float:
+def split():
+    """XLA's threads (any started since) to the device CPUs, Python's to the host's (module docstring)."""
+    if DEVICE_CPUS:
+        cpu_affinity.split_threads(DEVICE_CPUS)
+
+
+def decode_only(llm, c: int, calls: int = 24) -> float:
     """Tokens/s of the decode program alone at batch c (module docstring)."""
     eng = LLMEngine(llm, engine_config())
     sp = SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True)
@@ -149,6 +161,7 @@ class Recorder:
 def engine_run(llm, c: int, n: int) -> dict:
     eng = LLMEngine(llm, engine_config())
     eng.warmup()
+    split()
     rec = Recorder(eng.runner)
     ae = AsyncEngine(eng)
     ae.start()
@@ -204,6 +217,8 @@ def server_runs(path: str | None, dtype: str, vocab: int, levels: list[int], per
     cmd = [sys.executable, "-m", "hybrid_jax.cli", "serve", "--port", str(port), "--dtype", dtype,
            "--max-num-seqs", str(MAX_SEQS), "--max-num-batched-tokens", "512", "--max-model-len", "2048",
            "--decode-steps", "4", "--warmup", "minimal", "--compilation-cache-dir", "none"]
+    if BASELINE:
+        cmd += ["--no-engine-process", "--no-async-scheduling"]
     if path:
         cmd += ["--model", path]
     if HOST_CPUS:                            # the API server on the host's CPUs, its engine core on the device's
@@ -221,8 +236,6 @@ def server_runs(path: str | None, dtype: str, vocab: int, levels: list[int], per
         else:
             raise RuntimeError("the server did not become ready")
         model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
-        if HOST_CPUS:                        # the load generator (this thread) on the host's CPUs too
-            os.sched_setaffinity(0, HOST_CPUS)
         out = {}
         for c in levels:
             wl = make_workload(per * c, PROMPT_LEN, (OUT_LEN, OUT_LEN), 0.0, vocab, seed=c)
@@ -239,58 +252,64 @@ def server_runs(path: str | None, dtype: str, vocab: int, levels: list[int], per
                       "compiled": after["compiled"] - before["compiled"]}
         return out
     finally:
-        if DEVICE_CPUS:
-            os.sched_setaffinity(0, DEVICE_CPUS)
         proc.terminate()
         proc.wait(timeout=60)
 
 
 def model(name: str) -> tuple[LLM, str | None, str]:
     if name == "default":
-        return LLM(), None, "auto"
-    from tiny_qwen3_next import CONFIG_PROPORTIONAL, write_checkpoint  # noqa: PLC0415
-    path = write_checkpoint(os.path.join(tempfile.mkdtemp(), "medium"), config=CONFIG_PROPORTIONAL)
-    return LLM(model=path, dtype="float32"), path, "float32"
+        llm, path, dtype = LLM(), None, "auto"
+    else:
+        from tiny_qwen3_next import CONFIG_PROPORTIONAL, write_checkpoint  # noqa: PLC0415
+        path = write_checkpoint(os.path.join(tempfile.mkdtemp(), "medium"), config=CONFIG_PROPORTIONAL)
+        llm, dtype = LLM(model=path, dtype="float32"), "float32"
+    split()
+    return llm, path, dtype
 
 
 def main():
-    global OUT_LEN, PROMPT_LEN  # noqa: PLW0603
+    global OUT_LEN, PROMPT_LEN, BASELINE  # noqa: PLW0603
     ap = argparse.ArgumentParser()
     ap.add_argument("--concurrency", default="1,8,32,64")
     ap.add_argument("--models", default="default,medium")
     ap.add_argument("--requests-per", type=int, default=1, help="requests per unit of concurrency")
     ap.add_argument("--output-len", type=int, default=OUT_LEN)
     ap.add_argument("--prompt-len", default=f"{PROMPT_LEN[0]}:{PROMPT_LEN[1]}")
+    ap.add_argument("--baseline", action="store_true",
+                    help="no overlapped stepping; the server steps its engine on a thread (no engine core process)")
+    ap.add_argument("--shared-cpus", action="store_true", help="device and host threads on every CPU")
     args = ap.parse_args()
-    OUT_LEN = args.output_len
+    OUT_LEN, BASELINE = args.output_len, args.baseline
     PROMPT_LEN = tuple(int(x) for x in args.prompt_len.split(":"))
     levels = [int(x) for x in args.concurrency.split(",")]
+    where = (f"device: XLA's threads on CPU {','.join(map(str, sorted(DEVICE_CPUS)))}, host: Python's on CPU "
+             f"{','.join(map(str, sorted(HOST_CPUS)))}" if DEVICE_CPUS else "device and host share every CPU")
+    print(f"{'baseline (no overlap, engine on the server thread)' if BASELINE else 'overlapped stepping, engine core process'}; {where}")
     for name in args.models.split(","):
         llm, path, dtype = model(name)
         nbytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(llm.params))
         print(f"\n{name}: {llm.config.model_type}, weights {nbytes / 2**20:.1f} MiB ({dtype}); {OUT_LEN} output "
               f"tokens, prompts {PROMPT_LEN[0]}-{PROMPT_LEN[1]}, {args.requests_per} requests per unit of concurrency")
-        rows = {c: {"bare": bare(llm, c), "engine": engine_run(llm, c, args.requests_per * c)} for c in levels}
+        rows = {c: {"decode": decode_only(llm, c), "engine": engine_run(llm, c, args.requests_per * c)} for c in levels}
         for c, r in server_runs(path, dtype, llm.config.vocab_size, levels, args.requests_per).items():
             rows[c]["server"] = r
-        print(f"{'conc':>5} {'bare tok/s':>11} {'replay':>7} {'engine':>7} {'/bare':>6} {'/replay':>7} {'server':>7} "
-              f"{'/bare':>6} {'/replay':>7} {'busy e/s':>9} {'host ms/step e/s':>17} {'TTFT p50/p99 ms e | s':>24} "
-              f"{'ITL p50/p99 ms e | s':>23}")
+        print(f"{'conc':>5} {'bare tok/s':>11} {'decode':>7} {'engine':>7} {'/bare':>6} {'server':>7} {'/bare':>6} "
+              f"{'busy e/s':>9} {'host ms/step e/s':>17} {'TTFT p50/p99 ms e | s':>24} {'ITL p50/p99 ms e | s':>23}")
         for c, r in rows.items():
-            e, s, b, rp = r["engine"], r["server"], r["bare"], r["engine"]["replay_tok_s"]
-            et, st = e["throughput_tok_s"], s["throughput_tok_s"]
-            print(f"{c:>5} {b:>11.0f} {rp:>7.0f} {et:>7.0f} {et / b:>6.0%} {et / rp:>7.0%} {st:>7.0f} {st / b:>6.0%} "
-                  f"{st / rp:>7.0%} {e['device_busy']:>4.0%}/{s['device_busy']:<4.0%} "
+            e, s = r["engine"], r["server"]
+            b, et, st = e["replay_tok_s"], e["throughput_tok_s"], s["throughput_tok_s"]
+            print(f"{c:>5} {b:>11.0f} {r['decode']:>7.0f} {et:>7.0f} {et / b:>6.0%} {st:>7.0f} {st / b:>6.0%} "
+                  f"{e['device_busy']:>4.0%}/{s['device_busy']:<4.0%} "
                   f"{e['host_ms_per_step']:>8.2f}/{s['host_ms_per_step']:<8.2f} "
                   f"{e['ttft_ms']['p50']:>5.0f}/{e['ttft_ms']['p99']:<5.0f}|{s['ttft_ms']['p50']:>5.0f}/"
                   f"{s['ttft_ms']['p99']:<6.0f} {e['itl_ms']['p50']:>5.1f}/{e['itl_ms']['p99']:<5.1f}|"
                   f"{s['itl_ms']['p50']:>5.1f}/{s['itl_ms']['p99']:<5.1f}"
                   + (" (compiled during the measured pass)" if e["compiled"] or s["compiled"] else ""))
-    print("\n(bare: the decode program back to back at the batch, prefilled prompts only (short contexts, no "
-          "prefill); replay: the programs the engine ran in its measured pass, replayed back to back with nothing "
-          "on the host between them (the same work: prefill chunks, growing contexts, the batch as it fills and "
-          "drains); busy: the share of the run the device ran engine steps; one run on a shared 2-core CPU, where "
-          "host and device share the cores: ratios within a run are the figures)")
+    print("\n(bare: the programs the engine ran in its measured pass, replayed back to back on the device with "
+          "nothing on the host between them: this batch's work (prefill chunks, growing contexts, the batch as it "
+          "fills and drains) at the device's rate; decode: the decode program alone after 32-token prompts, a "
+          "lighter workload, for reference; busy: the share of the run the device ran engine steps; one run on a "
+          "shared machine: ratios within a run are the figures)")
 
 
 if __name__ == "__main__":

@@ -148,6 +148,8 @@ def _add_engine_args(p: argparse.ArgumentParser):
     p.add_argument("--max-num-batched-tokens", type=int, default=256)
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--decode-steps", type=int, default=4)
+    p.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
+                   help="read each step's tokens back before enqueueing the next (no overlapped stepping)")
     p.add_argument("--kv-cache-bytes", type=int, default=None)
     p.add_argument("--warmup", default="minimal", choices=["none", "minimal", "all"],
                    help="programs compiled before serving: all = every shape (serve's default), minimal = "
@@ -190,7 +192,7 @@ def _engine_config(args):
                         prefix_checkpoint_interval=args.prefix_checkpoint_interval,
                         prefix_cache_bytes=args.prefix_cache_bytes, kv_cache_dir=args.kv_cache_dir,
                         kv_cache_dir_bytes=args.kv_cache_dir_bytes, prefetch_policy=args.prefetch_policy,
-                        speculative_config=args.speculative_config)
+                        speculative_config=args.speculative_config, async_scheduling=args.async_scheduling)
 
 
 def _serve(args) -> int:

@@ -33,6 +33,7 @@ import tempfile
 import threading
 from multiprocessing.connection import Connection, Listener, wait
 
+from hybrid_jax.engine import cpu_affinity
 from hybrid_jax.errors import HybridJaxError
 
 log = logging.getLogger("hybrid_jax.engine")
@@ -61,36 +62,19 @@ def start_core(model: str | None, dtype: str, engine_config, parallel: dict | No
     return proc, address, authkey, msg[1]
 
 
-CPUS_ENV = "HYBRID_JAX_ENGINE_CPUS"     # e.g. "0" or "0-3,8": the CPUs the core process (and XLA's threads) run on
-
-
-def parse_cpus(text: str) -> set[int]:
-    """"0-3,8" -> {0, 1, 2, 3, 8}; raises HybridJaxError naming a bad list."""
-    cpus: set[int] = set()
-    try:
-        for part in text.split(","):
-            lo, _, hi = part.strip().partition("-")
-            cpus |= set(range(int(lo), int(hi or lo) + 1))
-    except ValueError:
-        raise HybridJaxError(f"{CPUS_ENV}={text!r} is not a CPU list such as '0-3,8'") from None
-    if not cpus:
-        raise HybridJaxError(f"{CPUS_ENV}={text!r} names no CPU")
-    return cpus
-
-
 def run_core(model, dtype, engine_config, parallel, address, authkey, ready: Connection):
     """The core process's body: load, warm up, then serve clients until told to shut down. With
-    HYBRID_JAX_ENGINE_CPUS set, the process keeps to those CPUs (set before the runtime starts its
-    threads, which inherit them), away from the API servers' HTTP work."""
+    HYBRID_JAX_ENGINE_CPUS set, XLA's compute threads keep to those CPUs and the core's Python threads
+    (its step loop) to the others (`engine/cpu_affinity.py`): the step loop never takes a cycle from
+    the computation it feeds."""
     import dataclasses  # noqa: PLC0415
-    if os.environ.get(CPUS_ENV):
-        try:
-            cpus = parse_cpus(os.environ[CPUS_ENV])
-            for tid in os.listdir("/proc/self/task"):     # the threads started at import, and this one
-                os.sched_setaffinity(int(tid), cpus)
-        except (HybridJaxError, OSError, AttributeError) as e:     # (AttributeError: no affinity on this OS)
-            ready.send(("failed", f"{CPUS_ENV}: {e}"))
-            return
+    try:
+        device = cpu_affinity.from_env()
+        if device:
+            cpu_affinity.keep_to(device)          # before the runtime starts: its threads inherit it
+    except (HybridJaxError, OSError, AttributeError) as e:     # (AttributeError: no affinity on this OS)
+        ready.send(("failed", f"{cpu_affinity.CPUS_ENV}: {e}"))
+        return
 
     from hybrid_jax.engine.build import build_engine  # noqa: PLC0415
     from hybrid_jax.tokenizer import ByteTokenizer  # noqa: PLC0415
@@ -100,6 +84,12 @@ def run_core(model, dtype, engine_config, parallel, address, authkey, ready: Con
     except Exception as e:  # noqa: BLE001  (reported to the server, which exits with it)
         ready.send(("failed", f"loading failed: {type(e).__name__}: {e}"))
         return
+    if device:
+        try:
+            cpu_affinity.split_threads(device)     # warm-up ran: the runtime's threads have all started
+        except OSError as e:
+            ready.send(("failed", f"{cpu_affinity.CPUS_ENV}: {e}"))
+            return
     tok = engine.llm.tokenizer
     info = {"max_model_len": engine.config.max_model_len, "vocab_size": engine.llm.config.vocab_size,
             "tokenizer": "byte" if isinstance(tok, ByteTokenizer) else ("checkpoint" if tok is not None else None),

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import threading
 
-from hybrid_jax.engine import EngineConfig, LLMEngine
+from hybrid_jax.engine import EngineConfig, LLMEngine, cpu_affinity
 from hybrid_jax.engine.async_engine import AsyncEngine
 from hybrid_jax.engine.build import build_engine
 from hybrid_jax.errors import ConfigError
@@ -41,7 +41,12 @@ def load_engine(state: ServerState, model: str | None, dtype: str, engine_config
             if more_servers is not None:
                 more_servers(*state.engine.connection)
             return
+        device = cpu_affinity.from_env() if mirror is None else None      # (a mesh's processes keep theirs)
+        if device:
+            cpu_affinity.keep_to(device)          # the runtime's threads start on the device CPUs
         engine = build_engine(model, dtype, engine_config, parallel)
+        if device:
+            cpu_affinity.split_threads(device)    # and Python's (HTTP, the step loop) move off them
         ae = AsyncEngine(engine, mirror)
         ae.start()
         state.ready_note = ready_note(engine)

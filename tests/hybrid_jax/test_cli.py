@@ -47,6 +47,8 @@ def test_serve_prefix_caching_options_reach_the_engine_config():
                                       "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4}'])
     cfg = _engine_config(args)
     assert cfg.kv_cache_dir == "/tmp/x" and cfg.speculative_config["num_speculative_tokens"] == 4
+    assert _engine_config(build_parser().parse_args(["serve"])).async_scheduling
+    assert not _engine_config(build_parser().parse_args(["serve", "--no-async-scheduling"])).async_scheduling
 
 
 def test_api_key_from_flag_file_or_environment(tmp_path, monkeypatch):

@@ -212,18 +212,70 @@ def test_chat_without_template_is_400(server):
     assert r.status_code == 400 and "chat template" in r.json()["error"]["message"]
 
 
-def test_engine_core_keeps_to_the_cpus_it_is_given(server):
-    """HYBRID_JAX_ENGINE_CPUS=0 (the fixture's): the core process, XLA's threads included, runs on CPU 0
-    only; the API server process is not held to it."""
-    core = _engine_core_pid(server)
-    tasks = os.listdir(f"/proc/{core}/task")
-    assert len(tasks) > 1 and all(os.sched_getaffinity(int(t)) == {0} for t in tasks)
+def _thread_cpu_ticks(pid: int) -> dict[int, int]:
+    """utime + stime of each thread of a process, in clock ticks."""
+    out = {}
+    for t in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{t}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:                 # a thread that ended meanwhile
+            continue
+        out[int(t)] = int(fields[11]) + int(fields[12])
+    return out
+
+
+def _assert_computation_on_cpu0(url: str, pid: int):
+    """Requests through `url` run their computation on threads of `pid` kept to CPU 0; at least two
+    threads (XLA's) are, and the main thread (Python's: the step loop or the HTTP loop) is not."""
+    before = _thread_cpu_ticks(pid)
+    for _ in range(3):
+        r = httpx.post(url + "/v1/completions", headers=H, timeout=120,
+                       json={"prompt": [1, 2], "max_tokens": 200, "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200
+    after = _thread_cpu_ticks(pid)
+    affinity = {t: os.sched_getaffinity(t) for t in after}
+    work = {t: after[t] - before.get(t, 0) for t in after}
+    on_device = [t for t, cpus in affinity.items() if cpus == {0}]
+    assert len(on_device) >= 2
+    assert sum(work[t] for t in on_device) > 0 and max(work, key=work.get) in on_device, (work, affinity)
+    if len(os.sched_getaffinity(0)) > 1 and (os.cpu_count() or 1) > 1:
+        assert 0 not in affinity[pid] and affinity[pid], affinity      # Python's threads are off the device
+
+
+def test_engine_core_keeps_its_computation_to_the_cpus_it_is_given(server):
+    """HYBRID_JAX_ENGINE_CPUS=0 (the fixture's): the core's compute threads (XLA's) keep to CPU 0, its
+    Python threads (the step loop: the main thread) to the other CPUs, and the computation of a
+    request runs on CPU 0's threads. The API server process is not held to CPU 0."""
+    _assert_computation_on_cpu0(server, _engine_core_pid(server))
     if len(os.sched_getaffinity(0)) > 1:
         assert os.sched_getaffinity(_SERVERS[server].pid) != {0}
 
 
+def test_engine_on_the_server_thread_keeps_its_computation_to_the_cpus_it_is_given(tiny_checkpoint, tmp_path):
+    """--no-engine-process: the same split inside the server's own process."""
+    port = _free_port()
+    cc = os.environ.get("JAX_COMPILATION_CACHE_DIR") or str(tmp_path / "cc")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hybrid_jax.cli", "serve", "--model", tiny_checkpoint, "--port", str(port),
+         "--api-key", KEY, "--max-num-seqs", "2", "--max-num-batched-tokens", "32", "--max-model-len", "256",
+         "--warmup", "minimal", "--compilation-cache-dir", cc, "--no-engine-process", "--no-async-scheduling"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        env={**os.environ, "JAX_PLATFORMS": "cpu", "HYBRID_JAX_ENGINE_CPUS": "0"})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_ready(proc, url, 400)
+        _assert_computation_on_cpu0(url, proc.pid)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
 def test_a_bad_engine_cpu_list_is_named():
-    from hybrid_jax.engine.core_process import parse_cpus  # noqa: PLC0415
+    from hybrid_jax.engine.cpu_affinity import parse_cpus  # noqa: PLC0415
     from hybrid_jax.errors import HybridJaxError  # noqa: PLC0415
     assert parse_cpus("0-2, 5") == {0, 1, 2, 5}
     with pytest.raises(HybridJaxError, match="HYBRID_JAX_ENGINE_CPUS='0-x' is not a CPU list"):
