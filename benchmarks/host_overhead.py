@@ -293,12 +293,14 @@ def main():
         rows = {c: {"decode": decode_only(llm, c), "engine": engine_run(llm, c, args.requests_per * c)} for c in levels}
         for c, r in server_runs(path, dtype, llm.config.vocab_size, levels, args.requests_per).items():
             rows[c]["server"] = r
-        print(f"{'conc':>5} {'bare tok/s':>11} {'decode':>7} {'engine':>7} {'/bare':>6} {'server':>7} {'/bare':>6} "
-              f"{'busy e/s':>9} {'host ms/step e/s':>17} {'TTFT p50/p99 ms e | s':>24} {'ITL p50/p99 ms e | s':>23}")
+        print(f"{'conc':>5} {'bare tok/s':>11} {'decode':>7} {'engine':>7} {'/bare':>6} {'/dec':>5} {'server':>7} "
+              f"{'/bare':>6} {'/dec':>5} {'busy e/s':>9} {'host ms/step e/s':>17} {'TTFT p50/p99 ms e | s':>24} "
+              f"{'ITL p50/p99 ms e | s':>23}")
         for c, r in rows.items():
-            e, s = r["engine"], r["server"]
+            e, s, d = r["engine"], r["server"], r["decode"]
             b, et, st = e["replay_tok_s"], e["throughput_tok_s"], s["throughput_tok_s"]
-            print(f"{c:>5} {b:>11.0f} {r['decode']:>7.0f} {et:>7.0f} {et / b:>6.0%} {st:>7.0f} {st / b:>6.0%} "
+            print(f"{c:>5} {b:>11.0f} {d:>7.0f} {et:>7.0f} {et / b:>6.0%} {et / d:>5.0%} {st:>7.0f} {st / b:>6.0%} "
+                  f"{st / d:>5.0%} "
                   f"{e['device_busy']:>4.0%}/{s['device_busy']:<4.0%} "
                   f"{e['host_ms_per_step']:>8.2f}/{s['host_ms_per_step']:<8.2f} "
                   f"{e['ttft_ms']['p50']:>5.0f}/{e['ttft_ms']['p99']:<5.0f}|{s['ttft_ms']['p50']:>5.0f}/"
