@@ -173,6 +173,16 @@ def greedy_reference(llm, prompt, n: int, stop_ids=()) -> list[int]:
     return out
 
 
+def stop_process(proc, timeout: float = 20.0) -> None:
+    """SIGTERM a server the test started (it drains), then SIGKILL if it is still up after `timeout`."""
+    import subprocess  # noqa: PLC0415
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
 def check_cost_baselines(path, measured: dict, about: str, tolerance: float = 1.05) -> None:
     """Compiled costs held to their record: measured {case: {"flops", "bytes_accessed"}} may not rise more
     than `tolerance` over the JSON file at `path`, and every case needs a record. With UPDATE_TPU_BASELINES=1

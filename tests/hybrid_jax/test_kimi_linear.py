@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from conftest import hf_model, save_random_checkpoint
+from conftest import hf_model, save_random_checkpoint, stop_process
 
 from hybrid_jax import LLM, SamplingParams
 from hybrid_jax.config import config_from_hf_dict
@@ -216,8 +216,4 @@ def test_the_server_serves_it_like_offline(checkpoints, tmp_path):
                     streamed += json.loads(line[6:])["choices"][0].get("token_ids") or []
         assert streamed == want[1]
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_process(proc)

@@ -16,6 +16,7 @@ import time
 import httpx
 import numpy as np
 import pytest
+from conftest import stop_process
 
 from hybrid_jax import LLM, SamplingParams
 from hybrid_jax.bench import make_workload, run_load
@@ -79,11 +80,7 @@ def server(tiny_checkpoint, tmp_path_factory):
     _wait_ready(proc, url, 400)
     _SERVERS[url] = proc
     yield url
-    proc.terminate()
-    try:
-        proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+    stop_process(proc)
 
 
 @pytest.fixture(scope="module")
@@ -267,11 +264,7 @@ def test_engine_on_the_server_thread_keeps_its_computation_to_the_cpus_it_is_giv
         _wait_ready(proc, url, 400)
         _assert_computation_on_cpu0(url, proc.pid)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_process(proc)
 
 
 def test_a_bad_engine_cpu_list_is_named():
