@@ -70,6 +70,11 @@ class SamplerFlags:
                             use_top_p=any(p.top_p < 1.0 for p in rnd))
 
 
+# The engine's sampler: one program serves every mix of greedy / temperature / top-k / top-p rows, so
+# a request's sampling parameters never cause a compile.
+FULL_SAMPLER = SamplerFlags(any_random=True, use_top_k=True, use_top_p=True)
+
+
 def _filter(x: jax.Array, top_k: jax.Array, top_p: jax.Array, flags: SamplerFlags) -> jax.Array:
     """Masks logits outside each row's top-k set and top-p nucleus to -inf. x: [B, V]."""
     V = x.shape[-1]

@@ -41,6 +41,7 @@ from hybrid_jax.engine.request import Request, RequestFailed, RequestOutput, Req
 from hybrid_jax.engine.runner import Dispatched, ModelRunner, enable_persistent_compilation_cache
 from hybrid_jax.engine.scheduler import Scheduler
 from hybrid_jax.engine.speculate import EngineSpeculator
+from hybrid_jax.engine.speculative_step import SpeculativeStep
 from hybrid_jax.errors import InputError
 from hybrid_jax.generate import bucket
 from hybrid_jax.sampling import SamplingParams
@@ -111,6 +112,8 @@ class LLMEngine:
         self.metrics = metrics or EngineMetrics()
         if metrics is None:
             self.metrics.bind(self.live_figures)
+        self.speculative = (SpeculativeStep(self.runner, self.spec, self.metrics, self.config.run_to_completion)
+                            if self.spec is not None else None)
         self.requests: dict[str, Request] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._eos = llm.eos_token_ids()
@@ -482,27 +485,12 @@ class LLMEngine:
         return self._emit(f.reqs, toks, lps, publish=f.sync, rates=f.rates)
 
     def _step_speculative(self, reqs) -> list[RequestOutput]:
-        """A decode-only step with speculation (never overlapped: drafting reads the tokens): the
-        on-device n-gram loop, a verify of the drafts, or plain decode iterations the drafter shadows."""
-        t0 = time.perf_counter()
-        if self._loop_mode(reqs):
-            toks, lps = self._ngram_loop(reqs)
-        else:
-            drafts, shadows = self.spec.plan(reqs)
-            dt = time.perf_counter() - t0
-            self.spec.metrics.draft_time_s += dt
-            self.metrics.spec_draft_seconds.inc(dt)
-            if drafts is not None and any(len(d) for d in drafts):
-                toks, lps = self._verify(reqs, drafts)
-            else:
-                t1 = time.perf_counter()
-                f = self._dispatch_decode(reqs)
-                toks, lps = self._read(f)
-                if shadows is not None:
-                    self.spec.record_shadow(reqs, shadows, toks, time.perf_counter() - t1)
-                return self._emit(reqs, toks, lps, rates=f.rates)
-        self.metrics.step_seconds.observe(time.perf_counter() - t0)
-        return self._emit(reqs, toks, lps, rates=self._hit_rates(reqs))
+        """A decode-only step with speculation (engine/speculative_step.py)."""
+        def decode(rs):
+            f = self._dispatch_decode(rs)
+            return (*self._read(f), f.rates)
+        toks, lps, rates = self.speculative.run(reqs, decode, self._hit_rates)
+        return self._emit(reqs, toks, lps, rates=rates)
 
     def _emit(self, reqs, toks, lps, publish: bool = True, rates=None) -> list[RequestOutput]:
         """The host's work on a step's tokens: the publishes it reached (`publish`: only a step read back
@@ -551,45 +539,6 @@ class LLMEngine:
                 copies.setdefault(g, []).extend(pairs)
         if copies:
             self.runner.copy_on_write(copies)
-
-    def _loop_mode(self, reqs) -> bool:
-        """Offline n-gram speculation with rollback by selection runs as the runner's on-device loop
-        (every request to its end in one call); a request asking for logprobs keeps the host path."""
-        return (self.spec is not None and self.spec.uses_device_loop and self.config.run_to_completion
-                and all(q.params.logprobs is None for q in reqs))
-
-    def _ngram_loop(self, reqs):
-        t0 = time.perf_counter()
-        toks, log, branch = self.runner.run_ngram_loop(reqs, self.spec.spec)
-        dt = time.perf_counter() - t0
-        self.spec.record_loop(reqs, log, branch, dt)
-        self.metrics.spec_verify_seconds.inc(dt)
-        self._spec_gauges()
-        for q, row in zip(reqs, toks):
-            q.num_computed += int(np.sum(row >= 0))   # each emitted token but the new pending one was fed
-        n, T = toks.shape
-        return toks, (np.zeros((n, T), np.float32), np.zeros((n, T, 0), np.float32), np.zeros((n, T, 0), np.int32))
-
-    def _spec_gauges(self):
-        figures = self.spec.metrics.as_dict()
-        self.metrics.spec_acceptance.set(figures["acceptance_rate"])
-        self.metrics.spec_accepted_length.set(figures["mean_accepted_length"])
-
-    def _verify(self, reqs, drafts):
-        """One speculative verify step: every row emits its accepted drafts plus one token."""
-        K = self.spec.k_bucket(max(len(d) for d in drafts))
-        t0 = time.perf_counter()
-        n_acc, out = self.runner.run_verify(reqs, drafts, K, replay=self.spec.spec.rollback == "replay")
-        dt = time.perf_counter() - t0
-        self.metrics.spec_verify_seconds.inc(dt)
-        toks = np.full(out.shape, -1, np.int32)
-        for i, (q, a) in enumerate(zip(reqs, n_acc)):
-            toks[i, :a + 1] = out[i, :a + 1]
-            q.num_computed += int(a) + 1             # the pending token and the accepted drafts
-        self.spec.record_verify(reqs, drafts, n_acc, dt)
-        self._spec_gauges()
-        n, T = toks.shape
-        return toks, (np.zeros((n, T), np.float32), np.zeros((n, T, 0), np.float32), np.zeros((n, T, 0), np.int32))
 
     def spec_stats(self) -> dict:
         """Speculative decoding figures; {"enabled": False} without a speculative config."""

@@ -42,7 +42,7 @@ class Request:
     scheduled_time: float | None = None    # first admission into a row (queue time ends here)
     strikes: int = 0                       # unattributable step failures this request was part of
     num_inflight: int = 0                  # tokens a dispatched, unread step samples for it (engine overlap)
-    row_consts: tuple | None = None        # its step inputs that never change (runner._row_consts)
+    row_consts: tuple | None = None        # its step inputs that never change (StepInputs.row_consts)
 
     @property
     def all_ids(self) -> list[int]:

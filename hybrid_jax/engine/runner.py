@@ -4,8 +4,9 @@ The engine's cache is one pytree of pools (cache.pools): paged groups hold pages
 shares through block tables, slot groups one row per request (`max_num_seqs` rows, then a null row
 that padding rows of a batch bucket point at, then the prefix cache's checkpoint units). The block
 manager (cache.block_manager, owned by the engine) decides which pages and row each request holds;
-a step receives the rows, their block tables and their lengths from the host, gathers the view its
-forward reads (`take_view`), runs the model, samples on device and scatters the rows back:
+a step receives the rows, their block tables and their lengths from the host (engine/step_inputs.py
+builds them), gathers the view its forward reads (`take_view`), runs the model, samples on device
+and scatters the rows back:
 
   mixed step   [Bb, T] tokens: prefill chunks and decodes together, one sample per row at most
   decode step  [Bb] last tokens: `decode_steps` iterations in a `lax.while_loop`, with stop token
@@ -38,21 +39,17 @@ from cache.block_manager import BlockManager, GroupGeometry
 from cache.pools import (build_pools, copy_pages, pool_geometry, put_view,
                          size_pools, take_view)
 from hybrid_jax.engine.config import EngineConfig
-from hybrid_jax.engine.limits import row_temperature, row_top_k
 from hybrid_jax.engine.request import attributed
+from hybrid_jax.engine.step_inputs import LOGPROBS_WIDTH, StepInputs
 from hybrid_jax.errors import InputError
 from hybrid_jax.generate import bucket
 from hybrid_jax.models import get_model
 from hybrid_jax.models.ragged import pack
 from hybrid_jax.parallel.context import Traced, active
 from hybrid_jax.parallel.placement import entry_copies
-from hybrid_jax.sampling import SamplerFlags, sample, token_logprobs
+from hybrid_jax.sampling import FULL_SAMPLER, sample, token_logprobs
 
 MIN_T = 8
-LOGPROBS_WIDTH = 20      # top log-probabilities computed when any request of a step asks for them
-# One sampler program serves every mix of greedy / temperature / top-k / top-p rows, so a request's
-# sampling parameters never cause a compile.
-FULL_SAMPLER = SamplerFlags(any_random=True, use_top_k=True, use_top_p=True)
 
 
 def enable_persistent_compilation_cache(path: str | None):
@@ -122,7 +119,8 @@ class ModelRunner:
         self.cache = self._new_pools()
         # block-table width of each paged group: pages a request of max_model_len tokens lists
         self.widths = {n: g.page_table.shape[1] for n, g in abstract.groups.items() if g.paged}
-        self.blocks: BlockManager | None = None        # set by the engine (it owns the block manager)
+        # the rows' inputs of each step, built on the host (its block manager is set by the engine)
+        self.inputs = StepInputs(self.null_slot, self.widths, ecfg.max_stop_ids, self.eos_ids, cfg.vocab_size)
         self._mixed = jax.jit(self._mixed_fn, static_argnames=("flags", "top_n"), donate_argnames=("cache", "dcache"))
         self._ragged = jax.jit(self._ragged_fn, static_argnames=("flags", "top_n"), donate_argnames=("cache",))
         # Mixed steps (prefill chunks beside decodes) run as one flat token-major batch when the family
@@ -148,6 +146,15 @@ class ModelRunner:
         self.device_seconds = 0.0      # time the device spent running steps, as far as the host saw it
         self._device_free = 0.0        # when the last step the host read finished (perf_counter)
         self._typical: dict = {}       # program -> its last measured device time
+
+    @property
+    def blocks(self) -> BlockManager | None:
+        """The engine's block manager (it owns it): the rows' block tables come from it."""
+        return self.inputs.blocks
+
+    @blocks.setter
+    def blocks(self, blocks: BlockManager | None):
+        self.inputs.blocks = blocks
 
     def _new_slot_last(self):
         """[max_num_seqs + 1] int32 on the device (replicated on a mesh): each row's last sampled token."""
@@ -465,8 +472,8 @@ class ModelRunner:
                 tokens[i, 1:1 + len(d)] = d
                 meta[0, i], meta[1, i] = 1 + len(d), len(d)
         n_acc, out, self.cache, self.dcache = self._verify(
-            self.params, self.cache, self._rows(reqs, Bb), tokens, meta, self.dparams,
-            self.dcache, flags=self._flags(reqs), replay=replay)
+            self.params, self.cache, self.inputs.rows(reqs, Bb), tokens, meta, self.dparams,
+            self.dcache, flags=FULL_SAMPLER, replay=replay)
         self._wait(n_acc, out)
         return np.asarray(n_acc)[:n], np.asarray(out)[:n]
 
@@ -505,66 +512,14 @@ class ModelRunner:
                 first[i] = ids[-1]
                 rows[:, i] = (len(ids) - 1, 1, len(q.output_ids) - 1, q.remaining_tokens + 1)
         tune = np.asarray([spec.draft_cost, spec.ewma_decay], np.float32)
-        out, n_out, log, branch, self.cache = self._loop(self.params, self.cache, self._rows(reqs, Bb), hist, first,
-                                                         rows, tune, self._stop_ids(reqs, Bb), lc=lc)
+        out, n_out, log, branch, self.cache = self._loop(self.params, self.cache, self.inputs.rows(reqs, Bb), hist, first,
+                                                         rows, tune, self.inputs.stop_ids(reqs, Bb), lc=lc)
         self._wait(out, n_out, log, branch)
         out, n_out = np.asarray(out)[:n], np.asarray(n_out)[:n]
         toks = np.where(np.arange(out.shape[1] - 1)[None] < (n_out - 1)[:, None], out[:, 1:], -1)
         return toks, np.asarray(log)[:, :, :n], np.asarray(branch)
 
-    # --- host calls --------------------------------------------------------------------------------
-    def _rows(self, reqs, Bb) -> dict:
-        """The step's per-row inputs, padded to the batch bucket Bb: rows, block tables [Bb, NP_g],
-        lengths (tokens each row holds before the step), sampling parameters."""
-        n = len(reqs)
-        ra = {"rows": np.full((Bb,), self.null_slot, np.int32), "seeds": np.zeros((Bb,), np.uint32),
-              "steps": np.zeros((Bb,), np.int32), "temperature": np.zeros((Bb,), np.float32),
-              "top_k": np.full((Bb,), -1, np.int32), "top_p": np.ones((Bb,), np.float32),
-              "lengths": np.zeros((Bb,), np.int32), "from_dev": np.zeros((Bb,), bool)}
-        ids = [q.request_id for q in reqs] + [None] * (Bb - n)
-        ra["tables"] = (self.blocks.block_tables(ids, self.widths) if self.blocks is not None
-                        else {g: np.full((Bb, w), -1, np.int32) for g, w in self.widths.items()})
-        if n:
-            consts = [self._row_consts(q) for q in reqs]
-            ra["seeds"][:n], ra["temperature"][:n], ra["top_k"][:n], ra["top_p"][:n] = zip(*(c[:4] for c in consts))
-            ra["rows"][:n] = [q.slot for q in reqs]
-            ra["lengths"][:n] = [q.num_computed for q in reqs]
-            ra["steps"][:n] = [q.num_output for q in reqs]
-            ra["from_dev"][:n] = [q.num_inflight > 0 for q in reqs]      # its last token is still on the device
-        return ra
-
-    def _row_consts(self, q) -> tuple:
-        """A request's step inputs that never change, made once: (seed, temperature, top_k, top_p, its
-        stop ids [max_stop_ids] -1 padded: stop_token_ids and, unless ignore_eos, the model's EOS)."""
-        if q.row_consts is None:
-            with attributed(q):
-                S = self.ecfg.max_stop_ids
-                ids = (list(q.params.stop_token_ids) + ([] if q.params.ignore_eos else list(self.eos_ids)))[:S]
-                stop = np.full((S,), -1, np.int32)
-                stop[:len(ids)] = ids
-                q.row_consts = (q.seed % 2**32, row_temperature(q.params.temperature),
-                                row_top_k(q.params.top_k, self.cfg.vocab_size), q.params.top_p, stop)
-        return q.row_consts
-
-    def _stop_ids(self, reqs, Bb) -> np.ndarray:
-        """[Bb, max_stop_ids] int32, -1 padded: each request's stop ids (`_row_consts`)."""
-        stop_ids = np.full((Bb, self.ecfg.max_stop_ids), -1, np.int32)
-        if reqs:
-            stop_ids[:len(reqs)] = [self._row_consts(q)[4] for q in reqs]
-        return stop_ids
-
-    @staticmethod
-    def _flags(reqs):
-        return FULL_SAMPLER
-
-    def _top_n(self, reqs):
-        """The step's logprobs width: the vocabulary when a request asks for all of it (logprobs=-1),
-        else LOGPROBS_WIDTH when any asks, else 0."""
-        asked = [q.params.logprobs for q in reqs if q.params.logprobs is not None]
-        if -1 in asked:
-            return self.cfg.vocab_size
-        return LOGPROBS_WIDTH if asked else 0
-
+    # --- host calls ---------------------------------------------------------------------------------
     def dispatch_mixed(self, plan_rows) -> Dispatched:
         """Enqueues a mixed step of scheduler rows (prefill chunks and decodes; `land` gives tokens
         [n, 1], -1 for a row that does not sample); a row whose request has tokens in flight is fed its
@@ -584,8 +539,8 @@ class ModelRunner:
                 reset[i], do_sample[i] = p.reset, p.sample
                 # the MTP state starts over with the row, and after a prefix hit (it holds no prefix)
                 fresh[i] = p.reset or (q.num_cached_tokens > 0 and q.num_computed == q.num_cached_tokens)
-        top_n = self._top_n(reqs)
-        r = self._rows(reqs, Bb)
+        top_n = self.inputs.top_n(reqs)
+        r = self.inputs.rows(reqs, Bb)
         T = self.token_bucket(max(len(c) for c in chunks))
         N = self.token_bucket(sum(len(c) for c in chunks))
         # Ragged when padding to the longest row would cost more tokens than the flat batch (several
@@ -595,7 +550,7 @@ class ModelRunner:
         if self.ragged and Bb * T > N:
             batch = pack(chunks, [p.request.num_computed for p in plan_rows], N, Bb)
             tok, lps, self.cache, self.slot_last = self._ragged(self.params, self.cache, self.slot_last, r, reset,
-                                                                batch, do_sample, flags=self._flags(reqs), top_n=top_n)
+                                                                batch, do_sample, flags=FULL_SAMPLER, top_n=top_n)
             program = ("ragged", Bb, N, top_n)
         else:
             tokens = np.zeros((Bb, T), np.int32)
@@ -607,7 +562,7 @@ class ModelRunner:
                 r["mtp_fresh"] = fresh
             tok, lps, self.cache, self.dcache, self.slot_last = self._mixed(
                 self.params, self.cache, self.slot_last, r, reset, tokens, n_new,
-                do_sample, self.dparams, self.dcache, flags=self._flags(reqs), top_n=top_n)
+                do_sample, self.dparams, self.dcache, flags=FULL_SAMPLER, top_n=top_n)
             program = ("mixed", Bb, T, top_n)
         return Dispatched(n, tok, lps, program, t)
 
@@ -626,11 +581,11 @@ class ModelRunner:
             remaining[:n] = [q.remaining_tokens for q in reqs]
             if caps is not None:
                 remaining[:n] = np.minimum(remaining[:n], caps)
-        stop_ids = self._stop_ids(reqs, Bb)
-        t, top_n = time.perf_counter(), self._top_n(reqs)
+        stop_ids = self.inputs.stop_ids(reqs, Bb)
+        t, top_n = time.perf_counter(), self.inputs.top_n(reqs)
         out, lps, self.cache, self.dcache, self.slot_last = self._decode(
-            self.params, self.cache, self.slot_last, self._rows(reqs, Bb), last, active, stop_ids,
-            remaining, self.dparams, self.dcache, steps=steps, flags=self._flags(reqs), top_n=top_n)
+            self.params, self.cache, self.slot_last, self.inputs.rows(reqs, Bb), last, active, stop_ids,
+            remaining, self.dparams, self.dcache, steps=steps, flags=FULL_SAMPLER, top_n=top_n)
         return Dispatched(n, out, lps, ("decode", Bb, steps, top_n), t)
 
     # --- warm-up -----------------------------------------------------------------------------------
@@ -648,7 +603,7 @@ class ModelRunner:
         tbs = self.token_buckets() if mode == "all" else self.token_buckets()[:1]
         widths = (0, LOGPROBS_WIDTH) if mode == "all" else (0,)
         for Bb in self.batch_buckets():
-            r = self._rows([], Bb)
+            r = self.inputs.rows([], Bb)
             z = np.zeros((Bb,), bool)     # numpy, as the steps pass them: one dispatch-cache entry per program
             rm = dict(r, mtp_fresh=np.zeros((Bb,), bool)) if self.mtp else r
             for top_n in widths:
@@ -671,6 +626,6 @@ class ModelRunner:
         for Bb in self.batch_buckets():
             for K in k_buckets:
                 _, _, self.cache, self.dcache = self._verify(
-                    self.params, self.cache, self._rows([], Bb), np.zeros((Bb, K + 1), np.int32),
+                    self.params, self.cache, self.inputs.rows([], Bb), np.zeros((Bb, K + 1), np.int32),
                     np.zeros((2, Bb), np.int32), self.dparams, self.dcache, flags=FULL_SAMPLER, replay=replay)
         jax.block_until_ready(self.cache)

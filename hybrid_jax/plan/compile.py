@@ -44,10 +44,9 @@ from hybrid_jax.plan.shapes import (
     layer_counts,
     select_layers,
 )
-from hybrid_jax.sampling import SamplerFlags, sample
+from hybrid_jax.sampling import FULL_SAMPLER, sample
 from pallas_kernels.aot import cost_of, on_device
 
-FULL_SAMPLER = SamplerFlags(any_random=True, use_top_k=True, use_top_p=True)   # the engine's sampler
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,77 @@
+"""The host side of a step: each row's inputs, built in numpy from the scheduler's requests.
+
+A compiled step (engine/runner.py) takes its rows padded to a batch bucket Bb. Per row: the cache
+row it owns, its block tables, the tokens it holds before the step, its sampling parameters and
+seed, its stop ids, and whether its last token is still on the device. What never changes for a
+request (seed, sampling parameters, stop ids) is made once and kept on it (`Request.row_consts`);
+the rest is filled by columns each step.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from hybrid_jax.engine.limits import row_temperature, row_top_k
+from hybrid_jax.engine.request import attributed
+
+LOGPROBS_WIDTH = 20      # top log-probabilities computed when any request of a step asks for them
+
+
+class StepInputs:
+    """Builds the per-row inputs of a step. null_slot: the row padding rows point at; widths: the
+    block-table width of each paged group; blocks: the engine's block manager (set by the engine,
+    None before, when every table is -1)."""
+
+    def __init__(self, null_slot: int, widths: dict[str, int], max_stop_ids: int, eos_ids: tuple[int, ...],
+                 vocab_size: int):
+        self.null_slot, self.widths, self.max_stop_ids = null_slot, widths, max_stop_ids
+        self.eos_ids, self.vocab_size = tuple(eos_ids), vocab_size
+        self.blocks = None
+
+    def rows(self, reqs, Bb: int) -> dict:
+        """The step's per-row inputs, padded to the batch bucket Bb: rows [Bb], block tables [Bb, NP_g],
+        lengths [Bb] (tokens each row holds before the step), output steps [Bb], seeds [Bb] uint32,
+        temperature / top_k / top_p [Bb], from_dev [Bb] (its last token is still on the device)."""
+        n = len(reqs)
+        ra = {"rows": np.full((Bb,), self.null_slot, np.int32), "seeds": np.zeros((Bb,), np.uint32),
+              "steps": np.zeros((Bb,), np.int32), "temperature": np.zeros((Bb,), np.float32),
+              "top_k": np.full((Bb,), -1, np.int32), "top_p": np.ones((Bb,), np.float32),
+              "lengths": np.zeros((Bb,), np.int32), "from_dev": np.zeros((Bb,), bool)}
+        ids = [q.request_id for q in reqs] + [None] * (Bb - n)
+        ra["tables"] = (self.blocks.block_tables(ids, self.widths) if self.blocks is not None
+                        else {g: np.full((Bb, w), -1, np.int32) for g, w in self.widths.items()})
+        if n:
+            consts = [self.row_consts(q) for q in reqs]
+            ra["seeds"][:n], ra["temperature"][:n], ra["top_k"][:n], ra["top_p"][:n] = zip(*(c[:4] for c in consts))
+            ra["rows"][:n] = [q.slot for q in reqs]
+            ra["lengths"][:n] = [q.num_computed for q in reqs]
+            ra["steps"][:n] = [q.num_output for q in reqs]
+            ra["from_dev"][:n] = [q.num_inflight > 0 for q in reqs]      # its last token is still on the device
+        return ra
+
+    def row_consts(self, q) -> tuple:
+        """A request's step inputs that never change, made once: (seed, temperature, top_k, top_p, its
+        stop ids [max_stop_ids] -1 padded: stop_token_ids and, unless ignore_eos, the model's EOS)."""
+        if q.row_consts is None:
+            with attributed(q):
+                S = self.max_stop_ids
+                ids = (list(q.params.stop_token_ids) + ([] if q.params.ignore_eos else list(self.eos_ids)))[:S]
+                stop = np.full((S,), -1, np.int32)
+                stop[:len(ids)] = ids
+                q.row_consts = (q.seed % 2**32, row_temperature(q.params.temperature),
+                                row_top_k(q.params.top_k, self.vocab_size), q.params.top_p, stop)
+        return q.row_consts
+
+    def stop_ids(self, reqs, Bb: int) -> np.ndarray:
+        """[Bb, max_stop_ids] int32, -1 padded: each request's stop ids (`row_consts`)."""
+        stop_ids = np.full((Bb, self.max_stop_ids), -1, np.int32)
+        if reqs:
+            stop_ids[:len(reqs)] = [self.row_consts(q)[4] for q in reqs]
+        return stop_ids
+
+    def top_n(self, reqs) -> int:
+        """The step's logprobs width: the vocabulary when a request asks for all of it (logprobs=-1),
+        else LOGPROBS_WIDTH when any asks, else 0."""
+        asked = [q.params.logprobs for q in reqs if q.params.logprobs is not None]
+        if -1 in asked:
+            return self.vocab_size
+        return LOGPROBS_WIDTH if asked else 0
