@@ -125,7 +125,7 @@ def test_engine_decode_loop_writes_pools_in_place(spec, B):
                                                                 compilation_cache_dir=None, warmup="none"))
     arrays = per_position_arrays(cfg, runner.cache)
     z = np.zeros((B,), np.int32)
-    hlo = runner._decode.lower(params, runner.cache, runner.slot_last, runner._rows([], B), z, z.astype(bool),
+    hlo = runner._decode.lower(params, runner.cache, runner.slot_last, runner.inputs.rows([], B), z, z.astype(bool),
                                np.full((B, 1), -1, np.int32), z + 8, None, None, steps=16,
                                flags=SamplerFlags(False, False, False), top_n=0).compile().as_text()
     assert "while" in hlo
@@ -140,7 +140,7 @@ def test_verify_step_writes_cache_in_place():
     runner = ModelRunner(cfg, params, jnp.float32, EngineConfig(max_num_seqs=2, max_model_len=CAPACITY,
                                                                 compilation_cache_dir=None, warmup="none"))
     meta = np.stack([np.full((B,), K + 1), np.full((B,), K)]).astype(np.int32)
-    hlo = runner._verify.lower(params, runner.cache, runner._rows([], B), np.ones((B, K + 1), np.int32), meta, None,
+    hlo = runner._verify.lower(params, runner.cache, runner.inputs.rows([], B), np.ones((B, K + 1), np.int32), meta, None,
                                None, flags=SamplerFlags(False, False, False), replay=False).compile().as_text()
     assert cache_materializations(hlo, per_position_arrays(cfg, runner.cache)) == []
 
@@ -195,7 +195,7 @@ def test_speculative_device_loop_writes_cache_in_place(B):
 
 def _decode_hlo(runner, params, B: int) -> str:
     z = np.zeros((B,), np.int32)
-    return runner._decode.lower(params, runner.cache, runner.slot_last, runner._rows([], B), z, z.astype(bool),
+    return runner._decode.lower(params, runner.cache, runner.slot_last, runner.inputs.rows([], B), z, z.astype(bool),
                                 np.full((B, 1), -1, np.int32), z + 8, None, None, steps=16,
                                 flags=SamplerFlags(False, False, False), top_n=0).compile().as_text()
 
