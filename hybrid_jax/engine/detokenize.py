@@ -4,7 +4,8 @@ every step (which costs O(n^2) over a long generation).
 Each step decodes a short window of already-emitted tokens plus the new ones and emits what the
 new ones add. Tokens that end inside an unfinished UTF-8 sequence (the decode ends in U+FFFD) are
 held back until the next token completes them. `finish()` decodes the whole list once, so the final
-text is exactly `tokenizer.decode(all ids)`.
+text is exactly `tokenizer.decode(all ids)`. `detokenize_with_stops` applies a request's stop strings
+on the way, token by token.
 """
 from __future__ import annotations
 
@@ -38,3 +39,25 @@ class IncrementalDetokenizer:
         self.text = final
         self._done = len(self.ids)
         return delta
+
+
+def detokenize_with_stops(q, detok: IncrementalDetokenizer, accepted: list[int], old_text: str) -> list[int]:
+    """Sets q.text from the new tokens; with stop strings, token by token, cutting the tokens after
+    the one that completes a stop string (and the text before it). Returns the tokens kept."""
+    if not q.params.stop:
+        detok.add(accepted)
+        if q.finish_reason is not None:
+            detok.finish()
+        q.text = detok.text
+        return accepted
+    for j, t in enumerate(accepted):
+        detok.add([t])
+        if j == len(accepted) - 1 and q.finish_reason is not None:
+            detok.finish()
+        for s in q.params.stop:
+            at = detok.text.find(s, max(0, len(old_text) - len(s)))
+            if at >= 0:
+                q.text, q.finish_reason = detok.text[:at], "stop"
+                return accepted[:j + 1]
+    q.text = detok.text
+    return accepted

@@ -33,7 +33,7 @@ from cache.block_manager import BlockManager
 from cache.prefix_cache import PrefixCache, PrefixCacheConfig
 from cache.prefix_disk import DiskConfig
 from hybrid_jax.engine.config import EngineConfig
-from hybrid_jax.engine.detokenize import IncrementalDetokenizer
+from hybrid_jax.engine.detokenize import IncrementalDetokenizer, detokenize_with_stops
 from hybrid_jax.engine.limits import admit
 from hybrid_jax.engine.metrics import EngineMetrics
 from hybrid_jax.engine.publish_points import Publish, PublishPoints
@@ -557,28 +557,6 @@ class LLMEngine:
         if rates is not None:
             self.metrics.sparse_hit_rate.set(float(np.mean(np.asarray(rates))))
 
-    @staticmethod
-    def _detokenize(q: Request, detok: IncrementalDetokenizer, accepted: list[int], old_text: str) -> list[int]:
-        """Sets q.text from the new tokens; with stop strings, token by token, cutting the tokens after
-        the one that completes a stop string (and the text before it). Returns the tokens kept."""
-        if not q.params.stop:
-            detok.add(accepted)
-            if q.finish_reason is not None:
-                detok.finish()
-            q.text = detok.text
-            return accepted
-        for j, t in enumerate(accepted):
-            detok.add([t])
-            if j == len(accepted) - 1 and q.finish_reason is not None:
-                detok.finish()
-            for s in q.params.stop:
-                at = detok.text.find(s, max(0, len(old_text) - len(s)))
-                if at >= 0:
-                    q.text, q.finish_reason = detok.text[:at], "stop"
-                    return accepted[:j + 1]
-        q.text = detok.text
-        return accepted
-
     def _append(self, q: Request, new: list[int], lps, now: float) -> RequestOutput | None:
         """Adds sampled tokens to a request; applies stop ids, max tokens and stop strings. A stop string
         ends the output at the token that completes it, however the steps cut the tokens (text cut
@@ -596,7 +574,7 @@ class LLMEngine:
         old_text = q.text
         detok = self._detok.get(q.request_id)
         if detok is not None:
-            accepted = self._detokenize(q, detok, accepted, old_text)
+            accepted = detokenize_with_stops(q, detok, accepted, old_text)
         if q.first_token_time is None:
             self.metrics.ttft.observe(now - q.arrival)
         elif accepted:
