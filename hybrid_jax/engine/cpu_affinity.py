@@ -8,12 +8,12 @@ gives the runtime CPUs 0-3 and moves every Python thread to the other CPUs: the 
 then keeps the "device" fed the way it would feed an accelerator, and the compute threads are never
 descheduled for host work.
 
-  keep_to(cpus)       before JAX starts: this thread (and so every runtime thread started from it)
-                      keeps to `cpus`
+  keep_to(cpus)       before JAX starts: every thread so far (and so every runtime thread started
+                      from them) keeps to `cpus`
   split_threads(cpus) once the runtime runs: its threads keep to `cpus`, Python's to the others
 
 The runtime starts some threads lazily (PJRT's execution threads at the first program), so
-`split_threads` runs a small program first, and callers split again after warm-up.
+`split_threads` runs a small program first; callers split once warm-up has run.
 """
 from __future__ import annotations
 
