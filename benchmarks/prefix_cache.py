@@ -69,7 +69,7 @@ def main():
         if r:
             cold_s.append(c)
             warm_s.append(w)
-            lookups += eng.prefix.lookup_seconds[n:]
+            lookups += list(eng.prefix.lookup_seconds)[n:]
     cold, warm = statistics.median(cold_s), statistics.median(warm_s)
     print(f"[{args.config}] {args.prompt_len}-token prompt, first {args.cached_len} cached; chunk {args.chunk};"
           f" median of {args.repeats}; programs compiled after warm-up: {eng.num_compiled()}")

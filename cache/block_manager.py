@@ -12,7 +12,8 @@ decides which page or unit each object goes to.
 
 A page or unit is free exactly when its count is 0; every hand-out of a free one bumps its version,
 so a reader that recorded an older version knows it changed owner. A request never writes a page
-somebody else references: `writable` swaps such a page for a private copy first (copy-on-write).
+somebody else references: `reserve` swaps such a page for a private copy first (copy-on-write),
+taking every page a step writes before the step is scheduled.
 
 When a group runs out of pages or units, the manager asks its `reclaimer` (the prefix cache) to let
 go of pages or units only the store holds, least recently used first; a request's own pages are
@@ -105,6 +106,11 @@ class BlockManager:
         extra = self.reclaimer.reclaimable(group) if self.reclaimer is not None else 0
         return len(self._free[group]) + extra
 
+    def can_supply(self, need: dict[str, int]) -> bool:
+        """Whether every group can supply its count of units now (free ones and those the reclaimer
+        could give back), without taking any."""
+        return self._enough(need)
+
     def _enough(self, need: dict[str, int]) -> bool:
         """Whether every group can supply its count (the reclaimer is asked only when the free list is short)."""
         return all(k <= len(self._free[n]) or k <= self.available(n) for n, k in need.items())
@@ -158,25 +164,9 @@ class BlockManager:
 
     def grow(self, rid: str, num_tokens: int) -> bool:
         """Appends pages so that every paged group of the request covers `num_tokens` tokens; all or
-        nothing (False, and no page taken, when a group cannot supply them)."""
-        need = self.missing(rid, num_tokens)
-        if not self._enough(need):
-            return False
-        got: list[tuple[str, int]] = []
-        for n, k in need.items():
-            short = k - len(self._free[n])
-            if short > 0 and self.reclaimer is not None:    # one reclaim for the group, not one per page
-                self.reclaimer.reclaim(n, short)
-            for _ in range(k):
-                p = self._take(n)
-                if p is None:                       # the reclaimer promised more than it gave
-                    for gn, gp in got:
-                        self.tables[rid][gn].remove(gp)
-                        self.release(gn, gp)
-                    return False
-                self.tables[rid][n].append(p)
-                got.append((n, p))
-        return True
+        nothing (False, and no page taken, when a group cannot supply them). `reserve` with nothing
+        to write."""
+        return self.reserve(rid, num_tokens, num_tokens) is not None
 
     def share(self, rid: str, group: str, pages: Sequence[int]):
         """A prefix hit: the request's (empty) block table of `group` starts with `pages`, each one
@@ -196,23 +186,49 @@ class BlockManager:
                 self.release(name, p)
             pages.clear()
 
-    def writable(self, rid: str, first: int, end: int) -> dict[str, list[tuple[int, int]]] | None:
-        """Before a step writes token positions [first, end) of the request: each page in that range
-        that somebody else also references is swapped for a fresh private page. Returns, per group,
-        the (source, copy) page pairs the caller copies on the device before the step (None when a
-        group has no free page for a copy)."""
+    def shared_in(self, rid: str, first: int, end: int) -> dict[str, int]:
+        """Pages of the request's block tables covering token positions [first, end) that somebody
+        else also references: each needs a private copy before the request writes there."""
+        out: dict[str, int] = {}
+        for name, t in self.tables[rid].items():
+            g = self.groups[name]
+            ref = self._ref[name]
+            out[name] = sum(1 for i in range(first // g.page_tokens, min(len(t), -(-end // g.page_tokens)))
+                            if ref[t[i]] > 1)
+        return out
+
+    def reserve(self, rid: str, first: int, end: int) -> dict[str, list[tuple[int, int]]] | None:
+        """Every page a step that writes token positions [first, end) of the request needs, taken now,
+        all or nothing: the pages that extend its block tables to `end` tokens, and a private copy of
+        each page in that range somebody else also references (copy-on-write: the copy replaces it
+        in the request's table). Returns, per group, the (source, copy) page pairs the caller copies on
+        the device before the step writes; None, and nothing taken, when a group cannot supply them
+        even after the reclaimer let go of what only it holds. After a successful reserve the step
+        writes only pages that the request alone references and that exist: it cannot fail for want
+        of a page (docs/architecture.md, "Reserve before you schedule")."""
+        grow = self.missing(rid, end)
+        copy = self.shared_in(rid, first, end)
+        need = {n: grow[n] + copy[n] for n in grow}
+        if not self._enough(need):
+            return None
+        for n, k in need.items():
+            short = k - len(self._free[n])
+            if short > 0 and self.reclaimer is not None:    # one reclaim for the group, not one per page
+                self.reclaimer.reclaim(n, short)
+        if not all(k <= len(self._free[n]) for n, k in need.items()):
+            return None                                     # the reclaimer promised more than it gave
         out: dict[str, list[tuple[int, int]]] = {}
         for name, t in self.tables[rid].items():
             g = self.groups[name]
             for i in range(first // g.page_tokens, min(len(t), -(-end // g.page_tokens))):
                 if self._ref[name][t[i]] > 1:
                     new = self._take(name)
-                    if new is None:
-                        return None
                     out.setdefault(name, []).append((t[i], new))
                     self.release(name, t[i])
                     t[i] = new
                     self.copies_on_write += 1
+            for _ in range(grow[name]):
+                t.append(self._take(name))
         return out
 
     def block_tables(self, rids: Sequence[str | None], widths: dict[str, int]) -> dict[str, np.ndarray]:

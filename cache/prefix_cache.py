@@ -72,6 +72,8 @@ from cache.segments import SERVABLE_STATES, Kind, SegState
 from cache.state import ModelCache
 from cache.validation import CacheStats, GroupSpec, HitResult, check_hit, confirm_at_use
 
+LOOKUP_SAMPLES = 4096     # lookup timings kept (`PrefixCache.lookup_seconds`)
+
 log = logging.getLogger("hybrid_jax.prefix_cache")
 
 @dataclasses.dataclass(frozen=True)
@@ -156,7 +158,8 @@ class PrefixCache(Room, Retention):
         self._save = jax.jit(save_checkpoints, donate_argnames=("pools", "versions"))
         self._load = jax.jit(load_checkpoints, donate_argnames=("pools",))
         self.between_check_and_use: Callable[[], None] | None = None    # test hook (a concurrent writer)
-        self.lookup_seconds: list[float] = []     # host time of each reuse's lookup + validation
+        # host time of the last reuses' lookup + validation (bounded: a server runs for months)
+        self.lookup_seconds: collections.deque[float] = collections.deque(maxlen=LOOKUP_SAMPLES)
         self._key_memo: dict = {}
         self.evictions = 0                        # segments freed under the store's cap
         self.reclaimed = 0                        # segments let go when a pool ran short (pages, units)

@@ -524,21 +524,11 @@ class LLMEngine:
         return {n: b.used_units(n) / g.num_units for n, g in b.groups.items() if g.num_units}
 
     def _copy_on_write(self, plan):
-        """Pages the step will write that a request shares (a prefix whose last page it continues)
-        become private copies first; the step then writes only pages nobody else reads."""
-        copies: dict[str, list[tuple[int, int]]] = {}
-        decode_only = plan.is_decode_only
-        for p in plan.rows:
-            q = p.request
-            ahead = self.scheduler.lookahead or q.remaining_tokens
-            end = q.num_computed + (ahead if decode_only else p.num_tokens)
-            got = self.blocks.writable(q.request_id, q.num_computed, end)
-            if got is None:
-                raise RuntimeError(f"request {q.request_id!r}: no free page for a copy-on-write")
-            for g, pairs in got.items():
-                copies.setdefault(g, []).extend(pairs)
-        if copies:
-            self.runner.copy_on_write(copies)
+        """The private copies of shared pages the step's rows write (reserved by the scheduler with the
+        rest of their pages: `BlockManager.reserve`) are made on the device before the step runs; the
+        step then writes only pages nobody else reads."""
+        if plan.copies:
+            self.runner.copy_on_write(plan.copies)
 
     def spec_stats(self) -> dict:
         """Speculative decoding figures; {"enabled": False} without a speculative config."""

@@ -221,7 +221,7 @@ class ModelRunner:
         return pool_geometry(self.cache, self.ecfg.max_num_seqs + 1)
 
     def copy_on_write(self, copies: dict[str, list[tuple[int, int]]]):
-        """Copies the pages a request is about to write but shares (`BlockManager.writable`): (source,
+        """Copies the pages a request is about to write but shares (`BlockManager.reserve`): (source,
         copy) pairs per paged group, in compiled copies of fixed width (the row count)."""
         W = self.ecfg.max_num_seqs
         most = max((len(v) for v in copies.values()), default=0)

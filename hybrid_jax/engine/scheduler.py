@@ -7,12 +7,15 @@ prefills in arrival order take chunks from what is left of the token budget; a r
 completes its known tokens samples at the end of the step.
 
 Memory is the block manager's (cache.block_manager): a request holds a row (its fixed-size state)
-and, per paged group, the pages its tokens fill. Before a step, every scheduled request gets the
-pages its writes need (a decoding one `lookahead` tokens ahead: a decode step writes up to
-`decode_steps` tokens, a verify up to K + 1; None: up to its max_tokens, for an engine that decodes
-every row to its end in one call). When the pages run out even after the prefix store let
-go of what only it held, the newest running request is preempted: it gives back its row and pages
-and waits at the head of the queue to be recomputed (its published prefix may well serve it then).
+and, per paged group, the pages its tokens fill. Reserve before you schedule: a request is scheduled
+only once it holds every page its writes need (a decoding one `lookahead` tokens ahead: a decode
+step writes up to `decode_steps` tokens, a verify up to K + 1; None: up to its max_tokens, for an
+engine that decodes every row to its end in one call), and a private copy of each page in that range
+it shares with the prefix store or another request (copy-on-write; the plan lists the copies for the
+engine to make before the step). When the pages run out even after the prefix store let go of what
+only it held, the newest running request is preempted: it gives back its row and pages and waits at
+the head of the queue to be recomputed (its published prefix may well serve it then). So a step
+never fails for want of a page.
 
 `isolate(req)` marks requests that must run alone (the engine's suspects after a step failure it
 could not attribute): such a request is admitted only when no other request runs, and nothing is
@@ -39,6 +42,9 @@ class ScheduledRow:
 class StepPlan:
     rows: list[ScheduledRow]
     preempted: list[Request]
+    # per paged group, the (source, copy) pages to copy on the device before the step: the private
+    # copies its rows' writes need (copy-on-write), reserved with the rest of their pages
+    copies: dict[str, list[tuple[int, int]]] = dataclasses.field(default_factory=dict)
 
     @property
     def is_decode_only(self) -> bool:
@@ -101,20 +107,38 @@ class Scheduler:
         """Most tokens the request can ever hold (prompt + max_tokens)."""
         return len(r.prompt_ids) + r.params.max_tokens
 
-    def _grow_or_preempt(self, r: Request, tokens: int, preempted: list[Request]) -> bool:
-        """Pages for `r` to hold `tokens` tokens, preempting the newest other running requests if the
-        pools are short. False (r itself preempted) when even that is not enough."""
-        while not self.blocks.grow(r.request_id, tokens):
+    def _reserve_or_preempt(self, r: Request, end: int, copies: dict, preempted: list[Request]) -> bool:
+        """Every page a step writing `r`'s tokens [num_computed, end) needs (its growth and the private
+        copies of shared pages in that range: `BlockManager.reserve`), preempting the newest other
+        running requests while the pools are short. False (r itself preempted) when even that is not
+        enough. The copies go into `copies` (request id -> group -> pairs)."""
+        while (got := self.blocks.reserve(r.request_id, r.num_computed, end)) is None:
             victim = self.running[-1]
             self._preempt(victim)
             preempted.append(victim)
             if victim is r:
                 return False
+        if got:
+            copies[r.request_id] = got
         return True
+
+    def _prefill_promise(self, budget: int) -> dict[str, int]:
+        """Pages the running prefills may reserve this step, an upper bound (a chunk of the whole
+        budget each, with the copies of shared pages in it): what admissions must leave them."""
+        out: dict[str, int] = {}
+        for r in self.running:
+            if self._decoding(r):
+                continue
+            end = r.num_computed + min(r.num_uncomputed, budget)
+            grow, copy = self.blocks.missing(r.request_id, end), self.blocks.shared_in(r.request_id, r.num_computed, end)
+            for g, k in grow.items():
+                out[g] = out.get(g, 0) + k + copy[g]
+        return out
 
     # --- one step ----------------------------------------------------------------------------------
     def schedule(self) -> StepPlan:
         preempted: list[Request] = []
+        copies: dict[str, dict[str, list[tuple[int, int]]]] = {}
         rows = []
         budget = self.token_budget
         # Decodes first: each needs one token of budget and pages `lookahead` tokens ahead.
@@ -122,21 +146,30 @@ class Scheduler:
             # (a request whose in-flight step samples its last tokens waits for them to be read back)
             if r in self.running and self._decoding(r) and r.remaining_tokens > 0:
                 need = self._limit(r) if self.lookahead is None else min(r.num_computed + self.lookahead, self._limit(r))
-                if self._grow_or_preempt(r, need, preempted):
+                if self._reserve_or_preempt(r, need, copies, preempted):
                     rows.append(ScheduledRow(r, 1, True, False))
                     budget -= 1
-        # Admit waiting requests (FCFS) while a row, the token budget and the pages allow a first chunk.
-        while self.waiting and self.blocks.free_rows() and budget > 0:
+        # Admit waiting requests (FCFS) while a row, the token budget and the pages allow a first chunk
+        # beside what the prefills already running may take this step (`_prefill_promise`), so that an
+        # admitted request never has to preempt itself for its first chunk's pages.
+        promised = self._prefill_promise(budget) if self.waiting else {}
+        left = budget
+        while self.waiting and self.blocks.free_rows() and left > 0:
             req = self.waiting[0]
             if req in preempted:
                 break
             if self.running and (self.isolate(req) or any(self.isolate(r) for r in self.running)):
                 break                              # a suspect runs alone
-            first = min(req.num_uncomputed, budget)
+            first = min(req.num_uncomputed, left)
             row = self.blocks.take_row(req.request_id)
-            if not self.blocks.can_grow(req.request_id, first):     # even without a prefix hit
+            # its first chunk's pages even without a prefix hit, and with one a private copy of the hit's
+            # partial last page (the only shared page a first chunk writes)
+            need = {g: k + (self.on_admit is not None) for g, k in self.blocks.missing(req.request_id, first).items()}
+            total = {g: k + promised.get(g, 0) for g, k in need.items()}
+            if not self.blocks.can_supply(total):
                 self.blocks.release_request(req.request_id)
                 break
+            promised, left = total, left - first
             self.waiting.popleft()
             req.slot = row
             req.status = RequestStatus.RUNNING
@@ -158,10 +191,14 @@ class Scheduler:
                 n = stop - r.num_computed
             if n <= 0:
                 continue
-            if not self._grow_or_preempt(r, r.num_computed + n, preempted):
+            if not self._reserve_or_preempt(r, r.num_computed + n, copies, preempted):
                 continue
             rows.append(ScheduledRow(r, n, n == r.num_uncomputed, r.request_id in self._fresh))
             self._fresh.discard(r.request_id)
             budget -= n
         rows = [p for p in rows if p.request in self.running]   # a later preemption may take a scheduled row
-        return StepPlan(rows=rows, preempted=preempted)
+        merged: dict[str, list[tuple[int, int]]] = {}
+        for p in rows:                     # (a preempted row's copies went back with its pages)
+            for g, pairs in copies.get(p.request.request_id, {}).items():
+                merged.setdefault(g, []).extend(pairs)
+        return StepPlan(rows=rows, preempted=preempted, copies=merged)

@@ -189,7 +189,7 @@ def test_prompt_whose_last_chunk_is_one_token(llm, shared):
 
 
 def test_copy_on_write_copies_pages_and_nothing_else(shared):
-    """The device side of copy-on-write (`BlockManager.writable` picks the pages): the copy holds the
+    """The device side of copy-on-write (`BlockManager.reserve` picks the pages): the copy holds the
     shared page's bytes in every paged field and every other page is untouched."""
     import jax  # noqa: PLC0415
     runner = shared.runner

@@ -4,7 +4,9 @@ prefix hits, evictions and offloads, and after every rule checks the block manag
 its units: every page's reference count is the number of block tables listing it plus one if the
 prefix store holds it, the free lists hold exactly the units nobody references, the store stays under
 its byte cap, and every running request's pages cover the tokens it has computed. When the machine
-stops, finishing every request leaves only the store's units in use, and dropping the store none."""
+stops, finishing every request leaves only the store's units in use, and dropping the store none.
+Prefix blocks of 32 tokens on a resume grid of 16 make hits that end inside a page, whose page the
+request then writes: copy-on-write under preemption. No step may fail (reserve before you schedule)."""
 from __future__ import annotations
 
 import numpy as np
@@ -23,7 +25,7 @@ VOCAB = 211
 def engine(tiny_checkpoint, tmp_path_factory):
     llm = LLM(model=tiny_checkpoint, max_model_len=160)
     cfg = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=160, compilation_cache_dir=None,
-               warmup="none", enable_prefix_caching=True, prefix_block_size=16, prefix_checkpoint_interval=2,
+               warmup="none", enable_prefix_caching=True, prefix_block_size=32, prefix_checkpoint_interval=2,
                prefix_cache_bytes=60_000, kv_cache_dir=str(tmp_path_factory.mktemp("kv")))
     probe = LLMEngine(llm, EngineConfig(**cfg))
     rows = 5 * sum(g.row_nbytes() for g in probe.runner.abstract.groups.values())
@@ -102,6 +104,13 @@ def _machine(eng, seen):
         def units_add_up(self):
             check_units(eng)
 
+        @invariant()
+        def no_step_failed(self):
+            """Reserve before you schedule: a step never fails (for want of a page, a copy-on-write's
+            included), so the pools and the prefix store are never rebuilt."""
+            failed = {k: eng.metrics.step_failures.labels(attributable=k)._value.get() for k in ("true", "false")}
+            assert failed == {"true": 0, "false": 0}, failed
+
         def teardown(self):
             while eng.has_unfinished():
                 eng.step()
@@ -117,6 +126,7 @@ def _machine(eng, seen):
             for k in ("passes", "reclaimed", "offloads", "evictions", "branch_points"):
                 seen[k] = seen.get(k, 0) + st[k]
             seen["decode_publishes"] = st["decode_publishes"]     # the engine's count, not the store's
+            seen["copies_on_write"] = eng.blocks.copies_on_write
             eng.reset_prefix_cache()
             for name in eng.blocks.groups:
                 assert eng.blocks.used_units(name) == 0, name
@@ -132,5 +142,5 @@ def test_pages_are_never_leaked(engine):
     machine.TestCase().runTest()
     # the machine went where it says it goes: hits, preemptions, the store letting go of units
     assert seen["passes"] > 0 and seen["reclaimed"] + seen["offloads"] > 0, seen
-    assert seen["branch_points"] > 0 and seen["decode_publishes"] > 0, seen
+    assert seen["branch_points"] > 0 and seen["decode_publishes"] > 0 and seen["copies_on_write"] > 0, seen
     assert engine.metrics.preemptions._value.get() > preempted
