@@ -4,8 +4,8 @@ Layout under `directory`:
 
     entries/<key>/arrays/...   the entry's arrays, one Orbax PyTree checkpoint (any dtype numpy +
                                ml_dtypes know: float32, bfloat16, int32, float8_e4m3fn, ...)
-    entries/<key>/meta.json    sealed JSON: EntryMeta, a blake2b checksum per array, the size of
-                               every file under arrays/ (see cache.tier_entry.sealed_json)
+    entries/<key>/meta.json    sealed JSON: the entry's own key, EntryMeta, a blake2b checksum per
+                               array, the size of every file under arrays/ (see cache.tier_entry.sealed_json)
     .tmp/<key>.<uuid>/         an entry being written; .tmp/<key>.<uuid>.lock is flock-ed by its writer
     .trash/                    unpublished entries being deleted
     .lock                      flock-ed around publish + eviction, so the cap holds across processes
@@ -13,16 +13,21 @@ Layout under `directory`:
 Atomic publish. `put` writes the Orbax checkpoint and meta.json into a private temp directory,
 fsyncs every file, then renames the directory to entries/<key> (one rename(2): readers see the
 whole entry or nothing) and fsyncs entries/. A writer killed at any point leaves only a temp
-directory whose lock is no longer held; `DiskTier(...)` deletes such leftovers on open.
-Deletion is the reverse: rename into .trash/, then remove.
+directory whose lock is no longer held; `DiskTier(...)` deletes such leftovers on open (a writer
+checks, once it holds its temp lock, that the lock file is still the one in .tmp/, so a cleaner
+that raced it never deletes a live writer's directory). Deletion is the reverse: rename into
+.trash/, then remove.
 
 Integrity, fail-closed. `get` checks, in order: the entry exists ("disk_missing"); meta.json
-reads and its seal matches ("disk_corrupt"); every listed file is there with its size (shorter or
-missing: "disk_truncated", longer: "disk_corrupt"); the weights fingerprint is this tier's
-("disk_foreign_model"); the reader's expected EntryMeta matches ("disk_abi_mismatch",
-"disk_dtype_mismatch", "disk_shape_mismatch", "disk_range_mismatch"); Orbax restores it and every
-array has the recorded dtype, shape and checksum ("disk_corrupt"). Every rejection except
-"disk_missing" deletes the entry, so it is recomputed and never served.
+reads and its seal matches ("disk_corrupt"); the key sealed in meta.json is the key it was read
+under ("disk_key_mismatch": an entry directory, or its meta.json and arrays, moved or copied into
+another entry's place, or written before entries named themselves); every listed file is there
+with its size (shorter or missing: "disk_truncated", longer: "disk_corrupt"); the weights
+fingerprint is this tier's ("disk_foreign_model"); the reader's expected EntryMeta matches
+("disk_abi_mismatch", "disk_dtype_mismatch", "disk_shape_mismatch", "disk_range_mismatch"); Orbax
+restores it and every array has the recorded dtype, shape and checksum ("disk_corrupt"). Every
+rejection except "disk_missing" deletes the entry, so it is recomputed and never served (where the
+directory cannot be written, the rejected entry stays, and is refused again at every read).
 
 Cap and LRU. The tier's bytes (sizes of all files of published entries) never exceed cap_bytes
 after a put: older entries are evicted by last access, which is the entry directory's mtime
@@ -31,15 +36,41 @@ start above every entry's mtime at open, and are also kept in memory, so that a 
 backwards or a file system with coarse timestamps cannot reorder the accesses made through it.
 An entry whose raw array bytes or written size exceed the cap is refused: `put` returns False and
 counts it; it never raises for I/O.
+
+A directory that cannot be written (read-only file system, full disk, quota, permissions, a file
+where a directory belongs) never fails a request. Every write (the probe at open, the temp lock,
+the entry's files, publish, eviction, the touch on a hit, deleting a rejected entry) that fails
+with an OSError turns writes off: one warning names the directory, the operation and the error,
+`stats()` counts it ("writable", "write_faults", "write_faults_by_op", "write_fault"), puts are
+refused as "writes_off" without touching the disk, and reads of valid entries go on. Writes are
+tried again after `retry_s` seconds (a full disk may get room); a put that then succeeds logs that
+writes resumed. A directory that cannot even be created or listed is a tier with nothing in it and
+writes off: the engine runs as without a tier, with the warning. (Only a vanished file, ENOENT, is
+not a fault: another process may have evicted what this one was touching.)
+
+Several processes (servers) may share one directory, and do so safely; none needs to be told of the
+others. A reader needs no lock: publish and delete are renames, and every read validates the entry
+against the key it was read under, its seal, sizes and checksums, so an entry another process
+evicts or replaces mid-read is a miss ("disk_missing"), never a mixture. Writers serialise publish +
+eviction with the flock on .lock and re-read entries/ under it (sizes by inode), so the cap holds
+over everything every process wrote. A writer that cannot take .lock within `lock_timeout_s` (a
+holder stopped, not dead: the kernel frees a dead holder's flock) skips that write ("lock_timeout").
+Servers of different models may share it too: their keys differ (keys hash the weights'
+fingerprint), and warm-up reads an entry without counting or deleting it. This needs a local file
+system (flock, atomic rename(2)); tests/cache/test_disk_tier_faults.py runs two processes writing,
+reading and evicting the same directory under its cap.
 """
 from __future__ import annotations
 
 import collections
 import concurrent.futures as cf
 import contextlib
+import errno
 import fcntl
+import logging
 import math
 import os
+import re
 import shutil
 import threading
 import time
@@ -52,14 +83,44 @@ import numpy as np
 from cache.tier_entry import (Arrays, EntryMeta, Outcome, PrefetchHandle, checksum, open_sealed_json, sealed_json,
                               validate_key)
 
+log = logging.getLogger(__name__)
+
 META = "meta.json"
 ARRAYS = "arrays"
-DISK_REASONS = ("disk_missing", "disk_corrupt", "disk_truncated", "disk_foreign_model", "disk_abi_mismatch",
-                "disk_dtype_mismatch", "disk_shape_mismatch", "disk_range_mismatch", "disk_not_ready", "disk_timeout")
+DISK_REASONS = ("disk_missing", "disk_corrupt", "disk_key_mismatch", "disk_truncated", "disk_foreign_model",
+                "disk_abi_mismatch", "disk_dtype_mismatch", "disk_shape_mismatch", "disk_range_mismatch",
+                "disk_not_ready", "disk_timeout")
+WRITE_RETRY_S = 60.0          # writes off after a fault: tried again after this long
+LOCK_TIMEOUT_S = 10.0         # longest wait for the directory lock before a write is skipped
+_NOT_A_FAULT = frozenset({errno.ENOENT})   # a file another process removed: a race, not an unwritable directory
+_OS_ERROR_CODE = re.compile(r"os_error_code='?(\d+)")   # how tensorstore (under Orbax) reports one
 
 
 class _Reject(Exception):
     """Internal: an entry failed a check; args[0] is the reason."""
+
+
+def os_errno(exc: BaseException) -> int | None:
+    """The OS error number behind `exc`: an OSError's errno anywhere in its cause / context chain, or
+    the `os_error_code` tensorstore (under Orbax) puts in its ValueError messages; None if none."""
+    seen = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno is not None:
+            return e.errno
+        m = _OS_ERROR_CODE.search(str(e))
+        if m:
+            return int(m.group(1))
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def _describe(exc: BaseException) -> str:
+    n = os_errno(exc)
+    if n is None:
+        return f"{type(exc).__name__}: {exc}"
+    return f"{errno.errorcode.get(n, f'errno {n}')}: {os.strerror(n)}"
 
 
 def _fsync_path(path: str, directory: bool = False) -> None:
@@ -91,38 +152,44 @@ class DiskTier:
     """Byte-capped, Orbax-backed store of prefix-cache entries for one model (weights `fingerprint`).
 
     put(key, arrays, meta) -> bool; get(key, expect) -> (arrays, None) | (None, reason);
-    prefetch(key, expect) -> PrefetchHandle; stats() -> dict. Thread-safe; several processes may
-    share a directory (readers freely; writers serialise publish + eviction with a file lock).
+    prefetch(key, expect) -> PrefetchHandle; stats() -> dict; writable() -> bool. Thread-safe;
+    several processes may share a directory (see the module docstring). Never raises for I/O: an
+    unwritable directory turns writes off (`retry_s`: when they are tried again).
     """
 
     def __init__(self, directory: str | os.PathLike, cap_bytes: int, *, fingerprint: str, prefetch_workers: int = 2,
-                 durable: bool = True):
+                 durable: bool = True, retry_s: float = WRITE_RETRY_S, lock_timeout_s: float = LOCK_TIMEOUT_S):
         if not isinstance(cap_bytes, int) or cap_bytes <= 0:
             raise ValueError(f"DiskTier cap_bytes must be a positive int, got {cap_bytes!r}")
         if not isinstance(fingerprint, str) or not fingerprint:
             raise ValueError(f"DiskTier fingerprint must be a non-empty string, got {fingerprint!r}")
+        if not retry_s > 0 or not lock_timeout_s > 0:
+            raise ValueError(f"DiskTier retry_s and lock_timeout_s must be positive, got {retry_s!r}, {lock_timeout_s!r}")
         self.directory = os.path.abspath(os.fspath(directory))
         self.cap_bytes = cap_bytes
         self.fingerprint = fingerprint
         self.durable = durable
+        self.retry_s = float(retry_s)
+        self.lock_timeout_s = float(lock_timeout_s)
         self._entries = os.path.join(self.directory, "entries")
         self._tmp = os.path.join(self.directory, ".tmp")
         self._trash = os.path.join(self.directory, ".trash")
-        for d in (self._entries, self._tmp, self._trash):
-            os.makedirs(d, exist_ok=True)
-        self._lock = threading.Lock()          # guards _sizes and the counters
+        self._lock = threading.Lock()          # guards _sizes, _inos, _stamps, _bad, the fault state and the counters
         self._sizes: dict[str, int] = {}       # published key -> bytes on disk (this process's view)
+        self._inos: dict[str, int] = {}        # published key -> inode its size was taken from
         self._stamps: dict[str, int] = {}      # key -> this process's last access stamp (ns)
+        self._bad: dict[str, tuple[int, str]] = {}   # key -> (inode, reason): rejected, could not be deleted
         self._last_stamp = 0
         self._hits = 0
         self._misses: collections.Counter[str] = collections.Counter()
         self._rejected: collections.Counter[str] = collections.Counter()
+        self._faults: collections.Counter[str] = collections.Counter()
+        self._fault: str | None = None         # what turned writes off (None: writes on)
+        self._retry_at = 0.0                   # monotonic time from which writes are tried again
         self._puts = self._evictions = self._quarantined = self._prefetches = 0
         self._hidden_s = self._wait_s = 0.0
         self._pool = cf.ThreadPoolExecutor(max_workers=prefetch_workers, thread_name_prefix="disk-prefetch")
-        self._clean_leftovers()
-        with self._dir_lock():
-            self._refresh()
+        self._open()
         with self._lock:
             known = list(self._sizes)
         self._last_stamp = max((self._mtime(k) for k in known), default=0)   # new accesses sort above old ones
@@ -131,42 +198,55 @@ class DiskTier:
 
     def put(self, key: str, arrays: Mapping[str, np.ndarray], meta: EntryMeta) -> bool:
         """Store `arrays` (name -> numpy array, as `meta` describes them) under `key`; replaces an
-        existing entry. False if refused (bigger than the cap, or an I/O error), counted per reason.
-        ValueError for a bad key, arrays that `meta` does not describe, or a foreign fingerprint."""
+        existing entry. False if refused (bigger than the cap, writes off, the directory lock not had
+        in time, an I/O error), counted per reason. ValueError for a bad key, arrays that `meta` does
+        not describe, or a foreign fingerprint."""
         validate_key(key)
         meta.check_arrays(arrays)
         if meta.fingerprint != self.fingerprint:
             raise ValueError(f"put: meta fingerprint {meta.fingerprint!r} is not this tier's {self.fingerprint!r}")
         if sum(a.nbytes for a in arrays.values()) > self.cap_bytes:
             return self._refuse("too_big")
-        name = f"{key}.{uuid.uuid4().hex}"
-        tmp, lock_path = os.path.join(self._tmp, name), os.path.join(self._tmp, name + ".lock")
-        lock_fd = None
+        if not self.writable():
+            return self._refuse("writes_off")
+        tmp = lock_path = lock_fd = None
+        op = "lock"
         try:
-            lock_fd = os.open(lock_path, os.O_CREAT | os.O_RDWR, 0o644)
-            fcntl.flock(lock_fd, fcntl.LOCK_EX)
+            self._make_dirs()
+            tmp, lock_path, lock_fd = self._temp(key)
+            op = "write"
             os.mkdir(tmp)
-            size = self._write(tmp, dict(arrays), meta)
+            size = self._write(tmp, key, dict(arrays), meta)
             if size > self.cap_bytes:
                 return self._refuse("too_big")
+            op = "publish"
             with self._dir_lock():
                 self._refresh()
                 dest = os.path.join(self._entries, key)
+                op = "evict"
                 if os.path.isdir(dest):
                     self._unpublish(key)
                 self._evict_for(size, keep=key)
+                op = "publish"
                 os.rename(tmp, dest)
-                self._touch(key, dest)
                 if self.durable:
                     _fsync_path(self._entries, directory=True)
+                ino = os.stat(dest).st_ino
                 with self._lock:
-                    self._sizes[key] = size
+                    self._sizes[key], self._inos[key] = size, ino
+                    self._bad.pop(key, None)
                     self._puts += 1
+                self._resumed()
+                self._touch(key, dest)
             return True
-        except Exception:  # noqa: BLE001 - a failed write is a refused put, never an error for the caller
+        except TimeoutError:
+            return self._refuse("lock_timeout")
+        except Exception as e:  # noqa: BLE001 - a failed write is a refused put, never an error for the caller
+            self._write_fault(op, e)
             return self._refuse("io_error")
         finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+            if tmp is not None:
+                shutil.rmtree(tmp, ignore_errors=True)
             if lock_fd is not None:
                 with contextlib.suppress(OSError):
                     os.unlink(lock_path)
@@ -192,21 +272,58 @@ class DiskTier:
         return os.path.isdir(os.path.join(self._entries, validate_key(key)))
 
     def keys(self) -> list[str]:
-        """Keys of the published entries (valid or not: validity is checked by `get`)."""
-        return sorted(k for k in os.listdir(self._entries) if not k.startswith("."))
+        """Keys of the published entries (valid or not: validity is checked by `get`); [] when
+        entries/ cannot be listed."""
+        try:
+            names = os.listdir(self._entries)
+        except OSError:
+            return []
+        return sorted(k for k in names if not k.startswith("."))
 
     def delete(self, key: str) -> bool:
-        """Remove the entry under `key`; False if there was none."""
+        """Remove the entry under `key`; False if there was none (or it could not be removed)."""
         validate_key(key)
-        with self._dir_lock():
-            return self._unpublish(key)
+        try:
+            with self._dir_lock():
+                return self._unpublish(key)
+        except TimeoutError:
+            return False
+        except OSError as e:
+            self._write_fault("delete", e)
+            return False
+
+    def writable(self) -> bool:
+        """Whether a put would try to write now: writes are on, or off and due to be tried again."""
+        with self._lock:
+            return self._fault is None or time.monotonic() >= self._retry_at
+
+    def health(self) -> dict:
+        """writable, write_faults, write_fault: the fault figures of `stats()` without reading the
+        directory (cheap enough for every metrics scrape)."""
+        with self._lock:
+            return {"writable": self._fault is None, "write_faults": sum(self._faults.values()),
+                    "write_fault": self._fault}
+
+    def warm(self, tries: int = 4) -> bool:
+        """Reads one entry of this model (of the first `tries`) and throws it away, so the first real
+        hit does not pay Orbax's start-up. Counts nothing and deletes nothing (another model sharing
+        the directory keeps its entries). Whether an entry was read."""
+        for k in self.keys()[:tries]:
+            try:
+                self._read(os.path.join(self._entries, k), k, None)
+                return True
+            except Exception:  # noqa: BLE001 - a bad or foreign entry: try the next; `get` deals with it
+                continue
+        return False
 
     def stats(self) -> dict:
         """entries, bytes, cap_bytes, hits, misses, misses_by_reason, evictions, puts, rejected_puts,
-        rejected_puts_by_reason, quarantined, prefetches, prefetch_hidden_s, prefetch_wait_s.
+        rejected_puts_by_reason, quarantined, prefetches, prefetch_hidden_s, prefetch_wait_s, writable,
+        write_faults, write_faults_by_op, write_fault.
         entries / bytes are what entries/ holds now (other processes publish and evict too);
         prefetch_hidden_s: load time that overlapped other work before `result` was called;
-        prefetch_wait_s: time callers blocked in `result`."""
+        prefetch_wait_s: time callers blocked in `result`; writable: whether writes are on;
+        write_fault: what turned them off ("<op>: <ERRNO>: <message>"), None while they are on."""
         self._refresh()
         with self._lock:
             return {"entries": len(self._sizes), "bytes": sum(self._sizes.values()), "cap_bytes": self.cap_bytes,
@@ -214,7 +331,9 @@ class DiskTier:
                     "evictions": self._evictions, "puts": self._puts, "rejected_puts": sum(self._rejected.values()),
                     "rejected_puts_by_reason": dict(self._rejected), "quarantined": self._quarantined,
                     "prefetches": self._prefetches, "prefetch_hidden_s": self._hidden_s,
-                    "prefetch_wait_s": self._wait_s}
+                    "prefetch_wait_s": self._wait_s, "writable": self._fault is None,
+                    "write_faults": sum(self._faults.values()), "write_faults_by_op": dict(self._faults),
+                    "write_fault": self._fault}
 
     def close(self) -> None:
         """Stop the prefetch pool (waits for running loads)."""
@@ -226,17 +345,96 @@ class DiskTier:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    # ---- writes off / on ------------------------------------------------------------------------
+
+    def _write_fault(self, op: str, exc: BaseException,
+                     effect: str = "writes to it are off; requests go on, and valid entries already there are "
+                                   "still read") -> bool:
+        """An OSError in a write (`op`): writes off until retry_s from now, counted; the first fault
+        of a run of them logs one warning (what failed, and `effect`). Other errors (and ENOENT
+        races) change nothing: False."""
+        n = os_errno(exc)
+        if n is None or n in _NOT_A_FAULT:
+            return False
+        what = f"{op}: {_describe(exc)}"
+        with self._lock:
+            self._faults[op] += 1
+            first = self._fault is None
+            self._fault = what
+            self._retry_at = time.monotonic() + self.retry_s
+        if first:
+            log.warning("prefix cache disk tier %s: %s; %s (tried again in %g s)", self.directory, what, effect,
+                        self.retry_s)
+        return True
+
+    def _resumed(self) -> None:
+        with self._lock:
+            was, self._fault = self._fault, None
+        if was is not None:
+            log.info("prefix cache disk tier %s: writes resumed (they were off after %s)", self.directory, was)
+
+    def _open(self) -> None:
+        """Creates the directories, probes that they can be written (or turns writes off, with the
+        warning), deletes dead writers' leftovers and reads what entries/ holds."""
+        try:
+            os.makedirs(self.directory, exist_ok=True)
+            os.listdir(self.directory)
+        except OSError as e:
+            if os.path.lexists(self.directory) and not os.path.isdir(self.directory):
+                e = NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), self.directory)
+            self._write_fault("open", e if os_errno(e) not in (None, *_NOT_A_FAULT) else OSError(errno.EIO, str(e)),
+                              effect="it cannot be used: the engine runs without a disk tier")
+            return
+        try:
+            self._make_dirs()
+            probe = os.path.join(self._tmp, f"probe.{uuid.uuid4().hex}")
+            os.close(os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+            os.unlink(probe)
+            os.close(os.open(os.path.join(self.directory, ".lock"), os.O_CREAT | os.O_RDWR, 0o644))
+        except OSError as e:
+            self._write_fault("open", e if os_errno(e) not in (None, *_NOT_A_FAULT) else OSError(errno.EIO, str(e)))
+        if self.writable():
+            self._clean_leftovers()
+        self._refresh()
+
+    def _make_dirs(self) -> None:
+        for d in (self._entries, self._tmp, self._trash):
+            if os.path.lexists(d) and not os.path.isdir(d):
+                raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), d)
+            os.makedirs(d, exist_ok=True)
+
     # ---- writing --------------------------------------------------------------------------------
 
-    def _write(self, tmp: str, arrays: Arrays, meta: EntryMeta) -> int:
-        """Write the entry into `tmp` (Orbax checkpoint + sealed meta), fsync it; its size in bytes."""
+    def _temp(self, key: str) -> tuple[str, str, int]:
+        """A fresh temp directory name and its lock, flock-ed: (dir, lock path, lock fd). The lock is
+        checked to still be the file in .tmp/ once held (a cleaner may have unlinked it between our
+        create and flock: its directory would then look dead to the next cleaner)."""
+        for _ in range(8):
+            name = f"{key}.{uuid.uuid4().hex}"
+            tmp, lock_path = os.path.join(self._tmp, name), os.path.join(self._tmp, name + ".lock")
+            fd = os.open(lock_path, os.O_CREAT | os.O_RDWR, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                if os.fstat(fd).st_ino == os.stat(lock_path).st_ino:
+                    return tmp, lock_path, fd
+            except FileNotFoundError:
+                pass
+            except BaseException:
+                os.close(fd)
+                raise
+            os.close(fd)
+        raise FileNotFoundError(errno.ENOENT, "temp locks keep being removed under this writer", self._tmp)
+
+    def _write(self, tmp: str, key: str, arrays: Arrays, meta: EntryMeta) -> int:
+        """Write the entry into `tmp` (Orbax checkpoint + sealed meta naming `key`), fsync it; its size in bytes."""
         import orbax.checkpoint as ocp  # noqa: PLC0415 - keeps `import cache` light
         arrays_dir = os.path.join(tmp, ARRAYS)
         stored = {n: a for n, a in arrays.items() if a.size}   # Orbax cannot write zero-size arrays; the
         if stored:                                             # meta alone rebuilds them
             ocp.PyTreeCheckpointer().save(arrays_dir, args=ocp.args.PyTreeSave(stored))
         files = _files(arrays_dir) if stored else {}
-        body = {"meta": meta.to_json(), "checksums": {n: checksum(a) for n, a in arrays.items()}, "files": files}
+        body = {"key": key, "meta": meta.to_json(), "checksums": {n: checksum(a) for n, a in arrays.items()},
+                "files": files}
         raw = sealed_json(body)
         with open(os.path.join(tmp, META), "wb") as f:
             f.write(raw)
@@ -264,8 +462,15 @@ class DiskTier:
             ino = os.stat(path).st_ino
         except OSError:
             return None, "disk_missing"
+        with self._lock:
+            bad = self._bad.get(key)
+        if bad is not None and bad[0] == ino:      # rejected before and could not be deleted then
+            if self._quarantine(key, ino):
+                with self._lock:
+                    self._bad.pop(key, None)
+            return None, bad[1]
         try:
-            arrays = self._read(path, expect)
+            arrays = self._read(path, key, expect)
         except _Reject as r:
             reason = r.args[0]
         except Exception:  # noqa: BLE001 - anything unreadable is corrupt (fail closed)
@@ -278,10 +483,12 @@ class DiskTier:
                 return None, "disk_missing"
         except OSError:
             return None, "disk_missing"
-        self._quarantine(key, ino)
+        if not self._quarantine(key, ino):
+            with self._lock:
+                self._bad[key] = (ino, reason)
         return None, reason
 
-    def _read(self, path: str, expect: EntryMeta | None) -> Arrays:
+    def _read(self, path: str, key: str, expect: EntryMeta | None) -> Arrays:
         try:
             with open(os.path.join(path, META), "rb") as f:
                 raw = f.read()
@@ -293,6 +500,8 @@ class DiskTier:
             sums, files = dict(body["checksums"]), dict(body["files"])
         except (ValueError, KeyError, TypeError):
             raise _Reject("disk_corrupt") from None
+        if body.get("key") != key:
+            raise _Reject("disk_key_mismatch")
         arrays_dir = os.path.join(path, ARRAYS)
         for rel, size in files.items():
             try:
@@ -335,23 +544,41 @@ class DiskTier:
     # ---- directory maintenance ------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def _dir_lock(self):
+    def _dir_lock(self, timeout_s: float | None = None):
+        """The flock on .lock; TimeoutError after timeout_s (default lock_timeout_s: its holder is
+        alive but stuck)."""
         fd = os.open(os.path.join(self.directory, ".lock"), os.O_CREAT | os.O_RDWR, 0o644)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            deadline = time.monotonic() + (self.lock_timeout_s if timeout_s is None else timeout_s)
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() >= deadline:
+                        raise TimeoutError(f"{self.directory}/.lock held elsewhere for {self.lock_timeout_s:g} s")
+                    time.sleep(0.005)
             yield
         finally:
             os.close(fd)   # closing releases the flock
 
     def _refresh(self) -> None:
-        """Sync this process's size table with entries/ (other processes publish and evict too)."""
-        on_disk = set(self.keys())
+        """Sync this process's size table with entries/ (other processes publish, replace and evict
+        too: a size is taken again when its entry's inode changed)."""
+        on_disk = {}
+        for k in self.keys():
+            try:
+                on_disk[k] = os.stat(os.path.join(self._entries, k)).st_ino
+            except OSError:
+                continue
         with self._lock:
-            known = dict(self._sizes)
-        sizes = {k: known[k] if k in known else _dir_bytes(os.path.join(self._entries, k)) for k in on_disk}
+            known = {k: (self._inos.get(k), s) for k, s in self._sizes.items()}
+        sizes = {k: known[k][1] if k in known and known[k][0] == ino else _dir_bytes(os.path.join(self._entries, k))
+                 for k, ino in on_disk.items()}
         with self._lock:
-            self._sizes = sizes
+            self._sizes, self._inos = sizes, on_disk
             self._stamps = {k: v for k, v in self._stamps.items() if k in sizes}   # gone: evicted elsewhere
+            self._bad = {k: v for k, v in self._bad.items() if on_disk.get(k) == v[0]}
 
     def _mtime(self, key: str) -> int:
         try:
@@ -361,12 +588,16 @@ class DiskTier:
 
     def _touch(self, key: str, path: str) -> None:
         """Mark `key` as used now: a stamp strictly above this process's previous one, kept in memory
-        and written as the entry directory's mtime (for other processes and after a restart)."""
+        and written as the entry directory's mtime (for other processes and after a restart) while
+        the directory can be written."""
         with self._lock:
             stamp = self._last_stamp = max(time.time_ns(), self._last_stamp + 1)
             self._stamps[key] = stamp
-        with contextlib.suppress(OSError):
-            os.utime(path, ns=(stamp, stamp))
+        if self.writable():
+            try:
+                os.utime(path, ns=(stamp, stamp))
+            except OSError as e:
+                self._write_fault("touch", e)
 
     def _evict_for(self, size: int, keep: str) -> None:
         """Evict least recently used entries until `size` more bytes fit under the cap."""
@@ -388,36 +619,58 @@ class DiskTier:
             self._unpublish(k)
 
     def _unpublish(self, key: str) -> bool:
-        """Move entries/<key> into .trash (atomic: readers see it gone) and delete it."""
-        dest = os.path.join(self._trash, f"{key}.{uuid.uuid4().hex}")
+        """Move entries/<key> into .trash (atomic: readers see it gone) and delete it. OSError if it
+        is there and cannot be moved."""
+        src = os.path.join(self._entries, key)
         try:
-            os.rename(os.path.join(self._entries, key), dest)
-        except FileNotFoundError:
-            return False
+            for attempt in range(2):
+                dest = os.path.join(self._trash, f"{key}.{uuid.uuid4().hex}")
+                try:
+                    os.rename(src, dest)
+                    break
+                except FileNotFoundError:
+                    if attempt or not os.path.lexists(src):
+                        return False
+                    os.makedirs(self._trash, exist_ok=True)    # .trash itself was gone
         finally:
             with self._lock:
                 self._sizes.pop(key, None)
+                self._inos.pop(key, None)
                 self._stamps.pop(key, None)
         shutil.rmtree(dest, ignore_errors=True)
         return True
 
-    def _quarantine(self, key: str, ino: int) -> None:
-        """Delete a rejected entry, unless it was replaced since it was read (different inode)."""
-        with self._dir_lock():
-            try:
-                if os.stat(os.path.join(self._entries, key)).st_ino != ino:
-                    return
-            except OSError:
-                return
-            if self._unpublish(key):
-                with self._lock:
-                    self._quarantined += 1
+    def _quarantine(self, key: str, ino: int) -> bool:
+        """Delete a rejected entry, unless it was replaced since it was read (different inode).
+        False if it is still there (the directory cannot be written, or its lock was not had)."""
+        if not self.writable():
+            return False
+        try:
+            with self._dir_lock(min(1.0, self.lock_timeout_s)):       # a reader does not wait long
+                try:
+                    if os.stat(os.path.join(self._entries, key)).st_ino != ino:
+                        return True
+                except OSError:
+                    return True
+                if self._unpublish(key):
+                    with self._lock:
+                        self._quarantined += 1
+                return True
+        except TimeoutError:
+            return False
+        except OSError as e:
+            self._write_fault("delete", e)
+            return False
 
     def _clean_leftovers(self) -> None:
-        """Delete temp dirs of dead writers (their lock is free or gone) and everything in .trash."""
-        for n in os.listdir(self._trash):
+        """Delete temp dirs of dead writers (their lock is free or gone) and everything in .trash.
+        Best effort: what cannot be deleted now is deleted by a later open."""
+        try:
+            trash, names = os.listdir(self._trash), os.listdir(self._tmp)
+        except OSError:
+            return
+        for n in trash:
             shutil.rmtree(os.path.join(self._trash, n), ignore_errors=True)
-        names = os.listdir(self._tmp)
         for n in names:
             if not n.endswith(".lock"):
                 continue
@@ -428,7 +681,7 @@ class DiskTier:
                 continue
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
+            except OSError:
                 os.close(fd)
                 continue        # a live writer holds it
             shutil.rmtree(p[:-len(".lock")], ignore_errors=True)

@@ -433,9 +433,10 @@ class PrefixCache(Room, Retention):
 
     def close(self):
         """Lets go of every page and unit the store holds (the engine drops this store); written-behind
-        disk spans are waited for. Pages running requests also list stay theirs."""
+        disk spans are waited for (and the disk tier's threads stopped). Pages running requests also
+        list stay theirs."""
         if self.disk is not None:
-            self.disk.flush()
+            self.disk.close()
         for sid in list(self._units):
             self._release_unit(sid)
         self._branch_segs.clear()

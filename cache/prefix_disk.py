@@ -19,7 +19,13 @@ tier's checksums; a bad span is a miss with its reason and is recomputed, never 
 Residency moves through the allocator's transition table: a device segment evicted while a durable
 span holds its bytes goes device -> host -> disk (keeping its index entries); a restore goes
 disk -> host -> device into a fresh page or checkpoint unit of the engine's pools. A new process pointed at the same directory finds
-spans by key alone, so every valid span is reused across restarts.
+spans by key alone, so every valid span is reused across restarts, and several engines (processes)
+may use one directory at once (cache.disk_tier: atomic publish, validated reads, a shared cap).
+
+The tier never fails a request: a directory that cannot be written turns its writes off with one
+warning (`stats()["writable"]`, `write_faults`, `write_fault`), and spans are then not even copied to
+the host (`skipped_writes`) until writes are tried again; a span that cannot be read is a miss,
+recomputed. A directory that cannot be used at all is a tier with nothing in it.
 """
 from __future__ import annotations
 
@@ -85,6 +91,7 @@ class DiskSpans:
         self.reasons: collections.Counter[str] = collections.Counter()
         self.spans_restored = 0
         self.tokens_restored = 0
+        self.skipped_writes = 0            # spans not written because the tier's writes were off
         self._read = jax.jit(read_units)
         self._write = jax.jit(write_units, donate_argnames=("pools", "versions"))
 
@@ -157,6 +164,9 @@ class DiskSpans:
         k = self.key(self._span_keys(tokens), b)
         if k in self._written or k in self.tier:
             return
+        if not self.tier.writable():       # an unwritable directory: not even the copy to the host
+            self.skipped_writes += 1
+            return
         plan, cols, sids = {}, {}, []
         for spec in self.pc.specs:
             slots = []
@@ -194,6 +204,13 @@ class DiskSpans:
         """Waits for every pending write (tests, benchmarks, shutdown)."""
         for f in list(self._written.values()):
             f.result()
+
+    def close(self):
+        """Waits for every pending write, then stops the writer and the tier's prefetch threads (the
+        store is dropped: a rebuilt store opens the directory anew)."""
+        self.flush()
+        self._writer.shutdown(wait=True)
+        self.tier.close()
 
     # --- find, prefetch, restore -------------------------------------------------------------------
     def find(self, tokens: Sequence[int], above: int) -> tuple[dict, list[tuple[int, str]]]:
@@ -329,13 +346,19 @@ class DiskSpans:
                 "cap_bytes": st["cap_bytes"], "spans_restored": self.spans_restored,
                 "tokens_restored": self.tokens_restored, "writes": st["puts"], "rejected_writes": st["rejected_puts"],
                 "evictions": st["evictions"], "prefetch_hidden_s": st["prefetch_hidden_s"],
-                "prefetch_wait_s": st["prefetch_wait_s"]}
+                "prefetch_wait_s": st["prefetch_wait_s"], "writable": st["writable"],
+                "write_faults": st["write_faults"], "write_fault": st["write_fault"],
+                "skipped_writes": self.skipped_writes}
+
+    def health(self) -> dict:
+        """writable, write_faults, write_fault, skipped_writes: whether the tier's directory takes
+        writes, without reading it (for /metrics)."""
+        return {**self.tier.health(), "skipped_writes": self.skipped_writes}
 
     def warmup(self, cache: ModelCache) -> ModelCache:
         """Compiles the unit read and write (all padding: nothing moves), and reads one stored span if
         there is any, so the first disk hit does not pay Orbax's start-up."""
-        for k in self.tier.keys()[:1]:
-            self.tier.get(k)
+        self.tier.warm()
         pc = self.pc
         plan = {n: jnp.full((w,), -1, jnp.int32) for n, w in pc._width.items()}
         jax.block_until_ready(self._read(cache, plan))

@@ -197,8 +197,8 @@ class PrefetchHandle:
         wait = {"best_effort": 0.0, "wait": None, "timeout": timeout_s}[policy]
         try:
             outcome = self._future.result(timeout=wait)
-        except cf.TimeoutError:
-            reason = "_not_ready" if policy == "best_effort" else "_timeout"
+        except (cf.TimeoutError, cf.CancelledError) as e:   # cancelled: its tier was closed, never loaded
+            reason = "_timeout" if isinstance(e, cf.TimeoutError) and policy != "best_effort" else "_not_ready"
             outcome = (None, self._prefix + reason)
             self._record(outcome, 0.0, time.perf_counter() - called)
             return outcome

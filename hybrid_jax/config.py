@@ -1,7 +1,9 @@
 """Model configuration: a frozen dataclass read from a Hugging Face `config.json`.
 
 `model_type` picks the mapping; `layer_types` names each layer's mixer. A model type or a layer
-type this project does not implement fails here, with its name, before any weight is read.
+type this project does not implement fails here, with its name, before any weight is read; so does a
+field of the wrong JSON type ("hidden_size": "64", "num_hidden_layers": 4.5, a list where a number
+belongs: models.config_common.check_field_types), each error naming the file and the field.
 """
 from __future__ import annotations
 
@@ -71,7 +73,13 @@ class ModelConfig(LayerPattern):
                               f"{self.num_hidden_layers}")
         if self.hidden_act != "silu":
             raise ConfigError(f"hidden_act {self.hidden_act!r} is not supported (only 'silu')")
-        for name in ("vocab_size", "hidden_size", "num_hidden_layers"):
+        positive = ["vocab_size", "hidden_size", "num_hidden_layers", "max_position_embeddings"]
+        if "full_attention" in self.layer_types:
+            positive += ["num_attention_heads", "num_key_value_heads", "head_dim"]
+        if "linear_attention" in self.layer_types:
+            positive += ["linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",
+                         "linear_num_key_heads", "linear_num_value_heads"]
+        for name in positive:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive; got {getattr(self, name)}")
         if "full_attention" in self.layer_types and self.num_attention_heads % self.num_key_value_heads:
@@ -99,21 +107,26 @@ class ModelConfig(LayerPattern):
             self.linear_num_value_heads * self.linear_value_head_dim
 
 
-def config_from_hf_dict(d: dict[str, Any]):
+def config_from_hf_dict(d: dict[str, Any], source: str = "config.json"):
     """Maps a Hugging Face config dict to the config dataclass of its model family (by `model_type`).
-    Raises ConfigError naming what is wrong."""
+    Raises ConfigError naming what is wrong (and `source`, the file it came from): first every field
+    any family reads is checked for its JSON type (models.config_common.check_field_types)."""
     if not isinstance(d, dict):
-        raise ConfigError("config.json must hold a JSON object")
+        raise ConfigError(f"{source} must hold a JSON object")
     from hybrid_jax.models import config_parser  # noqa: PLC0415  (the registry imports the families lazily)
-    parse = config_parser(d.get("model_type"))
+    from hybrid_jax.models.config_common import check_field_types  # noqa: PLC0415
     try:
+        check_field_types(d)
+        parse = config_parser(d.get("model_type"))
         return parse(d)
     except KeyError as e:
-        raise ConfigError(f"config.json lacks the required field {e.args[0]!r}") from None
-    except ConfigError:
-        raise
-    except (TypeError, ValueError) as e:
-        raise ConfigError(f"config.json has a malformed value: {e}") from None
+        raise ConfigError(f"{source} lacks the required field {e.args[0]!r}") from None
+    except ConfigError as e:
+        raise ConfigError(f"{source}: {e}") from None
+    except (TypeError, ValueError, ArithmeticError) as e:
+        nulls = sorted(k for k, v in d.items() if v is None)
+        raise ConfigError(f"{source} has a malformed value: {type(e).__name__}: {e}"
+                          + (f" (fields that are null: {nulls})" if nulls else "")) from None
 
 
 def qwen3_next_config(d: dict[str, Any]) -> ModelConfig:
@@ -177,6 +190,6 @@ def load_config(path: str) -> ModelConfig:
     try:
         with open(f, encoding="utf-8") as fh:
             d = json.load(fh)
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"{f} is not valid JSON: {e}") from None
-    return config_from_hf_dict(d)
+    return config_from_hf_dict(d, source=f)

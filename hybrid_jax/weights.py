@@ -2,7 +2,8 @@
 
 `open_checkpoint(path, quantization=None)` checks the directory and returns a reader with
 `get(name)` / `has(name)`; every problem (missing directory, no weights, an index naming a missing
-shard, a corrupt file) raises CheckpointError naming the file.
+shard, a corrupt file, a file shorter than its header says or cut while it is read) raises
+CheckpointError naming the file.
 
 The reader parses safetensors itself and memory-maps each file: a tensor is read when a model's
 weight conversion asks for it, in any dtype the format has (float8_e4m3fn, float8_e8m0fnu and packed
@@ -52,22 +53,34 @@ _DTYPES = {"BOOL": np.bool_, "U8": np.uint8, "I8": np.int8, "U16": np.uint16, "I
 
 class _SafetensorsFile:
     """One memory-mapped safetensors file: an 8-byte header length, a JSON header
-    {name: {dtype, shape, data_offsets}}, then the data."""
+    {name: {dtype, shape, data_offsets}}, then the data. A file shorter than its header says (a copy
+    or download cut short) is a CheckpointError saying it is truncated, by how much, and which tensor
+    is cut off; so is a file that shrinks after it was opened (reading a page of a mapping past the
+    end of its file would kill the process with SIGBUS)."""
 
     def __init__(self, path: str):
         self.path = path
-        size = os.path.getsize(path)
+        self.size = size = os.path.getsize(path)
         try:
+            if size < 8:
+                raise _Truncated(f"the file has {size} bytes, fewer than the 8 of the header length every "
+                                 f"safetensors file starts with")
             with open(path, "rb") as f:
                 n = int.from_bytes(f.read(8), "little")
-                if not 2 <= n <= size - 8:
-                    raise ValueError(f"header length {n} does not fit a file of {size} bytes")
+                if n < 2:
+                    raise ValueError(f"header length {n} is too small for a JSON header")
+                if n > size - 8:
+                    if n > 100 << 20:          # no real header is this long: not a safetensors file at all
+                        raise ValueError(f"header length {n} does not fit a file of {size} bytes")
+                    raise _Truncated(f"its {n}-byte header ends at byte {8 + n}, but the file has {size} bytes")
                 header = json.loads(f.read(n))
             if not isinstance(header, dict):
                 raise ValueError("the header is not a JSON object")
             header.pop("__metadata__", None)
             self.entries: dict[str, tuple[np.dtype, tuple[int, ...], bool, int, int]] = {}
             data = size - 8 - n
+            cut: list[tuple[int, str]] = []              # (begin, name) of the tensors that end past the file
+            need = 0
             for name, e in header.items():
                 code, shape, (begin, end) = e["dtype"], tuple(int(d) for d in e["shape"]), e["data_offsets"]
                 if code not in _DTYPES:
@@ -77,19 +90,40 @@ class _SafetensorsFile:
                 count = math.prod(shape) // 2 if packed else math.prod(shape)
                 if packed and shape and shape[-1] % 2:
                     raise ValueError(f"F4 tensor {name!r} has an odd last dimension {shape[-1]}")
-                if not 0 <= begin <= end <= data or end - begin != count * dt.itemsize:
+                if any(d < 0 for d in shape) or not 0 <= begin <= end or end - begin != count * dt.itemsize:
                     raise ValueError(f"tensor {name!r} ({code} {list(shape)}) has data offsets {[begin, end]} that "
-                                     f"do not fit its size or the file")
+                                     f"do not fit its size")
+                if end > data:
+                    cut.append((begin, name))
+                    need = max(need, 8 + n + end)
                 self.entries[name] = (dt, shape, packed, 8 + n + begin, count)
+            if cut:
+                first = min(cut)[1]
+                raise _Truncated(f"its header places tensor data up to byte {need}, but the file has {size} bytes "
+                                 f"({need - size} bytes missing; {len(cut)} of its {len(header)} tensors cut off, the "
+                                 f"first {first!r})")
+        except _Truncated as e:
+            raise CheckpointError(f"weight file {path} is truncated: {e}") from None
         except (ValueError, KeyError, TypeError, UnicodeDecodeError, json.JSONDecodeError) as e:
             raise CheckpointError(f"weight file {path} is corrupt or not safetensors: {e}") from None
         self._map = np.memmap(path, dtype=np.uint8, mode="r") if size else None
 
     def get(self, name: str) -> np.ndarray:
         """The stored array (a read-only view of the mapped file); F4 as bytes [..., last / 2]."""
+        try:
+            now = os.path.getsize(self.path)
+        except OSError as e:
+            raise CheckpointError(f"weight file {self.path} cannot be read any more: {e}") from None
+        if now < self.size:
+            raise CheckpointError(f"weight file {self.path} was truncated while loading: it had {self.size} bytes "
+                                  f"when opened, it has {now} now")
         dt, shape, packed, offset, count = self.entries[name]
         shape = shape[:-1] + (shape[-1] // 2,) if packed else shape
         return np.frombuffer(self._map, dtype=dt, count=count, offset=offset).reshape(shape)
+
+
+class _Truncated(Exception):
+    """Internal: a safetensors file shorter than its own header says."""
 
 
 class CheckpointReader:
@@ -149,6 +183,8 @@ class CheckpointReader:
             return self._files[self._where[name]].get(name)
         except KeyError:
             raise CheckpointError(f"checkpoint lacks tensor {name!r}") from None
+        except CheckpointError:
+            raise
         except Exception as e:  # noqa: BLE001  (a read from a damaged mapping)
             raise CheckpointError(f"cannot read tensor {name!r} from {self._where[name]}: {e}") from None
 

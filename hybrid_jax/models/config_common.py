@@ -1,6 +1,19 @@
-"""What every model family's frozen config shares: the layer pattern lookup and the fields every
-config.json maps the same way (norm eps, activation, tied embeddings, special token ids, dtype)."""
+"""What every model family's frozen config shares: the layer pattern lookup, the fields every
+config.json maps the same way (norm eps, activation, tied embeddings, special token ids, dtype), and
+the JSON type of every field any family reads (`check_field_types`).
+
+The parsers convert with int() / float() / bool(), which take a wrong type without a word:
+"num_hidden_layers": 4.5 became a 4-layer model, "tie_word_embeddings": "false" tied the
+embeddings, "hidden_size": "64" was read as 64, and a list where a number belongs surfaced as
+int()'s TypeError, naming no field. So before any parser runs, every field it may read is checked
+against its JSON type here, and a wrong one is a ConfigError naming the field (with its path inside
+text_config / rope_parameters / linear_attn_config) and the value. null stays allowed (the parsers
+read it as "not given"); fields no family reads are not looked at.
+"""
 from __future__ import annotations
+
+import json
+import math
 
 from hybrid_jax.errors import ConfigError
 
@@ -46,3 +59,116 @@ def check_grouped_topk(E: int, n_group: int, topk_group: int, k: int, names=("n_
         raise ConfigError(f"each expert group needs >= 2 experts (group score = top-2 sum); got {E // n_group}")
     if not 0 < k <= topk_group * (E // n_group):
         raise ConfigError(f"{kk}={k} must be in [1, experts in the {topk_group} chosen groups]")
+
+
+# ---- JSON types of the fields the families read ---------------------------------------------------
+
+_COUNTS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+           "max_position_embeddings", "model_max_length", "original_max_position_embeddings",
+           "linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads",
+           "linear_num_value_heads", "linear_num_heads", "linear_head_dim", "intermediate_size", "num_experts",
+           "num_experts_per_tok", "num_experts_per_token", "moe_intermediate_size", "shared_expert_intermediate_size",
+           "decoder_sparse_step", "full_attention_interval", "first_k_dense_replace", "moe_layer_freq",
+           "n_routed_experts", "num_local_experts", "n_shared_experts", "num_shared_experts", "n_group",
+           "num_expert_group", "topk_group", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+           "v_head_dim", "index_topk", "index_n_heads", "index_head_dim", "o_groups", "o_lora_rank", "sliding_window",
+           "hc_mult", "hc_sinkhorn_iters", "num_hash_layers", "compress_rate_csa", "compress_rate_hca",
+           "num_nextn_predict_layers")
+_FLOATS = ("rms_norm_eps", "rope_theta", "partial_rotary_factor", "routed_scaling_factor", "hc_eps", "swiglu_limit",
+           "compress_rope_theta")
+_BOOLS = ("attention_bias", "tie_word_embeddings", "norm_topk_prob", "moe_renormalize", "use_grouped_topk",
+          "attn_output_gate", "mla_use_nope", "mlp_bias")
+_STRS = ("model_type", "hidden_act", "dtype", "torch_dtype", "scoring_func", "moe_router_activation_func",
+         "mamba_ssm_dtype")
+
+
+def _is_int(v) -> bool:
+    """An integer in JSON: 4 or 4.0, not 4.5, not true."""
+    return (isinstance(v, int) and not isinstance(v, bool)) or (isinstance(v, float) and v.is_integer())
+
+
+# kind -> (test, what the field must be)
+_KINDS = {
+    "count": (lambda v: _is_int(v) and v >= 0, "a non-negative integer"),
+    "float": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v), "a number"),
+    "bool": (lambda v: isinstance(v, bool), "true or false"),
+    "str": (lambda v: isinstance(v, str), "a string"),
+    "id": (_is_int, "an integer (a token id)"),
+    "ids": (lambda v: _is_int(v) or (isinstance(v, list) and all(_is_int(x) for x in v)),
+            "an integer or a list of integers (token ids)"),
+    "strs": (lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v), "a list of strings"),
+    "counts": (lambda v: isinstance(v, list) and all(_is_int(x) and x >= 0 for x in v),
+               "a list of non-negative integers"),
+    "object": (lambda v: isinstance(v, dict), "a JSON object"),
+}
+FIELD_KINDS: dict[str, str] = {
+    **{k: "count" for k in _COUNTS}, **{k: "float" for k in _FLOATS}, **{k: "bool" for k in _BOOLS},
+    **{k: "str" for k in _STRS},
+    "bos_token_id": "id", "pad_token_id": "id", "eos_token_id": "ids",
+    "layer_types": "strs", "mlp_layer_types": "strs",
+    "mlp_only_layers": "counts", "compress_ratios": "counts",
+    "text_config": "object", "rope_parameters": "object", "rope_scaling": "object", "linear_attn_config": "object",
+    "compress_rates": "object", "quantization_config": "object",
+}
+ROPE_KINDS: dict[str, str] = {
+    "rope_type": "str", "type": "str", "rope_theta": "float", "partial_rotary_factor": "float", "factor": "float",
+    "beta_fast": "float", "beta_slow": "float", "mscale": "float", "mscale_all_dim": "float",
+    "attention_factor": "float", "original_max_position_embeddings": "count", "truncate": "bool",
+    "mrope_section": "counts", "mrope_interleaved": "bool",
+}
+LINEAR_ATTN_KINDS: dict[str, str] = {"num_heads": "count", "head_dim": "count", "short_conv_kernel_size": "count",
+                                     "kda_layers": "counts", "full_attn_layers": "counts"}
+REQUIRED_NOT_NULL = ("vocab_size", "hidden_size", "num_hidden_layers")
+
+
+def _shown(v) -> str:
+    """A value as config.json spells it, and what it is: '"64" (a string)', 'true (a boolean)'."""
+    what = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "a list",
+            dict: "an object"}.get(type(v), type(v).__name__)
+    try:
+        text = json.dumps(v)
+    except (TypeError, ValueError):
+        text = repr(v)
+    return f"{text if len(text) <= 80 else text[:77] + '...'} ({what})"
+
+
+def _check(d: dict, kinds: dict[str, str], where: str) -> None:
+    for key, kind in kinds.items():
+        if key not in d or d[key] is None:
+            continue
+        ok, what = _KINDS[kind]
+        v = d[key]
+        if not ok(v):
+            raise ConfigError(f"field {where}{key} must be {what}; got {_shown(v)}")
+
+
+def check_field_types(d: dict, where: str = "") -> None:
+    """ConfigError naming the first field of config.json dict `d` (and of its text_config,
+    rope_parameters / rope_scaling with their nested rope dicts, linear_attn_config and
+    compress_rates) whose value is not of the JSON type the families read it as. null is allowed
+    except for REQUIRED_NOT_NULL (in the dict that holds the language model: text_config if there is one)."""
+    _check(d, FIELD_KINDS, where)
+    if not where:
+        text = isinstance(d.get("text_config"), dict)
+        model = d["text_config"] if text else d
+        for key in REQUIRED_NOT_NULL:
+            if key in model and model[key] is None:
+                raise ConfigError(f"field {'text_config.' if text else ''}{key} must be {_KINDS['count'][1]}; got null")
+    if isinstance(d.get("text_config"), dict):
+        check_field_types(d["text_config"], f"{where}text_config.")
+    for rope in ("rope_parameters", "rope_scaling"):
+        if isinstance(d.get(rope), dict):
+            _check_rope(d[rope], f"{where}{rope}.")
+    if isinstance(d.get("linear_attn_config"), dict):
+        _check(d["linear_attn_config"], LINEAR_ATTN_KINDS, f"{where}linear_attn_config.")
+    if isinstance(d.get("compress_rates"), dict):
+        _check(d["compress_rates"], dict.fromkeys(d["compress_rates"], "count"), f"{where}compress_rates.")
+
+
+def _check_rope(r: dict, where: str) -> None:
+    """A rope dict: its own fields, and those of rope dicts nested in it (DeepSeek-V4's main /
+    compress, or one per layer type)."""
+    _check(r, ROPE_KINDS, where)
+    for k, v in r.items():
+        if isinstance(v, dict):
+            _check_rope(v, f"{where}{k}.")

@@ -1,9 +1,13 @@
 """The on-disk prefix tier in the engine: outputs with disk hits are token-identical to outputs
 without caching; device evictions offload to disk and come back; corrupt or truncated spans are
-refused with their reason and recomputed; a new process reuses the directory."""
+refused with their reason and recomputed; a new process reuses the directory; a directory that
+turns read-only mid-serve, or cannot be used at all, changes no output (writes go off, with a
+warning); warm-up leaves another model's spans alone."""
 from __future__ import annotations
 
+import errno
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -11,6 +15,7 @@ import sys
 import numpy as np
 import pytest
 
+from cache.disk_tier import DiskTier
 from cache.segments import SegState
 from hybrid_jax import LLM, SamplingParams
 from hybrid_jax.engine import EngineConfig, LLMEngine
@@ -126,3 +131,77 @@ def test_a_new_process_reuses_the_directory(base, tiny_checkpoint, tmp_path):
     assert first["outs"] == want and second["outs"] == want
     assert first["restored"] == 0 and second["restored"] >= 3
     assert second["passes"] == 3                               # every prompt resumed, the first one from disk
+
+
+# ---- a directory that cannot be written, at open and mid-serve (cache/disk_tier.py) --------------
+
+def _tier_warnings(caplog):
+    return [r.getMessage() for r in caplog.records if r.name == "cache.disk_tier" and r.levelno == logging.WARNING]
+
+
+def test_a_directory_that_turns_read_only_mid_serve_changes_no_output(base, tmp_path, monkeypatch, caplog):
+    """The directory turns read-only after the first request (every write call fails with EROFS):
+    requests in flight and after finish with the tokens of a run without any cache, writes go off
+    with one warning and spans are no longer even copied to the host; the store reopened on the
+    read-only directory (reset) starts with writes off and still restores what was written before."""
+    import cache.disk_tier as disk_tier
+    from tests.cache.test_disk_tier_faults import ReadOnlyOS
+    caplog.set_level(logging.WARNING, logger="cache.disk_tier")
+    eng = LLMEngine(base, EngineConfig(max_model_len=256, kv_cache_dir=str(tmp_path / "kv"), prefix_cache_bytes=150_000,
+                                       **ENGINE))
+    prompts = _prompts(base.config.vocab_size, seed=3)
+    want = _ids(base.generate([{"prompt_token_ids": p} for p in prompts], SP))
+    assert _one_by_one(eng, prompts[:1]) == want[:1]
+    written = eng.cache_stats()["disk"]["writes"]
+    assert written > 0 and eng.cache_stats()["disk"]["writable"] is True
+    monkeypatch.setattr(disk_tier, "os", ReadOnlyOS(errno.EROFS))
+    outs = eng.generate([{"prompt_token_ids": p} for p in prompts[1:]], SP)   # in flight together
+    assert [o.token_ids for o in outs] == want[1:]
+    eng.step()
+    eng.prefix.disk.flush()
+    assert _one_by_one(eng, prompts[1:]) == want[1:]
+    d = eng.cache_stats()["disk"]
+    assert d["writable"] is False and d["write_faults"] >= 1 and d["writes"] == written
+    assert d["write_fault"].endswith("EROFS: Read-only file system") and d["skipped_writes"] > 0
+    assert eng.prefix.disk.health() == {k: d[k] for k in ("writable", "write_faults", "write_fault", "skipped_writes")}
+    assert len(_tier_warnings(caplog)) == 1
+    old = eng.prefix.disk.tier
+    eng.reset_prefix_cache()                       # today: OSError from opening the read-only directory
+    assert old._pool._shutdown                     # the dropped store's tier threads are stopped
+    assert _one_by_one(eng, prompts) == want
+    st = eng.cache_stats()
+    assert st["disk"]["writable"] is False and st["disk"]["spans_restored"] >= 1
+    assert len(_tier_warnings(caplog)) == 2 and "open: EROFS" in _tier_warnings(caplog)[1]
+
+
+def test_a_directory_that_cannot_be_used_starts_the_engine_without_a_tier(base, tmp_path, caplog):
+    """kv_cache_dir names a regular file: the engine starts (a warning names the path), runs as
+    without a disk tier and its outputs are those of a run without any cache."""
+    caplog.set_level(logging.WARNING, logger="cache.disk_tier")
+    path = tmp_path / "not-a-dir"
+    path.write_text("x")
+    eng = LLMEngine(base, EngineConfig(max_model_len=256, kv_cache_dir=str(path), prefix_cache_bytes=150_000,
+                                       **ENGINE))                       # today: FileExistsError
+    (msg,) = _tier_warnings(caplog)
+    assert str(path) in msg and "ENOTDIR" in msg and "runs without a disk tier" in msg
+    prompts = _prompts(base.config.vocab_size, seed=4)[:3]
+    want = _ids(base.generate([{"prompt_token_ids": p} for p in prompts], SP))
+    assert _one_by_one(eng, prompts) == want
+    d = eng.cache_stats()["disk"]
+    assert d["writable"] is False and d["entries"] == 0 and d["writes"] == 0 and path.read_text() == "x"
+
+
+def test_warm_up_does_not_delete_another_models_span(disk_engine):
+    """Two servers of different models on one directory: warming up reads a span without deleting
+    one that belongs to the other model (today it read the first key with `get`, which deletes a
+    foreign entry)."""
+    from cache.tier_entry import EntryMeta
+    eng = disk_engine
+    tier = eng.prefix.disk.tier
+    arrays = {"x": np.arange(16, dtype=np.float32)}
+    foreign = "0" * 32                                           # sorts before every other key
+    with DiskTier(tier.directory, tier.cap_bytes, fingerprint="another-model") as other:
+        assert other.put(foreign, arrays, EntryMeta.of(arrays, fingerprint="another-model", abi="a", start=0, end=16))
+    before = tier.stats()["misses"]
+    eng.runner.cache = eng.prefix.disk.warmup(eng.runner.cache)
+    assert foreign in tier and tier.stats()["misses"] == before
