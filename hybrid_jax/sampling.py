@@ -44,13 +44,19 @@ class SamplingParams:
             raise InputError(f"top_k must be -1 (off), 0 (off) or a positive integer; got {self.top_k!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**63):
             raise InputError(f"seed must be a non-negative integer; got {self.seed!r}")
+        if self.stop is None:                      # vLLM's Optional spelling of "none"
+            self.stop = []
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        if not all(isinstance(x, str) and x for x in self.stop):
+        if not isinstance(self.stop, (list, tuple)) or not all(isinstance(x, str) and x for x in self.stop):
             raise InputError(f"stop must be a list of non-empty strings; got {self.stop!r}")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not -1 <= self.logprobs <= 20):
             raise InputError(f"logprobs must be an integer in [0, 20], or -1 for the whole vocabulary; got "
                              f"{self.logprobs!r}")
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        if not isinstance(self.stop_token_ids, (list, tuple)):
+            raise InputError(f"stop_token_ids must be a list of non-negative integers; got {self.stop_token_ids!r}")
         bad = [t for t in self.stop_token_ids if not isinstance(t, int) or t < 0]
         if bad:
             raise InputError(f"stop_token_ids must be non-negative integers; got {bad}")

@@ -119,10 +119,16 @@ def test_empty_text_prompt_on_default_model_is_an_empty_prompt():
     (dict(max_tokens=0), "max_tokens"), (dict(max_tokens=-3), "max_tokens"), (dict(max_tokens=2.5), "max_tokens"),
     (dict(temperature=-1.0), "temperature"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
     (dict(top_k=-2), "top_k"), (dict(seed=-1), "seed"), (dict(stop_token_ids=[-4]), "stop_token_ids"),
-    (dict(logprobs=-2), "logprobs"), (dict(logprobs=21), "logprobs")])
+    (dict(logprobs=-2), "logprobs"), (dict(logprobs=21), "logprobs"), (dict(stop=3), "stop"),
+    (dict(stop_token_ids=5), "stop_token_ids")])
 def test_bad_sampling_params(kw, msg):
     with pytest.raises(InputError, match=msg):
         SamplingParams(**kw)
+
+
+def test_none_means_no_stops_as_in_vllm():
+    sp = SamplingParams(stop=None, stop_token_ids=None)
+    assert sp.stop == [] and sp.stop_token_ids == []
 
 
 def test_prompt_longer_than_max_model_len(tiny_checkpoint):
