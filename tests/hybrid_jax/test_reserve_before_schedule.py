@@ -1,6 +1,7 @@
 """Reserve before you schedule (issue: copy-on-write ran out of pages under ordinary load): the
-shipped default model, prefix caching on, a KV budget of ~33 pages for 10 concurrent prompts of
-150-300 words. Publishes while decoding share a request's last page with the prefix store, so
+shipped default model, prefix caching on, a KV budget of 22 pages of 64 tokens for 10 concurrent
+prompts of 150-300 words (the issue's 4.1 MB held 33: with admission's headroom nothing is preempted
+there in 120 tokens). Publishes while decoding share a request's last page with the prefix store, so
 nearly every decode step past a grid point writes a shared page and needs a private copy; the
 pool is so small that those copies compete with growth and preemption. Every step's pages, its
 copies included, are taken when it is scheduled, so no step fails (the engine's step-failure
@@ -32,7 +33,7 @@ def prompts():
 
 def test_copy_on_write_never_runs_dry_under_load(prompts):
     llm = LLM()
-    tight = LLMEngine(llm, EngineConfig(max_num_seqs=8, max_model_len=1024, kv_cache_bytes=4_100_000,
+    tight = LLMEngine(llm, EngineConfig(max_num_seqs=8, max_model_len=1024, kv_cache_bytes=3_400_000,
                                         enable_prefix_caching=True, warmup="none", compilation_cache_dir=None))
     outs = tight.generate(prompts, SP)
     failed = {k: tight.metrics.step_failures.labels(attributable=k)._value.get() for k in ("true", "false")}
