@@ -97,6 +97,28 @@ def build_parser() -> argparse.ArgumentParser:
                         "(always so with several processes)")
     s.add_argument("--api-server-count", type=int, default=1,
                    help="API server processes on the port, all feeding the one engine core (default 1)")
+    s.add_argument("--core-restarts", type=int, default=3,
+                   help="restarts of an engine core that died or hung, over the server's life; then the server "
+                        "exits 1 for an orchestrator to replace it (default 3; 0: exit at the first death)")
+    s.add_argument("--core-unresponsive-timeout", type=float, default=5.0,
+                   help="seconds without an engine heartbeat before new requests and /health get 503 (default 5)")
+    s.add_argument("--core-hang-timeout", type=float, default=None,
+                   help="seconds without an engine heartbeat before the core is killed and restarted (default: 60 "
+                        "with --warmup all, else 0: never, since a first-use compile stalls the engine for as long "
+                        "as it takes)")
+    s.add_argument("--metrics-require-api-key", action="store_true",
+                   help="put /metrics behind the API key too")
+    s.add_argument("--max-queued-requests", type=int, default=None,
+                   help="requests that may wait for an engine row (beyond the --max-num-seqs running); past it, "
+                        "429 with Retry-After (default: 4 x --max-num-seqs, at least 128; 0: none wait)")
+    s.add_argument("--max-queued-tokens", type=int, default=None,
+                   help="prompt tokens that may wait for an engine row; past it, 429 (default: --max-queued-requests "
+                        "x --max-model-len / 4; a prompt is always admitted when nothing waits)")
+    s.add_argument("--no-fair-admission", dest="fair_admission", action="store_false",
+                   help="no per-client shares of the waiting slots (by the request's 'user', else the peer "
+                        "address): first come, first served up to the bounds")
+    s.add_argument("--max-header-bytes", type=int, default=64 << 10,
+                   help="largest request header block; past it, 431 and the connection closed (default 65536)")
     _add_engine_args(s)
     _add_parallel_args(s)
     s.set_defaults(warmup="all")      # no request compiles on the serving path (see /health)
@@ -203,11 +225,37 @@ def _serve(args) -> int:
                  engine_config=_engine_config(args), parallel=parallel_options(args),
                  server_config=ServerConfig(model_name=name, api_key=_api_key(args),
                                             max_request_bytes=args.max_request_bytes,
-                                            max_tokens_limit=args.max_tokens_limit, body_timeout_s=args.timeout_body),
+                                            max_tokens_limit=args.max_tokens_limit, body_timeout_s=args.timeout_body,
+                                            metrics_api_key=args.metrics_require_api_key,
+                                            admission=_admission(args)),
                  shutdown_timeout_s=args.shutdown_timeout, header_timeout_s=args.timeout_header,
+                 max_header_bytes=args.max_header_bytes,
                  keep_alive_timeout_s=args.timeout_keep_alive, engine_process=args.engine_process,
-                 api_server_count=args.api_server_count,
+                 api_server_count=args.api_server_count, supervision=_supervision(args),
                  processes=_processes(args))
+
+
+def _admission(args):
+    from hybrid_jax.server.admission import AdmissionConfig  # noqa: PLC0415
+    for flag in ("max_queued_requests", "max_queued_tokens"):
+        v = getattr(args, flag)
+        if v is not None and v < 0:
+            raise HybridJaxError(f"--{flag.replace('_', '-')} must be >= 0; got {v}")
+    if args.max_header_bytes < 1024:
+        raise HybridJaxError(f"--max-header-bytes must be at least 1024; got {args.max_header_bytes}")
+    return AdmissionConfig(max_queued_requests=args.max_queued_requests, max_queued_tokens=args.max_queued_tokens,
+                           fair=args.fair_admission)
+
+
+def _supervision(args):
+    from hybrid_jax.server.supervisor import SupervisionConfig  # noqa: PLC0415
+    hang = args.core_hang_timeout if args.core_hang_timeout is not None else (60.0 if args.warmup == "all" else 0.0)
+    if args.core_restarts < 0:
+        raise HybridJaxError("--core-restarts must be >= 0")
+    if not 0 < args.core_unresponsive_timeout or hang < 0 or 0 < hang <= args.core_unresponsive_timeout:
+        raise HybridJaxError("--core-unresponsive-timeout must be > 0, and --core-hang-timeout 0 (never) or longer")
+    return SupervisionConfig(core_restarts=args.core_restarts, unresponsive_after_s=args.core_unresponsive_timeout,
+                             hung_after_s=hang)
 
 
 API_KEY_ENV = "HYBRID_JAX_API_KEY"

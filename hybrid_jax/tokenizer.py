@@ -12,6 +12,7 @@ class ByteTokenizer:
     """UTF-8 bytes are ids 0..255; then BOS = 256, EOS = 257, PAD = 258."""
     bos_token_id, eos_token_id, pad_token_id = 256, 257, 258
     vocab_size = 259
+    max_token_bytes = 1          # each id is one byte of the text (see limits.refuse_unfittable)
 
     def encode(self, text: str, add_bos: bool = True) -> list[int]:
         ids = list(text.encode("utf-8"))
@@ -44,12 +45,56 @@ class HFTokenizer:
                     tok = tok.get("content")
                 if isinstance(tok, str):
                     setattr(self, attr + "_id", self._tok.token_to_id(tok))
+        self.max_token_bytes = max_token_bytes(json.loads(self._tok.to_str()))
 
     def encode(self, text: str, add_bos: bool = True) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=add_bos).ids
+        if len(text) < RELEASE_GIL_CHARS:
+            return self._tok.encode(text, add_special_tokens=add_bos).ids
+        # the same encoding, but `encode_batch` lets go of the interpreter lock while it works (`encode`
+        # holds it: 0.6 s for 582 KB, during which no other thread, the server's event loop included, runs)
+        return self._tok.encode_batch([text], add_special_tokens=add_bos)[0].ids
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
+
+
+RELEASE_GIL_CHARS = 4096      # texts this long are encoded without holding the interpreter lock
+_SPLIT_KEEPS = {"Isolated", "MergedWithPrevious", "MergedWithNext", "Contiguous"}
+
+
+def _byte_alphabet() -> set[str]:
+    """The 256 characters byte-level BPE writes bytes as (GPT-2's byte-to-unicode table)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+                 *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    extra = [b for b in range(256) if b not in printable]
+    return {chr(b) for b in printable} | {chr(256 + i) for i in range(len(extra))}
+
+
+def max_token_bytes(spec: dict) -> int | None:
+    """The most bytes of input text one token can stand for, for a tokenizer.json (`spec`) where that is
+    provably bounded, else None. Bounded means: every input byte ends up in exactly one token and
+    none is dropped, so a text of B UTF-8 bytes has at least B / max_token_bytes tokens. That holds for
+    byte-level BPE (each byte becomes one character of a 256-character alphabet, all of them in the
+    vocabulary, and a token's string is the bytes it covers) with no normalizer (NFC and friends merge
+    code points), no pre-tokenizer step that removes text, no truncation, and added tokens that do not
+    swallow the whitespace around them (lstrip / rstrip). Anything else: None (no pre-check)."""
+    model, pre = spec.get("model") or {}, spec.get("pre_tokenizer") or {}
+    if model.get("type") != "BPE" or spec.get("normalizer") is not None or spec.get("truncation") is not None:
+        return None
+    steps = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
+    if not any(s.get("type") == "ByteLevel" for s in steps) or not all(
+            s.get("type") == "ByteLevel" or (s.get("type") == "Split" and s.get("behavior") in _SPLIT_KEEPS)
+            for s in steps):
+        return None
+    vocab = model.get("vocab") or {}
+    alphabet = _byte_alphabet()
+    if not alphabet <= vocab.keys():           # a byte with no token of its own would be dropped
+        return None
+    added = spec.get("added_tokens") or []
+    if any(t.get("lstrip") or t.get("rstrip") for t in added):
+        return None
+    longest = max((len(t) for t in vocab), default=1)
+    return max([longest] + [len(t["content"].encode("utf-8")) for t in added])
 
 
 def load_tokenizer(path: str | None):

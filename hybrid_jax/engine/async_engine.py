@@ -7,6 +7,11 @@ that is closed early (client gone) aborts its request, which frees its cache slo
 A request that fails inside a step (the engine could attribute the failure to it) gets an
 EngineRequestError on its stream; the others go on. `shutdown` stops the thread and closes the
 prefix store (waiting for the disk tier's pending writes).
+
+The thread beats (engine/heartbeat.py) between steps and while idle: `pulse` says when it last did
+and holds the metrics it rendered then, which /metrics serves (a scrape never renders on the event
+loop or waits on the thread). If the thread ends other than by `shutdown`, every open request and
+every new one fails with EngineUnavailable.
 """
 from __future__ import annotations
 
@@ -19,14 +24,25 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from hybrid_jax.engine.engine import LLMEngine
+from hybrid_jax.engine.heartbeat import HEARTBEAT_S, BeatSchedule, Pulse
 from hybrid_jax.engine.request import RequestOutput
 from hybrid_jax.sampling import SamplingParams
 
 log = logging.getLogger("hybrid_jax.engine")
 
 
+def engine_rows(engine) -> int:
+    """Requests an engine (or a data-parallel engine's replicas together) runs at once."""
+    return engine.config.max_num_seqs * len(getattr(engine, "replicas", None) or (engine,))
+
+
 class EngineRequestError(RuntimeError):
     """This request failed inside the engine (the server answers 500 naming it)."""
+
+
+class EngineUnavailable(EngineRequestError):
+    """The engine is gone or not answering (its process died, its thread stopped, its heartbeat
+    stopped): the request did not fail by itself, and the server answers 503."""
 
 
 class OutputStream:
@@ -71,10 +87,12 @@ def merged(a: RequestOutput, b: RequestOutput) -> RequestOutput:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, mirror=None):
+    def __init__(self, engine: LLMEngine, mirror=None, heartbeat_s: float = HEARTBEAT_S):
         """mirror: with several processes, process 0's `parallel.hosts.Mirror`: what this loop applies
         to the engine and each step are sent to the other processes, which step with it."""
         self.engine = engine
+        self.pulse = Pulse()
+        self._beats = BeatSchedule(heartbeat_s)
         self.mirror = mirror
         self._events: list = []     # applied since the last message (mirror only)
         self._commands: queue.Queue = queue.Queue()
@@ -99,7 +117,15 @@ class AsyncEngine:
         self._stop.set()
         self._commands.put(("wake",))
         self._thread.join(timeout=timeout)
+        if self._thread.is_alive():          # wedged in a step: closing the store under it is not safe
+            log.warning("the engine thread did not stop within %g s; not closing the prefix store", timeout)
+            return
         self.engine.close()
+
+    def abandon(self, reason: str):
+        """Gives up on an engine thread that died or hung: every open request fails with `reason`."""
+        for rid in list(self._streams):
+            self._deliver(rid, EngineUnavailable(f"request {rid!r}: {reason}"))
 
     # --- what the API server reads (the same on an EngineCoreClient) ------------------------------
     @property
@@ -107,8 +133,10 @@ class AsyncEngine:
         return self.engine.llm.tokenizer
 
     def model_card(self) -> dict:
-        """What a client may send: max_model_len, vocab_size."""
-        return {"max_model_len": self.engine.config.max_model_len, "vocab_size": self.engine.llm.config.vocab_size}
+        """What a client may send (max_model_len, vocab_size) and how many requests run at once
+        (max_num_seqs: the engine's rows, over all its data-parallel replicas)."""
+        return {"max_model_len": self.engine.config.max_model_len, "vocab_size": self.engine.llm.config.vocab_size,
+                "max_num_seqs": engine_rows(self.engine)}
 
     @property
     def alive(self) -> bool:
@@ -116,10 +144,8 @@ class AsyncEngine:
         return self._thread.is_alive() or not self._thread.ident
 
     def render_metrics(self) -> bytes:
-        return self.engine.metrics.render()
-
-    def count_error(self, kind: str):
-        self.engine.metrics.errors.labels(type=kind).inc()
+        """The metrics as of the thread's last beat (rendered here only before the first)."""
+        return self.pulse.metrics or self.engine.metrics.render()
 
     # --- called from the event loop ----------------------------------------------------------------
     def validate(self, prompt: Any, params: SamplingParams) -> list[int]:
@@ -131,11 +157,15 @@ class AsyncEngine:
         """Streams the request's outputs. `arrival` (time.monotonic()) is when the client sent it."""
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
+        if not self.alive:
+            raise EngineUnavailable(f"request {request_id!r}: the engine thread stopped")
         self._streams[request_id] = (loop, q)
         self._sent += 1
         self._commands.put(("add", request_id, prompt, params, arrival))
         outs = OutputStream(q)
         try:
+            if not self.alive:               # ended meanwhile: its last act may have missed this stream
+                raise EngineUnavailable(f"request {request_id!r}: the engine thread stopped")
             async for item in outs:
                 yield item
         finally:
@@ -152,7 +182,7 @@ class AsyncEngine:
 
     def _drain(self, block: bool):
         try:
-            cmd = self._commands.get(timeout=0.5 if block else 0)
+            cmd = self._commands.get(timeout=self._beats.period_s / 2 if block else 0)   # (idle: still beating)
         except queue.Empty:
             return
         while True:
@@ -177,9 +207,20 @@ class AsyncEngine:
     def _loop(self):
         try:
             self._run()
+        except BaseException as e:  # noqa: BLE001  (logged; the streams are told below)
+            self.error = e
+            log.exception("the engine thread stopped")
         finally:
+            if not self._stop.is_set():          # not a shutdown: whoever still waits is told
+                for rid in list(self._streams):
+                    self._deliver(rid, EngineUnavailable(f"request {rid!r}: the engine thread stopped"))
             if self.mirror is not None:          # the other processes stop with this one
                 self.mirror.exchange({"events": [], "step": False, "stop": True})
+
+    def _beat(self, busy: bool):
+        """From this thread only (a wedged step stops the beats): the pulse, with the metrics."""
+        if self._beats.due(busy):
+            self.pulse.note(self._beats.beat(self.engine.metrics.render()))
 
     def _run(self):
         while not self._stop.is_set():
@@ -188,6 +229,7 @@ class AsyncEngine:
                 self.mirror.exchange({"events": self._events, "step": self.engine.has_unfinished(), "stop": False})
                 self._events = []
             if not self.engine.has_unfinished():
+                self._beat(busy=False)
                 continue
             try:
                 outs = self.engine.step()
@@ -197,6 +239,7 @@ class AsyncEngine:
                 for rid in self.engine.abort_all():
                     self._deliver(rid, EngineRequestError(f"request {rid!r}: engine step failed: {e}"))
                 continue
+            self._beat(busy=self.engine.has_unfinished())    # a step that ends the work: its counts first
             for o in outs:
                 self._deliver(o.request_id, o)
             self.engine.flush_publishes()     # after the tokens went out: publishing never delays one

@@ -1,26 +1,34 @@
 """The API server's side of an engine core in its own process (engine/core_process.py).
 
 `EngineCoreClient` offers what the server reads from an in-process `AsyncEngine` (`validate`,
-`generate`, `tokenizer`, `model_card`, `render_metrics`, `count_error`, `shutdown`): admission checks
+`generate`, `tokenizer`, `model_card`, `render_metrics`, `pulse`, `shutdown`): admission checks
 and tokenization run here, on the server's event loop, before anything is sent; the outputs arrive
 on a reader thread and are detokenized incrementally on the event loop as they are handed to each
-request's stream. The device loop in the core never waits on any of it.
+request's stream. The device loop in the core never waits on any of it, and nothing here waits on
+the core: commands leave through a writer thread (a core that stops reading cannot block the event
+loop), and the core's heartbeats (engine/heartbeat.py) land in `pulse`, with the metrics /metrics is
+served from.
+
+When the core goes away (its socket closes), every open request fails with `EngineUnavailable` and
+so does every new one; a shutdown this client asked for is not a failure and logs none.
+server/supervisor.py decides what happens next (a restart, a reconnect, an exit).
 """
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
+import queue
 import threading
+import time
 from collections.abc import AsyncIterator
 from multiprocessing.connection import Client
 from typing import Any
 
-from hybrid_jax.engine.async_engine import EngineRequestError, OutputStream
+from hybrid_jax.engine.async_engine import EngineRequestError, EngineUnavailable, OutputStream
 from hybrid_jax.engine.detokenize import IncrementalDetokenizer
+from hybrid_jax.engine.heartbeat import Beat, Pulse
 from hybrid_jax.engine.limits import admit
 from hybrid_jax.engine.request import RequestOutput
-from hybrid_jax.errors import HybridJaxError
 from hybrid_jax.sampling import SamplingParams
 
 log = logging.getLogger("hybrid_jax.server")
@@ -45,15 +53,17 @@ class EngineCoreClient:
         self.info, self._tokenizer, self.process = info, tokenizer, process
         self.connection = (address, authkey, info)      # what another API server needs to connect
         self.conn = Client(address, family="AF_UNIX", authkey=authkey)
-        self._send_lock = threading.Lock()
         self._streams: dict[str, _Stream] = {}
-        self._metrics: dict[int, threading.Event] = {}
-        self._metric_values: dict[int, bytes] = {}
-        self._tokens = itertools.count()
+        self.pulse = Pulse()                   # the core's last heartbeat and its metrics
         self.error: str | None = None          # set when the core went away
         self._closed = False
+        self._stopping = False                 # this client asked the core to stop: its exit is no failure
+        self._lock = threading.Lock()
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._reader = threading.Thread(target=self._read, name="hybrid-jax-core-reader", daemon=True)
+        self._writer = threading.Thread(target=self._write, name="hybrid-jax-core-writer", daemon=True)
         self._reader.start()
+        self._writer.start()
 
     # --- what the API server reads ---------------------------------------------------------------
     @property
@@ -61,7 +71,8 @@ class EngineCoreClient:
         return self._tokenizer
 
     def model_card(self) -> dict:
-        return {"max_model_len": self.info["max_model_len"], "vocab_size": self.info["vocab_size"]}
+        return {"max_model_len": self.info["max_model_len"], "vocab_size": self.info["vocab_size"],
+                "max_num_seqs": self.info["max_num_seqs"]}
 
     @property
     def alive(self) -> bool:
@@ -69,17 +80,8 @@ class EngineCoreClient:
         return self.error is None
 
     def render_metrics(self) -> bytes:
-        """The core's /metrics text (blocking: the server calls it on a worker thread)."""
-        token, done = next(self._tokens), threading.Event()
-        self._metrics[token] = done
-        self._send(("metrics", token))
-        if not done.wait(timeout=10):
-            self._metrics.pop(token, None)
-            raise HybridJaxError("the engine core did not answer for its metrics within 10 s")
-        return self._metric_values.pop(token)
-
-    def count_error(self, kind: str):
-        self._send(("error", kind))
+        """The core's Prometheus text as of its last heartbeat (no round trip: b"" before the first)."""
+        return self.pulse.metrics
 
     def validate(self, prompt: Any, params: SamplingParams) -> list[int]:
         """Raises InputError for a prompt or parameters the core would refuse; returns its token ids."""
@@ -87,16 +89,18 @@ class EngineCoreClient:
 
     async def generate(self, request_id: str, prompt: Any, params: SamplingParams,
                        arrival: float | None = None) -> AsyncIterator[RequestOutput]:
-        """Streams the request's outputs, as `AsyncEngine.generate` does."""
-        import time  # noqa: PLC0415
+        """Streams the request's outputs, as `AsyncEngine.generate` does; EngineUnavailable when the
+        core is gone (before or while the request runs)."""
         if self.error is not None:
-            raise EngineRequestError(f"request {request_id!r}: {self.error}")
+            raise EngineUnavailable(f"request {request_id!r}: {self.error}")
         ids = self.validate(prompt, params)
         stream = _Stream(asyncio.get_running_loop(), ids, params, self._tokenizer)
         self._streams[request_id] = stream
-        self._send(("add", request_id, ids, params, time.monotonic() if arrival is None else arrival))
         outs = OutputStream(stream.queue)
         try:
+            if self.error is not None:         # lost meanwhile: the reader may have failed the others without it
+                raise EngineUnavailable(f"request {request_id!r}: {self.error}")
+            self._send(("add", request_id, ids, params, time.monotonic() if arrival is None else arrival))
             async for item in outs:
                 yield item
         finally:
@@ -104,39 +108,77 @@ class EngineCoreClient:
             if not outs.finished and self.error is None and not self._closed:
                 try:
                     self._send(("abort", request_id))
-                except HybridJaxError:         # the core is gone: nothing left to abort
+                except EngineUnavailable:      # the core is gone: nothing left to abort
                     pass
 
     def shutdown(self, timeout: float = 30.0):
         """Stops the core (after its current step; it closes the prefix store) when this server
         started it; else just disconnects."""
         if self.process is not None:
+            self._stopping = True
             try:
                 self._send(("shutdown",))
-            except HybridJaxError:
+            except EngineUnavailable:
                 pass
             self.process.join(timeout=timeout)
             if self.process.is_alive():
                 self.process.terminate()
         self.close()
 
+    def kill(self):
+        """SIGKILLs the core when this server started it (a wedged core: see server/supervisor.py)."""
+        if self.process is not None and self.process.is_alive():
+            self.process.kill()
+
+    def abandon(self, reason: str):
+        """Gives up on a core that died or hung: its open requests fail with `reason`, the connection
+        closes."""
+        self._lost(reason)
+        self.close()
+
     def close(self):
         """Disconnects from the core (which aborts this client's requests)."""
         self._closed = True
+        self._outbox.put(None)
+        self._writer.join(timeout=5)
         self.conn.close()
 
     # --- the channel -------------------------------------------------------------------------------
     def _send(self, msg):
-        with self._send_lock:
+        """Queues `msg` for the writer thread; EngineUnavailable once the core is gone."""
+        if self.error is not None or self._closed:
+            raise EngineUnavailable(f"the engine core is gone: {self.error or 'disconnected'}")
+        self._outbox.put(msg)
+
+    def _write(self):
+        while (msg := self._outbox.get()) is not None:
             try:
                 self.conn.send(msg)
-            except (OSError, EOFError, ValueError) as e:
-                raise HybridJaxError(f"the engine core is gone: {e}") from None
+            except (OSError, EOFError, ValueError) as e:     # the reader sees the end too
+                if not (self._closed or self._stopping):
+                    self._lost(f"the engine core exited ({type(e).__name__}: {e})")
+                return
+
+    def _lost(self, reason: str):
+        """Once: every open request fails with EngineUnavailable (set before the streams are read,
+        so a request registered after this is refused by `generate` itself)."""
+        with self._lock:
+            if self.error is not None:
+                return
+            self.error = reason
+        for s in list(self._streams.values()):
+            try:
+                s.loop.call_soon_threadsafe(s.queue.put_nowait, EngineUnavailable(reason))
+            except RuntimeError:           # that request's event loop has closed
+                pass
 
     def _read(self):
         try:
             while True:
                 msg = self.conn.recv()
+                if type(msg) is Beat:
+                    self.pulse.note(msg)
+                    continue
                 kind = msg[0]
                 if kind == "out":
                     by_loop: dict = {}
@@ -150,18 +192,15 @@ class EngineCoreClient:
                     s = self._streams.get(msg[1])
                     if s is not None:
                         s.loop.call_soon_threadsafe(s.queue.put_nowait, EngineRequestError(msg[2]))
-                elif kind == "metrics":
-                    self._metric_values[msg[1]] = msg[2]
-                    done = self._metrics.pop(msg[1], None)
-                    if done is not None:
-                        done.set()
         except (EOFError, OSError, TypeError) as e:     # (TypeError: the connection was closed under recv)
             if self._closed:
                 return
-            self.error = f"the engine core exited ({type(e).__name__})"
-            log.error("%s: every open request fails, and new ones get a 500", self.error)
-            for s in list(self._streams.values()):
-                s.loop.call_soon_threadsafe(s.queue.put_nowait, EngineRequestError(self.error))
+            if self._stopping:                 # the shutdown this client sent: no failure
+                log.info("the engine core stopped")
+                self._lost("the engine core stopped")
+                return
+            log.error("the engine core exited (%s): the requests in flight fail", type(e).__name__)
+            self._lost(f"the engine core exited ({type(e).__name__})")
 
     @staticmethod
     def _hand_over(items):

@@ -12,8 +12,6 @@ tuples). Client to core:
 
   ("add", request_id, prompt_ids, SamplingParams, arrival)   arrival: time.monotonic() (one clock per host)
   ("abort", request_id)
-  ("error", kind)                 an API-side error, counted in the core's /metrics
-  ("metrics", token)              answered ("metrics", token, Prometheus text bytes)
   ("shutdown",)                   finish the current step, close the prefix store, exit
 
 Core to client, once per engine step for the requests that client sent:
@@ -22,6 +20,15 @@ Core to client, once per engine step for the requests that client sent:
             logprobs), ...])      text / new_text: "" unless the request has stop strings (the core
                                   detokenizes only those; the client all the others)
   ("failed", request_id, message) the core refused a request (the client validated it already)
+
+and to every client, from the step loop between steps and while idle (engine/heartbeat.py):
+
+  Beat(seq, metrics)              at most HEARTBEAT_S apart, and when the core runs out of work;
+                                  metrics: the core's Prometheus text, which the API servers serve
+                                  /metrics from (a scrape never reaches the core)
+
+A core that stops beating is wedged (the API server's supervisor marks it unresponsive, then kills
+it); one whose socket closes is dead (server/supervisor.py restarts it at the same address).
 """
 from __future__ import annotations
 
@@ -31,26 +38,43 @@ import os
 import secrets
 import tempfile
 import threading
+import time
 from multiprocessing.connection import Connection, Listener, wait
 
+from prometheus_client import CollectorRegistry, Counter, generate_latest
+
 from hybrid_jax.engine import cpu_affinity
+from hybrid_jax.engine.heartbeat import HEARTBEAT_S, BeatSchedule
 from hybrid_jax.errors import HybridJaxError
 
 log = logging.getLogger("hybrid_jax.engine")
 
 
-def start_core(model: str | None, dtype: str, engine_config, parallel: dict | None = None):
+def start_core(model: str | None, dtype: str, engine_config, parallel: dict | None = None, *,
+               address: str | None = None, authkey: bytes | None = None, heartbeat_s: float = HEARTBEAT_S,
+               on_spawn=None):
     """Spawns the core for a checkpoint directory (or the embedded default model) and waits until it
     is warm. Returns (process, address, authkey, info: the core's "ready" dict). Raises
-    HybridJaxError with the core's message when loading fails."""
+    HybridJaxError with the core's message when loading fails.
+
+    address, authkey: a restart passes the dead core's, so API servers reconnect where they were (a
+    socket file the dead core left behind is removed first); heartbeat_s: the core's beat period;
+    on_spawn(process): called once the process started, before it is warm (a supervisor that must
+    be able to stop a core that is still loading)."""
     ctx = multiprocessing.get_context("spawn")     # a fresh interpreter: no fork of a threaded process
-    address = os.path.join(tempfile.mkdtemp(prefix="hybrid-jax-core-"), "core.sock")
-    authkey = secrets.token_bytes(32)
+    if address is None:
+        address = os.path.join(tempfile.mkdtemp(prefix="hybrid-jax-core-"), "core.sock")
+    elif os.path.exists(address):
+        os.unlink(address)
+    authkey = secrets.token_bytes(32) if authkey is None else authkey
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=run_core, args=(model, dtype, engine_config, parallel, address, authkey, child),
+    proc = ctx.Process(target=run_core, args=(model, dtype, engine_config, parallel, address, authkey, child,
+                                              heartbeat_s),
                        name="hybrid-jax-engine-core", daemon=True)
     proc.start()
     child.close()
+    if on_spawn is not None:
+        on_spawn(proc)
     try:
         msg = parent.recv()
     except EOFError:
@@ -62,7 +86,8 @@ def start_core(model: str | None, dtype: str, engine_config, parallel: dict | No
     return proc, address, authkey, msg[1]
 
 
-def run_core(model, dtype, engine_config, parallel, address, authkey, ready: Connection):
+def run_core(model, dtype, engine_config, parallel, address, authkey, ready: Connection,
+             heartbeat_s: float = HEARTBEAT_S):
     """The core process's body: load, warm up, then serve clients until told to shut down. With
     HYBRID_JAX_ENGINE_CPUS set, XLA's compute threads keep to those CPUs and the core's Python threads
     (its step loop) to the others (`engine/cpu_affinity.py`): the step loop never takes a cycle from
@@ -76,6 +101,7 @@ def run_core(model, dtype, engine_config, parallel, address, authkey, ready: Con
         ready.send(("failed", f"{cpu_affinity.CPUS_ENV}: {e}"))
         return
 
+    from hybrid_jax.engine.async_engine import engine_rows  # noqa: PLC0415
     from hybrid_jax.engine.build import build_engine  # noqa: PLC0415
     from hybrid_jax.tokenizer import ByteTokenizer  # noqa: PLC0415
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:%(name)s: %(message)s")
@@ -94,23 +120,29 @@ def run_core(model, dtype, engine_config, parallel, address, authkey, ready: Con
     info = {"max_model_len": engine.config.max_model_len, "vocab_size": engine.llm.config.vocab_size,
             "tokenizer": "byte" if isinstance(tok, ByteTokenizer) else ("checkpoint" if tok is not None else None),
             "warmup": engine.config.warmup, "warmup_seconds": getattr(engine, "warmup_seconds", 0.0),
-            "num_compiled": engine.num_compiled(), "pid": os.getpid()}
+            "num_compiled": engine.num_compiled(), "pid": os.getpid(), "max_num_seqs": engine_rows(engine)}
     listener = Listener(address, family="AF_UNIX", authkey=authkey)
     ready.send(("ready", info))
     ready.close()
-    Core(engine, listener).run()
+    Core(engine, listener, heartbeat_s).run()
 
 
 class Core:
     """The loop: take every waiting command, step the engine when it has work, send each client its
-    requests' outputs. A client that goes away has its requests aborted."""
+    requests' outputs, and beat (engine/heartbeat.py) between steps and while idle. A client that goes
+    away has its requests aborted."""
 
-    def __init__(self, engine, listener: Listener):
+    def __init__(self, engine, listener: Listener, heartbeat_s: float = HEARTBEAT_S):
         self.engine, self.listener = engine, listener
         self.clients: list[Connection] = []
         self.owner: dict[str, Connection] = {}
         self._lock = threading.Lock()
         self._stop = False
+        self._beats = BeatSchedule(heartbeat_s)
+        self._new_client = False         # set by the accept thread: the newcomer gets a beat at once
+        self.registry = CollectorRegistry()
+        self.commands = Counter("hybrid_jax_engine_core_commands", "Commands the engine core received from API "
+                                "servers, by kind (a /metrics scrape sends none)", ["kind"], registry=self.registry)
         threading.Thread(target=self._accept, name="hybrid-jax-core-accept", daemon=True).start()
 
     def _accept(self):
@@ -124,6 +156,7 @@ class Core:
                 continue
             with self._lock:
                 self.clients.append(conn)
+                self._new_client = True
 
     def run(self):
         eng = self.engine
@@ -132,9 +165,15 @@ class Core:
                 with self._lock:
                     clients = list(self.clients)
                 busy = eng.has_unfinished()
-                for conn in wait(clients, timeout=0 if busy else 0.05) if clients else ():
-                    self._receive(conn)
-                if self._stop or not eng.has_unfinished():
+                if clients:
+                    for conn in wait(clients, timeout=0 if busy else 0.05):
+                        self._receive(conn)
+                elif not busy:
+                    time.sleep(0.05)             # nobody connected: nothing can arrive but a client
+                if self._stop:
+                    break
+                if not eng.has_unfinished():
+                    self._beat(busy=False)
                     continue
                 try:
                     outs = eng.step()
@@ -144,11 +183,23 @@ class Core:
                         self._send_to(self.owner.pop(rid, None), ("failed", rid, f"request {rid!r}: engine step "
                                                                    f"failed: {e}"))
                     continue
+                self._beat(busy=eng.has_unfinished())    # a step that ends the work: its counts go out first
                 self._deliver(outs)
                 eng.flush_publishes()    # after the tokens went out: publishing never delays one
         finally:
             self.listener.close()
             eng.close()
+
+    def _beat(self, busy: bool):
+        """From the step loop only: a Beat with the metrics to every client, when one is due."""
+        if not (self._beats.due(busy) or self._new_client):
+            return
+        self._new_client = False
+        beat = self._beats.beat(self.engine.metrics.render() + generate_latest(self.registry))
+        with self._lock:
+            clients = list(self.clients)
+        for conn in clients:
+            self._send_to(conn, beat)
 
     def _receive(self, conn: Connection):
         eng = self.engine
@@ -156,6 +207,7 @@ class Core:
             while conn.poll():
                 cmd = conn.recv()
                 kind = cmd[0]
+                self.commands.labels(kind=kind).inc()
                 if kind == "add":
                     _, rid, ids, params, arrival = cmd
                     try:
@@ -166,10 +218,6 @@ class Core:
                 elif kind == "abort":
                     eng.abort_request(cmd[1])
                     self.owner.pop(cmd[1], None)
-                elif kind == "error":
-                    eng.metrics.errors.labels(type=cmd[1]).inc()
-                elif kind == "metrics":
-                    self._send_to(conn, ("metrics", cmd[1], eng.metrics.render()))
                 elif kind == "shutdown":
                     self._stop = True
                     return

@@ -203,9 +203,11 @@ class LLMEngine:
                 break
             except RuntimeError:
                 usage = {}
+        disk = self.prefix.disk if self.prefix is not None else None
         return {"waiting": len(self.scheduler.waiting), "running": len(self.scheduler.running), "cache_usage": usage,
                 "compiled": self.num_compiled(),
-                "paged_groups": {n for n, g in self.blocks.groups.items() if g.paged}, "prefix_misses": misses}
+                "paged_groups": {n for n, g in self.blocks.groups.items() if g.paged}, "prefix_misses": misses,
+                "disk_tier": disk.health() if disk is not None else None}
 
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting)

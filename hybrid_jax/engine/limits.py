@@ -90,11 +90,38 @@ def encode_prompt(prompt: Any, tokenizer, vocab_size: int) -> tuple[str | None, 
     return text, [int(t) for t in ids]
 
 
+def _text_to_encode(prompt: Any) -> str | None:
+    """The string `encode_prompt` would tokenize, if any."""
+    while isinstance(prompt, dict) and "prompt_token_ids" not in prompt and "prompt" in prompt:
+        prompt = prompt["prompt"]
+    return prompt if isinstance(prompt, str) else None
+
+
+def refuse_unfittable(text: str | None, tokenizer, max_tokens: int, max_model_len: int):
+    """Refuses a text that cannot fit before tokenizing it (tokenizing hundreds of KB takes a
+    second). Only on a sound bound: the tokenizer's `max_token_bytes` (hybrid_jax/tokenizer.py; None
+    or absent: no bound, nothing is refused here) says how many bytes one token stands for at most,
+    so B bytes are at least ceil(B / max_token_bytes) tokens, and only a text whose least possible
+    token count leaves no room for max_tokens is refused. Anything that could fit is tokenized."""
+    per_token = getattr(tokenizer, "max_token_bytes", None) if text is not None else None
+    if not per_token:
+        return
+    room = (max_model_len - max_tokens) * per_token       # the most bytes a prompt that fits can have
+    if len(text) <= room // 4:                            # (4 bytes a character at most: fits, no count needed)
+        return
+    nbytes = len(text.encode("utf-8", "surrogatepass"))  # (a copy, but ~1000x cheaper than tokenizing it)
+    least = -(-nbytes // per_token)
+    if least + max_tokens > max_model_len:
+        raise InputError(f"prompt (at least {least} tokens: {nbytes} bytes of text, at most {per_token} bytes a "
+                         f"token) + max_tokens ({max_tokens}) exceeds max_model_len {max_model_len}")
+
+
 def admit(prompt: Any, params, tokenizer, vocab_size: int, max_model_len: int) -> tuple[str | None, list[int]]:
     """Admission of one request (`check_request`, the prompt encoded and checked, prompt + max_tokens
     within max_model_len): its text and token ids, or InputError naming the problem. The engine runs
     it in `add_request`; an API server in front of an engine process runs it before answering."""
     check_request(params, vocab_size)
+    refuse_unfittable(_text_to_encode(prompt), tokenizer, params.max_tokens, max_model_len)
     text, ids = encode_prompt(prompt, tokenizer, vocab_size)
     if len(ids) + params.max_tokens > max_model_len:
         raise InputError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "

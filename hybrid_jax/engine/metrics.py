@@ -138,7 +138,8 @@ class EngineMetrics:
     # --- read at scrape time -----------------------------------------------------------------------
     def bind(self, live):
         """live() -> {"waiting": int, "running": int, "cache_usage": {group: ratio},
-        "prefix_misses": {reason: count}} read at every scrape."""
+        "prefix_misses": {reason: count}, "disk_tier": the disk tier's health or None} read at every
+        scrape."""
         self._live = live
 
     def _collect_live(self):
@@ -170,6 +171,15 @@ class EngineMetrics:
         for reason, n in sorted(v.get("prefix_misses", {}).items()):
             miss.add_metric([reason], n)
         out.append(miss)
+        disk = v.get("disk_tier")
+        if disk is not None:          # the prefix cache's disk tier (--kv-cache-dir): does it take writes?
+            out.append(GaugeMetricFamily(P + "kv_cache_dir_writable", "1 while the disk tier's directory takes "
+                                         "writes, 0 after a write failed (read-only, full, ...; retried later)",
+                                         value=1.0 if disk["writable"] else 0.0))
+            out.append(CounterMetricFamily(P + "kv_cache_dir_write_faults", "Writes to the disk tier's directory "
+                                           "that failed and turned its writes off", value=disk["write_faults"]))
+            out.append(CounterMetricFamily(P + "kv_cache_dir_skipped_writes", "Spans not written to the disk "
+                                           "tier because its writes were off", value=disk["skipped_writes"]))
         return out
 
     def render(self) -> bytes:

@@ -3,18 +3,22 @@
 (engine/core_process.py: the device loop alone on its thread; HTTP, tokenization and detokenization
 stay here), or with `engine_process=False` (and always with several processes) on a thread of this one. A model that fails to load stops the server: the
 process exits 1 with the error in its log (never a 503 forever). On SIGTERM the server drains
-(lifecycle.py), then the engine and the prefix store's disk tier are shut down and it exits 0."""
+(lifecycle.py), then the engine and the prefix store's disk tier are shut down and it exits 0.
+An engine that dies or hangs is restarted by server/supervisor.py (the core process, at most
+--core-restarts times); when it cannot come back the server stops and exits 1."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 
 from hybrid_jax.engine import EngineConfig, LLMEngine, cpu_affinity
 from hybrid_jax.engine.async_engine import AsyncEngine
 from hybrid_jax.engine.build import build_engine
-from hybrid_jax.errors import ConfigError
+from hybrid_jax.errors import ConfigError, HybridJaxError
 from hybrid_jax.server import lifecycle
 from hybrid_jax.server.app import ServerConfig, ServerState, build_app
+from hybrid_jax.server.supervisor import EngineSupervisor, SupervisionConfig
 
 log = logging.getLogger("hybrid_jax.server")
 
@@ -31,13 +35,34 @@ def ready_note(engine: LLMEngine) -> str:
 
 
 def load_engine(state: ServerState, model: str | None, dtype: str, engine_config: EngineConfig, stop=None,
-                parallel: dict | None = None, mirror=None, engine_process: bool = False, more_servers=None):
+                parallel: dict | None = None, mirror=None, engine_process: bool = False, more_servers=None,
+                supervision: SupervisionConfig = SupervisionConfig()):
     """Loads the model (parallel: LLM's layout keywords, tensor_parallel_size ...) and starts the engine
     (mirror: several processes, `parallel.hosts.Mirror`; engine_process: in a process of its own, and
-    more_servers(address, authkey, info) then starts the other API server processes)."""
+    more_servers(address, authkey, info) then starts the other API server processes), under a
+    supervisor (`supervision`) that stops the server (`stop`) when the engine cannot come back."""
+
+    def on_fatal(reason: str):
+        state.fatal_error = reason
+        if stop is not None:
+            stop()
+
     try:
         if engine_process:
-            state.engine = _start_core(state, model, dtype, engine_config, parallel)
+            device = cpu_affinity.from_env()
+            if device:     # HTTP, /metrics and detokenizing keep off the CPUs the core's runtime computes on
+                cpu_affinity.keep_to(cpu_affinity.host_cpus(device))
+            client = _start_core(state, model, dtype, engine_config, parallel)
+            address, authkey, _ = client.connection
+
+            def restart(on_spawn):
+                from hybrid_jax.engine.core_process import start_core  # noqa: PLC0415
+                proc, _, _, info = start_core(model, dtype, engine_config, parallel, address=address,
+                                              authkey=authkey, on_spawn=on_spawn)
+                return _core_client(state, model, address, authkey, info, proc, tokenizer=client.tokenizer)
+
+            state.engine = EngineSupervisor(client, state.metrics, supervision, role="owner", renew=restart,
+                                            on_fatal=on_fatal)
             if more_servers is not None:
                 more_servers(*state.engine.connection)
             return
@@ -50,11 +75,13 @@ def load_engine(state: ServerState, model: str | None, dtype: str, engine_config
         ae = AsyncEngine(engine, mirror)
         ae.start()
         state.ready_note = ready_note(engine)
-        state.engine = ae
+        state.engine = EngineSupervisor(ae, state.metrics, supervision, on_fatal=on_fatal)
         log.info("model ready (warm-up %s, %.1f s, %d programs)", engine_config.warmup, engine.warmup_seconds,
                  engine.num_compiled())
     except Exception as e:  # noqa: BLE001  (the process exits with it)
-        state.load_error = f"loading failed: {type(e).__name__}: {e}"
+        # (the core's own message already says "loading failed: <error>": not said twice)
+        said = str(e) if isinstance(e, HybridJaxError) and str(e).startswith("loading failed") else None
+        state.load_error = said or f"loading failed: {type(e).__name__}: {e}"
         log.error("%s; stopping the server", state.load_error)
         if stop is not None:
             stop()
@@ -69,22 +96,31 @@ def _start_core(state: ServerState, model, dtype, engine_config, parallel):
     return client
 
 
-def _core_client(state: ServerState, model, address, authkey, info, proc=None):
-    """A client of the core for this API server, with the model's tokenizer loaded here."""
+def _core_client(state: ServerState, model, address, authkey, info, proc=None, tokenizer=None):
+    """A client of the core for this API server, with the model's tokenizer loaded here (or `tokenizer`,
+    the one a client of the same model loaded before)."""
     from hybrid_jax.engine.core_client import EngineCoreClient  # noqa: PLC0415
     from hybrid_jax.default_model import checkpoint_dir  # noqa: PLC0415
     from hybrid_jax.tokenizer import ByteTokenizer, load_tokenizer  # noqa: PLC0415
-    tok = {"byte": ByteTokenizer, "checkpoint": lambda: load_tokenizer(checkpoint_dir(model))}.get(info["tokenizer"], lambda: None)()
+    load = {"byte": ByteTokenizer, "checkpoint": lambda: load_tokenizer(checkpoint_dir(model))}.get(info["tokenizer"],
+                                                                                                  lambda: None)
+    tok = tokenizer if tokenizer is not None else load()
     mode = info["warmup"]
     state.ready_note = f"ok: warm-up {mode}: {WARMUP_NOTES[mode]} ({info['num_compiled']} programs)"
     return EngineCoreClient(address, authkey, info, tok, process=proc)
 
 
-def api_server(model, address, authkey, info, server_config: ServerConfig, host: str, port: int, timeouts: dict):
-    """Another API server process (`serve(api_server_count=N)`): the same port, the same core."""
+def api_server(model, address, authkey, info, server_config: ServerConfig, host: str, port: int, timeouts: dict,
+               supervision: SupervisionConfig = SupervisionConfig()):
+    """Another API server process (`serve(api_server_count=N)`): the same port, the same core. It never
+    restarts the core: while the core is down it answers 503 and reconnects to the same address once
+    the first process has restarted it (server/supervisor.py)."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:%(name)s: %(message)s")
     state = ServerState(server_config)
-    state.engine = _core_client(state, model, address, authkey, info)
+    client = _core_client(state, model, address, authkey, info)
+    state.engine = EngineSupervisor(client, state.metrics, supervision, role="follower",
+                                    renew=lambda _: _core_client(state, model, address, authkey, info,
+                                                                 tokenizer=client.tokenizer))
     lifecycle.run(build_app(state), state, host=host, port=port, sockets=[lifecycle.reuse_port_socket(host, port)],
                   **timeouts)
     state.engine.close()
@@ -93,8 +129,11 @@ def api_server(model, address, authkey, info, server_config: ServerConfig, host:
 def serve(*, model: str | None, host: str, port: int, dtype: str, engine_config: EngineConfig,
           server_config: ServerConfig, shutdown_timeout_s: float = 30.0, header_timeout_s: float = 10.0,
           keep_alive_timeout_s: float = 5.0, parallel: dict | None = None, processes: int = 1,
-          engine_process: bool = True, api_server_count: int = 1) -> int:
-    """Runs the server; returns the process exit code (0 after a drain, 1 when the model failed to load).
+          engine_process: bool = True, api_server_count: int = 1,
+          supervision: SupervisionConfig = SupervisionConfig(),
+          max_header_bytes: int = lifecycle.MAX_HEADER_BYTES) -> int:
+    """Runs the server; returns the process exit code (0 after a drain, 1 when the model failed to load
+    or the engine died for good: `supervision` says when, see server/supervisor.py).
     With several processes (`parallel.hosts.start` first), process 0 serves and the others follow its
     engine (`parallel.hosts.follow`) until it stops; its engine then runs on a thread of process 0.
     Otherwise (engine_process) this process never touches a device: the core's process owns them, and
@@ -118,17 +157,21 @@ def serve(*, model: str | None, host: str, port: int, dtype: str, engine_config:
     if api_server_count > 1 and not engine_process:
         raise ConfigError("several API server processes feed an engine core in its own process: drop "
                           "--no-engine-process (and run one process of the mesh per host)")
+    # each API server process takes its share of the admission bounds (server/admission.py)
+    server_config = dataclasses.replace(server_config, admission=dataclasses.replace(
+        server_config.admission, api_server_count=api_server_count))
     state = ServerState(server_config)
     app = build_app(state)
     timeouts = dict(shutdown_timeout_s=shutdown_timeout_s, header_timeout_s=header_timeout_s,
-                    keep_alive_timeout_s=keep_alive_timeout_s)
+                    keep_alive_timeout_s=keep_alive_timeout_s, max_header_bytes=max_header_bytes)
     others: list = []
 
     def more_servers(address, authkey, info):
         import multiprocessing  # noqa: PLC0415
         ctx = multiprocessing.get_context("spawn")
         for _ in range(api_server_count - 1):
-            p = ctx.Process(target=api_server, args=(model, address, authkey, info, server_config, host, port, timeouts),
+            p = ctx.Process(target=api_server, args=(model, address, authkey, info, server_config, host, port, timeouts,
+                                                     supervision),
                             name="hybrid-jax-api-server")
             p.start()
             others.append(p)
@@ -142,7 +185,8 @@ def serve(*, model: str | None, host: str, port: int, dtype: str, engine_config:
         def stop():
             server.should_exit = True
         threading.Thread(target=load_engine, args=(state, model, dtype, engine_config, stop, parallel, mirror,
-                                                   engine_process, more_servers if api_server_count > 1 else None),
+                                                   engine_process, more_servers if api_server_count > 1 else None,
+                                                   supervision),
                          daemon=True).start()
 
     sockets = [lifecycle.reuse_port_socket(host, port)] if api_server_count > 1 else None
@@ -153,8 +197,9 @@ def serve(*, model: str | None, host: str, port: int, dtype: str, engine_config:
         p.join(timeout=shutdown_timeout_s + 15)
     if state.engine is not None:
         log.info("shutting down the engine")
-        state.engine.shutdown()
-    if state.load_error is not None:
-        log.error("exiting: %s", state.load_error)
-        return 1
+        state.engine.shutdown(timeout=5 if state.fatal_error else 30)   # (a wedged engine thread does not stop)
+    for error in (state.load_error, state.fatal_error):
+        if error is not None:
+            log.error("exiting: %s", error)
+            return 1
     return 0

@@ -12,6 +12,7 @@ from hybrid_jax import LLM, SamplingParams
 from hybrid_jax.engine import EngineConfig, LLMEngine
 from hybrid_jax.engine.async_engine import AsyncEngine
 from hybrid_jax.server.app import ServerConfig, ServerState, build_app
+from hybrid_jax.server.supervisor import EngineSupervisor
 
 TEMPLATE = "{% for m in messages %}<{{ m.role }}> {{ m.content }} {% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
 
@@ -31,10 +32,10 @@ def client(tiny_checkpoint, tmp_path_factory):
     state = ServerState(ServerConfig(model_name="tiny-chat"))
     ae = AsyncEngine(engine)
     ae.start()
-    state.engine = ae
+    state.engine = EngineSupervisor(ae, state.metrics)
     with TestClient(build_app(state)) as c:
         yield c, llm
-    ae.shutdown()
+    state.engine.shutdown()
 
 
 def test_chat_completion_uses_the_template(client):

@@ -164,6 +164,10 @@ def test_a_directory_that_turns_read_only_mid_serve_changes_no_output(base, tmp_
     assert d["writable"] is False and d["write_faults"] >= 1 and d["writes"] == written
     assert d["write_fault"].endswith("EROFS: Read-only file system") and d["skipped_writes"] > 0
     assert eng.prefix.disk.health() == {k: d[k] for k in ("writable", "write_faults", "write_fault", "skipped_writes")}
+    scraped = {line.split()[0]: float(line.split()[1]) for line in eng.metrics.render().decode().splitlines()
+               if line.startswith("hybrid_jax_kv_cache_dir")}          # what an operator's dashboard sees
+    assert scraped == {"hybrid_jax_kv_cache_dir_writable": 0.0, "hybrid_jax_kv_cache_dir_write_faults_total":
+                       d["write_faults"], "hybrid_jax_kv_cache_dir_skipped_writes_total": d["skipped_writes"]}
     assert len(_tier_warnings(caplog)) == 1
     old = eng.prefix.disk.tier
     eng.reset_prefix_cache()                       # today: OSError from opening the read-only directory

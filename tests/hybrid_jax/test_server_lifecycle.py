@@ -133,6 +133,7 @@ def test_a_model_that_fails_to_load_exits_nonzero(tmp_path):
     out = proc.stdout.read().decode()
     assert code == 1, out[-2000:]
     assert "loading failed" in out and "does not exist" in out
+    assert "HybridJaxError: loading failed" not in out     # the core's message is not wrapped in another
 
 
 def _children(pid: int) -> list[int]:
