@@ -72,7 +72,7 @@ def main():
     args = ap.parse_args()
     kv_dir = tempfile.mkdtemp(prefix="hybrid_jax_kv_")
     eng = make_engine(kv_dir, args.prefix_len, args.chunk)
-    vocab = eng.llm.config.vocab_size
+    vocab = eng.loaded.config.vocab_size
     rng = np.random.default_rng(0)
     cold, disk, dev = [], [], []
     for r in range(args.repeats + 1):

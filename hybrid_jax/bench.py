@@ -192,11 +192,11 @@ def main(args, engine_config) -> int:
     else:
         from hybrid_jax.cli import parallel_options  # noqa: PLC0415
         from hybrid_jax.engine.async_engine import AsyncEngine  # noqa: PLC0415
-        from hybrid_jax.engine.build import build_engine  # noqa: PLC0415
+        from hybrid_jax.llm import build_engine  # noqa: PLC0415
         engine = build_engine(args.model, args.dtype, engine_config, parallel_options(args))
         ae = AsyncEngine(engine)
         ae.start()
-        wl = make_workload(args.num_requests, vocab=engine.llm.config.vocab_size, **wl_kw)
+        wl = make_workload(args.num_requests, vocab=engine.loaded.config.vocab_size, **wl_kw)
         before = engine_totals(engine.metrics)
         try:
             results, secs = asyncio.run(run_load(wl, args.concurrency, engine=ae))

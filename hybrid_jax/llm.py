@@ -24,6 +24,7 @@ from tqdm.auto import tqdm
 
 from hybrid_jax.config import ModelConfig, load_config
 from hybrid_jax.default_model import DEFAULT_MODEL_NAME, checkpoint_dir
+from hybrid_jax.engine.contracts import LoadedModel
 from hybrid_jax.engine.limits import check_request
 from hybrid_jax.errors import ConfigError, InputError
 from hybrid_jax.generate import Generator
@@ -224,6 +225,13 @@ class LLM:
     def params(self):
         return self.generator.params
 
+    def loaded(self) -> LoadedModel:
+        """What an engine needs of this model (hybrid_jax.engine.contracts.LoadedModel); the engine
+        reads nothing else of this facade."""
+        return LoadedModel(config=self.config, params=self.params, dtype=self.dtype, tokenizer=self.tokenizer,
+                           name=self.model_name, max_model_len=self.max_model_len, eos_ids=self.eos_token_ids(),
+                           fingerprint=self.fingerprint, impl=self.generator.impl, layout=self.layout)
+
     def fingerprint(self) -> str:
         """Hash of this model's config and weights (prefix-cache keys carry it)."""
         if self._fingerprint is None:
@@ -320,3 +328,14 @@ class LLM:
     def new_cache(self, batch_size: int = 1, capacity: int = 256):
         """An empty cache pytree for this model (one group per layer type)."""
         return self.generator.new_cache(batch_size, capacity)
+
+
+def build_engine(model: str | None, dtype: str, engine_config, parallel: dict | None = None):
+    """An engine for a checkpoint directory (or the embedded default model, None): the model loaded,
+    laid out over its devices (parallel: LLM's layout keywords, tensor_parallel_size,
+    data_parallel_size, enable_expert_parallel), and the engine's step programs compiled as
+    engine_config.warmup says. What `hybrid-jax serve` (every process of it, and the engine core
+    process it spawns: `engine.core_process.start_core(build=build_engine)`) and `hybrid-jax bench` run."""
+    engine = LLM(model=model, dtype=dtype, **(parallel or {})).make_engine(engine_config)
+    engine.warmup()
+    return engine

@@ -23,9 +23,9 @@ import threading
 from collections.abc import AsyncIterator
 from typing import Any
 
-from hybrid_jax.engine.engine import LLMEngine
+from hybrid_jax.engine.contracts import EngineCore
 from hybrid_jax.engine.heartbeat import HEARTBEAT_S, BeatSchedule, Pulse
-from hybrid_jax.engine.request import RequestOutput
+from hybrid_jax.engine.request import EngineOutput
 from hybrid_jax.sampling import SamplingParams
 
 log = logging.getLogger("hybrid_jax.engine")
@@ -59,7 +59,7 @@ class OutputStream:
     def __aiter__(self):
         return self
 
-    async def __anext__(self) -> RequestOutput:
+    async def __anext__(self) -> EngineOutput:
         if self.finished:
             raise StopAsyncIteration
         item, self._held = (self._held, None) if self._held is not None else (await self.q.get(), None)
@@ -80,14 +80,14 @@ class OutputStream:
         return item
 
 
-def merged(a: RequestOutput, b: RequestOutput) -> RequestOutput:
+def merged(a: EngineOutput, b: EngineOutput) -> EngineOutput:
     """Two consecutive outputs of one request as one: b's state, both steps' new tokens / text / logprobs."""
     return dataclasses.replace(b, new_token_ids=a.new_token_ids + b.new_token_ids, new_text=a.new_text + b.new_text,
                                new_logprobs=a.new_logprobs + b.new_logprobs)
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, mirror=None, heartbeat_s: float = HEARTBEAT_S):
+    def __init__(self, engine: EngineCore, mirror=None, heartbeat_s: float = HEARTBEAT_S):
         """mirror: with several processes, process 0's `parallel.hosts.Mirror`: what this loop applies
         to the engine and each step are sent to the other processes, which step with it."""
         self.engine = engine
@@ -130,12 +130,12 @@ class AsyncEngine:
     # --- what the API server reads (the same on an EngineCoreClient) ------------------------------
     @property
     def tokenizer(self):
-        return self.engine.llm.tokenizer
+        return self.engine.loaded.tokenizer
 
     def model_card(self) -> dict:
         """What a client may send (max_model_len, vocab_size) and how many requests run at once
         (max_num_seqs: the engine's rows, over all its data-parallel replicas)."""
-        return {"max_model_len": self.engine.config.max_model_len, "vocab_size": self.engine.llm.config.vocab_size,
+        return {"max_model_len": self.engine.config.max_model_len, "vocab_size": self.engine.loaded.config.vocab_size,
                 "max_num_seqs": engine_rows(self.engine)}
 
     @property
@@ -153,7 +153,7 @@ class AsyncEngine:
         return self.engine.check(prompt, params)[1]
 
     async def generate(self, request_id: str, prompt: Any, params: SamplingParams,
-                       arrival: float | None = None) -> AsyncIterator[RequestOutput]:
+                       arrival: float | None = None) -> AsyncIterator[EngineOutput]:
         """Streams the request's outputs. `arrival` (time.monotonic()) is when the client sent it."""
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()

@@ -28,7 +28,7 @@ from hybrid_jax.engine.async_engine import EngineRequestError, EngineUnavailable
 from hybrid_jax.engine.detokenize import IncrementalDetokenizer
 from hybrid_jax.engine.heartbeat import Beat, Pulse
 from hybrid_jax.engine.limits import admit
-from hybrid_jax.engine.request import RequestOutput
+from hybrid_jax.engine.request import EngineOutput
 from hybrid_jax.sampling import SamplingParams
 
 log = logging.getLogger("hybrid_jax.server")
@@ -88,7 +88,7 @@ class EngineCoreClient:
         return admit(prompt, params, self._tokenizer, self.info["vocab_size"], self.info["max_model_len"])[1]
 
     async def generate(self, request_id: str, prompt: Any, params: SamplingParams,
-                       arrival: float | None = None) -> AsyncIterator[RequestOutput]:
+                       arrival: float | None = None) -> AsyncIterator[EngineOutput]:
         """Streams the request's outputs, as `AsyncEngine.generate` does; EngineUnavailable when the
         core is gone (before or while the request runs)."""
         if self.error is not None:
@@ -214,5 +214,5 @@ class EngineCoreClient:
                     s.detok.finish()
                 text = s.detok.text
                 new_text = text[len(old):] if text.startswith(old) else text
-            s.queue.put_nowait(RequestOutput(rid, new_ids, new_text, list(s.token_ids), text, finished, reason,
+            s.queue.put_nowait(EngineOutput(rid, new_ids, new_text, list(s.token_ids), text, finished, reason,
                                              s.prompt_ids, new_lps, lps, error))

@@ -50,12 +50,14 @@ from hybrid_jax.errors import HybridJaxError
 log = logging.getLogger("hybrid_jax.engine")
 
 
-def start_core(model: str | None, dtype: str, engine_config, parallel: dict | None = None, *,
+def start_core(model: str | None, dtype: str, engine_config, parallel: dict | None = None, *, build,
                address: str | None = None, authkey: bytes | None = None, heartbeat_s: float = HEARTBEAT_S,
                on_spawn=None):
     """Spawns the core for a checkpoint directory (or the embedded default model) and waits until it
-    is warm. Returns (process, address, authkey, info: the core's "ready" dict). Raises
-    HybridJaxError with the core's message when loading fails.
+    is warm. build(model, dtype, engine_config, parallel) -> the engine: the loader the child runs (a
+    module-level function, so it pickles: `hybrid_jax.llm.build_engine`; the engine package does not
+    import the LLM facade above it). Returns (process, address, authkey, info: the core's "ready"
+    dict). Raises HybridJaxError with the core's message when loading fails.
 
     address, authkey: a restart passes the dead core's, so API servers reconnect where they were (a
     socket file the dead core left behind is removed first); heartbeat_s: the core's beat period;
@@ -68,7 +70,7 @@ def start_core(model: str | None, dtype: str, engine_config, parallel: dict | No
         os.unlink(address)
     authkey = secrets.token_bytes(32) if authkey is None else authkey
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=run_core, args=(model, dtype, engine_config, parallel, address, authkey, child,
+    proc = ctx.Process(target=run_core, args=(build, model, dtype, engine_config, parallel, address, authkey, child,
                                               heartbeat_s),
                        name="hybrid-jax-engine-core", daemon=True)
     proc.start()
@@ -86,9 +88,9 @@ def start_core(model: str | None, dtype: str, engine_config, parallel: dict | No
     return proc, address, authkey, msg[1]
 
 
-def run_core(model, dtype, engine_config, parallel, address, authkey, ready: Connection,
+def run_core(build, model, dtype, engine_config, parallel, address, authkey, ready: Connection,
              heartbeat_s: float = HEARTBEAT_S):
-    """The core process's body: load, warm up, then serve clients until told to shut down. With
+    """The core process's body: load and warm up (`build`), then serve clients until told to shut down. With
     HYBRID_JAX_ENGINE_CPUS set, XLA's compute threads keep to those CPUs and the core's Python threads
     (its step loop) to the others (`engine/cpu_affinity.py`): the step loop never takes a cycle from
     the computation it feeds."""
@@ -102,11 +104,10 @@ def run_core(model, dtype, engine_config, parallel, address, authkey, ready: Con
         return
 
     from hybrid_jax.engine.async_engine import engine_rows  # noqa: PLC0415
-    from hybrid_jax.engine.build import build_engine  # noqa: PLC0415
     from hybrid_jax.tokenizer import ByteTokenizer  # noqa: PLC0415
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:%(name)s: %(message)s")
     try:
-        engine = build_engine(model, dtype, dataclasses.replace(engine_config, detokenize=False), parallel)
+        engine = build(model, dtype, dataclasses.replace(engine_config, detokenize=False), parallel)
     except Exception as e:  # noqa: BLE001  (reported to the server, which exits with it)
         ready.send(("failed", f"loading failed: {type(e).__name__}: {e}"))
         return
@@ -116,8 +117,8 @@ def run_core(model, dtype, engine_config, parallel, address, authkey, ready: Con
         except OSError as e:
             ready.send(("failed", f"{cpu_affinity.CPUS_ENV}: {e}"))
             return
-    tok = engine.llm.tokenizer
-    info = {"max_model_len": engine.config.max_model_len, "vocab_size": engine.llm.config.vocab_size,
+    tok = engine.loaded.tokenizer
+    info = {"max_model_len": engine.config.max_model_len, "vocab_size": engine.loaded.config.vocab_size,
             "tokenizer": "byte" if isinstance(tok, ByteTokenizer) else ("checkpoint" if tok is not None else None),
             "warmup": engine.config.warmup, "warmup_seconds": getattr(engine, "warmup_seconds", 0.0),
             "num_compiled": engine.num_compiled(), "pid": os.getpid(), "max_num_seqs": engine_rows(engine)}

@@ -23,6 +23,7 @@ import concurrent.futures
 from typing import Any, Sequence
 
 from hybrid_jax.engine.config import EngineConfig
+from hybrid_jax.engine.contracts import LoadedModel, Loads
 from hybrid_jax.engine.engine import LLMEngine
 from hybrid_jax.engine.metrics import EngineMetrics
 from hybrid_jax.errors import ConfigError, InputError
@@ -32,8 +33,9 @@ MAX_IMBALANCE = 4     # unfinished requests a prefix hit may add to a replica ab
 
 
 class DataParallelEngine:
-    def __init__(self, llms: Sequence, config: EngineConfig, max_imbalance: int = MAX_IMBALANCE):
-        """llms: one LLM per replica (`LLM.replicas()`: the same model placed on each device group)."""
+    def __init__(self, llms: Sequence[LoadedModel | Loads], config: EngineConfig, max_imbalance: int = MAX_IMBALANCE):
+        """llms: one model per replica (`LLM.replicas()`: the same model placed on each device group; a
+        LoadedModel, or an LLM that hands one over)."""
         if len(llms) < 2:
             raise ValueError("a data-parallel engine needs two or more replicas")
         if config.kv_cache_dir is not None:
@@ -43,7 +45,7 @@ class DataParallelEngine:
         self.metrics = EngineMetrics()
         self.replicas = [LLMEngine(llm, config, metrics=self.metrics) for llm in llms]
         self.metrics.bind(self.live_figures)
-        self.llm = llms[0]
+        self.loaded = self.replicas[0].loaded
         self.max_imbalance = max_imbalance
         self._owner: dict[str, LLMEngine] = {}
         self.routed = [0] * len(llms)         # requests given to each replica

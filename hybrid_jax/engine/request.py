@@ -68,8 +68,9 @@ class Request:
 
 
 @dataclasses.dataclass
-class RequestOutput:
-    """What one engine step reports about one request: the new tokens since the last report."""
+class EngineOutput:
+    """What one engine step reports about one request: the new tokens since the last report (the LLM
+    facade's user-facing result is `hybrid_jax.RequestOutput`)."""
     request_id: str
     new_token_ids: list[int]
     new_text: str

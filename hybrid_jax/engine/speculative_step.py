@@ -6,7 +6,9 @@ Such a step is never overlapped: drafting reads the tokens of the step before. T
 bookkeeping (acceptance, the adaptive draft length, shadows) are `engine/speculate.EngineSpeculator`;
 the compiled verify and loop programs are the runner's (`ModelRunner.run_verify`, `run_ngram_loop`).
 Every path returns the step's tokens [n, T] (-1 past a row's end) with the engine's logprob arrays
-(zeros: requests asking for logprobs decode plainly).
+(zeros: requests asking for logprobs decode plainly), and changes no request: the scheduler counts
+what each row emitted when it takes the tokens (`Scheduler.update_from_output`: every emitted token
+but the new pending one was fed).
 """
 from __future__ import annotations
 
@@ -66,8 +68,6 @@ class SpeculativeStep:
         self.spec.record_loop(reqs, log, branch, dt)
         self.metrics.spec_verify_seconds.inc(dt)
         self._gauges()
-        for q, row in zip(reqs, toks):
-            q.num_computed += int(np.sum(row >= 0))   # each emitted token but the new pending one was fed
         return toks, no_logprobs(*toks.shape)
 
     def verify(self, reqs, drafts) -> tuple:
@@ -78,9 +78,8 @@ class SpeculativeStep:
         dt = time.perf_counter() - t0
         self.metrics.spec_verify_seconds.inc(dt)
         toks = np.full(out.shape, -1, np.int32)
-        for i, (q, a) in enumerate(zip(reqs, n_acc)):
-            toks[i, :a + 1] = out[i, :a + 1]
-            q.num_computed += int(a) + 1             # the pending token and the accepted drafts
+        for i, a in enumerate(n_acc):
+            toks[i, :a + 1] = out[i, :a + 1]          # the accepted drafts and one more token
         self.spec.record_verify(reqs, drafts, n_acc, dt)
         self._gauges()
         return toks, no_logprobs(*toks.shape)

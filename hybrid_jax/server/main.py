@@ -14,10 +14,10 @@ import threading
 
 from hybrid_jax.engine import EngineConfig, LLMEngine, cpu_affinity
 from hybrid_jax.engine.async_engine import AsyncEngine
-from hybrid_jax.engine.build import build_engine
 from hybrid_jax.errors import ConfigError, HybridJaxError
 from hybrid_jax.server import lifecycle
 from hybrid_jax.server.app import ServerConfig, ServerState, build_app
+from hybrid_jax.llm import build_engine
 from hybrid_jax.server.supervisor import EngineSupervisor, SupervisionConfig
 
 log = logging.getLogger("hybrid_jax.server")
@@ -57,8 +57,8 @@ def load_engine(state: ServerState, model: str | None, dtype: str, engine_config
 
             def restart(on_spawn):
                 from hybrid_jax.engine.core_process import start_core  # noqa: PLC0415
-                proc, _, _, info = start_core(model, dtype, engine_config, parallel, address=address,
-                                              authkey=authkey, on_spawn=on_spawn)
+                proc, _, _, info = start_core(model, dtype, engine_config, parallel, build=build_engine,
+                                              address=address, authkey=authkey, on_spawn=on_spawn)
                 return _core_client(state, model, address, authkey, info, proc, tokenizer=client.tokenizer)
 
             state.engine = EngineSupervisor(client, state.metrics, supervision, role="owner", renew=restart,
@@ -89,7 +89,7 @@ def load_engine(state: ServerState, model: str | None, dtype: str, engine_config
 
 def _start_core(state: ServerState, model, dtype, engine_config, parallel):
     from hybrid_jax.engine.core_process import start_core  # noqa: PLC0415
-    proc, address, authkey, info = start_core(model, dtype, engine_config, parallel)
+    proc, address, authkey, info = start_core(model, dtype, engine_config, parallel, build=build_engine)
     client = _core_client(state, model, address, authkey, info, proc)
     log.info("model ready in engine core process %d (warm-up %s, %.1f s, %d programs)", info["pid"], info["warmup"],
              info["warmup_seconds"], info["num_compiled"])

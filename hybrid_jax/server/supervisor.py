@@ -37,6 +37,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from hybrid_jax.engine.contracts import EngineClient
 from hybrid_jax.server.api_metrics import ApiMetrics
 
 log = logging.getLogger("hybrid_jax.server")
@@ -51,7 +52,7 @@ class SupervisionConfig:
 
 
 class EngineSupervisor:
-    def __init__(self, engine, metrics: ApiMetrics, config: SupervisionConfig = SupervisionConfig(), *,
+    def __init__(self, engine: EngineClient, metrics: ApiMetrics, config: SupervisionConfig = SupervisionConfig(), *,
                  role: str = "in_process", renew: Callable[[Callable], Any] | None = None,
                  on_fatal: Callable[[str], None] | None = None):
         """engine: the running engine; role: "in_process", "owner" (renew(on_spawn) starts a new core

@@ -15,6 +15,7 @@ from hybrid_jax import LLM, SamplingParams
 from hybrid_jax.engine import EngineConfig, LLMEngine
 from hybrid_jax.engine.core_client import EngineCoreClient
 from hybrid_jax.engine.core_process import start_core
+from hybrid_jax.llm import build_engine
 from hybrid_jax.default_model import DEFAULT_MODEL_DIR
 from hybrid_jax.tokenizer import load_tokenizer
 
@@ -24,7 +25,7 @@ CONFIG = EngineConfig(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=2
 
 @pytest.fixture(scope="module")
 def core():
-    proc, address, authkey, info = start_core(None, "auto", CONFIG)
+    proc, address, authkey, info = start_core(None, "auto", CONFIG, build=build_engine)
     yield address, authkey, info
     EngineCoreClient(address, authkey, info, load_tokenizer(DEFAULT_MODEL_DIR), process=proc).shutdown()
     assert proc.exitcode == 0
@@ -117,7 +118,7 @@ def test_a_core_that_dies_fails_its_requests_and_says_so():
     import signal  # noqa: PLC0415
 
     from hybrid_jax.engine.async_engine import EngineRequestError  # noqa: PLC0415
-    proc, address, authkey, info = start_core(None, "auto", CONFIG)
+    proc, address, authkey, info = start_core(None, "auto", CONFIG, build=build_engine)
     client = EngineCoreClient(address, authkey, info, load_tokenizer(DEFAULT_MODEL_DIR), process=proc)
     assert client.alive
     os.kill(proc.pid, signal.SIGKILL)

@@ -81,14 +81,15 @@ def test_huge_top_k_means_the_whole_vocabulary(engine):
 
 
 def test_attributable_failure_fails_only_that_request(engine, baseline, monkeypatch):
-    real = engine._append
+    outputs = engine.scheduler.outputs          # the host work on a request's tokens
+    real = outputs.append
 
     def append(q, *a, **kw):
         if q.request_id == "bad":
             raise ValueError("poisoned row")
         return real(q, *a, **kw)
 
-    monkeypatch.setattr(engine, "_append", append)
+    monkeypatch.setattr(outputs, "append", append)
     done = _run(engine, [("bad", [3, 1, 4, 1, 5], SamplingParams(max_tokens=6, temperature=0))])
     assert done["bad"].finish_reason == "error" and "'bad'" in done["bad"].error
     assert "poisoned row" in done["bad"].error

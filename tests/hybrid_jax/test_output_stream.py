@@ -8,12 +8,12 @@ import asyncio
 import pytest
 
 from hybrid_jax.engine.async_engine import EngineRequestError, OutputStream
-from hybrid_jax.engine.request import RequestOutput
+from hybrid_jax.engine.request import EngineOutput
 
 
 def _out(ids, done=False, error=None):
     seen = list(range(ids[-1] + 1)) if ids else []
-    return RequestOutput("r", ids, "".join(chr(97 + i) for i in ids), seen, "", done, "length" if done else None,
+    return EngineOutput("r", ids, "".join(chr(97 + i) for i in ids), seen, "", done, "length" if done else None,
                          [1, 2], [{"token_id": i} for i in ids], error=error)
 
 

@@ -138,10 +138,10 @@ def test_a_request_that_ends_at_its_publish_boundary_gets_its_token_before_the_c
     while not outs:
         outs = eng.step()
     assert outs[0].finished and len(outs[0].token_ids) == 1
-    assert [x.request_id for x in eng._pending] == ["one"] and not eng.has_unfinished()
+    assert [x.request_id for x in eng.scheduler.prefix.pending] == ["one"] and not eng.has_unfinished()
     assert eng.blocks.free_rows() < eng.config.max_num_seqs   # its row waits for the copy
     eng.flush_publishes()
-    assert not eng._pending and eng.blocks.free_rows() == eng.config.max_num_seqs
+    assert not eng.scheduler.prefix.pending and eng.blocks.free_rows() == eng.config.max_num_seqs
     assert eng.prefix.lookup(p + [0]).boundary == 96          # published after the token went out
 
 

@@ -291,14 +291,16 @@ def test_a_hung_core_is_killed_restarted_and_another_api_server_reconnects():
     from hybrid_jax.default_model import DEFAULT_MODEL_DIR  # noqa: PLC0415
     from hybrid_jax.engine.core_client import EngineCoreClient  # noqa: PLC0415
     from hybrid_jax.engine.core_process import start_core  # noqa: PLC0415
+    from hybrid_jax.llm import build_engine  # noqa: PLC0415
     from hybrid_jax.server.api_metrics import ApiMetrics  # noqa: PLC0415
     from hybrid_jax.server.supervisor import EngineSupervisor, SupervisionConfig  # noqa: PLC0415
     from hybrid_jax.tokenizer import load_tokenizer  # noqa: PLC0415
     tok = load_tokenizer(DEFAULT_MODEL_DIR)
-    proc, address, authkey, info = start_core(None, "auto", CORE_CONFIG)
+    proc, address, authkey, info = start_core(None, "auto", CORE_CONFIG, build=build_engine)
 
     def restart(on_spawn):
-        p, _, _, i = start_core(None, "auto", CORE_CONFIG, address=address, authkey=authkey, on_spawn=on_spawn)
+        p, _, _, i = start_core(None, "auto", CORE_CONFIG, build=build_engine, address=address, authkey=authkey,
+                                on_spawn=on_spawn)
         return EngineCoreClient(address, authkey, i, tok, process=p)
 
     cfg = SupervisionConfig(core_restarts=1, unresponsive_after_s=1.0, hung_after_s=3.0)
