@@ -33,7 +33,7 @@ from hybrid_jax.models.common import LayerStep, finish_step, token_positions
 from hybrid_jax.models.contract import LayerType, ModelFamily, StepOutput
 from hybrid_jax.models.deepseek_v32 import FFN_AXES, convert_ffn, ffn, init_ffn
 from hybrid_jax.models.kimi_linear_config import KimiLinearConfig
-from hybrid_jax.models.qwen3_next import per_head_channels
+from hybrid_jax.models.qwen3_next_params import per_head_channels
 from hybrid_jax.weights import checked_getter, concat, to_device, to_device_linear
 from pallas_kernels import abi as kernel_abi
 
