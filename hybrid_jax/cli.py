@@ -55,6 +55,17 @@ def _parse_tokens(s: str) -> list[int]:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="hybrid-jax", description="Serve hybrid-attention LLMs in JAX.")
     sub = ap.add_subparsers(dest="command", required=True)
+    _generate_parser(sub)
+    _align_parser(sub)
+    _serve_parser(sub)
+    _bench_parser(sub)
+    _plan_parser(sub)
+    _eval_parser(sub)
+    return ap
+
+
+def _generate_parser(sub):
+    """`generate`: one prompt through the offline engine."""
     g = sub.add_parser("generate", help="generate text for one prompt")
     _add_model_args(g)
     src = g.add_mutually_exclusive_group(required=True)
@@ -67,6 +78,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--ignore-eos", action="store_true")
     _add_parallel_args(g)
+
+
+def _align_parser(sub):
+    """`align`: hidden states layer by layer against transformers."""
     a = sub.add_parser("align", help="compare hidden states layer by layer with transformers")
     _add_model_args(a)
     src = a.add_mutually_exclusive_group(required=True)
@@ -75,6 +90,10 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--atol", type=float, default=1e-4)
     a.add_argument("--quantization", default=None, choices=["fp8"],
                    help="keep a quantized checkpoint's weights in FP8 (default: dequantized at load)")
+
+
+def _serve_parser(sub):
+    """`serve`: the OpenAI-compatible server, its limits, supervision and admission."""
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     _add_model_args(s)
     s.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
@@ -122,6 +141,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(s)
     _add_parallel_args(s)
     s.set_defaults(warmup="all")      # no request compiles on the serving path (see /health)
+
+
+def _bench_parser(sub):
+    """`bench`: the load generator."""
     b = sub.add_parser("bench", help="load generator: TTFT / ITL percentiles and throughput")
     _add_model_args(b)
     b.add_argument("--url", default=None, help="a running server (http://127.0.0.1:8000); default: offline engine")
@@ -134,6 +157,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--seed", type=int, default=0)
     _add_engine_args(b)
     _add_parallel_args(b)
+
+
+def _plan_parser(sub):
+    """`plan`: per-chip HBM, capacity and roofline on a TPU topology."""
     p = sub.add_parser("plan", help="per-chip HBM, capacity and roofline on a TPU topology (TPU compiler, no TPU)")
     p.add_argument("--model", required=True, help="a config.json, a checkpoint directory, or a published config's "
                    "name (hybrid_jax/published_configs, e.g. qwen3_next_80b_a3b_instruct)")
@@ -150,6 +177,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-chunk", type=int, default=2048, help="tokens of the compiled prefill chunk")
     p.add_argument("--layers", default="auto", choices=["auto", "full", "reduced"],
                    help="compile every layer, or one of each kind scaled by the layer counts (auto: by size)")
+
+
+def _eval_parser(sub):
+    """`eval`: perplexity and KL through the engine."""
     e = sub.add_parser("eval", help="perplexity of a text through the engine; --compare: KL between two configurations")
     _add_model_args(e)
     e.add_argument("--file", required=True, help="a UTF-8 text file")
@@ -162,7 +193,6 @@ def build_parser() -> argparse.ArgumentParser:
                    '(e.g. \'{"quantization": "fp8"}\'); default: none')
     e.add_argument("--compare", default=None, type=_json_dict, help="configuration B: report perplexity of both "
                    'and KL(A || B), e.g. \'{"enable_prefix_caching": true}\'')
-    return ap
 
 
 def _add_engine_args(p: argparse.ArgumentParser):

@@ -171,6 +171,72 @@ def _mesh_layout(cfg, topo, n: int, ep: bool, quantization) -> tuple[Layout | No
     return Layout(pc, build_mesh(pc, topo.devices[:n])), None
 
 
+def _check_args(max_num_seqs, max_model_len, chunk, tensor_parallel_size, page_size, dtype, quantization):
+    """PlanError for a size that is not positive, or a dtype or quantization plan cannot compile."""
+    for name, v in (("max_num_seqs", max_num_seqs), ("max_model_len", max_model_len), ("chunk", chunk),
+                    ("tensor_parallel_size", tensor_parallel_size), ("page_size", page_size)):
+        if int(v) <= 0:
+            raise PlanError(f"{name} must be positive; got {v}")
+    if dtype not in DTYPES:
+        raise PlanError(f"dtype {dtype!r} is not supported; choose one of {sorted(DTYPES)}")
+    if quantization not in (None, "fp8"):
+        raise PlanError(f"quantization {quantization!r} is not supported by plan; known: fp8")
+
+
+def _compile(cfg, sh, target, layers, impl, label, topology_name, n, chip, mesh_layout, max_num_seqs, max_model_len):
+    """The model's compiled step costs; a compiler failure becomes a PlanError saying what was compiled
+    (RESOURCE_EXHAUSTED: the model does not fit)."""
+    try:
+        return model_costs(cfg, sh, target, layers=layers, impl=impl)
+    except HybridJaxError:
+        raise
+    except Exception as e:  # noqa: BLE001  (compiler errors: say what was being compiled)
+        msg = str(e).splitlines()[0]
+        if "RESOURCE_EXHAUSTED" in msg:
+            what = ("the compiled programs (one layer of each kind, and one more)" if layers == "reduced"
+                    else "the model")
+            where = f"{n} {chip.name} chips" if mesh_layout is not None else f"one {chip.name} chip"
+            raise PlanError(f"{label} does not fit {where} at max_num_seqs {max_num_seqs} x max_model_len "
+                            f"{max_model_len}: {what} must fit, and the TPU compiler says: {msg}") from None
+        raise PlanError(f"the TPU compiler failed on {label} for {topology_name}: {msg}") from e
+
+
+def _notes(cfg, costs, decode, pools, memory, mesh_layout, why_ideal, n, topo, topology_name, quantization, dtype,
+           chip) -> tuple[str, ...]:
+    """What a reader of the plan must know about how its figures were made."""
+    notes = []
+    if costs.layers == "reduced":
+        notes.append(f"compiled with one layer of each kind ({len(costs.per_layer)} kinds, programs of "
+                     f"{', '.join(map(str, costs.compiled_layers))} layers) and scaled to {cfg.num_hidden_layers} "
+                     f"layers by per-layer differences; temporaries extrapolated the same way")
+    if mesh_layout is not None:
+        notes.append(f"compiled for {n} devices of {topology_name} with the engine's layout "
+                     f"({mesh_layout.key}: the rule table's shardings, Pallas kernels per device); per-chip "
+                     f"figures are one device's program and shards; the roofline leaves out the "
+                     f"{decode.collectives:.0f} collectives of a decode step")
+        whole = [KIND_LABELS.get(k, k) for k, v in bytes_by_kind(pools).items()
+                 if k != "row_metadata" and v and memory.cache_by_kind.get(k) == v]
+        if whole:
+            notes.append(f"whole on every chip (no head axis to split): {', '.join(whole)}; tensor parallelism "
+                         f"does not divide this cache, only more chips holding fewer requests each would")
+    elif n > 1:
+        notes.append(f"ideal split ({why_ideal}): compiled for one device of {topology_name}; figures per chip "
+                     f"assume an ideal split over {n} chips (bytes and FLOPs / {n}, no replication, no collectives)")
+    elif topo.num_chips > 1:
+        notes.append(f"figures are for one chip holding the whole model ({topo.num_chips} chips in the slice)")
+    if quantization:
+        notes.append("fp8: every linear weight of the layers in FP8 with 128x128 block scales (float32); "
+                     "embeddings, norms and the LM head in " + dtype)
+    if costs.decode.loops or costs.prefill.loops:
+        notes.append(f"the programs run loops (decode {costs.decode.loops}, prefill chunk {costs.prefill.loops} HLO while "
+                     f"loops; e.g. a paged attention read walking the KV pages): the compiler's cost analysis counts "
+                     f"ONE iteration of each, so bytes and FLOPs above omit the other iterations' (for a KV read "
+                     f"looped over the context, nearly all of it)")
+    notes.append("tok/s are roofline estimates from the chip's published peak bf16 FLOP/s and HBM bandwidth "
+                 f"({chip.source}), not measurements")
+    return tuple(notes)
+
+
 def plan(model: str, topology_name: str, *, max_num_seqs: int = 64, max_model_len: int = 32768,
          tensor_parallel_size: int = 1, enable_expert_parallel: bool = False, dtype: str = "bfloat16",
          quantization: str | None = None, chunk: int = 2048, page_size: int = 64, layers: str = "auto",
@@ -180,14 +246,7 @@ def plan(model: str, topology_name: str, *, max_num_seqs: int = 64, max_model_le
     figures (module docstring: what `split` means).
     config: a config object to plan instead of resolving `model` (tests). Raises PlanError / ConfigError
     for bad input; a model that does not fit comes back with `fits` False."""
-    for name, v in (("max_num_seqs", max_num_seqs), ("max_model_len", max_model_len), ("chunk", chunk),
-                    ("tensor_parallel_size", tensor_parallel_size), ("page_size", page_size)):
-        if int(v) <= 0:
-            raise PlanError(f"{name} must be positive; got {v}")
-    if dtype not in DTYPES:
-        raise PlanError(f"dtype {dtype!r} is not supported; choose one of {sorted(DTYPES)}")
-    if quantization not in (None, "fp8"):
-        raise PlanError(f"quantization {quantization!r} is not supported by plan; known: fp8")
+    _check_args(max_num_seqs, max_model_len, chunk, tensor_parallel_size, page_size, dtype, quantization)
     topo = topology(topology_name)
     if tensor_parallel_size > topo.num_chips:
         raise PlanError(f"--tensor-parallel-size {tensor_parallel_size} exceeds the {topo.num_chips} chips of "
@@ -203,19 +262,8 @@ def plan(model: str, topology_name: str, *, max_num_seqs: int = 64, max_model_le
     layout, pools, sh = _shapes(cfg, dt, quantization, mesh_layout, max_num_seqs, max_model_len, page_size, chunk)
     Bb = sh.decode_batch
     layers = costs_mode(layers, cfg, weights if mesh_layout is None else weights / n, chip)
-    try:
-        costs = model_costs(cfg, sh, target, layers=layers, impl=impl)
-    except HybridJaxError:
-        raise
-    except Exception as e:  # noqa: BLE001  (compiler errors: say what was being compiled)
-        msg = str(e).splitlines()[0]
-        if "RESOURCE_EXHAUSTED" in msg:
-            what = ("the compiled programs (one layer of each kind, and one more)" if layers == "reduced"
-                    else "the model")
-            where = f"{n} {chip.name} chips" if mesh_layout is not None else f"one {chip.name} chip"
-            raise PlanError(f"{label} does not fit {where} at max_num_seqs {max_num_seqs} x max_model_len "
-                            f"{max_model_len}: {what} must fit, and the TPU compiler says: {msg}") from None
-        raise PlanError(f"the TPU compiler failed on {label} for {topology_name}: {msg}") from e
+    costs = _compile(cfg, sh, target, layers, impl, label, topology_name, n, chip, mesh_layout, max_num_seqs,
+                     max_model_len)
     sampler = compile_sampler(Bb, cfg.vocab_size, target)
     decode = costs.decode + dataclasses.replace(sampler, temp_bytes=0.0)
     prefill = costs.prefill
@@ -248,40 +296,12 @@ def plan(model: str, topology_name: str, *, max_num_seqs: int = 64, max_model_le
                     prefill_tok_s=chunk / tp / n, prefill_bound=pbound, decode_collectives=decode.collectives,
                     decode_collective_bytes=decode.collective_bytes)
 
-    notes = []
-    if costs.layers == "reduced":
-        notes.append(f"compiled with one layer of each kind ({len(costs.per_layer)} kinds, programs of "
-                     f"{', '.join(map(str, costs.compiled_layers))} layers) and scaled to {cfg.num_hidden_layers} "
-                     f"layers by per-layer differences; temporaries extrapolated the same way")
-    if mesh_layout is not None:
-        notes.append(f"compiled for {n} devices of {topology_name} with the engine's layout "
-                     f"({mesh_layout.key}: the rule table's shardings, Pallas kernels per device); per-chip "
-                     f"figures are one device's program and shards; the roofline leaves out the "
-                     f"{decode.collectives:.0f} collectives of a decode step")
-        whole = [KIND_LABELS.get(k, k) for k, v in bytes_by_kind(pools).items()
-                 if k != "row_metadata" and v and memory.cache_by_kind.get(k) == v]
-        if whole:
-            notes.append(f"whole on every chip (no head axis to split): {', '.join(whole)}; tensor parallelism "
-                         f"does not divide this cache, only more chips holding fewer requests each would")
-    elif n > 1:
-        notes.append(f"ideal split ({why_ideal}): compiled for one device of {topology_name}; figures per chip "
-                     f"assume an ideal split over {n} chips (bytes and FLOPs / {n}, no replication, no collectives)")
-    elif topo.num_chips > 1:
-        notes.append(f"figures are for one chip holding the whole model ({topo.num_chips} chips in the slice)")
-    if quantization:
-        notes.append("fp8: every linear weight of the layers in FP8 with 128x128 block scales (float32); "
-                     "embeddings, norms and the LM head in " + dtype)
-    if costs.decode.loops or costs.prefill.loops:
-        notes.append(f"the programs run loops (decode {costs.decode.loops}, prefill chunk {costs.prefill.loops} HLO while "
-                     f"loops; e.g. a paged attention read walking the KV pages): the compiler's cost analysis counts "
-                     f"ONE iteration of each, so bytes and FLOPs above omit the other iterations' (for a KV read "
-                     f"looped over the context, nearly all of it)")
-    notes.append("tok/s are roofline estimates from the chip's published peak bf16 FLOP/s and HBM bandwidth "
-                 f"({chip.source}), not measurements")
+    notes = _notes(cfg, costs, decode, pools, memory, mesh_layout, why_ideal, n, topo, topology_name, quantization,
+                   dtype, chip)
     return Plan(model=label, model_type=cfg.model_type, topology=topology_name, chip=chip, num_chips=topo.num_chips,
                 split=n, sharded=mesh_layout is not None, expert_parallel=enable_expert_parallel, dtype=dtype, quantization=quantization, max_num_seqs=max_num_seqs,
                 max_model_len=max_model_len, decode_batch=Bb, chunk=chunk, num_params=num_params, costs=costs,
-                sampler=sampler, memory=memory, capacity=capacity, roofline=roof, notes=tuple(notes))
+                sampler=sampler, memory=memory, capacity=capacity, roofline=roof, notes=notes)
 
 
 def _shapes(cfg, dt, quantization, mesh_layout, max_num_seqs: int, max_model_len: int, page_size: int, chunk: int):
