@@ -14,8 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from cache import ModelCache
-from hybrid_jax.config import ModelConfig
 from hybrid_jax.models import empty_cache, get_model
+from hybrid_jax.models.qwen3_next_config import ModelConfig
 
 
 def bucket(n: int, minimum: int = 1) -> int:

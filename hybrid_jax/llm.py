@@ -22,7 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from hybrid_jax.config import ModelConfig, load_config
+from hybrid_jax.models.config_common import load_config
+from hybrid_jax.models.qwen3_next_config import ModelConfig
 from hybrid_jax.default_model import DEFAULT_MODEL_NAME, checkpoint_dir
 from hybrid_jax.engine.contracts import LoadedModel
 from hybrid_jax.engine.limits import check_request

@@ -1,6 +1,13 @@
-"""What every model family's frozen config shares: the layer pattern lookup, the fields every
-config.json maps the same way (norm eps, activation, tied embeddings, special token ids, dtype), and
-the JSON type of every field any family reads (`check_field_types`).
+"""What every model family's frozen config shares, and how any family's config.json is read.
+
+  LayerPattern        the layer pattern lookup (`layers_of`)
+  common_fields, eos_ids, parse_rope, check_grouped_topk
+                      the pieces of config.json every family's parser reads alike (norm eps,
+                      activation, tied embeddings, special token ids, dtype; RoPE; grouped Top-K)
+  check_field_types   the JSON type of every field any family reads
+  config_from_hf_dict, load_config
+                      a config.json dict / file -> the config of its family, by `model_type` (the
+                      registry in hybrid_jax.models names each model type's parser)
 
 The parsers convert with int() / float() / bool(), which take a wrong type without a word:
 "num_hidden_layers": 4.5 became a 4-layer model, "tie_word_embeddings": "false" tied the
@@ -14,8 +21,12 @@ from __future__ import annotations
 
 import json
 import math
+import os
+from typing import Any
 
 from hybrid_jax.errors import ConfigError
+from hybrid_jax.layers.rope import ROPE_TYPES, RopeSpec, rope_dict
+from hybrid_jax.models import config_parser
 
 
 class LayerPattern:
@@ -59,6 +70,20 @@ def check_grouped_topk(E: int, n_group: int, topk_group: int, k: int, names=("n_
         raise ConfigError(f"each expert group needs >= 2 experts (group score = top-2 sum); got {E // n_group}")
     if not 0 < k <= topk_group * (E // n_group):
         raise ConfigError(f"{kk}={k} must be in [1, experts in the {topk_group} chosen groups]")
+
+
+def parse_rope(d: dict[str, Any], family: str, *, partial_rotary_factor: float = 1.0,
+               max_position_embeddings: int = 32768, types: tuple[str, ...] = ROPE_TYPES) -> RopeSpec:
+    """A config's RoPE: `rope_parameters` or the legacy `rope_scaling`, with the top-level rope_theta,
+    partial_rotary_factor, max_position_embeddings (the family's default when absent) and, for YaRN,
+    original_max_position_embeddings, as transformers reads them."""
+    r = rope_dict(d)
+    if d.get("original_max_position_embeddings") is not None and r.get("rope_type") == "yarn":
+        r["original_max_position_embeddings"] = d["original_max_position_embeddings"]
+    return RopeSpec.parse(r, family=family, theta=float(d.get("rope_theta") or 10000.0),
+                          partial_rotary_factor=float(d.get("partial_rotary_factor") or partial_rotary_factor),
+                          max_position_embeddings=int(d.get("max_position_embeddings") or max_position_embeddings),
+                          types=types)
 
 
 # ---- JSON types of the fields the families read ---------------------------------------------------
@@ -172,3 +197,38 @@ def _check_rope(r: dict, where: str) -> None:
     for k, v in r.items():
         if isinstance(v, dict):
             _check_rope(v, f"{where}{k}.")
+
+
+# ---- reading a config.json of any family ---------------------------------------------------------
+
+def config_from_hf_dict(d: dict[str, Any], source: str = "config.json"):
+    """Maps a Hugging Face config dict to the config dataclass of its model family (by `model_type`).
+    Raises ConfigError naming what is wrong (and `source`, the file it came from): first every field
+    any family reads is checked for its JSON type (check_field_types)."""
+    if not isinstance(d, dict):
+        raise ConfigError(f"{source} must hold a JSON object")
+    try:
+        check_field_types(d)
+        parse = config_parser(d.get("model_type"))
+        return parse(d)
+    except KeyError as e:
+        raise ConfigError(f"{source} lacks the required field {e.args[0]!r}") from None
+    except ConfigError as e:
+        raise ConfigError(f"{source}: {e}") from None
+    except (TypeError, ValueError, ArithmeticError) as e:
+        nulls = sorted(k for k, v in d.items() if v is None)
+        raise ConfigError(f"{source} has a malformed value: {type(e).__name__}: {e}"
+                          + (f" (fields that are null: {nulls})" if nulls else "")) from None
+
+
+def load_config(path: str):
+    """Reads `<path>/config.json` (or the file itself)."""
+    f = os.path.join(path, "config.json") if os.path.isdir(path) else path
+    if not os.path.exists(f):
+        raise ConfigError(f"no config.json found at {f}")
+    try:
+        with open(f, encoding="utf-8") as fh:
+            d = json.load(fh)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{f} is not valid JSON: {e}") from None
+    return config_from_hf_dict(d, source=f)

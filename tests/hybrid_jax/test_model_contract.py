@@ -11,9 +11,9 @@ import pytest
 from cache.group import ROLLBACKS, CacheGroup
 from cache.segments import Kind
 from hybrid_jax import LLM
-from hybrid_jax.config import config_from_hf_dict
 from hybrid_jax.errors import ConfigError
 from hybrid_jax.models import REGISTRY, config_parser, get_model
+from hybrid_jax.models.config_common import config_from_hf_dict
 from hybrid_jax.models.contract import ModelFamily, StepOutput
 from hybrid_jax.plan.planner import PUBLISHED, resolve_model
 
