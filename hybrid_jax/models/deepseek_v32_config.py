@@ -11,13 +11,13 @@ from typing import Any
 
 from hybrid_jax.errors import ConfigError
 from hybrid_jax.layers.rope import RopeSpec, softmax_scale
-from hybrid_jax.models.config_common import LayerPattern, check_grouped_topk, common_fields, parse_rope
+from hybrid_jax.models.config_common import MLPLayerPattern, check_grouped_topk, common_fields, parse_rope
 
 _HF_LAYER_TYPES = {"indexed_attention": "sparse_attention", "sparse_attention": "sparse_attention"}
 
 
 @dataclasses.dataclass(frozen=True)
-class DeepseekV32Config(LayerPattern):
+class DeepseekV32Config(MLPLayerPattern):
     model_type: str
     vocab_size: int
     hidden_size: int
@@ -82,6 +82,13 @@ class DeepseekV32Config(LayerPattern):
 
     def is_moe_layer(self, i: int) -> bool:
         return self.mlp_layer_types[i] == "sparse"
+
+    def head_counts(self) -> dict[str, int]:
+        return {"num_attention_heads": self.num_attention_heads, "index_n_heads": self.index_n_heads}
+
+    @property
+    def routed_experts(self) -> int:
+        return self.n_routed_experts
 
     @property
     def qk_head_dim(self) -> int:

@@ -10,7 +10,8 @@ models.config_common's `load_config` / `config_from_hf_dict`.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, Self
 
 from hybrid_jax.errors import ConfigError
 from hybrid_jax.layers.rope import RopeSpec
@@ -96,6 +97,26 @@ class ModelConfig(LayerPattern):
     def is_moe_layer(self, i: int) -> bool:
         return (i not in self.mlp_only_layers and self.num_experts > 0
                 and (i + 1) % self.decoder_sparse_step == 0)
+
+    def ffn_kind(self, i: int) -> str:
+        return "moe" if self.is_moe_layer(i) else "dense"
+
+    def with_layers(self, indices: Sequence[int]) -> Self:
+        """FamilyConfig.with_layers: the kept layers' feed-forward kinds become mlp_only_layers (the
+        dense ones) with decoder_sparse_step 1."""
+        kinds = [self.ffn_kind(i) for i in indices]
+        return dataclasses.replace(self, num_hidden_layers=len(indices),
+                                   layer_types=tuple(self.layer_types[i] for i in indices),
+                                   mlp_only_layers=tuple(j for j, k in enumerate(kinds) if k == "dense"),
+                                   decoder_sparse_step=1)
+
+    def head_counts(self) -> dict[str, int]:
+        return {"num_attention_heads": self.num_attention_heads, "linear_num_key_heads": self.linear_num_key_heads,
+                "linear_num_value_heads": self.linear_num_value_heads}
+
+    @property
+    def routed_experts(self) -> int:
+        return self.num_experts
 
     @property
     def rotary_dim(self) -> int:
