@@ -21,8 +21,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hybrid_jax.config import config_from_hf_dict
 from hybrid_jax.models import get_model
+from hybrid_jax.models.config_common import config_from_hf_dict
 from hybrid_jax.models.ragged import pack
 
 V32 = dict(model_type="deepseek_v32", vocab_size=512, hidden_size=256, intermediate_size=512,

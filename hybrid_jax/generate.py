@@ -14,8 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from cache import ModelCache
-from hybrid_jax.config import ModelConfig
 from hybrid_jax.models import empty_cache, get_model
+from hybrid_jax.models.config_common import FamilyConfig
 
 
 def bucket(n: int, minimum: int = 1) -> int:
@@ -27,7 +27,7 @@ def bucket(n: int, minimum: int = 1) -> int:
 class Generator:
     """Jitted single forwards of one model over a fresh cache (no generation loop: that is the engine's)."""
 
-    def __init__(self, cfg: ModelConfig, params: dict, dtype, impl: str = "auto"):
+    def __init__(self, cfg: FamilyConfig, params: dict, dtype, impl: str = "auto"):
         self.cfg, self.params, self.dtype, self.impl = cfg, params, dtype, impl
         self.model = get_model(cfg.model_type)
         self._forward = jax.jit(self._forward_fn, static_argnames=("logits_at",), donate_argnums=(1,))

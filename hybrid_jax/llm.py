@@ -22,13 +22,13 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from hybrid_jax.config import ModelConfig, load_config
 from hybrid_jax.default_model import DEFAULT_MODEL_NAME, checkpoint_dir
 from hybrid_jax.engine.contracts import LoadedModel
 from hybrid_jax.engine.limits import check_request
 from hybrid_jax.errors import ConfigError, InputError
 from hybrid_jax.generate import Generator
 from hybrid_jax.models import get_model
+from hybrid_jax.models.config_common import FamilyConfig, load_config
 from hybrid_jax.parallel.config import ParallelConfig
 from hybrid_jax.parallel.placement import Layout, make_layout
 from hybrid_jax.sampling import SamplingParams
@@ -59,7 +59,7 @@ class RequestOutput:
     finished: bool = True
 
 
-def _resolve_dtype(dtype: str, cfg: ModelConfig):
+def _resolve_dtype(dtype: str, cfg: FamilyConfig):
     name = cfg.dtype if dtype == "auto" else dtype
     if name not in _DTYPES:
         raise ConfigError(f"dtype {name!r} is not supported; choose one of {sorted(_DTYPES)} or 'auto'")
@@ -117,7 +117,7 @@ class LLM:
             self.checkpoint_read = {"bytes_read": reader.counter[0], "checkpoint_bytes": reader.total_bytes}
 
     @classmethod
-    def from_params(cls, config: ModelConfig, params: dict, *, dtype: str = "auto", tokenizer=None,
+    def from_params(cls, config: FamilyConfig, params: dict, *, dtype: str = "auto", tokenizer=None,
                     name: str = "params", **kw) -> "LLM":
         """An LLM over parameters already in this project's layout (`init_params` / `convert_hf_weights`
         output, e.g. built or edited in code for research); tokenizer: an object with encode / decode,

@@ -32,8 +32,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from hybrid_jax.config import load_config
 from hybrid_jax.models import get_model
+from hybrid_jax.models.config_common import load_config
 
 EOS = "<|endoftext|>"
 HELDOUT_EVERY = 40          # chapter i is held out when i % HELDOUT_EVERY == HELDOUT_EVERY - 1

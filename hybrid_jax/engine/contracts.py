@@ -13,6 +13,7 @@ import dataclasses
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol, runtime_checkable
 
+from hybrid_jax.models.config_common import FamilyConfig
 from hybrid_jax.sampling import SamplingParams
 
 
@@ -25,7 +26,7 @@ class LoadedModel:
     kernels' implementation ("auto", "pallas", "xla", "reference"); layout: its placement over a mesh
     (hybrid_jax.parallel.Layout) or None on one device; fingerprint: the hash of its config and
     weights (prefix-cache keys carry it), computed on first call."""
-    config: Any
+    config: FamilyConfig
     params: Any
     dtype: Any
     tokenizer: Any

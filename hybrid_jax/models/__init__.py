@@ -4,7 +4,7 @@ Each family module builds a `contract.ModelFamily` named FAMILY: forward (return
 `contract.StepOutput`), new_cache, init_params, convert_hf_weights, final_norm, its layer-type
 registry (layer type -> mixer + cache groups) and its optional capabilities (deferred KV writes, the
 MTP block) as fields that are None when absent. `get_model(model_type)` returns it;
-`config_parser(model_type)` the parser that `config.config_from_hf_dict` runs.
+`config_parser(model_type)` the parser that `config_common.config_from_hf_dict` runs.
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ class Registered:
 
 
 REGISTRY: dict[str, Registered] = {
-    "qwen3_next": Registered("hybrid_jax.models.qwen3_next", "hybrid_jax.config:qwen3_next_config"),
+    "qwen3_next": Registered("hybrid_jax.models.qwen3_next", "hybrid_jax.models.qwen3_next_config:qwen3_next_config"),
     "deepseek_v32": Registered("hybrid_jax.models.deepseek_v32", "hybrid_jax.models.deepseek_v32_config:deepseek_v32_config"),
     "deepseek_v4": Registered("hybrid_jax.models.deepseek_v4", "hybrid_jax.models.deepseek_v4_config:deepseek_v4_config"),
     "kimi_linear": Registered("hybrid_jax.models.kimi_linear", "hybrid_jax.models.kimi_linear_config:kimi_linear_config"),

@@ -1,6 +1,18 @@
-"""What every model family's frozen config shares: the layer pattern lookup, the fields every
-config.json maps the same way (norm eps, activation, tied embeddings, special token ids, dtype), and
-the JSON type of every field any family reads (`check_field_types`).
+"""What every model family's frozen config shares, and how any family's config.json is read.
+
+  FamilyConfig        the interface every family's config satisfies: what the engine, the loaders,
+                      the planner and the parallel checks read from a config, so that none of
+                      them probes a family's own fields
+  LayerPattern, MLPLayerPattern
+                      mixins implementing its layer-pattern part (`layers_of`; `ffn_kind` and
+                      `with_layers` for a config with `mlp_layer_types`)
+  common_fields, eos_ids, parse_rope, check_grouped_topk
+                      the pieces of config.json every family's parser reads alike (norm eps,
+                      activation, tied embeddings, special token ids, dtype; RoPE; grouped Top-K)
+  check_field_types   the JSON type of every field any family reads
+  config_from_hf_dict, load_config
+                      a config.json dict / file -> the config of its family, by `model_type` (the
+                      registry in hybrid_jax.models names each model type's parser)
 
 The parsers convert with int() / float() / bool(), which take a wrong type without a word:
 "num_hidden_layers": 4.5 became a 4-layer model, "tie_word_embeddings": "false" tied the
@@ -12,10 +24,70 @@ read it as "not given"); fields no family reads are not looked at.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
+import os
+from collections.abc import Sequence
+from typing import Any, Protocol, Self, runtime_checkable
 
 from hybrid_jax.errors import ConfigError
+from hybrid_jax.layers.rope import ROPE_TYPES, RopeSpec, rope_dict
+from hybrid_jax.models import config_parser
+
+
+@runtime_checkable
+class FamilyConfig(Protocol):
+    """What the code outside a model family reads from that family's config, whichever family it is:
+    the registry key and the sizes the engine, the LLM facade and the loaders use (model_type,
+    vocab_size, hidden_size, max_position_embeddings: the default max_model_len), the special token
+    ids and the dtype of dtype="auto", the layer stack the planner reduces (layer_types, ffn_kind,
+    with_layers) and the counts the parallel checks divide (head_counts, routed_experts). Every
+    family's frozen config dataclass satisfies it (tests/hybrid_jax/test_model_contract.py); the family's
+    own code reads its own fields. A config is made by its family's parser: config_from_hf_dict."""
+
+    @property
+    def model_type(self) -> str: ...                    # the registry key: models.get_model(model_type)
+    @property
+    def vocab_size(self) -> int: ...
+    @property
+    def hidden_size(self) -> int: ...                   # the residual width
+    @property
+    def num_hidden_layers(self) -> int: ...
+    @property
+    def layer_types(self) -> tuple[str, ...]: ...       # one mixer name per layer (keys of the family's layer_types)
+    @property
+    def max_position_embeddings(self) -> int: ...
+    @property
+    def bos_token_id(self) -> int | None: ...
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]: ...
+    @property
+    def pad_token_id(self) -> int | None: ...
+    @property
+    def dtype(self) -> str: ...                         # the checkpoint's dtype name (what dtype="auto" runs)
+    @property
+    def tie_word_embeddings(self) -> bool: ...
+
+    def layers_of(self, kind: str) -> tuple[int, ...]:
+        """Indices of the layers whose mixer is `kind`."""
+
+    def ffn_kind(self, i: int) -> str:
+        """Layer i's feed-forward kind in the family's words ("dense", "moe", "sparse", "hash_moe");
+        layers of equal (layer_types[i], ffn_kind(i)) compute the same thing."""
+
+    def with_layers(self, indices: Sequence[int]) -> Self:
+        """The config of a model made of layers `indices` of this one (in that order, repeats allowed),
+        each keeping its mixer and feed-forward kind; every other field unchanged."""
+
+    def head_counts(self) -> dict[str, int]:
+        """The head-like counts a tensor-parallel split divides (attention, linear-attention and
+        indexer heads, output-projection groups), by field name; key-value heads are not among
+        them (replicated when fewer than the devices)."""
+
+    @property
+    def routed_experts(self) -> int:
+        """Routed MoE experts per layer (what expert parallelism splits); 0 without any."""
 
 
 class LayerPattern:
@@ -26,6 +98,21 @@ class LayerPattern:
     def layers_of(self, kind: str) -> tuple[int, ...]:
         """Indices of the layers whose mixer is `kind`."""
         return tuple(i for i, t in enumerate(self.layer_types) if t == kind)
+
+
+class MLPLayerPattern(LayerPattern):
+    """LayerPattern for a config dataclass that also names each layer's feed-forward in an
+    `mlp_layer_types` tuple: FamilyConfig's ffn_kind and with_layers read it."""
+
+    mlp_layer_types: tuple[str, ...]
+
+    def ffn_kind(self, i: int) -> str:
+        return self.mlp_layer_types[i]
+
+    def with_layers(self, indices: Sequence[int]) -> Self:
+        return dataclasses.replace(self, num_hidden_layers=len(indices),
+                                   layer_types=tuple(self.layer_types[i] for i in indices),
+                                   mlp_layer_types=tuple(self.mlp_layer_types[i] for i in indices))
 
 
 def eos_ids(v) -> tuple[int, ...]:
@@ -59,6 +146,20 @@ def check_grouped_topk(E: int, n_group: int, topk_group: int, k: int, names=("n_
         raise ConfigError(f"each expert group needs >= 2 experts (group score = top-2 sum); got {E // n_group}")
     if not 0 < k <= topk_group * (E // n_group):
         raise ConfigError(f"{kk}={k} must be in [1, experts in the {topk_group} chosen groups]")
+
+
+def parse_rope(d: dict[str, Any], family: str, *, partial_rotary_factor: float = 1.0,
+               max_position_embeddings: int = 32768, types: tuple[str, ...] = ROPE_TYPES) -> RopeSpec:
+    """A config's RoPE: `rope_parameters` or the legacy `rope_scaling`, with the top-level rope_theta,
+    partial_rotary_factor, max_position_embeddings (the family's default when absent) and, for YaRN,
+    original_max_position_embeddings, as transformers reads them."""
+    r = rope_dict(d)
+    if d.get("original_max_position_embeddings") is not None and r.get("rope_type") == "yarn":
+        r["original_max_position_embeddings"] = d["original_max_position_embeddings"]
+    return RopeSpec.parse(r, family=family, theta=float(d.get("rope_theta") or 10000.0),
+                          partial_rotary_factor=float(d.get("partial_rotary_factor") or partial_rotary_factor),
+                          max_position_embeddings=int(d.get("max_position_embeddings") or max_position_embeddings),
+                          types=types)
 
 
 # ---- JSON types of the fields the families read ---------------------------------------------------
@@ -172,3 +273,38 @@ def _check_rope(r: dict, where: str) -> None:
     for k, v in r.items():
         if isinstance(v, dict):
             _check_rope(v, f"{where}{k}.")
+
+
+# ---- reading a config.json of any family ---------------------------------------------------------
+
+def config_from_hf_dict(d: dict[str, Any], source: str = "config.json") -> FamilyConfig:
+    """Maps a Hugging Face config dict to the config dataclass of its model family (by `model_type`).
+    Raises ConfigError naming what is wrong (and `source`, the file it came from): first every field
+    any family reads is checked for its JSON type (check_field_types)."""
+    if not isinstance(d, dict):
+        raise ConfigError(f"{source} must hold a JSON object")
+    try:
+        check_field_types(d)
+        parse = config_parser(d.get("model_type"))
+        return parse(d)
+    except KeyError as e:
+        raise ConfigError(f"{source} lacks the required field {e.args[0]!r}") from None
+    except ConfigError as e:
+        raise ConfigError(f"{source}: {e}") from None
+    except (TypeError, ValueError, ArithmeticError) as e:
+        nulls = sorted(k for k, v in d.items() if v is None)
+        raise ConfigError(f"{source} has a malformed value: {type(e).__name__}: {e}"
+                          + (f" (fields that are null: {nulls})" if nulls else "")) from None
+
+
+def load_config(path: str) -> FamilyConfig:
+    """Reads `<path>/config.json` (or the file itself)."""
+    f = os.path.join(path, "config.json") if os.path.isdir(path) else path
+    if not os.path.exists(f):
+        raise ConfigError(f"no config.json found at {f}")
+    try:
+        with open(f, encoding="utf-8") as fh:
+            d = json.load(fh)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{f} is not valid JSON: {e}") from None
+    return config_from_hf_dict(d, source=f)

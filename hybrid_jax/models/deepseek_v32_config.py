@@ -11,13 +11,13 @@ from typing import Any
 
 from hybrid_jax.errors import ConfigError
 from hybrid_jax.layers.rope import RopeSpec, softmax_scale
-from hybrid_jax.models.config_common import LayerPattern, check_grouped_topk, common_fields
+from hybrid_jax.models.config_common import MLPLayerPattern, check_grouped_topk, common_fields, parse_rope
 
 _HF_LAYER_TYPES = {"indexed_attention": "sparse_attention", "sparse_attention": "sparse_attention"}
 
 
 @dataclasses.dataclass(frozen=True)
-class DeepseekV32Config(LayerPattern):
+class DeepseekV32Config(MLPLayerPattern):
     model_type: str
     vocab_size: int
     hidden_size: int
@@ -83,6 +83,13 @@ class DeepseekV32Config(LayerPattern):
     def is_moe_layer(self, i: int) -> bool:
         return self.mlp_layer_types[i] == "sparse"
 
+    def head_counts(self) -> dict[str, int]:
+        return {"num_attention_heads": self.num_attention_heads, "index_n_heads": self.index_n_heads}
+
+    @property
+    def routed_experts(self) -> int:
+        return self.n_routed_experts
+
     @property
     def qk_head_dim(self) -> int:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
@@ -104,7 +111,6 @@ def deepseek_v32_config(d: dict[str, Any]) -> DeepseekV32Config:
     if mlp is None:
         k = min(int(d.get("first_k_dense_replace", 3)), n)
         mlp = ["dense"] * k + ["sparse"] * (n - k)
-    from hybrid_jax.config import parse_rope  # noqa: PLC0415  (config imports this module's parser lazily)
     return DeepseekV32Config(
         model_type=d["model_type"], vocab_size=int(d["vocab_size"]), hidden_size=int(d["hidden_size"]),
         num_hidden_layers=n, layer_types=tuple(_HF_LAYER_TYPES[t] for t in raw),

@@ -21,7 +21,7 @@ from typing import Any
 
 from hybrid_jax.errors import ConfigError
 from hybrid_jax.layers.rope import RopeSpec, rope_dict
-from hybrid_jax.models.config_common import LayerPattern, common_fields
+from hybrid_jax.models.config_common import MLPLayerPattern, common_fields
 
 LAYER_TYPES = ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention")
 MLP_LAYER_TYPES = ("hash_moe", "moe")
@@ -30,7 +30,7 @@ _RATIO_TO_TYPE = {0: "sliding_attention", 4: "compressed_sparse_attention", 128:
 
 
 @dataclasses.dataclass(frozen=True)
-class DeepseekV4Config(LayerPattern):
+class DeepseekV4Config(MLPLayerPattern):
     model_type: str
     vocab_size: int
     hidden_size: int
@@ -115,6 +115,14 @@ class DeepseekV4Config(LayerPattern):
 
     def rate_of(self, layer_type: str) -> int:
         return {"compressed_sparse_attention": self.csa_rate, "heavily_compressed_attention": self.hca_rate}[layer_type]
+
+    def head_counts(self) -> dict[str, int]:
+        return {"num_attention_heads": self.num_attention_heads, "index_n_heads": self.index_n_heads,
+                "o_groups": self.o_groups}
+
+    @property
+    def routed_experts(self) -> int:
+        return self.n_routed_experts
 
 
 ROPE_TYPES = ("default", "linear", "yarn")     # dynamic NTK would need per-row frequencies in the compressor

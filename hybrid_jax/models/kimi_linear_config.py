@@ -14,13 +14,13 @@ import dataclasses
 from typing import Any
 
 from hybrid_jax.errors import ConfigError
-from hybrid_jax.models.config_common import LayerPattern, check_grouped_topk, common_fields
+from hybrid_jax.models.config_common import MLPLayerPattern, check_grouped_topk, common_fields
 
 LAYER_TYPES = ("linear_attention", "full_attention")
 
 
 @dataclasses.dataclass(frozen=True)
-class KimiLinearConfig(LayerPattern):
+class KimiLinearConfig(MLPLayerPattern):
     model_type: str
     vocab_size: int
     hidden_size: int
@@ -85,6 +85,13 @@ class KimiLinearConfig(LayerPattern):
 
     def is_moe_layer(self, i: int) -> bool:
         return self.mlp_layer_types[i] == "sparse"
+
+    def head_counts(self) -> dict[str, int]:
+        return {"num_attention_heads": self.num_attention_heads, "linear_num_heads": self.linear_num_heads}
+
+    @property
+    def routed_experts(self) -> int:
+        return self.n_routed_experts
 
     @property
     def qk_head_dim(self) -> int:

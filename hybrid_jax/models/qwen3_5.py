@@ -19,7 +19,6 @@ from collections.abc import Callable
 
 import numpy as np
 
-from hybrid_jax.config import ModelConfig
 from hybrid_jax.models import qwen3_next
 from hybrid_jax.models.qwen3_next import (
     DEFERRED_GROUPS,
@@ -36,6 +35,7 @@ from hybrid_jax.models.qwen3_next import (
     target_hidden,
     write_deferred_kv,
 )
+from hybrid_jax.models.qwen3_next_config import ModelConfig
 from hybrid_jax.weights import concat
 
 __all__ = ["DEFERRED_GROUPS", "FAMILY", "LAYER_TYPES", "convert_hf_weights", "final_norm", "forward", "init_params", "mtp_config", "mtp_logits",

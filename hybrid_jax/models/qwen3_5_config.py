@@ -13,13 +13,13 @@ import dataclasses
 from typing import Any
 
 from hybrid_jax.errors import ConfigError
+from hybrid_jax.models.qwen3_next_config import qwen3_next_config
 
 MROPE_SECTION = (11, 11, 10)         # transformers' default for Qwen3.5 (always interleaved)
 
 
 def qwen3_5_config(d: dict[str, Any]):
-    """config.json -> hybrid_jax.config.ModelConfig (KeyError / ValueError / ConfigError on bad fields)."""
-    from hybrid_jax.config import qwen3_next_config  # noqa: PLC0415  (config imports this module lazily)
+    """config.json -> models.qwen3_next_config.ModelConfig (KeyError / ValueError / ConfigError on bad fields)."""
     model_type = d["model_type"]
     text = d.get("text_config")
     if text is None:

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 
 from cache import ModelCache, init_cache
 from cache.state import DEFAULT_KV_PAGE_SIZE, RecurrentGroup
-from hybrid_jax.config import ModelConfig
+from hybrid_jax.models.qwen3_next_config import ModelConfig
 from hybrid_jax.layers.attention import gated_attention, gated_attention_ragged, write_kv
 from hybrid_jax.layers.gated_deltanet import gated_deltanet, gated_deltanet_ragged
 from hybrid_jax.layers.linear import linear

@@ -16,10 +16,14 @@ a vocabulary the tensor size does not divide (vLLM pads it instead: less memory,
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 from hybrid_jax.errors import ConfigError
 
-# Config fields whose count the tensor size must divide, and what to call them in an error.
+if TYPE_CHECKING:                  # for annotations only: the models import parallel, not the other way
+    from hybrid_jax.models.config_common import FamilyConfig
+
+# What to call each of a config's head_counts() (the counts the tensor size must divide) in an error.
 HEAD_FIELDS = {
     "num_attention_heads": "attention heads",
     "linear_num_key_heads": "linear-attention key heads",
@@ -28,7 +32,6 @@ HEAD_FIELDS = {
     "index_n_heads": "indexer heads",
     "o_groups": "output-projection groups",
 }
-EXPERT_FIELDS = ("num_experts", "n_routed_experts")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,7 +64,7 @@ class ParallelConfig:
         return f"dp{self.data_parallel_size}.tp{self.tensor_parallel_size}" + (".ep" if self.enable_expert_parallel
                                                                                else "")
 
-    def check(self, cfg, n_devices: int) -> None:
+    def check(self, cfg: FamilyConfig, n_devices: int) -> None:
         """ConfigError when this layout cannot run `cfg` (a family config) on n_devices devices."""
         if self.world_size != n_devices:
             raise ConfigError(
@@ -69,11 +72,11 @@ class ParallelConfig:
                 f"= {self.world_size} must equal the number of devices ({n_devices}); with one process JAX sees "
                 f"{n_devices} device(s)")
         tp = self.tensor_parallel_size
-        for field, what in HEAD_FIELDS.items():
-            n = getattr(cfg, field, None)
+        for field, n in cfg.head_counts().items():
             if n and n % tp:
-                raise ConfigError(f"tensor_parallel_size {tp} does not divide the model's {what} ({field} = {n})")
-        experts = next((getattr(cfg, f) for f in EXPERT_FIELDS if getattr(cfg, f, None)), None)
+                raise ConfigError(f"tensor_parallel_size {tp} does not divide the model's {HEAD_FIELDS[field]} "
+                                  f"({field} = {n})")
+        experts = cfg.routed_experts
         if self.enable_expert_parallel:
             if not experts:
                 raise ConfigError("enable_expert_parallel is set but the model has no routed experts")

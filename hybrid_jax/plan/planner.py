@@ -20,7 +20,7 @@ import re
 
 import jax.numpy as jnp
 
-from hybrid_jax.config import config_from_hf_dict, load_config
+from hybrid_jax.models.config_common import config_from_hf_dict, load_config
 from hybrid_jax.errors import ConfigError, HybridJaxError
 from hybrid_jax.generate import bucket
 from hybrid_jax.plan.chips import Chip, PlanError, topology

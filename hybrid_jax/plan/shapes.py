@@ -12,7 +12,6 @@ of the published FP8 releases up to the few tensors a release leaves unquantized
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import jax
@@ -147,11 +146,7 @@ def request_bytes(layout: ModelCache, context: int) -> int:
 
 def layer_signature(cfg, i: int) -> tuple[str, str]:
     """What layer i computes: (mixer, feed-forward kind). Layers of equal signature cost the same."""
-    if hasattr(cfg, "mlp_layer_types"):
-        ffn = cfg.mlp_layer_types[i]
-    else:
-        ffn = "moe" if cfg.is_moe_layer(i) else "dense"
-    return cfg.layer_types[i], ffn
+    return cfg.layer_types[i], cfg.ffn_kind(i)
 
 
 def layer_counts(cfg) -> dict[tuple[str, str], int]:
@@ -166,13 +161,7 @@ def layer_counts(cfg) -> dict[tuple[str, str], int]:
 def select_layers(cfg, indices: list[int]):
     """The config of a model made of layers `indices` of cfg (in that order, repeats allowed), every other
     field unchanged: the layers keep their mixer and feed-forward kind."""
-    sigs = [layer_signature(cfg, i) for i in indices]
-    upd = dict(num_hidden_layers=len(indices), layer_types=tuple(s[0] for s in sigs))
-    if hasattr(cfg, "mlp_layer_types"):
-        upd["mlp_layer_types"] = tuple(s[1] for s in sigs)
-    else:
-        upd.update(mlp_only_layers=tuple(j for j, s in enumerate(sigs) if s[1] == "dense"), decoder_sparse_step=1)
-    return dataclasses.replace(cfg, **upd)
+    return cfg.with_layers(indices)
 
 
 def first_of_each(cfg) -> dict[tuple[str, str], int]:

@@ -16,8 +16,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from hybrid_jax.config import load_config
 from hybrid_jax.models import get_model
+from hybrid_jax.models.config_common import load_config
 from hybrid_jax.weights import open_checkpoint
 
 DRAFT_SALT = 0x5EED

@@ -8,7 +8,7 @@ import shutil
 import pytest
 
 from hybrid_jax import LLM, CheckpointError, ConfigError, InputError, SamplingParams
-from hybrid_jax.config import config_from_hf_dict
+from hybrid_jax.models.config_common import config_from_hf_dict
 
 
 @pytest.fixture(scope="module")

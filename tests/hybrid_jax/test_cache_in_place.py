@@ -15,11 +15,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from hybrid_jax.config import config_from_hf_dict
 from hybrid_jax.engine import EngineConfig
 from hybrid_jax.engine.runner import ModelRunner
 from hybrid_jax.layers.attention import write_kv
 from hybrid_jax.models import get_model
+from hybrid_jax.models.config_common import config_from_hf_dict
 from hybrid_jax.sampling import SamplerFlags
 
 CAPACITY = 160        # no other array in these programs has a dimension of this size

@@ -21,8 +21,8 @@ from test_deepseek_v32 import make_checkpoint as make_v32
 
 from hybrid_jax import LLM
 from hybrid_jax.align import align
-from hybrid_jax.config import config_from_hf_dict
 from hybrid_jax.layers.linear import Fp8Weight
+from hybrid_jax.models.config_common import config_from_hf_dict
 from release_formats import assert_matches_transformers, hf_load, quantize_release, read_config, write_reference
 
 CSA, HCA, SWA = "compressed_sparse_attention", "heavily_compressed_attention", "sliding_attention"

@@ -15,8 +15,8 @@ import torch
 from conftest import hf_model, save_random_checkpoint
 
 from hybrid_jax import LLM, SamplingParams
-from hybrid_jax.config import config_from_hf_dict
 from hybrid_jax.errors import ConfigError
+from hybrid_jax.models.config_common import config_from_hf_dict
 
 TOL = 1e-4
 BASE = dict(vocab_size=97, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=3,

@@ -24,8 +24,8 @@ import torch
 
 from cache import put_rows, take_rows
 from hybrid_jax import LLM, SamplingParams
-from hybrid_jax.config import config_from_hf_dict
 from hybrid_jax.errors import ConfigError
+from hybrid_jax.models.config_common import config_from_hf_dict
 
 TOL = 1e-4
 CSA, HCA, SWA = "compressed_sparse_attention", "heavily_compressed_attention", "sliding_attention"

@@ -15,9 +15,9 @@ import pytest
 from safetensors import safe_open
 
 from hybrid_jax import LLM, SamplingParams
-from hybrid_jax.config import load_config
 from hybrid_jax.default_model import DEFAULT_MODEL_DIR, training_figures
 from hybrid_jax.models import get_model
+from hybrid_jax.models.config_common import load_config
 from hybrid_jax.tokenizer import HFTokenizer
 
 PPL_BOUND = 25.0       # held-out perplexity (measured 19.5, see below)

@@ -14,11 +14,11 @@ from test_deepseek_release import v4_release, v32_release
 from test_quantized_checkpoints import QWEN, QWEN_FP8, SKIP, _fp8_selected
 
 from hybrid_jax import quantization as qz
-from hybrid_jax.config import load_config
 from hybrid_jax.layers.linear import ColumnConcat, Fp8Weight
 from hybrid_jax.lazy_quantized import BlockScaled, Fp4Codes
 from hybrid_jax.lazy_weights import Lazy, Stored
 from hybrid_jax.models import get_model
+from hybrid_jax.models.config_common import load_config
 from hybrid_jax.weights import on_host, open_checkpoint
 from release_formats import fp4_blocks, fp8_blocks, quantize_release
 

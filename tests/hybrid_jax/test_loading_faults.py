@@ -17,8 +17,8 @@ import sys
 import pytest
 
 from hybrid_jax import LLM, CheckpointError, ConfigError
-from hybrid_jax.config import config_from_hf_dict
 from hybrid_jax.default_model import checkpoint_dir
+from hybrid_jax.models.config_common import config_from_hf_dict
 
 DEFAULT = os.fspath(checkpoint_dir(None))
 PUBLISHED = os.path.join(os.path.dirname(DEFAULT), os.pardir, "published_configs")

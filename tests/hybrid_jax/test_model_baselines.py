@@ -15,7 +15,7 @@ import pytest
 from conftest import check_cost_baselines
 from test_plan import TINY, V32_TINY, needs_libtpu
 
-from hybrid_jax.config import config_from_hf_dict
+from hybrid_jax.models.config_common import config_from_hf_dict
 from hybrid_jax.plan.planner import decode_cost_per_token
 
 BASELINES = pathlib.Path(__file__).with_name("model_baselines.json")

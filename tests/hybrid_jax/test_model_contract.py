@@ -1,7 +1,10 @@
 """The typed contract between the engine and the model families: one registry, StepOutput whatever the
-mode, each family's layer-type registry naming exactly the cache groups its cache has, and every
-group implementing the cache-group protocol."""
+mode, each family's layer-type registry naming exactly the cache groups its cache has, every
+group implementing the cache-group protocol, and every family's config the FamilyConfig interface."""
 from __future__ import annotations
+
+import dataclasses
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -11,10 +14,11 @@ import pytest
 from cache.group import ROLLBACKS, CacheGroup
 from cache.segments import Kind
 from hybrid_jax import LLM
-from hybrid_jax.config import config_from_hf_dict
 from hybrid_jax.errors import ConfigError
 from hybrid_jax.models import REGISTRY, config_parser, get_model
+from hybrid_jax.models.config_common import FamilyConfig, config_from_hf_dict
 from hybrid_jax.models.contract import ModelFamily, StepOutput
+from hybrid_jax.parallel.config import HEAD_FIELDS
 from hybrid_jax.plan.planner import PUBLISHED, resolve_model
 
 PUBLISHED_NAMES = sorted(p.stem for p in PUBLISHED.glob("*.json"))
@@ -46,6 +50,60 @@ def test_layer_types_name_exactly_the_cache_groups(name):
         assert isinstance(g, CacheGroup), gname
         assert isinstance(g.store_kind(), Kind) and g.ROLLBACK in ROLLBACKS, gname
         assert g.paged == bool(g.page_fields()) and (g.page_tokens > 0) == g.paged, gname
+
+
+def _one_config_per_parser() -> dict:
+    """A real config of every registered parser (the published configs cover them all)."""
+    out: dict = {}
+    for name in PUBLISHED_NAMES:
+        _, cfg = resolve_model(name)
+        out.setdefault(REGISTRY[cfg.model_type].parser, cfg)
+    return out
+
+
+def test_every_family_config_has_the_shared_interface():
+    """FamilyConfig is what the engine, the loaders, the planner and the parallel checks read from a
+    config: every registered family's config has each member, of its type, and its layer-stack
+    methods keep each layer's mixer and feed-forward kind."""
+    configs = _one_config_per_parser()
+    assert set(configs) == {r.parser for r in REGISTRY.values()}
+    for parser, cfg in configs.items():
+        assert isinstance(cfg, FamilyConfig), parser
+        n = cfg.num_hidden_layers
+        assert isinstance(cfg.model_type, str) and get_model(cfg.model_type).layer_types, parser
+        for f in ("vocab_size", "hidden_size", "num_hidden_layers", "max_position_embeddings"):
+            v = getattr(cfg, f)
+            assert isinstance(v, int) and not isinstance(v, bool) and v > 0, (parser, f, v)
+        assert isinstance(cfg.layer_types, tuple) and len(cfg.layer_types) == n, parser
+        assert set(cfg.layer_types) <= set(get_model(cfg.model_type).layer_types), parser
+        assert sorted(i for t in set(cfg.layer_types) for i in cfg.layers_of(t)) == list(range(n)), parser
+        assert isinstance(cfg.eos_token_ids, tuple) and all(isinstance(i, int) for i in cfg.eos_token_ids), parser
+        assert all(v is None or isinstance(v, int) for v in (cfg.bos_token_id, cfg.pad_token_id)), parser
+        assert isinstance(cfg.dtype, str) and isinstance(cfg.tie_word_embeddings, bool), parser
+        kinds = [(cfg.layer_types[i], cfg.ffn_kind(i)) for i in range(n)]
+        assert all(isinstance(k, str) and k for _, k in kinds), parser
+        idx = [n - 1, 0, 0]
+        sub = cfg.with_layers(idx)
+        assert type(sub) is type(cfg) and sub.num_hidden_layers == 3 and sub.vocab_size == cfg.vocab_size, parser
+        assert [(sub.layer_types[j], sub.ffn_kind(j)) for j in range(3)] == [kinds[i] for i in idx], parser
+        counts = cfg.head_counts()
+        fields = {f.name for f in dataclasses.fields(cfg)}
+        assert set(counts) == {f for f in HEAD_FIELDS if f in fields}, parser
+        assert all(getattr(cfg, f) == c for f, c in counts.items()), parser
+        assert isinstance(cfg.routed_experts, int) and cfg.routed_experts >= 0, parser
+        assert (cfg.routed_experts > 0) == any(k != "dense" for _, k in kinds), parser
+
+
+def test_a_config_missing_a_member_of_the_interface_is_not_a_family_config():
+    """The isinstance check above is not vacuous: an object with every FamilyConfig member but one fails it."""
+    _, cfg = resolve_model("qwen3_next_80b_a3b_instruct")
+    members = sorted(m for m in dir(FamilyConfig) if not m.startswith("_"))
+    assert {"model_type", "vocab_size", "layer_types", "max_position_embeddings", "eos_token_ids", "ffn_kind",
+            "with_layers", "head_counts", "routed_experts"} <= set(members)
+    assert isinstance(SimpleNamespace(**{m: getattr(cfg, m) for m in members}), FamilyConfig)
+    for missing in members:
+        stub = SimpleNamespace(**{m: getattr(cfg, m) for m in members if m != missing})
+        assert not isinstance(stub, FamilyConfig), missing
 
 
 def test_forward_returns_a_step_output_whatever_the_mode():

@@ -15,9 +15,9 @@ from conftest import make_checkpoint
 from jax.sharding import Mesh, PartitionSpec
 from multi_device import run_worker
 
-from hybrid_jax.config import load_config
 from hybrid_jax.errors import ConfigError
 from hybrid_jax.models import get_model
+from hybrid_jax.models.config_common import load_config
 from hybrid_jax.parallel import Layout, ParallelConfig
 from hybrid_jax.parallel.rules import partition_spec, rules
 

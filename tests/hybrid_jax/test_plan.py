@@ -10,9 +10,9 @@ import jax.numpy as jnp
 import pytest
 
 from cache.pools import build_pools
-from hybrid_jax.config import config_from_hf_dict
 from hybrid_jax.errors import ConfigError
 from hybrid_jax.models import get_model
+from hybrid_jax.models.config_common import config_from_hf_dict
 from hybrid_jax.plan import PlanError, parse_topology, plan
 from hybrid_jax.plan.shapes import (abstract_layout, abstract_params, bytes_by_kind, field_kind, layer_counts,
                                     pool_pages, request_bytes, select_layers, tree_nbytes)

@@ -7,7 +7,7 @@ import pathlib
 
 import pytest
 
-from hybrid_jax.config import config_from_hf_dict
+from hybrid_jax.models.config_common import config_from_hf_dict
 
 ROOT = pathlib.Path(__file__).parents[2] / "hybrid_jax" / "published_configs"
 FILES = sorted(ROOT.glob("*.json"))

@@ -14,9 +14,9 @@ import torch
 
 from hybrid_jax import LLM
 from hybrid_jax.align import align
-from hybrid_jax.config import config_from_hf_dict
 from hybrid_jax.errors import ConfigError
 from hybrid_jax.layers.linear import Fp8Weight
+from hybrid_jax.models.config_common import config_from_hf_dict
 from release_formats import (
     assert_matches_transformers,
     hf_load,

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from hybrid_jax import LLM
-from hybrid_jax.config import config_from_hf_dict
 from hybrid_jax.layers.gated_deltanet import causal_conv, ragged_causal_conv
 from hybrid_jax.models import get_model
+from hybrid_jax.models.config_common import config_from_hf_dict
 from hybrid_jax.models.ragged import pack
 
 

@@ -14,7 +14,7 @@ import torch
 from conftest import BASE, make_checkpoint
 from test_deepseek_v32 import make_checkpoint as make_v32
 from hybrid_jax import LLM
-from hybrid_jax.config import config_from_hf_dict
+from hybrid_jax.models.config_common import config_from_hf_dict
 from hybrid_jax.errors import ConfigError
 from hybrid_jax.layers.rope import RopeSpec, frequencies, mrope_cos_sin, rope_cos_sin, softmax_scale
 from release_formats import assert_matches_transformers, hf_load

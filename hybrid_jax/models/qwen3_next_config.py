@@ -1,20 +1,21 @@
-"""Model configuration: a frozen dataclass read from a Hugging Face `config.json`.
+"""Qwen3-Next (`model_type: qwen3_next`) configuration: the frozen `ModelConfig` dataclass and its
+config.json parser (`qwen3_next_config`). Qwen3.5 (models.qwen3_5_config) parses into the same class.
 
-`model_type` picks the mapping; `layer_types` names each layer's mixer. A model type or a layer
-type this project does not implement fails here, with its name, before any weight is read; so does a
-field of the wrong JSON type ("hidden_size": "64", "num_hidden_layers": 4.5, a list where a number
-belongs: models.config_common.check_field_types), each error naming the file and the field.
+`layer_types` names each layer's mixer (Gated DeltaNet `linear_attention` or gated `full_attention`;
+without it, every `full_attention_interval`-th layer is full attention). A layer type this family does
+not run fails here, with its name, before any weight is read. Reading a config.json of any family
+(field JSON types, the registry lookup by `model_type`, errors naming the file) is
+models.config_common's `load_config` / `config_from_hf_dict`.
 """
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, Self
 
 from hybrid_jax.errors import ConfigError
-from hybrid_jax.layers.rope import ROPE_TYPES, RopeSpec, rope_dict
-from hybrid_jax.models.config_common import LayerPattern, common_fields
+from hybrid_jax.layers.rope import RopeSpec
+from hybrid_jax.models.config_common import LayerPattern, common_fields, parse_rope
 
 # Every mixer the architecture family knows; SUPPORTED_LAYER_TYPES is what runs today.
 KNOWN_LAYER_TYPES = ("linear_attention", "full_attention", "sliding_attention", "sparse_attention",
@@ -97,6 +98,26 @@ class ModelConfig(LayerPattern):
         return (i not in self.mlp_only_layers and self.num_experts > 0
                 and (i + 1) % self.decoder_sparse_step == 0)
 
+    def ffn_kind(self, i: int) -> str:
+        return "moe" if self.is_moe_layer(i) else "dense"
+
+    def with_layers(self, indices: Sequence[int]) -> Self:
+        """FamilyConfig.with_layers: the kept layers' feed-forward kinds become mlp_only_layers (the
+        dense ones) with decoder_sparse_step 1."""
+        kinds = [self.ffn_kind(i) for i in indices]
+        return dataclasses.replace(self, num_hidden_layers=len(indices),
+                                   layer_types=tuple(self.layer_types[i] for i in indices),
+                                   mlp_only_layers=tuple(j for j, k in enumerate(kinds) if k == "dense"),
+                                   decoder_sparse_step=1)
+
+    def head_counts(self) -> dict[str, int]:
+        return {"num_attention_heads": self.num_attention_heads, "linear_num_key_heads": self.linear_num_key_heads,
+                "linear_num_value_heads": self.linear_num_value_heads}
+
+    @property
+    def routed_experts(self) -> int:
+        return self.num_experts
+
     @property
     def rotary_dim(self) -> int:
         return self.rope.rotary_dim(self.head_dim)
@@ -105,28 +126,6 @@ class ModelConfig(LayerPattern):
     def linear_conv_dim(self) -> int:
         return 2 * self.linear_num_key_heads * self.linear_key_head_dim + \
             self.linear_num_value_heads * self.linear_value_head_dim
-
-
-def config_from_hf_dict(d: dict[str, Any], source: str = "config.json"):
-    """Maps a Hugging Face config dict to the config dataclass of its model family (by `model_type`).
-    Raises ConfigError naming what is wrong (and `source`, the file it came from): first every field
-    any family reads is checked for its JSON type (models.config_common.check_field_types)."""
-    if not isinstance(d, dict):
-        raise ConfigError(f"{source} must hold a JSON object")
-    from hybrid_jax.models import config_parser  # noqa: PLC0415  (the registry imports the families lazily)
-    from hybrid_jax.models.config_common import check_field_types  # noqa: PLC0415
-    try:
-        check_field_types(d)
-        parse = config_parser(d.get("model_type"))
-        return parse(d)
-    except KeyError as e:
-        raise ConfigError(f"{source} lacks the required field {e.args[0]!r}") from None
-    except ConfigError as e:
-        raise ConfigError(f"{source}: {e}") from None
-    except (TypeError, ValueError, ArithmeticError) as e:
-        nulls = sorted(k for k, v in d.items() if v is None)
-        raise ConfigError(f"{source} has a malformed value: {type(e).__name__}: {e}"
-                          + (f" (fields that are null: {nulls})" if nulls else "")) from None
 
 
 def qwen3_next_config(d: dict[str, Any]) -> ModelConfig:
@@ -166,30 +165,3 @@ def qwen3_next_config(d: dict[str, Any]) -> ModelConfig:
         mlp_only_layers=tuple(int(i) for i in (d.get("mlp_only_layers") or ())),
         **common_fields(d),
     )
-
-
-def parse_rope(d: dict[str, Any], family: str, *, partial_rotary_factor: float = 1.0,
-               max_position_embeddings: int = 32768, types: tuple[str, ...] = ROPE_TYPES) -> RopeSpec:
-    """A config's RoPE: `rope_parameters` or the legacy `rope_scaling`, with the top-level rope_theta,
-    partial_rotary_factor, max_position_embeddings (the family's default when absent) and, for YaRN,
-    original_max_position_embeddings, as transformers reads them."""
-    r = rope_dict(d)
-    if d.get("original_max_position_embeddings") is not None and r.get("rope_type") == "yarn":
-        r["original_max_position_embeddings"] = d["original_max_position_embeddings"]
-    return RopeSpec.parse(r, family=family, theta=float(d.get("rope_theta") or 10000.0),
-                          partial_rotary_factor=float(d.get("partial_rotary_factor") or partial_rotary_factor),
-                          max_position_embeddings=int(d.get("max_position_embeddings") or max_position_embeddings),
-                          types=types)
-
-
-def load_config(path: str) -> ModelConfig:
-    """Reads `<path>/config.json` (or the file itself)."""
-    f = os.path.join(path, "config.json") if os.path.isdir(path) else path
-    if not os.path.exists(f):
-        raise ConfigError(f"no config.json found at {f}")
-    try:
-        with open(f, encoding="utf-8") as fh:
-            d = json.load(fh)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{f} is not valid JSON: {e}") from None
-    return config_from_hf_dict(d, source=f)
