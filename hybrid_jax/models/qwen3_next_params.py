@@ -8,7 +8,7 @@ from collections.abc import Callable
 import jax.numpy as jnp
 import numpy as np
 
-from hybrid_jax.config import ModelConfig
+from hybrid_jax.models.qwen3_next_config import ModelConfig
 from hybrid_jax.errors import CheckpointError
 from hybrid_jax.weights import checked_getter, concat, dense_mlp_weights, expert_weights, to_device, to_device_linear
 
