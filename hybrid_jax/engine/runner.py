@@ -268,8 +268,8 @@ class ModelRunner:
 
     # --- traced step functions ---------------------------------------------------------------------
     def _sample(self, logits, r, flags, top_n):
-        keys = jax.vmap(jax.random.key)(r["seeds"])
-        tok = sample(logits, keys, r["steps"], r["temperature"], r["top_k"], r["top_p"], flags)
+        keys = jax.vmap(jax.random.key)(r.seeds)
+        tok = sample(logits, keys, r.steps, r.temperature, r.top_k, r.top_p, flags)
         return tok, token_logprobs(logits, tok, top_n)
 
     def set_draft(self, dcfg, dparams, ddtype, extra: int):
@@ -323,43 +323,43 @@ class ModelRunner:
 
     def _mixed_fn(self, params, cache, last, r, reset, tokens, n_new, do_sample, dparams=None, dcache=None, *,
                   flags, top_n):
-        tokens = tokens.at[:, 0].set(jnp.where(r["from_dev"], last[r["rows"]], tokens[:, 0]))
-        sub = take_view(cache, r["rows"], r["tables"], r["lengths"], reset)
+        tokens = tokens.at[:, 0].set(jnp.where(r.from_dev, last[r.rows], tokens[:, 0]))
+        sub = take_view(cache, r.rows, r.tables, r.lengths, reset)
         out = self._target(params, sub, tokens, n_new)
         logits, sub = out.logits, out.cache
         tok, lps = self._sample(logits, r, flags, top_n)
         tok = jnp.where(do_sample, tok, -1)
         if self.mtp:
             from hybrid_jax.speculative import mtp  # noqa: PLC0415
-            fresh = r["mtp_fresh"]
-            dsub = self._mtp_advance(params, mtp.take(dcache, r["rows"], fresh), tokens, self._mtp_hidden(params, out),
+            fresh = r.fresh
+            dsub = self._mtp_advance(params, mtp.take(dcache, r.rows, fresh), tokens, self._mtp_hidden(params, out),
                                      n_new, fresh)
-            dcache = mtp.put(dcache, r["rows"], dsub)
+            dcache = mtp.put(dcache, r.rows, dsub)
         elif dcache is not None:
-            dsub = self._dfwd(dparams, take_rows(dcache, r["rows"], reset), tokens, n_new).cache
-            dcache = put_rows(dcache, r["rows"], dsub)
-        return tok, lps, self._put_view(cache, r["rows"], sub), dcache, self._noted(last, r["rows"], tok)
+            dsub = self._dfwd(dparams, take_rows(dcache, r.rows, reset), tokens, n_new).cache
+            dcache = put_rows(dcache, r.rows, dsub)
+        return tok, lps, self._put_view(cache, r.rows, sub), dcache, self._noted(last, r.rows, tok)
 
     def _ragged_fn(self, params, cache, last, r, reset, batch, do_sample, *, flags, top_n):
         """`_mixed_fn` over a ragged batch (models.ragged.RaggedBatch of the step's S rows)."""
         first = batch.cu_seqlens[:-1]            # each row's first token (a row fed from the device has one)
-        fed = jnp.where(r["from_dev"], last[r["rows"]], batch.tokens[jnp.minimum(first, batch.tokens.shape[0] - 1)])
+        fed = jnp.where(r.from_dev, last[r.rows], batch.tokens[jnp.minimum(first, batch.tokens.shape[0] - 1)])
         batch = batch.replace(tokens=batch.tokens.at[first].set(fed, mode="drop"))
-        sub = take_view(cache, r["rows"], r["tables"], r["lengths"], reset)
+        sub = take_view(cache, r.rows, r.tables, r.lengths, reset)
         out = self.model.forward_ragged(self.cfg, params, self._pin(sub), batch, impl=self.impl)
         tok, lps = self._sample(out.logits, r, flags, top_n)
         tok = jnp.where(do_sample, tok, -1)
-        return tok, lps, self._put_view(cache, r["rows"], out.cache), self._noted(last, r["rows"], tok)
+        return tok, lps, self._put_view(cache, r.rows, out.cache), self._noted(last, r.rows, tok)
 
     def _decode_fn(self, params, cache, last, r, last_tok, active, stop_ids, remaining, dparams=None, dcache=None,
                    *, steps, flags, top_n):
         from hybrid_jax.speculative import mtp  # noqa: PLC0415
-        last_tok = jnp.where(r["from_dev"], last[r["rows"]], last_tok)
+        last_tok = jnp.where(r.from_dev, last[r.rows], last_tok)
         # in place: each layer reads and writes its rows of the recurrent pools once per token
-        sub = take_view(cache, r["rows"], r["tables"], r["lengths"], in_place=True)
+        sub = take_view(cache, r.rows, r.tables, r.lengths, in_place=True)
         dsub = None
         if dcache is not None:
-            dsub = mtp.take(dcache, r["rows"]) if self.mtp else take_rows(dcache, r["rows"])
+            dsub = mtp.take(dcache, r.rows) if self.mtp else take_rows(dcache, r.rows)
         Bb = last_tok.shape[0]
         out = jnp.full((Bb, steps), -1, jnp.int32)
         lp_c = jnp.zeros((Bb, steps), jnp.float32)
@@ -375,7 +375,7 @@ class ModelRunner:
                 dsub = self._mtp_advance(params, dsub, fed, self._mtp_hidden(params, o), n)
             elif dsub is not None:
                 dsub = self._dfwd(dparams, dsub, fed, n).cache
-            rj = dict(r, steps=r["steps"] + j)
+            rj = r.replace(steps=r.steps + j)
             new, (c, v, i) = self._sample(logits, rj, flags, top_n)
             new = jnp.where(active, new, -1)
             out, lp_c = out.at[:, j].set(new), lp_c.at[:, j].set(c)
@@ -389,10 +389,10 @@ class ModelRunner:
         state = (jnp.int32(0), last_tok, active & (remaining > 0), sub, dsub, out, lp_c, lp_v, lp_i)
         _, _, _, sub, dsub, out, lp_c, lp_v, lp_i = jax.lax.while_loop(cond, body, state)
         if dcache is not None:
-            dcache = mtp.put(dcache, r["rows"], dsub) if self.mtp else put_rows(dcache, r["rows"], dsub)
+            dcache = mtp.put(dcache, r.rows, dsub) if self.mtp else put_rows(dcache, r.rows, dsub)
         n_out = jnp.sum(out >= 0, axis=1)
         final = jnp.where(n_out > 0, jnp.take_along_axis(out, jnp.maximum(n_out - 1, 0)[:, None], 1)[:, 0], -1)
-        return out, (lp_c, lp_v, lp_i), self._put_view(cache, r["rows"], sub), dcache, self._noted(last, r["rows"],
+        return out, (lp_c, lp_v, lp_i), self._put_view(cache, r.rows, sub), dcache, self._noted(last, r.rows,
                                                                                                      final)
 
     def _draft(self, step, carry, r, pending, K, flags):
@@ -401,11 +401,11 @@ class ModelRunner:
         then its own drafts. Returns (drafts [Bb, K], q [Bb, K, V])."""
         from hybrid_jax.speculative.acceptance import processed_logits  # noqa: PLC0415
         from hybrid_jax.speculative.drafters import DRAFT_SALT  # noqa: PLC0415
-        keys = jax.vmap(lambda s: jax.random.fold_in(jax.random.key(s), DRAFT_SALT))(r["seeds"])
+        keys = jax.vmap(lambda s: jax.random.fold_in(jax.random.key(s), DRAFT_SALT))(r.seeds)
 
         def draw(j, logits):
-            tok = sample(logits, keys, r["steps"] + j, r["temperature"], r["top_k"], r["top_p"], flags)
-            q = jax.nn.softmax(processed_logits(logits[:, None], r["temperature"], r["top_k"], r["top_p"], flags)[:, 0],
+            tok = sample(logits, keys, r.steps + j, r.temperature, r.top_k, r.top_p, flags)
+            q = jax.nn.softmax(processed_logits(logits[:, None], r.temperature, r.top_k, r.top_p, flags)[:, 0],
                                axis=-1)
             return tok, q
 
@@ -430,17 +430,17 @@ class ModelRunner:
         from the pre-verify rows again; the rows' versions change when anything was rejected.
         Returns (n_accepted [Bb], tokens [Bb, K+1]: the first n_accepted + 1 are emitted, cache)."""
         from hybrid_jax.speculative.verify import replay_verified, select_verified  # noqa: PLC0415
-        sub = take_view(cache, r["rows"], r["tables"], r["lengths"])   # the snapshot, for replay (never donated)
+        sub = take_view(cache, r.rows, r.tables, r.lengths)   # the snapshot, for replay (never donated)
         from hybrid_jax.speculative import mtp  # noqa: PLC0415
         n_fed, n_draft = meta[0], meta[1]
         draft_probs = None
         run = (n_fed > 0).astype(jnp.int32)
         if dcache is not None:                     # the drafter writes the drafts (host sent the pending token)
             if self.mtp:
-                dsub = mtp.take(dcache, r["rows"])
+                dsub = mtp.take(dcache, r.rows)
                 step, carry = mtp.draft_step(self.model, self.cfg, params, run, self.impl), mtp.draft_carry(dsub)
             else:
-                dsub = take_rows(dcache, r["rows"])
+                dsub = take_rows(dcache, r.rows)
 
                 def step(c, tok):
                     o = self._dfwd(dparams, c, tok[:, None], run)
@@ -449,15 +449,15 @@ class ModelRunner:
             drafts, draft_probs = self._draft(step, carry, r, tokens[:, 0], tokens.shape[1] - 1, flags)
             tokens = tokens.at[:, 1:].set(drafts)
         verified = replay_verified if replay else select_verified
-        v = verified(params, sub, tokens, jnp.stack([n_fed, n_draft, r["steps"]]), draft_probs, r["seeds"],
-                     r["temperature"], r["top_k"], r["top_p"], self.cfg, self.impl, flags, return_hidden=self.mtp)
+        v = verified(params, sub, tokens, jnp.stack([n_fed, n_draft, r.steps]), draft_probs, r.seeds,
+                     r.temperature, r.top_k, r.top_p, self.cfg, self.impl, flags, return_hidden=self.mtp)
         n_keep = jnp.where(n_fed > 0, 1 + v.n_accepted, 0).astype(jnp.int32)
         if self.mtp:                               # the MTP block takes the kept tokens from its resume point
             h = self._mtp_hidden(params, v)
-            dcache = mtp.put(dcache, r["rows"], self._mtp_advance(params, dsub, tokens, h, n_keep))
+            dcache = mtp.put(dcache, r.rows, self._mtp_advance(params, dsub, tokens, h, n_keep))
         elif dcache is not None:                   # the draft takes the kept tokens from its resume point
-            dcache = put_rows(dcache, r["rows"], self._dfwd(dparams, dsub, tokens, n_keep).cache)
-        return v.n_accepted, v.tokens, self._put_view(cache, r["rows"], v.cache), dcache
+            dcache = put_rows(dcache, r.rows, self._dfwd(dparams, dsub, tokens, n_keep).cache)
+        return v.n_accepted, v.tokens, self._put_view(cache, r.rows, v.cache), dcache
 
     def run_verify(self, reqs, drafts, K: int, replay: bool):
         """reqs: decoding requests; drafts: [k_i] int32 per request (k_i <= K, may be 0); K: a
@@ -480,11 +480,11 @@ class ModelRunner:
     def _loop_fn(self, params, cache, r, hist, first, rows, tune, stop_ids, *, lc):
         """`speculative.device_loop.ngram_generate` over the rows' view of the pools."""
         from hybrid_jax.speculative.device_loop import ngram_generate  # noqa: PLC0415
-        sub = take_view(cache, r["rows"], r["tables"], r["lengths"])
+        sub = take_view(cache, r.rows, r.tables, r.lengths)
         out, n_out, _, log, branch, sub = ngram_generate(
-            params, sub, hist, first, rows, tune, stop_ids, r["seeds"], r["temperature"], r["top_k"], r["top_p"],
+            params, sub, hist, first, rows, tune, stop_ids, r.seeds, r.temperature, r.top_k, r.top_p,
             cfg=self.cfg, impl=self.impl, flags=FULL_SAMPLER, lc=lc)
-        return out, n_out, log, branch, self._put_view(cache, r["rows"], sub)
+        return out, n_out, log, branch, self._put_view(cache, r.rows, sub)
 
     def run_ngram_loop(self, reqs, spec):
         """Runs decoding requests to their ends with n-gram speculation in ONE on-device loop (draft,
@@ -559,7 +559,7 @@ class ModelRunner:
                 tokens[i, :len(c)] = c
                 n_new[i] = len(c)
             if self.mtp:
-                r["mtp_fresh"] = fresh
+                r = r.replace(fresh=fresh)
             tok, lps, self.cache, self.dcache, self.slot_last = self._mixed(
                 self.params, self.cache, self.slot_last, r, reset, tokens, n_new,
                 do_sample, self.dparams, self.dcache, flags=FULL_SAMPLER, top_n=top_n)
@@ -605,7 +605,7 @@ class ModelRunner:
         for Bb in self.batch_buckets():
             r = self.inputs.rows([], Bb)
             z = np.zeros((Bb,), bool)     # numpy, as the steps pass them: one dispatch-cache entry per program
-            rm = dict(r, mtp_fresh=np.zeros((Bb,), bool)) if self.mtp else r
+            rm = r.replace(fresh=np.zeros((Bb,), bool)) if self.mtp else r
             for top_n in widths:
                 for T in tbs:
                     if self.ragged and Bb > 1:        # a step of several rows may run either way
