@@ -35,6 +35,7 @@ import numpy as np
 from cache.block_manager import BlockManager
 from cache.prefix_cache import PrefixCache, PrefixCacheConfig
 from cache.prefix_disk import DiskConfig
+from hybrid_jax.engine.compile import enable_persistent_compilation_cache
 from hybrid_jax.engine.config import EngineConfig
 from hybrid_jax.engine.contracts import LoadedModel, Loads, as_loaded
 from hybrid_jax.engine.limits import admit
@@ -42,7 +43,7 @@ from hybrid_jax.engine.metrics import EngineMetrics
 from hybrid_jax.engine.outputs import OutputProcessor
 from hybrid_jax.engine.prefix_manager import PrefixManager
 from hybrid_jax.engine.request import EngineOutput, Request, RequestFailed
-from hybrid_jax.engine.runner import Dispatched, ModelRunner, enable_persistent_compilation_cache
+from hybrid_jax.engine.runner import Dispatched, ModelRunner
 from hybrid_jax.engine.scheduler import Scheduler, SchedulerOutput, StepResult
 from hybrid_jax.engine.speculate import EngineSpeculator
 from hybrid_jax.engine.speculative_step import SpeculativeStep

@@ -44,6 +44,7 @@ import time
 import numpy as np
 
 from cache.block_manager import BlockManager
+from hybrid_jax.decode_loop import decode_count
 from hybrid_jax.engine.metrics import EngineMetrics
 from hybrid_jax.engine.outputs import OutputProcessor
 from hybrid_jax.engine.prefix_manager import PrefixManager
@@ -375,8 +376,9 @@ class Scheduler:
 
     def decode_counts(self, reqs: list[Request], steps: int, caps: list[int] | None) -> list[int]:
         """Tokens each row of a plain decode call of `steps` iterations samples unless a stop token id
-        ends it sooner: min(steps, its remaining max_tokens, its publish cap)."""
-        return [min(steps, q.remaining_tokens, caps[i] if caps is not None else steps) for i, q in enumerate(reqs)]
+        ends it sooner: min(steps, its remaining max_tokens, its publish cap) (`decode_loop.decode_count`)."""
+        return [int(decode_count(steps, q.remaining_tokens, caps[i] if caps is not None else None))
+                for i, q in enumerate(reqs)]
 
     def commit(self, out: SchedulerOutput):
         """The engine enqueued the step: its tokens are counted ahead (each row's in-flight tokens; a

@@ -21,10 +21,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from hybrid_jax.decode_loop import allowed_drafts
 from hybrid_jax.errors import InputError
 from hybrid_jax.speculative.config import SpeculativeConfig, parse_speculative_config, resolve_rollback
 from hybrid_jax.speculative.drafters import NgramDrafter, load_draft_model
-from hybrid_jax.speculative.dynamic_k import AcceptanceTracker, cold_tail, tail_checks
+from hybrid_jax.speculative.dynamic_k import AcceptanceTracker, cold_tail, quiet_max, tail_checks
 from hybrid_jax.speculative.metrics import SpecMetrics
 
 PROBE_EVERY = 8          # a draft-model row at k = 0 drafts one token every PROBE_EVERY decode steps
@@ -33,7 +34,7 @@ PROBE_EVERY = 8          # a draft-model row at k = 0 drafts one token every PRO
 # (the default prior, 0.2, waits for evidence), and then follows what its drafts actually do.
 MTP_PRIOR_RATE = 0.6
 MAX_CHUNK_GROWTH = 32    # offline fallback chunks grow 4x per quiet chunk, to at most 32 x fallback_steps
-QUIET_MAX = 3            # quiet chunks in a row that reach it (4 ** 3 >= 32)
+QUIET_MAX = quiet_max(MAX_CHUNK_GROWTH)     # quiet chunks in a row that reach it (3: 4 ** 3 >= 32)
 
 
 class EngineSpeculator:
@@ -106,7 +107,7 @@ class EngineSpeculator:
         for q in reqs:
             if self.drafter is not None:
                 self._tracker(q.request_id, q.all_ids)
-                prop = self._propose(q, min(K, max(q.remaining_tokens - 1, 0)))
+                prop = self._propose(q, int(allowed_drafts(K, q.remaining_tokens)))
             else:                     # written on device (draft model, MTP); only the length matters here
                 prop = np.zeros((K,), np.int32)
             k = K
@@ -115,7 +116,7 @@ class EngineSpeculator:
                 n = self.steps[q.request_id] = self.steps.get(q.request_id, 0) + 1
                 if self.drafter is None and k == 0 and n % PROBE_EVERY == 0:
                     k = 1
-            k = min(k, len(prop), q.remaining_tokens - 1)
+            k = int(allowed_drafts(min(k, len(prop)), q.remaining_tokens))
             if q.params.logprobs is not None:
                 k = 0
             drafts.append(np.asarray(prop[:max(k, 0)], np.int32))
@@ -126,7 +127,7 @@ class EngineSpeculator:
             Kb = self.k_bucket(max(len(d) for d in drafts))
             for i, q in enumerate(reqs):
                 if q.params.logprobs is None:
-                    fill = min(Kb, len(shadows[i]), q.remaining_tokens - 1)
+                    fill = int(allowed_drafts(min(Kb, len(shadows[i])), q.remaining_tokens))
                     if fill > len(drafts[i]):
                         drafts[i] = shadows[i][:fill]
         return drafts, shadows

@@ -4,16 +4,49 @@ A compiled step (engine/runner.py) takes its rows padded to a batch bucket Bb. P
 row it owns, its block tables, the tokens it holds before the step, its sampling parameters and
 seed, its stop ids, and whether its last token is still on the device. What never changes for a
 request (seed, sampling parameters, stop ids) is made once and kept on it (`Request.row_consts`);
-the rest is filled by columns each step.
+the rest is filled by columns each step. A step's rows travel as one `StepRows` (a pytree: the
+compiled steps take it as one argument and read its fields by name).
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
+from typing import Any
+
+import jax
 import numpy as np
 
 from hybrid_jax.engine.limits import row_temperature, row_top_k
 from hybrid_jax.engine.request import attributed
 
 LOGPROBS_WIDTH = 20      # top log-probabilities computed when any request of a step asks for them
+
+
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=("rows", "tables", "lengths", "steps", "seeds", "temperature", "top_k", "top_p",
+                                "from_dev", "fresh"), meta_fields=())
+@dataclasses.dataclass(frozen=True)
+class StepRows:
+    """A step's per-row inputs, padded to the batch bucket Bb (numpy on the host, traced in a step).
+    rows [Bb] int32: the cache row each owns (padding rows: the null row); tables: paged group ->
+    block table [Bb, NP_g] int32; lengths [Bb] int32: tokens each row holds before the step; steps
+    [Bb] int32: tokens it generated so far (the sampler's RNG index); seeds [Bb] uint32; temperature,
+    top_p [Bb] f32; top_k [Bb] int32; from_dev [Bb] bool: its last token is still on the device;
+    fresh [Bb] bool or None: rows whose MTP state starts over (a mixed step with the MTP drafter;
+    None in every other step, so the other programs do not carry it)."""
+    rows: Any
+    tables: dict
+    lengths: Any
+    steps: Any
+    seeds: Any
+    temperature: Any
+    top_k: Any
+    top_p: Any
+    from_dev: Any
+    fresh: Any = None
+
+    def replace(self, **kw) -> "StepRows":
+        return dataclasses.replace(self, **kw)
 
 
 class StepInputs:
@@ -27,26 +60,25 @@ class StepInputs:
         self.eos_ids, self.vocab_size = tuple(eos_ids), vocab_size
         self.blocks = None
 
-    def rows(self, reqs, Bb: int) -> dict:
-        """The step's per-row inputs, padded to the batch bucket Bb: rows [Bb], block tables [Bb, NP_g],
-        lengths [Bb] (tokens each row holds before the step), output steps [Bb], seeds [Bb] uint32,
-        temperature / top_k / top_p [Bb], from_dev [Bb] (its last token is still on the device)."""
+    def rows(self, reqs, Bb: int) -> StepRows:
+        """The step's per-row inputs (a StepRows), padded to the batch bucket Bb."""
         n = len(reqs)
-        ra = {"rows": np.full((Bb,), self.null_slot, np.int32), "seeds": np.zeros((Bb,), np.uint32),
-              "steps": np.zeros((Bb,), np.int32), "temperature": np.zeros((Bb,), np.float32),
-              "top_k": np.full((Bb,), -1, np.int32), "top_p": np.ones((Bb,), np.float32),
-              "lengths": np.zeros((Bb,), np.int32), "from_dev": np.zeros((Bb,), bool)}
+        rows, seeds = np.full((Bb,), self.null_slot, np.int32), np.zeros((Bb,), np.uint32)
+        steps, temperature = np.zeros((Bb,), np.int32), np.zeros((Bb,), np.float32)
+        top_k, top_p = np.full((Bb,), -1, np.int32), np.ones((Bb,), np.float32)
+        lengths, from_dev = np.zeros((Bb,), np.int32), np.zeros((Bb,), bool)
         ids = [q.request_id for q in reqs] + [None] * (Bb - n)
-        ra["tables"] = (self.blocks.block_tables(ids, self.widths) if self.blocks is not None
-                        else {g: np.full((Bb, w), -1, np.int32) for g, w in self.widths.items()})
+        tables = (self.blocks.block_tables(ids, self.widths) if self.blocks is not None
+                  else {g: np.full((Bb, w), -1, np.int32) for g, w in self.widths.items()})
         if n:
             consts = [self.row_consts(q) for q in reqs]
-            ra["seeds"][:n], ra["temperature"][:n], ra["top_k"][:n], ra["top_p"][:n] = zip(*(c[:4] for c in consts))
-            ra["rows"][:n] = [q.slot for q in reqs]
-            ra["lengths"][:n] = [q.num_computed for q in reqs]
-            ra["steps"][:n] = [q.num_output for q in reqs]
-            ra["from_dev"][:n] = [q.num_inflight > 0 for q in reqs]      # its last token is still on the device
-        return ra
+            seeds[:n], temperature[:n], top_k[:n], top_p[:n] = zip(*(c[:4] for c in consts))
+            rows[:n] = [q.slot for q in reqs]
+            lengths[:n] = [q.num_computed for q in reqs]
+            steps[:n] = [q.num_output for q in reqs]
+            from_dev[:n] = [q.num_inflight > 0 for q in reqs]      # its last token is still on the device
+        return StepRows(rows=rows, tables=tables, lengths=lengths, steps=steps, seeds=seeds,
+                        temperature=temperature, top_k=top_k, top_p=top_p, from_dev=from_dev)
 
     def row_consts(self, q) -> tuple:
         """A request's step inputs that never change, made once: (seed, temperature, top_k, top_p, its

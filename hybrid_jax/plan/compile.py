@@ -1,6 +1,6 @@
 """The engine's step programs compiled for a TPU device at real sizes, and their costs scaled by layer.
 
-Two programs are compiled, as the engine runs them (`engine/runner.py`), with the pools donated:
+Two programs are compiled from the engine's own step bodies (`engine/steps.py`), with the pools donated:
 
   decode        [Bb] last tokens, one forward over the pools' view (take_view in place -> forward -> put_view),
                 then the engine's full sampler (temperature, top-k, top-p) on the [Bb, V] logits
@@ -32,7 +32,8 @@ import re
 import jax
 import jax.numpy as jnp
 
-from cache.pools import put_view, take_view
+from hybrid_jax.engine.step_inputs import StepRows
+from hybrid_jax.engine.steps import StepContext, chunk_forward, decode_forward, draw_tokens
 from hybrid_jax.models import get_model
 from hybrid_jax.parallel.context import active
 from hybrid_jax.parallel.placement import Layout
@@ -44,7 +45,7 @@ from hybrid_jax.plan.shapes import (
     layer_counts,
     select_layers,
 )
-from hybrid_jax.sampling import FULL_SAMPLER, sample
+from hybrid_jax.sampling import FULL_SAMPLER
 from pallas_kernels.aot import cost_of, on_device
 
 
@@ -107,25 +108,33 @@ def _cost(compiled) -> StepCost:
                     float(n), float(nbytes))
 
 
-def _decode_step(model, cfg, impl, pin):
+def _view_rows(rows, tables, lengths) -> StepRows:
+    """The StepRows of a plan's program: the rows' cache rows, block tables and lengths (what the
+    model part reads); the sampling fields stay None."""
+    return StepRows(rows=rows, tables=tables, lengths=lengths, steps=None, seeds=None, temperature=None,
+                    top_k=None, top_p=None, from_dev=None)
+
+
+def _decode_step(ctx: StepContext):
+    """The engine's decode iteration, model part (`engine.steps.decode_forward`)."""
     def step(params, pools, rows, tables, lengths, tokens, active):
-        sub = pin(take_view(pools, rows, tables, lengths, in_place=True))
-        out = model.forward(cfg, params, sub, tokens[:, None], active.astype(jnp.int32), impl=impl)
-        return out.logits, pin(put_view(pools, rows, pin(out.cache)))
+        return decode_forward(ctx, params, pools, _view_rows(rows, tables, lengths), tokens, active.astype(jnp.int32))
     return step
 
 
-def _prefill_step(model, cfg, impl, pin):
+def _prefill_step(ctx: StepContext):
+    """The engine's mixed step, model part, over one request's chunk (`engine.steps.chunk_forward`)."""
     def step(params, pools, rows, tables, lengths, tokens, n_new):
-        sub = pin(take_view(pools, rows, tables, lengths, reset=lengths == 0))
-        out = model.forward(cfg, params, sub, tokens, n_new, impl=impl)
-        return out.logits, pin(put_view(pools, rows, pin(out.cache)))
+        out, pools = chunk_forward(ctx, params, pools, _view_rows(rows, tables, lengths), tokens, n_new, lengths == 0)
+        return out.logits, pools
     return step
 
 
 def _sampler(logits, seeds, steps, temperature, top_k, top_p):
-    keys = jax.vmap(jax.random.key)(seeds)
-    return sample(logits, keys, steps, temperature, top_k, top_p, FULL_SAMPLER)
+    """The engine's sampler (`engine.steps.draw_tokens`)."""
+    r = StepRows(rows=None, tables=None, lengths=None, steps=steps, seeds=seeds, temperature=temperature,
+                 top_k=top_k, top_p=top_p, from_dev=None)
+    return draw_tokens(logits, r, FULL_SAMPLER)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,8 +208,7 @@ def _compile_model(cfg, sh: Shapes, target, impl: str, prefill: bool = True) -> 
         else:
             args = (params, pools, *_on(rest, mesh_layout.replicated))
         with active(mesh_layout):
-            lowered = jax.jit(step(model, cfg, impl, (lambda c: c) if mesh_layout is None else mesh_layout.pin),
-                             donate_argnums=(1,)).lower(*args)
+            lowered = jax.jit(step(StepContext(model, cfg, impl, mesh_layout)), donate_argnums=(1,)).lower(*args)
         out.append(_cost(lowered.compile()))
     return out[0], out[1] if prefill else NOTHING
 

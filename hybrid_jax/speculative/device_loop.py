@@ -1,8 +1,8 @@
 """On-device speculative generation for prompt-lookup (n-gram) drafting: the whole cycle of
 draft -> verify -> accept -> roll back -> emit runs inside ONE `lax.while_loop`, so no step goes back
-to the host. The host loop of `decoder.py` pays a Python dispatch, a device-to-host copy and the
-host-side n-gram search per verify step, several decode steps' worth on CPU; here a cycle costs its
-device work only.
+to the host. The engine's host loop (engine/speculate.py, engine/speculative_step.py) pays a Python
+dispatch, a device-to-host copy and the host-side n-gram search per verify step, several decode
+steps' worth on CPU; here a cycle costs its device work only.
 
 One iteration, per row b (B rows, all arrays on device):
 
@@ -46,9 +46,10 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from hybrid_jax.decode_loop import allowed_drafts, allowed_tokens
 from hybrid_jax.models import get_model
 from hybrid_jax.sampling import SamplerFlags
-from hybrid_jax.speculative.dynamic_k import WARM_TAIL, cold_tail, draft_floor, warm_tail_state
+from hybrid_jax.speculative.dynamic_k import WARM_TAIL, cold_tail, draft_floor, quiet_max, warm_tail_state
 from hybrid_jax.speculative.verify import _fwd, decode_chunk, decode_from, select_verified
 
 
@@ -64,8 +65,11 @@ class LoopConfig:
     chunk: int = 4              # plain decode steps of the first iteration in which no row drafts;
     max_chunk: int = 128        # 4x per such iteration in a row whose proposals all failed, up to this
 
-
-QUIET_MAX = 6    # quiet chunks in a row that reach any max_chunk: chunk * 4 ** 6 >= 4096 >= max_chunk
+    @property
+    def quiet_max(self) -> int:
+        """Quiet iterations in a row after which a decode chunk is max_chunk long (`dynamic_k.quiet_max`;
+        the count stops there, since more would not grow the chunk)."""
+        return quiet_max(-(-self.max_chunk // self.chunk))
 
 
 def loop_buckets(K: int, dynamic_k: bool) -> tuple[int, ...]:
@@ -150,6 +154,174 @@ def _append(buf, at, toks, n):
     return jax.vmap(row)(buf, at, toks, n)
 
 
+class _Cycle:
+    """One iteration of `ngram_generate`'s loop, over what the loop holds fixed: the target (params,
+    cfg, impl), the rows' sampling (stop_ids [B, S], seeds, temperature, top_k, top_p [B], flags),
+    the LoopConfig lc and tune [2] f32 (draft_cost, EWMA decay)."""
+
+    def __init__(self, params, stop_ids, seeds, temperature, top_k, top_p, tune, *, cfg, impl, flags, lc):
+        self.params, self.stop_ids, self.cfg, self.impl, self.flags, self.lc = params, stop_ids, cfg, impl, flags, lc
+        self.sampling = (seeds, temperature, top_k, top_p)
+        self.draft_cost, self.decay = tune[0], tune[1]
+        self.B, self.K = seeds.shape[0], lc.K
+        self.W = max(lc.K + 1, lc.max_chunk)         # tokens one iteration can emit per row
+        self.model = get_model(cfg.model_type)
+
+    # --- model work: a plain decode chunk, or the verify of Kb drafts ------------------------------------
+    def decode_branch(self, cache, tokens, n_draft, n_fed, generated, remaining, n_steps):
+        lc, B = self.lc, self.B
+        rows = jnp.stack([tokens[:, 0], n_fed, generated, remaining, jnp.full((B,), n_steps, jnp.int32)])
+        toks, cache = decode_chunk(self.params, cache, rows, self.stop_ids, *self.sampling, cfg=self.cfg,
+                                   impl=self.impl, steps=lc.max_chunk, flags=self.flags)
+        n_acc = jnp.sum(toks >= 0, axis=1).astype(jnp.int32) - 1
+        return n_acc, jnp.pad(jnp.maximum(toks, 0), ((0, 0), (0, self.W - lc.max_chunk))), cache
+
+    def verify_rows(self, cache, tokens, n_draft, n_fed, generated, Kb, defer: bool):
+        """The verify of Kb drafts and rollback by selection. Returns (n_acc [B], out_tok [B, W],
+        the cache after the kept tokens, the KV entries it did not write when defer, else None)."""
+        meta = jnp.stack([n_fed, n_draft, generated])
+        v = select_verified(self.params, cache, tokens[:, :Kb + 1], meta, None, *self.sampling, self.cfg, self.impl,
+                            self.flags, defer_kv_write=defer)
+        return v.n_accepted, jnp.pad(v.tokens, ((0, 0), (0, self.W - Kb - 1))), v.cache, v.deferred
+
+    def verify_branch(self, Kb):
+        def run(cache, tokens, n_draft, n_fed, generated, remaining, n_steps):
+            return self.verify_rows(cache, tokens, n_draft, n_fed, generated, Kb, False)[:3]
+        return run
+
+    def first_forward(self, Kb):
+        """A branch of the deferred step: the decode chunk's first forward (Kb = 0) or the verify of
+        Kb drafts. Reads the cache; returns what changed (n_acc [B], out_tok [B, W], logits [B, V] for
+        the chunk, the cache's lengths, version and the groups other than the deferred ones, the
+        deferred KV entries padded to K + 1 positions)."""
+        B, W, K = self.B, self.W, self.K
+
+        def run(cache, tokens, n_draft, n_fed, generated):
+            if Kb == 0:
+                o = _fwd(self.cfg, self.impl, self.params, cache, tokens[:, :1], n_fed, defer_kv_write=True)
+                logits, new, pend = o.logits, o.cache, o.deferred
+                n_acc, out_tok = jnp.zeros((B,), jnp.int32), jnp.zeros((B, W), jnp.int32)
+            else:
+                n_acc, out_tok, new, pend = self.verify_rows(cache, tokens, n_draft, n_fed, generated, Kb, True)
+                logits = jnp.zeros((B, self.cfg.vocab_size), jnp.float32)
+            pend = jax.tree_util.tree_map(lambda a: jnp.pad(a, [(0, 0), (0, 0), (0, K - Kb)] + [(0, 0)] * (a.ndim - 3)),
+                                          pend)
+            kept = {n: g for n, g in new.groups.items() if n not in self.model.deferred_groups}
+            return n_acc, out_tok, logits, (new.lengths, new.version, kept), pend
+        return run
+
+    def step_deferred(self, idx, cache, tokens, k, n_fed, generated, remaining, n_steps):
+        """One iteration's model work with the cache written outside any branch: XLA copies a cache
+        that a conditional's branches update (twice at the loop level and once per branch entry, every
+        iteration: the copies grow with the capacity). The switch runs the first forward (decode)
+        or the verify, reading the cache; one write after it puts in their KV entries; the rest of a
+        decode chunk runs after that as a loop of n_steps - 1 steps (none when the step verified)."""
+        lc, B, K = self.lc, self.B, self.K
+        n_acc, out_tok, logits, (lengths, version, kept), pend = jax.lax.switch(
+            idx, [self.first_forward(0)] + [self.first_forward(b) for b in lc.buckets], cache, tokens, k, n_fed,
+            generated)
+        T = jnp.arange(K + 1)[None]
+        positions, valid = cache.lengths[:, None] + T, T < n_fed[:, None]
+        cache = self.model.write_deferred_kv(cache.replace(groups={**cache.groups, **kept}, lengths=lengths,
+                                                           version=version), pend, positions, valid)
+        rows = jnp.stack([tokens[:, 0], n_fed, generated, remaining, jnp.full((B,), jnp.where(idx == 0, n_steps, 0))])
+        toks, cache = decode_from(self.params, cache, logits, rows, self.stop_ids, *self.sampling, cfg=self.cfg,
+                                  impl=self.impl, steps=lc.max_chunk, flags=self.flags)
+        toks = jnp.pad(toks, ((0, 0), (0, self.W - lc.max_chunk)))
+        n_dec = jnp.sum(toks >= 0, axis=1).astype(jnp.int32) - 1
+        return jnp.where(idx == 0, n_dec, n_acc), jnp.where(idx == 0, jnp.maximum(toks, 0), out_tok), cache
+
+    def model_step(self, idx, cache, tokens, k, n_fed, generated, remaining, n_steps):
+        """Branch idx (0: a decode chunk of n_steps, else the verify of buckets[idx - 1] drafts).
+        Returns (n_acc [B], out_tok [B, W], cache)."""
+        if self.model.write_deferred_kv is not None:
+            return self.step_deferred(idx, cache, tokens, k, n_fed, generated, remaining, n_steps)
+        return jax.lax.switch(idx, [self.decode_branch] + [self.verify_branch(b) for b in self.lc.buckets],
+                              cache, tokens, k, n_fed, generated, remaining, n_steps)
+
+    # --- emission and the draft length -----------------------------------------------------------------
+    def emit(self, toks, n_want, out, n_out, hist, hlen, running, generated, remaining, stopped):
+        """toks [B, J]; n_want [B]: each running row appends its first n_want tokens, cut at its
+        budget and after its first stop token, to out and hist. Returns (n_emit [B], out, n_out, hist,
+        hlen, running, generated, remaining, stopped), the counters after the emission."""
+        n_emit = jnp.where(running, allowed_tokens(n_want, remaining, jnp), 0)
+        is_stop = jnp.any(toks[:, :, None] == self.stop_ids[:, None, :], axis=-1)      # tokens >= 0, pads -1
+        is_stop = is_stop & (jnp.arange(toks.shape[1])[None] < n_emit[:, None])
+        first_stop, hit = jnp.argmax(is_stop, axis=1), jnp.any(is_stop, axis=1)
+        n_emit = jnp.where(hit, first_stop + 1, n_emit)
+        out, hist = _append(out, n_out, toks, n_emit), _append(hist, hlen, toks, n_emit)
+        remaining = remaining - n_emit
+        return (n_emit, out, n_out + n_emit, hist, hlen + n_emit, running & ~hit & (remaining > 0),
+                generated + n_emit, remaining, stopped | hit)
+
+    def propose(self, hist, hlen, running, remaining, acc, trials, streak, run, gap, cursor):
+        """Each row's proposal and draft length: (prop [B, K], start [B], k [B], idx: the branch)."""
+        lc, K = self.lc, self.K
+        prop, start = ngram_propose(hist, hlen, K, lc.lookup_min, lc.lookup_max)
+        follow = (start < 0) & (cursor >= 0) & (cursor < hlen)            # past an edit: read on
+        prop = jnp.where(follow[:, None], read_periodic(hist, jnp.maximum(cursor, 0), hlen, K), prop)
+        start = jnp.where(follow, cursor, start)
+        if lc.dynamic_k:
+            want = choose_k(acc / jnp.maximum(trials, 1e-9), draft_floor(streak, run, gap, jnp.where), K,
+                            self.draft_cost)
+        else:
+            want = jnp.full((self.B,), K, jnp.int32)
+        want = allowed_drafts(want, remaining, jnp)
+        k = jnp.where(running & (start >= 0) & (want > 0), want, 0)
+        kmax = jnp.max(k)
+        idx = jnp.where(kmax == 0, 0, 1 + jnp.searchsorted(jnp.asarray(lc.buckets), kmax))
+        # A verify runs Kb + 1 positions for every row, whatever its k: drafts up to Kb cost nothing
+        # more, so every row with a proposal fills the bucket (more chances to land, same step).
+        kb = jnp.asarray((0,) + lc.buckets, jnp.int32)[idx]
+        k = jnp.where(running & (start >= 0) & (kb > 0), allowed_drafts(kb, remaining, jnp), 0)
+        return prop, start, k, idx
+
+    def statistics(self, idx, k, n_acc, n_emit, prop, out_tok, start, running, remaining, acc, trials, streak,
+                   run, gap):
+        """The acceptance statistics after an iteration: verified rows, and (decode chunk) the shadow
+        check of each proposal against the tokens the chunk emitted. Returns (acc, trials, streak,
+        run, gap, shadow [B])."""
+        K = self.K
+        shadow = ((idx == 0) & running & (start >= 0) & (remaining > 1) if self.lc.dynamic_k
+                  else jnp.zeros((self.B,), bool))
+        L = jnp.minimum(jnp.minimum(n_emit, K), remaining - 1)
+        lead = jnp.cumprod((prop == out_tok[:, :K]) & (jnp.arange(K)[None] < L[:, None]), axis=1)
+        proposed = jnp.where(k > 0, k, jnp.where(shadow, L, 0))
+        accepted = jnp.where(k > 0, n_acc, jnp.where(shadow, jnp.sum(lead, axis=1).astype(jnp.int32), 0))
+        upd = proposed > 0
+        decay = self.decay
+        acc = jnp.where(upd, decay * acc + accepted, acc)
+        trials = jnp.where(upd, decay * trials + accepted + (accepted < proposed), trials)
+        full = accepted >= proposed
+        streak = jnp.where(upd, jnp.where(full, proposed, 0), streak)
+        gap = jnp.where(upd & ~full, run + accepted, gap)
+        run = jnp.where(upd, jnp.where(full, run + accepted + 1, 0), run)
+        return acc, trials, streak, run, gap, shadow & (accepted > 0)
+
+    def body(self, s):
+        lc, K = self.lc, self.K
+        it, cache, hist, hlen, running, generated, remaining, out, n_out, stopped, acc, trials, streak, run, gap, \
+            cursor, log, branch, quiet = s
+        prop, start, k, idx = self.propose(hist, hlen, running, remaining, acc, trials, streak, run, gap, cursor)
+        pending = jnp.take_along_axis(hist, jnp.maximum(hlen - 1, 0)[:, None], axis=1)
+        tokens = jnp.concatenate([pending, jnp.where(jnp.arange(K)[None] < k[:, None], prop, 0)], axis=1)
+        n_fed = jnp.where(running, 1 + k, 0).astype(jnp.int32)
+        n_steps = jnp.minimum(lc.chunk * 4 ** quiet, lc.max_chunk)
+        n_acc, out_tok, cache = self.model_step(idx, cache, tokens, k, n_fed, generated, remaining, n_steps)
+        # emit: accepted drafts + the bonus (the counters before it are still needed below)
+        n_emit, out, n_out2, hist, hlen2, running2, generated2, remaining2, stopped = self.emit(
+            out_tok, n_acc + 1, out, n_out, hist, hlen, running, generated, remaining, stopped)
+        log = log.at[:, it].set(jnp.stack([jnp.where(k > 0, k, -1), n_acc, generated, n_emit]))
+        branch = branch.at[it].set(jnp.where(idx == 0, 0, jnp.asarray((0,) + lc.buckets)[idx]))
+        acc, trials, streak, run, gap, landed = self.statistics(idx, k, n_acc, n_emit, prop, out_tok, start, running,
+                                                                remaining, acc, trials, streak, run, gap)
+        # decode chunks grow while no proposal lands (as the host loop's do), back to `chunk` after a hit
+        quiet = jnp.where((idx == 0) & lc.dynamic_k & ~jnp.any(landed), jnp.minimum(quiet + 1, lc.quiet_max), 0)
+        cursor = jnp.where(idx == 0, -1, jnp.where(k > 0, jnp.where(start >= 0, start + n_acc + 1, -1), cursor))
+        return (it + 1, cache, hist, hlen2, running2, generated2, remaining2, out, n_out2, stopped, acc, trials,
+                streak, run, gap, cursor, log, branch, quiet)
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "impl", "flags", "lc"), donate_argnums=(1,))
 def ngram_generate(params, cache, hist, first, rows, tune, stop_ids, seeds, temperature, top_k, top_p, *, cfg,
                    impl, flags: SamplerFlags, lc: LoopConfig):
@@ -166,148 +338,16 @@ def ngram_generate(params, cache, hist, first, rows, tune, stop_ids, seeds, temp
     (a stop token ended the row), log [4, N, B] int32 per iteration: k drafted (-1 when the row did
     not verify), accepted, generated before, tokens emitted; branch [N] int32: -1 unused, 0 decode,
     else the verify's draft length; cache)."""
-    K, N = lc.K, lc.max_new
-    W = max(K + 1, lc.max_chunk)         # tokens one iteration can emit per row
-    B = hist.shape[0]
+    cycle = _Cycle(params, stop_ids, seeds, temperature, top_k, top_p, tune, cfg=cfg, impl=impl, flags=flags, lc=lc)
+    N, W, B = lc.max_new, cycle.W, hist.shape[0]
     hlen, running, generated, remaining = rows[0], rows[1] > 0, rows[2], rows[3]
-    buckets = lc.buckets
-    draft_cost, decay = tune[0], tune[1]
-
-    def decode_branch(cache, tokens, n_draft, n_fed, generated, remaining, n_steps):
-        rows = jnp.stack([tokens[:, 0], n_fed, generated, remaining, jnp.full((B,), n_steps, jnp.int32)])
-        toks, cache = decode_chunk(params, cache, rows, stop_ids, seeds, temperature, top_k, top_p, cfg=cfg,
-                                   impl=impl, steps=lc.max_chunk, flags=flags)
-        n_acc = jnp.sum(toks >= 0, axis=1).astype(jnp.int32) - 1
-        return n_acc, jnp.pad(jnp.maximum(toks, 0), ((0, 0), (0, W - lc.max_chunk))), cache
-
-    def verify_rows(cache, tokens, n_draft, n_fed, generated, Kb, defer: bool):
-        """The verify of Kb drafts and rollback by selection. Returns (n_acc [B], out_tok [B, W],
-        the cache after the kept tokens, the KV entries it did not write when defer, else None)."""
-        meta = jnp.stack([n_fed, n_draft, generated])
-        v = select_verified(params, cache, tokens[:, :Kb + 1], meta, None, seeds, temperature, top_k, top_p, cfg, impl,
-                            flags, defer_kv_write=defer)
-        return v.n_accepted, jnp.pad(v.tokens, ((0, 0), (0, W - Kb - 1))), v.cache, v.deferred
-
-    def verify_branch(Kb):
-        def run(cache, tokens, n_draft, n_fed, generated, remaining, n_steps):
-            return verify_rows(cache, tokens, n_draft, n_fed, generated, Kb, False)[:3]
-        return run
-
-    model = get_model(cfg.model_type)
-    deferred = model.write_deferred_kv is not None
-
-    def first_forward(Kb):
-        """A branch of the deferred step: the decode chunk's first forward (Kb = 0) or the verify of
-        Kb drafts. Reads the cache; returns what changed (n_acc [B], out_tok [B, W], logits [B, V] for
-        the chunk, the cache's lengths, version and the groups other than the deferred ones, the
-        deferred KV entries padded to K + 1 positions)."""
-        def run(cache, tokens, n_draft, n_fed, generated):
-            if Kb == 0:
-                o = _fwd(cfg, impl, params, cache, tokens[:, :1], n_fed, defer_kv_write=True)
-                logits, new, pend = o.logits, o.cache, o.deferred
-                n_acc, out_tok = jnp.zeros((B,), jnp.int32), jnp.zeros((B, W), jnp.int32)
-            else:
-                n_acc, out_tok, new, pend = verify_rows(cache, tokens, n_draft, n_fed, generated, Kb, True)
-                logits = jnp.zeros((B, cfg.vocab_size), jnp.float32)
-            pend = jax.tree_util.tree_map(lambda a: jnp.pad(a, [(0, 0), (0, 0), (0, K - Kb)] + [(0, 0)] * (a.ndim - 3)),
-                                          pend)
-            kept = {n: g for n, g in new.groups.items() if n not in model.deferred_groups}
-            return n_acc, out_tok, logits, (new.lengths, new.version, kept), pend
-        return run
-
-    def step_deferred(idx, cache, tokens, k, n_fed, generated, remaining, n_steps):
-        """One iteration's model work with the cache written outside any branch: XLA copies a cache
-        that a conditional's branches update (twice at the loop level and once per branch entry, every
-        iteration: the copies grow with the capacity). The switch runs the first forward (decode)
-        or the verify, reading the cache; one write after it puts in their KV entries; the rest of a
-        decode chunk runs after that as a loop of n_steps - 1 steps (none when the step verified)."""
-        n_acc, out_tok, logits, (lengths, version, kept), pend = jax.lax.switch(
-            idx, [first_forward(0)] + [first_forward(b) for b in buckets], cache, tokens, k, n_fed, generated)
-        T = jnp.arange(K + 1)[None]
-        positions, valid = cache.lengths[:, None] + T, T < n_fed[:, None]
-        cache = model.write_deferred_kv(cache.replace(groups={**cache.groups, **kept}, lengths=lengths,
-                                                      version=version), pend, positions, valid)
-        rows = jnp.stack([tokens[:, 0], n_fed, generated, remaining, jnp.full((B,), jnp.where(idx == 0, n_steps, 0))])
-        toks, cache = decode_from(params, cache, logits, rows, stop_ids, seeds, temperature, top_k, top_p, cfg=cfg,
-                                  impl=impl, steps=lc.max_chunk, flags=flags)
-        toks = jnp.pad(toks, ((0, 0), (0, W - lc.max_chunk)))
-        n_dec = jnp.sum(toks >= 0, axis=1).astype(jnp.int32) - 1
-        return jnp.where(idx == 0, n_dec, n_acc), jnp.where(idx == 0, jnp.maximum(toks, 0), out_tok), cache
-
-    def emit(toks, n_want, out, n_out, hist, hlen, running, generated, remaining, stopped):
-        """toks [B, J]; n_want [B]: each running row appends its first n_want tokens, cut at its
-        budget and after its first stop token, to out and hist. Returns (n_emit [B], out, n_out, hist,
-        hlen, running, generated, remaining, stopped), the counters after the emission."""
-        n_emit = jnp.where(running, jnp.minimum(n_want, remaining), 0)
-        is_stop = jnp.any(toks[:, :, None] == stop_ids[:, None, :], axis=-1)          # tokens >= 0, pads -1
-        is_stop = is_stop & (jnp.arange(toks.shape[1])[None] < n_emit[:, None])
-        first_stop, hit = jnp.argmax(is_stop, axis=1), jnp.any(is_stop, axis=1)
-        n_emit = jnp.where(hit, first_stop + 1, n_emit)
-        out, hist = _append(out, n_out, toks, n_emit), _append(hist, hlen, toks, n_emit)
-        remaining = remaining - n_emit
-        return (n_emit, out, n_out + n_emit, hist, hlen + n_emit, running & ~hit & (remaining > 0),
-                generated + n_emit, remaining, stopped | hit)
-
-    def body(s):
-        it, cache, hist, hlen, running, generated, remaining, out, n_out, stopped, acc, trials, streak, run, gap, \
-            cursor, log, branch, quiet = s
-        prop, start = ngram_propose(hist, hlen, K, lc.lookup_min, lc.lookup_max)
-        follow = (start < 0) & (cursor >= 0) & (cursor < hlen)            # past an edit: read on
-        prop = jnp.where(follow[:, None], read_periodic(hist, jnp.maximum(cursor, 0), hlen, K), prop)
-        start = jnp.where(follow, cursor, start)
-        if lc.dynamic_k:
-            want = choose_k(acc / jnp.maximum(trials, 1e-9), draft_floor(streak, run, gap, jnp.where), K, draft_cost)
-        else:
-            want = jnp.full((B,), K, jnp.int32)
-        want = jnp.minimum(want, remaining - 1)
-        k = jnp.where(running & (start >= 0) & (want > 0), want, 0)
-        kmax = jnp.max(k)
-        idx = jnp.where(kmax == 0, 0, 1 + jnp.searchsorted(jnp.asarray(buckets), kmax))
-        # A verify runs Kb + 1 positions for every row, whatever its k: drafts up to Kb cost nothing
-        # more, so every row with a proposal fills the bucket (more chances to land, same step).
-        kb = jnp.asarray((0,) + buckets, jnp.int32)[idx]
-        k = jnp.where(running & (start >= 0) & (kb > 0), jnp.minimum(kb, remaining - 1), 0)
-        pending = jnp.take_along_axis(hist, jnp.maximum(hlen - 1, 0)[:, None], axis=1)
-        tokens = jnp.concatenate([pending, jnp.where(jnp.arange(K)[None] < k[:, None], prop, 0)], axis=1)
-        n_fed = jnp.where(running, 1 + k, 0).astype(jnp.int32)
-        n_steps = jnp.minimum(lc.chunk * 4 ** quiet, lc.max_chunk)
-        if deferred:
-            n_acc, out_tok, cache = step_deferred(idx, cache, tokens, k, n_fed, generated, remaining, n_steps)
-        else:
-            n_acc, out_tok, cache = jax.lax.switch(idx, [decode_branch] + [verify_branch(b) for b in buckets],
-                                                   cache, tokens, k, n_fed, generated, remaining, n_steps)
-        # emit: accepted drafts + the bonus (the counters before it are still needed below)
-        n_emit, out, n_out2, hist, hlen2, running2, generated2, remaining2, stopped = emit(
-            out_tok, n_acc + 1, out, n_out, hist, hlen, running, generated, remaining, stopped)
-        log = log.at[:, it].set(jnp.stack([jnp.where(k > 0, k, -1), n_acc, generated, n_emit]))
-        branch = branch.at[it].set(jnp.where(idx == 0, 0, jnp.asarray((0,) + buckets)[idx]))
-        # acceptance statistics: verified rows, and (decode chunk) the shadow check of each proposal
-        # against the tokens the chunk emitted
-        shadow = (idx == 0) & running & (start >= 0) & (remaining > 1) if lc.dynamic_k else jnp.zeros((B,), bool)
-        L = jnp.minimum(jnp.minimum(n_emit, K), remaining - 1)
-        lead = jnp.cumprod((prop == out_tok[:, :K]) & (jnp.arange(K)[None] < L[:, None]), axis=1)
-        proposed = jnp.where(k > 0, k, jnp.where(shadow, L, 0))
-        accepted = jnp.where(k > 0, n_acc, jnp.where(shadow, jnp.sum(lead, axis=1).astype(jnp.int32), 0))
-        upd = proposed > 0
-        acc = jnp.where(upd, decay * acc + accepted, acc)
-        trials = jnp.where(upd, decay * trials + accepted + (accepted < proposed), trials)
-        full = accepted >= proposed
-        streak = jnp.where(upd, jnp.where(full, proposed, 0), streak)
-        gap = jnp.where(upd & ~full, run + accepted, gap)
-        run = jnp.where(upd, jnp.where(full, run + accepted + 1, 0), run)
-        # decode chunks grow while no proposal lands (as the host loop's do), back to `chunk` after a hit
-        quiet = jnp.where((idx == 0) & lc.dynamic_k & ~jnp.any(shadow & (accepted > 0)),
-                          jnp.minimum(quiet + 1, QUIET_MAX), 0)
-        cursor = jnp.where(idx == 0, -1, jnp.where(k > 0, jnp.where(start >= 0, start + n_acc + 1, -1), cursor))
-        return (it + 1, cache, hist, hlen2, running2, generated2, remaining2, out, n_out2, stopped, acc, trials,
-                streak, run, gap, cursor, log, branch, quiet)
 
     def cond(s):
         return (s[0] < N) & jnp.any(s[4])
 
     # the first token (sampled by prefill) goes out the way the loop's tokens do
     z = jnp.zeros((B,), jnp.int32)
-    _, out, n_out, hist, hlen, running, generated, remaining, stopped = emit(
+    _, out, n_out, hist, hlen, running, generated, remaining, stopped = cycle.emit(
         first[:, None], z + 1, jnp.full((B, N + W), -1, jnp.int32), z, hist, hlen, running & (remaining > 0),
         generated, remaining, jnp.zeros((B,), bool))
     f32 = jnp.float32
@@ -316,10 +356,10 @@ def ngram_generate(params, cache, hist, first, rows, tune, stop_ids, seeds, temp
         hits, checks, run = prompt_tail_checks(hist, hlen, WARM_TAIL, lc.lookup_min, lc.lookup_max)
         acc0, trials0, streak = warm_tail_state(hits, checks, run)
         acc, trials = acc + acc0, trials + trials0
-        quiet = jnp.where(jnp.all(~running | cold_tail(hits, checks)), QUIET_MAX, 0).astype(jnp.int32)
+        quiet = jnp.where(jnp.all(~running | cold_tail(hits, checks)), lc.quiet_max, 0).astype(jnp.int32)
     state = (jnp.int32(0), cache, hist, hlen, running, generated, remaining, out, n_out, stopped,
              acc, trials, streak, streak, jnp.zeros((B,), jnp.int32), jnp.full((B,), -1, jnp.int32),
              jnp.full((4, N, B), -1, jnp.int32), jnp.full((N,), -1, jnp.int32), quiet)
-    s = jax.lax.while_loop(cond, body, state)
+    s = jax.lax.while_loop(cond, cycle.body, state)
     _, cache, _, _, _, _, _, out, n_out, stopped, _, _, _, _, _, _, log, branch, _ = s
     return out, n_out, stopped, log, branch, cache

@@ -48,6 +48,18 @@ WARM_TAIL = 16     # prompt-tail positions a new request's prompt-lookup warm st
 MIN_RUN = 8        # tokens copied in a row that count as copied text (warm streak, expected gap)
 
 
+def quiet_max(growth: int) -> int:
+    """Quiet chunks in a row (plain decode chunks whose shadow checks all failed; each grows the next
+    chunk 4x) after which a chunk has reached `growth` x its first size: the least q with 4 ** q >=
+    growth. Both speculation loops bound their quiet count with it: the engine's host loop at its
+    MAX_CHUNK_GROWTH (engine/speculate.py), the on-device loop at max_chunk / chunk of its LoopConfig
+    (speculative/device_loop.py); more quiet chunks would not grow a chunk further."""
+    q = 0
+    while 4 ** q < growth:
+        q += 1
+    return q
+
+
 def tail_checks(history: np.ndarray, drafter, tail: int = WARM_TAIL) -> tuple[int, int, int]:
     """How prompt lookup would have predicted the last `tail` tokens of history [N] (the last one
     included), each from the tokens before it; drafter: an `NgramDrafter` (its propose_at and

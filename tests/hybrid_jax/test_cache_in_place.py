@@ -209,7 +209,7 @@ def test_engine_decode_loop_moves_recurrent_state_in_place(B, monkeypatch):
     compiled for a TPU that was a third of Qwen3-Next-80B's decode bytes). The conv windows, (W-1) x C
     a row, are gathered into the view; their pool is not copied either. The same program taken with
     the old gathered view makes such buffers: the check can fail."""
-    import hybrid_jax.engine.runner as runner_mod  # noqa: PLC0415
+    import hybrid_jax.engine.steps as steps_mod  # noqa: PLC0415
     cfg, params = _model(QWEN)
     runner = ModelRunner(cfg, params, jnp.float32, EngineConfig(max_num_seqs=2, max_model_len=CAPACITY,
                                                                 compilation_cache_dir=None, warmup="none"))
@@ -218,8 +218,8 @@ def test_engine_decode_loop_moves_recurrent_state_in_place(B, monkeypatch):
     arrays = [rec.conv, rec.ssm]
     assert cache_materializations(_decode_hlo(runner, params, B), arrays, stacked) == []
 
-    take = runner_mod.take_view
-    monkeypatch.setattr(runner_mod, "take_view", lambda *a, in_place=False, **k: take(*a, **k))
+    take = steps_mod.take_view
+    monkeypatch.setattr(steps_mod, "take_view", lambda *a, in_place=False, **k: take(*a, **k))
     runner = ModelRunner(cfg, params, jnp.float32, EngineConfig(max_num_seqs=2, max_model_len=CAPACITY,
                                                                 compilation_cache_dir=None, warmup="none"))
     assert cache_materializations(_decode_hlo(runner, params, B), arrays, stacked) != []

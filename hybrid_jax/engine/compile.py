@@ -1,0 +1,120 @@
+"""Compiling the engine's steps: each step body (engine/steps.py) jitted once with its static options
+and donated buffers, counted, and warmed up before serving. Start-up work builds on this module.
+
+  Programs                 the jitted programs of one `StepContext`, by kind (KINDS); on a mesh each
+                           is traced with the layout current (parallel.context.Traced)
+  warmup                   compiles the mixed / ragged / decode programs of every bucket a mode names
+                           (`minimal` or `all`), and with `all` the copy-on-write of shared pages
+  warmup_verify            compiles the verify program of every (batch bucket, draft length)
+  enable_persistent_compilation_cache   JAX's on-disk cache of compiled programs (a restart with
+                           the same programs, shapes and hardware reads them instead of compiling)
+
+Warm-up calls each program with padding rows only (every row points at the null row) and numpy
+inputs, as the runner's steps pass them: one dispatch-cache entry per program (so `num_compiled`
+counts exactly what serving runs), and the pools come back as they were.
+"""
+from __future__ import annotations
+
+import os
+
+import jax
+import numpy as np
+
+from cache.pools import copy_pages
+from hybrid_jax.engine.step_inputs import LOGPROBS_WIDTH
+from hybrid_jax.engine.steps import StepContext, decode_step, loop_step, mixed_step, ragged_step, verify_step
+from hybrid_jax.models.ragged import pack
+from hybrid_jax.parallel.context import Traced
+from hybrid_jax.sampling import FULL_SAMPLER
+
+KINDS = ("mixed", "ragged", "decode", "verify", "loop", "copy_pages")
+
+
+def enable_persistent_compilation_cache(path: str | None):
+    """Turns on JAX's persistent compilation cache (keyed by JAX on program, shapes and hardware)."""
+    if not path:
+        return
+    os.makedirs(path, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+class Programs:
+    """The step programs of `ctx`, jitted once each, the pools (and the drafter's state) donated:
+
+      mixed       steps.mixed_step     static flags, top_n
+      ragged      steps.ragged_step    static flags, top_n
+      decode      steps.decode_step    static steps, flags, top_n
+      verify      steps.verify_step    static flags, replay
+      loop        steps.loop_step      static lc (device_loop.LoopConfig)
+      copy_pages  cache.pools.copy_pages (copy-on-write of shared pages)
+    """
+
+    def __init__(self, ctx: StepContext):
+        self.ctx = ctx
+        self.mixed = jax.jit(mixed_step(ctx), static_argnames=("flags", "top_n"), donate_argnames=("cache", "dcache"))
+        self.ragged = jax.jit(ragged_step(ctx), static_argnames=("flags", "top_n"), donate_argnames=("cache",))
+        self.decode = jax.jit(decode_step(ctx), static_argnames=("steps", "flags", "top_n"),
+                              donate_argnames=("cache", "dcache"))
+        self.verify = jax.jit(verify_step(ctx), static_argnames=("flags", "replay"),
+                              donate_argnames=("cache", "dcache"))
+        self.loop = jax.jit(loop_step(ctx), static_argnames=("lc",), donate_argnames=("cache",))
+        if ctx.layout is not None:      # traced with the layout current: the per-device ops see the mesh
+            for kind in ("mixed", "ragged", "decode", "verify", "loop"):
+                setattr(self, kind, Traced(ctx.layout, getattr(self, kind)))
+        self.copy_pages = jax.jit(copy_pages, donate_argnames=("pools",))
+
+    def compiled(self) -> dict[str, int]:
+        """Programs compiled so far, by kind (one per bucket and static option)."""
+        return {kind: getattr(self, kind)._cache_size() for kind in KINDS}
+
+    def num_compiled(self) -> int:
+        return sum(self.compiled().values())
+
+
+def warmup(runner, mode: str):
+    """Compiles the runner's step programs ahead of serving: `minimal` = every decode bucket and the
+    mixed step at the smallest token bucket; `all` = every (batch, token) bucket, with and without
+    logprobs, and (with prefix caching) the copy-on-write of shared pages: every program a step can
+    run; `none` = nothing. The pools come back untouched: every row points at the null row.
+    runner: the engine's ModelRunner (its step programs, pools and drafter state are used and kept)."""
+    if mode == "none":
+        return
+    ecfg = runner.ecfg
+    if mode == "all" and ecfg.enable_prefix_caching and runner.widths:
+        W = ecfg.max_num_seqs
+        pad = (np.full((W,), -1, np.int32), np.full((W,), -1, np.int32))
+        runner.cache = runner._copy_pages(runner.cache, {n: pad for n in runner.widths})
+    tbs = runner.token_buckets() if mode == "all" else runner.token_buckets()[:1]
+    widths = (0, LOGPROBS_WIDTH) if mode == "all" else (0,)
+    dparams = runner.drafter.params
+    for Bb in runner.batch_buckets():
+        r = runner.inputs.rows([], Bb)
+        z = np.zeros((Bb,), bool)     # numpy, as the steps pass them: one dispatch-cache entry per program
+        rm = r.replace(fresh=z) if runner.drafter.fresh_rows else r
+        for top_n in widths:
+            for T in tbs:
+                if runner.ragged and Bb > 1:        # a step of several rows may run either way
+                    _, _, runner.cache, runner.slot_last = runner._ragged(
+                        runner.params, runner.cache, runner.slot_last, r, z, pack([], [], T, Bb), z, flags=FULL_SAMPLER,
+                        top_n=top_n)
+                _, _, runner.cache, runner.dcache, runner.slot_last = runner._mixed(
+                    runner.params, runner.cache, runner.slot_last, rm, z, np.zeros((Bb, T), np.int32),
+                    np.zeros((Bb,), np.int32), z, dparams, runner.dcache, flags=FULL_SAMPLER, top_n=top_n)
+            _, _, runner.cache, runner.dcache, runner.slot_last = runner._decode(
+                runner.params, runner.cache, runner.slot_last, r, np.zeros((Bb,), np.int32), z,
+                np.full((Bb, ecfg.max_stop_ids), -1, np.int32), np.zeros((Bb,), np.int32), dparams,
+                runner.dcache, steps=ecfg.decode_steps, flags=FULL_SAMPLER, top_n=top_n)
+    jax.block_until_ready(runner.cache)
+
+
+def warmup_verify(runner, k_buckets, replay: bool):
+    """Compiles the runner's verify program for every (batch bucket, draft length) pair; every row is
+    padding."""
+    for Bb in runner.batch_buckets():
+        for K in k_buckets:
+            _, _, runner.cache, runner.dcache = runner._verify(
+                runner.params, runner.cache, runner.inputs.rows([], Bb), np.zeros((Bb, K + 1), np.int32),
+                np.zeros((2, Bb), np.int32), runner.drafter.params, runner.dcache, flags=FULL_SAMPLER, replay=replay)
+    jax.block_until_ready(runner.cache)

@@ -1,0 +1,215 @@
+"""The engine's step bodies, each defined once over a static `StepContext` (engine/compile.py jits them).
+
+A step receives its rows (`StepRows`: cache rows, block tables, lengths, sampling parameters) from
+the host, opens the rows' view of the pools (`open_view`), runs the model, samples on device and
+writes the rows back (`close_view`), the pools donated:
+
+  mixed step   [Bb, T] tokens: prefill chunks and decodes together, one sample per row at most
+  ragged step  the mixed step over a flat token-major batch (models.ragged.RaggedBatch)
+  decode step  [Bb] last tokens: `decode_steps` iterations (`hybrid_jax.decode_loop.decode_tokens`,
+               the one decode iteration), stop ids and max-token limits checked on device
+  verify step  [Bb, K+1] tokens: speculative drafts checked in one forward, rejected ones rolled back
+  loop step    offline n-gram speculation, `speculative.device_loop.ngram_generate` over the rows
+
+The drafter (engine/drafter.py) rides along in every padded step: each calls its take / advance /
+put (a verify also its draft), whichever drafter it is. The mixed and decode steps write every row's
+last sampled token into `last` ([max_num_seqs + 1] on the device, the runner's `slot_last`); a row
+whose last token is still on the device (`from_dev`) is fed from there.
+
+`hybrid-jax plan` compiles these same bodies (hybrid_jax/plan/compile.py): its prefill chunk is
+`chunk_forward`, the model part of the mixed step; its decode step `decode_forward`, one decode
+iteration's model part (the view opened in place, one forward, the view closed).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from cache.pools import put_view, take_view
+from hybrid_jax.decode_loop import decode_tokens
+from hybrid_jax.engine.drafter import Drafter
+from hybrid_jax.engine.step_inputs import StepRows
+from hybrid_jax.sampling import FULL_SAMPLER, sample, token_logprobs
+from hybrid_jax.speculative.device_loop import ngram_generate
+from hybrid_jax.speculative.verify import replay_verified, select_verified
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class StepContext:
+    """What a compiled step closes over (static): the family (ModelFamily) and its config, the
+    kernels' implementation, the layout (parallel.Layout, None on one device), the pools' shardings on
+    it (None: the layout's own for the pools given), the drafter."""
+    model: Any
+    cfg: Any
+    impl: str = "auto"
+    layout: Any = None
+    pool_shardings: Any = None
+    drafter: Drafter = dataclasses.field(default_factory=Drafter)
+
+    def pin(self, view):
+        """A step's view of the pools (or a forward's output cache) pinned to the pools' layout on a
+        mesh: inside a step's loop too, the partitioner keeps every pool as it is stored (left free, it
+        may split a replicated KV pool the way the attention reads it, and gather it back whole at the
+        step's end)."""
+        return view if self.layout is None else self.layout.pin(view)
+
+    def pin_pools(self, pools):
+        """The pools held to their shardings on a mesh (so the donated buffers are reused step after
+        step instead of the partitioner choosing another layout for the output)."""
+        if self.layout is None:
+            return pools
+        if self.pool_shardings is None:
+            return self.layout.pin(pools)
+        return jax.lax.with_sharding_constraint(pools, self.pool_shardings)
+
+
+def open_view(pools, r: StepRows, reset=None, in_place: bool = False):
+    """The cache the rows' forward reads (`cache.pools.take_view`): rows flagged in reset [Bb] start
+    empty; in_place lends the groups' in-place row fields whole (the decode step)."""
+    return take_view(pools, r.rows, r.tables, r.lengths, reset, in_place=in_place)
+
+
+def close_view(ctx: StepContext, pools, rows, view):
+    """The pools with the rows' view written back (`cache.pools.put_view`), pinned on a mesh."""
+    return ctx.pin_pools(put_view(pools, rows, view))
+
+
+def forward(ctx: StepContext, params, view, tokens, n_new, **kw):
+    """The target's forward of tokens [Bb, T] (row b's first n_new[b] real): a StepOutput, its
+    `hidden` asked for when the drafter reads it."""
+    out = ctx.model.forward(ctx.cfg, params, ctx.pin(view), tokens, n_new, impl=ctx.impl,
+                            return_hidden=ctx.drafter.return_hidden, **kw)
+    return out.replace(cache=ctx.pin(out.cache))
+
+
+def chunk_forward(ctx: StepContext, params, pools, r: StepRows, tokens, n_new, reset):
+    """The model part of a padded mixed step: the rows' view (reset rows start empty), one forward of
+    tokens [Bb, T], the rows written back. Returns (the StepOutput, pools)."""
+    out = forward(ctx, params, open_view(pools, r, reset), tokens, n_new)
+    return out, close_view(ctx, pools, r.rows, out.cache)
+
+
+def decode_forward(ctx: StepContext, params, pools, r: StepRows, tokens, n_new):
+    """One decode iteration's model part alone: the rows' view in place, one forward of tokens [Bb],
+    the rows written back. Returns (logits [Bb, V], pools)."""
+    out = forward(ctx, params, open_view(pools, r, in_place=True), tokens[:, None], n_new)
+    return out.logits, close_view(ctx, pools, r.rows, out.cache)
+
+
+def draw_tokens(logits, r: StepRows, flags, offset=None):
+    """One token per row [Bb] from logits [Bb, V] with the rows' sampling parameters, at RNG index
+    r.steps (+ offset: the iteration of a decode loop)."""
+    keys = jax.vmap(jax.random.key)(r.seeds)
+    steps = r.steps if offset is None else r.steps + offset
+    return sample(logits, keys, steps, r.temperature, r.top_k, r.top_p, flags)
+
+
+def sample_rows(logits, r: StepRows, flags, top_n: int, offset=None):
+    """`draw_tokens` and their logprob triples ([Bb], [Bb, top_n] x 2)."""
+    tok = draw_tokens(logits, r, flags, offset)
+    return tok, token_logprobs(logits, tok, top_n)
+
+
+def noted(last, rows, tok):
+    """`last` with each row's new last token tok [Bb] (-1: the row sampled none) written in."""
+    return last.at[rows].set(jnp.where(tok >= 0, tok, last[rows]))
+
+
+def mixed_step(ctx: StepContext):
+    def mixed(params, cache, last, r: StepRows, reset, tokens, n_new, do_sample, dparams=None, dcache=None, *,
+              flags, top_n):
+        """tokens [Bb, T] (row b's first n_new[b] real; a row fed from the device gets its first from
+        `last`); reset [Bb]: rows that start empty; do_sample [Bb]: rows that sample a token. Returns
+        (tokens [Bb], -1 for a row that samples none; logprob triples; pools; drafter state; last)."""
+        tokens = tokens.at[:, 0].set(jnp.where(r.from_dev, last[r.rows], tokens[:, 0]))
+        out, cache = chunk_forward(ctx, params, cache, r, tokens, n_new, reset)
+        tok, lps = sample_rows(out.logits, r, flags, top_n)
+        tok = jnp.where(do_sample, tok, -1)
+        d = ctx.drafter
+        dsub = d.advance(params, dparams, d.take(dcache, r.rows, reset, r.fresh), out, tokens, n_new, r.fresh)
+        return tok, lps, cache, d.put(dcache, r.rows, dsub), noted(last, r.rows, tok)
+    return mixed
+
+
+def ragged_step(ctx: StepContext):
+    def ragged(params, cache, last, r: StepRows, reset, batch, do_sample, *, flags, top_n):
+        """`mixed_step` over a ragged batch (models.ragged.RaggedBatch of the step's S rows); no drafter."""
+        first = batch.cu_seqlens[:-1]            # each row's first token (a row fed from the device has one)
+        fed = jnp.where(r.from_dev, last[r.rows], batch.tokens[jnp.minimum(first, batch.tokens.shape[0] - 1)])
+        batch = batch.replace(tokens=batch.tokens.at[first].set(fed, mode="drop"))
+        sub = open_view(cache, r, reset)
+        out = ctx.model.forward_ragged(ctx.cfg, params, ctx.pin(sub), batch, impl=ctx.impl)
+        tok, lps = sample_rows(out.logits, r, flags, top_n)
+        tok = jnp.where(do_sample, tok, -1)
+        return tok, lps, close_view(ctx, cache, r.rows, out.cache), noted(last, r.rows, tok)
+    return ragged
+
+
+def decode_step(ctx: StepContext):
+    def decode(params, cache, last, r: StepRows, last_tok, active, stop_ids, remaining, dparams=None, dcache=None,
+               *, steps, flags, top_n):
+        """Up to `steps` decode iterations from last_tok [Bb] (a row fed from the device: from `last`);
+        active [Bb]: real rows; stop_ids [Bb, S] (-1 padded); remaining [Bb]: tokens each may still
+        sample. Returns (tokens [Bb, steps], -1 past a row's end; logprob triples [Bb, steps], [Bb,
+        steps, top_n] x 2; pools; drafter state; last)."""
+        d = ctx.drafter
+        last_tok = jnp.where(r.from_dev, last[r.rows], last_tok)
+        # in place: each layer reads and writes its rows of the recurrent pools once per token
+        sub = open_view(cache, r, in_place=True)
+
+        def feed(carry, tok, n):
+            sub, dsub = carry
+            o = forward(ctx, params, sub, tok[:, None], n)
+            return o.logits, (o.cache, d.advance(params, dparams, dsub, o, tok[:, None], n))
+
+        def draw(logits, j):
+            return sample_rows(logits, r, flags, top_n, j)
+
+        Bb = last_tok.shape[0]
+        lps = (jnp.zeros((Bb, steps), jnp.float32), jnp.zeros((Bb, steps, top_n), jnp.float32),
+               jnp.zeros((Bb, steps, top_n), jnp.int32))
+        out, lps, (sub, dsub) = decode_tokens(feed, draw, (sub, d.take(dcache, r.rows)), last_tok, active, remaining,
+                                              stop_ids, lps, steps=steps)
+        n_out = jnp.sum(out >= 0, axis=1)
+        final = jnp.where(n_out > 0, jnp.take_along_axis(out, jnp.maximum(n_out - 1, 0)[:, None], 1)[:, 0], -1)
+        return (out, lps, close_view(ctx, cache, r.rows, sub), d.put(dcache, r.rows, dsub),
+                noted(last, r.rows, final))
+    return decode
+
+
+def verify_step(ctx: StepContext):
+    def verify(params, cache, r: StepRows, tokens, meta, dparams=None, dcache=None, *, flags, replay):
+        """Speculative verify of tokens [Bb, K+1] = [pending, d_1 .. d_K] per row in ONE forward (a
+        drafter on the device writes the drafts first); meta [2, Bb] = (n_fed = 1 + n_draft, 0 for
+        padding rows; n_draft). Rejected tokens are rolled back by selection of the recurrent state
+        after the last kept token, or (replay) by running the kept tokens from the pre-verify rows
+        again; the rows' versions change when anything was rejected. The drafter then takes the kept
+        tokens from where it was. Returns (n_accepted [Bb], tokens [Bb, K+1]: the first n_accepted + 1
+        are emitted; pools; drafter state)."""
+        d = ctx.drafter
+        sub = open_view(cache, r)   # the snapshot, for replay (never donated)
+        n_fed, n_draft = meta[0], meta[1]
+        dsub = d.take(dcache, r.rows)
+        tokens, draft_probs = d.draft(params, dparams, dsub, r, tokens, (n_fed > 0).astype(jnp.int32), flags)
+        verified = replay_verified if replay else select_verified
+        v = verified(params, sub, tokens, jnp.stack([n_fed, n_draft, r.steps]), draft_probs, r.seeds,
+                     r.temperature, r.top_k, r.top_p, ctx.cfg, ctx.impl, flags, return_hidden=d.return_hidden)
+        n_keep = jnp.where(n_fed > 0, 1 + v.n_accepted, 0).astype(jnp.int32)
+        dcache = d.put(dcache, r.rows, d.advance(params, dparams, dsub, v, tokens, n_keep))
+        return v.n_accepted, v.tokens, close_view(ctx, cache, r.rows, v.cache), dcache
+    return verify
+
+
+def loop_step(ctx: StepContext):
+    def loop(params, cache, r: StepRows, hist, first, rows, tune, stop_ids, *, lc):
+        """`speculative.device_loop.ngram_generate` over the rows' view of the pools. Returns (tokens
+        [Bb, N + W], n_out [Bb], log [4, N, Bb], branch [N], pools)."""
+        sub = open_view(cache, r)
+        out, n_out, _, log, branch, sub = ngram_generate(
+            params, sub, hist, first, rows, tune, stop_ids, r.seeds, r.temperature, r.top_k, r.top_p,
+            cfg=ctx.cfg, impl=ctx.impl, flags=FULL_SAMPLER, lc=lc)
+        return out, n_out, log, branch, close_view(ctx, cache, r.rows, sub)
+    return loop
