@@ -134,7 +134,7 @@ class PrefixCache(Room, Retention):
         # tail=False: an MLA latent has no tail; a V4 compressed group keeps its tail in its own group
         self.specs = tuple(GroupSpec(name=n, kind=g.store_kind(), block_size=block_sizes[n], tail=False,
                                      checkpoint=not g.paged and g.store_kind() is Kind.SWA_WINDOW,
-                                     closes_into=getattr(g, "closes_into", None) or None,
+                                     closes_into=g.closes_into or None,
                                      partial=n in self.geometry.partial, entry=g.entry_tokens,
                                      ctx=KeyContext(config.fingerprint, config.dtype, g.writer_abi, config.sharding))
                            for n, g in groups.items())
