@@ -30,10 +30,8 @@ __all__ = ["IndexerKeyGroup", "MLALatentGroup", "contiguous_page_table", "init_m
            "checkpoint_boundaries", "droppable_checkpoints", "keep_checkpoint", "CacheStats", "GroupSpec",
            "HitResult", "check_hit", "confirm_at_use", "validate_hit"]
 
-# Host and disk tiers of the prefix cache (entries of numpy arrays keyed by prefix-chain hash).
+# The disk tier of the prefix cache (entries of numpy arrays keyed by prefix-chain hash).
 from cache.tier_entry import EntryMeta, PrefetchHandle, make_key, validate_key
-from cache.host_tier import HOST_REASONS, HostTier
 from cache.disk_tier import DISK_REASONS, DiskTier
 
-__all__ += ["EntryMeta", "PrefetchHandle", "make_key", "validate_key", "HOST_REASONS", "HostTier", "DISK_REASONS",
-            "DiskTier"]
+__all__ += ["EntryMeta", "PrefetchHandle", "make_key", "validate_key", "DISK_REASONS", "DiskTier"]
