@@ -15,8 +15,8 @@ from cache.state import (
 )
 from cache.segments import (CHECKPOINT_KINDS, EVENTS, Kind, SegState, Segment, IllegalTransition, TRANSITIONS,
                             VERSION_BUMPING)
-from cache.allocator import (AdmissionRefused, AllocConfig, AllocState, EVICTION_PRIORITY, UnknownSegment,
-                             eviction_order, init_state)
+from cache.segment_allocator import (AdmissionRefused, AllocConfig, AllocState, EVICTION_PRIORITY, UnknownSegment,
+                                     eviction_order, init_state)
 from cache.prefix_index import (BlockGeometry, IndexEntry, KeyContext, PrefixIndex, block_geometry, chain_keys,
                                 checkpoint_boundaries, droppable_checkpoints, keep_checkpoint)
 from cache.validation import CacheStats, GroupSpec, HitResult, check_hit, confirm_at_use, validate_hit

@@ -43,7 +43,7 @@ A request's life with the cache:
 
 Eviction (cache/prefix_room.py; what is kept: cache/prefix_retention.py): under the store's
 weighted cap (by kind, then least recently used with a credit for each hit an object served:
-cache.allocator.eviction_order; a chain's tail first), and on demand when the engine's block
+cache.segment_allocator.eviction_order; a chain's tail first), and on demand when the engine's block
 manager runs out of pages or units (`reclaim`): the store lets go of what only it
 holds. A page a running request also lists stays in the pool until that request ends. A checkpoint
 leaves with every group's checkpoint at its boundary (a resume point needs them all).
@@ -60,7 +60,7 @@ from typing import Callable, Sequence
 import jax
 import numpy as np
 
-from cache import allocator as A
+from cache import segment_allocator as A
 from cache.block_manager import BlockManager
 from cache.group import CacheGroup
 from cache.prefix_index import IndexEntry, KeyContext, PrefixIndex, block_geometry, chain_keys, checkpoint_boundaries, key_at

@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from cache import allocator as A
+from cache import segment_allocator as A
 from cache.disk_tier import DiskTier
 from cache.prefix_index import IndexEntry, chain_keys, key_at
 from cache.prefix_store import read_units, stored_fields, write_units

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from cache import allocator as A
+from cache import segment_allocator as A
 from cache.prefix_index import checkpoint_boundaries, key_at
 from cache.segments import Segment, SegState
 from cache.validation import GroupSpec

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from cache import allocator as A
+from cache import segment_allocator as A
 from cache.prefix_index import key_at
 from cache.segments import Kind, SegState
 from cache.validation import GroupSpec

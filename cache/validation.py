@@ -29,7 +29,7 @@ import dataclasses
 import types
 from typing import Mapping, Sequence
 
-from cache.allocator import AllocState, bytes_by_group, bytes_by_kind
+from cache.segment_allocator import AllocState, bytes_by_group, bytes_by_kind
 from cache.prefix_index import BlockGeometry, IndexEntry, KeyContext, PrefixIndex, block_geometry, chain_keys, key_at
 from cache.segments import CHECKPOINT_KINDS, SERVABLE_STATES, Kind, SegState
 

@@ -149,7 +149,7 @@ def test_a_branch_point_that_serves_many_outlives_one_off_prefixes(qwen, monkeyp
     """Under a small cap, a shared system prompt's branch point (hit by several requests) and its pages
     survive a run of unrelated prompts published after them, so the next request of the family still
     resumes there; with plain LRU (no credit for hits) they are the first to go."""
-    from cache import allocator as A  # noqa: PLC0415
+    from cache import segment_allocator as A  # noqa: PLC0415
     if not credit:
         monkeypatch.setattr(A, "HIT_CREDIT_CAP", 0)
     eng = _engine(qwen, prefix_cache_bytes=140_000)
@@ -187,7 +187,7 @@ def test_conversations_resume_after_each_answer_inside_pages(qwen, monkeypatch, 
     beside it; and with every unit in use a turn's publishes take the units of the checkpoints its own
     chain supersedes. Taking the least recently used unit instead takes another conversation's (the
     next one to come back), and later turns miss."""
-    from cache import allocator as A  # noqa: PLC0415
+    from cache import segment_allocator as A  # noqa: PLC0415
     from cache.prefix_cache import PrefixCache  # noqa: PLC0415
     if victims == "lru":
         monkeypatch.setattr(PrefixCache, "_victims", lambda self: A.eviction_order(self.alloc))

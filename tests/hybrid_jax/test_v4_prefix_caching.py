@@ -17,7 +17,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from cache import allocator as A
+from cache import segment_allocator as A
 from cache.segments import Kind, SegState
 from conftest import zero_stored_objects
 from hybrid_jax import LLM, SamplingParams
