@@ -188,9 +188,9 @@ def test_conversations_resume_after_each_answer_inside_pages(qwen, monkeypatch, 
     chain supersedes. Taking the least recently used unit instead takes another conversation's (the
     next one to come back), and later turns miss."""
     from cache import segment_allocator as A  # noqa: PLC0415
-    from cache.prefix_cache import PrefixCache  # noqa: PLC0415
+    from cache.prefix_retention import RetentionPolicy  # noqa: PLC0415
     if victims == "lru":
-        monkeypatch.setattr(PrefixCache, "_victims", lambda self: A.eviction_order(self.alloc))
+        monkeypatch.setattr(RetentionPolicy, "victims", lambda self, alloc: A.eviction_order(alloc))
     eng = _engine(qwen, prefix_block_size=64, prefix_checkpoint_interval=8)
     units = eng.cache_stats()["pools"]["linear_attention"]["total"]
     rng = np.random.default_rng(7)
