@@ -61,6 +61,20 @@ def test_third_request_resumes_at_the_branch_point(qwen):
     assert [_one(plain, p).num_cached_tokens for p in prompts] == [0, 0, 0]
 
 
+def test_chunk_ends_inside_a_prompt_are_published_as_spares(qwen):
+    """prefix_publish_chunk_ends: the first request's prefill chunks (32 tokens of budget) end at 32, 64
+    and 96 inside its prompt; those grid points are published as spares, so the second request, which
+    shares 100 tokens with it, resumes at 96 at once (without them it misses: the test above). No chunk
+    is cut for them, and the tokens are those of no caching."""
+    eng = _engine(qwen, prefix_publish_chunk_ends=True)
+    rng = np.random.default_rng(0)
+    system = rng.integers(1, 211, 100).tolist()
+    prompts = [system + rng.integers(1, 211, 20).tolist() for _ in range(3)]
+    reqs = [_one(eng, p) for p in prompts]
+    assert [r.num_cached_tokens for r in reqs] == [0, 96, 96]
+    assert [r.output_ids for r in reqs] == [_greedy(qwen, p) for p in prompts]
+
+
 @pytest.mark.parametrize("mode", ["serving", "offline"])
 def test_next_turn_resumes_after_the_answer(qwen, mode):
     """Turn 1: a 40-token prompt and 30 tokens of answer, so 69 tokens go through the model; the
