@@ -85,7 +85,7 @@ def hit_cost(llm, prompt_len=4096, cached=3584):
     groups = eng.runner.cache.groups
     page_bytes = sum(len(p) * groups[g].page_nbytes() for g, p in pages.items())
     unit_bytes = sum(groups[g].row_nbytes() for g, (u, _) in plan.items() if int(u) >= 0)
-    compiled = pc._load.lower(eng.runner.cache, pc.versions, jnp.int32(0), plan, jnp.int32(cached)).compile()
+    compiled = pc.store.load_program.lower(eng.runner.cache, pc.versions, jnp.int32(0), plan, jnp.int32(cached)).compile()
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
     accessed = cost.get("bytes accessed", float("nan"))

@@ -178,6 +178,8 @@ def main():
     ap.add_argument("--block-size", type=int, default=None, help="EngineConfig.prefix_block_size (default: its)")
     ap.add_argument("--grid", type=int, default=0, help="EngineConfig.prefix_checkpoint_grid (0: its default,"
                                                         " -1: None)")
+    ap.add_argument("--publish-chunk-ends", action="store_true",
+                    help="EngineConfig.prefix_publish_chunk_ends: publish the LCM points a prefill chunk ends at")
     args = ap.parse_args()
     tmp = tempfile.mkdtemp()
     t0 = time.perf_counter()
@@ -192,7 +194,8 @@ def main():
             common["prefix_block_size"] = args.block_size
         if args.grid:
             common["prefix_checkpoint_grid"] = None if args.grid < 0 else args.grid
-        eng = LLMEngine(llm, EngineConfig(enable_prefix_caching=True, **common))
+        eng = LLMEngine(llm, EngineConfig(enable_prefix_caching=True, prefix_publish_chunk_ends=args.publish_chunk_ends,
+                                          **common))
         plain = LLMEngine(llm, EngineConfig(**common))
         eng.warmup(), plain.warmup()
         st = eng.cache_stats()

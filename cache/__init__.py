@@ -15,8 +15,8 @@ from cache.state import (
 )
 from cache.segments import (CHECKPOINT_KINDS, EVENTS, Kind, SegState, Segment, IllegalTransition, TRANSITIONS,
                             VERSION_BUMPING)
-from cache.allocator import (AdmissionRefused, AllocConfig, AllocState, EVICTION_PRIORITY, UnknownSegment,
-                             eviction_order, init_state)
+from cache.segment_allocator import (AdmissionRefused, AllocConfig, AllocState, EVICTION_PRIORITY, UnknownSegment,
+                                     eviction_order, init_state)
 from cache.prefix_index import (BlockGeometry, IndexEntry, KeyContext, PrefixIndex, block_geometry, chain_keys,
                                 checkpoint_boundaries, droppable_checkpoints, keep_checkpoint)
 from cache.validation import CacheStats, GroupSpec, HitResult, check_hit, confirm_at_use, validate_hit
@@ -30,10 +30,8 @@ __all__ = ["IndexerKeyGroup", "MLALatentGroup", "contiguous_page_table", "init_m
            "checkpoint_boundaries", "droppable_checkpoints", "keep_checkpoint", "CacheStats", "GroupSpec",
            "HitResult", "check_hit", "confirm_at_use", "validate_hit"]
 
-# Host and disk tiers of the prefix cache (entries of numpy arrays keyed by prefix-chain hash).
+# The disk tier of the prefix cache (entries of numpy arrays keyed by prefix-chain hash).
 from cache.tier_entry import EntryMeta, PrefetchHandle, make_key, validate_key
-from cache.host_tier import HOST_REASONS, HostTier
 from cache.disk_tier import DISK_REASONS, DiskTier
 
-__all__ += ["EntryMeta", "PrefetchHandle", "make_key", "validate_key", "HOST_REASONS", "HostTier", "DISK_REASONS",
-            "DiskTier"]
+__all__ += ["EntryMeta", "PrefetchHandle", "make_key", "validate_key", "DISK_REASONS", "DiskTier"]

@@ -32,6 +32,7 @@ from collections.abc import Callable, Iterable
 
 import jax
 
+from cache.group import CacheGroup
 from cache.state import ModelCache, group_leaf_nbytes, init_cache, leaf_nbytes
 
 NewCache = Callable[[int, int], ModelCache]       # (batch_size, capacity) -> ModelCache
@@ -46,8 +47,8 @@ def kind_of(name: str, group) -> str:
     version. Raises ValueError naming a group that has none (accounting by kind would drop it)."""
     if name == ROW_METADATA:
         return "row_metadata"
-    k = getattr(group, "kind", None)
-    if not isinstance(k, str) or not k:
+    k = group.kind if isinstance(group, CacheGroup) else ""
+    if not k:
         raise ValueError(f"cache group {name!r} ({type(group).__name__}) has no `kind`; every group must name "
                          f"its object kind")
     return k

@@ -25,7 +25,7 @@ layers compute the entries, write them with `write_entries` and read them throug
 (every access goes through it, as in cache/mla.py), and hand the arrays back through the group's
 `replace`. The host-side record of the same
 transition (a published tail checkpoint superseded by the entry block its window closed into) is
-`cache.allocator.close_tail`.
+`cache.segment_allocator.close_tail`.
 
 Pages are assigned contiguously per row at creation (row b owns pages b*NP .. b*NP + NP - 1); the
 engine's block manager hands them out per request instead. A reset row gets count 0: its old

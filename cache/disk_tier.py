@@ -1,33 +1,21 @@
 """The disk tier of the prefix cache: Orbax-written entries named by prefix-chain hash, byte-capped, fail-closed.
 
-Layout under `directory`:
+The tier is in three rooms: this module (`DiskTier`: put, get, prefetch, the cap, writes off / on),
+cache.disk_entry (an entry's on-disk format, written and read back fail-closed) and
+cache.disk_directory (the directory's layout, its cross-process lock, writers' temp directories,
+the cleaner of dead writers' leftovers, the trash).
 
-    entries/<key>/arrays/...   the entry's arrays, one Orbax PyTree checkpoint (any dtype numpy +
-                               ml_dtypes know: float32, bfloat16, int32, float8_e4m3fn, ...)
-    entries/<key>/meta.json    sealed JSON: the entry's own key, EntryMeta, a blake2b checksum per
-                               array, the size of every file under arrays/ (see cache.tier_entry.sealed_json)
-    .tmp/<key>.<uuid>/         an entry being written; .tmp/<key>.<uuid>.lock is flock-ed by its writer
-    .trash/                    unpublished entries being deleted
-    .lock                      flock-ed around publish + eviction, so the cap holds across processes
-
-Atomic publish. `put` writes the Orbax checkpoint and meta.json into a private temp directory,
+Atomic publish. `put` writes the entry (cache.disk_entry.write_entry) into a private temp directory,
 fsyncs every file, then renames the directory to entries/<key> (one rename(2): readers see the
 whole entry or nothing) and fsyncs entries/. A writer killed at any point leaves only a temp
-directory whose lock is no longer held; `DiskTier(...)` deletes such leftovers on open (a writer
-checks, once it holds its temp lock, that the lock file is still the one in .tmp/, so a cleaner
-that raced it never deletes a live writer's directory). Deletion is the reverse: rename into
-.trash/, then remove.
+directory whose lock is no longer held; `DiskTier(...)` deletes such leftovers on open. Deletion is
+the reverse: rename into .trash/, then remove.
 
-Integrity, fail-closed. `get` checks, in order: the entry exists ("disk_missing"); meta.json
-reads and its seal matches ("disk_corrupt"); the key sealed in meta.json is the key it was read
-under ("disk_key_mismatch": an entry directory, or its meta.json and arrays, moved or copied into
-another entry's place, or written before entries named themselves); every listed file is there
-with its size (shorter or missing: "disk_truncated", longer: "disk_corrupt"); the weights
-fingerprint is this tier's ("disk_foreign_model"); the reader's expected EntryMeta matches
-("disk_abi_mismatch", "disk_dtype_mismatch", "disk_shape_mismatch", "disk_range_mismatch"); Orbax
-restores it and every array has the recorded dtype, shape and checksum ("disk_corrupt"). Every
-rejection except "disk_missing" deletes the entry, so it is recomputed and never served (where the
-directory cannot be written, the rejected entry stays, and is refused again at every read).
+Integrity, fail-closed. `get` checks that the entry exists ("disk_missing"), then every check of
+cache.disk_entry.read_entry (seal, key, sizes, fingerprint, the reader's expected EntryMeta,
+checksums). Every rejection except "disk_missing" deletes the entry, so it is recomputed and never
+served (where the directory cannot be written, the rejected entry stays, and is refused again at
+every read).
 
 Cap and LRU. The tier's bytes (sizes of all files of published entries) never exceed cap_bytes
 after a put: older entries are evicted by last access, which is the entry directory's mtime
@@ -66,86 +54,30 @@ import collections
 import concurrent.futures as cf
 import contextlib
 import errno
-import fcntl
 import logging
-import math
 import os
-import re
 import shutil
 import threading
 import time
 import uuid
 from typing import Mapping
 
-import ml_dtypes  # noqa: F401 - registers bfloat16 / float8 dtype names with numpy (zero-size arrays)
 import numpy as np
 
-from cache.tier_entry import (Arrays, EntryMeta, Outcome, PrefetchHandle, checksum, open_sealed_json, sealed_json,
-                              validate_key)
+from cache.disk_directory import (NOT_A_FAULT, clean_leftovers, describe, dir_lock, make_dirs, os_errno, temp_dir,
+                                  trash)
+from cache.disk_entry import Reject, dir_bytes, fsync_path, read_entry, write_entry
+from cache.tier_entry import Arrays, EntryMeta, Outcome, PrefetchHandle, validate_key
 
 log = logging.getLogger(__name__)
 
-META = "meta.json"
-ARRAYS = "arrays"
+__all__ = ["DISK_REASONS", "DiskTier", "os_errno"]
+
 DISK_REASONS = ("disk_missing", "disk_corrupt", "disk_key_mismatch", "disk_truncated", "disk_foreign_model",
                 "disk_abi_mismatch", "disk_dtype_mismatch", "disk_shape_mismatch", "disk_range_mismatch",
                 "disk_not_ready", "disk_timeout")
 WRITE_RETRY_S = 60.0          # writes off after a fault: tried again after this long
 LOCK_TIMEOUT_S = 10.0         # longest wait for the directory lock before a write is skipped
-_NOT_A_FAULT = frozenset({errno.ENOENT})   # a file another process removed: a race, not an unwritable directory
-_OS_ERROR_CODE = re.compile(r"os_error_code='?(\d+)")   # how tensorstore (under Orbax) reports one
-
-
-class _Reject(Exception):
-    """Internal: an entry failed a check; args[0] is the reason."""
-
-
-def os_errno(exc: BaseException) -> int | None:
-    """The OS error number behind `exc`: an OSError's errno anywhere in its cause / context chain, or
-    the `os_error_code` tensorstore (under Orbax) puts in its ValueError messages; None if none."""
-    seen = set()
-    e: BaseException | None = exc
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        if isinstance(e, OSError) and e.errno is not None:
-            return e.errno
-        m = _OS_ERROR_CODE.search(str(e))
-        if m:
-            return int(m.group(1))
-        e = e.__cause__ or e.__context__
-    return None
-
-
-def _describe(exc: BaseException) -> str:
-    n = os_errno(exc)
-    if n is None:
-        return f"{type(exc).__name__}: {exc}"
-    return f"{errno.errorcode.get(n, f'errno {n}')}: {os.strerror(n)}"
-
-
-def _fsync_path(path: str, directory: bool = False) -> None:
-    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _files(root: str) -> dict[str, int]:
-    """relative path -> size of every file under root."""
-    out = {}
-    for d, _, names in os.walk(root):
-        for n in names:
-            p = os.path.join(d, n)
-            out[os.path.relpath(p, root)] = os.path.getsize(p)
-    return out
-
-
-def _dir_bytes(path: str) -> int:
-    try:
-        return sum(_files(path).values())
-    except OSError:
-        return 0
 
 
 class DiskTier:
@@ -212,8 +144,8 @@ class DiskTier:
         tmp = lock_path = lock_fd = None
         op = "lock"
         try:
-            self._make_dirs()
-            tmp, lock_path, lock_fd = self._temp(key)
+            make_dirs(self._entries, self._tmp, self._trash)
+            tmp, lock_path, lock_fd = temp_dir(self._tmp, key)
             op = "write"
             os.mkdir(tmp)
             size = self._write(tmp, key, dict(arrays), meta)
@@ -230,7 +162,7 @@ class DiskTier:
                 op = "publish"
                 os.rename(tmp, dest)
                 if self.durable:
-                    _fsync_path(self._entries, directory=True)
+                    fsync_path(self._entries, directory=True)
                 ino = os.stat(dest).st_ino
                 with self._lock:
                     self._sizes[key], self._inos[key] = size, ino
@@ -354,9 +286,9 @@ class DiskTier:
         of a run of them logs one warning (what failed, and `effect`). Other errors (and ENOENT
         races) change nothing: False."""
         n = os_errno(exc)
-        if n is None or n in _NOT_A_FAULT:
+        if n is None or n in NOT_A_FAULT:
             return False
-        what = f"{op}: {_describe(exc)}"
+        what = f"{op}: {describe(exc)}"
         with self._lock:
             self._faults[op] += 1
             first = self._fault is None
@@ -382,71 +314,26 @@ class DiskTier:
         except OSError as e:
             if os.path.lexists(self.directory) and not os.path.isdir(self.directory):
                 e = NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), self.directory)
-            self._write_fault("open", e if os_errno(e) not in (None, *_NOT_A_FAULT) else OSError(errno.EIO, str(e)),
+            self._write_fault("open", e if os_errno(e) not in (None, *NOT_A_FAULT) else OSError(errno.EIO, str(e)),
                               effect="it cannot be used: the engine runs without a disk tier")
             return
         try:
-            self._make_dirs()
+            make_dirs(self._entries, self._tmp, self._trash)
             probe = os.path.join(self._tmp, f"probe.{uuid.uuid4().hex}")
             os.close(os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
             os.unlink(probe)
             os.close(os.open(os.path.join(self.directory, ".lock"), os.O_CREAT | os.O_RDWR, 0o644))
         except OSError as e:
-            self._write_fault("open", e if os_errno(e) not in (None, *_NOT_A_FAULT) else OSError(errno.EIO, str(e)))
+            self._write_fault("open", e if os_errno(e) not in (None, *NOT_A_FAULT) else OSError(errno.EIO, str(e)))
         if self.writable():
-            self._clean_leftovers()
+            clean_leftovers(self._tmp, self._trash)
         self._refresh()
-
-    def _make_dirs(self) -> None:
-        for d in (self._entries, self._tmp, self._trash):
-            if os.path.lexists(d) and not os.path.isdir(d):
-                raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), d)
-            os.makedirs(d, exist_ok=True)
 
     # ---- writing --------------------------------------------------------------------------------
 
-    def _temp(self, key: str) -> tuple[str, str, int]:
-        """A fresh temp directory name and its lock, flock-ed: (dir, lock path, lock fd). The lock is
-        checked to still be the file in .tmp/ once held (a cleaner may have unlinked it between our
-        create and flock: its directory would then look dead to the next cleaner)."""
-        for _ in range(8):
-            name = f"{key}.{uuid.uuid4().hex}"
-            tmp, lock_path = os.path.join(self._tmp, name), os.path.join(self._tmp, name + ".lock")
-            fd = os.open(lock_path, os.O_CREAT | os.O_RDWR, 0o644)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX)
-                if os.fstat(fd).st_ino == os.stat(lock_path).st_ino:
-                    return tmp, lock_path, fd
-            except FileNotFoundError:
-                pass
-            except BaseException:
-                os.close(fd)
-                raise
-            os.close(fd)
-        raise FileNotFoundError(errno.ENOENT, "temp locks keep being removed under this writer", self._tmp)
-
     def _write(self, tmp: str, key: str, arrays: Arrays, meta: EntryMeta) -> int:
-        """Write the entry into `tmp` (Orbax checkpoint + sealed meta naming `key`), fsync it; its size in bytes."""
-        import orbax.checkpoint as ocp  # noqa: PLC0415 - keeps `import cache` light
-        arrays_dir = os.path.join(tmp, ARRAYS)
-        stored = {n: a for n, a in arrays.items() if a.size}   # Orbax cannot write zero-size arrays; the
-        if stored:                                             # meta alone rebuilds them
-            ocp.PyTreeCheckpointer().save(arrays_dir, args=ocp.args.PyTreeSave(stored))
-        files = _files(arrays_dir) if stored else {}
-        body = {"key": key, "meta": meta.to_json(), "checksums": {n: checksum(a) for n, a in arrays.items()},
-                "files": files}
-        raw = sealed_json(body)
-        with open(os.path.join(tmp, META), "wb") as f:
-            f.write(raw)
-            f.flush()
-            if self.durable:
-                os.fsync(f.fileno())
-        if self.durable:
-            for d, _, names in os.walk(tmp):
-                for n in names:
-                    _fsync_path(os.path.join(d, n))
-                _fsync_path(d, directory=True)
-        return sum(files.values()) + len(raw)
+        """Write the entry into `tmp` (cache.disk_entry.write_entry); its size in bytes."""
+        return write_entry(tmp, key, arrays, meta, self.durable)
 
     def _refuse(self, reason: str) -> bool:
         with self._lock:
@@ -471,7 +358,7 @@ class DiskTier:
             return None, bad[1]
         try:
             arrays = self._read(path, key, expect)
-        except _Reject as r:
+        except Reject as r:
             reason = r.args[0]
         except Exception:  # noqa: BLE001 - anything unreadable is corrupt (fail closed)
             reason = "disk_corrupt"
@@ -489,47 +376,8 @@ class DiskTier:
         return None, reason
 
     def _read(self, path: str, key: str, expect: EntryMeta | None) -> Arrays:
-        try:
-            with open(os.path.join(path, META), "rb") as f:
-                raw = f.read()
-        except FileNotFoundError:
-            raise _Reject("disk_truncated") from None
-        try:
-            body = open_sealed_json(raw)
-            meta = EntryMeta.from_json(body["meta"])
-            sums, files = dict(body["checksums"]), dict(body["files"])
-        except (ValueError, KeyError, TypeError):
-            raise _Reject("disk_corrupt") from None
-        if body.get("key") != key:
-            raise _Reject("disk_key_mismatch")
-        arrays_dir = os.path.join(path, ARRAYS)
-        for rel, size in files.items():
-            try:
-                actual = os.path.getsize(os.path.join(arrays_dir, rel))
-            except FileNotFoundError:
-                raise _Reject("disk_truncated") from None
-            if actual != size:
-                raise _Reject("disk_truncated" if actual < size else "disk_corrupt")
-        if meta.fingerprint != self.fingerprint:
-            raise _Reject("disk_foreign_model")
-        if expect is not None:
-            reason = meta.mismatch(expect, "disk")
-            if reason is not None:
-                raise _Reject(reason)
-        import orbax.checkpoint as ocp  # noqa: PLC0415
-        names = [n for n, s in meta.shapes.items() if math.prod(s)]
-        out = {}
-        if names:
-            restore = {n: ocp.RestoreArgs(restore_type=np.ndarray) for n in names}
-            out = ocp.PyTreeCheckpointer().restore(arrays_dir, args=ocp.args.PyTreeRestore(restore_args=restore))
-        if not isinstance(out, dict) or set(out) != set(names) or set(sums) != set(meta.dtypes):
-            raise _Reject("disk_corrupt")
-        arrays = {n: np.asarray(out[n]) if n in out else np.empty(meta.shapes[n], np.dtype(meta.dtypes[n]))
-                  for n in meta.dtypes}
-        for n, a in arrays.items():
-            if a.dtype.name != meta.dtypes[n] or a.shape != meta.shapes[n] or checksum(a) != sums[n]:
-                raise _Reject("disk_corrupt")
-        return arrays
+        """The checked arrays of the entry at `path` (cache.disk_entry.read_entry; Reject on a failed check)."""
+        return read_entry(path, key, expect, self.fingerprint)
 
     def _record(self, outcome: Outcome, hidden_s: float, wait_s: float, *, prefetch: bool) -> None:
         with self._lock:
@@ -543,24 +391,10 @@ class DiskTier:
 
     # ---- directory maintenance ------------------------------------------------------------------
 
-    @contextlib.contextmanager
     def _dir_lock(self, timeout_s: float | None = None):
         """The flock on .lock; TimeoutError after timeout_s (default lock_timeout_s: its holder is
         alive but stuck)."""
-        fd = os.open(os.path.join(self.directory, ".lock"), os.O_CREAT | os.O_RDWR, 0o644)
-        try:
-            deadline = time.monotonic() + (self.lock_timeout_s if timeout_s is None else timeout_s)
-            while True:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    if time.monotonic() >= deadline:
-                        raise TimeoutError(f"{self.directory}/.lock held elsewhere for {self.lock_timeout_s:g} s")
-                    time.sleep(0.005)
-            yield
-        finally:
-            os.close(fd)   # closing releases the flock
+        return dir_lock(self.directory, self.lock_timeout_s if timeout_s is None else timeout_s, self.lock_timeout_s)
 
     def _refresh(self) -> None:
         """Sync this process's size table with entries/ (other processes publish, replace and evict
@@ -573,7 +407,7 @@ class DiskTier:
                 continue
         with self._lock:
             known = {k: (self._inos.get(k), s) for k, s in self._sizes.items()}
-        sizes = {k: known[k][1] if k in known and known[k][0] == ino else _dir_bytes(os.path.join(self._entries, k))
+        sizes = {k: known[k][1] if k in known and known[k][0] == ino else dir_bytes(os.path.join(self._entries, k))
                  for k, ino in on_disk.items()}
         with self._lock:
             self._sizes, self._inos = sizes, on_disk
@@ -621,22 +455,15 @@ class DiskTier:
     def _unpublish(self, key: str) -> bool:
         """Move entries/<key> into .trash (atomic: readers see it gone) and delete it. OSError if it
         is there and cannot be moved."""
-        src = os.path.join(self._entries, key)
         try:
-            for attempt in range(2):
-                dest = os.path.join(self._trash, f"{key}.{uuid.uuid4().hex}")
-                try:
-                    os.rename(src, dest)
-                    break
-                except FileNotFoundError:
-                    if attempt or not os.path.lexists(src):
-                        return False
-                    os.makedirs(self._trash, exist_ok=True)    # .trash itself was gone
+            dest = trash(os.path.join(self._entries, key), self._trash, key)
         finally:
             with self._lock:
                 self._sizes.pop(key, None)
                 self._inos.pop(key, None)
                 self._stamps.pop(key, None)
+        if dest is None:
+            return False
         shutil.rmtree(dest, ignore_errors=True)
         return True
 
@@ -661,34 +488,3 @@ class DiskTier:
         except OSError as e:
             self._write_fault("delete", e)
             return False
-
-    def _clean_leftovers(self) -> None:
-        """Delete temp dirs of dead writers (their lock is free or gone) and everything in .trash.
-        Best effort: what cannot be deleted now is deleted by a later open."""
-        try:
-            trash, names = os.listdir(self._trash), os.listdir(self._tmp)
-        except OSError:
-            return
-        for n in trash:
-            shutil.rmtree(os.path.join(self._trash, n), ignore_errors=True)
-        for n in names:
-            if not n.endswith(".lock"):
-                continue
-            p = os.path.join(self._tmp, n)
-            try:
-                fd = os.open(p, os.O_RDWR)
-            except OSError:
-                continue
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError:
-                os.close(fd)
-                continue        # a live writer holds it
-            shutil.rmtree(p[:-len(".lock")], ignore_errors=True)
-            with contextlib.suppress(OSError):
-                os.unlink(p)
-            os.close(fd)
-        for n in names:
-            p = os.path.join(self._tmp, n)
-            if not n.endswith(".lock") and not os.path.exists(p + ".lock"):
-                shutil.rmtree(p, ignore_errors=True)

@@ -10,7 +10,9 @@ A group is a flax.struct pytree whose class names the roles of its array fields:
                                     SWA ring, V4 tails and overlaps, per-row counters); checkpoints of
                                     the prefix store are extra rows (units) of the same arrays
   FILL         field -> value       what a fresh page / row holds (0 when absent)
-  kind                              the object kind for byte accounting ("full_kv", ...)
+  kind                              the object kind for byte accounting ("full_kv", ...; "" when a
+                                    class does not name one: accounting refuses it)
+  closes_into                       a tail group: the name of the group its windows close into ("": none)
   STORE_KIND                        the segment kind the prefix store keeps (cache.segments.Kind)
   ROLLBACK                          how a speculative verify's rejected tokens are undone:
                                     "hide"   per-position objects: the row's length hides them, the
@@ -28,6 +30,7 @@ and inherits the behaviour below from `CacheGroup`:
                                                checkpoint, load one on a hit, copy-on-write a page)
   truncate(states, n_keep)                     the group after the first n_keep [B] fed tokens
   page_nbytes() / row_nbytes()                 bytes of one page / one row (a unit)
+  bytes_per_token()                            bytes one more token of capacity adds to a row
   store_kind()                                 the prefix store's object kind (publish / lookup)
   resume_row(row, boundary, ok)                per-row fields a prefix hit sets from its length
 """
@@ -53,6 +56,14 @@ class CacheGroup:
     # split over a device mesh; fields not named here (page tables, counters) are replicated
     AXES: ClassVar[dict[str, tuple]] = {}
     STORE_KIND: ClassVar[Kind]
+    # the object kind for byte accounting (cache.accounting); a subclass names it (a class attribute, or a
+    # dataclass field where one class serves several kinds); "" is refused by the accounting
+    kind: ClassVar[str] = ""
+    # a tail group: the name of the (paged) group its windows close into; "" for every other group
+    closes_into: ClassVar[str] = ""
+    # an in-place view's rows of the pools ([R] int32, see take(in_place=True)); a group with
+    # IN_PLACE_FIELDS declares it as a dataclass field, None everywhere else
+    view_rows: ClassVar[jax.Array | None] = None
     ROLLBACK: ClassVar[str] = "hide"
     # a page holds one entry per token, so a prefix may end inside a page: a hit shares the page and
     # the request's first write into it copies it (copy-on-write); the prefix store can resume such a
@@ -121,6 +132,12 @@ class CacheGroup:
         """Bytes one row (a request's slot, or a checkpoint unit) of the row fields holds."""
         return self._unit_bytes(self.row_fields())
 
+    def bytes_per_token(self) -> float:
+        """Bytes one more token of capacity adds to one row across every layer: a paged group's page
+        bytes over the tokens a page covers, 0 for state fixed per row. Groups may declare it exactly
+        (data arrays only)."""
+        return self.page_nbytes() / self.page_tokens if self.paged and self.page_tokens else 0.0
+
     # ---- take / put / copy -----------------------------------------------------------------------
     def take(self, rows: jax.Array, table: jax.Array | None = None, reset: jax.Array | None = None,
              in_place: bool = False):
@@ -152,7 +169,7 @@ class CacheGroup:
         paged fields as the step left them (written in place); with table, the view's page table rows
         too (a cache whose rows own their pages). An in-place view's IN_PLACE_FIELDS are the pools, as
         the step wrote them."""
-        whole = self.IN_PLACE_FIELDS if getattr(view, "view_rows", None) is not None else ()
+        whole = self.IN_PLACE_FIELDS if view.view_rows is not None else ()
         upd = {f: getattr(view, f) if f in whole else getattr(self, f).at[(slice(None),) * ax + (rows,)].set(
                    getattr(view, f)) for f, ax in self.row_fields().items()}
         upd.update({f: getattr(view, f) for f in self.page_fields()})

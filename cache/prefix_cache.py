@@ -1,9 +1,15 @@
 """The prefix cache an engine uses: lookup, five-check validation, zero-copy reuse, publish, eviction, stats.
 
 One `PrefixCache` serves one engine. The stored objects live in the engine's own pools
-(cache.pools); the cache owns, host side, the allocator state (segment records, weighted byte cap),
-the prefix index and the counters, and shares the pools' pages and units with the engine's requests
-through the block manager (cache.block_manager):
+(cache.pools). The cache is composed of
+  store    a `cache.segment_store.SegmentStore`: what is held (segment records and their weighted
+           byte cap, the prefix index, the pages and units, their versions) and every change to it
+           (allocation, eviction, reclaim, restore)
+  policy   a `cache.prefix_retention.RetentionPolicy`: which stored objects go first or leave, decided
+           from read-only facts (it changes nothing itself)
+  disk     the disk tier (cache.prefix_disk.DiskSpans, optional), through the store's public methods
+and shares the pools' pages and units with the engine's requests through the block manager
+(cache.block_manager):
 
   paged groups      a stored block is one page the store holds a reference to: publishing takes a
                     reference to the request's own page, a hit lists the stored pages in the new
@@ -41,9 +47,9 @@ A request's life with the cache:
                               and a tail checkpoint whose window closed into a now stored entry block
                               leaves by the named `close_tail` event.
 
-Eviction (cache/prefix_room.py; what is kept: cache/prefix_retention.py): under the store's
+Eviction (cache/segment_store.py; what is kept: cache/prefix_retention.py): under the store's
 weighted cap (by kind, then least recently used with a credit for each hit an object served:
-cache.allocator.eviction_order; a chain's tail first), and on demand when the engine's block
+cache.segment_allocator.eviction_order; a chain's tail first), and on demand when the engine's block
 manager runs out of pages or units (`reclaim`): the store lets go of what only it
 holds. A page a running request also lists stays in the pool until that request ends. A checkpoint
 leaves with every group's checkpoint at its boundary (a resume point needs them all).
@@ -51,70 +57,29 @@ leaves with every group's checkpoint at its boundary (a resume point needs them 
 from __future__ import annotations
 
 import collections
-import dataclasses
-import logging
 import math
 import time
 from typing import Callable, Sequence
 
-import jax
 import numpy as np
 
-from cache import allocator as A
 from cache.block_manager import BlockManager
 from cache.group import CacheGroup
-from cache.prefix_index import IndexEntry, KeyContext, PrefixIndex, block_geometry, chain_keys, checkpoint_boundaries, key_at
-from cache.prefix_disk import DiskConfig, DiskSpans
-from cache.prefix_retention import Retention, TailClose
-from cache.prefix_room import Room
-from cache.prefix_store import init_versions, load_checkpoints, save_checkpoints
+from cache.prefix_index import IndexEntry, KeyContext, block_geometry, chain_keys, checkpoint_boundaries, key_at
+from cache.prefix_config import PrefixCacheConfig, Reuse
+from cache.prefix_disk import DiskConfig, DiskSpans, SpanSetup
+from cache.prefix_retention import RetentionPolicy, Superseded, TailClose
+from cache.segment_allocator import AllocState
+from cache.segment_store import Allocated, Notes, SegmentStore, StoreLayout, Wanted
 from cache.segments import SERVABLE_STATES, Kind, SegState
 from cache.state import ModelCache
 from cache.validation import CacheStats, GroupSpec, HitResult, check_hit, confirm_at_use
 
 LOOKUP_SAMPLES = 4096     # lookup timings kept (`PrefixCache.lookup_seconds`)
 
-log = logging.getLogger("hybrid_jax.prefix_cache")
+__all__ = ["PrefixCache", "PrefixCacheConfig", "Reuse", "LOOKUP_SAMPLES"]
 
-@dataclasses.dataclass(frozen=True)
-class Reuse:
-    """What an admission got from the cache. boundary: tokens the request now holds (0: none);
-    branch: where its prompt leaves the cached sequences it shares blocks with, on the resume grid,
-    when that lies beyond `boundary` (the blocks are there, a checkpoint is not): the request should
-    stop its prefill there and publish, so the next request sharing the prefix resumes there (0: none)."""
-    boundary: int
-    branch: int = 0
-
-
-@dataclasses.dataclass(frozen=True)
-class PrefixCacheConfig:
-    """cap_bytes: weighted device bytes the store may hold; block_size: the grid of checkpoint groups
-    (paged groups use their page size); checkpoint_interval: keep a recurrent checkpoint every
-    `interval x LCM` tokens, plus the last; fingerprint: the weights'; checkpoint_grid: a finer grid for
-    checkpoint groups (a divisor of block_size), on which hits resume inside the pages of groups that
-    allow it (CacheGroup.PARTIAL_RESUME); None: block_size. sharding: the mesh layout the pools are split
-    in (`parallel.Layout.key`); copies: (group, field, axis, r) for each pool field that holds r copies
-    of every entry along `axis` under that layout (KV heads kept once per device, `parallel.kv_replicas`):
-    the disk tier stores one copy, so its spans restore under any layout."""
-    cap_bytes: int
-    fingerprint: str
-    dtype: str
-    block_size: int = 64
-    checkpoint_interval: int = 8
-    sharding: str = "replicated"
-    checkpoint_grid: int | None = None
-    copies: tuple[tuple[str, str, int, int], ...] = ()
-
-    def __post_init__(self):
-        for f in ("cap_bytes", "block_size", "checkpoint_interval"):
-            if getattr(self, f) <= 0:
-                raise ValueError(f"prefix cache {f} must be positive; got {getattr(self, f)}")
-        g = self.checkpoint_grid
-        if g is not None and (g <= 0 or self.block_size % g):
-            raise ValueError(f"prefix cache checkpoint_grid must divide block_size {self.block_size}; got {g}")
-
-
-class PrefixCache(Room, Retention):
+class PrefixCache:
     def __init__(self, cache: ModelCache, config: PrefixCacheConfig, blocks: BlockManager,
                  disk: DiskConfig | None = None):
         """cache: the engine's pools (for their shapes); blocks: the engine's block manager, whose
@@ -134,47 +99,61 @@ class PrefixCache(Room, Retention):
         # tail=False: an MLA latent has no tail; a V4 compressed group keeps its tail in its own group
         self.specs = tuple(GroupSpec(name=n, kind=g.store_kind(), block_size=block_sizes[n], tail=False,
                                      checkpoint=not g.paged and g.store_kind() is Kind.SWA_WINDOW,
-                                     closes_into=getattr(g, "closes_into", None) or None,
+                                     closes_into=g.closes_into or None,
                                      partial=n in self.geometry.partial, entry=g.entry_tokens,
                                      ctx=KeyContext(config.fingerprint, config.dtype, g.writer_abi, config.sharding))
                            for n, g in groups.items())
         missing = [s.closes_into for s in self.specs if s.closes_into and s.closes_into not in groups]
         if missing:
             raise ValueError(f"prefix caching: tails close into cache groups {missing} that the cache does not have")
-        self._kind = {s.name: s.kind for s in self.specs}
-        self._paged = {n: g.paged for n, g in groups.items()}
-        self._nbytes = {n: g.page_nbytes() if g.paged else g.row_nbytes() for n, g in groups.items()}
-        self._width = {n: (g.page_table.shape[1] if g.paged else 1) for n, g in groups.items()}
-        self._ckpt_groups = tuple(n for n in groups if not self._paged[n])
+        paged = {n: g.paged for n, g in groups.items()}
+        layout = StoreLayout(nbytes={n: g.page_nbytes() if g.paged else g.row_nbytes() for n, g in groups.items()},
+                             paged=paged, width={n: (g.page_table.shape[1] if g.paged else 1) for n, g in groups.items()},
+                             ckpt_groups=tuple(n for n in groups if not paged[n]), gcd=self.geometry.gcd)
+        self.notes = Notes()
+        self.policy = RetentionPolicy(self.specs, self.geometry, config.checkpoint_interval)
+        self.store = SegmentStore(cache, layout, config.cap_bytes, blocks, self.policy, self.notes)
         self.blocks = blocks
         blocks.reclaimer = self
-        self.versions = init_versions(cache, self._ckpt_groups)           # device versions of the units
-        self._unit_version = {n: np.zeros(v.shape, np.int64) for n, v in self.versions.items()}   # host mirror
-        self.alloc = A.init_state(A.AllocConfig(cap_bytes=config.cap_bytes))
-        self.index = PrefixIndex()
         self.stats = CacheStats()
-        self._units: dict[int, tuple[str, int]] = {}                    # seg id -> (group, page or unit)
-        self._noted: set[str] = set()
-        self._save = jax.jit(save_checkpoints, donate_argnames=("pools", "versions"))
-        self._load = jax.jit(load_checkpoints, donate_argnames=("pools",))
         self.between_check_and_use: Callable[[], None] | None = None    # test hook (a concurrent writer)
         # host time of the last reuses' lookup + validation (bounded: a server runs for months)
         self.lookup_seconds: collections.deque[float] = collections.deque(maxlen=LOOKUP_SAMPLES)
         self._key_memo: dict = {}
-        self.evictions = 0                        # segments freed under the store's cap
-        self.reclaimed = 0                        # segments let go when a pool ran short (pages, units)
-        self.offloads = 0                         # segments moved from the device to the disk tier
-        self.retired_checkpoints = 0              # checkpoints the retention policy let go
-        self.retired_pages = 0                    # partial pages a longer copy of the same block replaced
         self.refused_publishes = 0                # publishes that did not fit under the cap
         self.tail_closes = 0                      # tail checkpoints superseded by the `close_tail` event
         self.branch_points = 0                    # publishes at a branch point
-        self._branch_segs: set[int] = set()       # checkpoints at branch points (kept as their chain grows)
-        self._sets: dict[int, frozenset[int]] = {}  # checkpoint -> every group's checkpoint at its boundary
-        self._prefer: frozenset[int] = frozenset()  # first victims of the publish in progress
-        self._spare: set[int] = set()               # checkpoints at spare points (`spare_point`)
         self.events: collections.deque[TailClose] = collections.deque(maxlen=1024)   # the latest close_tail events
-        self.disk = DiskSpans(self, cache, disk) if disk is not None else None
+        self.disk = None
+        if disk is not None:
+            setup = SpanSetup(specs=self.specs, geometry=self.geometry, fingerprint=config.fingerprint,
+                              checkpoint_interval=config.checkpoint_interval, copies=config.copies,
+                              keys=self.keys, notes=self.notes)
+            self.disk = DiskSpans(self.store, setup, cache, disk)
+            self.store.lower = self.disk
+
+    # --- the store's state, read only (tests, notebooks, benchmarks) -------------------------------------
+    @property
+    def alloc(self) -> AllocState:
+        """The segment records (an immutable value)."""
+        return self.store.alloc
+
+    @property
+    def index(self):
+        return self.store.index
+
+    @property
+    def versions(self) -> dict:
+        return self.store.versions
+
+    # --- the block manager's reclaimer ---------------------------------------------------------------
+    def reclaimable(self, group: str) -> int:
+        """Units of `group` only the store holds and could let go of now."""
+        return self.store.reclaimable(group)
+
+    def reclaim(self, group: str, n: int) -> int:
+        """Lets go of up to n units of `group` only the store holds. Returns how many were freed."""
+        return self.store.reclaim(group, n)
 
     # --- set-up ------------------------------------------------------------------------------------
     def publish_boundaries(self, num_tokens: int) -> tuple[int, ...]:
@@ -189,17 +168,16 @@ class PrefixCache(Room, Retention):
         spare = self.spare_point(num_tokens)
         return tuple(sorted(set(pts) | {spare})) if spare else pts
 
-    def _note_once(self, key: str, msg: str):
-        if key not in self._noted:
-            self._noted.add(key)
-            log.warning("prefix caching: %s", msg)
+    def spare_point(self, num_tokens: int) -> int:
+        """A prompt's spare point (cache.prefix_retention.RetentionPolicy.spare_point; 0: none)."""
+        return self.policy.spare_point(num_tokens)
 
     # --- reuse -------------------------------------------------------------------------------------
     def lookup(self, tokens: Sequence[int]) -> HitResult:
         """Checks 1-4 against the current allocator state (no side effects). Without a disk tier only
         objects on the device can be read; with one, host and disk objects are restored first."""
         servable = SERVABLE_STATES if self.disk is not None else frozenset({SegState.DEVICE})
-        return check_hit(tokens, self.specs, self.index, self.alloc, servable=servable)
+        return check_hit(tokens, self.specs, self.store.index, self.store.alloc, servable=servable)
 
     def reuse(self, cache: ModelCache, row: int, request_id: str, tokens: Sequence[int]) -> tuple[ModelCache, Reuse]:
         """Gives request `request_id` (row `row`, empty block tables) the longest validated cached
@@ -208,7 +186,7 @@ class PrefixCache(Room, Retention):
         branch point, if any."""
         t0 = time.perf_counter()
         if len(tokens) <= self.geometry.resume:
-            self._note_once("short", f"prompts of at most {self.geometry.resume} tokens cannot reuse a prefix: every"
+            self.notes.once("short", f"prompts of at most {self.geometry.resume} tokens cannot reuse a prefix: every"
                                      f" group must resume at a multiple of {self.geometry.resume} tokens (the"
                                      f" resume grid of block sizes {dict(self.geometry.sizes)}) and one token must"
                                      f" be left to compute")
@@ -217,24 +195,23 @@ class PrefixCache(Room, Retention):
             cache, hit = self._with_disk(cache, hit, tokens, request_id)
         if self.between_check_and_use is not None:
             self.between_check_and_use()
-        hit = confirm_at_use(hit, self.alloc)
+        hit = confirm_at_use(hit, self.store.alloc)
         self.lookup_seconds.append(time.perf_counter() - t0)
         if not hit.ok:
             return cache, Reuse(self._miss(hit), self._branch(hit, len(tokens), 0))
         pages, plan, held = self._load_plan(hit)
-        self.alloc = A.retain_many(self.alloc, held)
+        self.store.retain(held)
         try:
             for name, ids in pages.items():
                 self.blocks.share(request_id, name, ids)
-            cache, ok = self._load(cache, self.versions, np.int32(row), plan, np.int32(hit.boundary))
-            ok = bool(ok)
+            cache, ok = self.store.load(cache, row, plan, hit.boundary)
         finally:
-            self.alloc = A.release_many(self.alloc, held)
+            self.store.release(held)
         if not ok:   # a unit changed between the host's check and the device's read
             self.blocks.unshare(request_id)
             return cache, Reuse(self._miss(HitResult(ok=False, reason="version", hashed=hit.hashed,
                                 detail="a checkpoint unit's version changed before the load read it")))
-        self.alloc = A.touch_many(self.alloc, reversed(held), hit=True)   # first blocks last: evicted last
+        self.store.touch(reversed(held), hit=True)   # first blocks last: evicted last
         self.stats = self.stats.record(hit)
         return cache, Reuse(hit.boundary, self._branch(hit, len(tokens), hit.boundary))
 
@@ -249,18 +226,17 @@ class PrefixCache(Room, Retention):
         """Restores from the disk tier what lies beyond the device's part of the hit (prefetched when
         the request arrived, per the prefetch policy), then checks again. A hit may only be read
         from the device: segments a failed restore left on disk are dropped and the check re-run."""
-        on_device = hit.ok and all(self.alloc.get(i).state is SegState.DEVICE for ids in hit.segments.values()
-                                   for i in ids)
+        alloc = self.store.alloc
+        on_device = hit.ok and all(alloc.get(i).state is SegState.DEVICE for ids in hit.segments.values() for i in ids)
         keep = frozenset(i for ids in hit.segments.values() for i in ids) if on_device else frozenset()
         cache, restored = self.disk.restore(cache, tokens, hit.boundary if on_device else 0, request_id, keep)
         if restored:
             hit = self.lookup(tokens)
-        stale = [i for ids in hit.segments.values() for i in ids if self.alloc.get(i).state is not SegState.DEVICE]
+        stale = [i for ids in hit.segments.values() for i in ids
+                 if self.store.alloc.get(i).state is not SegState.DEVICE]
         if hit.ok and stale:
             for sid in stale:
-                before = self.alloc
-                self.alloc = A.evict(self.alloc, sid)
-                self._reclaim(before)
+                self.store.evict([sid])
             hit = self.lookup(tokens)
         return cache, hit
 
@@ -272,7 +248,7 @@ class PrefixCache(Room, Retention):
     def _miss(self, hit: HitResult) -> int:
         self.stats = self.stats.record(hit)
         if hit.reason != "no_hit":
-            self._note_once(f"miss:{hit.reason}", f"a cached prefix was refused ({hit.reason}): {hit.detail}")
+            self.notes.once(f"miss:{hit.reason}", f"a cached prefix was refused ({hit.reason}): {hit.detail}")
         return 0
 
     def _load_plan(self, hit: HitResult):
@@ -280,16 +256,17 @@ class PrefixCache(Room, Retention):
         the boundary), the fixed-width load plan of the checkpoint groups ({group: (unit or -1,
         expected version)}) and the segment ids the load holds."""
         pages: dict[str, list[int]] = {}
-        plan = {n: (np.int32(-1), np.int32(0)) for n in self._ckpt_groups}
+        store = self.store
+        plan = {n: (np.int32(-1), np.int32(0)) for n in store.layout.ckpt_groups}
         held = []
         for spec in self.specs:
             blocks = []
             for sid in hit.segments[spec.name]:
                 held.append(sid)
-                seg = self.alloc.get(sid)
-                group, unit = self._units[sid]
+                seg = store.alloc.get(sid)
+                group, unit = store.units[sid]
                 if spec.is_checkpoint:
-                    plan[spec.name] = (np.int32(unit), np.int32(self._unit_version[group][unit]))
+                    plan[spec.name] = (np.int32(unit), np.int32(store.unit_version[group][unit]))
                 elif seg.end <= hit.boundary or (spec.partial and seg.start < hit.boundary):
                     blocks.append((seg.start, unit))
             if not spec.is_checkpoint:
@@ -310,18 +287,63 @@ class PrefixCache(Room, Retention):
         keep: a point below `boundary` (a decoding request's prompt end, which it published itself)
         whose checkpoints stay, as spares, rather than being superseded. Returns the cache (its
         checkpoint units written)."""
-        geo = self.geometry
+        geo, store, policy = self.geometry, self.store, self.policy
         if boundary <= 0 or boundary % geo.resume:
             raise ValueError(f"publish boundary {boundary} is not a positive multiple of the resume grid {geo.resume}")
         tokens = list(tokens[:boundary])
-        todo, own = [], set()    # own: the stored objects this chain builds on (never evicted for it)
-        ckpts = []               # every group's checkpoint at `boundary` (stored, then new)
+        wanted = self._wanted(tokens, boundary, request_id)
+        if wanted is None or not store.fits(wanted[0], wanted[1]):
+            self.refused_publishes += 1
+            return cache
+        todo, protect, ckpts = wanted
+        keys_of = self._keys_of(tokens)
+        # the chain's checkpoints this one supersedes are the first victims when room or a unit is short,
+        # before another chain's (with every unit in use, an in-flight request's transient extra
+        # checkpoint would evict the least recently used conversation: the next one to come back)
+        policy.keep_as_spare(keys_of, keep, store.index, store.alloc)
+        superseded = policy.superseded(keys_of, boundary, keep, store.index, store.alloc)   # (allocating only evicts)
+        policy.prefer = frozenset(x.seg.id for x in superseded)
+        try:
+            got = store.allocate_all(todo, request_id, protect)
+        finally:
+            policy.prefer = frozenset()
+        if got is None:
+            self.refused_publishes += 1
+            return cache
+        plan, new = got
+        ckpts += [a.sid for a in new if a.spec.is_checkpoint]
+        if branch:
+            self.branch_points += 1
+            policy.pin_branch(keys_of, boundary, ckpts, store.index)
+        if not new:
+            return cache
+        if any(int(u) >= 0 for u in plan.values()):
+            cache = store.save(cache, row, plan)
+        if spare:
+            policy.spare.update(a.sid for a in new if a.spec.is_checkpoint)
+        policy.mark_set(ckpts)
+        self._commit(tokens, new)
+        self._touch_chain(tokens, boundary)
+        if branch:      # two sequences share it already (this one and the one whose blocks it matched):
+            store.touch(ckpts, hit=True)     # retention credits it one hit
+        self._drop_superseded(keys_of, len(tokens), superseded)
+        if self.disk is not None and durable and boundary % geo.lcm == 0:      # disk spans lie on the LCM grid
+            self.disk.write(cache, tokens, boundary)
+        return cache
+
+    def _wanted(self, tokens: list[int], boundary: int, request_id: str | None
+                ) -> tuple[list[Wanted], frozenset[int], list[int]] | None:
+        """What a publish of tokens[:boundary] must store: (per group the objects the store has no
+        live segment for, the stored objects the chain builds on (never evicted for it), every
+        group's checkpoint already stored at `boundary`); None when it cannot be stored (a block
+        ending inside a page with no request to take it from)."""
+        todo, own, ckpts = [], set(), []
         for spec in self.specs:
-            keys = self._keys(tokens, spec)
+            keys = self.keys(tokens, spec)
             ends = []
             inner = boundary - boundary % spec.entry       # where the group's whole entries end
             for b in ([boundary] if spec.is_checkpoint else range(spec.block_size, inner + 1, spec.block_size)):
-                sid = self._live(spec, keys, b)
+                sid = self.store.live(spec, keys, b)
                 if sid is None:
                     ends.append(b)
                 else:
@@ -332,90 +354,66 @@ class PrefixCache(Room, Retention):
                 # the prefix ends inside a block: a stored block holding these tokens serves it (a
                 # branch point inside a block another request stored), else the request's own page,
                 # which it copies before its next write into it (copy-on-write)
-                sid = self._live(spec, keys, inner)
+                sid = self.store.live(spec, keys, inner)
                 if sid is not None:
                     own.add(sid)
                 elif request_id is not None:
                     ends.append(inner)
                 else:
-                    self.refused_publishes += 1
-                    return cache
-            todo.append((spec, keys, ends))
-        protect = frozenset(own)
-        if not self._fits(todo, protect):
-            self.refused_publishes += 1
-            return cache
-        # the chain's checkpoints this one supersedes are the first victims when room or a unit is short,
-        # before another chain's (with every unit in use, an in-flight request's transient extra
-        # checkpoint would evict the least recently used conversation: the next one to come back)
-        self._keep_as_spare(tokens, keep)
-        superseded = self._superseded(tokens, boundary, keep)     # (allocating only evicts, adds none)
-        self._prefer = frozenset(seg.id for _, seg, _ in superseded)
-        try:
-            plan, new = self._allocate_all(todo, request_id, protect)
-        finally:
-            self._prefer = frozenset()
-        if new is None:
-            self.refused_publishes += 1
-            return cache
-        ckpts += [sid for spec, sid, _, _ in new if spec.is_checkpoint]
-        if branch:
-            self._pin_branch(tokens, boundary, ckpts)
-        if not new:
-            return cache
-        if any(int(u) >= 0 for u in plan.values()):
-            cache, self.versions = self._save(cache, self.versions, np.int32(row), plan)
-            for name, u in plan.items():
-                if int(u) >= 0:
-                    self._unit_version[name][int(u)] += 1
-        if spare:
-            self._spare.update(sid for spec, sid, _, _ in new if spec.is_checkpoint)
-        marks, group = [], frozenset(ckpts)
-        for sid in ckpts:
-            self._sets[sid] = group
-        for spec, sid, b, key in new:
-            self.alloc = A.commit(self.alloc, sid)
-            self._index_insert(IndexEntry(spec.name, spec.kind, key, b, sid))
-            if spec.partial:       # the block's interior points: a later prefix may end there (an entry
-                keys = self._keys(tokens, spec)     # there already, e.g. a held shorter block's, stays)
-                start = self.alloc.get(sid).start
-                self._drop_superseded_page(spec, keys, start, b)
-                marks += [IndexEntry(spec.name, spec.kind, k, m, sid) for m in range(start + geo.gcd, b, geo.gcd)
-                          if self._live(spec, keys, m) is None and (k := key_at(keys, geo.gcd, m))]
-        if marks:
-            self.index = self.index.insert_many(marks)
-        self._touch_chain(tokens, boundary)
-        if branch:      # two sequences share it already (this one and the one whose blocks it matched):
-            self.alloc = A.touch_many(self.alloc, ckpts, hit=True)     # retention credits it one hit
-        self._drop_superseded_checkpoints(tokens, superseded)
-        if self.disk is not None and durable and boundary % geo.lcm == 0:      # disk spans lie on the LCM grid
-            self.disk.write(cache, tokens, boundary)
-        return cache
+                    return None
+            todo.append(Wanted(spec, keys, tuple(ends)))
+        return todo, frozenset(own), ckpts
 
-    def _index_insert(self, entry: IndexEntry):
-        """Points the index at a new device segment; a copy it replaces (left on disk) is dropped."""
-        old = self.index.find(entry.group, entry.kind, entry.key)
-        if old is not None and old.seg_id != entry.seg_id and old.seg_id in self.alloc.segments:
-            seg = self.alloc.get(old.seg_id)
-            if seg.state in (SegState.HOST, SegState.DISK) and seg.ref_count == 0:
-                self.alloc = A.evict(self.alloc, seg.id)
-        self.index = self.index.insert(entry)
+    def _commit(self, tokens: list[int], new: list[Allocated]):
+        """The publish's new segments become servable; a partial block's interior points get index
+        entries (an entry there already, e.g. a held shorter block's, stays) after the shorter copies
+        of the same block the policy retires leave."""
+        store, gcd, marks = self.store, self.geometry.gcd, []
+        for a in new:
+            store.commit(a)
+            if a.spec.partial:
+                keys = self.keys(tokens, a.spec)
+                start = store.alloc.get(a.sid).start
+                for seg in self.policy.superseded_pages(a.spec, keys, start, a.end, store.index, store.alloc):
+                    store.retire_page(seg.id)
+                marks += [IndexEntry(a.spec.name, a.spec.kind, k, m, a.sid) for m in range(start + gcd, a.end, gcd)
+                          if store.live(a.spec, keys, m) is None and (k := key_at(keys, gcd, m))]
+        if marks:
+            store.mark(marks)
+
+    def _drop_superseded(self, keys_of, num_tokens: int, superseded: list[Superseded]):
+        """Retention: the checkpoints of this chain a publish superseded (found before it allocated;
+        those its allocation took are gone already) leave the device. A tail checkpoint whose window
+        closed into a stored entry block leaves by the `close_tail` event."""
+        store = self.store
+        for x in superseded:
+            if x.seg.id not in store.alloc.segments:        # (gone with its set)
+                continue
+            entry = (self.policy.closing_entry(x.spec, keys_of, num_tokens, x.boundary, store.index, store.alloc)
+                     if x.spec.closes_into else None)
+            if entry is not None:
+                store.close_tail(x.seg.id, entry.id)
+                self.tail_closes += 1
+                self.events.append(TailClose(x.spec.name, x.seg.id, x.boundary, entry.group, entry.id, entry.start,
+                                             entry.end))
+            else:
+                store.evict([x.seg.id], retired=True, orphans=False)     # the whole set is on the list
 
     def _touch_chain(self, tokens: list[int], boundary: int):
         """Marks every stored object of this chain used, tail first, so LRU eviction takes a chain's
         last blocks before its first ones (without its first blocks a chain is unusable)."""
-        geo = self.geometry
+        geo, store = self.geometry, self.store
         ids = []
         for spec in self.specs:
-            keys = self._keys(tokens, spec)
+            keys = self.keys(tokens, spec)
             step = geo.resume if spec.is_checkpoint else spec.block_size
             for b in range(boundary - boundary % step, 0, -step):
-                e = self.index.find(spec.name, spec.kind, key_at(keys, geo.gcd, b))
-                if e is not None and e.seg_id in self.alloc.segments:
+                e = store.index.find(spec.name, spec.kind, key_at(keys, geo.gcd, b))
+                if e is not None and e.seg_id in store.alloc.segments:
                     ids.append(e.seg_id)
-        self.alloc = A.touch_many(self.alloc, ids)
+        store.touch(ids)
 
-    def _keys(self, tokens: list[int], spec: GroupSpec) -> tuple[str, ...]:
+    def keys(self, tokens: list[int], spec: GroupSpec) -> tuple[str, ...]:
         """Chain keys of `tokens` for a group, memoised for the publish in progress."""
         k = (spec.name, len(tokens))
         if self._key_memo.get("tokens") is not tokens:
@@ -424,12 +422,8 @@ class PrefixCache(Room, Retention):
             self._key_memo[k] = chain_keys(tokens, self.geometry.gcd, spec.ctx)
         return self._key_memo[k]
 
-    def _live(self, spec: GroupSpec, keys, b: int) -> int | None:
-        """The segment holding this object on the device, if the store has one (a copy on disk is
-        re-published)."""
-        e = self.index.find(spec.name, spec.kind, key_at(keys, self.geometry.gcd, b))
-        ok = e is not None and self.alloc.state_of(e.seg_id) in (SegState.DEVICE, SegState.WRITING)
-        return e.seg_id if ok else None
+    def _keys_of(self, tokens: list[int]):
+        return lambda spec: self.keys(tokens, spec)
 
     def close(self):
         """Lets go of every page and unit the store holds (the engine drops this store); written-behind
@@ -437,19 +431,13 @@ class PrefixCache(Room, Retention):
         list stay theirs."""
         if self.disk is not None:
             self.disk.close()
-        for sid in list(self._units):
-            self._release_unit(sid)
-        self._branch_segs.clear()
-        self._sets.clear()
-        self._spare.clear()
-        self.alloc = A.init_state(self.alloc.config)
-        self.index = PrefixIndex()
+        self.store.clear()
         if self.blocks.reclaimer is self:
             self.blocks.reclaimer = None
 
     # --- figures -----------------------------------------------------------------------------------
     def cache_stats(self) -> dict:
-        s = self.stats.with_bytes(self.alloc)
+        s, counts = self.stats.with_bytes(self.alloc), self.store.counts
         return {
             "lookups": s.lookups, "hits": s.hits, "passes": s.passes, "tokens_reused": s.tokens_reused,
             "hit_rate": s.hit_rate, "validation_pass_rate": s.validation_pass_rate,
@@ -458,9 +446,9 @@ class PrefixCache(Room, Retention):
             "misses_by_group": {f"{g}:{r}": n for (g, r), n in s.misses_by_group.items()},
             "bytes_by_kind": {k.value: v for k, v in s.bytes_by_kind.items()},
             "bytes_by_group": dict(s.bytes_by_group),
-            "segments": len(self.alloc.segments), "evictions": self.evictions,
-            "reclaimed": self.reclaimed, "offloads": self.offloads,
-            "retired_checkpoints": self.retired_checkpoints, "retired_pages": self.retired_pages,
+            "segments": len(self.alloc.segments), "evictions": counts.evictions,
+            "reclaimed": counts.reclaimed, "offloads": counts.offloads,
+            "retired_checkpoints": counts.retired_checkpoints, "retired_pages": counts.retired_pages,
             "refused_publishes": self.refused_publishes,
             "tail_closes": self.tail_closes, "branch_points": self.branch_points,
             "cap_bytes": self.config.cap_bytes,
@@ -470,15 +458,15 @@ class PrefixCache(Room, Retention):
         }
 
     def num_compiled(self) -> int:
-        return self._save._cache_size() + self._load._cache_size() + (self.disk.num_compiled() if self.disk else 0)
+        """Programs compiled for the store (checkpoint save / load, the disk tier's unit read / write)."""
+        return self.store.num_compiled()
 
     def warmup(self, cache: ModelCache, row: int) -> ModelCache:
         """Compiles the checkpoint save and load programs. Every plan entry is padding, so nothing is
         stored or loaded; `row` (the engine's null row) keeps its content."""
-        save_plan = {n: np.int32(-1) for n in self._ckpt_groups}
-        cache, self.versions = self._save(cache, self.versions, np.int32(row), save_plan)
-        load_plan = {n: (np.int32(-1), np.int32(0)) for n in self._ckpt_groups}
-        cache, _ = self._load(cache, self.versions, np.int32(row), load_plan, np.int32(0))
+        ckpt = self.store.layout.ckpt_groups
+        cache = self.store.save(cache, row, {n: np.int32(-1) for n in ckpt})
+        cache, _ = self.store.load(cache, row, {n: (np.int32(-1), np.int32(0)) for n in ckpt}, 0)
         if self.disk is not None:
             cache = self.disk.warmup(cache)
         return cache

@@ -32,22 +32,20 @@ from __future__ import annotations
 import collections
 import concurrent.futures as cf
 import dataclasses
-from typing import TYPE_CHECKING, Sequence
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from cache import allocator as A
 from cache.disk_tier import DiskTier
-from cache.prefix_index import IndexEntry, chain_keys, key_at
-from cache.prefix_store import read_units, stored_fields, write_units
+from cache.prefix_index import BlockGeometry, chain_keys, key_at
+from cache.prefix_store import stored_fields
 from cache.state import ModelCache
+from cache.segment_store import Allocated, Notes, SegmentStore
 from cache.segments import SegState
 from cache.tier_entry import EntryMeta, make_key
-
-if TYPE_CHECKING:
-    from cache.prefix_cache import PrefixCache
+from cache.validation import GroupSpec
 
 POLICIES = ("best_effort", "wait", "timeout")
 
@@ -69,21 +67,37 @@ class DiskConfig:
             raise ValueError(f"disk cap_bytes and timeout_s must be positive; got {self.cap_bytes}, {self.timeout_s}")
 
 
+@dataclasses.dataclass(frozen=True)
+class SpanSetup:
+    """What the disk tier knows of its prefix cache besides the store: the groups' specs and block
+    geometry, the weights' fingerprint, the checkpoint interval (spans are interval x LCM tokens), the
+    pool fields kept in copies (`PrefixCacheConfig.copies`), the chain keys of a token list for a group
+    (the cache's memo) and where warnings go."""
+    specs: tuple[GroupSpec, ...]
+    geometry: BlockGeometry
+    fingerprint: str
+    checkpoint_interval: int
+    copies: tuple[tuple[str, str, int, int], ...]
+    keys: Callable[[list[int], GroupSpec], tuple[str, ...]]
+    notes: Notes
+
+
 class DiskSpans:
-    def __init__(self, pc: "PrefixCache", cache: ModelCache, config: DiskConfig):
-        """cache: the engine's pools (for the shapes of what a span holds)."""
-        self.pc, self.config = pc, config
+    def __init__(self, store: SegmentStore, setup: SpanSetup, cache: ModelCache, config: DiskConfig):
+        """store: the prefix store (the disk tier goes through its public methods only); cache: the
+        engine's pools (for the shapes of what a span holds)."""
+        self.store, self.setup, self.config = store, setup, config
         # group -> field -> (unit axis, shape, dtype) of the pool arrays a stored object is made of
         self._layout = {n: {f: (ax, getattr(g, f).shape, getattr(g, f).dtype) for f, ax in stored_fields(g).items()}
                         for n, g in cache.groups.items()}
         # group -> field -> (axis, r): the pool keeps r copies of each entry along axis; a span one
         self._copies = {n: {} for n in self._layout}
-        for n, f, axis, r in pc.config.copies:
+        for n, f, axis, r in setup.copies:
             self._copies[n][f] = (axis, r)
         # span keys: every group's chain without the layout (what a span holds is the same in all)
-        self._ctx = {s.name: dataclasses.replace(s.ctx, sharding="") for s in pc.specs}
-        self.tier = DiskTier(config.directory, config.cap_bytes, fingerprint=pc.config.fingerprint)
-        self.span = pc.config.checkpoint_interval * pc.geometry.lcm
+        self._ctx = {s.name: dataclasses.replace(s.ctx, sharding="") for s in setup.specs}
+        self.tier = DiskTier(config.directory, config.cap_bytes, fingerprint=setup.fingerprint)
+        self.span = setup.checkpoint_interval * setup.geometry.lcm
         self._writer = cf.ThreadPoolExecutor(1, thread_name_prefix="prefix-disk-writer")
         self._written: dict[str, cf.Future] = {}           # span key -> put future (True once durable)
         self._seg_spans: dict[int, set[str]] = collections.defaultdict(set)
@@ -92,8 +106,6 @@ class DiskSpans:
         self.spans_restored = 0
         self.tokens_restored = 0
         self.skipped_writes = 0            # spans not written because the tier's writes were off
-        self._read = jax.jit(read_units)
-        self._write = jax.jit(write_units, donate_argnames=("pools", "versions"))
 
     # --- geometry ----------------------------------------------------------------------------------
     def start(self, b: int) -> int:
@@ -109,16 +121,16 @@ class DiskSpans:
     def _group_keys(self, tokens: Sequence[int]) -> dict[str, tuple[str, ...]]:
         """Every group's chain keys in the device store (with the layout)."""
         toks = list(tokens)
-        return {s.name: self.pc._keys(toks, s) for s in self.pc.specs}
+        return {s.name: self.setup.keys(toks, s) for s in self.setup.specs}
 
     def _span_keys(self, tokens: Sequence[int]) -> dict[str, tuple[str, ...]]:
         """Every group's chain keys without the layout, which span keys are made of."""
         toks = list(tokens)
-        return {n: chain_keys(toks, self.pc.geometry.gcd, ctx) for n, ctx in self._ctx.items()}
+        return {n: chain_keys(toks, self.setup.geometry.gcd, ctx) for n, ctx in self._ctx.items()}
 
     def key(self, keys: dict[str, tuple[str, ...]], b: int) -> str:
         """The key of the span ending at b, from `_span_keys`."""
-        gcd = self.pc.geometry.gcd
+        gcd = self.setup.geometry.gcd
         return make_key("prefix-span", *(key_at(keys[n], gcd, b) for n in sorted(keys)))
 
     def _logical(self, name: str, f: str, a: np.ndarray) -> np.ndarray:
@@ -137,7 +149,7 @@ class DiskSpans:
         checkpoint group: the checkpoint at b, e.g. [L, ...], a tail's count [])."""
         s = self.start(b)
         abi, dtypes, shapes = {}, {}, {}
-        for spec in self.pc.specs:
+        for spec in self.setup.specs:
             for f, (ax, shape, dtype) in self._layout[spec.name].items():
                 n = f"{spec.name}-{f}"
                 lead = () if spec.is_checkpoint else ((b - s) // spec.block_size,)
@@ -147,7 +159,7 @@ class DiskSpans:
                     shape[axis] //= r
                 shapes[n] = tuple(shape[:ax]) + lead + tuple(shape[ax + 1:])
                 dtypes[n], abi[n] = np.dtype(dtype).name, spec.ctx.abi_id
-        return EntryMeta(fingerprint=self.pc.config.fingerprint, abi=abi, dtypes=dtypes, shapes=shapes, start=s, end=b)
+        return EntryMeta(fingerprint=self.setup.fingerprint, abi=abi, dtypes=dtypes, shapes=shapes, start=s, end=b)
 
     def _objects(self, spec, b: int) -> list[int]:
         """Block ends (or the checkpoint boundary) a span ending at b holds for a group."""
@@ -168,22 +180,22 @@ class DiskSpans:
             self.skipped_writes += 1
             return
         plan, cols, sids = {}, {}, []
-        for spec in self.pc.specs:
+        store, gcd = self.store, self.setup.geometry.gcd
+        for spec in self.setup.specs:
             slots = []
             for e in self._objects(spec, b):
-                ent = self.pc.index.find(spec.name, spec.kind, key_at(keys[spec.name], self.pc.geometry.gcd, e))
-                seg = None if ent is None else self.pc.alloc.segments.get(ent.seg_id)
+                seg = store.segment_at(spec, key_at(keys[spec.name], gcd, e))
                 if seg is None or seg.state is not SegState.DEVICE:
                     return
-                slots.append(self.pc._units[seg.id][1])
+                slots.append(store.unit(seg.id))
                 sids.append(seg.id)
-            W = self.pc._width[spec.name]
+            W = store.layout.width[spec.name]
             p = np.full((W,), -1, np.int32)
             p[:len(slots)] = slots
             plan[spec.name], cols[spec.name] = jnp.asarray(p), len(slots)
-        data = jax.device_get(self._read(cache, plan))
+        data = jax.device_get(store.read_units(cache, plan))
         arrays = {}
-        for spec in self.pc.specs:
+        for spec in self.setup.specs:
             for f, a in data[spec.name].items():
                 ax = self._layout[spec.name][f][0]
                 a = self._logical(spec.name, f, np.take(a, np.arange(cols[spec.name]), axis=ax))
@@ -217,7 +229,7 @@ class DiskSpans:
         """The longest chain of spans on disk resuming beyond `above` tokens, leaving a token to
         compute: (span chain keys, [(end, key)] ascending) or (keys, [])."""
         keys = self._span_keys(tokens)
-        lcm = self.pc.geometry.lcm
+        lcm = self.setup.geometry.lcm
         top = ((len(tokens) - 1) // lcm) * lcm
         for b in range(top, above, -lcm):
             if self.key(keys, b) not in self.tier:
@@ -254,7 +266,7 @@ class DiskSpans:
             arrays, reason = h.result(policy, self.config.timeout_s if policy == "timeout" else None)
             if arrays is None:
                 self.reasons[reason] += 1
-                self.pc._note_once(f"disk:{reason}", f"a span on disk was not used ({reason}); its tokens are"
+                self.setup.notes.once(f"disk:{reason}", f"a span on disk was not used ({reason}); its tokens are"
                                                      f" recomputed")
                 break
             cache, ok, held = self._install(cache, keys, e, k, arrays, keep)
@@ -269,34 +281,34 @@ class DiskSpans:
     def _install(self, cache: ModelCache, keys: dict, b: int, span: str, arrays: dict[str, np.ndarray],
                  keep: frozenset[int] = frozenset()) -> tuple[ModelCache, bool, frozenset[int]]:
         """Puts one span's objects (span: its key) into fresh pages / checkpoint units: objects already
-        on the device are kept, ones the allocator knows on disk are restored (disk -> host -> device),
+        on the device are kept, ones the store knows on disk are restored (disk -> host -> device),
         others are allocated; nothing in `keep` is evicted for room. keys: the device store's chain
         keys. Returns (cache, ok, the span's segments)."""
-        pc, gcd = self.pc, self.pc.geometry.gcd
+        store, gcd = self.store, self.setup.geometry.gcd
         plan, data, new, held = {}, {}, [], set()
-        for spec in pc.specs:
-            W = pc._width[spec.name]
+        for spec in self.setup.specs:
+            W = store.layout.width[spec.name]
             slots = np.full((W,), -1, np.int32)
             layout = self._layout[spec.name]
             cols = {f: np.zeros(shape[:ax] + (W,) + shape[ax + 1:], dtype) for f, (ax, shape, dtype) in layout.items()}
             for j, e in enumerate(self._objects(spec, b)):
                 key = key_at(keys[spec.name], gcd, e)
-                ent = pc.index.find(spec.name, spec.kind, key)
-                seg = None if ent is None else pc.alloc.segments.get(ent.seg_id)
+                seg = store.segment_at(spec, key)
                 if seg is not None and seg.state is SegState.DEVICE:
                     continue
                 if seg is not None and seg.state in (SegState.DISK, SegState.HOST) and seg.ref_count == 0:
-                    if not pc.restore_segment(seg.id, keep | held):
+                    if not store.restore(seg.id, keep | held):
                         return cache, self._undo(new, held), frozenset()
                     sid = seg.id
                 else:
-                    sid = pc._allocate(spec, e, protect=keep | held)
+                    sid = store.allocate(spec, e, protect=keep | held)
                     if sid is None:
                         return cache, self._undo(new, held), frozenset()
-                    new.append((spec, sid, e, key))
+                    new.append(Allocated(spec, sid, e, key))
                 held.add(sid)
-                pc.alloc = A.retain(pc.alloc, sid) if pc.alloc.get(sid).state is SegState.DEVICE else pc.alloc
-                slots[j] = pc._units[sid][1]
+                if store.alloc.get(sid).state is SegState.DEVICE:
+                    store.retain([sid])
+                slots[j] = store.unit(sid)
                 for f, (ax, _, _) in layout.items():
                     src = arrays[f"{spec.name}-{f}"]
                     dst = cols[f].swapaxes(0, ax)           # unit axis first (a view)
@@ -304,36 +316,27 @@ class DiskSpans:
                     dst[j] = self._placed(spec.name, f, np.expand_dims(one, ax))[(slice(None),) * ax + (0,)]
                 self._seg_spans[sid].add(span)
             plan[spec.name], data[spec.name] = jnp.asarray(slots), cols
-        cache, pc.versions = self._write(cache, pc.versions, plan, data)
-        for name, v in pc._unit_version.items():
-            for unit in np.asarray(plan[name]):
-                if unit >= 0:
-                    v[unit] += 1
-        for sid in held:
-            if pc.alloc.get(sid).ref_count:
-                pc.alloc = A.release(pc.alloc, sid)
-        for spec, sid, e, key in new:
-            pc.alloc = A.commit(pc.alloc, sid)
-            pc._index_insert(IndexEntry(spec.name, spec.kind, key, e, sid))
+        cache = store.write_units(cache, plan, data)
+        store.release([sid for sid in held if store.alloc.get(sid).ref_count])
+        for a in new:
+            store.commit(a)
         if span not in self._written:       # it is on disk: offloading these segments again is free
             f = cf.Future()
             f.set_result(True)
             self._written[span] = f
         return cache, True, frozenset(held)
 
-    def _undo(self, new, held) -> bool:
+    def _undo(self, new: list[Allocated], held: set[int]) -> bool:
         """A span that cannot be installed: new segments are aborted, restored ones (their units hold
         nothing yet) freed. Returns False."""
-        pc = self.pc
-        fresh = {sid for _, sid, _, _ in new}
+        store = self.store
+        fresh = {a.sid for a in new}
         for sid in held:
-            if pc.alloc.get(sid).ref_count:
-                pc.alloc = A.release(pc.alloc, sid)
+            if store.alloc.get(sid).ref_count:
+                store.release([sid])
             if sid not in fresh:
-                before = pc.alloc
-                pc.alloc = A.evict(pc.alloc, sid)
-                pc._reclaim(before)
-        pc._abort(sorted(fresh))
+                store.evict([sid])
+        store.abort(sorted(fresh))
         return False
 
     def forget(self, request_id: str):
@@ -359,13 +362,10 @@ class DiskSpans:
         """Compiles the unit read and write (all padding: nothing moves), and reads one stored span if
         there is any, so the first disk hit does not pay Orbax's start-up."""
         self.tier.warm()
-        pc = self.pc
-        plan = {n: jnp.full((w,), -1, jnp.int32) for n, w in pc._width.items()}
-        jax.block_until_ready(self._read(cache, plan))
-        data = {n: {f: jnp.zeros(shape[:ax] + (pc._width[n],) + shape[ax + 1:], dtype)
-                    for f, (ax, shape, dtype) in self._layout[n].items()} for n in pc._width}
-        cache, pc.versions = self._write(cache, pc.versions, plan, data)
-        return cache
-
-    def num_compiled(self) -> int:
-        return self._read._cache_size() + self._write._cache_size()
+        store = self.store
+        width = store.layout.width
+        plan = {n: jnp.full((w,), -1, jnp.int32) for n, w in width.items()}
+        jax.block_until_ready(store.read_units(cache, plan))
+        data = {n: {f: jnp.zeros(shape[:ax] + (width[n],) + shape[ax + 1:], dtype)
+                    for f, (ax, shape, dtype) in self._layout[n].items()} for n in width}
+        return store.write_units(cache, plan, data)

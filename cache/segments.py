@@ -106,7 +106,7 @@ class Segment:
     writer_abi: str = ""
     writer_layout: str = "replicated"   # the mesh layout its bytes were written in (parallel.Layout.key)
     nbytes: int = 0
-    hits: int = 0                # prefix hits that read it (retention: cache.allocator.eviction_order)
+    hits: int = 0                # prefix hits that read it (retention: cache.segment_allocator.eviction_order)
 
     def __post_init__(self):
         if not isinstance(self.kind, Kind):

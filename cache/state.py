@@ -230,21 +230,10 @@ def bytes_per_token(cache: ModelCache, new_cache=None) -> dict[str, float]:
 
     new_cache (optional): `(batch_size, capacity) -> ModelCache` of the same model. With it, the growth is
     measured from the pytrees themselves (cache/accounting.py: `jax.eval_shape` at two capacities, by
-    leaves, for every group type). Without it, each group's own `bytes_per_token()` is used where it
-    declares one; else leaves with a token axis of `group.capacity` slots ([L, B, S, ...], e.g. KVGroup)
-    grow; a group with neither (e.g. RecurrentGroup) is fixed per row."""
+    leaves, for every group type). Without it, each group's own `bytes_per_token()` (cache.group.CacheGroup:
+    a paged group's page bytes per token, 0 for state fixed per row such as RecurrentGroup)."""
     if new_cache is not None:
         from cache.accounting import measure  # noqa: PLC0415  (accounting builds on this module)
         acc = measure(new_cache)
         return {name: acc.groups[name].per_token for name in cache.groups}
-    res = {}
-    for name, g in cache.groups.items():
-        if callable(getattr(g, "bytes_per_token", None)):
-            res[name] = float(g.bytes_per_token())
-        elif isinstance(getattr(g, "capacity", None), int):
-            S = g.capacity
-            grow = [x for x in jax.tree_util.tree_leaves(g) if x.ndim >= 3 and x.shape[2] == S]
-            res[name] = float(sum(leaf_nbytes(x) // (x.shape[1] * S) for x in grow))
-        else:
-            res[name] = 0.0
-    return res
+    return {name: float(g.bytes_per_token()) for name, g in cache.groups.items()}

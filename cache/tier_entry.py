@@ -1,4 +1,4 @@
-"""What the host and disk tiers of the prefix cache store: entry metadata, keys, checksums, prefetch handles.
+"""What the disk tier of the prefix cache stores: entry metadata, keys, checksums, prefetch handles.
 
 A tier entry is one cached prefix object (a block of KV pages, an MLA latent, indexer keys, a
 recurrent-state checkpoint, an SWA window, ...) as a flat dict of numpy arrays, name -> array, plus
@@ -10,7 +10,7 @@ Keys are prefix-chain hashes (lowercase hex, see cache.prefix_index.block_key). 
 names directories by key, so `validate_key` is strict: nothing a request sends can become a path.
 `make_key` turns several strings (a chain key, a group name, a kind) into one such key.
 
-`PrefetchHandle` is what `prefetch` returns in both tiers: the load runs on a thread pool; the
+`PrefetchHandle` is what the disk tier's `prefetch` returns: the load runs on a thread pool; the
 caller chooses at `result` time how long it is willing to wait (policy "best_effort" / "wait" /
 "timeout").
 """

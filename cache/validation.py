@@ -29,7 +29,7 @@ import dataclasses
 import types
 from typing import Mapping, Sequence
 
-from cache.allocator import AllocState, bytes_by_group, bytes_by_kind
+from cache.segment_allocator import AllocState, bytes_by_group, bytes_by_kind
 from cache.prefix_index import BlockGeometry, IndexEntry, KeyContext, PrefixIndex, block_geometry, chain_keys, key_at
 from cache.segments import CHECKPOINT_KINDS, SERVABLE_STATES, Kind, SegState
 
@@ -165,6 +165,24 @@ def _what(kind: Kind, b: int, geo: BlockGeometry, spec: GroupSpec) -> str:
     return f"its {kind.value} block ending at {b}"
 
 
+def _check_writers(groups: Sequence[GroupSpec], found: dict, state: AllocState, top: int, hashed: int,
+                   matched: int) -> HitResult | None:
+    """Check 2: the miss of the first object up to `top` written by another ABI or mesh layout than the
+    reader's, or None."""
+    for g in groups:
+        for (kind, b), e in sorted(found[g.name].items(), key=lambda kv: kv[0][1]):
+            seg = state.segments.get(e.seg_id)
+            if b <= top and seg is not None and seg.writer_abi != g.ctx.abi_id:
+                return _miss("abi_mismatch", f"group {g.name!r}: {seg.describe()} was written by ABI"
+                                             f" {seg.writer_abi!r}, reader uses {g.ctx.abi_id!r}", hashed, g.name,
+                             matched)
+            if b <= top and seg is not None and seg.writer_layout != g.ctx.sharding:
+                return _miss("sharding", f"group {g.name!r}: {seg.describe()} was written in layout"
+                                         f" {seg.writer_layout!r}, reader uses {g.ctx.sharding!r}", hashed, g.name,
+                             matched)
+    return None
+
+
 def check_hit(tokens: Sequence[int], groups: Sequence[GroupSpec], index: PrefixIndex, state: AllocState, *,
               need_logits: bool = True, servable: frozenset[SegState] = SERVABLE_STATES) -> HitResult:
     """Checks 1-4 against the allocator state at check time. tokens: the request's prompt ids;
@@ -175,8 +193,7 @@ def check_hit(tokens: Sequence[int], groups: Sequence[GroupSpec], index: PrefixI
     if len(set(names)) != len(names):
         raise ValueError(f"group names must be unique, got {names}")
     geo = block_geometry({g.name: g.block_size for g in groups}, partial=[g.name for g in groups if g.partial])
-    limit = len(tokens) - 1 if need_logits else len(tokens)
-    limit = max(limit, 0)
+    limit = max(len(tokens) - 1 if need_logits else len(tokens), 0)
     found = {}
     for g in groups:
         keys = chain_keys(tokens, geo.gcd, g.ctx)
@@ -193,17 +210,9 @@ def check_hit(tokens: Sequence[int], groups: Sequence[GroupSpec], index: PrefixI
         return _miss("coverage", f"hashed hit of {hashed} tokens (usable {min(hashed, limit)}) covers no whole"
                                  f" block of the {geo.resume}-token resume grid", hashed, matched=matched)
     # 2. ABI and mesh layout of the writer == the reader's, for every object the hit would draw on
-    for g in groups:
-        for (kind, b), e in sorted(found[g.name].items(), key=lambda kv: kv[0][1]):
-            seg = state.segments.get(e.seg_id)
-            if b <= top and seg is not None and seg.writer_abi != g.ctx.abi_id:
-                return _miss("abi_mismatch", f"group {g.name!r}: {seg.describe()} was written by ABI"
-                                             f" {seg.writer_abi!r}, reader uses {g.ctx.abi_id!r}", hashed, g.name,
-                             matched)
-            if b <= top and seg is not None and seg.writer_layout != g.ctx.sharding:
-                return _miss("sharding", f"group {g.name!r}: {seg.describe()} was written in layout"
-                                         f" {seg.writer_layout!r}, reader uses {g.ctx.sharding!r}", hashed, g.name,
-                             matched)
+    refused = _check_writers(groups, found, state, top, hashed, matched)
+    if refused is not None:
+        return refused
     # 3. multi-group intersection: the longest boundary every group can resume from
     def lacking(g: GroupSpec, boundary: int) -> str | None:
         """Why the group cannot resume at `boundary` (None: it can)."""

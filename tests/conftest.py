@@ -147,7 +147,7 @@ def zero_stored_objects(engine):
     import jax.numpy as jnp  # noqa: PLC0415
     from cache.prefix_store import stored_fields  # noqa: PLC0415
     units: dict[str, list[int]] = {}
-    for g, u in engine.prefix._units.values():
+    for g, u in engine.prefix.store.units.values():
         units.setdefault(g, []).append(u)
     cache = engine.runner.cache
     groups = dict(cache.groups)

@@ -31,6 +31,8 @@ class EngineConfig:
                                                # on which hits resume inside full-KV / MLA pages (None: the
                                                # GCD of prefix_block_size and 16; docs/architecture.md)
     prefix_cache_bytes: int | None = None  # the prefix store's cap (None: kv_cache_bytes)
+    prefix_publish_chunk_ends: bool = False  # also publish, as spares, the LCM points inside a prompt where a
+                                             # prefill chunk ends anyway (a branching prompt resumes there)
     kv_cache_dir: str | None = None      # on-disk prefix tier (needs enable_prefix_caching)
     kv_cache_dir_bytes: int = 8 << 30    # the disk tier's own cap
     prefetch_policy: str = "wait"        # disk prefetch at admission: "best_effort" | "wait" | "timeout"

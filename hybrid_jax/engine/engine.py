@@ -84,7 +84,7 @@ class LLMEngine:
         self.runner.blocks = blocks
         self.spec = self._speculator() if c.speculative_config else None
         prefix = (PrefixManager(self.runner, self._store_settings(), self._disk_config(), blocks, self.metrics,
-                                c.run_to_completion) if c.enable_prefix_caching else None)
+                                c.run_to_completion, c.prefix_publish_chunk_ends) if c.enable_prefix_caching else None)
         k_max = self.spec.spec.num_speculative_tokens + 1 if self.spec is not None else 1
         # pages a decoding request gets ahead of its writes: a decode call's tokens or a verify's
         # K + 1, or (run_to_completion) everything up to its max_tokens

@@ -32,10 +32,10 @@ class PrefixManager:
     cap included); disk: the disk tier's, or None; blocks: the scheduler's block manager."""
 
     def __init__(self, runner, settings: PrefixCacheConfig, disk: DiskConfig | None, blocks: BlockManager,
-                 metrics: EngineMetrics, run_to_completion: bool):
+                 metrics: EngineMetrics, run_to_completion: bool, publish_chunk_ends: bool = False):
         self.runner, self.settings, self.disk_config, self.metrics = runner, settings, disk, metrics
         self.run_to_completion = run_to_completion
-        self.points = PublishPoints()                  # where each request publishes its prefix
+        self.points = PublishPoints(publish_chunk_ends)   # where each request publishes its prefix
         self.pending: list[Publish] = []               # publishes queued by the last step read back
         self.releasing: list[Request] = []             # finished, row and pages given back after `pending`
         self.store = PrefixCache(runner.cache, settings, blocks, disk=disk)

@@ -31,7 +31,11 @@ class Publish:
 
 
 class PublishPoints:
-    def __init__(self):
+    def __init__(self, chunk_ends: bool = False):
+        """chunk_ends: also publish, as spares, the LCM-grid points inside a prompt where a prefill chunk
+        ends anyway (the token budget cut it there): a later prompt that branches off further along
+        resumes there rather than at an earlier checkpoint, and no chunk is cut for it."""
+        self.chunk_ends = chunk_ends
         self._stops: dict[str, tuple[int, ...]] = {}   # request -> publish points of its prefill
         self._branches: dict[str, int] = {}             # request -> its branch point (`admitted`)
         self.decode_publishes = 0                       # publishes of decoded tokens (`reached`)
@@ -68,11 +72,12 @@ class PublishPoints:
             if not self.due(prefix, q):
                 continue
             prompt_point = b in self.points(prefix, q)
-            decoded = not prompt_point
+            passing = not prompt_point and b < len(q.prompt_ids)      # a chunk end inside the prompt
+            decoded = not prompt_point and not passing
             self.decode_publishes += int(decoded)
             ids = q.all_ids + [int(t) for t in row if t >= 0]   # the first b were fed to the model
             branch = self._branches.get(q.request_id) == b
-            spare = prompt_point and not branch and b == prefix.spare_point(len(q.prompt_ids))
+            spare = passing or (prompt_point and not branch and b == prefix.spare_point(len(q.prompt_ids)))
             keep = len(q.prompt_ids) // grid * grid if decoded else 0
             keep = keep if keep > q.num_cached_tokens else 0     # one it published itself
             out.append(Publish(q.slot, q.request_id, ids, b, branch, decoded, spare, keep))
@@ -84,7 +89,9 @@ class PublishPoints:
         b = q.num_computed
         if q.slot is None or b <= 0:
             return False
-        return b in self.points(prefix, q) or (b > len(q.prompt_ids) and b % prefix.geometry.resume == 0)
+        passing = (self.chunk_ends and q.num_cached_tokens < b < len(q.prompt_ids) and b % prefix.geometry.lcm == 0)
+        return (b in self.points(prefix, q) or passing
+                or (b > len(q.prompt_ids) and b % prefix.geometry.resume == 0))
 
     def decode_caps(self, prefix: PrefixCache, reqs, run_to_completion: bool) -> list[int]:
         """Per request, the most tokens a plain decode call may sample for it so that it stops on its

@@ -19,6 +19,8 @@ import time
 import numpy as np
 import pytest
 
+import cache.disk_directory as disk_directory
+import cache.disk_entry as disk_entry
 import cache.disk_tier as disk_tier
 from cache.disk_tier import DISK_REASONS, DiskTier
 from cache.tier_entry import EntryMeta, make_key
@@ -92,6 +94,12 @@ def test_the_key_is_inside_the_seal(tmp_path):
 
 # ---- 2. a directory that cannot be written -------------------------------------------------------
 
+def use_os(monkeypatch, fake) -> None:
+    """Every module of the disk tier (cache.disk_tier, disk_directory, disk_entry) sees `fake` as `os`."""
+    for m in (disk_tier, disk_directory, disk_entry):
+        monkeypatch.setattr(m, "os", fake)
+
+
 class ReadOnlyOS:
     """The `os` module as a read-only (code=EROFS) or full (code=ENOSPC) file system shows it: every
     call that would write raises OSError(code); reads pass through."""
@@ -141,7 +149,7 @@ def test_a_read_only_directory_at_open_serves_what_it_holds_and_writes_nothing(t
         assert t.put(k0, arrays, meta) and t.put(bad, arrays, meta)
         os.truncate(data_file(t, bad), 10)
     ro = ReadOnlyOS(errno.EROFS)
-    monkeypatch.setattr(disk_tier, "os", ro)
+    use_os(monkeypatch, ro)
     with DiskTier(tmp_path, 10**8, fingerprint=FP) as t:               # today: OSError out of open
         assert [r.getMessage() for r in warnings_()] == [
             f"prefix cache disk tier {t.directory}: open: EROFS: Read-only file system; writes to it are off; "
@@ -238,7 +246,7 @@ def test_every_write_path_failing_mid_serve_never_raises(tmp_path, monkeypatch, 
     with DiskTier(tmp_path, 10**8, fingerprint=FP, retry_s=1e-3) as t:
         assert t.put(k[0], a0, meta) and t.put(k[1], a0, meta)
         os.truncate(data_file(t, k[1]), 10)
-        monkeypatch.setattr(disk_tier, "os", ReadOnlyOS(code))
+        use_os(monkeypatch, ReadOnlyOS(code))
         assert t.get(k[1], meta) == (None, "disk_truncated")   # today: OSError out of the delete's lock
         time.sleep(0.002)
         assert t.get(k[1], meta) == (None, "disk_truncated")   # still there, still refused
@@ -253,7 +261,7 @@ def test_every_write_path_failing_mid_serve_never_raises(tmp_path, monkeypatch, 
         assert s["write_faults_by_op"] == {"delete": 3, "touch": 1, "lock": 1}, s
         assert s["writable"] is False and s["write_fault"] == f"delete: {errno.errorcode[code]}: {os.strerror(code)}"
         assert s["hits"] == 1 and s["misses_by_reason"] == {"disk_truncated": 2}
-        monkeypatch.setattr(disk_tier, "os", os)
+        use_os(monkeypatch, os)
         time.sleep(0.002)
         assert t.put(k[3], a0, meta) and t.stats()["writable"] is True
         assert t.get(k[1], meta) == (None, "disk_truncated") and k[1] not in t   # now deleted

@@ -17,7 +17,7 @@ import pytest
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 
-from cache import allocator as A
+from cache import segment_allocator as A
 from cache.prefix_index import IndexEntry, KeyContext, PrefixIndex, block_geometry, chain_keys, checkpoint_boundaries, key_at
 from cache.segments import SERVABLE_STATES, Kind, SegState
 from cache.validation import CacheStats, GroupSpec, check_hit, confirm_at_use

@@ -5,7 +5,7 @@ import dataclasses
 
 import pytest
 
-from cache import allocator as A
+from cache import segment_allocator as A
 from cache.prefix_index import IndexEntry, KeyContext, PrefixIndex, block_geometry, chain_keys, checkpoint_boundaries, key_at
 from cache.segments import Kind, SegState
 from cache.validation import CacheStats, GroupSpec, check_hit, confirm_at_use, validate_hit

@@ -144,8 +144,7 @@ def test_a_directory_that_turns_read_only_mid_serve_changes_no_output(base, tmp_
     requests in flight and after finish with the tokens of a run without any cache, writes go off
     with one warning and spans are no longer even copied to the host; the store reopened on the
     read-only directory (reset) starts with writes off and still restores what was written before."""
-    import cache.disk_tier as disk_tier
-    from tests.cache.test_disk_tier_faults import ReadOnlyOS
+    from tests.cache.test_disk_tier_faults import ReadOnlyOS, use_os
     caplog.set_level(logging.WARNING, logger="cache.disk_tier")
     eng = LLMEngine(base, EngineConfig(max_model_len=256, kv_cache_dir=str(tmp_path / "kv"), prefix_cache_bytes=150_000,
                                        **ENGINE))
@@ -154,7 +153,7 @@ def test_a_directory_that_turns_read_only_mid_serve_changes_no_output(base, tmp_
     assert _one_by_one(eng, prompts[:1]) == want[:1]
     written = eng.cache_stats()["disk"]["writes"]
     assert written > 0 and eng.cache_stats()["disk"]["writable"] is True
-    monkeypatch.setattr(disk_tier, "os", ReadOnlyOS(errno.EROFS))
+    use_os(monkeypatch, ReadOnlyOS(errno.EROFS))
     outs = eng.generate([{"prompt_token_ids": p} for p in prompts[1:]], SP)   # in flight together
     assert [o.token_ids for o in outs] == want[1:]
     eng.step()

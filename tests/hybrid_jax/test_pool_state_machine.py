@@ -39,7 +39,7 @@ def check_units(eng):
     bm, pc = eng.blocks, eng.prefix
     bm.check()
     held = {}
-    for g, u in pc._units.values():
+    for g, u in pc.store.units.values():
         held[(g, u)] = held.get((g, u), 0) + 1
     assert all(n == 1 for n in held.values()), "the store holds a unit twice"
     for name, geo in bm.groups.items():
@@ -117,7 +117,7 @@ def _machine(eng, seen):
             eng.flush_publishes()
             check_units(eng)
             assert not eng.blocks.tables and eng.blocks.free_rows() == eng.blocks.num_rows
-            store = {(g, u) for g, u in eng.prefix._units.values()}
+            store = {(g, u) for g, u in eng.prefix.store.units.values()}
             for name, geo in eng.blocks.groups.items():
                 in_use = {(name, u) for u in range(geo.first_unit, geo.first_unit + geo.num_units)
                           if eng.blocks.refcount(name, u)}

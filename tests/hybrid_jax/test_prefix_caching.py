@@ -154,7 +154,7 @@ def test_version_changed_between_check_and_use_is_not_read(qwen, eng):
     pc = eng.prefix
 
     def concurrent_write():
-        pc.versions = {n: v + 1 for n, v in pc.versions.items()}
+        pc.store.versions = {n: v + 1 for n, v in pc.store.versions.items()}
         pc.between_check_and_use = None
     pc.between_check_and_use = concurrent_write
     assert eng.generate([{"prompt_token_ids": prompts[1]}], SP)[0].token_ids == want[1]
@@ -207,7 +207,7 @@ def test_a_hit_shares_pages_and_copies_only_checkpoints(qwen, eng):
     finally:
         eng.blocks.release_request("probe")
     kv = eng.runner.cache.groups["full_attention"]
-    hlo = pc._load.lower(eng.runner.cache, pc.versions, jnp.int32(0), plan, jnp.int32(n)).compile().as_text()
+    hlo = pc.store.load_program.lower(eng.runner.cache, pc.versions, jnp.int32(0), plan, jnp.int32(n)).compile().as_text()
     assert cache_materializations(hlo, [kv.k, kv.v]) == []
 
 

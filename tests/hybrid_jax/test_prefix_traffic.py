@@ -61,6 +61,20 @@ def test_third_request_resumes_at_the_branch_point(qwen):
     assert [_one(plain, p).num_cached_tokens for p in prompts] == [0, 0, 0]
 
 
+def test_chunk_ends_inside_a_prompt_are_published_as_spares(qwen):
+    """prefix_publish_chunk_ends: the first request's prefill chunks (32 tokens of budget) end at 32, 64
+    and 96 inside its prompt; those grid points are published as spares, so the second request, which
+    shares 100 tokens with it, resumes at 96 at once (without them it misses: the test above). No chunk
+    is cut for them, and the tokens are those of no caching."""
+    eng = _engine(qwen, prefix_publish_chunk_ends=True)
+    rng = np.random.default_rng(0)
+    system = rng.integers(1, 211, 100).tolist()
+    prompts = [system + rng.integers(1, 211, 20).tolist() for _ in range(3)]
+    reqs = [_one(eng, p) for p in prompts]
+    assert [r.num_cached_tokens for r in reqs] == [0, 96, 96]
+    assert [r.output_ids for r in reqs] == [_greedy(qwen, p) for p in prompts]
+
+
 @pytest.mark.parametrize("mode", ["serving", "offline"])
 def test_next_turn_resumes_after_the_answer(qwen, mode):
     """Turn 1: a 40-token prompt and 30 tokens of answer, so 69 tokens go through the model; the
@@ -149,7 +163,7 @@ def test_a_branch_point_that_serves_many_outlives_one_off_prefixes(qwen, monkeyp
     """Under a small cap, a shared system prompt's branch point (hit by several requests) and its pages
     survive a run of unrelated prompts published after them, so the next request of the family still
     resumes there; with plain LRU (no credit for hits) they are the first to go."""
-    from cache import allocator as A  # noqa: PLC0415
+    from cache import segment_allocator as A  # noqa: PLC0415
     if not credit:
         monkeypatch.setattr(A, "HIT_CREDIT_CAP", 0)
     eng = _engine(qwen, prefix_cache_bytes=140_000)
@@ -187,10 +201,10 @@ def test_conversations_resume_after_each_answer_inside_pages(qwen, monkeypatch, 
     beside it; and with every unit in use a turn's publishes take the units of the checkpoints its own
     chain supersedes. Taking the least recently used unit instead takes another conversation's (the
     next one to come back), and later turns miss."""
-    from cache import allocator as A  # noqa: PLC0415
-    from cache.prefix_cache import PrefixCache  # noqa: PLC0415
+    from cache import segment_allocator as A  # noqa: PLC0415
+    from cache.prefix_retention import RetentionPolicy  # noqa: PLC0415
     if victims == "lru":
-        monkeypatch.setattr(PrefixCache, "_victims", lambda self: A.eviction_order(self.alloc))
+        monkeypatch.setattr(RetentionPolicy, "victims", lambda self, alloc: A.eviction_order(alloc))
     eng = _engine(qwen, prefix_block_size=64, prefix_checkpoint_interval=8)
     units = eng.cache_stats()["pools"]["linear_attention"]["total"]
     rng = np.random.default_rng(7)

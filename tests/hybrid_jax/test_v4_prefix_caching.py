@@ -17,7 +17,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from cache import allocator as A
+from cache import segment_allocator as A
 from cache.segments import Kind, SegState
 from conftest import zero_stored_objects
 from hybrid_jax import LLM, SamplingParams
@@ -146,12 +146,12 @@ def test_a_hit_lacking_an_object_is_refused_and_recomputed(base, eng, group, how
     assert pc.lookup(p).ok and pc.lookup(p).boundary == 128
     seg = _seg(pc, group, 128)
     if how == "evict":                           # lost alone (the store's own evictions take the whole set)
-        pc.alloc = A.evict(pc.alloc, seg.id)
-        pc._release_unit(seg.id)
-        pc.index = pc.index.prune(pc.alloc.segments)
+        pc.store.alloc = A.evict(pc.alloc, seg.id)
+        pc.store.release_unit(seg.id)
+        pc.store.index = pc.index.prune(pc.alloc.segments)
     else:                                        # offload: the bytes leave the device store
-        pc.alloc = A.transition(pc.alloc, seg.id, SegState.HOST)
-        pc._release_unit(seg.id)
+        pc.store.alloc = A.transition(pc.alloc, seg.id, SegState.HOST)
+        pc.store.release_unit(seg.id)
     miss = pc.lookup(p)
     assert not miss.ok and miss.hash_hit and miss.reason == "intersection" and miss.group == group
     assert why in miss.detail, miss.detail
@@ -174,7 +174,7 @@ def test_a_checkpoint_leaves_with_its_set(base, eng):
     ckpt = [g for g, spec in ((s.name, s) for s in pc.specs) if spec.is_checkpoint]
     ids = {g: _seg(pc, g, 128).id for g in ckpt}
     before = eng.cache_stats()["evictions"]
-    pc._drop_from_device(ids["sliding_window"])
+    pc.store.drop_from_device(ids["sliding_window"])
     left = [s for s in pc.alloc.segments.values() if s.group in ckpt and s.end == 128]
     assert left == [] and eng.cache_stats()["evictions"] - before == len(ckpt)
     assert pc.lookup(p).boundary < 128

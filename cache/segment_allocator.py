@@ -1,4 +1,8 @@
-"""Pure-functional heterogeneous cache allocator: segment records, a weighted byte cap, eviction by kind.
+"""The prefix store's segment allocator (pure-functional): segment records, a weighted byte cap, eviction by kind.
+
+It allocates *segments* (the records of what the prefix store holds: a block or a checkpoint, its
+state, range, version and reference count); the pages and units those segments live in are handed
+out by cache.block_manager.
 
 The allocator's state is an immutable value (`AllocState`); every operation returns a new one and
 leaves the old untouched, so a caller can keep the state it checked a hit against and compare it

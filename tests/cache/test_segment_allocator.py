@@ -1,9 +1,9 @@
-"""The pure-functional allocator: immutability, the weighted byte cap, eviction order, ref counts."""
+"""The pure-functional segment allocator (cache.segment_allocator): immutability, the weighted byte cap, eviction order, ref counts."""
 from __future__ import annotations
 
 import pytest
 
-from cache import allocator as A
+from cache import segment_allocator as A
 from cache.segments import IllegalTransition, Kind, SegState
 
 S = SegState
