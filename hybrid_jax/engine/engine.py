@@ -258,11 +258,12 @@ class LLMEngine:
 
     def reset_prefix_cache(self, prefix_cache_bytes: int | None = None):
         """Drops every cached prefix and the counters (optionally with a new store cap); running
-        requests keep their rows. The store's programs compile again on next use."""
+        requests keep their rows. The new store's disk tier is the one `self.config` names now. The
+        store's programs compile again on next use."""
         if self.scheduler.prefix is None:
             raise InputError("prefix caching is off: EngineConfig(enable_prefix_caching=True)")
         self.flush_publishes()
-        self.scheduler.prefix.reset(self.blocks, prefix_cache_bytes, clear_points=False)
+        self.scheduler.prefix.reset(self.blocks, prefix_cache_bytes, clear_points=False, disk=self._disk_config())
 
     def close(self):
         """Closes the prefix store (waits for the disk tier's pending writes)."""

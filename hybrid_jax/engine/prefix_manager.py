@@ -104,17 +104,20 @@ class PrefixManager:
     def prefetch(self, q: Request):
         self.store.prefetch(q.request_id, q.prompt_ids)    # a disk hit starts loading now
 
-    def reset(self, blocks: BlockManager, cap_bytes: int | None = None, clear_points: bool = True):
+    def reset(self, blocks: BlockManager, cap_bytes: int | None = None, clear_points: bool = True,
+              disk: DiskConfig | None | bool = True):
         """Drops every cached prefix and the counters: a new store (optionally with a new cap) over
         `blocks`. After a failed step the old store's pools are gone; only its disk flush matters, and
         the requests' publish points go with the requests' rows (clear_points); a reset between steps
-        keeps them."""
+        keeps them. disk: the new store's disk tier (None: none); True keeps the present one's."""
         try:
             self.store.close()
         except Exception:  # noqa: BLE001
             log.exception("closing the prefix store")
         if cap_bytes is not None:
             self.settings = dataclasses.replace(self.settings, cap_bytes=cap_bytes)
+        if disk is not True:
+            self.disk_config = disk
         self.store = PrefixCache(self.runner.cache, self.settings, blocks, disk=self.disk_config)
         if clear_points:
             self.points.clear()
