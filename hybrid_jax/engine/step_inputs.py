@@ -22,9 +22,12 @@ from hybrid_jax.engine.request import attributed
 LOGPROBS_WIDTH = 20      # top log-probabilities computed when any request of a step asks for them
 
 
+# The fields flatten in the order the dict these rows replaced did (sorted keys; "fresh" was "mtp_fresh"),
+# so every step program keeps its parameter order: XLA:CPU fuses a reordered program differently, and
+# the float32 sums moved by ~1e-5 (tests/hybrid_jax/test_eval.py compares cached and uncached scores).
 @functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=("rows", "tables", "lengths", "steps", "seeds", "temperature", "top_k", "top_p",
-                                "from_dev", "fresh"), meta_fields=())
+                   data_fields=("from_dev", "lengths", "fresh", "rows", "seeds", "steps", "tables", "temperature",
+                                "top_k", "top_p"), meta_fields=())
 @dataclasses.dataclass(frozen=True)
 class StepRows:
     """A step's per-row inputs, padded to the batch bucket Bb (numpy on the host, traced in a step).
