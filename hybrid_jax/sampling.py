@@ -14,6 +14,13 @@ import jax.numpy as jnp
 from hybrid_jax.errors import InputError
 
 
+MAX_LOGIT_BIAS = 300      # entries of one request's logit_bias (OpenAI's limit)
+
+
+def _real(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v and abs(v) != float("inf")
+
+
 @dataclasses.dataclass
 class SamplingParams:
     """vLLM's sampling parameters. `logprobs=n` returns the sampled token's log-probability and the
@@ -29,6 +36,18 @@ class SamplingParams:
     ignore_eos: bool = False
     stop: list[str] = dataclasses.field(default_factory=list)
     logprobs: int | None = None
+    # logits processors (applied on the device before temperature and the filters; `logprobs` stays the
+    # model's own distribution): penalties on tokens already generated (presence: once, frequency: per
+    # occurrence; OpenAI's) and on tokens of the prompt or the output (repetition: logits > 0 divided by
+    # it, < 0 multiplied; 1 = off; the CTRL paper's, as vLLM and transformers apply it)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0            # drop tokens whose probability is under min_p x the most likely's
+    min_tokens: int = 0           # no stop token id (nor EOS) and no stop string before this many tokens
+    logit_bias: dict[int, float] | None = None   # token id -> added to its logit, in [-100, 100]
+    include_stop_str_in_output: bool = False     # a stop string that ends the output stays in its text
+    prompt_logprobs: int | None = None   # per prompt token (after the first): its logprob and the top n
 
     def __post_init__(self):
         self.validate()
@@ -60,6 +79,52 @@ class SamplingParams:
         bad = [t for t in self.stop_token_ids if not isinstance(t, int) or t < 0]
         if bad:
             raise InputError(f"stop_token_ids must be non-negative integers; got {bad}")
+        self._validate_processors()
+
+    def _validate_processors(self):
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not _real(v) or not -2.0 <= v <= 2.0:
+                raise InputError(f"{name} must be a number in [-2, 2]; got {v!r}")
+        if not _real(self.repetition_penalty) or not 0.0 < self.repetition_penalty <= 100.0:
+            raise InputError(f"repetition_penalty must be a number in (0, 100] (1 is off); got "
+                             f"{self.repetition_penalty!r}")
+        if not _real(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise InputError(f"min_p must be a number in [0, 1]; got {self.min_p!r}")
+        if not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool) or \
+                not 0 <= self.min_tokens <= self.max_tokens:
+            raise InputError(f"min_tokens must be an integer in [0, max_tokens = {self.max_tokens}]; got "
+                             f"{self.min_tokens!r}")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise InputError(f"logit_bias must map token ids to numbers; got {self.logit_bias!r}")
+            if len(self.logit_bias) > MAX_LOGIT_BIAS:
+                raise InputError(f"logit_bias has {len(self.logit_bias)} entries; at most {MAX_LOGIT_BIAS}")
+            bias = {}
+            for k, v in self.logit_bias.items():
+                try:                      # JSON keys are strings: "50256": -100
+                    t = int(k)
+                except (TypeError, ValueError):
+                    raise InputError(f"logit_bias keys must be token ids; got {k!r}") from None
+                if t < 0 or not _real(v) or not -100.0 <= v <= 100.0:
+                    raise InputError(f"logit_bias[{k!r}] must be a number in [-100, 100] for a token id >= 0; "
+                                     f"got {v!r}")
+                bias[t] = float(v)
+            self.logit_bias = bias or None
+        if not isinstance(self.include_stop_str_in_output, bool):
+            raise InputError(f"include_stop_str_in_output must be true or false; got "
+                             f"{self.include_stop_str_in_output!r}")
+        if self.prompt_logprobs is not None and (not isinstance(self.prompt_logprobs, int) or
+                                                 isinstance(self.prompt_logprobs, bool) or
+                                                 not -1 <= self.prompt_logprobs <= 20):
+            raise InputError(f"prompt_logprobs must be an integer in [0, 20], or -1 for the whole vocabulary; "
+                             f"got {self.prompt_logprobs!r}")
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether any logits processor is on (penalties, min_p, min_tokens, logit_bias)."""
+        return (self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+                or self.min_p > 0 or self.min_tokens > 0 or bool(self.logit_bias))
 
 
 @dataclasses.dataclass(frozen=True)

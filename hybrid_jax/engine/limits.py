@@ -48,6 +48,22 @@ def check_request(params, vocab_size: int):
         raise InputError(f"'temperature' = {params.temperature!r} overflows float32")
     if not np.float32(params.top_p) > 0:
         raise InputError(f"'top_p' = {params.top_p!r} rounds to 0 in float32: it would keep no token")
+    bad = sorted(t for t in (params.logit_bias or {}) if t >= vocab_size)
+    if bad:
+        raise InputError(f"'logit_bias' names token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+    refuse_unbuilt(params)
+
+
+# Sampling fields SamplingParams accepts that this engine does not serve yet: refused by name, never ignored.
+NOT_YET = (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0), ("min_p", 0.0),
+           ("min_tokens", 0), ("logit_bias", None), ("include_stop_str_in_output", False),
+           ("prompt_logprobs", None))
+
+
+def refuse_unbuilt(params):
+    for name, off in NOT_YET:
+        if getattr(params, name) != off:
+            raise InputError(f"'{name}' is not supported by this engine yet")
 
 
 def row_top_k(top_k: int, vocab_size: int) -> int:

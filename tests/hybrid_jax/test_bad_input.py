@@ -120,10 +120,19 @@ def test_empty_text_prompt_on_default_model_is_an_empty_prompt():
     (dict(temperature=-1.0), "temperature"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
     (dict(top_k=-2), "top_k"), (dict(seed=-1), "seed"), (dict(stop_token_ids=[-4]), "stop_token_ids"),
     (dict(logprobs=-2), "logprobs"), (dict(logprobs=21), "logprobs"), (dict(stop=3), "stop"),
-    (dict(stop_token_ids=5), "stop_token_ids")])
+    (dict(stop_token_ids=5), "stop_token_ids"), (dict(presence_penalty=2.5), "presence_penalty"),
+    (dict(frequency_penalty=-3), "frequency_penalty"), (dict(repetition_penalty=0), "repetition_penalty"),
+    (dict(min_p=1.5), "min_p"), (dict(min_tokens=17), "min_tokens"), (dict(min_tokens=-1), "min_tokens"),
+    (dict(logit_bias={"x": 1}), "logit_bias"), (dict(logit_bias={3: 101}), "logit_bias"),
+    (dict(logit_bias={i: 1 for i in range(301)}), "logit_bias"), (dict(prompt_logprobs=21), "prompt_logprobs"),
+    (dict(include_stop_str_in_output=1), "include_stop_str_in_output")])
 def test_bad_sampling_params(kw, msg):
     with pytest.raises(InputError, match=msg):
         SamplingParams(**kw)
+
+
+def test_logit_bias_keys_may_be_json_strings():
+    assert SamplingParams(logit_bias={"7": -100, 9: 2}).logit_bias == {7: -100.0, 9: 2.0}
 
 
 def test_none_means_no_stops_as_in_vllm():
@@ -143,7 +152,8 @@ def test_bad_prompt_type(llm):
 
 
 @pytest.mark.parametrize("kw,msg", [(dict(stop_token_ids=[10**12]), "outside the vocabulary"),
-                                    (dict(stop=["s"] * 1000), "at most"), (dict(top_p=1e-46), "rounds to 0")])
+                                    (dict(stop=["s"] * 1000), "at most"), (dict(top_p=1e-46), "rounds to 0"),
+                                    (dict(logit_bias={10**9: 1.0}), "outside the vocabulary")])
 def test_generate_checks_the_engine_limits_before_queuing(llm, kw, msg):
     with pytest.raises(InputError, match=msg):
         llm.generate([{"prompt_token_ids": [1, 2]}, {"prompt_token_ids": [3]}],
