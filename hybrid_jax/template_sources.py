@@ -30,12 +30,16 @@ class ChatTemplates:
     templates: Mapping[str, str] = dataclasses.field(default_factory=lambda: MappingProxyType({}))
     source: str = "none"
     special_tokens: Mapping[str, str] = dataclasses.field(default_factory=lambda: MappingProxyType({}))
+    problem: str | None = None      # why the checkpoint's templates could not be read (chat then says so)
 
     def select(self, requested: str | None, has_tools: bool) -> str:
         """The template a request renders with: its own (`requested`: a template's name or text), else
         "tool_use" when it has tools and the model names one, else "default"."""
         if requested is not None:
             return self.templates.get(requested, requested)
+        if self.problem is not None:
+            raise InputError(f"this model's chat template cannot be used ({self.problem}): send 'chat_template' "
+                             "or start the server with --chat-template FILE")
         if has_tools and "tool_use" in self.templates:
             return self.templates["tool_use"]
         if "default" in self.templates:
@@ -48,7 +52,7 @@ class ChatTemplates:
 
     def overridden(self, text: str, source: str) -> "ChatTemplates":
         """These templates with `text` (e.g. --chat-template's) as the only one."""
-        return dataclasses.replace(self, templates=MappingProxyType({"default": text}), source=source)
+        return dataclasses.replace(self, templates=MappingProxyType({"default": text}), source=source, problem=None)
 
 
 NO_TEMPLATES = ChatTemplates()
@@ -106,18 +110,26 @@ def load_chat_templates(path: str) -> ChatTemplates:
         text = _token_text(cfg.get(name)) or _token_text(special_map.get(name))
         if text is not None:
             special[name] = text
+    try:                 # a template that cannot be read fails chat requests, not the model's loading
+        templates, source = _templates(path, cfg.get("chat_template"), cfg_path)
+    except ConfigError as e:
+        return ChatTemplates(special_tokens=MappingProxyType(special), problem=str(e))
+    return ChatTemplates(MappingProxyType(templates), source, MappingProxyType(special))
+
+
+def _templates(path: str, configured, cfg_path: str) -> tuple[dict[str, str], str]:
     jinja = os.path.join(path, "chat_template.jinja")
     if os.path.exists(jinja):
         templates, source = {"default": _read_text(jinja)}, "chat_template.jinja"
     else:
-        templates = _config_templates(cfg.get("chat_template"), cfg_path)
+        templates = _config_templates(configured, cfg_path)
         source = "tokenizer_config.json" if templates else "none"
     extra = os.path.join(path, "additional_chat_templates")
     if os.path.isdir(extra):
         for name in sorted(os.listdir(extra)):
             if name.endswith(".jinja"):
                 templates[name[:-len(".jinja")]] = _read_text(os.path.join(extra, name))
-    return ChatTemplates(MappingProxyType(templates), source, MappingProxyType(special))
+    return templates, source
 
 
 def read_template_arg(value: str) -> str:

@@ -195,6 +195,15 @@ def test_load_reads_special_tokens_and_no_template(tmp_path):
         t.select(None, False)
 
 
+def test_an_unusable_template_fails_chat_not_loading(tmp_path):
+    tok = HFTokenizer(str(_checkpoint(tmp_path, {"chat_template": {"odd": 1}})))      # (loads: completions work)
+    with pytest.raises(InputError, match="cannot be used.*must be a string or a list"):
+        render_request(tok, {"messages": [{"role": "user", "content": "hi"}]})
+    assert render_request(tok, {"messages": [{"role": "user", "content": "hi"}], "chat_template": "OWN"}) == "OWN"
+    override_chat_template(tok, "OPTION")
+    assert render_request(tok, {"messages": [{"role": "user", "content": "hi"}]}) == "OPTION"
+
+
 @pytest.mark.parametrize("body, words", [
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      ["'messages'[0].content[0]", "'image_url'", "text only"]),
