@@ -31,12 +31,20 @@ class ChatTemplates:
     source: str = "none"
     special_tokens: Mapping[str, str] = dataclasses.field(default_factory=lambda: MappingProxyType({}))
     problem: str | None = None      # why the checkpoint's templates could not be read (chat then says so)
+    trust_request_templates: bool = False     # a request may bring a template's text (--trust-request-chat-template)
 
     def select(self, requested: str | None, has_tools: bool) -> str:
-        """The template a request renders with: its own (`requested`: a template's name or text), else
-        "tool_use" when it has tools and the model names one, else "default"."""
+        """The template a request renders with: its own (`requested`: the name of one of these, or a template's
+        text where trusted), else "tool_use" when it has tools and the model names one, else "default"."""
         if requested is not None:
-            return self.templates.get(requested, requested)
+            if requested in self.templates:
+                return self.templates[requested]
+            if not self.trust_request_templates:
+                names = f" (this model's: {', '.join(sorted(self.templates))})" if self.templates else ""
+                raise InputError("'chat_template' is not the name of one of this model's templates" + names +
+                                 "; a template's text in a request is rendered only when the server runs with "
+                                 "--trust-request-chat-template (as in vLLM)")
+            return requested
         if self.problem is not None:
             raise InputError(f"this model's chat template cannot be used ({self.problem}): send 'chat_template' "
                              "or start the server with --chat-template FILE")
@@ -147,7 +155,20 @@ def read_template_arg(value: str) -> str:
         raise ConfigError(f"--chat-template {value!r}: not UTF-8 text: {e}") from None
 
 
-def override_chat_template(tokenizer, text: str | None):
-    """Serve `text` (--chat-template, read by read_template_arg) instead of the tokenizer's own templates."""
-    if text is not None and isinstance(tokenizer, HasChatTemplates):
-        tokenizer.chat_templates = tokenizer.chat_templates.overridden(text, "--chat-template")
+@dataclasses.dataclass(frozen=True)
+class ChatOptions:
+    """The server's chat options: --chat-template's text (None: the checkpoint's templates), and whether a
+    request may bring a template's text (--trust-request-chat-template; off, as in vLLM: rendering is
+    sandboxed, but a template is code a client could make slow)."""
+    template: str | None = None
+    trust_request_templates: bool = False
+
+
+def apply_chat_options(tokenizer, options: ChatOptions | None):
+    """Set the server's chat options on the tokenizer the API server renders with."""
+    if options is None or not isinstance(tokenizer, HasChatTemplates):
+        return
+    templates = tokenizer.chat_templates
+    if options.template is not None:
+        templates = templates.overridden(options.template, "--chat-template")
+    tokenizer.chat_templates = dataclasses.replace(templates, trust_request_templates=options.trust_request_templates)

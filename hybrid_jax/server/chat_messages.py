@@ -27,7 +27,8 @@ _RESERVED_KWARGS = {"messages", "tools", "documents", "add_generation_prompt", "
 # the request fields this module reads, with the values it accepts (the table of known fields points here)
 CHAT_FIELDS = {
     "messages": "a non-empty list of messages (roles system, developer, user, assistant, tool)",
-    "chat_template": "a Jinja template (or the name of one of the model's templates) for this request",
+    "chat_template": "the name of one of the model's templates, or (with --trust-request-chat-template) "
+                     "a Jinja template's text, for this request",
     "chat_template_kwargs": "an object whose entries the template sees as variables",
     "add_generation_prompt": "true (default) or false",
     "continue_final_message": "false (default) or true (then add_generation_prompt must be false)",

@@ -13,6 +13,7 @@ from hybrid_jax.engine import EngineConfig, LLMEngine
 from hybrid_jax.engine.async_engine import AsyncEngine
 from hybrid_jax.server.app import ServerConfig, ServerState, build_app
 from hybrid_jax.server.supervisor import EngineSupervisor
+from hybrid_jax.template_sources import ChatOptions, apply_chat_options
 
 TEMPLATE = "{% for m in messages %}<{{ m.role }}> {{ m.content }} {% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
 
@@ -27,6 +28,7 @@ def client(tiny_checkpoint, tmp_path_factory):
     tok.save(str(d / "tokenizer.json"))
     (d / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<eos>", "chat_template": TEMPLATE}))
     llm = LLM(model=str(d))
+    apply_chat_options(llm.tokenizer, ChatOptions(trust_request_templates=True))   # requests bring templates below
     engine = LLMEngine(llm, EngineConfig(max_num_seqs=2, max_num_batched_tokens=32, max_model_len=128,
                                          compilation_cache_dir=None, warmup="none"))
     state = ServerState(ServerConfig(model_name="tiny-chat"))
@@ -177,7 +179,7 @@ def test_chat_template_option_reaches_the_api_server(client, tmp_path, monkeypat
     process loads for itself when the engine core runs in another process."""
     from hybrid_jax.cli import build_parser  # noqa: PLC0415
     from hybrid_jax.engine import core_client  # noqa: PLC0415
-    from hybrid_jax.errors import ConfigError  # noqa: PLC0415
+    from hybrid_jax.errors import ConfigError, InputError  # noqa: PLC0415
     from hybrid_jax.server import main  # noqa: PLC0415
     from hybrid_jax.server.chat_template import render_request  # noqa: PLC0415
     f = tmp_path / "t.jinja"
@@ -186,12 +188,21 @@ def test_chat_template_option_reaches_the_api_server(client, tmp_path, monkeypat
     with pytest.raises(ConfigError, match="cannot be opened"):
         main.serve(model=None, host="127.0.0.1", port=0, dtype="auto", engine_config=None,
                    server_config=ServerConfig(), chat_template=str(tmp_path / "missing.jinja"))
+    args = build_parser().parse_args(["serve", "--trust-request-chat-template"])
+    assert args.trust_request_chat_template and not build_parser().parse_args(["serve"]).trust_request_chat_template
     monkeypatch.setattr(core_client, "EngineCoreClient", lambda address, authkey, info, tok, process=None: tok)
     info = {"tokenizer": "checkpoint", "warmup": "none", "num_compiled": 0}
-    tok = main._core_client(ServerState(ServerConfig()), client[1].checkpoint_dir, "addr", b"key", info,
-                            chat_template=main.read_template_arg(str(f)))
-    assert tok.chat_templates.source == "--chat-template"
-    assert render_request(tok, {"messages": [{"role": "user", "content": "hi"}]}) == "FILE 1"
+    msgs = [{"role": "user", "content": "hi"}]
+    for trust in (False, True):
+        tok = main._core_client(ServerState(ServerConfig()), client[1].checkpoint_dir, "addr", b"key", info,
+                                chat=ChatOptions(main.read_template_arg(str(f)), trust))
+        assert tok.chat_templates.source == "--chat-template"
+        assert render_request(tok, {"messages": msgs}) == "FILE 1"
+        if trust:
+            assert render_request(tok, {"messages": msgs, "chat_template": "OWN"}) == "OWN"
+        else:                   # a template's text in a request: only with --trust-request-chat-template
+            with pytest.raises(InputError, match="--trust-request-chat-template"):
+                render_request(tok, {"messages": msgs, "chat_template": "OWN"})
 
 
 @pytest.fixture(scope="module")
@@ -219,3 +230,12 @@ def test_the_default_model_chats_out_of_the_box(default_client, monkeypatch):
     assert text == "Speak plainly.\n\nUser: Who made the heaven and the earth?\n\nAssistant:"
     answer = r.json()["choices"][0]["message"]["content"]
     assert answer.strip() and r.json()["usage"]["completion_tokens"] > 0
+
+
+def test_a_request_template_needs_the_trust_option(default_client):
+    c, _ = default_client                  # served as `hybrid-jax serve` serves it: no --trust-request-chat-template
+    r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                             "chat_template": "{{ messages[0].content }}"})
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert "--trust-request-chat-template" in err["message"] and err["param"] == "chat_template"

@@ -15,7 +15,7 @@ from transformers import PreTrainedTokenizerFast
 from hybrid_jax.errors import ConfigError, InputError
 from hybrid_jax.server.chat_messages import parse_conversation
 from hybrid_jax.server.chat_template import render, render_request
-from hybrid_jax.template_sources import (ChatTemplates, load_chat_templates, override_chat_template,
+from hybrid_jax.template_sources import (ChatOptions, ChatTemplates, apply_chat_options, load_chat_templates,
                                          read_template_arg)
 from hybrid_jax.tokenizer import HFTokenizer
 
@@ -87,7 +87,7 @@ def _transformers(template: str, body: dict):
 
 
 def _ours(template: str, body: dict):
-    templates = ChatTemplates({"default": template}, "test", SPECIAL)
+    templates = ChatTemplates({"default": template}, "test", SPECIAL, trust_request_templates=True)
     try:
         return render(templates, parse_conversation(copy.deepcopy(body)))
     except InputError as e:
@@ -165,6 +165,9 @@ def test_named_templates_pick_default_or_tool_use_as_transformers_does(tmp_path)
              {"name": "rag", "template": "RAG {{ documents[0].title }}"}]
     tok = HFTokenizer(str(_checkpoint(tmp_path, {"chat_template": named})))
     msgs = [{"role": "user", "content": "hi"}]
+    with pytest.raises(InputError, match="--trust-request-chat-template"):     # a template's text: not by default
+        render_request(tok, {"messages": msgs, "chat_template": "OWN {{ messages[0].content }}"})
+    apply_chat_options(tok, ChatOptions(trust_request_templates=True))
     assert render_request(tok, {"messages": msgs}) == "PLAIN"
     assert render_request(tok, {"messages": msgs, "tools": [WEATHER]}) == "TOOLS 1"
     assert render_request(tok, {"messages": msgs, "chat_template": "rag",
@@ -183,7 +186,7 @@ def test_chat_template_option_reads_a_file_or_the_text_itself(tmp_path):
     with pytest.raises(ConfigError, match="looks like a file path"):
         read_template_arg(str(tmp_path / "missing.jinja"))
     tok = HFTokenizer(str(_checkpoint(tmp_path, {"chat_template": "CONFIG"})))
-    override_chat_template(tok, read_template_arg(str(f)))
+    apply_chat_options(tok, ChatOptions(read_template_arg(str(f))))
     assert tok.chat_templates.source == "--chat-template"
     assert render_request(tok, {"messages": [{"role": "user", "content": "hi"}]}) == "FILE 1"
 
@@ -199,8 +202,9 @@ def test_an_unusable_template_fails_chat_not_loading(tmp_path):
     tok = HFTokenizer(str(_checkpoint(tmp_path, {"chat_template": {"odd": 1}})))      # (loads: completions work)
     with pytest.raises(InputError, match="cannot be used.*must be a string or a list"):
         render_request(tok, {"messages": [{"role": "user", "content": "hi"}]})
+    apply_chat_options(tok, ChatOptions(trust_request_templates=True))
     assert render_request(tok, {"messages": [{"role": "user", "content": "hi"}], "chat_template": "OWN"}) == "OWN"
-    override_chat_template(tok, "OPTION")
+    apply_chat_options(tok, ChatOptions("OPTION"))
     assert render_request(tok, {"messages": [{"role": "user", "content": "hi"}]}) == "OPTION"
 
 
