@@ -102,6 +102,12 @@ def _serve_parser(sub):
                    "/openapi.json (visible in ps: prefer $HYBRID_JAX_API_KEY or --api-key-file)")
     s.add_argument("--api-key-file", default=None, help="read the API key from this file (first line)")
     s.add_argument("--served-model-name", default=None)
+    s.add_argument("--chat-template", default=None,
+                   help="the chat template to serve instead of the checkpoint's: a Jinja file, or the template "
+                        "text itself (default: chat_template.jinja, else tokenizer_config.json's)")
+    s.add_argument("--trust-request-chat-template", action="store_true",
+                   help="render a chat template's text sent in a request's 'chat_template' (default: only the "
+                        "names of the model's own templates, as in vLLM)")
     s.add_argument("--max-request-bytes", type=int, default=1 << 20)
     s.add_argument("--max-tokens-limit", type=int, default=4096, help="largest max_tokens a request may ask")
     s.add_argument("--shutdown-timeout", type=float, default=30.0,
@@ -262,7 +268,8 @@ def _serve(args) -> int:
                  max_header_bytes=args.max_header_bytes,
                  keep_alive_timeout_s=args.timeout_keep_alive, engine_process=args.engine_process,
                  api_server_count=args.api_server_count, supervision=_supervision(args),
-                 processes=_processes(args))
+                 processes=_processes(args), chat_template=args.chat_template,
+                 trust_request_chat_template=args.trust_request_chat_template)
 
 
 def _admission(args):

@@ -6,6 +6,8 @@ tokenizer.json) and loads through the same loader as any other: `LLM()` is `LLM(
 Three Gated DeltaNet layers and one gated full-attention layer, MoE in layers 1 and 3, a 4096-token
 byte-level BPE; 6.3M parameters trained by scripts/train_default.py on the King James Version
 (training.json in the directory holds the run's figures). It writes archaic English, and nothing else.
+Its chat_template.jinja writes a chat as role-prefixed paragraphs ending in "Assistant:", which the model
+continues as text: it was never trained on dialogue (README, "Chat").
 """
 from __future__ import annotations
 

@@ -6,6 +6,7 @@ import json
 import os
 
 from hybrid_jax.errors import CheckpointError
+from hybrid_jax.template_sources import NO_TEMPLATES, ChatTemplates, load_chat_templates
 
 
 class ByteTokenizer:
@@ -13,6 +14,7 @@ class ByteTokenizer:
     bos_token_id, eos_token_id, pad_token_id = 256, 257, 258
     vocab_size = 259
     max_token_bytes = 1          # each id is one byte of the text (see limits.refuse_unfittable)
+    chat_templates: ChatTemplates = NO_TEMPLATES
 
     def encode(self, text: str, add_bos: bool = True) -> list[int]:
         ids = list(text.encode("utf-8"))
@@ -23,7 +25,8 @@ class ByteTokenizer:
 
 
 class HFTokenizer:
-    """A checkpoint's `tokenizer.json`, read with the `tokenizers` library."""
+    """A checkpoint's `tokenizer.json`, read with the `tokenizers` library, and the chat templates beside it
+    (`chat_templates`: chat_template.jinja or tokenizer_config.json's, see server/chat_template.py)."""
 
     def __init__(self, path: str):
         from tokenizers import Tokenizer  # noqa: PLC0415
@@ -33,12 +36,11 @@ class HFTokenizer:
             raise CheckpointError(f"cannot read {os.path.join(path, 'tokenizer.json')}: {e}") from None
         self.eos_token_id = None
         self.bos_token_id = None
-        self.chat_template = None
+        self.chat_templates: ChatTemplates = load_chat_templates(path)
         cfg_path = os.path.join(path, "tokenizer_config.json")
         if os.path.exists(cfg_path):
             with open(cfg_path, encoding="utf-8") as f:
                 tc = json.load(f)
-            self.chat_template = tc.get("chat_template")
             for attr in ("eos_token", "bos_token"):
                 tok = tc.get(attr)
                 if isinstance(tok, dict):

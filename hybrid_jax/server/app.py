@@ -39,7 +39,7 @@ from starlette.requests import ClientDisconnect
 
 from hybrid_jax.engine.async_engine import EngineRequestError, EngineUnavailable
 from hybrid_jax.errors import InputError
-from hybrid_jax.server import protocol
+from hybrid_jax.server import chat_template, protocol
 from hybrid_jax.server.admission import Admission, AdmissionConfig, Refusal, Refused, Ticket, client_key
 from hybrid_jax.server.api_metrics import ApiMetrics
 from hybrid_jax.server.workers import OFFLOAD_BODY_BYTES, Workers
@@ -113,18 +113,13 @@ async def _wait_disconnect(request: Request):
         pass
 
 
-def _render_chat(tokenizer, messages) -> str:
-    template = getattr(tokenizer, "chat_template", None)
-    if not template:
-        raise InputError("this model has no chat template: use /v1/completions")
-    from jinja2.sandbox import ImmutableSandboxedEnvironment  # noqa: PLC0415
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    return env.from_string(template).render(messages=messages, add_generation_prompt=True)
+def _render_chat(tokenizer, data: dict) -> str:
+    return chat_template.render_request(tokenizer, data)      # (server/chat_template.py)
 
 
 def _prompt(eng, data: dict, params, chat: bool) -> tuple[Any, list[int]]:
     """On a worker thread: the request's prompt (its chat template rendered) and its checked token ids."""
-    prompt = _render_chat(eng.tokenizer, protocol.chat_messages(data)) if chat else protocol.completion_prompt(data)
+    prompt = _render_chat(eng.tokenizer, data) if chat else protocol.completion_prompt(data)
     return prompt, eng.validate(prompt, params)
 
 

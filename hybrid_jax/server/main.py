@@ -19,6 +19,7 @@ from hybrid_jax.server import lifecycle
 from hybrid_jax.server.app import ServerConfig, ServerState, build_app
 from hybrid_jax.llm import build_engine
 from hybrid_jax.server.supervisor import EngineSupervisor, SupervisionConfig
+from hybrid_jax.template_sources import ChatOptions, apply_chat_options, read_template_arg
 
 log = logging.getLogger("hybrid_jax.server")
 
@@ -36,11 +37,12 @@ def ready_note(engine: LLMEngine) -> str:
 
 def load_engine(state: ServerState, model: str | None, dtype: str, engine_config: EngineConfig, stop=None,
                 parallel: dict | None = None, mirror=None, engine_process: bool = False, more_servers=None,
-                supervision: SupervisionConfig = SupervisionConfig()):
+                supervision: SupervisionConfig = SupervisionConfig(), chat: ChatOptions | None = None):
     """Loads the model (parallel: LLM's layout keywords, tensor_parallel_size ...) and starts the engine
     (mirror: several processes, `parallel.hosts.Mirror`; engine_process: in a process of its own, and
     more_servers(address, authkey, info) then starts the other API server processes), under a
-    supervisor (`supervision`) that stops the server (`stop`) when the engine cannot come back."""
+    supervisor (`supervision`) that stops the server (`stop`) when the engine cannot come back.
+    chat: the chat options (--chat-template's text, --trust-request-chat-template)."""
 
     def on_fatal(reason: str):
         state.fatal_error = reason
@@ -52,14 +54,14 @@ def load_engine(state: ServerState, model: str | None, dtype: str, engine_config
             device = cpu_affinity.from_env()
             if device:     # HTTP, /metrics and detokenizing keep off the CPUs the core's runtime computes on
                 cpu_affinity.keep_to(cpu_affinity.host_cpus(device))
-            client = _start_core(state, model, dtype, engine_config, parallel)
+            client = _start_core(state, model, dtype, engine_config, parallel, chat)
             address, authkey, _ = client.connection
 
             def restart(on_spawn):
                 from hybrid_jax.engine.core_process import start_core  # noqa: PLC0415
                 proc, _, _, info = start_core(model, dtype, engine_config, parallel, build=build_engine,
                                               address=address, authkey=authkey, on_spawn=on_spawn)
-                return _core_client(state, model, address, authkey, info, proc, tokenizer=client.tokenizer)
+                return _core_client(state, model, address, authkey, info, proc, tokenizer=client.tokenizer, chat=chat)
 
             state.engine = EngineSupervisor(client, state.metrics, supervision, role="owner", renew=restart,
                                             on_fatal=on_fatal)
@@ -70,6 +72,7 @@ def load_engine(state: ServerState, model: str | None, dtype: str, engine_config
         if device:
             cpu_affinity.keep_to(device)          # the runtime's threads start on the device CPUs
         engine = build_engine(model, dtype, engine_config, parallel)
+        apply_chat_options(engine.loaded.tokenizer, chat)
         if device:
             cpu_affinity.split_threads(device)    # and Python's (HTTP, the step loop) move off them
         ae = AsyncEngine(engine, mirror)
@@ -87,37 +90,39 @@ def load_engine(state: ServerState, model: str | None, dtype: str, engine_config
             stop()
 
 
-def _start_core(state: ServerState, model, dtype, engine_config, parallel):
+def _start_core(state: ServerState, model, dtype, engine_config, parallel, chat=None):
     from hybrid_jax.engine.core_process import start_core  # noqa: PLC0415
     proc, address, authkey, info = start_core(model, dtype, engine_config, parallel, build=build_engine)
-    client = _core_client(state, model, address, authkey, info, proc)
+    client = _core_client(state, model, address, authkey, info, proc, chat=chat)
     log.info("model ready in engine core process %d (warm-up %s, %.1f s, %d programs)", info["pid"], info["warmup"],
              info["warmup_seconds"], info["num_compiled"])
     return client
 
 
-def _core_client(state: ServerState, model, address, authkey, info, proc=None, tokenizer=None):
+def _core_client(state: ServerState, model, address, authkey, info, proc=None, tokenizer=None, chat=None):
     """A client of the core for this API server, with the model's tokenizer loaded here (or `tokenizer`,
-    the one a client of the same model loaded before)."""
+    the one a client of the same model loaded before), its chat templates with it and the server's chat
+    options (`chat`: --chat-template, --trust-request-chat-template) set on it."""
     from hybrid_jax.engine.core_client import EngineCoreClient  # noqa: PLC0415
     from hybrid_jax.default_model import checkpoint_dir  # noqa: PLC0415
     from hybrid_jax.tokenizer import ByteTokenizer, load_tokenizer  # noqa: PLC0415
     load = {"byte": ByteTokenizer, "checkpoint": lambda: load_tokenizer(checkpoint_dir(model))}.get(info["tokenizer"],
                                                                                                   lambda: None)
     tok = tokenizer if tokenizer is not None else load()
+    apply_chat_options(tok, chat)
     mode = info["warmup"]
     state.ready_note = f"ok: warm-up {mode}: {WARMUP_NOTES[mode]} ({info['num_compiled']} programs)"
     return EngineCoreClient(address, authkey, info, tok, process=proc)
 
 
 def api_server(model, address, authkey, info, server_config: ServerConfig, host: str, port: int, timeouts: dict,
-               supervision: SupervisionConfig = SupervisionConfig()):
+               supervision: SupervisionConfig = SupervisionConfig(), chat: ChatOptions | None = None):
     """Another API server process (`serve(api_server_count=N)`): the same port, the same core. It never
     restarts the core: while the core is down it answers 503 and reconnects to the same address once
     the first process has restarted it (server/supervisor.py)."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:%(name)s: %(message)s")
     state = ServerState(server_config)
-    client = _core_client(state, model, address, authkey, info)
+    client = _core_client(state, model, address, authkey, info, chat=chat)
     state.engine = EngineSupervisor(client, state.metrics, supervision, role="follower",
                                     renew=lambda _: _core_client(state, model, address, authkey, info,
                                                                  tokenizer=client.tokenizer))
@@ -131,15 +136,19 @@ def serve(*, model: str | None, host: str, port: int, dtype: str, engine_config:
           keep_alive_timeout_s: float = 5.0, parallel: dict | None = None, processes: int = 1,
           engine_process: bool = True, api_server_count: int = 1,
           supervision: SupervisionConfig = SupervisionConfig(),
-          max_header_bytes: int = lifecycle.MAX_HEADER_BYTES) -> int:
+          max_header_bytes: int = lifecycle.MAX_HEADER_BYTES, chat_template: str | None = None,
+          trust_request_chat_template: bool = False) -> int:
     """Runs the server; returns the process exit code (0 after a drain, 1 when the model failed to load
     or the engine died for good: `supervision` says when, see server/supervisor.py).
     With several processes (`parallel.hosts.start` first), process 0 serves and the others follow its
     engine (`parallel.hosts.follow`) until it stops; its engine then runs on a thread of process 0.
     Otherwise (engine_process) this process never touches a device: the core's process owns them, and
     api_server_count > 1 runs that many API server processes on the port (SO_REUSEPORT), all feeding
-    the one core; a signal to this one drains them all."""
+    the one core; a signal to this one drains them all. chat_template: --chat-template (a file, or the
+    template text), served instead of the checkpoint's, read here before the model loads;
+    trust_request_chat_template: a request may bring a template's text."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:%(name)s: %(message)s")
+    chat = ChatOptions(None if chat_template is None else read_template_arg(chat_template), trust_request_chat_template)
     mirror = None
     if processes > 1:
         import jax  # noqa: PLC0415
@@ -171,7 +180,7 @@ def serve(*, model: str | None, host: str, port: int, dtype: str, engine_config:
         ctx = multiprocessing.get_context("spawn")
         for _ in range(api_server_count - 1):
             p = ctx.Process(target=api_server, args=(model, address, authkey, info, server_config, host, port, timeouts,
-                                                     supervision),
+                                                     supervision, chat),
                             name="hybrid-jax-api-server")
             p.start()
             others.append(p)
@@ -186,7 +195,7 @@ def serve(*, model: str | None, host: str, port: int, dtype: str, engine_config:
             server.should_exit = True
         threading.Thread(target=load_engine, args=(state, model, dtype, engine_config, stop, parallel, mirror,
                                                    engine_process, more_servers if api_server_count > 1 else None,
-                                                   supervision),
+                                                   supervision, chat),
                          daemon=True).start()
 
     sockets = [lifecycle.reuse_port_socket(host, port)] if api_server_count > 1 else None

@@ -160,13 +160,3 @@ def completion_prompt(data: dict[str, Any]):
         return completion_prompt({"prompt": p[0]})
     raise InputError("'prompt' must be a string or a non-empty list of token ids (batches of prompts are "
                      "not supported: send one request per prompt)")
-
-
-def chat_messages(data: dict[str, Any]) -> list[dict[str, str]]:
-    msgs = data.get("messages")
-    if not isinstance(msgs, list) or not msgs:
-        raise InputError("'messages' must be a non-empty list")
-    for m in msgs:
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-            raise InputError("each message needs a string 'role' and a string 'content'")
-    return msgs
