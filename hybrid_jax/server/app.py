@@ -57,8 +57,9 @@ def _prompt(eng, data: dict, params, chat: bool) -> tuple[Any, list[int]]:
 
 class _Guard:
     """ASGI middleware in front of every route: the API key (constant-time compare) on /v1/*,
-    /docs and /openapi.json (and /metrics with `metrics_api_key`), and a 400 for a request with more
-    than one Authorization header; the declared body size; 503 while loading or draining."""
+    /tokenize, /detokenize, /docs and /openapi.json (and /metrics with `metrics_api_key`), and a 400
+    for a request with more than one Authorization header; the declared body size; 503 while loading
+    or draining."""
 
     PROTECTED = ("/openapi.json", "/docs", "/docs/oauth2-redirect", "/tokenize", "/detokenize")
     ENGINE_POSTS = ("/tokenize", "/detokenize")     # like /v1/* POSTs: body limit, 503 while loading / draining

@@ -25,7 +25,8 @@ from hybrid_jax.server.supervisor import EngineSupervisor
 
 KEY = "k"
 H = {"Authorization": f"Bearer {KEY}"}
-TEMPLATE = "{% for m in messages %}<{{ m.role }}> {{ m.content }} {% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
+TEMPLATE = ("{% for m in messages %}<{{ m.role }}> {{ m.content }} {% endfor %}"
+            "{% if add_generation_prompt %}<assistant>{% endif %}")
 MAX_MODEL_LEN = 64
 WORDS = ["<eos>", "[UNK]", "<", ">", "user", "assistant", "system", "hi", "there"] + [f"w{i}" for i in range(202)]
 
@@ -97,7 +98,8 @@ def test_sampling_fields_reach_the_engine_which_refuses_what_it_does_not_serve_y
     for name, v in values.items():          # (min_p, min_tokens, ... were silently ignored before)
         r = c.post("/v1/completions", json={"prompt": "hi there", "max_tokens": 3, name: v})
         if name in not_yet:
-            assert r.status_code == 400 and f"'{name}' is not supported by this engine yet" in r.json()["error"]["message"]
+            msg = r.json()["error"]["message"]
+            assert r.status_code == 400 and f"'{name}' is not supported by this engine yet" in msg
         else:
             assert r.status_code == 200, (name, r.text)
     r = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3, "presence_penalty": 7})

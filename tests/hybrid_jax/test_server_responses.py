@@ -103,5 +103,10 @@ def test_merged_interleaves_and_closes_every_generator():
             async for _ in fanout.merged([gen("c", 1, fail=True), gen("d", 10**6)]):
                 pass
         assert "d" in closed                       # the sibling of a failed choice is closed (aborted)
+        closed.clear()
+        outs = fanout.merged([gen("e", 10**6), gen("f", 10**6)])
+        await outs.__anext__()
+        await outs.aclose()                        # the response ended early (client gone, drain deadline)
+        assert sorted(closed) == ["e", "f"]        # every choice's engine request is closed: aborted together
 
     asyncio.run(main())
