@@ -3,20 +3,19 @@
 Parsing is total: every body is either a request or an InputError whose message the server returns
 with a 400 — nesting deeper than MAX_DEPTH, integers past Python's digit limit, numbers that
 overflow a float (1e400, the integer 10**400 as a temperature), NaN / Infinity literals and strings
-with lone surrogates included. OpenAI fields this server does not implement (`echo`, `best_of` > 1,
-`logit_bias`, penalties, `suffix`) are refused by name rather than ignored."""
+with lone surrogates included. Which fields a request may carry is decided by
+server/fields.py alone (`check_fields` runs first); this module reads the honoured ones into a
+`RequestOptions` (what the server does with the request) and SamplingParams (what the engine does)."""
 from __future__ import annotations
 
 import json
 import math
+import dataclasses
 from typing import Any
 
 from hybrid_jax.errors import InputError
 from hybrid_jax.sampling import SamplingParams
-
-_SAMPLING_KEYS = {"max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos",
-                  "logprobs"}
-
+from hybrid_jax.server.fields import Endpoint, check_fields
 
 MAX_DEPTH = 32
 
@@ -69,7 +68,7 @@ def parse_json(body: bytes) -> dict[str, Any]:
     return data
 
 
-def _typed(data, key, types, default):
+def typed(data, key, types, default):
     v = data.get(key, default)
     if v is None:
         return default
@@ -81,7 +80,7 @@ def _typed(data, key, types, default):
 
 
 def _float(data, key, default) -> float:
-    v = _typed(data, key, (int, float), default)
+    v = typed(data, key, (int, float), default)
     try:
         f = float(v)
     except OverflowError:
@@ -91,72 +90,167 @@ def _float(data, key, default) -> float:
     return f
 
 
-def _refuse_unsupported(data: dict[str, Any]):
-    """OpenAI fields with no implementation here: a clear 400 instead of silently ignoring them."""
-    if data.get("echo"):
-        raise InputError("'echo' is not supported: the prompt is not returned with the completion")
-    best_of = data.get("best_of")
-    if best_of is not None and best_of != 1:
-        raise InputError(f"'best_of' = {best_of!r} is not supported (only 1)")
-    if data.get("logit_bias"):
-        raise InputError("'logit_bias' is not supported")
-    for key in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
-        v = data.get(key)
-        if v is not None and v != (1 if key == "repetition_penalty" else 0):
-            raise InputError(f"'{key}' is not supported (send it unset)")
-    if data.get("suffix") is not None:
-        raise InputError("'suffix' is not supported")
+MAX_SEQUENCES = 64        # engine requests one HTTP request may fan out into (prompts x n)
+MAX_LOGPROBS = 20
 
 
-def sampling_params(data: dict[str, Any], *, max_tokens_limit: int, default_max_tokens: int = 16,
-                    chat: bool = False) -> SamplingParams:
-    n = _typed(data, "n", (int,), 1)
-    if n != 1:
-        raise InputError("only n = 1 is supported")
-    _refuse_unsupported(data)
-    mt_key = "max_completion_tokens" if chat and "max_completion_tokens" in data else "max_tokens"
-    max_tokens = _typed(data, mt_key, (int,), default_max_tokens)
-    if max_tokens > max_tokens_limit:
-        raise InputError(f"'{mt_key}' = {max_tokens} exceeds this server's limit of {max_tokens_limit}")
+@dataclasses.dataclass(frozen=True)
+class StreamOptions:
+    include_usage: bool = False             # a last chunk with `choices: []` and the request's usage
+    continuous_usage_stats: bool = False    # (with include_usage) the usage so far on every chunk
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestOptions:
+    """What the server does with a request beyond its sampling: how many choices, streamed how,
+    echoed, and the response's log-probabilities."""
+    chat: bool
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions = StreamOptions()
+    echo: bool = False
+    logprobs: int | None = None             # top-n per token (chat: top_logprobs when logprobs is true)
+    max_tokens: int | None = None           # as sent (None: the rest of the context); 0 only with echo
+    tokens_as_ids: bool = False             # return_tokens_as_token_ids
+    request_id: str | None = None
+    add_special_tokens: bool = True         # completions: the tokenizer's BOS before a text prompt
+    user: str | None = None
+    prompt_logprobs: bool = False           # vLLM's prompt_logprobs asked for by name (its own response field)
+
+    @property
+    def endpoint(self) -> Endpoint:
+        return Endpoint.CHAT if self.chat else Endpoint.COMPLETIONS
+
+
+def _bool(data, key, default: bool) -> bool:
+    return bool(typed(data, key, (bool,), default))
+
+
+def _stream_options(data, stream: bool) -> StreamOptions:
+    so = data.get("stream_options")
+    if so is None:
+        return StreamOptions()
+    if not stream:
+        raise InputError("'stream_options' is only allowed with \"stream\": true")
+    if not isinstance(so, dict):
+        raise InputError(f"'stream_options' must be an object; got {so!r}")
+    unknown = sorted(set(so) - {"include_usage", "continuous_usage_stats"})
+    if unknown:
+        raise InputError(f"Unrecognized request argument supplied: stream_options.{unknown[0]}")
+    return StreamOptions(include_usage=_bool(so, "include_usage", False),
+                         continuous_usage_stats=_bool(so, "continuous_usage_stats", False))
+
+
+def _logprobs(data, chat: bool) -> int | None:
+    lp = data.get("logprobs")
+    if chat:
+        if not isinstance(lp, (bool, type(None))):
+            raise InputError(f"'logprobs' must be true or false in a chat request; got {lp!r}")
+        top = typed(data, "top_logprobs", (int,), None)
+        if top is not None and not lp:
+            raise InputError("'top_logprobs' needs \"logprobs\": true")
+        lp, name = ((top or 0) if lp else None), "top_logprobs"
+    else:
+        lp, name = typed(data, "logprobs", (int,), None), "logprobs"
+    if lp is not None and not 0 <= lp <= MAX_LOGPROBS:
+        # (the offline API's -1, the whole vocabulary, is no answer to send over HTTP)
+        raise InputError(f"'{name}' must be an integer in [0, {MAX_LOGPROBS}]; got {lp!r}")
+    return lp
+
+
+def _max_tokens(data, chat: bool, echo: bool, limit: int) -> int | None:
+    key = "max_completion_tokens" if chat and data.get("max_completion_tokens") is not None else "max_tokens"
+    v = typed(data, key, (int,), None)
+    if v is None:
+        return None
+    if v < 0 or (v == 0 and not echo):
+        raise InputError(f"'{key}' must be a positive integer{' (0 only with echo)' if not chat else ''}; got {v}")
+    if v > limit:
+        raise InputError(f"'{key}' = {v} exceeds this server's limit of {limit}")
+    return v
+
+
+def request_options(data: dict[str, Any], *, chat: bool, max_tokens_limit: int) -> RequestOptions:
+    """Checks the body's fields against the table (server/fields.py) and reads the server's part."""
+    endpoint = Endpoint.CHAT if chat else Endpoint.COMPLETIONS
+    check_fields(data, endpoint)
+    n = typed(data, "n", (int,), 1)
+    if n < 1:
+        raise InputError(f"'n' must be a positive integer; got {n}")
+    best_of = typed(data, "best_of", (int,), None)
+    if best_of is not None and best_of != n:
+        raise InputError(f"'best_of' = {best_of} is not supported: only best_of equal to n ({n}), or absent "
+                         "(ranking more candidates than are returned is not implemented)")
+    stream = _bool(data, "stream", False)
+    echo = _bool(data, "echo", False)
+    rid = typed(data, "request_id", (str,), None)
+    user = typed(data, "user", (str,), None) or typed(data, "safety_identifier", (str,), None)
+    return RequestOptions(chat=chat, n=n, stream=stream, stream_options=_stream_options(data, stream), echo=echo,
+                          logprobs=_logprobs(data, chat), max_tokens=_max_tokens(data, chat, echo, max_tokens_limit),
+                          tokens_as_ids=_bool(data, "return_tokens_as_token_ids", False), request_id=rid,
+                          add_special_tokens=chat or _bool(data, "add_special_tokens", True), user=user,
+                          prompt_logprobs=data.get("prompt_logprobs") is not None)
+
+
+def sampling_params(data: dict[str, Any], opts: RequestOptions, max_tokens: int) -> SamplingParams:
+    """The engine's SamplingParams for one choice (seeds per choice: server/fanout.py). `max_tokens` is
+    what the engine generates (echo with max_tokens 0 generates 1 and drops it, as vLLM)."""
     stop = data.get("stop") or []
     if isinstance(stop, str):
         stop = [stop]
     if not isinstance(stop, list):
         raise InputError(f"'stop' must be a string or a list of strings; got {stop!r}")
-    logprobs = data.get("logprobs")
-    if chat:
-        if not isinstance(logprobs, (bool, type(None))):
-            raise InputError(f"'logprobs' must be true or false in a chat request; got {logprobs!r}")
-        logprobs = _typed(data, "top_logprobs", (int,), 0) if logprobs else None
-    elif logprobs is not None:
-        logprobs = _typed(data, "logprobs", (int,), 0)
-    if logprobs is not None and isinstance(logprobs, int) and not 0 <= logprobs <= 20:
-        # (the offline API's -1, the whole vocabulary, is no answer to send over HTTP)
-        name = "top_logprobs" if chat else "logprobs"
-        raise InputError(f"'{name}' must be an integer in [0, 20]; got {logprobs!r}")
+    prompt_logprobs = typed(data, "prompt_logprobs", (int,), None)
+    if prompt_logprobs is None and opts.echo and opts.logprobs is not None:
+        prompt_logprobs = opts.logprobs or 0
     return SamplingParams(
         max_tokens=max_tokens,
         temperature=_float(data, "temperature", 1.0),
         top_p=_float(data, "top_p", 1.0),
-        top_k=_typed(data, "top_k", (int,), -1),
-        seed=_typed(data, "seed", (int,), None),
+        top_k=typed(data, "top_k", (int,), -1),
+        min_p=_float(data, "min_p", 0.0),
+        seed=typed(data, "seed", (int,), None),
         stop=stop,
-        stop_token_ids=list(_typed(data, "stop_token_ids", (list,), [])),
-        ignore_eos=bool(_typed(data, "ignore_eos", (bool,), False)),
-        logprobs=logprobs,
+        stop_token_ids=list(typed(data, "stop_token_ids", (list,), [])),
+        ignore_eos=_bool(data, "ignore_eos", False),
+        logprobs=opts.logprobs,
+        presence_penalty=_float(data, "presence_penalty", 0.0),
+        frequency_penalty=_float(data, "frequency_penalty", 0.0),
+        repetition_penalty=_float(data, "repetition_penalty", 1.0),
+        min_tokens=typed(data, "min_tokens", (int,), 0),
+        logit_bias=typed(data, "logit_bias", (dict,), None),
+        include_stop_str_in_output=_bool(data, "include_stop_str_in_output", False),
+        prompt_logprobs=prompt_logprobs,
     )
 
 
-def completion_prompt(data: dict[str, Any]):
-    """`prompt` may be a string or a list of token ids (one prompt per request)."""
-    if "prompt" not in data:
-        raise InputError("'prompt' is required")
-    p = data["prompt"]
+def _one_prompt(p):
     if isinstance(p, str):
         return p
     if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
         return {"prompt_token_ids": p}
-    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
-        return completion_prompt({"prompt": p[0]})
-    raise InputError("'prompt' must be a string or a non-empty list of token ids (batches of prompts are "
-                     "not supported: send one request per prompt)")
+    return None
+
+
+def completion_prompts(data: dict[str, Any]) -> list:
+    """`prompt`: a string, a list of token ids, or a non-empty list of strings or of token-id lists
+    (one or more choices for each, in order)."""
+    if "prompt" not in data or data["prompt"] is None:
+        raise InputError("'prompt' is required")
+    p = data["prompt"]
+    one = _one_prompt(p)
+    if one is not None:
+        return [one]
+    many = [_one_prompt(x) for x in p] if isinstance(p, list) and p else [None]
+    if None in many:
+        raise InputError("'prompt' must be a string, a non-empty list of token ids, or a non-empty list of "
+                         "strings or of non-empty token-id lists")
+    return many
+
+
+def completion_prompt(data: dict[str, Any]):
+    """The one prompt of a completions request (a list of several is `completion_prompts`)."""
+    prompts = completion_prompts(data)
+    if len(prompts) != 1:
+        raise InputError(f"'prompt' holds {len(prompts)} prompts where one is expected")
+    return prompts[0]
