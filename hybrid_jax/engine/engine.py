@@ -42,6 +42,7 @@ from hybrid_jax.engine.limits import admit
 from hybrid_jax.engine.metrics import EngineMetrics
 from hybrid_jax.engine.outputs import OutputProcessor
 from hybrid_jax.engine.prefix_manager import PrefixManager
+from hybrid_jax.engine.prompt_logprobs import landed
 from hybrid_jax.engine.request import EngineOutput, Request, RequestFailed
 from hybrid_jax.engine.runner import Dispatched, ModelRunner
 from hybrid_jax.engine.scheduler import Scheduler, SchedulerOutput, StepResult
@@ -381,7 +382,7 @@ class LLMEngine:
     def _read(self, d: Dispatched) -> StepResult:
         toks, lps = self.runner.land(d)
         self.metrics.step_seconds.observe(time.perf_counter() - d.dispatched)
-        return StepResult(toks, lps)
+        return StepResult(toks, lps, landed(d.prompt))
 
     def _land(self, f: Flight) -> list[EngineOutput]:
         outs = self.scheduler.update_from_output(f.out, self._read(f.dispatched))

@@ -82,6 +82,7 @@ class EngineOutput:
     new_logprobs: list[dict]
     logprobs: list[dict] = dataclasses.field(default_factory=list)   # every token's so far (logprobs requests)
     error: str | None = None        # finish_reason "error": why this request failed (the others go on)
+    prompt_logprobs: list[dict | None] | None = None   # prompt_logprobs requests, in their first output: per prompt token, None for the first, else a `logprobs` entry
 
 
 class RequestFailed(RuntimeError):
