@@ -418,15 +418,19 @@ class LLMEngine:
 
     # --- offline convenience -----------------------------------------------------------------------
     def generate(self, prompts: list, params: SamplingParams | list[SamplingParams]) -> list[EngineOutput]:
-        """Runs prompts to completion through the continuous-batching loop; outputs in prompt order."""
+        """Runs prompts to completion through the continuous-batching loop; outputs in prompt order (each
+        the request's last, with the prompt_logprobs its first carried)."""
         sps = params if isinstance(params, list) else [params] * len(prompts)
         ids = [f"gen-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
         for rid, p, sp in zip(ids, prompts, sps):
             self.add_request(rid, p, sp)
         final: dict[str, EngineOutput] = {}
+        prompt_lps: dict[str, list] = {}
         while any(rid not in final for rid in ids):
             for o in self.step():
+                if o.prompt_logprobs is not None:
+                    prompt_lps[o.request_id] = o.prompt_logprobs
                 if o.finished:
                     final[o.request_id] = o
         self.flush_publishes()
-        return [final[rid] for rid in ids]
+        return [dataclasses.replace(final[rid], prompt_logprobs=prompt_lps.get(rid)) for rid in ids]

@@ -24,6 +24,7 @@ would leave its tokens unscored.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +34,8 @@ from hybrid_jax.engine.request import Request
 from hybrid_jax.engine.step_inputs import LOGPROBS_WIDTH
 from hybrid_jax.models.common import lm_head
 from hybrid_jax.sampling import token_logprobs
+
+SCORE_BLOCK = 512          # positions whose logits [SCORE_BLOCK, V] are made at once (a step's tokens in turn)
 
 
 def prompt_width(reqs, vocab_size: int) -> int:
@@ -45,13 +48,19 @@ def score_positions(model, cfg, params, final_hidden: jax.Array, targets: jax.Ar
     """Log-probabilities of targets [...] (the token each position scores; -1: none) under the
     distribution at each position, final_hidden [..., Hd] the forward's residual stream there (its
     leading shape is targets'). Computed only when some position is scored; returns flat (chosen [M],
-    top values [M, width], top ids [M, width]) over the M = targets.size positions, zeros otherwise."""
+    top values [M, width], top ids [M, width]) over the M = targets.size positions, zeros otherwise.
+    The logits are made a block of positions at a time (at most SCORE_BLOCK x V), whatever M."""
     M = targets.size
-    h = final_hidden.reshape((M,) + final_hidden.shape[targets.ndim:])
-    t = targets.reshape(M)
+    blk = math.gcd(M, SCORE_BLOCK)
+    h = final_hidden.reshape((M // blk, blk) + final_hidden.shape[targets.ndim:])
+    t = targets.reshape(M // blk, blk)
+
+    def block(ht):
+        return token_logprobs(lm_head(params, model.final_norm(cfg, params, ht[0])), ht[1], width)
 
     def scored(h):
-        return token_logprobs(lm_head(params, model.final_norm(cfg, params, h)), t, width)
+        c, v, ids = jax.lax.map(block, (h, t))
+        return c.reshape(M), v.reshape(M, width), ids.reshape(M, width)
 
     def unscored(h):
         return (jnp.zeros((M,), jnp.float32), jnp.zeros((M, width), jnp.float32), jnp.zeros((M, width), jnp.int32))

@@ -85,9 +85,11 @@ def test_scores_equal_a_full_forward_short_and_over_many_chunks(llm, n_tokens):
     """9 tokens (one chunk of the 16-token budget) and 100 (seven chunks, each chunk's last position
     scoring the next chunk's first token)."""
     ids = _prompt(n_tokens, llm.config.vocab_size, seed=n_tokens)
-    (out, carried), = _run(_engine(llm), [ids], [SamplingParams(max_tokens=3, temperature=0, prompt_logprobs=5)])
+    eng, sp = _engine(llm), SamplingParams(max_tokens=3, temperature=0, prompt_logprobs=5)
+    (out, carried), = _run(eng, [ids], [sp])
     assert len(carried) == 1                      # once, in the first output
     _check(carried[0], ids, _reference(llm, ids), 5)
+    assert eng.generate([{"prompt_token_ids": ids}], sp)[0].prompt_logprobs == carried[0]   # (its summary too)
 
 
 def test_kimi_linear_scores_equal_a_full_forward(kimi):
