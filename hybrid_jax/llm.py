@@ -57,6 +57,8 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool = True
+    # with SamplingParams(prompt_logprobs=n): per prompt token, None for the first, else its logprob and the top n
+    prompt_logprobs: list[dict | None] | None = None
 
 
 def _resolve_dtype(dtype: str, cfg: FamilyConfig):
@@ -289,12 +291,15 @@ class LLM:
         eng = self.engine
         rids = [f"llm-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
         final: dict[str, object] = {}
+        prompt_lps: dict[str, list] = {}            # a prompt_logprobs request's come in its first output
         try:
             for rid, (text, ids), sp in zip(rids, encoded, sps):
                 eng.add_request(rid, {"prompt_token_ids": ids, "prompt": text}, sp)
             with tqdm(total=len(rids), disable=not use_tqdm, desc="generating") as bar:
                 while len(final) < len(rids):
                     for o in eng.step():
+                        if o.prompt_logprobs is not None:
+                            prompt_lps[o.request_id] = o.prompt_logprobs
                         if o.finished:
                             final[o.request_id] = o
                             bar.update(1)
@@ -309,7 +314,8 @@ class LLM:
             lps = o.logprobs if sp.logprobs is not None else None
             cum = float(sum(x["logprob"] for x in lps)) if lps else None
             outs.append(RequestOutput(request_id=str(i), prompt=text, prompt_token_ids=ids,
-                                      outputs=[CompletionOutput(0, o.text, list(o.token_ids), o.finish_reason, cum, lps)]))
+                                      outputs=[CompletionOutput(0, o.text, list(o.token_ids), o.finish_reason, cum, lps)],
+                                      prompt_logprobs=prompt_lps.get(rid)))
         return outs
 
     def spec_stats(self) -> dict:

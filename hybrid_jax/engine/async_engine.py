@@ -81,9 +81,11 @@ class OutputStream:
 
 
 def merged(a: EngineOutput, b: EngineOutput) -> EngineOutput:
-    """Two consecutive outputs of one request as one: b's state, both steps' new tokens / text / logprobs."""
+    """Two consecutive outputs of one request as one: b's state, both steps' new tokens / text / logprobs
+    (and the prompt_logprobs the first carried)."""
     return dataclasses.replace(b, new_token_ids=a.new_token_ids + b.new_token_ids, new_text=a.new_text + b.new_text,
-                               new_logprobs=a.new_logprobs + b.new_logprobs)
+                               new_logprobs=a.new_logprobs + b.new_logprobs,
+                               prompt_logprobs=a.prompt_logprobs if a.prompt_logprobs is not None else b.prompt_logprobs)
 
 
 class AsyncEngine:

@@ -43,8 +43,8 @@ def enable_persistent_compilation_cache(path: str | None):
 class Programs:
     """The step programs of `ctx`, jitted once each, the pools (and the drafter's state) donated:
 
-      mixed       steps.mixed_step     static flags, top_n
-      ragged      steps.ragged_step    static flags, top_n
+      mixed       steps.mixed_step     static flags, top_n, prompt_n
+      ragged      steps.ragged_step    static flags, top_n, prompt_n
       decode      steps.decode_step    static steps, flags, top_n
       verify      steps.verify_step    static flags, replay
       loop        steps.loop_step      static lc (device_loop.LoopConfig)
@@ -53,8 +53,9 @@ class Programs:
 
     def __init__(self, ctx: StepContext):
         self.ctx = ctx
-        self.mixed = jax.jit(mixed_step(ctx), static_argnames=("flags", "top_n"), donate_argnames=("cache", "dcache"))
-        self.ragged = jax.jit(ragged_step(ctx), static_argnames=("flags", "top_n"), donate_argnames=("cache",))
+        self.mixed = jax.jit(mixed_step(ctx), static_argnames=("flags", "top_n", "prompt_n"),
+                             donate_argnames=("cache", "dcache"))
+        self.ragged = jax.jit(ragged_step(ctx), static_argnames=("flags", "top_n", "prompt_n"), donate_argnames=("cache",))
         self.decode = jax.jit(decode_step(ctx), static_argnames=("steps", "flags", "top_n"),
                               donate_argnames=("cache", "dcache"))
         self.verify = jax.jit(verify_step(ctx), static_argnames=("flags", "replay"),
@@ -96,12 +97,13 @@ def warmup(runner, mode: str):
         for top_n in widths:
             for T in tbs:
                 if runner.ragged and Bb > 1:        # a step of several rows may run either way
-                    _, _, runner.cache, runner.slot_last = runner._ragged(
+                    _, _, runner.cache, runner.slot_last, _ = runner._ragged(
                         runner.params, runner.cache, runner.slot_last, r, z, pack([], [], T, Bb), z, flags=FULL_SAMPLER,
-                        top_n=top_n)
-                _, _, runner.cache, runner.dcache, runner.slot_last = runner._mixed(
+                        top_n=top_n, targets=np.full((T,), -1, np.int32), prompt_n=LOGPROBS_WIDTH)
+                _, _, runner.cache, runner.dcache, runner.slot_last, _ = runner._mixed(
                     runner.params, runner.cache, runner.slot_last, rm, z, np.zeros((Bb, T), np.int32),
-                    np.zeros((Bb,), np.int32), z, dparams, runner.dcache, flags=FULL_SAMPLER, top_n=top_n)
+                    np.zeros((Bb,), np.int32), z, dparams, runner.dcache, flags=FULL_SAMPLER, top_n=top_n,
+                    targets=np.full((Bb, T), -1, np.int32), prompt_n=LOGPROBS_WIDTH)
             _, _, runner.cache, runner.dcache, runner.slot_last = runner._decode(
                 runner.params, runner.cache, runner.slot_last, r, np.zeros((Bb,), np.int32), z,
                 np.full((Bb, ecfg.max_stop_ids), -1, np.int32), np.zeros((Bb,), np.int32), dparams,

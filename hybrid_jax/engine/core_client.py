@@ -205,7 +205,7 @@ class EngineCoreClient:
     @staticmethod
     def _hand_over(items):
         """On the event loop: each output detokenized and put on its stream."""
-        for s, (rid, new_ids, finished, reason, new_lps, error, text, new_text, lps) in items:
+        for s, (rid, new_ids, finished, reason, new_lps, error, text, new_text, lps, prompt_lps) in items:
             s.token_ids += new_ids
             if s.detok is not None:
                 old = s.detok.text
@@ -215,4 +215,4 @@ class EngineCoreClient:
                 text = s.detok.text
                 new_text = text[len(old):] if text.startswith(old) else text
             s.queue.put_nowait(EngineOutput(rid, new_ids, new_text, list(s.token_ids), text, finished, reason,
-                                             s.prompt_ids, new_lps, lps, error))
+                                             s.prompt_ids, new_lps, lps, error, prompt_lps))

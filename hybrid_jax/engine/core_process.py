@@ -17,8 +17,10 @@ tuples). Client to core:
 Core to client, once per engine step for the requests that client sent:
 
   ("out", [(request_id, new_token_ids, finished, finish_reason, new_logprobs, error, text, new_text,
-            logprobs), ...])      text / new_text: "" unless the request has stop strings (the core
-                                  detokenizes only those; the client all the others)
+            logprobs, prompt_logprobs), ...])
+                                  text / new_text: "" unless the request has stop strings (the core
+                                  detokenizes only those; the client all the others); prompt_logprobs:
+                                  None but in a prompt_logprobs request's first output
   ("failed", request_id, message) the core refused a request (the client validated it already)
 
 and to every client, from the step loop between steps and while idle (engine/heartbeat.py):
@@ -239,7 +241,7 @@ class Core:
             if conn is None:
                 continue
             item = (o.request_id, o.new_token_ids, o.finished, o.finish_reason, o.new_logprobs, o.error,
-                    o.text, o.new_text, o.logprobs)
+                    o.text, o.new_text, o.logprobs, o.prompt_logprobs)
             batches.setdefault(id(conn), (conn, []))[1].append(item)
         for conn, items in batches.values():
             self._send_to(conn, ("out", items))

@@ -5,7 +5,8 @@ Each step decodes a short window of already-emitted tokens plus the new ones and
 new ones add. Tokens that end inside an unfinished UTF-8 sequence (the decode ends in U+FFFD) are
 held back until the next token completes them. `finish()` decodes the whole list once, so the final
 text is exactly `tokenizer.decode(all ids)`. `detokenize_with_stops` applies a request's stop strings
-on the way, token by token.
+on the way, token by token (with include_stop_str_in_output, vLLM's: the text keeps the stop string
+and ends with it).
 """
 from __future__ import annotations
 
@@ -43,7 +44,8 @@ class IncrementalDetokenizer:
 
 def detokenize_with_stops(q, detok: IncrementalDetokenizer, accepted: list[int], old_text: str) -> list[int]:
     """Sets q.text from the new tokens; with stop strings, token by token, cutting the tokens after
-    the one that completes a stop string (and the text before it). Returns the tokens kept."""
+    the one that completes a stop string (and the text before it, or after it with
+    include_stop_str_in_output). Returns the tokens kept."""
     if not q.params.stop:
         detok.add(accepted)
         if q.finish_reason is not None:
@@ -57,7 +59,8 @@ def detokenize_with_stops(q, detok: IncrementalDetokenizer, accepted: list[int],
         for s in q.params.stop:
             at = detok.text.find(s, max(0, len(old_text) - len(s)))
             if at >= 0:
-                q.text, q.finish_reason = detok.text[:at], "stop"
+                end = at + len(s) if q.params.include_stop_str_in_output else at
+                q.text, q.finish_reason = detok.text[:end], "stop"
                 return accepted[:j + 1]
     q.text = detok.text
     return accepted

@@ -42,6 +42,7 @@ from hybrid_jax.engine.limits import admit
 from hybrid_jax.engine.metrics import EngineMetrics
 from hybrid_jax.engine.outputs import OutputProcessor
 from hybrid_jax.engine.prefix_manager import PrefixManager
+from hybrid_jax.engine.prompt_logprobs import landed
 from hybrid_jax.engine.request import EngineOutput, Request, RequestFailed
 from hybrid_jax.engine.runner import Dispatched, ModelRunner
 from hybrid_jax.engine.scheduler import Scheduler, SchedulerOutput, StepResult
@@ -381,7 +382,7 @@ class LLMEngine:
     def _read(self, d: Dispatched) -> StepResult:
         toks, lps = self.runner.land(d)
         self.metrics.step_seconds.observe(time.perf_counter() - d.dispatched)
-        return StepResult(toks, lps)
+        return StepResult(toks, lps, landed(d.prompt))
 
     def _land(self, f: Flight) -> list[EngineOutput]:
         outs = self.scheduler.update_from_output(f.out, self._read(f.dispatched))
@@ -417,15 +418,19 @@ class LLMEngine:
 
     # --- offline convenience -----------------------------------------------------------------------
     def generate(self, prompts: list, params: SamplingParams | list[SamplingParams]) -> list[EngineOutput]:
-        """Runs prompts to completion through the continuous-batching loop; outputs in prompt order."""
+        """Runs prompts to completion through the continuous-batching loop; outputs in prompt order (each
+        the request's last, with the prompt_logprobs its first carried)."""
         sps = params if isinstance(params, list) else [params] * len(prompts)
         ids = [f"gen-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
         for rid, p, sp in zip(ids, prompts, sps):
             self.add_request(rid, p, sp)
         final: dict[str, EngineOutput] = {}
+        prompt_lps: dict[str, list] = {}
         while any(rid not in final for rid in ids):
             for o in self.step():
+                if o.prompt_logprobs is not None:
+                    prompt_lps[o.request_id] = o.prompt_logprobs
                 if o.finished:
                     final[o.request_id] = o
         self.flush_publishes()
-        return [final[rid] for rid in ids]
+        return [dataclasses.replace(final[rid], prompt_logprobs=prompt_lps.get(rid)) for rid in ids]

@@ -56,8 +56,7 @@ def check_request(params, vocab_size: int):
 
 # Sampling fields SamplingParams accepts that this engine does not serve yet: refused by name, never ignored.
 NOT_YET = (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0), ("min_p", 0.0),
-           ("min_tokens", 0), ("logit_bias", None), ("include_stop_str_in_output", False),
-           ("prompt_logprobs", None))
+           ("min_tokens", 0), ("logit_bias", None))
 
 
 def refuse_unbuilt(params):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from hybrid_jax.engine.detokenize import IncrementalDetokenizer, detokenize_with_stops
 from hybrid_jax.engine.metrics import EngineMetrics
+from hybrid_jax.engine.prompt_logprobs import PromptLogprobsBook
 from hybrid_jax.engine.request import EngineOutput, Request
 
 
@@ -24,13 +25,16 @@ class OutputProcessor:
         self.tokenizer, self.detokenize, self.metrics = tokenizer, detokenize, metrics
         self.eos_ids = frozenset(eos_ids)
         self._detok: dict[str, IncrementalDetokenizer] = {}
+        self.prompt = PromptLogprobsBook()      # prompt_logprobs requests' entries, until their first output
 
     def add(self, q: Request):
         if self.tokenizer is not None and (self.detokenize or q.params.stop):
             self._detok[q.request_id] = IncrementalDetokenizer(self.tokenizer)
+        self.prompt.add(q)
 
     def forget(self, request_id: str):
         self._detok.pop(request_id, None)
+        self.prompt.forget(request_id)
 
     def stop_set(self, q: Request) -> set[int]:
         """The token ids that end the request: its stop_token_ids and, unless ignore_eos, the model's EOS."""
@@ -75,11 +79,12 @@ class OutputProcessor:
         new_text = q.text[len(old_text):] if q.text.startswith(old_text) else q.text
         return accepted, new_text, new_lps
 
-    @staticmethod
-    def output(q: Request, accepted: list[int], new_text: str, new_lps: list[dict]) -> EngineOutput:
-        """What the step reports about the request (after it was finished, if it ended)."""
+    def output(self, q: Request, accepted: list[int], new_text: str, new_lps: list[dict]) -> EngineOutput:
+        """What the step reports about the request (after it was finished, if it ended); its first
+        carries its prompt_logprobs entries."""
         return EngineOutput(q.request_id, accepted, new_text, list(q.output_ids), q.text, q.finished,
-                            q.finish_reason, q.prompt_ids, new_lps, list(q.logprobs) if q.finished else [])
+                            q.finish_reason, q.prompt_ids, new_lps, list(q.logprobs) if q.finished else [],
+                            prompt_logprobs=self.prompt.take(q))
 
     @staticmethod
     def failed(q: Request, message: str) -> EngineOutput:

@@ -45,7 +45,12 @@ class PrefixManager:
         """A newly admitted request (row and empty block tables) gets its cached prefix when a hit
         validates; returns the tokens it now holds. When its prompt runs along cached blocks further
         than any checkpoint, the point where it branches off becomes one of its publish points, so the
-        next request sharing that prefix resumes there."""
+        next request sharing that prefix resumes there. A request that asks for prompt_logprobs takes
+        nothing (a reused token would go unscored; vLLM does the same) and still publishes."""
+        if q.params.prompt_logprobs is not None:
+            q.num_cached_tokens = 0
+            self.points.admitted(self.store, q, 0)
+            return 0
         self.runner.cache, got = self.store.reuse(self.runner.cache, q.slot, q.request_id, q.all_ids)
         n = got.boundary
         q.num_cached_tokens = n

@@ -35,6 +35,7 @@ from hybrid_jax.decode_loop import decode_budget
 from hybrid_jax.engine.compile import Programs, warmup, warmup_verify
 from hybrid_jax.engine.config import EngineConfig
 from hybrid_jax.engine.drafter import Drafter, DraftModel, MTPDrafter
+from hybrid_jax.engine.prompt_logprobs import PromptFlight, plan_targets, prompt_width
 from hybrid_jax.engine.request import attributed
 from hybrid_jax.engine.step_inputs import StepInputs
 from hybrid_jax.engine.steps import StepContext
@@ -67,6 +68,7 @@ class Dispatched:
     lps: tuple
     program: tuple             # which compiled program ran (its device time stands in when not measured)
     dispatched: float          # perf_counter at dispatch
+    prompt: PromptFlight | None = None     # a mixed step's prompt scores (engine/prompt_logprobs.py)
 
     def ready(self) -> bool:
         return all(a.is_ready() for a in (self.tokens, *self.lps))
@@ -332,7 +334,7 @@ class ModelRunner:
                 reset[i], do_sample[i] = p.reset, p.sample
                 # the MTP state starts over with the row, and after a prefix hit (it holds no prefix)
                 fresh[i] = p.reset or (q.num_cached_tokens > 0 and q.num_computed == q.num_cached_tokens)
-        top_n = self.inputs.top_n(reqs)
+        top_n, prompt_n = self.inputs.top_n(reqs), prompt_width(reqs, self.cfg.vocab_size)
         r = self.inputs.rows(reqs, Bb)
         T = self.token_bucket(max(len(c) for c in chunks))
         N = self.token_bucket(sum(len(c) for c in chunks))
@@ -342,8 +344,10 @@ class ModelRunner:
         t = time.perf_counter()
         if self.ragged and Bb * T > N:
             batch = pack(chunks, [p.request.num_computed for p in plan_rows], N, Bb)
-            tok, lps, self.cache, self.slot_last = self._ragged(self.params, self.cache, self.slot_last, r, reset,
-                                                                batch, do_sample, flags=FULL_SAMPLER, top_n=top_n)
+            targets, spans = plan_targets(plan_rows, batch.cu_seqlens, N)
+            tok, lps, self.cache, self.slot_last, plp = self._ragged(
+                self.params, self.cache, self.slot_last, r, reset, batch, do_sample, flags=FULL_SAMPLER, top_n=top_n,
+                targets=targets, prompt_n=prompt_n)
             program = ("ragged", Bb, N, top_n)
         else:
             tokens = np.zeros((Bb, T), np.int32)
@@ -353,11 +357,13 @@ class ModelRunner:
                 n_new[i] = len(c)
             if self.drafter.fresh_rows:
                 r = r.replace(fresh=fresh)
-            tok, lps, self.cache, self.dcache, self.slot_last = self._mixed(
+            targets, spans = plan_targets(plan_rows, np.arange(Bb) * T, Bb * T)
+            tok, lps, self.cache, self.dcache, self.slot_last, plp = self._mixed(
                 self.params, self.cache, self.slot_last, r, reset, tokens, n_new,
-                do_sample, self.drafter.params, self.dcache, flags=FULL_SAMPLER, top_n=top_n)
+                do_sample, self.drafter.params, self.dcache, flags=FULL_SAMPLER, top_n=top_n,
+                targets=targets.reshape(Bb, T), prompt_n=prompt_n)
             program = ("mixed", Bb, T, top_n)
-        return Dispatched(n, tok, lps, program, t)
+        return Dispatched(n, tok, lps, program, t, PromptFlight(spans, plp) if spans else None)
 
     def dispatch_decode(self, reqs, steps: int, caps: list[int] | None = None) -> Dispatched:
         """Enqueues up to `steps` decode iterations for running requests (each stops at a stop id, its

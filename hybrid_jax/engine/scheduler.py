@@ -48,6 +48,7 @@ from hybrid_jax.decode_loop import decode_count
 from hybrid_jax.engine.metrics import EngineMetrics
 from hybrid_jax.engine.outputs import OutputProcessor
 from hybrid_jax.engine.prefix_manager import PrefixManager
+from hybrid_jax.engine.prompt_logprobs import PromptScores
 from hybrid_jax.engine.request import EngineOutput, Request, RequestFailed, RequestStatus, attributed
 from hybrid_jax.generate import bucket
 
@@ -98,9 +99,11 @@ class SchedulerOutput:
 @dataclasses.dataclass
 class StepResult:
     """What a step sampled, read back: tokens [n, T] (-1 past a row's end; T = 1 for a mixed step) and
-    the logprob triples (chosen [n, T], top values [n, T, W], top ids [n, T, W])."""
+    the logprob triples (chosen [n, T], top values [n, T, W], top ids [n, T, W]); the prompt scores of
+    the rows that ask for prompt_logprobs (a mixed step's)."""
     tokens: np.ndarray
     lps: tuple
+    prompt: list[PromptScores] = dataclasses.field(default_factory=list)
 
 
 class Scheduler:
@@ -428,6 +431,8 @@ class Scheduler:
                 q.num_computed += int(np.sum(row >= 0))
         if self.prefix is not None and (out.sync or out.counted is None):
             self.prefix.reached(reqs, toks)
+        if result.prompt and self.outputs is not None:
+            self.outputs.prompt.note(result.prompt)
         now = time.monotonic()
         outs = []
         for i, q in enumerate(reqs):
@@ -439,7 +444,7 @@ class Scheduler:
                     accepted, text, lps = self.outputs.append(q, new, tuple(a[i] for a in result.lps), now)
                     if q.finish_reason is not None:
                         self._finish(q, now)
-                    outs.append(OutputProcessor.output(q, accepted, text, lps))
+                    outs.append(self.outputs.output(q, accepted, text, lps))
             except RequestFailed as e:
                 log.error("request %s failed after a step; the other requests go on", q.request_id, exc_info=e.cause)
                 outs.append(self.fail(q, str(e)))

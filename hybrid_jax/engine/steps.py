@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from cache.pools import put_view, take_view
 from hybrid_jax.decode_loop import decode_tokens
 from hybrid_jax.engine.drafter import Drafter
+from hybrid_jax.engine.prompt_logprobs import score_positions
 from hybrid_jax.engine.step_inputs import StepRows
 from hybrid_jax.sampling import FULL_SAMPLER, sample, token_logprobs
 from hybrid_jax.speculative.device_loop import ngram_generate
@@ -85,10 +86,10 @@ def forward(ctx: StepContext, params, view, tokens, n_new, **kw):
     return out.replace(cache=ctx.pin(out.cache))
 
 
-def chunk_forward(ctx: StepContext, params, pools, r: StepRows, tokens, n_new, reset):
+def chunk_forward(ctx: StepContext, params, pools, r: StepRows, tokens, n_new, reset, **kw):
     """The model part of a padded mixed step: the rows' view (reset rows start empty), one forward of
-    tokens [Bb, T], the rows written back. Returns (the StepOutput, pools)."""
-    out = forward(ctx, params, open_view(pools, r, reset), tokens, n_new)
+    tokens [Bb, T] (kw: the forward's options), the rows written back. Returns (the StepOutput, pools)."""
+    out = forward(ctx, params, open_view(pools, r, reset), tokens, n_new, **kw)
     return out, close_view(ctx, pools, r.rows, out.cache)
 
 
@@ -120,31 +121,36 @@ def noted(last, rows, tok):
 
 def mixed_step(ctx: StepContext):
     def mixed(params, cache, last, r: StepRows, reset, tokens, n_new, do_sample, dparams=None, dcache=None, *,
-              flags, top_n):
+              flags, top_n, targets, prompt_n):
         """tokens [Bb, T] (row b's first n_new[b] real; a row fed from the device gets its first from
-        `last`); reset [Bb]: rows that start empty; do_sample [Bb]: rows that sample a token. Returns
-        (tokens [Bb], -1 for a row that samples none; logprob triples; pools; drafter state; last)."""
+        `last`); reset [Bb]: rows that start empty; do_sample [Bb]: rows that sample a token; targets
+        [Bb, T]: the prompt token each position scores, -1 none (engine/prompt_logprobs.py). Returns
+        (tokens [Bb], -1 for a row that samples none; logprob triples; pools; drafter state; last;
+        prompt scores [Bb * T], [Bb * T, prompt_n] x 2)."""
         tokens = tokens.at[:, 0].set(jnp.where(r.from_dev, last[r.rows], tokens[:, 0]))
-        out, cache = chunk_forward(ctx, params, cache, r, tokens, n_new, reset)
+        out, cache = chunk_forward(ctx, params, cache, r, tokens, n_new, reset, return_final_hidden=True)
         tok, lps = sample_rows(out.logits, r, flags, top_n)
         tok = jnp.where(do_sample, tok, -1)
         d = ctx.drafter
         dsub = d.advance(params, dparams, d.take(dcache, r.rows, reset, r.fresh), out, tokens, n_new, r.fresh)
-        return tok, lps, cache, d.put(dcache, r.rows, dsub), noted(last, r.rows, tok)
+        plp = score_positions(ctx.model, ctx.cfg, params, out.final_hidden, targets, prompt_n)
+        return tok, lps, cache, d.put(dcache, r.rows, dsub), noted(last, r.rows, tok), plp
     return mixed
 
 
 def ragged_step(ctx: StepContext):
-    def ragged(params, cache, last, r: StepRows, reset, batch, do_sample, *, flags, top_n):
-        """`mixed_step` over a ragged batch (models.ragged.RaggedBatch of the step's S rows); no drafter."""
+    def ragged(params, cache, last, r: StepRows, reset, batch, do_sample, *, flags, top_n, targets, prompt_n):
+        """`mixed_step` over a ragged batch (models.ragged.RaggedBatch of the step's S rows; targets [N]);
+        no drafter."""
         first = batch.cu_seqlens[:-1]            # each row's first token (a row fed from the device has one)
         fed = jnp.where(r.from_dev, last[r.rows], batch.tokens[jnp.minimum(first, batch.tokens.shape[0] - 1)])
         batch = batch.replace(tokens=batch.tokens.at[first].set(fed, mode="drop"))
         sub = open_view(cache, r, reset)
-        out = ctx.model.forward_ragged(ctx.cfg, params, ctx.pin(sub), batch, impl=ctx.impl)
+        out = ctx.model.forward_ragged(ctx.cfg, params, ctx.pin(sub), batch, impl=ctx.impl, return_final_hidden=True)
         tok, lps = sample_rows(out.logits, r, flags, top_n)
         tok = jnp.where(do_sample, tok, -1)
-        return tok, lps, close_view(ctx, cache, r.rows, out.cache), noted(last, r.rows, tok)
+        plp = score_positions(ctx.model, ctx.cfg, params, out.final_hidden, targets, prompt_n)
+        return tok, lps, close_view(ctx, cache, r.rows, out.cache), noted(last, r.rows, tok), plp
     return ragged
 
 

@@ -1,4 +1,4 @@
-"""Pieces every model family's forward shares: where the new tokens sit, and the LM head."""
+"""Pieces every model family's forward shares: where the new tokens sit, and the LM head (`lm_head`)."""
 from __future__ import annotations
 
 import dataclasses
@@ -38,6 +38,11 @@ def finish_step(cfg, params: dict, cache: ModelCache, groups: dict, x: jax.Array
     if logits_at == "last":
         x = jnp.take_along_axis(x, jnp.maximum(n_new - 1, 0)[:, None, None], axis=1)[:, 0]
     x = final_norm(cfg, params, x)
+    return StepOutput(logits=lm_head(params, x), cache=new, hidden=hidden)
+
+
+def lm_head(params: dict, x: jax.Array) -> jax.Array:
+    """Logits f32 [..., V] of final-normed hidden states x [..., Hd]: the LM head (the embedding's
+    transpose when tied)."""
     head = params["lm_head"] if "lm_head" in params else params["embed"].T
-    logits = jnp.dot(x, head, preferred_element_type=jnp.float32)
-    return StepOutput(logits=logits, cache=new, hidden=hidden)
+    return jnp.dot(x, head, preferred_element_type=jnp.float32)

@@ -34,12 +34,18 @@ class StepOutput:
     deferred with defer_kv_write: the per-position entries the forward left unwritten
              ({"k", "v": [L, B, T, Hkv, D]}, {} without attention layers), for the family's
              `write_deferred_kv`
+    final_hidden with return_final_hidden: the residual stream after the last layer at EVERY position,
+             [B, T, Hd] (a ragged forward: [N, Hd]; DeepSeek-V4: its mHC streams [.., N, Hd]): the
+             family's `final_norm` and the LM head (`models.common.lm_head`) make any position's
+             logits from it, so a caller scores the positions it wants (prompt log-probabilities)
+             without the forward holding [T, V] logits
     """
     logits: jax.Array
     cache: Any
     hidden: list | None = None
     states: dict | None = None
     deferred: dict | None = None
+    final_hidden: jax.Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,16 +79,16 @@ class ModelFamily:
     """A model family, as the engine, loader, planner and tools see it.
 
     forward(cfg, params, cache, tokens [B, T], n_new [B], *, logits_at, impl, return_hidden,
-            fused_recurrent, per_token_states, defer_kv_write) -> StepOutput
+            fused_recurrent, per_token_states, defer_kv_write, return_final_hidden) -> StepOutput
     new_cache(cfg, batch_size, capacity, dtype, page_size=None) -> cache.ModelCache
     init_params(cfg, seed, dtype, rng=None) -> params        (deterministic random init)
     convert_hf_weights(cfg, get, has, dtype, progress) -> params   (the one-time HF re-layout)
     final_norm(cfg, params, x) -> x                           (the norm before the LM head)
     layer_types: layer type -> LayerType (the types this family runs; a config naming another is
                  refused by name)
-    forward_ragged(cfg, params, cache, batch: models.ragged.RaggedBatch, *, impl) -> StepOutput (logits
-                 [S, V] at each sequence's last token): one step over a flat token-major batch, or None
-                 for a family that steps padded [B, T] batches only
+    forward_ragged(cfg, params, cache, batch: models.ragged.RaggedBatch, *, impl, return_final_hidden)
+                 -> StepOutput (logits [S, V] at each sequence's last token): one step over a flat
+                 token-major batch, or None for a family that steps padded [B, T] batches only
     write_deferred_kv(cache, deferred, positions [B, T], valid [B, T]) -> cache, or None when the
                  family cannot defer its per-position writes (forward's defer_kv_write); the groups
                  it writes are `deferred_groups`

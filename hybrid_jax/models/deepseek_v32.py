@@ -106,8 +106,8 @@ LAYER_TYPES = {"sparse_attention": LayerType(_sparse_attention, ("sparse_attenti
 
 def forward(cfg: DeepseekV32Config, params: dict, cache: ModelCache, tokens: jax.Array, n_new: jax.Array, *,
             logits_at: str = "last", impl: str = "auto", return_hidden: bool = False,
-            fused_recurrent: bool = False, per_token_states: bool = False, defer_kv_write: bool = False, inputs_embeds: jax.Array | None = None
-            ) -> StepOutput:
+            fused_recurrent: bool = False, per_token_states: bool = False, defer_kv_write: bool = False, inputs_embeds: jax.Array | None = None,
+            return_final_hidden: bool = False) -> StepOutput:
     """tokens [B, T] int32 (right-padded), n_new [B]. Same contract as qwen3_next.forward (inputs_embeds
     too). The latent group's `hit_rate` [B] holds the step's resident fraction of selected positions
     (mean over layers). The family has no recurrent layers: fused_recurrent changes nothing and
@@ -123,11 +123,13 @@ def forward(cfg: DeepseekV32Config, params: dict, cache: ModelCache, tokens: jax
     x, groups, hidden = _layers(cfg, params, x, step, return_hidden)
     out = finish_step(cfg, params, cache, groups, x, n_new, final_norm=final_norm, logits_at=logits_at,
                       hidden=hidden)
+    if return_final_hidden:
+        out = out.replace(final_hidden=x)
     return out.replace(states={}) if per_token_states else out
 
 
 def forward_ragged(cfg: DeepseekV32Config, params: dict, cache: ModelCache, batch: RaggedBatch, *,
-                   impl: str = "auto") -> StepOutput:
+                   impl: str = "auto", return_final_hidden: bool = False) -> StepOutput:
     """One step over a ragged batch (hybrid_jax.models.ragged), as qwen3_next.forward_ragged: logits [S, V]
     at each sequence's last token. The per-token work runs on the flat [1, N] batch; the latent and
     indexer entries are written token-major and the indexer and sparse MLA run on the batch's tiles
@@ -138,9 +140,10 @@ def forward_ragged(cfg: DeepseekV32Config, params: dict, cache: ModelCache, batc
     step = _Step(cache, batch.positions[None], batch.valid[None], batch.n_new, impl, cos=cos[:, 0][None],
                  sin=sin[:, 0][None], ragged=batch)
     x, groups, _ = _layers(cfg, params, x, step, False)
-    x = x[0][batch.last_index()][:, None]                                    # [S, 1, Hd]
+    flat = x[0]
+    x = flat[batch.last_index()][:, None]                                    # [S, 1, Hd]
     out = finish_step(cfg, params, cache, groups, x, batch.n_new, final_norm=final_norm, logits_at="all")
-    return out.replace(logits=out.logits[:, 0])
+    return out.replace(logits=out.logits[:, 0], final_hidden=flat if return_final_hidden else None)
 
 
 def _layers(cfg: DeepseekV32Config, params: dict, x: jax.Array, step: _Step, return_hidden: bool):

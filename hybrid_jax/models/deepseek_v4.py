@@ -192,8 +192,8 @@ def _layers(cfg: DeepseekV4Config, layers: list, cache: ModelCache, x, tokens, p
 
 def forward(cfg: DeepseekV4Config, params: dict, cache: ModelCache, tokens: jax.Array, n_new: jax.Array, *,
             logits_at: str = "last", impl: str = "auto", return_hidden: bool = False,
-            fused_recurrent: bool = False, per_token_states: bool = False, defer_kv_write: bool = False
-            ) -> StepOutput:
+            fused_recurrent: bool = False, per_token_states: bool = False, defer_kv_write: bool = False,
+            return_final_hidden: bool = False) -> StepOutput:
     """tokens [B, T] int32 (right-padded), n_new [B]. Same contract as deepseek_v32.forward; the hidden
     states are the mHC streams [B, T, N, Hd] (final_norm collapses them). No recurrent layers:
     fused_recurrent changes nothing and per_token_states gives `states` {}. It cannot defer its
@@ -209,11 +209,13 @@ def forward(cfg: DeepseekV4Config, params: dict, cache: ModelCache, tokens: jax.
     xh = hc_head(params["hc_head"], x, hc_eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps)
     out = finish_step(cfg, params, cache, new_groups, xh, n_new, final_norm=_norm, logits_at=logits_at,
                       hidden=hidden)
+    if return_final_hidden:                  # the streams, as `final_norm` takes them
+        out = out.replace(final_hidden=x)
     return out.replace(states={}) if per_token_states else out
 
 
 def forward_ragged(cfg: DeepseekV4Config, params: dict, cache: ModelCache, batch: RaggedBatch, *,
-                   impl: str = "auto") -> StepOutput:
+                   impl: str = "auto", return_final_hidden: bool = False) -> StepOutput:
     """One step over a ragged batch (hybrid_jax.models.ragged), as deepseek_v32.forward_ragged: logits [S, V]
     at each sequence's last token. mHC, the MoE and every projection run on the flat [1, N] batch; each
     attention layer runs on the batch's tiles as rows (`over_tiles`: its window ring, compressor tails and
@@ -225,7 +227,7 @@ def forward_ragged(cfg: DeepseekV4Config, params: dict, cache: ModelCache, batch
     xh = hc_head(params["hc_head"], x, hc_eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps)[0]   # [N, Hd]
     out = finish_step(cfg, params, cache, new_groups, xh[batch.last_index()][:, None], batch.n_new, final_norm=_norm,
                       logits_at="all")
-    return out.replace(logits=out.logits[:, 0])
+    return out.replace(logits=out.logits[:, 0], final_hidden=x[0] if return_final_hidden else None)
 
 
 def _norm(cfg, params, x):

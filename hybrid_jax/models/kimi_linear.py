@@ -98,7 +98,7 @@ LAYER_TYPES = {"linear_attention": LayerType(_kda, ("linear_attention",)),
 def forward(cfg: KimiLinearConfig, params: dict, cache: ModelCache, tokens: jax.Array, n_new: jax.Array, *,
             logits_at: str = "last", impl: str = "auto", return_hidden: bool = False,
             fused_recurrent: bool = False, per_token_states: bool = False, defer_kv_write: bool = False,
-            inputs_embeds: jax.Array | None = None) -> StepOutput:
+            inputs_embeds: jax.Array | None = None, return_final_hidden: bool = False) -> StepOutput:
     """tokens [B, T] int32 (right-padded), n_new [B]. Same contract as qwen3_next.forward: fused_recurrent
     and per_token_states act on the KDA layers (`states` as gated_deltanet's, g [L, B, T, H, D] per
     channel); the family cannot defer its per-position writes (defer_kv_write=True is a ValueError)."""
@@ -125,6 +125,8 @@ def forward(cfg: KimiLinearConfig, params: dict, cache: ModelCache, tokens: jax.
     if lg is not None:
         groups["full_attention"] = lg.replace(latent=step.latent, rope=step.rope)
     out = finish_step(cfg, params, cache, groups, x, n_new, final_norm=final_norm, logits_at=logits_at, hidden=hidden)
+    if return_final_hidden:
+        out = out.replace(final_hidden=x)
     if per_token_states:
         out = out.replace(states=jax.tree_util.tree_map(lambda *a: jnp.stack(a), *step.per_token)
                           if step.per_token else {})

@@ -139,7 +139,7 @@ LAYER_TYPES = {"linear_attention": LayerType(_linear_attention, ("linear_attenti
 def forward(cfg: ModelConfig, params: dict, cache: ModelCache, tokens: jax.Array, n_new: jax.Array, *,
             logits_at: str = "last", impl: str = "auto", return_hidden: bool = False,
             fused_recurrent: bool = False, per_token_states: bool = False, defer_kv_write: bool = False,
-            inputs_embeds: jax.Array | None = None) -> StepOutput:
+            inputs_embeds: jax.Array | None = None, return_final_hidden: bool = False) -> StepOutput:
     """Runs tokens through the model; each layer's token mixer is its type's (`LAYER_TYPES`).
 
     tokens: [B, T] int32 (row b's first n_new[b] entries are real, the rest padding); n_new: [B] int32.
@@ -155,6 +155,7 @@ def forward(cfg: ModelConfig, params: dict, cache: ModelCache, tokens: jax.Array
     [L, B, T, Hkv, D]} for `write_deferred_kv`, and the returned cache holds the input's KV arrays
     (its lengths and recurrent states are the step's).
     inputs_embeds [B, T, Hd]: the first layer's input instead of the tokens' embeddings (the MTP block).
+    return_final_hidden: `final_hidden` is the residual stream after the last layer [B, T, Hd].
     """
     B, T = tokens.shape
     positions, valid = token_positions(cache, T, n_new)                  # [B, T] each
@@ -165,6 +166,8 @@ def forward(cfg: ModelConfig, params: dict, cache: ModelCache, tokens: jax.Array
     x, groups, hidden = _layers(cfg, params, x, step, return_hidden)
     out = finish_step(cfg, params, cache, groups, x, n_new, final_norm=final_norm, logits_at=logits_at,
                       hidden=hidden)
+    if return_final_hidden:
+        out = out.replace(final_hidden=x)
     if per_token_states:
         states = jax.tree_util.tree_map(lambda *a: jnp.stack(a), *step.per_token) if step.per_token else {}
         out = out.replace(states=states)
@@ -173,20 +176,22 @@ def forward(cfg: ModelConfig, params: dict, cache: ModelCache, tokens: jax.Array
     return out
 
 
-def forward_ragged(cfg: ModelConfig, params: dict, cache: ModelCache, batch: RaggedBatch, *, impl: str = "auto"
-                   ) -> StepOutput:
+def forward_ragged(cfg: ModelConfig, params: dict, cache: ModelCache, batch: RaggedBatch, *, impl: str = "auto",
+                   return_final_hidden: bool = False) -> StepOutput:
     """One step over a ragged batch (hybrid_jax.models.ragged): sequence s's tokens batch.tokens
     [cu_seqlens[s], cu_seqlens[s + 1]) continue cache row s. Returns a StepOutput with logits [S, V]
     at each sequence's last token and the cache (lengths += n_new); the math is `forward`'s, with the
-    linear-attention layers on the packed chunked rule and full attention on ragged paged attention."""
+    linear-attention layers on the packed chunked rule and full attention on ragged paged attention;
+    return_final_hidden: `final_hidden` [N, Hd] at every token."""
     x = params["embed"][batch.tokens][None]                                  # [1, N, Hd]
     seq_len = (cache.lengths + batch.n_new)[batch.seq]
     cos, sin = rope_cos_sin(batch.positions[:, None], cfg.rotary_dim, cfg.rope, seq_len=seq_len)
     step = _Step(cache, batch.positions, batch.valid, batch.n_new, impl, cos=cos[:, 0], sin=sin[:, 0], ragged=batch)
     x, groups, _ = _layers(cfg, params, x, step, False)
-    x = x[0][batch.last_index()][:, None]                                    # [S, 1, Hd]
+    flat = x[0]
+    x = flat[batch.last_index()][:, None]                                    # [S, 1, Hd]
     out = finish_step(cfg, params, cache, groups, x, batch.n_new, final_norm=final_norm, logits_at="all")
-    return out.replace(logits=out.logits[:, 0])
+    return out.replace(logits=out.logits[:, 0], final_hidden=flat if return_final_hidden else None)
 
 
 def _layers(cfg: ModelConfig, params: dict, x: jax.Array, step: _Step, return_hidden: bool):

@@ -88,6 +88,34 @@ def test_two_clients_feed_one_core_and_get_the_in_process_outputs(core):
     assert all(v[1] for v in got.values())         # text on every request: detokenized on one side or the other
 
 
+def test_prompt_logprobs_and_include_stop_str_cross_the_process_boundary(core):
+    """A prompt_logprobs request's entries reach the client in its first output, equal to the in-process
+    engine's; a stop string kept by include_stop_str_in_output is in the text the core sends."""
+    address, authkey, info = core
+    client = EngineCoreClient(address, authkey, info, load_tokenizer(DEFAULT_MODEL_DIR))
+    prompt = {"prompt_token_ids": [72, 105, 33, 10, 44, 90, 17, 201, 5, 66]}
+    sp = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, prompt_logprobs=2)
+    eng = LLMEngine(LLM(), CONFIG)
+    free = eng.generate(["Hello, hybrid world"], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))[0].text
+    eng.add_request("here", prompt, sp)
+    want = None
+    while want is None:
+        want = next((o.prompt_logprobs for o in eng.step() if o.prompt_logprobs is not None), None)
+    stop = free[5:7]
+    sps = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, stop=[stop], include_stop_str_in_output=True)
+
+    async def run(rid, p, params):
+        outs = [o async for o in client.generate(rid, p, params)]
+        return outs
+    outs, souts = asyncio.run(run("plp", prompt, sp)), asyncio.run(run("kept", "Hello, hybrid world", sps))
+    client.close()
+    carried = [o.prompt_logprobs for o in outs if o.prompt_logprobs is not None]
+    assert len(carried) == 1 and outs[0].prompt_logprobs is carried[0]
+    assert carried[0][0] is None and [e["token_id"] for e in carried[0][1:]] == prompt["prompt_token_ids"][1:]
+    assert carried[0] == want              # the same engine configuration: the same programs, the same numbers
+    assert souts[-1].text == free[:free.find(stop) + len(stop)] and souts[-1].finish_reason == "stop"
+
+
 def test_a_client_that_goes_away_has_its_requests_aborted(core):
     address, authkey, info = core
     watcher = EngineCoreClient(address, authkey, info, load_tokenizer(DEFAULT_MODEL_DIR))
