@@ -263,7 +263,6 @@ def test_echo_puts_the_prompt_text_first(served):
     assert c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 0}).status_code == 400
 
 
-@pytest.mark.skip(reason="needs the engine's prompt_logprobs")
 def test_echo_logprobs_equal_the_offline_engines(served):
     c, llm, _ = served
     prompt = "hi there w4 w9"
