@@ -130,6 +130,15 @@ def _resolver(has):
     return resolve
 
 
+def _hash_table(tab, prefix: str, E: int):
+    """A hash-routed layer's token -> experts table [V, k], read whole so that every id is checked."""
+    tab = np.asarray(tab)
+    if tab.min() < 0 or tab.max() >= E:
+        from hybrid_jax.errors import CheckpointError  # noqa: PLC0415
+        raise CheckpointError(f"{prefix}gate.tid2eid holds expert ids outside [0, {E})")
+    return to_device(tab, jnp.int32)
+
+
 def convert_hf_weights(cfg: DeepseekV4Config, get: Callable[[str], np.ndarray], has: Callable[[str], bool],
                        dtype, progress: Callable[[], None] = lambda: None) -> dict:
     """Re-lays a transformers DeepseekV4ForCausalLM checkpoint into the layout above, once.
@@ -195,11 +204,7 @@ def convert_hf_weights(cfg: DeepseekV4Config, get: Callable[[str], np.ndarray], 
                                                  dtype),
               "shared_down": lin(ml + "shared_experts.down_proj.weight", Hd, I)}
         if hash_moe:
-            tab = np.asarray(t(ml + "gate.tid2eid", (cfg.vocab_size, k)))       # read whole: every id is checked
-            if tab.min() < 0 or tab.max() >= E:
-                from hybrid_jax.errors import CheckpointError  # noqa: PLC0415
-                raise CheckpointError(f"{ml}gate.tid2eid holds expert ids outside [0, {E})")
-            mo["tid2eid"] = to_device(tab, jnp.int32)
+            mo["tid2eid"] = _hash_table(t(ml + "gate.tid2eid", (cfg.vocab_size, k)), ml, E)
         else:
             mo["bias"] = dev(t(ml + "gate.e_score_correction_bias", (E,)), f32)
         return {"attn_norm": dev(t(p + "input_layernorm.weight", (Hd,))),

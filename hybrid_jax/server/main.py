@@ -204,6 +204,11 @@ def serve(*, model: str | None, host: str, port: int, dtype: str, engine_config:
     drain_others()
     for p in others:
         p.join(timeout=shutdown_timeout_s + 15)
+    return _shut_down(state)
+
+
+def _shut_down(state: ServerState) -> int:
+    """After the HTTP server stopped: the engine shut down; the exit code (1 when loading or the engine failed)."""
     if state.engine is not None:
         log.info("shutting down the engine")
         state.engine.shutdown(timeout=5 if state.fatal_error else 30)   # (a wedged engine thread does not stop)
