@@ -104,7 +104,8 @@ class Seed:
 
 def seeds(row: int, prompt: list[int], output: list[int], params, stop_ids: np.ndarray, n_bias: int) -> list[Seed]:
     """The seeding calls (numpy) for a request placed in `row` with tokens prompt + output so far and
-    sampling parameters `params` (SamplingParams); stop_ids [S]: its stop ids and EOS unless ignore_eos."""
+    sampling parameters `params` (SamplingParams); stop_ids [S], -1 padded: the ids its min_tokens holds
+    back, every one of its stop ids and EOS unless ignore_eos (`StepInputs.held_ids`)."""
     bias_ids, bias_vals = np.full((n_bias,), -1, np.int32), np.zeros((n_bias,), np.float32)
     for i, (t, v) in enumerate(sorted((params.logit_bias or {}).items())):
         bias_ids[i], bias_vals[i] = t, v

@@ -93,8 +93,7 @@ def warmup(runner, mode: str):
         pad = (np.full((W,), -1, np.int32), np.full((W,), -1, np.int32))
         runner.cache = runner._copy_pages(runner.cache, {n: pad for n in runner.widths})
     # the seeding program, on the null row with neutral parameters (no step reads the null row's state)
-    null = seeds(runner.null_slot, [], [], SamplingParams(), np.full((ecfg.max_stop_ids,), -1, np.int32),
-                 MAX_LOGIT_BIAS)
+    null = seeds(runner.null_slot, [], [], SamplingParams(), runner.inputs.held_ids(SamplingParams()), MAX_LOGIT_BIAS)
     runner.slot_last = runner._seed(runner.slot_last, null[0])
     tbs = runner.token_buckets() if mode == "all" else runner.token_buckets()[:1]
     widths = (0, LOGPROBS_WIDTH) if mode == "all" else (0,)

@@ -349,10 +349,10 @@ class LLMEngine:
         out = self.scheduler.schedule()
         self._landing, self._flight = self._flight, None   # read back once this step is enqueued
         outs = []
+        if out.placed:           # their rows' logits processors' state (prompt and outputs so far)
+            self.runner.seed_rows(out.placed)
         if out.rows:
             self._planned.extend(out.requests)
-            if out.placed:       # their rows' logits processors' state (prompt and outputs so far)
-                self.runner.seed_rows(out.placed)
             if out.copies:       # the private copies its rows write (reserved with their pages)
                 self.runner.copy_on_write(out.copies)
             if out.mode == "speculative":

@@ -138,7 +138,7 @@ class ModelRunner:
         its logits processors' state (`logits_processors.RowState`)."""
         rows = self.ecfg.max_num_seqs + 1
         z = RowState(last=jnp.zeros((rows,), jnp.int32),
-                     procs=ProcState.empty(rows, self.cfg.vocab_size, MAX_LOGIT_BIAS, self.ecfg.max_stop_ids))
+                     procs=ProcState.empty(rows, self.cfg.vocab_size, MAX_LOGIT_BIAS, self.inputs.held_width))
         return z if self.layout is None else jax.device_put(z, self.layout.replicated)
 
     def seed_rows(self, reqs):
@@ -147,7 +147,7 @@ class ModelRunner:
         seeding program in calls of a fixed width."""
         for q in reqs:
             with attributed(q):
-                for s in seeds(q.slot, q.prompt_ids, q.output_ids, q.params, self.inputs.row_consts(q)[4],
+                for s in seeds(q.slot, q.prompt_ids, q.output_ids, q.params, self.inputs.held_ids(q.params),
                                MAX_LOGIT_BIAS):
                     self.slot_last = self._seed(self.slot_last, s)
 

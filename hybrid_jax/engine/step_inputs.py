@@ -16,7 +16,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from hybrid_jax.engine.limits import row_temperature, row_top_k
+from hybrid_jax.engine.limits import MAX_STOP_TOKEN_IDS, row_temperature, row_top_k
 from hybrid_jax.engine.request import attributed
 
 LOGPROBS_WIDTH = 20      # top log-probabilities computed when any request of a step asks for them
@@ -64,6 +64,8 @@ class StepInputs:
         self.null_slot, self.widths, self.max_stop_ids = null_slot, widths, max_stop_ids
         self.eos_ids, self.vocab_size = tuple(eos_ids), vocab_size
         self.blocks = None
+        # ids min_tokens holds back, as a static width: every stop id a request may name and the EOS ids
+        self.held_width = MAX_STOP_TOKEN_IDS + len(self.eos_ids)
 
     def rows(self, reqs, Bb: int) -> StepRows:
         """The step's per-row inputs (a StepRows), padded to the batch bucket Bb."""
@@ -98,6 +100,15 @@ class StepInputs:
                 q.row_consts = (q.seed % 2**32, row_temperature(q.params.temperature),
                                 row_top_k(q.params.top_k, self.vocab_size), q.params.top_p, stop)
         return q.row_consts
+
+    def held_ids(self, params) -> np.ndarray:
+        """[held_width] int32, -1 padded: the ids min_tokens masks for a request with SamplingParams
+        `params`, all its stop_token_ids and, unless ignore_eos, the model's EOS (the steps' stop ids
+        hold only the first max_stop_ids; the host stops at the others)."""
+        ids = list(params.stop_token_ids) + ([] if params.ignore_eos else list(self.eos_ids))
+        held = np.full((self.held_width,), -1, np.int32)
+        held[:len(ids)] = ids
+        return held
 
     def stop_ids(self, reqs, Bb: int) -> np.ndarray:
         """[Bb, max_stop_ids] int32, -1 padded: each request's stop ids (`row_consts`)."""

@@ -191,6 +191,20 @@ def test_min_tokens_holds_back_stop_ids_and_stop_strings(llm, eng):
     assert len(o.token_ids) >= 5 and o.token_ids == plain[:len(o.token_ids)]
 
 
+def test_min_tokens_holds_back_every_stop_id(llm, eng):
+    """More stop ids than the steps' static width (EngineConfig.max_stop_ids, which the device stops
+    at): min_tokens masks every one, and the request ends at the last of them after min_tokens."""
+    prompt = _prompts(1, seed=7)[0]
+    plain = _gen(eng, [prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0]
+    V = llm.config.vocab_size
+    stops = [t for t in range(V - 1, 0, -1) if t not in plain][:eng.config.max_stop_ids] + [plain[1]]
+    p = SamplingParams(max_tokens=12, temperature=0, stop_token_ids=stops, min_tokens=6)
+    got = _gen(eng, [prompt], p)
+    eos = [t for t in eng.runner.eos_ids if t < V]      # (the byte tokenizer's EOS may lie past this vocabulary)
+    assert got[0] == _replay(llm, prompt, p, stop_ids=stops + eos)
+    assert plain[1] not in got[0][:5] and len(got[0]) >= 6
+
+
 def test_min_p_keeps_only_likely_tokens(eng):
     """Sampled at temperature 2: each token's probability at that temperature is at least min_p x the
     most likely's (logprobs are the model's own distribution, as vLLM returns them)."""
