@@ -76,11 +76,13 @@ def fed(tok, done):
     return jnp.maximum(tok, 0), (~done).astype(jnp.int32)
 
 
-def decode_tokens(feed: Callable, draw: Callable, carry, tok, running, remaining, stop_ids, lps=(), *, steps: int):
+def decode_tokens(feed: Callable, draw: Callable, carry, tok, running, remaining, stop_ids, lps=(), *, steps: int,
+                  note: Callable | None = None):
     """Up to `steps` iterations of feed-then-emit from tok [B] int32 (each row's pending token): a
     running row samples up to allowed_tokens(steps, remaining [B]) tokens, fewer after a stop id.
-    running [B] bool; stop_ids [B, S] int32 (-1 padded); draw(logits, i) -> (tokens [B], logprobs
-    tuple of [B, ...]); lps: buffers [B, steps, ...] the logprobs go to (() for none).
+    running [B] bool; stop_ids [B, S] int32 (-1 padded); draw(logits, i, carry) -> (tokens [B],
+    logprobs tuple of [B, ...]); note(carry, tokens [B]) -> carry, after each emit (the tokens, -1 for
+    a row done; None: nothing); lps: buffers [B, steps, ...] the logprobs go to (() for none).
     Returns (tokens [B, steps] int32, -1 past a row's end; lps; carry)."""
     B = tok.shape[0]
     limit = allowed_tokens(steps, remaining, jnp)
@@ -89,8 +91,8 @@ def decode_tokens(feed: Callable, draw: Callable, carry, tok, running, remaining
     def body(state):
         j, tok, done, carry, out, lps = state
         logits, carry = feed(carry, *fed(tok, done))
-        new, out, lps, done = emit(j, logits, out, lps, done, draw, stop_ids, limit)
-        return j + 1, new, done, carry, out, lps
+        new, out, lps, done = emit(j, logits, out, lps, done, lambda x, i: draw(x, i, carry), stop_ids, limit)
+        return j + 1, new, done, carry if note is None else note(carry, new), out, lps
 
     def cond(state):
         return (state[0] < steps) & jnp.any(~state[2])

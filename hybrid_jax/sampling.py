@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from hybrid_jax.errors import InputError
+from hybrid_jax.logits_processors import apply_min_p
 
 
 MAX_LOGIT_BIAS = 300      # entries of one request's logit_bias (OpenAI's limit)
@@ -177,10 +178,11 @@ def greedy_tokens(logits: jax.Array) -> jax.Array:
 
 
 def sample(logits: jax.Array, keys: jax.Array, step: jax.Array, temperature: jax.Array, top_k: jax.Array,
-           top_p: jax.Array, flags: SamplerFlags) -> jax.Array:
+           top_p: jax.Array, flags: SamplerFlags, min_p: jax.Array | None = None) -> jax.Array:
     """logits: [B, V] fp32; keys: [B] typed PRNG keys; step: int, scalar or [B] (the row's count of
     generated tokens, so a row draws the same numbers however it is batched); temperature, top_p: [B] f32;
-    top_k: [B] int32 (<= 0 means off). Returns token ids [B] int32.
+    top_k: [B] int32 (<= 0 means off); min_p: [B] f32 (0 off; None: no row has it), applied after the
+    temperature and before top-k / top-p, as vLLM. Returns token ids [B] int32.
 
     `flags` says which paths exist in the program; inside it, run-time conds skip the vocabulary
     sort when no row filters and the draw when every row is greedy, so one compiled sampler serves
@@ -192,6 +194,8 @@ def sample(logits: jax.Array, keys: jax.Array, step: jax.Array, temperature: jax
     def draw(logits):
         t = jnp.where(temperature > 0, temperature, 1.0)
         x = logits / t[:, None]
+        if min_p is not None:
+            x = jax.lax.cond(jnp.any((temperature > 0) & (min_p > 0)), lambda x: apply_min_p(x, min_p), lambda x: x, x)
         if flags.use_top_k or flags.use_top_p:
             filtering = jnp.any((temperature > 0) & ((top_k > 0) | (top_p < 1.0)))
             x = jax.lax.cond(filtering, lambda x: _filter(x, top_k, top_p, flags), lambda x: x, x)

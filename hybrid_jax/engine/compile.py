@@ -23,11 +23,12 @@ import numpy as np
 from cache.pools import copy_pages
 from hybrid_jax.engine.step_inputs import LOGPROBS_WIDTH
 from hybrid_jax.engine.steps import StepContext, decode_step, loop_step, mixed_step, ragged_step, verify_step
+from hybrid_jax.logits_processors import seed_row, seeds
 from hybrid_jax.models.ragged import pack
 from hybrid_jax.parallel.context import Traced
-from hybrid_jax.sampling import FULL_SAMPLER
+from hybrid_jax.sampling import FULL_SAMPLER, MAX_LOGIT_BIAS, SamplingParams
 
-KINDS = ("mixed", "ragged", "decode", "verify", "loop", "copy_pages")
+KINDS = ("mixed", "ragged", "decode", "verify", "loop", "copy_pages", "seed")
 
 
 def enable_persistent_compilation_cache(path: str | None):
@@ -41,7 +42,9 @@ def enable_persistent_compilation_cache(path: str | None):
 
 
 class Programs:
-    """The step programs of `ctx`, jitted once each, the pools (and the drafter's state) donated:
+    """The step programs of `ctx`, jitted once each, the pools (and the drafter's state) donated, and
+    the rows' state (`last`: last tokens and the logits processors' counts, [max_num_seqs + 1, V]) by
+    the mixed, ragged, decode and seed programs, so a step updates it in place rather than copying it:
 
       mixed       steps.mixed_step     static flags, top_n, prompt_n
       ragged      steps.ragged_step    static flags, top_n, prompt_n
@@ -49,15 +52,17 @@ class Programs:
       verify      steps.verify_step    static flags, replay
       loop        steps.loop_step      static lc (device_loop.LoopConfig)
       copy_pages  cache.pools.copy_pages (copy-on-write of shared pages)
+      seed        logits_processors.seed_row (a row's processors' state, at placement)
     """
 
     def __init__(self, ctx: StepContext):
         self.ctx = ctx
         self.mixed = jax.jit(mixed_step(ctx), static_argnames=("flags", "top_n", "prompt_n"),
-                             donate_argnames=("cache", "dcache"))
-        self.ragged = jax.jit(ragged_step(ctx), static_argnames=("flags", "top_n", "prompt_n"), donate_argnames=("cache",))
+                             donate_argnames=("cache", "last", "dcache"))
+        self.ragged = jax.jit(ragged_step(ctx), static_argnames=("flags", "top_n", "prompt_n"),
+                              donate_argnames=("cache", "last"))
         self.decode = jax.jit(decode_step(ctx), static_argnames=("steps", "flags", "top_n"),
-                              donate_argnames=("cache", "dcache"))
+                              donate_argnames=("cache", "last", "dcache"))
         self.verify = jax.jit(verify_step(ctx), static_argnames=("flags", "replay"),
                               donate_argnames=("cache", "dcache"))
         self.loop = jax.jit(loop_step(ctx), static_argnames=("lc",), donate_argnames=("cache",))
@@ -65,6 +70,7 @@ class Programs:
             for kind in ("mixed", "ragged", "decode", "verify", "loop"):
                 setattr(self, kind, Traced(ctx.layout, getattr(self, kind)))
         self.copy_pages = jax.jit(copy_pages, donate_argnames=("pools",))
+        self.seed = jax.jit(seed_row, donate_argnames=("state",))
 
     def compiled(self) -> dict[str, int]:
         """Programs compiled so far, by kind (one per bucket and static option)."""
@@ -87,6 +93,9 @@ def warmup(runner, mode: str):
         W = ecfg.max_num_seqs
         pad = (np.full((W,), -1, np.int32), np.full((W,), -1, np.int32))
         runner.cache = runner._copy_pages(runner.cache, {n: pad for n in runner.widths})
+    # the seeding program, on the null row with neutral parameters (no step reads the null row's state)
+    null = seeds(runner.null_slot, [], [], SamplingParams(), runner.inputs.held_ids(SamplingParams()), MAX_LOGIT_BIAS)
+    runner.slot_last = runner._seed(runner.slot_last, null[0])
     tbs = runner.token_buckets() if mode == "all" else runner.token_buckets()[:1]
     widths = (0, LOGPROBS_WIDTH) if mode == "all" else (0,)
     dparams = runner.drafter.params

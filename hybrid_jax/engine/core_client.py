@@ -85,7 +85,8 @@ class EngineCoreClient:
 
     def validate(self, prompt: Any, params: SamplingParams) -> list[int]:
         """Raises InputError for a prompt or parameters the core would refuse; returns its token ids."""
-        return admit(prompt, params, self._tokenizer, self.info["vocab_size"], self.info["max_model_len"])[1]
+        return admit(prompt, params, self._tokenizer, self.info["vocab_size"], self.info["max_model_len"],
+                     speculative=self.info.get("speculative", False))[1]
 
     async def generate(self, request_id: str, prompt: Any, params: SamplingParams,
                        arrival: float | None = None) -> AsyncIterator[EngineOutput]:

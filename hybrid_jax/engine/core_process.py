@@ -123,7 +123,8 @@ def run_core(build, model, dtype, engine_config, parallel, address, authkey, rea
     info = {"max_model_len": engine.config.max_model_len, "vocab_size": engine.loaded.config.vocab_size,
             "tokenizer": "byte" if isinstance(tok, ByteTokenizer) else ("checkpoint" if tok is not None else None),
             "warmup": engine.config.warmup, "warmup_seconds": getattr(engine, "warmup_seconds", 0.0),
-            "num_compiled": engine.num_compiled(), "pid": os.getpid(), "max_num_seqs": engine_rows(engine)}
+            "num_compiled": engine.num_compiled(), "pid": os.getpid(), "max_num_seqs": engine_rows(engine),
+            "speculative": engine.config.speculative_config is not None}
     listener = Listener(address, family="AF_UNIX", authkey=authkey)
     ready.send(("ready", info))
     ready.close()

@@ -42,22 +42,28 @@ class IncrementalDetokenizer:
         return delta
 
 
-def detokenize_with_stops(q, detok: IncrementalDetokenizer, accepted: list[int], old_text: str) -> list[int]:
+def detokenize_with_stops(q, detok: IncrementalDetokenizer, accepted: list[int], old_text: str,
+                          skip: int = 0) -> list[int]:
     """Sets q.text from the new tokens; with stop strings, token by token, cutting the tokens after
     the one that completes a stop string (and the text before it, or after it with
-    include_stop_str_in_output). Returns the tokens kept."""
+    include_stop_str_in_output). The first `skip` tokens end nothing (min_tokens): a stop string must
+    end in the text of a later one. Returns the tokens kept."""
     if not q.params.stop:
         detok.add(accepted)
         if q.finish_reason is not None:
             detok.finish()
         q.text = detok.text
         return accepted
+    floor = len(old_text)            # a stop string found must end past the skipped tokens' text
     for j, t in enumerate(accepted):
         detok.add([t])
         if j == len(accepted) - 1 and q.finish_reason is not None:
             detok.finish()
+        if j < skip:
+            floor = len(detok.text) + 1
+            continue
         for s in q.params.stop:
-            at = detok.text.find(s, max(0, len(old_text) - len(s)))
+            at = detok.text.find(s, max(0, floor - len(s)))
             if at >= 0:
                 end = at + len(s) if q.params.include_stop_str_in_output else at
                 q.text, q.finish_reason = detok.text[:end], "stop"

@@ -157,7 +157,8 @@ class LLMEngine:
     def check(self, prompt: Any, params: SamplingParams) -> tuple[str | None, list[int]]:
         """Admission: raises InputError for a prompt or parameters this model and engine cannot
         serve (see engine/limits.py); returns the prompt's text and token ids."""
-        return admit(prompt, params, self.loaded.tokenizer, self.loaded.config.vocab_size, self.config.max_model_len)
+        return admit(prompt, params, self.loaded.tokenizer, self.loaded.config.vocab_size, self.config.max_model_len,
+                     speculative=self.spec is not None)
 
     def add_request(self, request_id: str, prompt: Any, params: SamplingParams | None = None,
                     arrival: float | None = None) -> Request:
@@ -349,6 +350,8 @@ class LLMEngine:
         out = self.scheduler.schedule()
         self._landing, self._flight = self._flight, None   # read back once this step is enqueued
         outs = []
+        if out.placed:           # their rows' logits processors' state (prompt and outputs so far)
+            self.runner.seed_rows(out.placed)
         if out.rows:
             self._planned.extend(out.requests)
             if out.copies:       # the private copies its rows write (reserved with their pages)

@@ -29,8 +29,9 @@ MIN_TEMPERATURE = 1e-5
 _F32_MAX = float(np.finfo(np.float32).max)
 
 
-def check_request(params, vocab_size: int):
-    """Raises InputError naming the first field the model or the engine cannot serve."""
+def check_request(params, vocab_size: int, speculative: bool = False):
+    """Raises InputError naming the first field the model or the engine cannot serve (speculative: the
+    engine speculates, and refuses the logits processors)."""
     params.validate()
     if len(params.stop) > MAX_STOP_STRINGS:
         raise InputError(f"'stop' has {len(params.stop)} strings; at most {MAX_STOP_STRINGS} are allowed")
@@ -51,18 +52,20 @@ def check_request(params, vocab_size: int):
     bad = sorted(t for t in (params.logit_bias or {}) if t >= vocab_size)
     if bad:
         raise InputError(f"'logit_bias' names token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
-    refuse_unbuilt(params)
+    if speculative:
+        refuse_with_speculation(params)
 
 
-# Sampling fields SamplingParams accepts that this engine does not serve yet: refused by name, never ignored.
-NOT_YET = (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0), ("min_p", 0.0),
-           ("min_tokens", 0), ("logit_bias", None))
+# The logits processors (hybrid_jax/logits_processors.py), which the speculative verify does not apply:
+# refused by name when the engine speculates.
+PROCESSORS = (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0), ("min_p", 0.0),
+              ("min_tokens", 0), ("logit_bias", None))
 
 
-def refuse_unbuilt(params):
-    for name, off in NOT_YET:
+def refuse_with_speculation(params):
+    for name, off in PROCESSORS:
         if getattr(params, name) != off:
-            raise InputError(f"'{name}' is not supported by this engine yet")
+            raise InputError(f"'{name}' is not supported with speculative decoding")
 
 
 def row_top_k(top_k: int, vocab_size: int) -> int:
@@ -131,11 +134,13 @@ def refuse_unfittable(text: str | None, tokenizer, max_tokens: int, max_model_le
                          f"token) + max_tokens ({max_tokens}) exceeds max_model_len {max_model_len}")
 
 
-def admit(prompt: Any, params, tokenizer, vocab_size: int, max_model_len: int) -> tuple[str | None, list[int]]:
+def admit(prompt: Any, params, tokenizer, vocab_size: int, max_model_len: int,
+          speculative: bool = False) -> tuple[str | None, list[int]]:
     """Admission of one request (`check_request`, the prompt encoded and checked, prompt + max_tokens
     within max_model_len): its text and token ids, or InputError naming the problem. The engine runs
-    it in `add_request`; an API server in front of an engine process runs it before answering."""
-    check_request(params, vocab_size)
+    it in `add_request`; an API server in front of an engine process runs it before answering.
+    speculative: the engine speculates (the logits processors are refused)."""
+    check_request(params, vocab_size, speculative)
     refuse_unfittable(_text_to_encode(prompt), tokenizer, params.max_tokens, max_model_len)
     text, ids = encode_prompt(prompt, tokenizer, vocab_size)
     if len(ids) + params.max_tokens > max_model_len:

@@ -43,12 +43,14 @@ class OutputProcessor:
     def append(self, q: Request, new: list[int], lps, now: float) -> tuple[list[int], str, list[dict]]:
         """Adds a step's sampled tokens to the request, up to the first that ends it (a stop id, its
         max_tokens, a stop string: `q.finish_reason` is then set). lps: the step's (chosen [T], top
-        values [T, W], top ids [T, W]) for this row. Returns (tokens kept, text they add, their logprobs)."""
+        values [T, W], top ids [T, W]) for this row. Returns (tokens kept, text they add, their logprobs).
+        Before min_tokens tokens nothing stops the request but max_tokens (as vLLM: the device masks its
+        stop ids and EOS until then, and stop strings are not looked for)."""
         stops = self.stop_set(q)
         accepted = []
         for t in new:
             accepted.append(t)
-            if t in stops:
+            if t in stops and len(q.output_ids) + len(accepted) >= q.params.min_tokens:
                 q.finish_reason = "stop"
                 break
             if len(q.output_ids) + len(accepted) >= q.params.max_tokens:
@@ -57,7 +59,8 @@ class OutputProcessor:
         old_text = q.text
         detok = self._detok.get(q.request_id)
         if detok is not None:
-            accepted = detokenize_with_stops(q, detok, accepted, old_text)
+            accepted = detokenize_with_stops(q, detok, accepted, old_text,
+                                             skip=max(0, q.params.min_tokens - len(q.output_ids) - 1))
         if q.first_token_time is None:
             self.metrics.ttft.observe(now - q.arrival)
         elif accepted:

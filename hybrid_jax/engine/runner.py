@@ -18,7 +18,9 @@ Overlap: the mixed and decode steps are dispatched (`dispatch_mixed`, `dispatch_
 later (`land`), so the engine can enqueue the next step first. Each writes every row's last sampled
 token into `slot_last` (on the device, one entry per row); a row whose last token is still on the
 device (`from_dev`, the request's `num_inflight`) is fed from there, so the next step never waits
-for a device-to-host copy.
+for a device-to-host copy. `slot_last` also holds each row's logits processors' state (penalty
+counts, coefficients, logit bias: hybrid_jax/logits_processors.py), seeded by `seed_rows` when a
+request with processors is placed in a row and counted by the steps.
 """
 from __future__ import annotations
 
@@ -41,11 +43,12 @@ from hybrid_jax.engine.step_inputs import StepInputs
 from hybrid_jax.engine.steps import StepContext
 from hybrid_jax.errors import InputError
 from hybrid_jax.generate import bucket
+from hybrid_jax.logits_processors import ProcState, RowState, seeds
 from hybrid_jax.models import get_model
 from hybrid_jax.models.ragged import pack
 from hybrid_jax.parallel.context import active
 from hybrid_jax.parallel.placement import entry_copies
-from hybrid_jax.sampling import FULL_SAMPLER
+from hybrid_jax.sampling import FULL_SAMPLER, MAX_LOGIT_BIAS
 
 MIN_T = 8
 
@@ -132,10 +135,23 @@ class ModelRunner:
     def blocks(self, blocks: BlockManager | None):
         self.inputs.blocks = blocks
 
-    def _new_slot_last(self):
-        """[max_num_seqs + 1] int32 on the device (replicated on a mesh): each row's last sampled token."""
-        z = jnp.zeros((self.ecfg.max_num_seqs + 1,), jnp.int32)
+    def _new_slot_last(self) -> RowState:
+        """Per row ([max_num_seqs + 1]) on the device (replicated on a mesh): its last sampled token and
+        its logits processors' state (`logits_processors.RowState`)."""
+        rows = self.ecfg.max_num_seqs + 1
+        z = RowState(last=jnp.zeros((rows,), jnp.int32),
+                     procs=ProcState.empty(rows, self.cfg.vocab_size, MAX_LOGIT_BIAS, self.inputs.held_width))
         return z if self.layout is None else jax.device_put(z, self.layout.replicated)
+
+    def seed_rows(self, reqs):
+        """Seeds the processors' state of requests with logits processors just placed in their rows (the
+        prompt and the outputs so far: admission, and resumption after preemption or recovery), with the
+        seeding program in calls of a fixed width."""
+        for q in reqs:
+            with attributed(q):
+                for s in seeds(q.slot, q.prompt_ids, q.output_ids, q.params, self.inputs.held_ids(q.params),
+                               MAX_LOGIT_BIAS):
+                    self.slot_last = self._seed(self.slot_last, s)
 
     def _wait(self, *outs):
         """Blocks until a step dispatched just now is ready (verify and loop steps, read at once): the
@@ -229,12 +245,12 @@ class ModelRunner:
 
     def _build_programs(self):
         """The step programs (engine/compile.Programs) over the runner's context and drafter. They are
-        the runner's `_mixed`, `_ragged`, `_decode`, `_verify`, `_loop`, `_copy_pages` (tests and
+        the runner's `_mixed`, `_ragged`, `_decode`, `_verify`, `_loop`, `_copy_pages`, `_seed` (tests and
         benchmarks wrap them one at a time)."""
         ctx = StepContext(self.model, self.cfg, self.impl, self.layout, self.cache_shardings, self.drafter)
         self._programs = p = Programs(ctx)
         self._mixed, self._ragged, self._decode, self._verify = p.mixed, p.ragged, p.decode, p.verify
-        self._loop, self._copy_pages = p.loop, p.copy_pages
+        self._loop, self._copy_pages, self._seed = p.loop, p.copy_pages, p.seed
 
     # --- the drafter ------------------------------------------------------------------------------
     def _use(self, drafter: Drafter):

@@ -85,6 +85,9 @@ class SchedulerOutput:
     decode_steps: int | None = None        # decode: iterations; speculative: those of a plain fallback
     caps: list[int] | None = None          # decode / speculative: per row, the most tokens before a publish
     counted: list[int] | None = None       # set by commit: per row, the tokens counted ahead
+    # requests with logits processors placed in a row by this schedule: their rows' processor state is
+    # seeded on the device before the step (ModelRunner.seed_rows)
+    placed: list[Request] = dataclasses.field(default_factory=list)
     sync: bool = False                     # set by commit: a row reaches a publish point (read back first)
 
     @property
@@ -289,7 +292,7 @@ class Scheduler:
                     taken += 1
         return taken
 
-    def _admit(self, budget: int, preempted: list):
+    def _admit(self, budget: int, preempted: list, placed: list):
         """Admits waiting requests (FCFS) while a row, the token budget and the pages allow a first
         chunk beside what the running requests may soon take (`_admission_reserve`), so that an
         admitted request neither preempts itself for its first chunk's pages nor pushes a running one
@@ -316,6 +319,7 @@ class Scheduler:
             req.slot = row
             req.status = RequestStatus.RUNNING
             self.running.append(req)
+            placed.append(req)
             cached = self.prefix.reuse(req) if self.prefix is not None else 0
             if cached > 0:
                 req.num_computed = cached          # the row and pages were filled from the prefix cache
@@ -348,14 +352,16 @@ class Scheduler:
         copies: dict[str, dict[str, list[tuple[int, int]]]] = {}
         rows: list[ScheduledRow] = []
         budget = self.token_budget - self._decodes(rows, copies, preempted)
-        self._admit(budget, preempted)
+        placed: list[Request] = []
+        self._admit(budget, preempted, placed)
         self._prefills(rows, budget, copies, preempted)
         rows = [p for p in rows if p.request in self.running]   # a later preemption may take a scheduled row
         merged: dict[str, list[tuple[int, int]]] = {}
         for p in rows:                     # (a preempted row's copies went back with its pages)
             for g, pairs in copies.get(p.request.request_id, {}).items():
                 merged.setdefault(g, []).extend(pairs)
-        out = SchedulerOutput(rows=rows, preempted=preempted, copies=merged)
+        out = SchedulerOutput(rows=rows, preempted=preempted, copies=merged,
+                              placed=[q for q in self.running if q.params.processes_logits and q in placed])
         self.metrics.preemptions.inc(len(preempted))
         if rows and out.is_decode_only:
             self._plan_decode(out)

@@ -16,7 +16,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from hybrid_jax.engine.limits import row_temperature, row_top_k
+from hybrid_jax.engine.limits import MAX_STOP_TOKEN_IDS, row_temperature, row_top_k
 from hybrid_jax.engine.request import attributed
 
 LOGPROBS_WIDTH = 20      # top log-probabilities computed when any request of a step asks for them
@@ -27,7 +27,7 @@ LOGPROBS_WIDTH = 20      # top log-probabilities computed when any request of a 
 # the float32 sums moved by ~1e-5 (tests/hybrid_jax/test_eval.py compares cached and uncached scores).
 @functools.partial(jax.tree_util.register_dataclass,
                    data_fields=("from_dev", "lengths", "fresh", "rows", "seeds", "steps", "tables", "temperature",
-                                "top_k", "top_p"), meta_fields=())
+                                "top_k", "top_p", "procs"), meta_fields=())
 @dataclasses.dataclass(frozen=True)
 class StepRows:
     """A step's per-row inputs, padded to the batch bucket Bb (numpy on the host, traced in a step).
@@ -36,7 +36,8 @@ class StepRows:
     [Bb] int32: tokens it generated so far (the sampler's RNG index); seeds [Bb] uint32; temperature,
     top_p [Bb] f32; top_k [Bb] int32; from_dev [Bb] bool: its last token is still on the device;
     fresh [Bb] bool or None: rows whose MTP state starts over (a mixed step with the MTP drafter;
-    None in every other step, so the other programs do not carry it)."""
+    None in every other step, so the other programs do not carry it); procs [Bb] bool: rows whose
+    request has logits processors on (hybrid_jax/logits_processors.py; None: no processing)."""
     rows: Any
     tables: dict
     lengths: Any
@@ -47,6 +48,7 @@ class StepRows:
     top_p: Any
     from_dev: Any
     fresh: Any = None
+    procs: Any = None
 
     def replace(self, **kw) -> "StepRows":
         return dataclasses.replace(self, **kw)
@@ -62,6 +64,8 @@ class StepInputs:
         self.null_slot, self.widths, self.max_stop_ids = null_slot, widths, max_stop_ids
         self.eos_ids, self.vocab_size = tuple(eos_ids), vocab_size
         self.blocks = None
+        # ids min_tokens holds back, as a static width: every stop id a request may name and the EOS ids
+        self.held_width = MAX_STOP_TOKEN_IDS + len(self.eos_ids)
 
     def rows(self, reqs, Bb: int) -> StepRows:
         """The step's per-row inputs (a StepRows), padded to the batch bucket Bb."""
@@ -69,7 +73,7 @@ class StepInputs:
         rows, seeds = np.full((Bb,), self.null_slot, np.int32), np.zeros((Bb,), np.uint32)
         steps, temperature = np.zeros((Bb,), np.int32), np.zeros((Bb,), np.float32)
         top_k, top_p = np.full((Bb,), -1, np.int32), np.ones((Bb,), np.float32)
-        lengths, from_dev = np.zeros((Bb,), np.int32), np.zeros((Bb,), bool)
+        lengths, from_dev, procs = np.zeros((Bb,), np.int32), np.zeros((Bb,), bool), np.zeros((Bb,), bool)
         ids = [q.request_id for q in reqs] + [None] * (Bb - n)
         tables = (self.blocks.block_tables(ids, self.widths) if self.blocks is not None
                   else {g: np.full((Bb, w), -1, np.int32) for g, w in self.widths.items()})
@@ -80,8 +84,9 @@ class StepInputs:
             lengths[:n] = [q.num_computed for q in reqs]
             steps[:n] = [q.num_output for q in reqs]
             from_dev[:n] = [q.num_inflight > 0 for q in reqs]      # its last token is still on the device
+            procs[:n] = [q.params.processes_logits for q in reqs]
         return StepRows(rows=rows, tables=tables, lengths=lengths, steps=steps, seeds=seeds,
-                        temperature=temperature, top_k=top_k, top_p=top_p, from_dev=from_dev)
+                        temperature=temperature, top_k=top_k, top_p=top_p, from_dev=from_dev, procs=procs)
 
     def row_consts(self, q) -> tuple:
         """A request's step inputs that never change, made once: (seed, temperature, top_k, top_p, its
@@ -95,6 +100,15 @@ class StepInputs:
                 q.row_consts = (q.seed % 2**32, row_temperature(q.params.temperature),
                                 row_top_k(q.params.top_k, self.vocab_size), q.params.top_p, stop)
         return q.row_consts
+
+    def held_ids(self, params) -> np.ndarray:
+        """[held_width] int32, -1 padded: the ids min_tokens masks for a request with SamplingParams
+        `params`, all its stop_token_ids and, unless ignore_eos, the model's EOS (the steps' stop ids
+        hold only the first max_stop_ids; the host stops at the others)."""
+        ids = list(params.stop_token_ids) + ([] if params.ignore_eos else list(self.eos_ids))
+        held = np.full((self.held_width,), -1, np.int32)
+        held[:len(ids)] = ids
+        return held
 
     def stop_ids(self, reqs, Bb: int) -> np.ndarray:
         """[Bb, max_stop_ids] int32, -1 padded: each request's stop ids (`row_consts`)."""

@@ -12,9 +12,11 @@ writes the rows back (`close_view`), the pools donated:
   loop step    offline n-gram speculation, `speculative.device_loop.ngram_generate` over the rows
 
 The drafter (engine/drafter.py) rides along in every padded step: each calls its take / advance /
-put (a verify also its draft), whichever drafter it is. The mixed and decode steps write every row's
-last sampled token into `last` ([max_num_seqs + 1] on the device, the runner's `slot_last`); a row
-whose last token is still on the device (`from_dev`) is fed from there.
+put (a verify also its draft), whichever drafter it is. The mixed and decode steps carry `last`, the
+runner's `slot_last` (a `logits_processors.RowState` per cache row on the device): they write every
+row's last sampled token into it (a row whose last token is still on the device, `from_dev`, is fed
+from there), apply the logits processors of the rows that have them before sampling and count the
+tokens those rows sample (hybrid_jax/logits_processors.py).
 
 `hybrid-jax plan` compiles these same bodies (hybrid_jax/plan/compile.py): its prefill chunk is
 `chunk_forward`, the model part of the mixed step; its decode step `decode_forward`, one decode
@@ -33,6 +35,7 @@ from hybrid_jax.decode_loop import decode_tokens
 from hybrid_jax.engine.drafter import Drafter
 from hybrid_jax.engine.prompt_logprobs import score_positions
 from hybrid_jax.engine.step_inputs import StepRows
+from hybrid_jax.logits_processors import RowState, note_tokens, processed, row_min_p
 from hybrid_jax.sampling import FULL_SAMPLER, sample, token_logprobs
 from hybrid_jax.speculative.device_loop import ngram_generate
 from hybrid_jax.speculative.verify import replay_verified, select_verified
@@ -100,23 +103,29 @@ def decode_forward(ctx: StepContext, params, pools, r: StepRows, tokens, n_new):
     return out.logits, close_view(ctx, pools, r.rows, out.cache)
 
 
-def draw_tokens(logits, r: StepRows, flags, offset=None):
+def draw_tokens(logits, r: StepRows, flags, offset=None, min_p=None):
     """One token per row [Bb] from logits [Bb, V] with the rows' sampling parameters, at RNG index
-    r.steps (+ offset: the iteration of a decode loop)."""
+    r.steps (+ offset: the iteration of a decode loop); min_p [Bb] (None: none)."""
     keys = jax.vmap(jax.random.key)(r.seeds)
     steps = r.steps if offset is None else r.steps + offset
-    return sample(logits, keys, steps, r.temperature, r.top_k, r.top_p, flags)
+    return sample(logits, keys, steps, r.temperature, r.top_k, r.top_p, flags, min_p)
 
 
-def sample_rows(logits, r: StepRows, flags, top_n: int, offset=None):
-    """`draw_tokens` and their logprob triples ([Bb], [Bb, top_n] x 2)."""
-    tok = draw_tokens(logits, r, flags, offset)
+def sample_rows(logits, r: StepRows, flags, top_n: int, offset=None, state: RowState | None = None):
+    """`draw_tokens` and their logprob triples ([Bb], [Bb, top_n] x 2) of the model's logits; with the
+    rows' `state`, the tokens are drawn from the logits its processors made (rows with `r.procs`)."""
+    x, min_p = logits, None
+    if state is not None:
+        steps = r.steps if offset is None else r.steps + offset
+        x, min_p = processed(logits, state, r.rows, r.procs, steps), row_min_p(state, r.rows, r.procs)
+    tok = draw_tokens(x, r, flags, offset, min_p)
     return tok, token_logprobs(logits, tok, top_n)
 
 
-def noted(last, rows, tok):
-    """`last` with each row's new last token tok [Bb] (-1: the row sampled none) written in."""
-    return last.at[rows].set(jnp.where(tok >= 0, tok, last[rows]))
+def noted(last: RowState, r: StepRows, tok) -> RowState:
+    """`last` with each row's new token tok [Bb] (-1: the row sampled none) written in (and counted for
+    the rows with processors)."""
+    return note_tokens(last, r.rows, r.procs, tok)
 
 
 def mixed_step(ctx: StepContext):
@@ -127,14 +136,14 @@ def mixed_step(ctx: StepContext):
         [Bb, T]: the prompt token each position scores, -1 none (engine/prompt_logprobs.py). Returns
         (tokens [Bb], -1 for a row that samples none; logprob triples; pools; drafter state; last;
         prompt scores [Bb * T], [Bb * T, prompt_n] x 2)."""
-        tokens = tokens.at[:, 0].set(jnp.where(r.from_dev, last[r.rows], tokens[:, 0]))
+        tokens = tokens.at[:, 0].set(jnp.where(r.from_dev, last.last[r.rows], tokens[:, 0]))
         out, cache = chunk_forward(ctx, params, cache, r, tokens, n_new, reset, return_final_hidden=True)
-        tok, lps = sample_rows(out.logits, r, flags, top_n)
+        tok, lps = sample_rows(out.logits, r, flags, top_n, state=last)
         tok = jnp.where(do_sample, tok, -1)
         d = ctx.drafter
         dsub = d.advance(params, dparams, d.take(dcache, r.rows, reset, r.fresh), out, tokens, n_new, r.fresh)
         plp = score_positions(ctx.model, ctx.cfg, params, out.final_hidden, targets, prompt_n)
-        return tok, lps, cache, d.put(dcache, r.rows, dsub), noted(last, r.rows, tok), plp
+        return tok, lps, cache, d.put(dcache, r.rows, dsub), noted(last, r, tok), plp
     return mixed
 
 
@@ -143,14 +152,14 @@ def ragged_step(ctx: StepContext):
         """`mixed_step` over a ragged batch (models.ragged.RaggedBatch of the step's S rows; targets [N]);
         no drafter."""
         first = batch.cu_seqlens[:-1]            # each row's first token (a row fed from the device has one)
-        fed = jnp.where(r.from_dev, last[r.rows], batch.tokens[jnp.minimum(first, batch.tokens.shape[0] - 1)])
+        fed = jnp.where(r.from_dev, last.last[r.rows], batch.tokens[jnp.minimum(first, batch.tokens.shape[0] - 1)])
         batch = batch.replace(tokens=batch.tokens.at[first].set(fed, mode="drop"))
         sub = open_view(cache, r, reset)
         out = ctx.model.forward_ragged(ctx.cfg, params, ctx.pin(sub), batch, impl=ctx.impl, return_final_hidden=True)
-        tok, lps = sample_rows(out.logits, r, flags, top_n)
+        tok, lps = sample_rows(out.logits, r, flags, top_n, state=last)
         tok = jnp.where(do_sample, tok, -1)
         plp = score_positions(ctx.model, ctx.cfg, params, out.final_hidden, targets, prompt_n)
-        return tok, lps, close_view(ctx, cache, r.rows, out.cache), noted(last, r.rows, tok), plp
+        return tok, lps, close_view(ctx, cache, r.rows, out.cache), noted(last, r, tok), plp
     return ragged
 
 
@@ -162,27 +171,27 @@ def decode_step(ctx: StepContext):
         sample. Returns (tokens [Bb, steps], -1 past a row's end; logprob triples [Bb, steps], [Bb,
         steps, top_n] x 2; pools; drafter state; last)."""
         d = ctx.drafter
-        last_tok = jnp.where(r.from_dev, last[r.rows], last_tok)
+        last_tok = jnp.where(r.from_dev, last.last[r.rows], last_tok)
         # in place: each layer reads and writes its rows of the recurrent pools once per token
         sub = open_view(cache, r, in_place=True)
 
         def feed(carry, tok, n):
-            sub, dsub = carry
+            sub, dsub, st = carry
             o = forward(ctx, params, sub, tok[:, None], n)
-            return o.logits, (o.cache, d.advance(params, dparams, dsub, o, tok[:, None], n))
+            return o.logits, (o.cache, d.advance(params, dparams, dsub, o, tok[:, None], n), st)
 
-        def draw(logits, j):
-            return sample_rows(logits, r, flags, top_n, j)
+        def draw(logits, j, carry):      # the processors see the tokens of the iterations before j
+            return sample_rows(logits, r, flags, top_n, j, state=carry[2])
+
+        def note(carry, tok):
+            return carry[:2] + (noted(carry[2], r, tok),)
 
         Bb = last_tok.shape[0]
         lps = (jnp.zeros((Bb, steps), jnp.float32), jnp.zeros((Bb, steps, top_n), jnp.float32),
                jnp.zeros((Bb, steps, top_n), jnp.int32))
-        out, lps, (sub, dsub) = decode_tokens(feed, draw, (sub, d.take(dcache, r.rows)), last_tok, active, remaining,
-                                              stop_ids, lps, steps=steps)
-        n_out = jnp.sum(out >= 0, axis=1)
-        final = jnp.where(n_out > 0, jnp.take_along_axis(out, jnp.maximum(n_out - 1, 0)[:, None], 1)[:, 0], -1)
-        return (out, lps, close_view(ctx, cache, r.rows, sub), d.put(dcache, r.rows, dsub),
-                noted(last, r.rows, final))
+        out, lps, (sub, dsub, last) = decode_tokens(feed, draw, (sub, d.take(dcache, r.rows), last), last_tok, active,
+                                                    remaining, stop_ids, lps, steps=steps, note=note)
+        return out, lps, close_view(ctx, cache, r.rows, sub), d.put(dcache, r.rows, dsub), last
     return decode
 
 

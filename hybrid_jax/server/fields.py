@@ -51,7 +51,7 @@ class Field:
 
 
 _S, _N, _Y = Status.HONOURED, Status.NOT_SUPPORTED, Status.NOT_YET
-_ENGINE = "SamplingParams (the engine refuses a value it does not serve yet by name: engine/limits.NOT_YET)"
+_ENGINE = "SamplingParams (checked there and in engine/limits.py)"
 
 FIELDS: tuple[Field, ...] = (
     # --- the request itself -------------------------------------------------------------------------
