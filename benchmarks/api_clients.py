@@ -127,8 +127,8 @@ def offline_mc(samples: list[dict]) -> tuple[float, float]:
     right, worst = 0, 0.0
     for s in samples:
         scores = []
-        for (ctx, cont), served in zip((a["arguments"] for a in s["arguments"].values()) if isinstance(
-                s["arguments"], dict) else s["arguments"], s["resps"]):
+        pairs = [(a["arg_0"], a["arg_1"]) for a in s["arguments"].values()]   # {gen_args_i: {arg_0: ctx, arg_1: cont}}
+        for (ctx, cont), served in zip(pairs, s["resps"]):
             whole, head = tok(ctx + cont)["input_ids"], tok(ctx)["input_ids"]   # lm-eval's encoding of the pair
             out = llm.generate({"prompt_token_ids": whole}, sp)[0]
             ll = sum(e["logprob"] for e in out.prompt_logprobs[len(head):])
@@ -141,7 +141,7 @@ def offline_mc(samples: list[dict]) -> tuple[float, float]:
 def guidellm(bin_dir: str, url: str, out_dir: str, n: int, fmt: str, profile: str) -> dict:
     """guidellm against the server (fmt: its request format; /v1/chat/completions is its default):
     request counts and output tokens/s."""
-    path = os.path.join(out_dir, f"guidellm_{fmt.strip('/').replace('/', '_')}_{profile.replace('=', '')}.json")
+    path = os.path.join(out_dir, f"guidellm_{fmt.strip('/').replace('/', '_')}_{profile.replace('=', '').replace(',', '_')}.json")
     rc = run([os.path.join(bin_dir, "guidellm"), "run",
               "--backend", f"kind=openai_http,target={url},model={SERVED},request_format={fmt}",
               "--tokenizer", f"kind=huggingface_auto,model={DEFAULT_MODEL_DIR}",
