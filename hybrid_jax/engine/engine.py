@@ -164,7 +164,8 @@ class LLMEngine:
         """Queues a request. `arrival` (time.monotonic()) is when its client sent it: latency figures
         count from there (default: now). `group`: the request is one of the k sequences of a request
         with n = k (add the leader, index 0, first): the group prefills its prompt once and forks
-        (engine/fork.py)."""
+        (engine/fork.py). Without it, an id of the server's fan-out, `<group id>#<index>/<k>`, names
+        the group (ForkGroup.from_request_id)."""
         params = params or SamplingParams()
         if request_id in self.scheduler.requests:
             raise InputError(f"request id {request_id!r} is already in use")
@@ -172,6 +173,7 @@ class LLMEngine:
         seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2**32))
         if group is not None and not isinstance(group, ForkGroup):
             raise InputError(f"group must be a ForkGroup or None, got {type(group).__name__}")
+        group = ForkGroup.from_request_id(request_id) if group is None else group
         req = Request(request_id=request_id, prompt_ids=ids, params=params, seed=seed, prompt_text=text,
                       arrival=time.monotonic() if arrival is None else arrival, group=group)
         self.scheduler.add(req)

@@ -44,6 +44,7 @@ class _Group:
     to be forked from it."""
     leader: Request | None = None
     members: list[Request] = dataclasses.field(default_factory=list)
+    seen: int = 0           # members that arrived so far (forkable or not) of the group's size - 1
 
 
 class ForkGroups:
@@ -71,10 +72,13 @@ class ForkGroups:
             if g.leader and grp.leader is not None:
                 raise InputError(f"group: group {g.group_id!r} already has a leader (index 0): request "
                                  f"{grp.leader.request_id!r}")
+        grp = self._groups.setdefault(g.group_id, _Group())
         if g.leader:
-            self._groups.setdefault(g.group_id, _Group()).leader = req
-        elif len(req.prompt_ids) >= 2 and req.params.prompt_logprobs is None:
-            self._groups.setdefault(g.group_id, _Group()).members.append(req)
+            grp.leader = req
+            return
+        grp.seen += 1
+        if len(req.prompt_ids) >= 2 and req.params.prompt_logprobs is None:
+            grp.members.append(req)
             self._member_of[req.request_id] = g.group_id
 
     # --- what the scheduler asks ---------------------------------------------------------------------
@@ -95,13 +99,16 @@ class ForkGroups:
         return gid is not None and self._waits(self._groups[gid])
 
     def stop(self, req: Request) -> int | None:
-        """Where a leader's prefill chunk must end (P - 1) while members wait to fork from it; None for
-        every other request."""
+        """Where a leader's prefill chunk must end (P - 1) while members wait to fork from it, or may
+        still arrive (the front end's k requests need not reach one schedule together); None for every
+        other request."""
         g = req.group
         if g is None or not g.leader:
             return None
         grp = self._groups.get(g.group_id)
-        return self._point(req) if grp is not None and grp.leader is req and grp.members else None
+        if grp is None or grp.leader is not req:
+            return None
+        return self._point(req) if grp.members or grp.seen < g.size - 1 else None
 
     # --- the fork ------------------------------------------------------------------------------------
     def admit(self, s: "Scheduler") -> list[tuple[int, int]]:

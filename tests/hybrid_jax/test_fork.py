@@ -201,3 +201,46 @@ def test_forking_after_warmup_compiles_nothing_new(llm):
     assert eng.blocks.copies_on_write > 0               # the members wrote their copies of the shared page
     # (jit caches are shared by engines: counts, not their values, are what this engine may not change)
     assert eng.runner._programs.compiled() == compiled and eng.num_compiled() == n0
+
+
+def test_members_arriving_a_step_after_their_leader_still_fork(llm, eng):
+    prompt, k = _prompt(20, seed=8), 3             # one chunk would take the whole prompt
+    forked = eng.scheduler.forks.forked
+    eng.add_request("late-0", {"prompt_token_ids": prompt}, GREEDY, group=ForkGroup("late", 0, k))
+    eng.step()                                     # the leader stops at P - 1: two members may still come
+    assert eng.requests["late-0"].num_computed == len(prompt) - 1
+    for i in range(1, k):
+        eng.add_request(f"late-{i}", {"prompt_token_ids": prompt}, GREEDY, group=ForkGroup("late", i, k))
+    assert _run(eng, [f"late-{i}" for i in range(k)]) == [greedy_reference(llm, prompt, 8)] * k
+    assert eng.scheduler.forks.forked - forked == k - 1
+    _idle(eng)
+
+
+def test_the_server_fan_out_ids_name_the_group():
+    assert ForkGroup.from_request_id("cmpl-7-p0#2/4") == ForkGroup("cmpl-7-p0", 2, 4)
+    assert ForkGroup.from_request_id("a#b#0/2") == ForkGroup("a#b", 0, 2)
+    for rid in ("plain", "a#0/1", "a#4/4", "a#1/", "#1/2", "a#-1/2"):
+        assert ForkGroup.from_request_id(rid) is None, rid
+
+
+def test_data_parallel_sends_members_where_their_leader_went(llm):
+    from hybrid_jax.engine.data_parallel import DataParallelEngine
+    cfg = EngineConfig(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=256,
+                       compilation_cache_dir=None, warmup="none")
+    dp = DataParallelEngine([llm, llm], cfg)
+    prompt = _prompt(30, seed=9)
+    dp.add_request("busy", {"prompt_token_ids": [1, 2, 3]}, GREEDY)     # replica 0: the next goes to 1
+    ids = [f"cmpl-1-p0#{i}/3" for i in range(3)]
+    for rid in ids:                                # the server's fan-out: no group argument, tagged ids
+        dp.add_request(rid, {"prompt_token_ids": prompt}, GREEDY)
+    assert dp.routed == [1, 3]
+    outs = {o.request_id: o.token_ids for o in _drain(dp)}
+    assert [outs[r] for r in ids] == [greedy_reference(llm, prompt, 8)] * 3
+    assert dp.replicas[1].scheduler.forks.forked == 2
+
+
+def _drain(eng):
+    done = []
+    while eng.has_unfinished():
+        done += [o for o in eng.step() if o.finished]
+    return done
