@@ -1,10 +1,13 @@
 """`n` > 1 by forking: the requests of one `ForkGroup` (engine/request.py) prefill their prompt once.
 
 The front end fans a request with n = k out into k engine requests of one group (the leader, index 0,
-first). The engine then prefills the shared prompt of P tokens once and forks:
+first), each with an id `<group id>#<index>/<k>` (server/fanout.py; `ForkGroup.from_request_id`; a
+direct caller may pass the ForkGroup to `add_request` instead). The engine then prefills the shared
+prompt of P tokens once and forks:
 
-  - the leader prefills up to P - 1 tokens (its chunks stop there, as at a prefix publish point:
-    `ForkGroups.stop`); the other members wait in the queue, not admitted (`ForkGroups.held`);
+  - the leader prefills up to P - 1 tokens (its chunks stop there, as at a prefix publish point, while
+    members wait or may still arrive: `ForkGroups.stop`); the other members wait in the queue, not
+    admitted (`ForkGroups.held`);
   - in the first schedule that finds the leader holding exactly P - 1 tokens, each member is admitted
     by forking (`ForkGroups.admit`): a row of its own, the leader's pages listed in its block tables by
     reference (`BlockManager.share`: one more reference each, nothing copied; the partly filled last
