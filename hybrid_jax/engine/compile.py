@@ -21,6 +21,7 @@ import jax
 import numpy as np
 
 from cache.pools import copy_pages
+from hybrid_jax.engine.fork import fork_rows, warmup_forks
 from hybrid_jax.engine.step_inputs import LOGPROBS_WIDTH
 from hybrid_jax.engine.steps import StepContext, decode_step, loop_step, mixed_step, ragged_step, verify_step
 from hybrid_jax.logits_processors import seed_row, seeds
@@ -28,7 +29,7 @@ from hybrid_jax.models.ragged import pack
 from hybrid_jax.parallel.context import Traced
 from hybrid_jax.sampling import FULL_SAMPLER, MAX_LOGIT_BIAS, SamplingParams
 
-KINDS = ("mixed", "ragged", "decode", "verify", "loop", "copy_pages", "seed")
+KINDS = ("mixed", "ragged", "decode", "verify", "loop", "copy_pages", "seed", "fork_rows")
 
 
 def enable_persistent_compilation_cache(path: str | None):
@@ -53,6 +54,7 @@ class Programs:
       loop        steps.loop_step      static lc (device_loop.LoopConfig)
       copy_pages  cache.pools.copy_pages (copy-on-write of shared pages)
       seed        logits_processors.seed_row (a row's processors' state, at placement)
+      fork_rows   engine.fork.fork_rows (a group's leader row copied into its members' rows)
     """
 
     def __init__(self, ctx: StepContext):
@@ -71,6 +73,7 @@ class Programs:
                 setattr(self, kind, Traced(ctx.layout, getattr(self, kind)))
         self.copy_pages = jax.jit(copy_pages, donate_argnames=("pools",))
         self.seed = jax.jit(seed_row, donate_argnames=("state",))
+        self.fork_rows = jax.jit(fork_rows, donate_argnames=("pools",))
 
     def compiled(self) -> dict[str, int]:
         """Programs compiled so far, by kind (one per bucket and static option)."""
@@ -84,12 +87,15 @@ def warmup(runner, mode: str):
     """Compiles the runner's step programs ahead of serving: `minimal` = every decode bucket and the
     mixed step at the smallest token bucket; `all` = every (batch, token) bucket, with and without
     logprobs, and (with prefix caching) the copy-on-write of shared pages: every program a step can
-    run; `none` = nothing. The pools come back untouched: every row points at the null row.
+    run; both compile, where the engine forks (engine/fork.py), the row copy of a fork and the
+    copy-on-write its members' first writes run; `none` = nothing. The pools come back untouched:
+    every row points at the null row.
     runner: the engine's ModelRunner (its step programs, pools and drafter state are used and kept)."""
     if mode == "none":
         return
     ecfg = runner.ecfg
-    if mode == "all" and ecfg.enable_prefix_caching and runner.widths:
+    forking = warmup_forks(runner)
+    if runner.widths and (forking or (mode == "all" and ecfg.enable_prefix_caching)):
         W = ecfg.max_num_seqs
         pad = (np.full((W,), -1, np.int32), np.full((W,), -1, np.int32))
         runner.cache = runner._copy_pages(runner.cache, {n: pad for n in runner.widths})

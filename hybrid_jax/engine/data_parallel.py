@@ -11,6 +11,8 @@ Routing (`add_request`): the replica with the fewest unfinished requests (ties: 
 With prefix caching on, the replica whose cache holds the longest validated prefix of the prompt
 (`PrefixCache.lookup`, no side effects) takes it instead, unless it holds more than `max_imbalance`
 unfinished requests above the least busy one (SGLang's cache-aware router makes the same trade).
+A member of an n > 1 group (engine/fork.py; its id names the group) goes where its leader went, so
+that it can fork from it.
 
 Stepping: `step()` runs every replica that has work, each on its own thread (JAX releases the
 interpreter while a device computes, so replicas on different devices run side by side), and returns
@@ -26,6 +28,7 @@ from hybrid_jax.engine.config import EngineConfig
 from hybrid_jax.engine.contracts import LoadedModel, Loads
 from hybrid_jax.engine.engine import LLMEngine
 from hybrid_jax.engine.metrics import EngineMetrics
+from hybrid_jax.engine.request import ForkGroup
 from hybrid_jax.errors import ConfigError, InputError
 from hybrid_jax.sampling import SamplingParams
 
@@ -77,7 +80,9 @@ class DataParallelEngine:
         if request_id in self._owner:
             raise InputError(f"request id {request_id!r} is already in use")
         text, ids = self.check(prompt, params)
-        i = self.route(ids)
+        g = ForkGroup.from_request_id(request_id)
+        leader = self._owner.get(f"{g.group_id}#0/{g.size}") if g is not None and not g.leader else None
+        i = self.replicas.index(leader) if leader is not None else self.route(ids)
         req = self.replicas[i].add_request(request_id, {"prompt_token_ids": ids, "prompt": text}, params, arrival)
         self._owner[request_id] = self.replicas[i]
         self.routed[i] += 1

@@ -38,12 +38,13 @@ from cache.prefix_disk import DiskConfig
 from hybrid_jax.engine.compile import enable_persistent_compilation_cache
 from hybrid_jax.engine.config import EngineConfig
 from hybrid_jax.engine.contracts import LoadedModel, Loads, as_loaded
+from hybrid_jax.engine.fork import can_fork, run_forks
 from hybrid_jax.engine.limits import admit
 from hybrid_jax.engine.metrics import EngineMetrics
 from hybrid_jax.engine.outputs import OutputProcessor
 from hybrid_jax.engine.prefix_manager import PrefixManager
 from hybrid_jax.engine.prompt_logprobs import landed
-from hybrid_jax.engine.request import EngineOutput, Request, RequestFailed
+from hybrid_jax.engine.request import EngineOutput, ForkGroup, Request, RequestFailed
 from hybrid_jax.engine.runner import Dispatched, ModelRunner
 from hybrid_jax.engine.scheduler import Scheduler, SchedulerOutput, StepResult
 from hybrid_jax.engine.speculate import EngineSpeculator
@@ -95,7 +96,7 @@ class LLMEngine:
                                    prefix=prefix, metrics=self.metrics,
                                    outputs=OutputProcessor(m.tokenizer, c.detokenize, m.eos_ids, self.metrics),
                                    decode_steps=c.decode_steps, run_to_completion=c.run_to_completion,
-                                   speculative=self.spec is not None)
+                                   speculative=self.spec is not None, forking=can_fork(self.runner))
         if metrics is None:
             self.metrics.bind(self.live_figures)
         self.speculative = (SpeculativeStep(self.runner, self.spec, self.metrics, c.run_to_completion)
@@ -161,16 +162,22 @@ class LLMEngine:
                      speculative=self.spec is not None)
 
     def add_request(self, request_id: str, prompt: Any, params: SamplingParams | None = None,
-                    arrival: float | None = None) -> Request:
+                    arrival: float | None = None, group: ForkGroup | None = None) -> Request:
         """Queues a request. `arrival` (time.monotonic()) is when its client sent it: latency figures
-        count from there (default: now)."""
+        count from there (default: now). `group`: the request is one of the k sequences of a request
+        with n = k (add the leader, index 0, first): the group prefills its prompt once and forks
+        (engine/fork.py). Without it, an id of the server's fan-out, `<group id>#<index>/<k>`, names
+        the group (ForkGroup.from_request_id)."""
         params = params or SamplingParams()
         if request_id in self.scheduler.requests:
             raise InputError(f"request id {request_id!r} is already in use")
         text, ids = self.check(prompt, params)
         seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2**32))
+        if group is not None and not isinstance(group, ForkGroup):
+            raise InputError(f"group must be a ForkGroup or None, got {type(group).__name__}")
+        group = ForkGroup.from_request_id(request_id) if group is None else group
         req = Request(request_id=request_id, prompt_ids=ids, params=params, seed=seed, prompt_text=text,
-                      arrival=time.monotonic() if arrival is None else arrival)
+                      arrival=time.monotonic() if arrival is None else arrival, group=group)
         self.scheduler.add(req)
         return req
 
@@ -350,6 +357,8 @@ class LLMEngine:
         out = self.scheduler.schedule()
         self._landing, self._flight = self._flight, None   # read back once this step is enqueued
         outs = []
+        if out.forks:        # the members forked from their leaders get its row state (engine/fork.py)
+            run_forks(self.runner, out.forks)
         if out.placed:           # their rows' logits processors' state (prompt and outputs so far)
             self.runner.seed_rows(out.placed)
         if out.rows:

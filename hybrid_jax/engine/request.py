@@ -8,9 +8,49 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import enum
+import re
 import time
 
+from hybrid_jax.errors import InputError
 from hybrid_jax.sampling import SamplingParams
+
+
+@dataclasses.dataclass(frozen=True)
+class ForkGroup:
+    """The engine's whole contract for `n` > 1: requests that share one prompt and form one group (the
+    front end fans a request with n = k out into k requests, index 0 .. k - 1, and names each
+    `<group_id>#<index>/<size>`: `from_request_id`). The group's leader (index 0) prefills the prompt
+    once; every other member is forked from it (engine/fork.py). group_id: the group's name (unique
+    among the engine's groups); index: this request's place in it; size: k."""
+    group_id: str
+    index: int
+    size: int
+
+    def __post_init__(self):
+        if not isinstance(self.group_id, str) or not self.group_id:
+            raise InputError("group: group_id must be a non-empty string")
+        if not isinstance(self.size, int) or isinstance(self.size, bool) or self.size < 1:
+            raise InputError(f"group: size must be an integer >= 1, got {self.size!r}")
+        if not isinstance(self.index, int) or isinstance(self.index, bool) or not 0 <= self.index < self.size:
+            raise InputError(f"group: index must be an integer in [0, {self.size}), got {self.index!r}")
+
+    @property
+    def leader(self) -> bool:
+        return self.index == 0
+
+    @staticmethod
+    def from_request_id(request_id: str) -> ForkGroup | None:
+        """The group a request id names, as the server's fan-out writes it (server/fanout.ForkTag:
+        `<group id>#<index>/<size>`, e.g. `cmpl-7-p0#2/4`), or None when it names none (another
+        shape, a size below 2, an index outside the group): those ids are ordinary requests."""
+        m = _TAG.match(request_id)
+        if m is None:
+            return None
+        index, size = int(m["index"]), int(m["size"])
+        return ForkGroup(m["group"], index, size) if size >= 2 and index < size else None
+
+
+_TAG = re.compile(r"^(?P<group>.+)#(?P<index>\d+)/(?P<size>\d+)$")
 
 
 class RequestStatus(enum.Enum):
@@ -43,6 +83,7 @@ class Request:
     strikes: int = 0                       # unattributable step failures this request was part of
     num_inflight: int = 0                  # tokens a dispatched, unread step samples for it (engine overlap)
     row_consts: tuple | None = None        # its step inputs that never change (StepInputs.row_consts)
+    group: ForkGroup | None = None         # the n > 1 group it belongs to (engine/fork.py), or None
 
     @property
     def all_ids(self) -> list[int]:

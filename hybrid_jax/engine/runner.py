@@ -245,12 +245,12 @@ class ModelRunner:
 
     def _build_programs(self):
         """The step programs (engine/compile.Programs) over the runner's context and drafter. They are
-        the runner's `_mixed`, `_ragged`, `_decode`, `_verify`, `_loop`, `_copy_pages`, `_seed` (tests and
-        benchmarks wrap them one at a time)."""
+        the runner's `_mixed`, `_ragged`, `_decode`, `_verify`, `_loop`, `_copy_pages`, `_seed`,
+        `_fork_rows` (tests and benchmarks wrap them one at a time)."""
         ctx = StepContext(self.model, self.cfg, self.impl, self.layout, self.cache_shardings, self.drafter)
         self._programs = p = Programs(ctx)
         self._mixed, self._ragged, self._decode, self._verify = p.mixed, p.ragged, p.decode, p.verify
-        self._loop, self._copy_pages, self._seed = p.loop, p.copy_pages, p.seed
+        self._loop, self._copy_pages, self._seed, self._fork_rows = p.loop, p.copy_pages, p.seed, p.fork_rows
 
     # --- the drafter ------------------------------------------------------------------------------
     def _use(self, drafter: Drafter):

@@ -45,6 +45,7 @@ import numpy as np
 
 from cache.block_manager import BlockManager
 from hybrid_jax.decode_loop import decode_count
+from hybrid_jax.engine.fork import ForkGroups
 from hybrid_jax.engine.metrics import EngineMetrics
 from hybrid_jax.engine.outputs import OutputProcessor
 from hybrid_jax.engine.prefix_manager import PrefixManager
@@ -89,6 +90,8 @@ class SchedulerOutput:
     # seeded on the device before the step (ModelRunner.seed_rows)
     placed: list[Request] = dataclasses.field(default_factory=list)
     sync: bool = False                     # set by commit: a row reaches a publish point (read back first)
+    # (leader row, member row) pairs whose row state the engine copies before the step (engine/fork.py)
+    forks: list[tuple[int, int]] = dataclasses.field(default_factory=list)
 
     @property
     def is_decode_only(self) -> bool:
@@ -113,11 +116,13 @@ class Scheduler:
     def __init__(self, *, max_num_seqs: int, max_num_batched_tokens: int, blocks: BlockManager,
                  lookahead: int | None = 1, chunk_cap=None, prefix: PrefixManager | None = None,
                  outputs: OutputProcessor | None = None, metrics: EngineMetrics | None = None,
-                 decode_steps: int = 4, run_to_completion: bool = False, speculative: bool = False):
+                 decode_steps: int = 4, run_to_completion: bool = False, speculative: bool = False,
+                 forking: bool = True):
         """chunk_cap(rows) -> the largest prefill chunk worth scheduling beside `rows` rows (a padded
         step pads every row to its longest, so long chunks beside many decodes would waste it);
         prefix: the prefix glue (prefix caching on); outputs: turns tokens into outputs (an engine's);
-        speculative: decode-only steps run the speculative path."""
+        speculative: decode-only steps run the speculative path; forking: the members of a ForkGroup
+        are forked from their leader (engine/fork.py), else run as ordinary requests."""
         self.max_num_seqs = max_num_seqs
         self.token_budget = max_num_batched_tokens
         self.blocks = blocks
@@ -130,9 +135,11 @@ class Scheduler:
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []                 # in admission order
         self._fresh: set[str] = set()                    # admitted, row not yet reset
+        self.forks = ForkGroups(forking)                 # n > 1 groups whose members wait for the fork
 
     # --- requests coming and going -------------------------------------------------------------------
     def add(self, req: Request):
+        self.forks.add(req)
         self.requests[req.request_id] = req
         if self.outputs is not None:
             self.outputs.add(req)
@@ -175,6 +182,7 @@ class Scheduler:
         """Ends a request that did not finish by itself (aborted, failed): row, pages and state back."""
         self.requests.pop(req.request_id, None)
         self.release(req)
+        self.forks.forget(req)
         req.status, req.finish_reason = RequestStatus.ABORTED, reason
         self.metrics.success.labels(finished_reason=reason).inc()
         if self.outputs is not None:
@@ -299,9 +307,9 @@ class Scheduler:
         out at its next page boundary."""
         promised = self._admission_reserve(budget) if self.waiting else {}
         left = budget
-        while self.waiting and self.blocks.free_rows() and left > 0:
-            req = self.waiting[0]
-            if req in preempted:
+        while self.blocks.free_rows() and left > 0:
+            req = next((q for q in self.waiting if not self.forks.held(q)), None)   # (members wait to fork)
+            if req is None or req in preempted:
                 break
             if self.running and (req.strikes > 0 or any(r.strikes > 0 for r in self.running)):
                 break                              # a suspect runs alone
@@ -315,7 +323,7 @@ class Scheduler:
                 self.blocks.release_request(req.request_id)
                 break
             promised, left = total, left - first
-            self.waiting.popleft()
+            self.waiting.remove(req)
             req.slot = row
             req.status = RequestStatus.RUNNING
             self.running.append(req)
@@ -334,9 +342,9 @@ class Scheduler:
             if r not in self.running:
                 continue
             n = min(r.num_uncomputed, budget, cap)
-            stop = self.prefix.next_stop(r) if self.prefix is not None else None
-            if stop is not None and r.num_computed < stop < r.num_computed + n:
-                n = stop - r.num_computed
+            for stop in (self.prefix.next_stop(r) if self.prefix is not None else None, self.forks.stop(r)):
+                if stop is not None and r.num_computed < stop < r.num_computed + n:
+                    n = stop - r.num_computed
             if n <= 0:
                 continue
             if not self._reserve_or_preempt(r, r.num_computed + n, copies, preempted):
@@ -354,13 +362,18 @@ class Scheduler:
         budget = self.token_budget - self._decodes(rows, copies, preempted)
         placed: list[Request] = []
         self._admit(budget, preempted, placed)
+        forks = self.forks.admit(self)
+        members = {row for _, row in forks}
+        placed += [q for q in self.running if q.slot in members]     # forked members are placed too
         self._prefills(rows, budget, copies, preempted)
         rows = [p for p in rows if p.request in self.running]   # a later preemption may take a scheduled row
+        forked = {q.slot for q in self.running}
+        forks = [f for f in forks if f[1] in forked]            # (nor a forked member's row copy)
         merged: dict[str, list[tuple[int, int]]] = {}
         for p in rows:                     # (a preempted row's copies went back with its pages)
             for g, pairs in copies.get(p.request.request_id, {}).items():
                 merged.setdefault(g, []).extend(pairs)
-        out = SchedulerOutput(rows=rows, preempted=preempted, copies=merged,
+        out = SchedulerOutput(rows=rows, preempted=preempted, copies=merged, forks=forks,
                               placed=[q for q in self.running if q.params.processes_logits and q in placed])
         self.metrics.preemptions.inc(len(preempted))
         if rows and out.is_decode_only:
