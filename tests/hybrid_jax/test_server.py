@@ -193,7 +193,8 @@ def test_bounded_load_no_request_lost_and_all_match(server, offline):
     (json.dumps({"prompt": [1], "use_beam_search": True}).encode(), 400, "'use_beam_search'"),
     (json.dumps({"prompt": [1], "no_such_field": 1}).encode(), 400, "Unrecognized request argument supplied"),
     (json.dumps({"prompt": [1], "best_of": 3}).encode(), 400, "'best_of'"),
-    (json.dumps({"prompt": [1], "logit_bias": {"5": 10}}).encode(), 400, "'logit_bias'"),
+    (json.dumps({"prompt": [1], "logit_bias": {"5": 101}}).encode(), 400, "logit_bias['5'] must be a number in [-100, 100]"),
+    (json.dumps({"prompt": [1], "logit_bias": {"999999": 1}}).encode(), 400, "'logit_bias' names token ids outside"),
     (json.dumps({"prompt": [1], "model": "gpt-4-does-not-exist"}).encode(), 404, "does not exist"),
 ], ids=lambda v: v[:40].decode("latin-1") if isinstance(v, bytes) else str(v))
 def test_malformed_requests_get_4xx_and_server_keeps_serving(server, body, status, needle):
