@@ -22,6 +22,7 @@ them, the live gauges (waiting, running, cache usage) are their sums (usage: the
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 from typing import Any, Sequence
 
 from hybrid_jax.engine.config import EngineConfig
@@ -81,7 +82,7 @@ class DataParallelEngine:
             raise InputError(f"request id {request_id!r} is already in use")
         text, ids = self.check(prompt, params)
         g = ForkGroup.from_request_id(request_id)
-        leader = self._owner.get(f"{g.group_id}#0/{g.size}") if g is not None and not g.leader else None
+        leader = self._owner.get(dataclasses.replace(g, index=0).request_id) if g is not None and not g.leader else None
         i = self.replicas.index(leader) if leader is not None else self.route(ids)
         req = self.replicas[i].add_request(request_id, {"prompt_token_ids": ids, "prompt": text}, params, arrival)
         self._owner[request_id] = self.replicas[i]

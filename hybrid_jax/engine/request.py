@@ -38,10 +38,15 @@ class ForkGroup:
     def leader(self) -> bool:
         return self.index == 0
 
+    @property
+    def request_id(self) -> str:
+        """The engine request id that names this place in the group (`from_request_id` reads it)."""
+        return f"{self.group_id}#{self.index}/{self.size}"
+
     @staticmethod
     def from_request_id(request_id: str) -> ForkGroup | None:
-        """The group a request id names, as the server's fan-out writes it (server/fanout.ForkTag:
-        `<group id>#<index>/<size>`, e.g. `cmpl-7-p0#2/4`), or None when it names none (another
+        """The group a request id names, as `request_id` writes it (the server's fan-out names its
+        requests so: `<group id>#<index>/<size>`, e.g. `cmpl-7-p0#2/4`), or None when it names none (another
         shape, a size below 2, an index outside the group): those ids are ordinary requests."""
         m = _TAG.match(request_id)
         if m is None:

@@ -3,7 +3,7 @@ each. Choice `prompt_index * n + i` is an engine request of its own (vLLM v1 fan
 front end too, its ParentRequest), all admitted together (one admission ticket) and aborted together
 (`merged` closes every one when the response ends early).
 
-Each engine request's id carries its fork group and index (`ForkTag`): the choices of one prompt
+Each engine request's id carries its fork group and index (`ForkGroup.request_id`): the choices of one prompt
 form a group (`<response id>-p<prompt index>`), so an engine can later prefill the group's prompt
 once and fork it, telling siblings by their ids, without a change to `add_request`.
 
@@ -13,39 +13,18 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import re
 from collections.abc import AsyncIterator
 
-from hybrid_jax.engine.request import EngineOutput
+from hybrid_jax.engine.request import EngineOutput, ForkGroup
 from hybrid_jax.errors import InputError
 from hybrid_jax.sampling import SamplingParams
-
-_TAG = re.compile(r"^(?P<group>.+)#(?P<index>\d+)/(?P<size>\d+)$")
-
-
-@dataclasses.dataclass(frozen=True)
-class ForkTag:
-    """An engine request's place among the choices of one prompt: `group#index/size`."""
-    group: str
-    index: int
-    size: int
-
-    @property
-    def request_id(self) -> str:
-        return f"{self.group}#{self.index}/{self.size}"
-
-    @staticmethod
-    def parse(request_id: str) -> ForkTag | None:
-        m = _TAG.match(request_id)
-        return None if m is None else ForkTag(m["group"], int(m["index"]), int(m["size"]))
-
 
 @dataclasses.dataclass(frozen=True)
 class Choice:
     """One engine request of a response: its choice index, prompt and sampling."""
     index: int
     prompt_index: int
-    tag: ForkTag
+    tag: ForkGroup
     params: SamplingParams
 
 
@@ -60,7 +39,7 @@ def choice_params(params: SamplingParams, i: int) -> SamplingParams:
 
 def plan(response_id: str, params: list[SamplingParams], n: int) -> list[Choice]:
     """The engine requests of a response with one SamplingParams per prompt, in choice order."""
-    return [Choice(index=p * n + i, prompt_index=p, tag=ForkTag(f"{response_id}-p{p}", i, n),
+    return [Choice(index=p * n + i, prompt_index=p, tag=ForkGroup(f"{response_id}-p{p}", i, n),
                    params=choice_params(sp, i))
             for p, sp in enumerate(params) for i in range(n)]
 

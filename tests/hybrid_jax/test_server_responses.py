@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from hybrid_jax.engine.request import EngineOutput
+from hybrid_jax.engine.request import EngineOutput, ForkGroup
 from hybrid_jax.errors import InputError
 from hybrid_jax.sampling import SamplingParams
 from hybrid_jax.server import fanout
@@ -77,8 +77,8 @@ def test_fanout_plan_indices_tags_and_seeds():
     assert [c.index for c in plan] == list(range(6)) and [c.prompt_index for c in plan] == [0, 0, 0, 1, 1, 1]
     assert [c.params.seed for c in plan] == [5, 6, 7, None, None, None]
     assert plan[4].tag.request_id == "cmpl-x-p1#1/3"
-    assert fanout.ForkTag.parse(plan[4].tag.request_id) == fanout.ForkTag("cmpl-x-p1", 1, 3)
-    assert fanout.ForkTag.parse("plain-id") is None
+    assert ForkGroup.from_request_id(plan[4].tag.request_id) == ForkGroup("cmpl-x-p1", 1, 3)
+    assert ForkGroup.from_request_id("plain-id") is None
     with pytest.raises(InputError, match="seed"):
         fanout.plan("c", [SamplingParams(seed=2**63 - 1)], 2)
 
