@@ -8,8 +8,9 @@
 from hybrid_jax.errors import CheckpointError, ConfigError, HybridJaxError, InputError
 from hybrid_jax.llm import LLM, CompletionOutput, RequestOutput
 from hybrid_jax.sampling import SamplingParams
+from hybrid_jax.structured.params import StructuredOutputsParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "HybridJaxError", "ConfigError",
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "HybridJaxError", "ConfigError",
            "CheckpointError", "InputError"]
 
 

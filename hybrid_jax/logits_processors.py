@@ -70,13 +70,15 @@ class ProcState:
         return jax.tree_util.tree_map(lambda a: a[rows], self)
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=("last", "procs"), meta_fields=())
+@functools.partial(jax.tree_util.register_dataclass, data_fields=("last", "procs", "allowed"), meta_fields=())
 @dataclasses.dataclass(frozen=True)
 class RowState:
     """What the steps carry per cache row beside the pools: last [R] int32, each row's last sampled
-    token (a row whose token is still in flight is fed from it), and the processors' `ProcState`."""
+    token (a row whose token is still in flight is fed from it), the processors' `ProcState`, and
+    allowed [R, W] int32, each row's structured-output bitmask (hybrid_jax/structured/bitmask.py)."""
     last: Any
     procs: ProcState
+    allowed: Any
 
 
 @functools.partial(jax.tree_util.register_dataclass,
@@ -142,7 +144,7 @@ def seed_row(state: RowState, s: Seed) -> RowState:
                   min_p=put(p.min_p, s.min_p), min_tokens=put(p.min_tokens, s.min_tokens),
                   bias_ids=put(p.bias_ids, s.bias_ids), bias_vals=put(p.bias_vals, s.bias_vals),
                   stop_ids=put(p.stop_ids, s.stop_ids))
-    return RowState(last=state.last, procs=p)
+    return dataclasses.replace(state, procs=p)
 
 
 def apply_processors(logits, p: ProcState, steps):
@@ -179,7 +181,7 @@ def note_tokens(state: RowState, rows, on, tok) -> RowState:
     last = state.last.at[rows].set(jnp.where(tok >= 0, tok, state.last[rows]))
     R = state.last.shape[0]
     counts = state.procs.counts.at[jnp.where(on & (tok >= 0), rows, R), jnp.maximum(tok, 0)].add(1, mode="drop")
-    return RowState(last=last, procs=dataclasses.replace(state.procs, counts=counts))
+    return dataclasses.replace(state, last=last, procs=dataclasses.replace(state.procs, counts=counts))
 
 
 def apply_min_p(x, min_p):

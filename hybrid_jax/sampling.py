@@ -13,6 +13,7 @@ import jax.numpy as jnp
 
 from hybrid_jax.errors import InputError
 from hybrid_jax.logits_processors import apply_min_p
+from hybrid_jax.structured.params import StructuredOutputsParams
 
 
 MAX_LOGIT_BIAS = 300      # entries of one request's logit_bias (OpenAI's limit)
@@ -49,6 +50,9 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None   # token id -> added to its logit, in [-100, 100]
     include_stop_str_in_output: bool = False     # a stop string that ends the output stays in its text
     prompt_logprobs: int | None = None   # per prompt token (after the first): its logprob and the top n
+    # the output held to a grammar (a JSON schema, any JSON object, a regex, a choice, a Lark / GBNF grammar):
+    # hybrid_jax/structured; a dict is read as StructuredOutputsParams(**it)
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self):
         self.validate()
@@ -81,6 +85,11 @@ class SamplingParams:
         if bad:
             raise InputError(f"stop_token_ids must be non-negative integers; got {bad}")
         self._validate_processors()
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise InputError(f"structured_outputs must be StructuredOutputsParams or a dict; got "
+                             f"{type(self.structured_outputs).__name__}")
 
     def _validate_processors(self):
         for name in ("presence_penalty", "frequency_penalty"):

@@ -25,11 +25,13 @@ from hybrid_jax.engine.fork import fork_rows, warmup_forks
 from hybrid_jax.engine.step_inputs import LOGPROBS_WIDTH
 from hybrid_jax.engine.steps import StepContext, decode_step, loop_step, mixed_step, ragged_step, verify_step
 from hybrid_jax.logits_processors import seed_row, seeds
+from hybrid_jax.structured.bitmask import WRITE_WIDTH, write_masks
+from hybrid_jax.structured.grammars import words
 from hybrid_jax.models.ragged import pack
 from hybrid_jax.parallel.context import Traced
 from hybrid_jax.sampling import FULL_SAMPLER, MAX_LOGIT_BIAS, SamplingParams
 
-KINDS = ("mixed", "ragged", "decode", "verify", "loop", "copy_pages", "seed", "fork_rows")
+KINDS = ("mixed", "ragged", "decode", "verify", "loop", "copy_pages", "seed", "fork_rows", "masks")
 
 
 def enable_persistent_compilation_cache(path: str | None):
@@ -55,6 +57,7 @@ class Programs:
       copy_pages  cache.pools.copy_pages (copy-on-write of shared pages)
       seed        logits_processors.seed_row (a row's processors' state, at placement)
       fork_rows   engine.fork.fork_rows (a group's leader row copied into its members' rows)
+      masks       structured.bitmask.write_masks (rows' structured-output bitmasks, before a step)
     """
 
     def __init__(self, ctx: StepContext):
@@ -74,6 +77,7 @@ class Programs:
         self.copy_pages = jax.jit(copy_pages, donate_argnames=("pools",))
         self.seed = jax.jit(seed_row, donate_argnames=("state",))
         self.fork_rows = jax.jit(fork_rows, donate_argnames=("pools",))
+        self.masks = jax.jit(write_masks, donate_argnames=("state",))
 
     def compiled(self) -> dict[str, int]:
         """Programs compiled so far, by kind (one per bucket and static option)."""
@@ -102,6 +106,9 @@ def warmup(runner, mode: str):
     # the seeding program, on the null row with neutral parameters (no step reads the null row's state)
     null = seeds(runner.null_slot, [], [], SamplingParams(), runner.inputs.held_ids(SamplingParams()), MAX_LOGIT_BIAS)
     runner.slot_last = runner._seed(runner.slot_last, null[0])
+    # the bitmask writer, every row padding (dropped)
+    runner.slot_last = runner._masks(runner.slot_last, np.full((WRITE_WIDTH,), runner.null_slot + 1, np.int32),
+                                     np.zeros((WRITE_WIDTH, words(runner.cfg.vocab_size)), np.int32))
     tbs = runner.token_buckets() if mode == "all" else runner.token_buckets()[:1]
     widths = (0, LOGPROBS_WIDTH) if mode == "all" else (0,)
     dparams = runner.drafter.params

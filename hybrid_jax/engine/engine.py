@@ -51,6 +51,7 @@ from hybrid_jax.engine.speculate import EngineSpeculator
 from hybrid_jax.engine.speculative_step import SpeculativeStep
 from hybrid_jax.errors import InputError
 from hybrid_jax.sampling import SamplingParams
+from hybrid_jax.structured.grammars import GrammarCompiler
 
 log = logging.getLogger("hybrid_jax.engine")
 
@@ -107,6 +108,15 @@ class LLMEngine:
         self.overlapped = 0                     # steps enqueued while the one before was still in flight
         self._planned: list[Request] = []       # the requests of the step under way (recovery's suspects)
         self._rng = np.random.default_rng(c.seed)   # seeds of requests that bring none
+        self._grammars: GrammarCompiler | None = None   # structured outputs' compiles (made on first use)
+
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """The structured outputs' grammar compiler (hybrid_jax/structured/grammars.py), made on first use."""
+        if self._grammars is None:
+            m = self.loaded
+            self._grammars = GrammarCompiler(m.tokenizer, m.config.vocab_size, m.eos_ids)
+        return self._grammars
 
     def _speculator(self) -> EngineSpeculator:
         m = self.loaded
@@ -178,6 +188,10 @@ class LLMEngine:
         group = ForkGroup.from_request_id(request_id) if group is None else group
         req = Request(request_id=request_id, prompt_ids=ids, params=params, seed=seed, prompt_text=text,
                       arrival=time.monotonic() if arrival is None else arrival, group=group)
+        if params.structured_outputs is not None:        # compiled off this thread; admitted once ready
+            if self.loaded.tokenizer is None:
+                raise InputError("structured outputs need the model's tokenizer; this model has none")
+            req.grammar = self.grammars.request(params.structured_outputs)
         self.scheduler.add(req)
         return req
 
@@ -278,6 +292,8 @@ class LLMEngine:
         """Closes the prefix store (waits for the disk tier's pending writes)."""
         if self.scheduler.prefix is not None:
             self.scheduler.prefix.close()
+        if self._grammars is not None:
+            self._grammars.close()
 
     def cache_stats(self) -> dict:
         """Prefix-cache figures (hit rate, validation pass rate, effective reuse, misses by reason,
@@ -354,9 +370,9 @@ class LLMEngine:
         self.scheduler.reset_blocks(blocks)
 
     def _step(self) -> list[EngineOutput]:
+        outs = self._failed_grammars()
         out = self.scheduler.schedule()
         self._landing, self._flight = self._flight, None   # read back once this step is enqueued
-        outs = []
         if out.forks:        # the members forked from their leaders get its row state (engine/fork.py)
             run_forks(self.runner, out.forks)
         if out.placed:           # their rows' logits processors' state (prompt and outputs so far)
@@ -366,7 +382,7 @@ class LLMEngine:
             if out.copies:       # the private copies its rows write (reserved with their pages)
                 self.runner.copy_on_write(out.copies)
             if out.mode == "speculative":
-                outs = self._step_speculative(out)
+                outs += self._step_speculative(out)
             else:
                 self._flight = self._dispatch(out)
                 self.overlapped += self._landing is not None
@@ -377,8 +393,17 @@ class LLMEngine:
         self._land_if_finished()
         return outs
 
+    def _failed_grammars(self) -> list[EngineOutput]:
+        """Waiting requests whose structured output's grammar failed to compile fail, with its message."""
+        bad = [q for q in self.scheduler.waiting if q.grammar is not None and q.grammar.error is not None]
+        return self._forget_finished([self.scheduler.fail(q, q.grammar.error) for q in bad])
+
     def _dispatch(self, out: SchedulerOutput) -> Flight:
-        """Enqueues a mixed or plain decode step; the scheduler then counts its tokens ahead."""
+        """Enqueues a mixed or plain decode step (first the bitmasks of its rows that sample under a
+        grammar); the scheduler then counts its tokens ahead."""
+        masked = [p.request for p in out.rows if p.sample and p.request.grammar is not None]
+        if masked:
+            self.runner.write_masks(masked)
         if out.mode == "decode":
             d = self.runner.dispatch_decode(out.requests, out.decode_steps, caps=out.caps)
         else:

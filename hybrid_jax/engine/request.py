@@ -13,6 +13,7 @@ import time
 
 from hybrid_jax.errors import InputError
 from hybrid_jax.sampling import SamplingParams
+from hybrid_jax.structured.grammars import RequestGrammar
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +90,7 @@ class Request:
     num_inflight: int = 0                  # tokens a dispatched, unread step samples for it (engine overlap)
     row_consts: tuple | None = None        # its step inputs that never change (StepInputs.row_consts)
     group: ForkGroup | None = None         # the n > 1 group it belongs to (engine/fork.py), or None
+    grammar: RequestGrammar | None = None  # its structured output's matcher (hybrid_jax/structured), or None
 
     @property
     def all_ids(self) -> list[int]:

@@ -44,6 +44,8 @@ from hybrid_jax.engine.steps import StepContext
 from hybrid_jax.errors import InputError
 from hybrid_jax.generate import bucket
 from hybrid_jax.logits_processors import ProcState, RowState, seeds
+from hybrid_jax.structured.bitmask import WRITE_WIDTH
+from hybrid_jax.structured.grammars import words
 from hybrid_jax.models import get_model
 from hybrid_jax.models.ragged import pack
 from hybrid_jax.parallel.context import active
@@ -140,7 +142,8 @@ class ModelRunner:
         its logits processors' state (`logits_processors.RowState`)."""
         rows = self.ecfg.max_num_seqs + 1
         z = RowState(last=jnp.zeros((rows,), jnp.int32),
-                     procs=ProcState.empty(rows, self.cfg.vocab_size, MAX_LOGIT_BIAS, self.inputs.held_width))
+                     procs=ProcState.empty(rows, self.cfg.vocab_size, MAX_LOGIT_BIAS, self.inputs.held_width),
+                     allowed=jnp.full((rows, words(self.cfg.vocab_size)), -1, jnp.int32))
         return z if self.layout is None else jax.device_put(z, self.layout.replicated)
 
     def seed_rows(self, reqs):
@@ -152,6 +155,21 @@ class ModelRunner:
                 for s in seeds(q.slot, q.prompt_ids, q.output_ids, q.params, self.inputs.held_ids(q.params),
                                MAX_LOGIT_BIAS):
                     self.slot_last = self._seed(self.slot_last, s)
+
+    def write_masks(self, reqs):
+        """Writes the structured-output bitmask of each request's next token (its grammar's matcher, as
+        of the tokens it has emitted) into its row, with the writing program in calls of a fixed width
+        (structured/bitmask.py). Only the requests whose rows sample under a grammar this step."""
+        W = words(self.cfg.vocab_size)
+        for start in range(0, len(reqs), WRITE_WIDTH):
+            part = reqs[start:start + WRITE_WIDTH]
+            rows = np.full((WRITE_WIDTH,), self.ecfg.max_num_seqs + 1, np.int32)     # padding: dropped
+            buf = np.zeros((WRITE_WIDTH, W), np.int32)
+            for i, q in enumerate(part):
+                with attributed(q):
+                    q.grammar.fill(buf[i])
+                    rows[i] = q.slot
+            self.slot_last = self._masks(self.slot_last, rows, buf)
 
     def _wait(self, *outs):
         """Blocks until a step dispatched just now is ready (verify and loop steps, read at once): the
@@ -251,6 +269,7 @@ class ModelRunner:
         self._programs = p = Programs(ctx)
         self._mixed, self._ragged, self._decode, self._verify = p.mixed, p.ragged, p.decode, p.verify
         self._loop, self._copy_pages, self._seed, self._fork_rows = p.loop, p.copy_pages, p.seed, p.fork_rows
+        self._masks = p.masks
 
     # --- the drafter ------------------------------------------------------------------------------
     def _use(self, drafter: Drafter):

@@ -308,7 +308,9 @@ class Scheduler:
         promised = self._admission_reserve(budget) if self.waiting else {}
         left = budget
         while self.blocks.free_rows() and left > 0:
-            req = next((q for q in self.waiting if not self.forks.held(q)), None)   # (members wait to fork)
+            # (members wait to fork; a structured output waits for its grammar's compile, off this thread)
+            req = next((q for q in self.waiting if not self.forks.held(q) and (q.grammar is None or q.grammar.ready)),
+                       None)
             if req is None or req in preempted:
                 break
             if self.running and (req.strikes > 0 or any(r.strikes > 0 for r in self.running)):
@@ -395,6 +397,9 @@ class Scheduler:
         else:
             out.decode_steps = self.decode_steps
         out.caps = self.prefix.decode_caps(reqs) if self.prefix is not None else None
+        if any(q.grammar is not None for q in reqs):    # a grammar's mask needs the token before it: one each
+            caps = out.caps or [out.decode_steps or q.remaining_tokens for q in reqs]
+            out.caps = [1 if q.grammar is not None else c for q, c in zip(reqs, caps)]
 
     def decode_counts(self, reqs: list[Request], steps: int, caps: list[int] | None) -> list[int]:
         """Tokens each row of a plain decode call of `steps` iterations samples unless a stop token id
@@ -421,7 +426,9 @@ class Scheduler:
                 q.num_computed += p.num_tokens
                 q.num_inflight += int(p.sample)
             out.counted = [int(p.sample) for p in out.rows]
-        out.sync = self.prefix is not None and self.prefix.due(reqs)
+        # read back before the next step when a row publishes its prefix, or samples under a grammar (its
+        # next mask is made from this step's token)
+        out.sync = (self.prefix is not None and self.prefix.due(reqs)) or any(q.grammar is not None for q in reqs)
 
     def _reconcile(self, out: SchedulerOutput, toks: np.ndarray):
         """A counted step's counts made exact: a row that stopped on a stop token id sampled fewer than
@@ -460,7 +467,11 @@ class Scheduler:
                 continue
             try:
                 with attributed(q):
+                    if q.grammar is not None:     # fail-closed: a token outside the grammar fails the request
+                        q.grammar.accept(new)
                     accepted, text, lps = self.outputs.append(q, new, tuple(a[i] for a in result.lps), now)
+                    if q.finish_reason is None and q.grammar is not None and q.grammar.stopped:
+                        q.finish_reason = "stop"          # the grammar is complete: nothing may follow
                     if q.finish_reason is not None:
                         self._finish(q, now)
                     outs.append(self.outputs.output(q, accepted, text, lps))

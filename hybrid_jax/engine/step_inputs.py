@@ -27,7 +27,7 @@ LOGPROBS_WIDTH = 20      # top log-probabilities computed when any request of a 
 # the float32 sums moved by ~1e-5 (tests/hybrid_jax/test_eval.py compares cached and uncached scores).
 @functools.partial(jax.tree_util.register_dataclass,
                    data_fields=("from_dev", "lengths", "fresh", "rows", "seeds", "steps", "tables", "temperature",
-                                "top_k", "top_p", "procs"), meta_fields=())
+                                "top_k", "top_p", "procs", "masked"), meta_fields=())
 @dataclasses.dataclass(frozen=True)
 class StepRows:
     """A step's per-row inputs, padded to the batch bucket Bb (numpy on the host, traced in a step).
@@ -37,7 +37,9 @@ class StepRows:
     top_p [Bb] f32; top_k [Bb] int32; from_dev [Bb] bool: its last token is still on the device;
     fresh [Bb] bool or None: rows whose MTP state starts over (a mixed step with the MTP drafter;
     None in every other step, so the other programs do not carry it); procs [Bb] bool: rows whose
-    request has logits processors on (hybrid_jax/logits_processors.py; None: no processing)."""
+    request has logits processors on (hybrid_jax/logits_processors.py; None: no processing); masked
+    [Bb] bool: rows whose next token is held to their structured output's bitmask
+    (hybrid_jax/structured/bitmask.py; None: none)."""
     rows: Any
     tables: dict
     lengths: Any
@@ -49,6 +51,7 @@ class StepRows:
     from_dev: Any
     fresh: Any = None
     procs: Any = None
+    masked: Any = None
 
     def replace(self, **kw) -> "StepRows":
         return dataclasses.replace(self, **kw)
@@ -74,6 +77,7 @@ class StepInputs:
         steps, temperature = np.zeros((Bb,), np.int32), np.zeros((Bb,), np.float32)
         top_k, top_p = np.full((Bb,), -1, np.int32), np.ones((Bb,), np.float32)
         lengths, from_dev, procs = np.zeros((Bb,), np.int32), np.zeros((Bb,), bool), np.zeros((Bb,), bool)
+        masked = np.zeros((Bb,), bool)
         ids = [q.request_id for q in reqs] + [None] * (Bb - n)
         tables = (self.blocks.block_tables(ids, self.widths) if self.blocks is not None
                   else {g: np.full((Bb, w), -1, np.int32) for g, w in self.widths.items()})
@@ -85,8 +89,10 @@ class StepInputs:
             steps[:n] = [q.num_output for q in reqs]
             from_dev[:n] = [q.num_inflight > 0 for q in reqs]      # its last token is still on the device
             procs[:n] = [q.params.processes_logits for q in reqs]
+            masked[:n] = [q.grammar is not None for q in reqs]
         return StepRows(rows=rows, tables=tables, lengths=lengths, steps=steps, seeds=seeds,
-                        temperature=temperature, top_k=top_k, top_p=top_p, from_dev=from_dev, procs=procs)
+                        temperature=temperature, top_k=top_k, top_p=top_p, from_dev=from_dev, procs=procs,
+                        masked=masked)
 
     def row_consts(self, q) -> tuple:
         """A request's step inputs that never change, made once: (seed, temperature, top_k, top_p, its

@@ -38,6 +38,7 @@ from hybrid_jax.engine.step_inputs import StepRows
 from hybrid_jax.logits_processors import RowState, note_tokens, processed, row_min_p
 from hybrid_jax.sampling import FULL_SAMPLER, sample, token_logprobs
 from hybrid_jax.speculative.device_loop import ngram_generate
+from hybrid_jax.structured.bitmask import apply_allowed
 from hybrid_jax.speculative.verify import replay_verified, select_verified
 
 
@@ -113,11 +114,14 @@ def draw_tokens(logits, r: StepRows, flags, offset=None, min_p=None):
 
 def sample_rows(logits, r: StepRows, flags, top_n: int, offset=None, state: RowState | None = None):
     """`draw_tokens` and their logprob triples ([Bb], [Bb, top_n] x 2) of the model's logits; with the
-    rows' `state`, the tokens are drawn from the logits its processors made (rows with `r.procs`)."""
+    rows' `state`, the tokens are drawn from the logits its processors made (rows with `r.procs`) and
+    within each masked row's grammar (`r.masked`). The logprobs stay the model's own distribution."""
     x, min_p = logits, None
     if state is not None:
         steps = r.steps if offset is None else r.steps + offset
         x, min_p = processed(logits, state, r.rows, r.procs, steps), row_min_p(state, r.rows, r.procs)
+        if r.masked is not None:          # structured outputs: tokens outside a row's grammar are dropped
+            x = apply_allowed(x, state.allowed, r.rows, r.masked)
     tok = draw_tokens(x, r, flags, offset, min_p)
     return tok, token_logprobs(logits, tok, top_n)
 

@@ -93,7 +93,17 @@ FIELDS: tuple[Field, ...] = (
     Field("top_logprobs", H, _S, "the chat logprobs' top_logprobs, 0..20"),
     Field("echo", C, _S, "the prompt's text (and with logprobs its log-probabilities) before each choice's own"),
     Field("return_tokens_as_token_ids", BOTH, _S, "logprobs name tokens as `token_id:N`"),
-    Field("response_format", BOTH, _S, "{\"type\": \"text\"} only; JSON modes are not supported yet (issue 52)"),
+    Field("response_format", BOTH, _S, "text, json_object, json_schema (its schema): a structured output "
+          "(server/structured_fields.py)"),
+    Field("structured_outputs", BOTH, _S, "vLLM's: json, regex, choice, grammar (Lark or GBNF), json_object, "
+          "whitespace_pattern"),
+    Field("guided_json", BOTH, _S, "vLLM's older spelling of structured_outputs.json"),
+    Field("guided_regex", BOTH, _S, "vLLM's older spelling of structured_outputs.regex"),
+    Field("guided_choice", BOTH, _S, "vLLM's older spelling of structured_outputs.choice"),
+    Field("guided_grammar", BOTH, _S, "vLLM's older spelling of structured_outputs.grammar"),
+    Field("guided_whitespace_pattern", BOTH, _S, "with guided_json: the whitespace JSON may hold"),
+    Field("guided_decoding_backend", BOTH, _S, "auto, llguidance or guidance (this server's grammars); another is "
+          "a 400"),
     # --- chat templates (server/chat_template.py) ---------------------------------------------------
     Field("chat_template", H | T, _S, "the chat template"),
     Field("chat_template_kwargs", H | T, _S, "the chat template"),
@@ -117,14 +127,7 @@ FIELDS: tuple[Field, ...] = (
     Field("allowed_token_ids", BOTH, _Y, "no allowed-token mask yet"),
     Field("bad_words", H, _Y, "no bad-words filter yet", ([],)),
     Field("logits_processors", BOTH, _N, "no user code runs in the engine"),
-    Field("guided_json", BOTH, _Y, "structured output (issue 52)"),
-    Field("guided_regex", BOTH, _Y, "structured output (issue 52)"),
-    Field("guided_choice", BOTH, _Y, "structured output (issue 52)"),
-    Field("guided_grammar", BOTH, _Y, "structured output (issue 52)"),
-    Field("guided_decoding_backend", BOTH, _Y, "structured output (issue 52)"),
-    Field("guided_whitespace_pattern", BOTH, _Y, "structured output (issue 52)"),
-    Field("structural_tag", H, _Y, "structured output (issue 52)"),
-    Field("structured_outputs", BOTH, _Y, "structured output (issue 52)"),
+    Field("structural_tag", H, _Y, "xgrammar's structural tags: send a grammar, or tools with tool_choice"),
     Field("priority", BOTH, _N, "the engine schedules first come, first served", (0,)),
     Field("cache_salt", BOTH, _Y, "the prefix cache has no per-request salt"),
     Field("kv_transfer_params", BOTH, _N, "no disaggregated serving"),
@@ -166,11 +169,6 @@ def check_fields(data: dict[str, Any], endpoint: Endpoint):
             raise InputError(f"Unrecognized request argument supplied: {name}")
         if f.refuses(value):
             raise InputError(f"'{name}' is {f.status.value} on {endpoint.value}: {f.note}")
-    fmt = data.get("response_format")
-    if fmt is not None and fmt != {"type": "text"}:
-        kind = fmt.get("type") if isinstance(fmt, dict) else None
-        raise InputError(f"'response_format' {kind!r} is not supported yet (structured output, issue 52); only "
-                         "{\"type\": \"text\"}")
 
 
 def markdown(indent: str = "") -> str:

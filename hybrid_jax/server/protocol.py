@@ -16,6 +16,7 @@ from typing import Any
 from hybrid_jax.errors import InputError
 from hybrid_jax.sampling import SamplingParams
 from hybrid_jax.server.fields import Endpoint, check_fields
+from hybrid_jax.server.structured_fields import structured_outputs_of
 
 MAX_DEPTH = 32
 
@@ -221,6 +222,7 @@ def sampling_params(data: dict[str, Any], opts: RequestOptions, max_tokens: int)
         logit_bias=typed(data, "logit_bias", (dict,), None),
         include_stop_str_in_output=_bool(data, "include_stop_str_in_output", False),
         prompt_logprobs=prompt_logprobs,
+        structured_outputs=structured_outputs_of(data),
     )
 
 

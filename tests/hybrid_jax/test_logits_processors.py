@@ -34,7 +34,8 @@ def reference(logits, prompt, out, p: SamplingParams, stop_ids=()):
 
 
 def _state(rows, V, S=4, NB=8):
-    return RowState(last=jnp.zeros((rows,), jnp.int32), procs=ProcState.empty(rows, V, NB, S))
+    return RowState(last=jnp.zeros((rows,), jnp.int32), procs=ProcState.empty(rows, V, NB, S),
+                    allowed=jnp.full((rows, (V + 31) // 32), -1, jnp.int32))
 
 
 def _seeded(state, row, prompt, out, p, stop, NB=8):

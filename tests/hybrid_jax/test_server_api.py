@@ -73,8 +73,8 @@ def test_unknown_fields_get_openais_answer_and_refused_ones_are_named(served):
         assert r.status_code == 400 and r.json()["error"]["message"] == \
             "Unrecognized request argument supplied: frobnicate"
         assert r.json()["error"]["param"] == "frobnicate"
-        for name, value in (("use_beam_search", True), ("guided_json", {"type": "object"}), ("priority", 3),
-                            ("skip_special_tokens", False), ("response_format", {"type": "json_object"})):
+        for name, value in (("use_beam_search", True), ("allowed_token_ids", [1]), ("priority", 3),
+                            ("skip_special_tokens", False), ("cache_salt", "x")):
             r = c.post(path, json={**base, "max_tokens": 2, name: value})
             assert r.status_code == 400, (name, r.text)
             assert f"'{name}'" in r.json()["error"]["message"] and "not supported" in r.json()["error"]["message"]
