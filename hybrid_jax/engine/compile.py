@@ -140,5 +140,6 @@ def warmup_verify(runner, k_buckets, replay: bool):
         for K in k_buckets:
             _, _, runner.cache, runner.dcache = runner._verify(
                 runner.params, runner.cache, runner.inputs.rows([], Bb), np.zeros((Bb, K + 1), np.int32),
-                np.zeros((2, Bb), np.int32), runner.drafter.params, runner.dcache, flags=FULL_SAMPLER, replay=replay)
+                np.zeros((2, Bb), np.int32), runner.inputs.verify_masks(Bb, K), runner.drafter.params, runner.dcache,
+                flags=FULL_SAMPLER, replay=replay)
     jax.block_until_ready(runner.cache)

@@ -431,6 +431,9 @@ class LLMEngine:
         decode iterations read back at once (no count ahead: the scheduler counts what they emitted)."""
         def decode(rs):
             steps = out.decode_steps if out.decode_steps is not None else self.spec.fallback_steps(rs)
+            masked = [q for q in rs if q.grammar is not None]
+            if masked:                   # (their caps are 1: a mask for one token each)
+                self.runner.write_masks(masked)
             d = self.runner.dispatch_decode(rs, steps, caps=out.caps)
             rates = self._hit_rates(rs)
             r = self._read(d)

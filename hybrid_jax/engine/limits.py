@@ -66,9 +66,6 @@ def refuse_with_speculation(params):
     for name, off in PROCESSORS:
         if getattr(params, name) != off:
             raise InputError(f"'{name}' is not supported with speculative decoding")
-    if params.structured_outputs is not None:
-        raise InputError("structured outputs (response_format, structured_outputs, guided_*) are not supported "
-                         "with speculative decoding yet")
 
 
 def row_top_k(top_k: int, vocab_size: int) -> int:

@@ -305,13 +305,16 @@ class ModelRunner:
         Bb = bucket(n)
         tokens = np.zeros((Bb, K + 1), np.int32)
         meta = np.zeros((2, Bb), np.int32)
+        allowed = self.inputs.verify_masks(Bb, K)
         for i, (q, d) in enumerate(zip(reqs, drafts)):
             with attributed(q):
                 tokens[i, 0] = q.output_ids[-1]
                 tokens[i, 1:1 + len(d)] = d
                 meta[0, i], meta[1, i] = 1 + len(d), len(d)
+                if q.grammar is not None:       # each position's mask, along the draft (the grammar allows it)
+                    q.grammar.fill_along(d, allowed[i])
         n_acc, out, self.cache, self.dcache = self._verify(
-            self.params, self.cache, self.inputs.rows(reqs, Bb), tokens, meta, self.drafter.params,
+            self.params, self.cache, self.inputs.rows(reqs, Bb), tokens, meta, allowed, self.drafter.params,
             self.dcache, flags=FULL_SAMPLER, replay=replay)
         self._wait(n_acc, out)
         return np.asarray(n_acc)[:n], np.asarray(out)[:n]

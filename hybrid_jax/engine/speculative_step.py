@@ -57,9 +57,10 @@ class SpeculativeStep:
 
     def loop_mode(self, reqs) -> bool:
         """Offline n-gram speculation with rollback by selection runs as the runner's on-device loop
-        (every request to its end in one call); a request asking for logprobs keeps the host path."""
+        (every request to its end in one call); a request asking for logprobs, or held to a grammar (its
+        masks are made on the host), keeps the host path."""
         return (self.spec.uses_device_loop and self.run_to_completion
-                and all(q.params.logprobs is None for q in reqs))
+                and all(q.params.logprobs is None and q.grammar is None for q in reqs))
 
     def ngram_loop(self, reqs) -> tuple:
         t0 = time.perf_counter()

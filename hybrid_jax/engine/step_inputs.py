@@ -18,6 +18,7 @@ import numpy as np
 
 from hybrid_jax.engine.limits import MAX_STOP_TOKEN_IDS, row_temperature, row_top_k
 from hybrid_jax.engine.request import attributed
+from hybrid_jax.structured.grammars import words
 
 LOGPROBS_WIDTH = 20      # top log-probabilities computed when any request of a step asks for them
 
@@ -122,6 +123,11 @@ class StepInputs:
         if reqs:
             stop_ids[:len(reqs)] = [self.row_consts(q)[4] for q in reqs]
         return stop_ids
+
+    def verify_masks(self, Bb: int, K: int) -> np.ndarray:
+        """[Bb, K+1, W] int32, every token allowed: a verify step's structured-output bitmasks before
+        the masked rows' are filled in (structured/grammars.RequestGrammar.fill_along)."""
+        return np.full((Bb, K + 1, words(self.vocab_size)), -1, np.int32)
 
     def top_n(self, reqs) -> int:
         """The step's logprobs width: the vocabulary when a request asks for all of it (logprobs=-1),

@@ -200,10 +200,12 @@ def decode_step(ctx: StepContext):
 
 
 def verify_step(ctx: StepContext):
-    def verify(params, cache, r: StepRows, tokens, meta, dparams=None, dcache=None, *, flags, replay):
+    def verify(params, cache, r: StepRows, tokens, meta, allowed, dparams=None, dcache=None, *, flags, replay):
         """Speculative verify of tokens [Bb, K+1] = [pending, d_1 .. d_K] per row in ONE forward (a
         drafter on the device writes the drafts first); meta [2, Bb] = (n_fed = 1 + n_draft, 0 for
-        padding rows; n_draft). Rejected tokens are rolled back by selection of the recurrent state
+        padding rows; n_draft); allowed [Bb, K+1, W] int32: the structured-output bitmask of each
+        position of the rows flagged in r.masked (drafts checked against the grammar on the host, the
+        target held to it here). Rejected tokens are rolled back by selection of the recurrent state
         after the last kept token, or (replay) by running the kept tokens from the pre-verify rows
         again; the rows' versions change when anything was rejected. The drafter then takes the kept
         tokens from where it was. Returns (n_accepted [Bb], tokens [Bb, K+1]: the first n_accepted + 1
@@ -215,7 +217,8 @@ def verify_step(ctx: StepContext):
         tokens, draft_probs = d.draft(params, dparams, dsub, r, tokens, (n_fed > 0).astype(jnp.int32), flags)
         verified = replay_verified if replay else select_verified
         v = verified(params, sub, tokens, jnp.stack([n_fed, n_draft, r.steps]), draft_probs, r.seeds,
-                     r.temperature, r.top_k, r.top_p, ctx.cfg, ctx.impl, flags, return_hidden=d.return_hidden)
+                     r.temperature, r.top_k, r.top_p, ctx.cfg, ctx.impl, flags, return_hidden=d.return_hidden,
+                     allowed=allowed, masked=r.masked)
         n_keep = jnp.where(n_fed > 0, 1 + v.n_accepted, 0).astype(jnp.int32)
         dcache = d.put(dcache, r.rows, d.advance(params, dparams, dsub, v, tokens, n_keep))
         return v.n_accepted, v.tokens, close_view(ctx, cache, r.rows, v.cache), dcache

@@ -28,6 +28,7 @@ from hybrid_jax.models.contract import StepOutput
 from hybrid_jax.sampling import SamplerFlags, sample
 from hybrid_jax.speculative.acceptance import accept
 from hybrid_jax.speculative.rollback import finish_replay, rollback_by_selection
+from hybrid_jax.structured.bitmask import apply_allowed
 
 
 STATIC = ("cfg", "impl", "flags")
@@ -51,40 +52,52 @@ def _fwd(cfg, impl, params, cache, tokens, n_new, **kw) -> StepOutput:
 
 
 def _verify(params, cache, tokens, meta, draft_probs, seeds, temperature, top_k, top_p, cfg, impl, flags,
-            per_token_states, defer_kv_write: bool = False, return_hidden: bool = False):
-    """The verify forward and acceptance. Returns (n_acc, out_tok, n_fed, n_keep, the forward's
+            per_token_states, defer_kv_write: bool = False, return_hidden: bool = False, allowed=None, masked=None):
+    """The verify forward and acceptance. allowed [B, K+1, W] int32: each position's structured-output
+    bitmask for the rows flagged in masked [B] (None: no row is masked); the target's logits at a
+    position are held to it before acceptance, so a draft the grammar refuses is rejected and the
+    token drawn in its place is allowed. Returns (n_acc, out_tok, n_fed, n_keep, the forward's
     StepOutput: its cache holds all fed tokens)."""
     n_fed, n_draft, step = meta[0], meta[1], meta[2]
     out = _fwd(cfg, impl, params, cache, tokens, n_fed, logits_at="all", fused_recurrent=True,
                per_token_states=per_token_states, defer_kv_write=defer_kv_write, return_hidden=return_hidden)
     keys = jax.vmap(jax.random.key)(seeds)
-    n_acc, out_tok = accept(out.logits, tokens[:, 1:], draft_probs, n_draft, keys, step, temperature, top_k, top_p,
+    logits = out.logits
+    if allowed is not None:
+        B, T, V = logits.shape
+        flat = apply_allowed(logits.reshape(B * T, V), allowed.reshape(B * T, -1), jnp.arange(B * T),
+                             jnp.repeat(masked, T))
+        logits = flat.reshape(B, T, V)
+    n_acc, out_tok = accept(logits, tokens[:, 1:], draft_probs, n_draft, keys, step, temperature, top_k, top_p,
                             flags)
     n_keep = jnp.where(n_fed > 0, 1 + n_acc, 0).astype(jnp.int32)
     return n_acc, out_tok, n_fed, n_keep, out
 
 
 def select_verified(params, cache, tokens, meta, draft_probs, seeds, temperature, top_k, top_p, cfg, impl, flags,
-                    defer_kv_write: bool = False, return_hidden: bool = False) -> Verified:
+                    defer_kv_write: bool = False, return_hidden: bool = False, allowed=None,
+                    masked=None) -> Verified:
     """The verify forward, acceptance and rollback by selection. tokens [B, K+1] int32 = [pending,
     d_1 .. d_K] (drafts past n_draft[b] are padding); meta [3, B] int32 = (n_fed: 1 + n_draft for
     running rows, 0 for the others; n_draft; step: tokens generated so far); draft_probs [B, K, V]
-    f32 or None; seeds [B] uint32; temperature, top_p [B] f32; top_k [B] int32.
+    f32 or None; seeds [B] uint32; temperature, top_p [B] f32; top_k [B] int32; allowed [B, K+1, W],
+    masked [B]: structured outputs' bitmasks (`_verify`; None: none).
     Returns a Verified (hidden with return_hidden, deferred with defer_kv_write)."""
     n_acc, out_tok, n_fed, n_keep, out = _verify(
         params, cache, tokens, meta, draft_probs, seeds, temperature, top_k, top_p, cfg, impl, flags, True,
-        defer_kv_write=defer_kv_write, return_hidden=return_hidden)
+        defer_kv_write=defer_kv_write, return_hidden=return_hidden, allowed=allowed, masked=masked)
     return Verified(n_acc, out_tok, rollback_by_selection(out.cache, out.states, cache.lengths, n_fed, n_keep),
                     hidden=out.hidden, deferred=out.deferred)
 
 
 def replay_verified(params, cache, tokens, meta, draft_probs, seeds, temperature, top_k, top_p, cfg, impl, flags,
-                    return_hidden: bool = False) -> Verified:
+                    return_hidden: bool = False, allowed=None, masked=None) -> Verified:
     """The verify forward and acceptance with rollback by snapshot + replay: `cache` (the snapshot,
     never written) runs again over the kept tokens only. Same arguments and result as
     `select_verified`."""
     n_acc, out_tok, n_fed, n_keep, out = _verify(params, cache, tokens, meta, draft_probs, seeds, temperature,
-                                                 top_k, top_p, cfg, impl, flags, False, return_hidden=return_hidden)
+                                                 top_k, top_p, cfg, impl, flags, False, return_hidden=return_hidden,
+                                                 allowed=allowed, masked=masked)
     rep = _fwd(cfg, impl, params, cache, tokens, n_keep, fused_recurrent=True).cache
     return Verified(n_acc, out_tok, finish_replay(rep, out.cache.version, n_fed, n_keep), hidden=out.hidden)
 

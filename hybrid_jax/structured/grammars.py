@@ -109,7 +109,20 @@ class RequestGrammar:
         if k > 0 and not self.matcher.rollback(k):
             raise RuntimeError(f"the grammar could not take back {k} tokens: {self.matcher.get_error()}")
 
-    def valid_prefix(self, draft: list[int]) -> int:
+    def fill_along(self, draft, rows: np.ndarray):
+        """The masks of a verify's positions: rows [k + 1 or more, W] int32, row j the allowed set after
+        the first j tokens of the draft (which the grammar must allow: `valid_prefix`). The matcher
+        walks the draft and comes back (rollback), so it stays at the tokens the request emitted; on
+        landing it consumes what the verify kept, the accepted count + 1, as the recurrent state does."""
+        m = self.matcher
+        for j, t in enumerate(draft):
+            self.fill(rows[j])
+            if not m.consume_token(int(t)):
+                raise RuntimeError(f"draft token {int(t)} is outside the grammar: {m.get_error()}")
+        self.fill(rows[len(draft)])
+        self.rollback(len(draft))
+
+    def valid_prefix(self, draft) -> int:
         """How many of the draft's tokens, in order, the grammar allows from here."""
         return self.matcher.validate_tokens([int(t) for t in draft])
 
