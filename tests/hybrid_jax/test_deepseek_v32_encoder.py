@@ -1,0 +1,144 @@
+"""DeepSeek-V3.2's chat encoding (hybrid_jax/server/encoders/deepseek_v32.py) against the release's own
+examples (tests/data/deepseek_v32_encoding/, README there says where they come from), its output parser
+on completions written by hand in the release's format, and the chat path of a tiny deepseek_v32
+checkpoint that has no chat template: /v1/chat/completions and /tokenize render through the encoder."""
+from __future__ import annotations
+
+import copy
+import json
+import pathlib
+
+import pytest
+
+from hybrid_jax.errors import InputError
+from hybrid_jax.server.encoders import ENCODERS, encoder_for
+from hybrid_jax.server.encoders.deepseek_v32 import (ASSISTANT, BOS, EOS, USER, DsmlFormatError, ParsedToolCall,
+                                                     encode_messages, parse_completion, tools_block)
+
+DATA = pathlib.Path(__file__).parent.parent / "data" / "deepseek_v32_encoding"
+EXAMPLES = [("test_input.json", "test_output.txt"), ("test_input_search_w_date.json", "test_output_search_w_date.txt"),
+            ("test_input_search_wo_date.json", "test_output_search_wo_date.txt")]
+
+
+def _release_messages(name: str) -> list[dict]:
+    """An example's messages as the release's test feeds them: its `tools` on the first message."""
+    data = json.loads((DATA / name).read_text(encoding="utf-8"))
+    messages = data["messages"]
+    if "tools" in data:
+        messages[0]["tools"] = data["tools"]
+    return messages
+
+
+def _golden(name: str) -> str:
+    text = (DATA / name).read_text(encoding="utf-8")
+    return text[:-1] if text.endswith("\n") else text        # the file's final newline is not the prompt's
+
+
+@pytest.mark.parametrize("inp,out", EXAMPLES)
+def test_the_release_examples_byte_for_byte(inp, out):
+    assert encode_messages(_release_messages(inp), thinking_mode="thinking") == _golden(out)
+
+
+def test_the_release_round_trips_a_tool_call_turn_and_a_thinking_turn():
+    messages = _release_messages("test_input.json")          # as the release's own test does, with its indices
+    call_turn = messages[4]
+    text = encode_messages([call_turn], context=messages[:4], thinking_mode="thinking")
+    parsed = parse_completion(text, "thinking").as_message()
+    want = copy.deepcopy(call_turn)
+    for call in want["tool_calls"]:
+        call.pop("id")
+    parsed.pop("content")
+    assert parsed == want
+
+    thinking_turn = messages[-6]
+    text = encode_messages([thinking_turn], context=messages[:-6], thinking_mode="thinking")
+    parsed = parse_completion(text, "thinking").as_message()
+    parsed.pop("tool_calls")
+    assert parsed == thinking_turn
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
+                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                           "required": ["city"]}}}
+CALL = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 2}'}}
+DSML_CALL = ('\n\n<｜DSML｜function_calls>\n<｜DSML｜invoke name="get_weather">\n'
+             '<｜DSML｜parameter name="city" string="true">Paris</｜DSML｜parameter>\n'
+             '<｜DSML｜parameter name="days" string="false">2</｜DSML｜parameter>\n'
+             '</｜DSML｜invoke>\n</｜DSML｜function_calls>')
+
+
+def test_generation_prompt_chat_and_thinking():
+    msgs = [{"role": "user", "content": "Hello"}]
+    assert encode_messages(msgs) == f"{BOS}{USER}Hello{ASSISTANT}</think>"
+    assert encode_messages(msgs, thinking_mode="thinking") == f"{BOS}{USER}Hello{ASSISTANT}<think>"
+    assert encode_messages(msgs, add_generation_prompt=False) == f"{BOS}{USER}Hello"
+
+
+def test_request_tools_go_on_the_system_message_or_a_new_empty_one():
+    user = {"role": "user", "content": "Weather?"}
+    with_system = encode_messages([{"role": "system", "content": "Be brief."}, user], [WEATHER])
+    assert with_system == f"{BOS}Be brief.\n\n{tools_block([WEATHER])}{USER}Weather?{ASSISTANT}</think>"
+    without = encode_messages([user], [WEATHER])
+    assert without == f"{BOS}\n\n{tools_block([WEATHER])}{USER}Weather?{ASSISTANT}</think>"
+    assert '{"name": "get_weather", "description": "Weather of a city", "parameters": ' in without
+
+
+def test_a_tool_turn_and_earlier_reasoning():
+    msgs = [{"role": "user", "content": "Q1"},
+            {"role": "assistant", "reasoning_content": "old thoughts", "content": "A1"},
+            {"role": "user", "content": "Q2"},
+            {"role": "assistant", "reasoning_content": "need data", "content": None, "tool_calls": [CALL]},
+            {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+    text = encode_messages(msgs, thinking_mode="thinking")
+    assert text == (f"{BOS}{USER}Q1{ASSISTANT}</think>A1{EOS}{USER}Q2{ASSISTANT}<think>need data</think>"
+                    f"{DSML_CALL}{EOS}\n\n<function_results>\n<result>sunny</result>\n</function_results>\n\n<think>")
+    chat = encode_messages(msgs)            # chat mode: no reasoning anywhere, the next turn opens with </think>
+    assert "thoughts" not in chat and "need data" not in chat and chat.endswith("</function_results>\n\n</think>")
+    assert encode_messages(msgs, add_generation_prompt=False).endswith("</function_results>")
+
+
+def test_continue_final_message_leaves_the_turn_open():
+    msgs = [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "The answer is"}]
+    assert encode_messages(msgs, continue_final_message=True) == f"{BOS}{USER}Q{ASSISTANT}</think>The answer is"
+
+
+@pytest.mark.parametrize("msgs,match", [
+    ([{"role": "tool", "tool_call_id": "x", "content": "r"}, {"role": "user", "content": "q"}], r"'messages'\[0\]"),
+    ([{"role": "user", "content": "q"}, {"role": "assistant", "content": "", "tool_calls": [CALL]},
+      {"role": "tool", "content": "a"}, {"role": "tool", "content": "b"}], r"'messages'\[3\].*more tool results"),
+    ([{"role": "user", "content": "q"}, {"role": "assistant", "content": "",
+      "tool_calls": [{"function": {"name": "f", "arguments": "[1]"}}]}], "must be a JSON object"),
+    ([{"role": "user", "content": "q"}, {"role": "assistant", "content": "just text"}], "reasoning_content or tool_calls"),
+    ([{"role": "narrator", "content": "q"}], "role must be one of"),
+])
+def test_malformed_conversations_are_input_errors(msgs, match):
+    with pytest.raises(InputError, match=match):
+        encode_messages(msgs, thinking_mode="thinking")
+
+
+def test_parse_completion_of_hand_written_outputs():
+    out = parse_completion(f"Let me look it up.</think>{DSML_CALL}{EOS}", "thinking")
+    assert out.reasoning_content == "Let me look it up." and out.content == ""
+    assert out.tool_calls == (ParsedToolCall("get_weather", '{"city": "Paris", "days": 2}'),)
+    assert json.loads(out.tool_calls[0].arguments) == {"city": "Paris", "days": 2}
+    out = parse_completion("Bonjour!" + EOS)                        # chat mode: no reasoning
+    assert (out.content, out.reasoning_content, out.tool_calls) == ("Bonjour!", "", ())
+    assert parse_completion("Bonjour!").content == "Bonjour!"        # the server strips the stop token
+
+
+@pytest.mark.parametrize("text,match", [
+    ("no end of thinking", "no </think>"),
+    (f"t</think>{DSML_CALL}trailing", "unexpected text after"),
+    ('t</think>\n\n<｜DSML｜function_calls>\n<｜DSML｜invoke name="f">\n'
+     '<｜DSML｜parameter name="a" string="true">1</｜DSML｜parameter>\n'
+     '<｜DSML｜parameter name="a" string="true">2</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜function_calls>', "twice"),
+    ("t</think>a <think> b" + EOS, "special token"),
+])
+def test_parse_completion_refuses_malformed_text(text, match):
+    with pytest.raises(DsmlFormatError, match=match):
+        parse_completion(text, "thinking")
+
+
+def test_the_registry_names_the_family():
+    assert encoder_for("deepseek_v32") is ENCODERS["deepseek_v32"]
+    assert encoder_for("qwen3_next") is None and encoder_for(None) is None
