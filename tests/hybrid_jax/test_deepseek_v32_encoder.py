@@ -142,3 +142,115 @@ def test_parse_completion_refuses_malformed_text(text, match):
 def test_the_registry_names_the_family():
     assert encoder_for("deepseek_v32") is ENCODERS["deepseek_v32"]
     assert encoder_for("qwen3_next") is None and encoder_for(None) is None
+
+
+# --- the chat path of a deepseek_v32 checkpoint without a chat template -------------------------------
+
+SPECIALS = [BOS, EOS, USER, ASSISTANT, "<think>", "</think>", "｜DSML｜"]
+
+
+def _byte_level_tokenizer(path: pathlib.Path):
+    """A byte-level BPE without merges (one token a byte) with DeepSeek-V3.2's special tokens added whole."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers  # noqa: PLC0415
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(SPECIALS)
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"bos_token": BOS, "eos_token": EOS}))
+    return tok
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    from fastapi.testclient import TestClient  # noqa: PLC0415
+    from test_deepseek_v32 import make_checkpoint  # noqa: PLC0415
+
+    from hybrid_jax import LLM  # noqa: PLC0415
+    from hybrid_jax.engine import EngineConfig, LLMEngine  # noqa: PLC0415
+    from hybrid_jax.engine.async_engine import AsyncEngine  # noqa: PLC0415
+    from hybrid_jax.server.app import ServerConfig, ServerState, build_app  # noqa: PLC0415
+    from hybrid_jax.server.supervisor import EngineSupervisor  # noqa: PLC0415
+    from hybrid_jax.template_sources import ChatOptions, apply_chat_options  # noqa: PLC0415
+
+    path = pathlib.Path(make_checkpoint(tmp_path_factory.mktemp("dsv32_chat") / "ckpt", vocab_size=272,
+                                        max_position_embeddings=4096))
+    _byte_level_tokenizer(path)
+    llm = LLM(model=str(path), dtype="float32")
+    apply_chat_options(llm.tokenizer, ChatOptions(trust_request_templates=True))
+    engine = LLMEngine(llm, EngineConfig(max_num_seqs=2, max_num_batched_tokens=64, max_model_len=4096,
+                                         compilation_cache_dir=None, warmup="none"))
+    state = ServerState(ServerConfig(model_name="tiny-dsv32"))
+    ae = AsyncEngine(engine)
+    ae.start()
+    state.engine = EngineSupervisor(ae, state.metrics)
+    with TestClient(build_app(state)) as c:
+        yield c, llm
+    state.engine.shutdown()
+
+
+TOOL_CONVERSATION = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": None, "reasoning_content": "need data", "tool_calls": [CALL]},
+    {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+
+
+def test_the_checkpoint_has_no_template_and_its_family_an_encoder(server):
+    _, llm = server
+    templates = llm.tokenizer.chat_templates
+    assert templates.templates == {} and templates.model_type == "deepseek_v32"
+
+
+def test_tools_and_a_tool_turn_render_through_the_encoder(server):
+    c, llm = server
+    r = c.post("/tokenize", json={"messages": TOOL_CONVERSATION, "tools": [WEATHER],
+                                  "chat_template_kwargs": {"thinking": True}})
+    assert r.status_code == 200, r.text
+    want = (f"{BOS}You are terse.\n\n{tools_block([WEATHER])}{USER}Weather in Paris?{ASSISTANT}<think>"
+            f"need data</think>{DSML_CALL}{EOS}\n\n<function_results>\n<result>sunny</result>\n</function_results>"
+            "\n\n<think>")
+    tokens = r.json()["tokens"]
+    assert tokens == llm.tokenizer.encode(want)
+    ids = {s: llm.tokenizer._tok.token_to_id(s) for s in SPECIALS}
+    assert tokens[0] == ids[BOS] and tokens.count(ids[USER]) == 1 and tokens.count(ids[EOS]) == 1
+    turn = tokens[tokens.index(ids[USER]):]        # the assistant's call: function_calls, invoke, 2 parameters,
+    assert turn.count(ids["｜DSML｜"]) == 8           # each opened and closed
+
+
+def test_enable_thinking_is_accepted_and_chat_mode_is_the_default(server):
+    c, llm = server
+    body = {"messages": [{"role": "user", "content": "Hi"}]}
+    default = c.post("/tokenize", json=body).json()["tokens"]
+    assert default == llm.tokenizer.encode(f"{BOS}{USER}Hi{ASSISTANT}</think>")
+    on = c.post("/tokenize", json={**body, "chat_template_kwargs": {"enable_thinking": True}}).json()["tokens"]
+    assert on == llm.tokenizer.encode(f"{BOS}{USER}Hi{ASSISTANT}<think>")
+    bad = c.post("/tokenize", json={**body, "chat_template_kwargs": {"thinking": "yes"}})
+    assert bad.status_code == 400 and "thinking" in bad.json()["error"]["message"]
+
+
+def test_chat_completions_renders_with_the_encoder_and_a_request_template_still_wins(server, monkeypatch):
+    c, llm = server
+    tok, seen = llm.tokenizer, []
+    encode = tok.encode
+    monkeypatch.setattr(tok, "encode", lambda text, *a, **k: seen.append(text) or encode(text, *a, **k))
+    r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2,
+                                             "temperature": 0, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    assert seen[0] == f"{BOS}{USER}Hi{ASSISTANT}</think>"
+    assert r.json()["usage"]["completion_tokens"] == 2
+    seen.clear()
+    r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1,
+                                             "chat_template": "OWN {{ messages[0].content }}"})
+    assert r.status_code == 200, r.text
+    assert seen[0] == "OWN Hi"
+
+
+def test_a_malformed_conversation_is_a_400_naming_the_message(server):
+    c, _ = server
+    r = c.post("/v1/chat/completions", json={"messages": [
+        {"role": "user", "content": "q"}, {"role": "assistant", "content": "", "tool_calls": [CALL]},
+        {"role": "tool", "tool_call_id": "c1", "content": "a"}, {"role": "tool", "tool_call_id": "c2", "content": "b"}]})
+    assert r.status_code == 400
+    assert "'messages'[3]" in r.json()["error"]["message"]
