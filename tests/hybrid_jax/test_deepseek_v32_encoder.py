@@ -60,7 +60,8 @@ def test_the_release_round_trips_a_tool_call_turn_and_a_thinking_turn():
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
                                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
                                                            "required": ["city"]}}}
-CALL = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 2}'}}
+CALL = {"id": "c1", "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 2}'}}
 DSML_CALL = ('\n\n<｜DSML｜function_calls>\n<｜DSML｜invoke name="get_weather">\n'
              '<｜DSML｜parameter name="city" string="true">Paris</｜DSML｜parameter>\n'
              '<｜DSML｜parameter name="days" string="false">2</｜DSML｜parameter>\n'
@@ -108,7 +109,8 @@ def test_continue_final_message_leaves_the_turn_open():
       {"role": "tool", "content": "a"}, {"role": "tool", "content": "b"}], r"'messages'\[3\].*more tool results"),
     ([{"role": "user", "content": "q"}, {"role": "assistant", "content": "",
       "tool_calls": [{"function": {"name": "f", "arguments": "[1]"}}]}], "must be a JSON object"),
-    ([{"role": "user", "content": "q"}, {"role": "assistant", "content": "just text"}], "reasoning_content or tool_calls"),
+    ([{"role": "user", "content": "q"}, {"role": "assistant", "content": "just text"}],
+     "reasoning_content or tool_calls"),
     ([{"role": "narrator", "content": "q"}], "role must be one of"),
 ])
 def test_malformed_conversations_are_input_errors(msgs, match):
@@ -131,7 +133,8 @@ def test_parse_completion_of_hand_written_outputs():
     (f"t</think>{DSML_CALL}trailing", "unexpected text after"),
     ('t</think>\n\n<｜DSML｜function_calls>\n<｜DSML｜invoke name="f">\n'
      '<｜DSML｜parameter name="a" string="true">1</｜DSML｜parameter>\n'
-     '<｜DSML｜parameter name="a" string="true">2</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜function_calls>', "twice"),
+     '<｜DSML｜parameter name="a" string="true">2</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜function_calls>',
+     "twice"),
     ("t</think>a <think> b" + EOS, "special token"),
 ])
 def test_parse_completion_refuses_malformed_text(text, match):
@@ -251,6 +254,7 @@ def test_a_malformed_conversation_is_a_400_naming_the_message(server):
     c, _ = server
     r = c.post("/v1/chat/completions", json={"messages": [
         {"role": "user", "content": "q"}, {"role": "assistant", "content": "", "tool_calls": [CALL]},
-        {"role": "tool", "tool_call_id": "c1", "content": "a"}, {"role": "tool", "tool_call_id": "c2", "content": "b"}]})
+        {"role": "tool", "tool_call_id": "c1", "content": "a"},
+        {"role": "tool", "tool_call_id": "c2", "content": "b"}]})
     assert r.status_code == 400
     assert "'messages'[3]" in r.json()["error"]["message"]
