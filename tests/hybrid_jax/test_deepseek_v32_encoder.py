@@ -16,7 +16,8 @@ from hybrid_jax.server.encoders.deepseek_v32 import (ASSISTANT, BOS, EOS, USER, 
                                                      encode_messages, parse_completion, tools_block)
 
 DATA = pathlib.Path(__file__).parent.parent / "data" / "deepseek_v32_encoding"
-EXAMPLES = [("test_input.json", "test_output.txt"), ("test_input_search_w_date.json", "test_output_search_w_date.txt"),
+EXAMPLES = [("test_input.json", "test_output.txt"), ("variant_en/test_input.json", "variant_en/test_output.txt"),
+            ("test_input_search_w_date.json", "test_output_search_w_date.txt"),
             ("test_input_search_wo_date.json", "test_output_search_wo_date.txt")]
 
 
@@ -39,8 +40,9 @@ def test_the_release_examples_byte_for_byte(inp, out):
     assert encode_messages(_release_messages(inp), thinking_mode="thinking") == _golden(out)
 
 
-def test_the_release_round_trips_a_tool_call_turn_and_a_thinking_turn():
-    messages = _release_messages("test_input.json")          # as the release's own test does, with its indices
+@pytest.mark.parametrize("inp", ["test_input.json", "variant_en/test_input.json"])
+def test_the_release_round_trips_a_tool_call_turn_and_a_thinking_turn(inp):
+    messages = _release_messages(inp)           # as the release's own test does, with its indices
     call_turn = messages[4]
     text = encode_messages([call_turn], context=messages[:4], thinking_mode="thinking")
     parsed = parse_completion(text, "thinking").as_message()
