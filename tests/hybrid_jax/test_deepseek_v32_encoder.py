@@ -114,10 +114,13 @@ def test_continue_final_message_leaves_the_turn_open():
     ([{"role": "user", "content": "q"}, {"role": "assistant", "content": "just text"}],
      "reasoning_content or tool_calls"),
     ([{"role": "narrator", "content": "q"}], "role must be one of"),
+    ([{"role": "user", "content": [{"type": "text", "text": "q"}]}], r"'messages'\[0\].content must be a string"),
 ])
 def test_malformed_conversations_are_input_errors(msgs, match):
     with pytest.raises(InputError, match=match):
         encode_messages(msgs, thinking_mode="thinking")
+    with pytest.raises(InputError, match=match):      # named as the caller numbers them, tools or not
+        encode_messages(msgs, [WEATHER], thinking_mode="thinking")
 
 
 def test_parse_completion_of_hand_written_outputs():

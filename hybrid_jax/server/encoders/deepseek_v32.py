@@ -144,10 +144,16 @@ def dsml_calls(tool_calls: Sequence[dict], where: str = "tool_calls") -> str:
 
 @dataclasses.dataclass(frozen=True)
 class _Turn:
-    """Where a message sits: its index, the last user (or developer) message's index, the mode."""
+    """Where a message sits: its index, the last user (or developer) message's index, the mode, and how far
+    its index is from the caller's (context messages and a system message made for the tools come first)."""
     index: int
     last_user: int
     thinking: bool
+    shift: int = 0
+
+    def name(self, index: int | None = None) -> str:
+        """A message (this one by default) as the caller numbers it, for errors."""
+        return f"'messages'[{(self.index if index is None else index) - self.shift}]"
 
     @property
     def opens_thinking(self) -> bool:
@@ -155,23 +161,28 @@ class _Turn:
         return self.thinking and self.index >= self.last_user
 
 
-def _text(msg: dict) -> str:
+def _text(msg: dict, turn: _Turn) -> str:
     content = msg.get("content")
-    return "" if content is None else content
+    if content is None:
+        return ""
+    if not isinstance(content, str):
+        raise InputError(f"{turn.name()}.content must be a string (text parts joined) or null; "
+                         f"got {type(content).__name__}")
+    return content
 
 
 def _system(msg: dict, turn: _Turn, messages: list[dict]) -> str:
-    return _text(msg) + _blocks(msg)
+    return _text(msg, turn) + _blocks(msg)
 
 
 def _user(msg: dict, turn: _Turn, messages: list[dict]) -> str:
     marker = THINK if turn.thinking and turn.index == turn.last_user else END_THINK
-    return f"{USER}{_text(msg)}{ASSISTANT}{marker}"
+    return f"{USER}{_text(msg, turn)}{ASSISTANT}{marker}"
 
 
 def _developer(msg: dict, turn: _Turn, messages: list[dict]) -> str:
     if not msg.get("content"):
-        raise InputError(f"'messages'[{turn.index}]: a developer message needs content")
+        raise InputError(f"{turn.name()}: a developer message needs content")
     return _user({"content": _blocks(msg) + f"\n\n# The user's message is: {msg['content']}"}, turn, messages)
 
 
@@ -181,32 +192,32 @@ def _assistant(msg: dict, turn: _Turn, messages: list[dict]) -> str:
     thinking_part = ""
     if turn.thinking and turn.index > turn.last_user:
         if not (reasoning or calls):
-            raise InputError(f"'messages'[{turn.index}]: in thinking mode an assistant message after the last user "
+            raise InputError(f"{turn.name()}: in thinking mode an assistant message after the last user "
                              "message needs reasoning_content or tool_calls (DeepSeek-V3.2's encoding)")
         thinking_part = (reasoning or "") + END_THINK
-    calls_part = "\n\n" + dsml_calls(calls, f"'messages'[{turn.index}].tool_calls") if calls else ""
-    return thinking_part + _text(msg) + calls_part + EOS
+    calls_part = "\n\n" + dsml_calls(calls, f"{turn.name()}.tool_calls") if calls else ""
+    return thinking_part + _text(msg, turn) + calls_part + EOS
 
 
-def _answered_call(messages: list[dict], index: int) -> tuple[int, int]:
-    """For the tool message at `index`: which of the previous assistant's calls it answers (1-based), and
-    how many calls that assistant made."""
-    at = index - 1
+def _answered_call(messages: list[dict], turn: _Turn) -> tuple[int, int]:
+    """For the tool message `turn`: which of the previous assistant's calls it answers (1-based), and how
+    many calls that assistant made."""
+    at = turn.index - 1
     while at >= 0 and messages[at].get("role") == "tool":
         at -= 1
     if at < 0 or messages[at].get("role") != "assistant":
-        raise InputError(f"'messages'[{index}]: a tool message must follow an assistant message with tool_calls")
+        raise InputError(f"{turn.name()}: a tool message must follow an assistant message with tool_calls")
     calls = messages[at].get("tool_calls") or []
-    if len(calls) < index - at:
-        raise InputError(f"'messages'[{index}]: more tool results than the assistant message "
-                         f"'messages'[{at}] made tool calls ({len(calls)})")
-    return index - at, len(calls)
+    if len(calls) < turn.index - at:
+        raise InputError(f"{turn.name()}: more tool results than the assistant message {turn.name(at)} made "
+                         f"tool calls ({len(calls)})")
+    return turn.index - at, len(calls)
 
 
 def _tool(msg: dict, turn: _Turn, messages: list[dict]) -> str:
-    order, count = _answered_call(messages, turn.index)
+    order, count = _answered_call(messages, turn)
     out = "\n\n<function_results>" if order == 1 else ""
-    out += f"\n<result>{_text(msg)}</result>"
+    out += f"\n<result>{_text(msg, turn)}</result>"
     if order == count:
         out += "\n</function_results>\n\n" + (THINK if turn.opens_thinking else END_THINK)
     return out
@@ -265,17 +276,19 @@ def encode_messages(messages: Sequence[dict], tools: Sequence[dict] | None = Non
     "chat" / "thinking" (or a bool). Malformed messages are InputErrors naming the message."""
     thinking = _mode(thinking_mode)
     context = list(context or [])
-    msgs = _with_request_blocks(list(messages), tools, response_format)
-    if not msgs:
+    if not messages:
         raise InputError("'messages' must not be empty")
+    msgs = _with_request_blocks(list(messages), tools, response_format)
     full = context + msgs
     last_user = last_user_index(full)
+    shift = len(full) - len(messages)
     parts = [BOS] if add_bos and not context else []
     for i in range(len(context), len(full)):
+        turn = _Turn(i, last_user, thinking, shift)
         role = full[i].get("role")
         if role not in _RENDERERS:
-            raise InputError(f"'messages'[{i}].role must be one of {', '.join(_RENDERERS)}; got {role!r}")
-        parts.append(_RENDERERS[role](full[i], _Turn(i, last_user, thinking), full))
+            raise InputError(f"{turn.name()}.role must be one of {', '.join(_RENDERERS)}; got {role!r}")
+        parts.append(_RENDERERS[role](full[i], turn, full))
     text = "".join(parts)
     if continue_final_message:
         if full[-1].get("role") != "assistant":
