@@ -139,7 +139,10 @@ def _model_type(path: str) -> str | None:
     cfg_path = os.path.join(path, "config.json")
     if not os.path.exists(cfg_path):
         return None
-    value = _read_json(cfg_path).get("model_type")
+    try:
+        value = _read_json(cfg_path).get("model_type")
+    except ConfigError:          # the model's loading reads config.json too, and says what is wrong with it
+        return None
     return value if isinstance(value, str) else None
 
 

@@ -263,3 +263,21 @@ def test_a_malformed_conversation_is_a_400_naming_the_message(server):
         {"role": "tool", "tool_call_id": "c2", "content": "b"}]})
     assert r.status_code == 400
     assert "'messages'[3]" in r.json()["error"]["message"]
+
+
+def test_a_template_of_any_source_comes_before_the_encoder():
+    from types import MappingProxyType, SimpleNamespace  # noqa: PLC0415
+
+    from hybrid_jax.server.chat_template import render_request  # noqa: PLC0415
+    from hybrid_jax.template_sources import ChatTemplates  # noqa: PLC0415
+    body = {"messages": [{"role": "user", "content": "Hi"}]}
+    bare = ChatTemplates(model_type="deepseek_v32")
+    assert render_request(SimpleNamespace(chat_templates=bare), body) == f"{BOS}{USER}Hi{ASSISTANT}</think>"
+    shipped = ChatTemplates(MappingProxyType({"default": "T {{ messages[0].content }}"}), "chat_template.jinja",
+                            model_type="deepseek_v32")
+    assert render_request(SimpleNamespace(chat_templates=shipped), body) == "T Hi"
+    option = bare.overridden("O {{ messages[0].content }}", "--chat-template")
+    assert render_request(SimpleNamespace(chat_templates=option), body) == "O Hi"
+    other = ChatTemplates(model_type="qwen3_next")          # no template, no encoder: the 400 that says so
+    with pytest.raises(InputError, match="no chat template"):
+        render_request(SimpleNamespace(chat_templates=other), body)
