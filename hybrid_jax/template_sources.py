@@ -3,7 +3,9 @@ file, or the template text itself), else the checkpoint's `chat_template.jinja` 
 Face releases keep it; named extra templates in `additional_chat_templates/*.jinja`), else
 `tokenizer_config.json`'s `chat_template` (a string, or a list of {name, template}: "default" is used,
 "tool_use" when the request has tools, as transformers picks). A request's own `chat_template` (text,
-or the name of one of the model's) comes before all of them.
+or the name of one of the model's) comes before all of them. A checkpoint with none of these whose
+config.json `model_type` has a chat encoder (server/encoders/: a family that ships Python code for its
+prompt format, DeepSeek-V3.2) is rendered with that encoder.
 
 The tokenizer loads them (hybrid_jax/tokenizer.py) with the special tokens a template sees and keeps
 them as its `chat_templates`, so they reach the API server wherever the tokenizer does (the server's
@@ -32,6 +34,12 @@ class ChatTemplates:
     special_tokens: Mapping[str, str] = dataclasses.field(default_factory=lambda: MappingProxyType({}))
     problem: str | None = None      # why the checkpoint's templates could not be read (chat then says so)
     trust_request_templates: bool = False     # a request may bring a template's text (--trust-request-chat-template)
+    model_type: str | None = None    # config.json's: picks a chat encoder (server/encoders/) when there is no template
+
+    def uses_encoder(self, requested: str | None) -> bool:
+        """Whether a request is rendered by the model's chat encoder rather than a template: it names no
+        template and the model has none (nor one that could not be read)."""
+        return requested is None and not self.templates and self.problem is None
 
     def select(self, requested: str | None, has_tools: bool) -> str:
         """The template a request renders with: its own (`requested`: the name of one of these, or a template's
@@ -118,11 +126,24 @@ def load_chat_templates(path: str) -> ChatTemplates:
         text = _token_text(cfg.get(name)) or _token_text(special_map.get(name))
         if text is not None:
             special[name] = text
+    model_type = _model_type(path)
     try:                 # a template that cannot be read fails chat requests, not the model's loading
         templates, source = _templates(path, cfg.get("chat_template"), cfg_path)
     except ConfigError as e:
-        return ChatTemplates(special_tokens=MappingProxyType(special), problem=str(e))
-    return ChatTemplates(MappingProxyType(templates), source, MappingProxyType(special))
+        return ChatTemplates(special_tokens=MappingProxyType(special), problem=str(e), model_type=model_type)
+    return ChatTemplates(MappingProxyType(templates), source, MappingProxyType(special), model_type=model_type)
+
+
+def _model_type(path: str) -> str | None:
+    """config.json's `model_type` beside the tokenizer (None: no config.json, or no model_type in it)."""
+    cfg_path = os.path.join(path, "config.json")
+    if not os.path.exists(cfg_path):
+        return None
+    try:
+        value = _read_json(cfg_path).get("model_type")
+    except ConfigError:          # the model's loading reads config.json too, and says what is wrong with it
+        return None
+    return value if isinstance(value, str) else None
 
 
 def _templates(path: str, configured, cfg_path: str) -> tuple[dict[str, str], str]:

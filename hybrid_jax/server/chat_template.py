@@ -8,7 +8,11 @@ loop controls, the `{% generation %}` block) with transformers' `tojson` filter 
 `documents`, `add_generation_prompt`, the tokenizer's special tokens (bos_token, eos_token, ...) and
 the request's `chat_template_kwargs`. `continue_final_message` cuts the text after the last
 message's content. A template that raises, or fails on the request, is an InputError (a 400) that
-says why, never a 500."""
+says why, never a 500.
+
+A model without a template whose model_type has a chat encoder (server/encoders/, e.g. DeepSeek-V3.2's)
+is rendered by that encoder from the same checked conversation; a request's own `chat_template` and
+`--chat-template` still come first."""
 from __future__ import annotations
 
 import json
@@ -18,6 +22,7 @@ from typing import Any
 
 from hybrid_jax.errors import InputError
 from hybrid_jax.server.chat_messages import Conversation, parse_conversation
+from hybrid_jax.server.encoders import encoder_for
 from hybrid_jax.template_sources import NO_TEMPLATES, ChatTemplates, HasChatTemplates
 
 _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "      # marks the end of the message continue_final_message cuts at
@@ -129,6 +134,9 @@ def _cut_at_continue_tag(text: str, final: str) -> str:
 def render(templates: ChatTemplates, conv: Conversation) -> str:
     """The prompt text of a conversation (see the module's docstring)."""
     import jinja2  # noqa: PLC0415
+    encoder = encoder_for(templates.model_type) if templates.uses_encoder(conv.chat_template) else None
+    if encoder is not None:
+        return encoder.render(conv)
     template = templates.select(conv.chat_template, bool(conv.tools))
     compiled = _compiled(template)
     messages, final = conv.messages, None
