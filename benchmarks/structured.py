@@ -92,6 +92,7 @@ class RollbackRow:
 
 @dataclass
 class LibraryResults:
+    vocabs: list[bench_tokenizers.VocabStats] = field(default_factory=list)
     setup: list[tuple[str, str, float]] = field(default_factory=list)
     grammars: list[GrammarRow] = field(default_factory=list)
     batches: list[BatchRow] = field(default_factory=list)
@@ -239,6 +240,7 @@ def encoder(hf):
 def run_vocab(vocab: str, s: Settings, res: LibraryResults, with_coverage: bool) -> None:
     spec = bench_tokenizers.VOCABS[vocab]
     hf = bench_tokenizers.hf_tokenizer(vocab)
+    res.vocabs.append(bench_tokenizers.describe(vocab))
     encode = encoder(hf)
     docs = {c.name: encode(c.text) for c in s.cases}
     for lib_cls in LIBRARIES:
@@ -288,9 +290,15 @@ def ratio(a: float, b: float) -> str:
 
 
 def print_library_tables(res: LibraryResults, s: Settings) -> None:
+    table("stand-in vocabularies (hybrid_jax/structured/bench_tokenizers.py)",
+          ["vocab", "BPE ids", "added", "logits", "whitespace runs", "digit tokens", "JSON punct tokens",
+           "non-ASCII tokens", "mean bytes"],
+          [[v.name, v.bpe_tokens, v.added, v.logits_size, v.whitespace_runs, v.digit_tokens,
+            v.json_punct_tokens, v.non_ascii_tokens, f(v.mean_bytes, 2)] for v in res.vocabs])
     table("tokenizer setup (once per engine start)", ["vocab", "library", "seconds"],
           [[v, lib, f(t, 2)] for v, lib, t in res.setup])
-    table("compile and mask time per token (single request)",
+    table("compile and mask time per token (single request; llguidance keeps no grammar cache: its "
+          "cached compile is a second matcher built from the grammar)",
           ["vocab", "grammar", "library", "compile cold ms", "compile cached ms", "first mask ms",
            "doc tokens", "mask p50 us", "mask p99 us", "fill p50 us", "valid"],
           [[g.vocab, g.grammar, g.library, f(g.cold_ms, 2), f(g.cached_ms, 3), f(g.first_mask_ms, 2),

@@ -188,3 +188,46 @@ def hf_tokenizer(name: str):
     from transformers import PreTrainedTokenizerFast
     spec = VOCABS[name]
     return PreTrainedTokenizerFast(tokenizer_object=load(name), eos_token=spec.eos)
+
+
+@dataclass(frozen=True)
+class VocabStats:
+    """What in a vocabulary drives mask cost: how many tokens of each shape, and how long."""
+    name: str
+    bpe_tokens: int
+    added: int
+    logits_size: int
+    whitespace_runs: int
+    digit_tokens: int
+    json_punct_tokens: int
+    non_ascii_tokens: int
+    mean_bytes: float
+
+
+def _byte_of_char() -> dict[str, int]:
+    """The inverse of GPT-2's byte-to-character table: printable bytes map to themselves, the other
+    188 bytes to U+0100 onward in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    others = [b for b in range(256) if b not in printable]
+    table = {chr(b): b for b in printable}
+    table.update({chr(0x100 + i): b for i, b in enumerate(others)})
+    return table
+
+
+def token_bytes(tok: Tokenizer, bpe_tokens: int) -> list[bytes]:
+    """Each BPE id's bytes."""
+    table = _byte_of_char()
+    return [bytes(table[c] for c in tok.id_to_token(i)) for i in range(bpe_tokens)]
+
+
+def describe(name: str) -> VocabStats:
+    spec = VOCABS[name]
+    pieces = token_bytes(load(name), spec.bpe_tokens)
+    json_punct = set(b'{}[]:,"')
+    return VocabStats(
+        name, spec.bpe_tokens, len(spec.added), spec.logits_size,
+        whitespace_runs=sum(len(p) > 1 and p.isspace() for p in pieces),
+        digit_tokens=sum(p.strip().isdigit() for p in pieces),
+        json_punct_tokens=sum(len(p) > 1 and any(b in json_punct for b in p) for p in pieces),
+        non_ascii_tokens=sum(any(b > 127 for b in p) for p in pieces),
+        mean_bytes=sum(map(len, pieces)) / len(pieces))

@@ -88,6 +88,10 @@ def test_quick_libraries_run_prints_every_table(tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     t = tables(run.stdout)
     libs = {"xgrammar", "llguidance"}
+    (vocab_header, vocab_row), spec = t["stand-in vocabularies"], bench_tokenizers.VOCABS["qwen3-151k"]
+    assert vocab_row[:4] == ["qwen3-151k", str(spec.bpe_tokens), str(len(spec.added)), str(spec.logits_size)]
+    # Qwen splits digits one at a time, so its only digit tokens are the ten digits
+    assert vocab_row[vocab_header.index("digit tokens")] == "10"
     header, *rows = t["compile and mask time per token"]
     col = {h: i for i, h in enumerate(header)}
     got = {(r[col["vocab"]], r[col["grammar"]], r[col["library"]]) for r in rows}
