@@ -57,6 +57,27 @@ class Settings:
 
 
 @dataclass
+class CompileTiming:
+    cold_ms: float
+    cached_ms: float
+    first_mask_ms: float
+
+
+@dataclass
+class DriveTiming:
+    steps_s: list[float]
+    fills_s: list[float]
+    valid: bool
+
+
+@dataclass
+class SetupRow:
+    vocab: str
+    library: str
+    seconds: float
+
+
+@dataclass
 class GrammarRow:
     vocab: str
     grammar: str
@@ -93,7 +114,7 @@ class RollbackRow:
 @dataclass
 class LibraryResults:
     vocabs: list[bench_tokenizers.VocabStats] = field(default_factory=list)
-    setup: list[tuple[str, str, float]] = field(default_factory=list)
+    setup: list[SetupRow] = field(default_factory=list)
     grammars: list[GrammarRow] = field(default_factory=list)
     batches: list[BatchRow] = field(default_factory=list)
     rollbacks: list[RollbackRow] = field(default_factory=list)
@@ -110,8 +131,8 @@ def now() -> float:
 
 # ---- compile -------------------------------------------------------------------------------------
 
-def time_compile(lib, case: GrammarCase, mask: np.ndarray, repeats: int) -> tuple[float, float, float, object]:
-    """(cold ms, cached ms, cold first-mask ms, compiled): medians over `repeats` cold compiles."""
+def time_compile(lib, case: GrammarCase, mask: np.ndarray, repeats: int) -> CompileTiming:
+    """Medians over `repeats` cold compiles (cache cleared), then one cached compile."""
     cold, first = [], []
     for _ in range(repeats):
         lib.clear_cache()
@@ -123,18 +144,19 @@ def time_compile(lib, case: GrammarCase, mask: np.ndarray, repeats: int) -> tupl
         cold.append(t1 - t0)
         first.append(t2 - t0)
     t0 = now()
-    compiled = lib.compile(case.kind, case.source)
+    lib.compile(case.kind, case.source)
     cached = now() - t0
-    return statistics.median(cold) * 1e3, cached * 1e3, statistics.median(first) * 1e3, compiled
+    return CompileTiming(statistics.median(cold) * 1e3, cached * 1e3, statistics.median(first) * 1e3)
 
 
 # ---- mask along a document -----------------------------------------------------------------------
 
-def drive(lib, compiled, tokens: list[int], mask: np.ndarray) -> tuple[list[float], list[float], bool]:
-    """Fill + accept per token of `tokens` then EOS: (step s, fill s, every token allowed and EOS ends)."""
+def drive(lib, compiled, tokens: list[int], mask: np.ndarray, ends: bool) -> DriveTiming:
+    """Fill + accept per token of `tokens` (then EOS if `ends`); valid: every token allowed and
+    accepted, and EOS ends the match."""
     m = lib.matcher(compiled)
     steps, fills, ok = [], [], True
-    for tok in tokens + [lib.eos]:
+    for tok in tokens + ([lib.eos] if ends else []):
         t0 = now()
         m.fill(mask, 0)
         t1 = now()
@@ -143,26 +165,26 @@ def drive(lib, compiled, tokens: list[int], mask: np.ndarray) -> tuple[list[floa
         ok = ok and allowed(mask, 0, tok) and accepted
         steps.append(t2 - t0)
         fills.append(t1 - t0)
-    return steps, fills, ok and m.finished()
+    return DriveTiming(steps, fills, ok and (m.finished() or not ends))
 
 
 def grammar_row(lib, vocab: str, case: GrammarCase, tokens: list[int], mask: np.ndarray,
                 s: Settings) -> GrammarRow:
+    nan = float("nan")
     try:
-        cold, cached, first, compiled = time_compile(lib, case, mask, s.repeats)
+        ct = time_compile(lib, case, mask, s.repeats)
+        compiled = lib.compile(case.kind, case.source)
     except GrammarRejected as e:
         print(f"  {lib.name} rejected {case.name}: {e}", file=sys.stderr)
-        return GrammarRow(vocab, case.name, lib.name, *([float("nan")] * 3), 0, *([float("nan")] * 3), False)
-    steps, fills, ok = [], [], True
-    for _ in range(s.repeats):
-        st, fi, good = drive(lib, compiled, tokens[:s.max_steps] if s.max_steps else tokens, mask)
-        steps += st
-        fills += fi
-        ok = ok and good
-    if s.max_steps and len(tokens) > s.max_steps:
-        ok = True  # a cut document cannot end at EOS; the per-token checks above still apply
-    return GrammarRow(vocab, case.name, lib.name, cold, cached, first, len(tokens),
-                      statistics.median(steps) * 1e6, p99(steps) * 1e6, statistics.median(fills) * 1e6, ok)
+        return GrammarRow(vocab, case.name, lib.name, nan, nan, nan, 0, nan, nan, nan, False)
+    cut = bool(s.max_steps) and len(tokens) > s.max_steps  # a cut document is not followed by EOS
+    runs = [drive(lib, compiled, tokens[:s.max_steps] if cut else tokens, mask, ends=not cut)
+            for _ in range(s.repeats)]
+    steps = [x for r in runs for x in r.steps_s]
+    fills = [x for r in runs for x in r.fills_s]
+    return GrammarRow(vocab, case.name, lib.name, ct.cold_ms, ct.cached_ms, ct.first_mask_ms, len(tokens),
+                      statistics.median(steps) * 1e6, p99(steps) * 1e6, statistics.median(fills) * 1e6,
+                      all(r.valid for r in runs))
 
 
 # ---- batch ---------------------------------------------------------------------------------------
@@ -246,7 +268,7 @@ def run_vocab(vocab: str, s: Settings, res: LibraryResults, with_coverage: bool)
     for lib_cls in LIBRARIES:
         t0 = now()
         lib = lib_cls(hf, spec.logits_size)
-        res.setup.append((vocab, lib.name, now() - t0))
+        res.setup.append(SetupRow(vocab, lib.name, now() - t0))
         lib.compile("regex", "warm[0-9]")  # one-off per-process set-up, kept out of the first case
         mask = new_mask(1, spec.logits_size)
         compiled = {}
@@ -296,7 +318,7 @@ def print_library_tables(res: LibraryResults, s: Settings) -> None:
           [[v.name, v.bpe_tokens, v.added, v.logits_size, v.whitespace_runs, v.digit_tokens,
             v.json_punct_tokens, v.non_ascii_tokens, f(v.mean_bytes, 2)] for v in res.vocabs])
     table("tokenizer setup (once per engine start)", ["vocab", "library", "seconds"],
-          [[v, lib, f(t, 2)] for v, lib, t in res.setup])
+          [[r.vocab, r.library, f(r.seconds, 2)] for r in res.setup])
     table("compile and mask time per token (single request; llguidance keeps no grammar cache: its "
           "cached compile is a second matcher built from the grammar)",
           ["vocab", "grammar", "library", "compile cold ms", "compile cached ms", "first mask ms",
