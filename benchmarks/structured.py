@@ -1,4 +1,4 @@
-"""Structured outputs, measured: which grammar library (issue 52), and later what masking costs the engine.
+"""Structured outputs, measured: which grammar library (issue 52), and what masking costs the engine.
 
 Part `libraries` (this file's first half) compares xgrammar and llguidance on stand-in tokenizers of
 the served vocabularies (hybrid_jax/structured/bench_tokenizers.py: Qwen3 151,936, DeepSeek 129,280,
@@ -20,10 +20,13 @@ Kimi 163,840 logits; byte-level BPEs trained here, the hub being out of reach):
              --step-budget-ms; then fewest schema features that compile but give wrong output;
              then the lower mask p99.
 
-Part `engine` (tokens/s constrained vs free) is to be added beside it: one function per part, `main`
-picks them. Timings are wall-clock on whatever CPU runs this; the libraries use several threads.
+Part `engine` (benchmarks/structured_engine.py) measures what masking costs the engine: generated
+tokens/s with 0, 50% and 100% of a wave's rows under a JSON schema at concurrency 1, 8 and 32 (A/B
+alternating rounds, medians), and a grammar's compile from add_request to ready. One function per
+part; `main` picks them. Timings are wall-clock on whatever CPU runs this; the libraries use several
+threads.
 
-    python benchmarks/structured.py [--part libraries|all] [--quick] [--vocab qwen3-151k ...]
+    python benchmarks/structured.py [--part libraries|engine|all] [--quick] [--vocab qwen3-151k ...]
 """
 from __future__ import annotations
 
@@ -38,6 +41,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import structured_engine  # noqa: E402
 from structured_adapters import LIBRARIES, GrammarRejected, allowed, new_mask  # noqa: E402
 from structured_cases import QUICK_CASES, CoverageCase, GrammarCase, coverage_cases, grammar_cases  # noqa: E402
 
@@ -54,6 +58,7 @@ class Settings:
     max_steps: int
     repeats: int
     step_budget_ms: float
+    concurrency: tuple[int, ...] = (1, 8, 32)     # the engine part's waves
 
 
 @dataclass
@@ -396,12 +401,19 @@ def settings(a: argparse.Namespace) -> Settings:
     if a.quick:
         return Settings(tuple(a.vocab or ["qwen3-151k"]),
                         tuple(c for c in cases if c.name in QUICK_CASES), max_steps=48, repeats=1,
-                        step_budget_ms=a.step_budget_ms)
+                        step_budget_ms=a.step_budget_ms, concurrency=(1, 8))
     return Settings(tuple(a.vocab or bench_tokenizers.VOCABS), tuple(cases), max_steps=0, repeats=3,
                     step_budget_ms=a.step_budget_ms)
 
 
-PARTS = {"libraries": run_libraries}
+def run_engine(s: Settings) -> None:
+    """The engine half (structured_engine.py): tokens/s with 0, 50% and 100% of rows masked at each
+    concurrency, and the grammar compile from add_request to ready."""
+    print("\n## the engine: tokens/s constrained vs free (shipped default model)")
+    structured_engine.run(rounds=s.repeats, concurrency=list(s.concurrency))
+
+
+PARTS = {"libraries": run_libraries, "engine": run_engine}
 
 
 def main(argv: list[str] | None = None) -> None:
