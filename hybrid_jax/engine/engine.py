@@ -191,7 +191,9 @@ class LLMEngine:
         if params.structured_outputs is not None:        # compiled off this thread; admitted once ready
             if self.loaded.tokenizer is None:
                 raise InputError("structured outputs need the model's tokenizer; this model has none")
-            req.grammar = self.grammars.request(params.structured_outputs)
+            so = params.structured_outputs
+            gate = tuple(self.loaded.tokenizer.encode(so.after, add_bos=False)) if so.after else ()
+            req.grammar = self.grammars.request(so, gate)
         self.scheduler.add(req)
         return req
 
@@ -263,6 +265,8 @@ class LLMEngine:
         t0 = time.perf_counter()
         mode = mode or self.config.warmup
         self.runner.warmup(mode)
+        if mode != "none" and self.loaded.tokenizer is not None:
+            self.grammars.prepare()     # the grammar library's tokenizer, converted on its worker meanwhile
         if self.spec is not None and mode != "none":
             self.runner.warmup_verify(self.spec.spec.k_buckets(), replay=self.spec.spec.rollback == "replay")
         if self.scheduler.prefix is not None and mode != "none":
@@ -401,7 +405,7 @@ class LLMEngine:
     def _dispatch(self, out: SchedulerOutput) -> Flight:
         """Enqueues a mixed or plain decode step (first the bitmasks of its rows that sample under a
         grammar); the scheduler then counts its tokens ahead."""
-        masked = [p.request for p in out.rows if p.sample and p.request.grammar is not None]
+        masked = [p.request for p in out.rows if p.sample and p.request.masked]
         if masked:
             self.runner.write_masks(masked)
         if out.mode == "decode":
@@ -431,7 +435,7 @@ class LLMEngine:
         decode iterations read back at once (no count ahead: the scheduler counts what they emitted)."""
         def decode(rs):
             steps = out.decode_steps if out.decode_steps is not None else self.spec.fallback_steps(rs)
-            masked = [q for q in rs if q.grammar is not None]
+            masked = [q for q in rs if q.masked]
             if masked:                   # (their caps are 1: a mask for one token each)
                 self.runner.write_masks(masked)
             d = self.runner.dispatch_decode(rs, steps, caps=out.caps)

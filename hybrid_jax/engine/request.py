@@ -102,6 +102,11 @@ class Request:
         return len(self.prompt_ids) + self.num_output - self.num_computed
 
     @property
+    def masked(self) -> bool:
+        """Its next token is held to its structured output's grammar (it has one, past its gate)."""
+        return self.grammar is not None and self.grammar.active
+
+    @property
     def num_output(self) -> int:
         """Output tokens sampled so far: those read back and those in flight."""
         return len(self.output_ids) + self.num_inflight

@@ -311,7 +311,7 @@ class ModelRunner:
                 tokens[i, 0] = q.output_ids[-1]
                 tokens[i, 1:1 + len(d)] = d
                 meta[0, i], meta[1, i] = 1 + len(d), len(d)
-                if q.grammar is not None:       # each position's mask, along the draft (the grammar allows it)
+                if q.masked:       # each position's mask, along the draft (the grammar allows it)
                     q.grammar.fill_along(d, allowed[i])
         n_acc, out, self.cache, self.dcache = self._verify(
             self.params, self.cache, self.inputs.rows(reqs, Bb), tokens, meta, allowed, self.drafter.params,

@@ -90,7 +90,7 @@ class StepInputs:
             steps[:n] = [q.num_output for q in reqs]
             from_dev[:n] = [q.num_inflight > 0 for q in reqs]      # its last token is still on the device
             procs[:n] = [q.params.processes_logits for q in reqs]
-            masked[:n] = [q.grammar is not None for q in reqs]
+            masked[:n] = [q.masked for q in reqs]
         return StepRows(rows=rows, tables=tables, lengths=lengths, steps=steps, seeds=seeds,
                         temperature=temperature, top_k=top_k, top_p=top_p, from_dev=from_dev, procs=procs,
                         masked=masked)

@@ -63,12 +63,17 @@ class _ByteVocab:
 
 
 class RequestGrammar:
-    """One request's grammar: its compile (a future, shared) and, once ready, its own matcher."""
+    """One request's grammar: its compile (a future, shared) and, once ready, its own matcher. gate: token
+    ids after which the grammar applies (a reasoning model's end of thinking, `StructuredOutputsParams.after`);
+    until the output holds them the request is free (`active` false) and the matcher waits."""
 
-    def __init__(self, key: str, future: concurrent.futures.Future):
+    def __init__(self, key: str, future: concurrent.futures.Future, gate: tuple[int, ...] = ()):
         self.key, self._future = key, future
         self._matcher = None
         self.submitted = time.monotonic()
+        self.gate = tuple(gate)
+        self.active = not self.gate
+        self._tail: list[int] = []
 
     @property
     def ready(self) -> bool:
@@ -93,8 +98,17 @@ class RequestGrammar:
         self.matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
 
     def accept(self, tokens: list[int]):
-        """Consumes the tokens the request emitted; raises (the request fails) for one the grammar does
-        not allow, naming it."""
+        """Consumes the tokens the request emitted (past the gate: before it nothing is held); raises (the
+        request fails) for one the grammar does not allow, naming it."""
+        if not self.active:
+            for i, t in enumerate(tokens):
+                self._tail = (self._tail + [int(t)])[-len(self.gate):]
+                if tuple(self._tail) == self.gate:
+                    self.active = True
+                    tokens = tokens[i + 1:]
+                    break
+            else:
+                return
         m = self.matcher
         for t in tokens:
             if not m.consume_token(int(t)):
@@ -103,7 +117,7 @@ class RequestGrammar:
     @property
     def stopped(self) -> bool:
         """The grammar is complete and allows nothing more (only the end of the sequence)."""
-        return self.matcher.is_stopped()
+        return self.active and self.matcher.is_stopped()
 
     def rollback(self, k: int):
         if k > 0 and not self.matcher.rollback(k):
@@ -157,8 +171,14 @@ class GrammarCompiler:
             raise InputError(f"structured output: {m.get_error()}")
         return m
 
-    def request(self, params: StructuredOutputsParams) -> RequestGrammar:
-        """The request's grammar, its compile submitted (or shared with an earlier request's)."""
+    def prepare(self):
+        """Converts the tokenizer on the worker now (1-3 s at a 150k vocabulary), so the first request
+        does not wait for it: the engine's warm-up calls this."""
+        self._pool.submit(self._tokenizer)
+
+    def request(self, params: StructuredOutputsParams, gate: tuple[int, ...] = ()) -> RequestGrammar:
+        """The request's grammar, its compile submitted (or shared with an earlier request's); gate: the
+        token ids after which it applies (none: from the first token)."""
         key = params.key
         with self._lock:
             fut = self._cache.get(key)
@@ -171,7 +191,7 @@ class GrammarCompiler:
                 self.compiles += 1
                 while len(self._cache) > CACHE_ENTRIES:
                     self._cache.popitem(last=False)
-        return RequestGrammar(key, fut)
+        return RequestGrammar(key, fut, gate)
 
     def close(self):
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -24,13 +24,17 @@ class StructuredOutputsParams:
     output matches), choice (a list of strings: the output is one of them), grammar (a Lark grammar in
     llguidance's dialect, or a GBNF / EBNF one as llama.cpp and vLLM's xgrammar write them:
     `root ::= ...`), json_object (True: any JSON object). whitespace_pattern: a regex for the whitespace
-    JSON may hold between its tokens (default: none beyond one space after `,` and `:`)."""
+    JSON may hold between its tokens (default: none beyond one space after `,` and `:`). after: text
+    (its tokens) the output must hold before the grammar applies: the end of a reasoning model's
+    thinking, which the grammar does not hold (the server sets it where the prompt opened thinking)."""
     json: Any = None
     regex: str | None = None
     choice: tuple[str, ...] | None = None
     grammar: str | None = None
     json_object: bool | None = None
     whitespace_pattern: str | None = None
+    after: str | None = None     # the grammar applies once the output holds this text (a reasoning model's
+                                 # end of thinking, e.g. "</think>"); before it the output is free
 
     def __post_init__(self):
         if self.choice is not None and isinstance(self.choice, list):
@@ -39,6 +43,8 @@ class StructuredOutputsParams:
         if len(set_) != 1:
             raise InputError(f"structured outputs take exactly one of {', '.join(KINDS)}; got "
                              f"{', '.join(set_) if set_ else 'none'}")
+        if self.after is not None and (not isinstance(self.after, str) or not self.after):
+            raise InputError(f"after must be a non-empty string; got {self.after!r}")
         self.grammar_text          # the check: a bad schema, regex or grammar is refused here
 
     @property

@@ -223,3 +223,44 @@ def test_greedy_structured_output_with_ngram_speculation_equals_it_without(llm):
         jsonschema.validate(json.loads(o.text), SCHEMA)
     plain.close()
     spec.close()
+
+
+def test_the_grammar_applies_after_its_gate_as_to_a_reasoning_models_answer(llm, engine):
+    """`after` (the server sets it to the end of thinking where the prompt opened thinking): the output
+    is free until it holds the gate's tokens, then held to the grammar."""
+    free = _run(engine, [(PROMPT, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))])[0].token_ids
+    tok = llm.tokenizer
+    k = next(k for k in range(4, 12) if tok.encode(tok.decode(free[:k]), add_bos=False) == free[:k])
+    gate = tok.decode(free[:k])
+    p = SamplingParams(max_tokens=100, temperature=0,
+                       structured_outputs=StructuredOutputsParams(regex="[0-9]{2,4}", after=gate))
+    out = _run(engine, [(PROMPT, p)])[0]
+    assert out.token_ids[:k] == free[:k]                   # free (the same greedy tokens) up to the gate
+    assert re.fullmatch("[0-9]{2,4}", tok.decode(out.token_ids[k:])) and out.finish_reason == "stop"
+
+
+def test_a_gated_grammar_waits_for_its_whole_gate():
+    g = grammars.RequestGrammar("k", _done(None), gate=(5, 6))
+    g.accept([1, 5, 2, 6])            # 5 and 6, not in a row: still free
+    assert not g.active
+    g.accept([5])
+    assert not g.active
+    g._matcher = _Recorder()
+    g.accept([6, 9, 10])               # the gate completes: what follows it goes to the matcher
+    assert g.active and g._matcher.seen == [9, 10]
+
+
+class _Recorder:
+    def __init__(self):
+        self.seen = []
+
+    def consume_token(self, t):
+        self.seen.append(t)
+        return True
+
+
+def _done(value):
+    import concurrent.futures  # noqa: PLC0415
+    f = concurrent.futures.Future()
+    f.set_result(value)
+    return f
