@@ -49,6 +49,9 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None   # token id -> added to its logit, in [-100, 100]
     include_stop_str_in_output: bool = False     # a stop string that ends the output stays in its text
     prompt_logprobs: int | None = None   # per prompt token (after the first): its logprob and the top n
+    # special tokens (by their text) the output text keeps although special tokens are skipped: the
+    # markers the chat endpoint's tool-call / reasoning parser reads (server/chat_output.py)
+    keep_special_tokens: tuple[str, ...] = ()
 
     def __post_init__(self):
         self.validate()
