@@ -228,3 +228,36 @@ def test_fixtures_are_what_the_structural_tag_accepts(fmt):
     from xgrammar.testing import _is_grammar_accept_string  # noqa: PLC0415
     tag = xgrammar.get_model_structural_tag(XG_MODEL[fmt], tools=TOOLS, tool_choice="auto", reasoning="disabled")
     assert _is_grammar_accept_string(xgrammar.Grammar.from_structural_tag(tag), case.text)
+
+
+# --- a follow-up turn: the calls sent back render as the family writes them ----------------------------
+
+FOLLOW_UP_TEMPLATES = {"hermes": "qwen3_next_instruct.jinja", "qwen3_coder": "qwen3_5.jinja"}
+
+
+@pytest.mark.parametrize("fmt", sorted(FOLLOW_UP_TEMPLATES))
+def test_a_follow_up_turn_renders_the_calls_in_the_familys_format(fmt):
+    """The assistant's `tool_calls` (as a client sends them back: arguments a JSON string) and the `tool`
+    message render through the released template; the assistant turn, parsed by the family's parser,
+    gives back the same calls, and the tool's answer is in the prompt."""
+    from pathlib import Path  # noqa: PLC0415
+    from types import MappingProxyType  # noqa: PLC0415
+
+    from hybrid_jax.server.chat_messages import parse_conversation  # noqa: PLC0415
+    from hybrid_jax.server.chat_template import render  # noqa: PLC0415
+    from hybrid_jax.template_sources import ChatTemplates  # noqa: PLC0415
+    calls = [("get_weather", {"city": "Zürich", "days": 2}), ("search", {"query": "a\nb", "strict": True})]
+    data = {"tools": TOOLS, "messages": [
+        {"role": "user", "content": "weather and news?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": f"call_{i}", "type": "function", "function": {"name": n, "arguments": json.dumps(a)}}
+            for i, (n, a) in enumerate(calls)]},
+        {"role": "tool", "tool_call_id": "call_0", "content": "18 C, sunny"},
+        {"role": "tool", "tool_call_id": "call_1", "content": "nothing new"}]}
+    template = (Path(__file__).resolve().parents[1] / "data" / "chat_templates" / FOLLOW_UP_TEMPLATES[fmt]).read_text()
+    text = render(ChatTemplates(MappingProxyType({"default": template})), parse_conversation(data))
+    turn = text.split("<|im_start|>assistant\n")[1].split("<|im_end|>")[0]
+    assert TOOL_FORMATS[fmt].begin in turn
+    msg = MessageParser(TOOL_FORMATS[fmt], REASONING_FORMATS["qwen3"], schemas_of(TOOLS)).parse(turn)
+    assert [(c.name, json.loads(c.arguments)) for c in msg.tool_calls] == calls
+    assert "<tool_response>\n18 C, sunny\n</tool_response>" in text and "nothing new" in text
