@@ -76,6 +76,10 @@ class SamplingParams:
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not -1 <= self.logprobs <= 20):
             raise InputError(f"logprobs must be an integer in [0, 20], or -1 for the whole vocabulary; got "
                              f"{self.logprobs!r}")
+        if not isinstance(self.keep_special_tokens, (tuple, list)) or not all(
+                isinstance(t, str) and t for t in self.keep_special_tokens):
+            raise InputError(f"keep_special_tokens must be a list of token strings; got {self.keep_special_tokens!r}")
+        self.keep_special_tokens = tuple(self.keep_special_tokens)
         if self.stop_token_ids is None:
             self.stop_token_ids = []
         if not isinstance(self.stop_token_ids, (list, tuple)):
