@@ -143,8 +143,11 @@ def test_families_defaults_and_overrides():
 
 # --- what xgrammar's structural tags allow (the grammars tool_choice "required" / named will apply) --------
 
-XG_MODEL = {"hermes": "qwen_3", "qwen3_coder": "qwen_3_5", "deepseek_v32": "deepseek_v3_2",
-            "deepseek_v4": "deepseek_v4", "kimi_k2": "kimi"}
+def test_each_format_names_its_structural_tag():
+    """(The integrator builds the grammar of tool_choice required / named from this name.)"""
+    assert {f: TOOL_FORMATS[f].structural_tag for f in TOOL_FORMATS} == {
+        "hermes": "qwen_3", "qwen3_coder": "qwen_3_5", "deepseek_v32": "deepseek_v3_2", "deepseek_v4": "deepseek_v4",
+        "kimi_k2": "kimi"}
 
 
 def _dsml(section, calls, lead="\n\n"):
@@ -195,7 +198,7 @@ XG_TOOLS = [
 def _accepts(fmt: str, text: str, choice: str, reasoning: str) -> bool:
     xgrammar = pytest.importorskip("xgrammar")
     from xgrammar.testing import _is_grammar_accept_string  # noqa: PLC0415
-    tag = xgrammar.get_model_structural_tag(XG_MODEL[fmt], tools=XG_TOOLS, tool_choice=choice, reasoning=reasoning)
+    tag = xgrammar.get_model_structural_tag(TOOL_FORMATS[fmt].structural_tag, tools=XG_TOOLS, tool_choice=choice, reasoning=reasoning)
     return _is_grammar_accept_string(xgrammar.Grammar.from_structural_tag(tag), text)
 
 
@@ -226,13 +229,19 @@ def test_fixtures_are_what_the_structural_tag_accepts(fmt):
     case = next(c for c in CASES if c.format == fmt and c.calls and not c.reasoning)
     xgrammar = pytest.importorskip("xgrammar")
     from xgrammar.testing import _is_grammar_accept_string  # noqa: PLC0415
-    tag = xgrammar.get_model_structural_tag(XG_MODEL[fmt], tools=TOOLS, tool_choice="auto", reasoning="disabled")
+    tag = xgrammar.get_model_structural_tag(TOOL_FORMATS[fmt].structural_tag, tools=TOOLS, tool_choice="auto", reasoning="disabled")
     assert _is_grammar_accept_string(xgrammar.Grammar.from_structural_tag(tag), case.text)
 
 
 # --- a follow-up turn: the calls sent back render as the family writes them ----------------------------
 
-FOLLOW_UP_TEMPLATES = {"hermes": "qwen3_next_instruct.jinja", "qwen3_coder": "qwen3_5.jinja"}
+# format -> (template, what opens the assistant's turn, how the first tool answer is written)
+FOLLOW_UP_TEMPLATES = {
+    "hermes": ("qwen3_next_instruct.jinja", "<|im_start|>assistant\n", "<tool_response>\n18 C, sunny\n</tool_response>"),
+    "qwen3_coder": ("qwen3_5.jinja", "<|im_start|>assistant\n", "<tool_response>\n18 C, sunny\n</tool_response>"),
+    "kimi_k2": ("kimi_k2_thinking.jinja", "<|im_assistant|>assistant<|im_middle|>",
+                "## Return of functions.get_weather:0\n18 C, sunny"),
+}
 
 
 @pytest.mark.parametrize("fmt", sorted(FOLLOW_UP_TEMPLATES))
@@ -247,17 +256,21 @@ def test_a_follow_up_turn_renders_the_calls_in_the_familys_format(fmt):
     from hybrid_jax.server.chat_template import render  # noqa: PLC0415
     from hybrid_jax.template_sources import ChatTemplates  # noqa: PLC0415
     calls = [("get_weather", {"city": "Zürich", "days": 2}), ("search", {"query": "a\nb", "strict": True})]
+    ids = ["functions.get_weather:0", "functions.search:1"] if fmt == "kimi_k2" else ["call_0", "call_1"]
     data = {"tools": TOOLS, "messages": [
         {"role": "user", "content": "weather and news?"},
         {"role": "assistant", "content": None, "tool_calls": [
-            {"id": f"call_{i}", "type": "function", "function": {"name": n, "arguments": json.dumps(a)}}
+            {"id": ids[i], "type": "function", "function": {"name": n, "arguments": json.dumps(a)}}
             for i, (n, a) in enumerate(calls)]},
-        {"role": "tool", "tool_call_id": "call_0", "content": "18 C, sunny"},
-        {"role": "tool", "tool_call_id": "call_1", "content": "nothing new"}]}
-    template = (Path(__file__).resolve().parents[1] / "data" / "chat_templates" / FOLLOW_UP_TEMPLATES[fmt]).read_text()
+        {"role": "tool", "tool_call_id": ids[0], "content": "18 C, sunny"},
+        {"role": "tool", "tool_call_id": ids[1], "content": "nothing new"}]}
+    name, opens, answer = FOLLOW_UP_TEMPLATES[fmt]
+    template = (Path(__file__).resolve().parents[1] / "data" / "chat_templates" / name).read_text()
     text = render(ChatTemplates(MappingProxyType({"default": template})), parse_conversation(data))
-    turn = text.split("<|im_start|>assistant\n")[1].split("<|im_end|>")[0]
+    turn = text.split(opens)[1].split("<|im_end|>")[0]
     assert TOOL_FORMATS[fmt].begin in turn
     msg = MessageParser(TOOL_FORMATS[fmt], REASONING_FORMATS["qwen3"], schemas_of(TOOLS)).parse(turn)
     assert [(c.name, json.loads(c.arguments)) for c in msg.tool_calls] == calls
-    assert "<tool_response>\n18 C, sunny\n</tool_response>" in text and "nothing new" in text
+    if fmt == "kimi_k2":                       # the ids are written back as the calls' headers
+        assert [c.id for c in msg.tool_calls] == ids
+    assert answer in text and "nothing new" in text

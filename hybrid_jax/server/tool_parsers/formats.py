@@ -32,6 +32,7 @@ class ToolFormat:
     end: str
     parse_block: BlockParser
     markers: tuple[str, ...] = ()        # every marker the format writes (kept in the output text)
+    structural_tag: str = ""             # xgrammar.get_model_structural_tag's name for the format
 
 
 def _hermes(body: str, schemas: Schemas) -> list[RawCall] | None:
@@ -124,17 +125,18 @@ DSML = XmlSyntax(
     strip_newline=False)
 
 
-def _dsml_format(name: str, section: str) -> ToolFormat:
+def _dsml_format(name: str, section: str, tag: str) -> ToolFormat:
     return ToolFormat(name, _dsml(section) + ">", f"</｜DSML｜{section}>", DSML.parse,
-                      (_dsml(section) + ">", f"</｜DSML｜{section}>"))
+                      (_dsml(section) + ">", f"</｜DSML｜{section}>"), tag)
 
 
 TOOL_FORMATS: dict[str, ToolFormat] = {f.name: f for f in (
-    ToolFormat("hermes", "<tool_call>", "</tool_call>", _hermes, ("<tool_call>", "</tool_call>")),
-    ToolFormat("qwen3_coder", "<tool_call>", "</tool_call>", QWEN_XML.parse, ("<tool_call>", "</tool_call>")),
-    _dsml_format("deepseek_v32", "function_calls"),
-    _dsml_format("deepseek_v4", "tool_calls"),
+    ToolFormat("hermes", "<tool_call>", "</tool_call>", _hermes, ("<tool_call>", "</tool_call>"), "qwen_3"),
+    ToolFormat("qwen3_coder", "<tool_call>", "</tool_call>", QWEN_XML.parse, ("<tool_call>", "</tool_call>"),
+               "qwen_3_5"),
+    _dsml_format("deepseek_v32", "function_calls", "deepseek_v3_2"),
+    _dsml_format("deepseek_v4", "tool_calls", "deepseek_v4"),
     ToolFormat("kimi_k2", "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", _kimi,
                ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
-                "<|tool_call_argument_begin|>", "<|tool_call_end|>")),
+                "<|tool_call_argument_begin|>", "<|tool_call_end|>"), "kimi"),
 )}
