@@ -274,3 +274,42 @@ def test_a_follow_up_turn_renders_the_calls_in_the_familys_format(fmt):
     if fmt == "kimi_k2":                       # the ids are written back as the calls' headers
         assert [c.id for c in msg.tool_calls] == ids
     assert answer in text and "nothing new" in text
+
+
+# the text that starts a block for the grammar (xgrammar's trigger): a blank inside it makes the block free
+# text for the grammar, which is not what this test is about
+TRIGGERS = {"hermes": "<tool_call>", "qwen3_coder": "<tool_call>\n<function=", "deepseek_v32": f"<{DS}function_calls>",
+            "deepseek_v4": f"<{DS}tool_calls>", "kimi_k2": "<|tool_calls_section_begin|>"}
+
+
+@pytest.mark.parametrize("fmt", sorted(GRAMMAR_STRINGS))
+def test_every_blank_the_grammar_allows_still_parses(fmt):
+    """A blank (" " or "\n") inserted at every position of a call string (outside the block's trigger):
+    each variant the family's "required" grammar accepts (a matcher over a byte vocabulary) parses into
+    both calls, with arguments valid for their tools."""
+    xgrammar = pytest.importorskip("xgrammar")
+    info = xgrammar.TokenizerInfo([bytes([i]) for i in range(256)], vocab_type=xgrammar.VocabType.RAW,
+                                  stop_token_ids=[])
+    tag = xgrammar.get_model_structural_tag(TOOL_FORMATS[fmt].structural_tag, tools=XG_TOOLS,
+                                            tool_choice="required", reasoning="disabled")
+    grammar = xgrammar.GrammarCompiler(info).compile_structural_tag(tag)
+    p = parser(fmt, tools=XG_TOOLS)
+    text, accepted = GRAMMAR_STRINGS[fmt][0], 0
+    inside = set()
+    at = text.find(TRIGGERS[fmt])
+    while at >= 0:
+        inside.update(range(at + 1, at + len(TRIGGERS[fmt])))
+        at = text.find(TRIGGERS[fmt], at + 1)
+    for i in sorted(set(range(len(text) + 1)) - inside):
+        for blank in (" ", "\n"):
+            variant = text[:i] + blank + text[i:]
+            m = xgrammar.GrammarMatcher(grammar, terminate_without_stop_token=True)
+            if not (m.accept_string(variant) and m.is_terminated()):
+                continue
+            accepted += 1
+            msg = p.parse(variant)
+            assert [c.name for c in msg.tool_calls] == [n for n, _ in CALLS], variant
+            for c in msg.tool_calls:
+                schema = next(t["function"]["parameters"] for t in XG_TOOLS if t["function"]["name"] == c.name)
+                jsonschema.validate(json.loads(c.arguments), schema)
+    assert accepted > 20          # (the matcher did accept variants: the check above ran)
