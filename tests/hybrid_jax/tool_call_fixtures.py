@@ -124,6 +124,10 @@ CASES = [
          "{\"query\": \"x\", \"filters\": {\"a\": {\"b\": [1, {\"c\": \"d\"}]}}}<|tool_call_end|>"
          "<|tool_calls_section_end|>",
          None, [("search", {"query": "x", "filters": {"a": {"b": [1, {"c": "d"}]}}})], ids=("functions.search:3",)),
+    Case("kimi_singular_section", "kimi_k2",
+         "Checking.<|tool_call_section_begin|><|tool_call_begin|>functions.get_weather:2<|tool_call_argument_begin|>"
+         "{\"city\": \"Kyoto\"}<|tool_call_end|><|tool_call_section_end|>",
+         "Checking.", [("get_weather", {"city": "Kyoto"})], ids=("functions.get_weather:2",)),
     Case("kimi_malformed", "kimi_k2",
          "<|tool_calls_section_begin|><|tool_call_begin|>functions.search:0<|tool_call_argument_begin|>"
          "{\"query\": }<|tool_call_end|><|tool_calls_section_end|>",

@@ -33,6 +33,12 @@ class ToolFormat:
     parse_block: BlockParser
     markers: tuple[str, ...] = ()        # every marker the format writes (kept in the output text)
     structural_tag: str = ""             # xgrammar.get_model_structural_tag's name for the format
+    variants: tuple[tuple[str, str], ...] = ()   # other (begin, end) spellings the model is seen to write
+
+    @property
+    def blocks(self) -> dict[str, str]:
+        """Each begin marker with its end marker."""
+        return dict(((self.begin, self.end), *self.variants))
 
 
 def _hermes(body: str, schemas: Schemas) -> list[RawCall] | None:
@@ -138,5 +144,8 @@ TOOL_FORMATS: dict[str, ToolFormat] = {f.name: f for f in (
     _dsml_format("deepseek_v4", "tool_calls", "deepseek_v4"),
     ToolFormat("kimi_k2", "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", _kimi,
                ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
-                "<|tool_call_argument_begin|>", "<|tool_call_end|>"), "kimi"),
+                "<|tool_call_argument_begin|>", "<|tool_call_end|>", "<|tool_call_section_begin|>",
+                "<|tool_call_section_end|>"), "kimi",
+               # Kimi models also write the section markers in the singular (vLLM and SGLang read both)
+               (("<|tool_call_section_begin|>", "<|tool_call_section_end|>"),)),
 )}

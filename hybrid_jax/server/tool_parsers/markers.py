@@ -11,20 +11,23 @@ import dataclasses
 @dataclasses.dataclass(frozen=True)
 class Split:
     before: str          # safe to hand on
-    found: bool          # the marker was found (then `after` follows it), else `after` is held back
+    found: bool          # a marker was found (then `after` follows it), else `after` is held back
     after: str
+    marker: str = ""     # the marker found
 
 
-def split_at(buffer: str, marker: str, final: bool = False) -> Split:
-    """`buffer` cut at the first `marker`; without one, the longest tail that may begin the marker is
+def split_at(buffer: str, marker: str | tuple[str, ...], final: bool = False) -> Split:
+    """`buffer` cut at the first of the `marker`s; without one, the longest tail that may begin one is
     held back (nothing is, when `final`: no more text will come)."""
-    at = buffer.find(marker)
-    if at >= 0:
-        return Split(buffer[:at], True, buffer[at + len(marker):])
+    markers = (marker,) if isinstance(marker, str) else marker
+    hits = [(at, m) for m in markers if (at := buffer.find(m)) >= 0]
+    if hits:
+        at, m = min(hits, key=lambda h: (h[0], -len(h[1])))
+        return Split(buffer[:at], True, buffer[at + len(m):], m)
     if final:
         return Split(buffer, False, "")
-    for keep in range(min(len(marker) - 1, len(buffer)), 0, -1):
-        if marker.startswith(buffer[-keep:]):
+    for keep in range(min(max(map(len, markers)) - 1, len(buffer)), 0, -1):
+        if any(m.startswith(buffer[-keep:]) for m in markers):
             return Split(buffer[:-keep], False, buffer[-keep:])
     return Split(buffer, False, "")
 

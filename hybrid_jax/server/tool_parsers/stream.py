@@ -34,6 +34,8 @@ class ToolCallScanner:
         self.buffer = ""
         self.run = TextRun()
         self.blank_before = ""                # the whitespace before the open block (content again if it fails)
+        self.begins = tuple(fmt.blocks)
+        self.begin = fmt.begin                # the open block's begin marker
         self.n_calls = 0
 
     def feed(self, text: str, final: bool = False) -> list[Delta]:
@@ -41,18 +43,18 @@ class ToolCallScanner:
         out: list[Delta] = []
         while True:
             if self.where is _Where.TEXT:
-                s = split_at(self.buffer, self.fmt.begin, final)
+                s = split_at(self.buffer, self.begins, final)
                 out += self._content(self.run.add(s.before))
                 self.buffer = s.after
                 if not s.found:
                     if final:
                         out += self._content(self.run.cut())
                     return out
-                self.blank_before, self.where = self.run.cut(), _Where.BLOCK
-            s = split_at(self.buffer, self.fmt.end, True)
+                self.blank_before, self.where, self.begin = self.run.cut(), _Where.BLOCK, s.marker
+            s = split_at(self.buffer, self.fmt.blocks[self.begin], True)
             if not s.found:
                 if final:                      # the text ended inside a block: it is content
-                    out += self._content(self.blank_before + self.fmt.begin + self.buffer)
+                    out += self._content(self.blank_before + self.begin + self.buffer)
                     self.buffer = ""
                 return out
             out += self._block(s.before)
@@ -62,7 +64,7 @@ class ToolCallScanner:
         calls = self.fmt.parse_block(body, self.schemas)
         if calls is None:
             self.run = TextRun()
-            return self._content(self.blank_before + self.fmt.begin + body + self.fmt.end)
+            return self._content(self.blank_before + self.begin + body + self.fmt.blocks[self.begin])
         self.run.after_marker()
         out = []
         for c in calls:
