@@ -240,3 +240,26 @@ def test_unknown_parser_name_fails_at_startup():
     with pytest.raises(ValueError, match="unknown tool-call parser"):
         ServerState(ServerConfig(model_type="qwen3_5", tool_call_parser="nope"))
     assert InputError  # (the request-level errors above are InputErrors: 400s)
+
+
+def test_each_of_n_choices_is_parsed_on_its_own(qwen35):
+    c, eng = qwen35
+    eng.output, eng.chunk = THINK_CODER.text, 5
+    choices = _post(c, {"tools": TOOLS, "n": 2})["choices"]
+    assert [ch["index"] for ch in choices] == [0, 1]
+    ids = [t["id"] for ch in choices for t in ch["message"]["tool_calls"]]
+    assert len(ids) == 4 and len(set(ids)) == 4                     # unique across choices too
+    chunks = _stream(c, {"tools": TOOLS, "n": 2})
+    for i in (0, 1):
+        mine = [ch for ch in chunks if ch["choices"][0]["index"] == i]
+        msg, finish = _accumulate(mine)
+        assert finish == "tool_calls" and [t["name"] for t in msg["tool_calls"].values()] == ["search", "get_weather"]
+
+
+def test_streamed_logprobs_ride_on_the_chunks_that_are_sent(qwen35):
+    c, eng = qwen35
+    eng.output, eng.chunk = THINK_CODER.text, 2
+    chunks = _stream(c, {"tools": TOOLS, "logprobs": True})
+    msg, finish = _accumulate(chunks)
+    assert finish == "tool_calls" and msg["content"] == THINK_CODER.content
+    assert all(ch["choices"][0]["logprobs"] is not None for ch in chunks if ch["choices"][0]["delta"].get("role"))
