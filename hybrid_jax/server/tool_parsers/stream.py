@@ -36,6 +36,7 @@ class ToolCallScanner:
         self.blank_before = ""                # the whitespace before the open block (content again if it fails)
         self.begins = tuple(fmt.blocks)
         self.begin = fmt.begin                # the open block's begin marker
+        self.searched = 0                     # how far the open block was searched for its end, less a marker
         self.n_calls = 0
 
     def feed(self, text: str, final: bool = False) -> list[Delta]:
@@ -51,14 +52,17 @@ class ToolCallScanner:
                         out += self._content(self.run.cut())
                     return out
                 self.blank_before, self.where, self.begin = self.run.cut(), _Where.BLOCK, s.marker
-            s = split_at(self.buffer, self.fmt.blocks[self.begin], True)
-            if not s.found:
+                self.searched = 0
+            end = self.fmt.blocks[self.begin]
+            at = self.buffer.find(end, self.searched)      # (a long block is searched once, not per delta)
+            if at < 0:
+                self.searched = max(0, len(self.buffer) - len(end) + 1)
                 if final:                      # the text ended inside a block: it is content
                     out += self._content(self.blank_before + self.begin + self.buffer)
                     self.buffer = ""
                 return out
-            out += self._block(s.before)
-            self.buffer, self.where = s.after, _Where.TEXT
+            out += self._block(self.buffer[:at])
+            self.buffer, self.where = self.buffer[at + len(end):], _Where.TEXT
 
     def _block(self, body: str) -> list[Delta]:
         calls = self.fmt.parse_block(body, self.schemas)
