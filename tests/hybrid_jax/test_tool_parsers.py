@@ -198,7 +198,8 @@ XG_TOOLS = [
 def _accepts(fmt: str, text: str, choice: str, reasoning: str) -> bool:
     xgrammar = pytest.importorskip("xgrammar")
     from xgrammar.testing import _is_grammar_accept_string  # noqa: PLC0415
-    tag = xgrammar.get_model_structural_tag(TOOL_FORMATS[fmt].structural_tag, tools=XG_TOOLS, tool_choice=choice, reasoning=reasoning)
+    tag = xgrammar.get_model_structural_tag(TOOL_FORMATS[fmt].structural_tag, tools=XG_TOOLS, tool_choice=choice,
+                                            reasoning=reasoning)
     return _is_grammar_accept_string(xgrammar.Grammar.from_structural_tag(tag), text)
 
 
@@ -229,7 +230,8 @@ def test_fixtures_are_what_the_structural_tag_accepts(fmt):
     case = next(c for c in CASES if c.format == fmt and c.calls and not c.reasoning)
     xgrammar = pytest.importorskip("xgrammar")
     from xgrammar.testing import _is_grammar_accept_string  # noqa: PLC0415
-    tag = xgrammar.get_model_structural_tag(TOOL_FORMATS[fmt].structural_tag, tools=TOOLS, tool_choice="auto", reasoning="disabled")
+    tag = xgrammar.get_model_structural_tag(TOOL_FORMATS[fmt].structural_tag, tools=TOOLS, tool_choice="auto",
+                                            reasoning="disabled")
     assert _is_grammar_accept_string(xgrammar.Grammar.from_structural_tag(tag), case.text)
 
 
@@ -237,7 +239,8 @@ def test_fixtures_are_what_the_structural_tag_accepts(fmt):
 
 # format -> (template, what opens the assistant's turn, how the first tool answer is written)
 FOLLOW_UP_TEMPLATES = {
-    "hermes": ("qwen3_next_instruct.jinja", "<|im_start|>assistant\n", "<tool_response>\n18 C, sunny\n</tool_response>"),
+    "hermes": ("qwen3_next_instruct.jinja", "<|im_start|>assistant\n",
+               "<tool_response>\n18 C, sunny\n</tool_response>"),
     "qwen3_coder": ("qwen3_5.jinja", "<|im_start|>assistant\n", "<tool_response>\n18 C, sunny\n</tool_response>"),
     "kimi_k2": ("kimi_k2_thinking.jinja", "<|im_assistant|>assistant<|im_middle|>",
                 "## Return of functions.get_weather:0\n18 C, sunny"),
