@@ -1,7 +1,8 @@
 """Response bodies of /v1/completions and /v1/chat/completions: each choice built from its engine
 outputs (`ChoiceAcc`), the log-probability blocks in OpenAI's two shapes (completions: the legacy
 `tokens` / `token_logprobs` / `top_logprobs` / `text_offset` lists; chat: `content[]` entries with
-token, logprob, bytes and top_logprobs), echo and usage."""
+token, logprob, bytes and top_logprobs), echo and usage. A chat choice with a parser (its tool calls and
+reasoning: server/chat_output.py) is built, whole or streamed, from the deltas that parser gave."""
 from __future__ import annotations
 
 import dataclasses
@@ -48,9 +49,9 @@ class ChoiceAcc:
     prompt_logprobs: list[dict | None] | None = None
     finish_reason: str | None = None
     reading: ChatOutput | None = None        # chat: how the text is parsed (tool calls, reasoning)
-    stream: MessageStream | None = None      # ... and the parser's state over this choice's text
-    deltas: list[Delta] = dataclasses.field(default_factory=list)      # all the parser gave
-    new_deltas: list[Delta] = dataclasses.field(default_factory=list)  # what the last output added
+    stream: MessageStream | None = dataclasses.field(default=None, init=False)   # the parser's state
+    deltas: list[Delta] = dataclasses.field(default_factory=list, init=False)      # all the parser gave
+    new_deltas: list[Delta] = dataclasses.field(default_factory=list, init=False)  # what the last output added
 
     def __post_init__(self):
         if self.reading is not None:
