@@ -15,7 +15,6 @@ import pytest
 from fastapi.testclient import TestClient
 
 from hybrid_jax.engine.request import EngineOutput
-from hybrid_jax.errors import InputError
 from hybrid_jax.server.app import ServerConfig, ServerState, build_app
 from hybrid_jax.template_sources import ChatTemplates
 from tool_call_fixtures import CASES, TOOLS
@@ -239,7 +238,6 @@ def test_kimi_calls_keep_their_own_ids_and_parser_override():
 def test_unknown_parser_name_fails_at_startup():
     with pytest.raises(ValueError, match="unknown tool-call parser"):
         ServerState(ServerConfig(model_type="qwen3_5", tool_call_parser="nope"))
-    assert InputError  # (the request-level errors above are InputErrors: 400s)
 
 
 def test_each_of_n_choices_is_parsed_on_its_own(qwen35):
@@ -263,3 +261,13 @@ def test_streamed_logprobs_ride_on_the_chunks_that_are_sent(qwen35):
     msg, finish = _accumulate(chunks)
     assert finish == "tool_calls" and msg["content"] == THINK_CODER.content
     assert all(ch["choices"][0]["logprobs"] is not None for ch in chunks if ch["choices"][0]["delta"].get("role"))
+
+
+def test_serve_reads_the_family_from_the_checkpoint_and_takes_overrides(tmp_path):
+    from hybrid_jax.cli import _model_type, build_parser  # noqa: PLC0415
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_5", "hidden_size": 8}))
+    assert _model_type(str(tmp_path)) == "qwen3_5" and _model_type(None) is None
+    args = build_parser().parse_args(["serve", "--tool-call-parser", "kimi_k2", "--reasoning-parser", "none"])
+    assert (args.tool_call_parser, args.reasoning_parser) == ("kimi_k2", "none")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--tool-call-parser", "nope"])
