@@ -108,6 +108,12 @@ def _serve_parser(sub):
     s.add_argument("--trust-request-chat-template", action="store_true",
                    help="render a chat template's text sent in a request's 'chat_template' (default: only the "
                         "names of the model's own templates, as in vLLM)")
+    from hybrid_jax.server.tool_parsers import REASONING_FORMATS, TOOL_FORMATS  # noqa: PLC0415
+    s.add_argument("--tool-call-parser", default=None, choices=[*TOOL_FORMATS, "none"],
+                   help="the tool-call format chat output is parsed with (default: the checkpoint's family's, by "
+                        "its config.json model_type; none: tool calls stay text)")
+    s.add_argument("--reasoning-parser", default=None, choices=[*REASONING_FORMATS, "none"],
+                   help="the reasoning format split into reasoning_content (default: the family's)")
     s.add_argument("--max-request-bytes", type=int, default=1 << 20)
     s.add_argument("--max-tokens-limit", type=int, default=4096, help="largest max_tokens a request may ask")
     s.add_argument("--shutdown-timeout", type=float, default=30.0,
@@ -263,7 +269,9 @@ def _serve(args) -> int:
                                             max_request_bytes=args.max_request_bytes,
                                             max_tokens_limit=args.max_tokens_limit, body_timeout_s=args.timeout_body,
                                             metrics_api_key=args.metrics_require_api_key,
-                                            admission=_admission(args)),
+                                            admission=_admission(args), model_type=_model_type(args.model),
+                                            tool_call_parser=args.tool_call_parser,
+                                            reasoning_parser=args.reasoning_parser),
                  shutdown_timeout_s=args.shutdown_timeout, header_timeout_s=args.timeout_header,
                  max_header_bytes=args.max_header_bytes,
                  keep_alive_timeout_s=args.timeout_keep_alive, engine_process=args.engine_process,
@@ -296,6 +304,17 @@ def _supervision(args):
 
 
 API_KEY_ENV = "HYBRID_JAX_API_KEY"
+
+
+def _model_type(model: str | None) -> str | None:
+    """The checkpoint's config.json model_type (None for the embedded default model, or none found):
+    it picks the chat endpoint's tool-call and reasoning formats."""
+    path = os.path.join(model, "config.json") if model else None
+    if path is None or not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        cfg = json.load(f)
+    return cfg.get("model_type") if isinstance(cfg, dict) else None
 
 
 def _api_key(args) -> str | None:

@@ -53,6 +53,9 @@ class SamplingParams:
     # the output held to a grammar (a JSON schema, any JSON object, a regex, a choice, a Lark / GBNF grammar):
     # hybrid_jax/structured; a dict is read as StructuredOutputsParams(**it)
     structured_outputs: StructuredOutputsParams | None = None
+    # special tokens (by their text) the output text keeps although special tokens are skipped: the
+    # markers the chat endpoint's tool-call / reasoning parser reads (server/chat_output.py)
+    keep_special_tokens: tuple[str, ...] = ()
 
     def __post_init__(self):
         self.validate()
@@ -77,6 +80,10 @@ class SamplingParams:
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not -1 <= self.logprobs <= 20):
             raise InputError(f"logprobs must be an integer in [0, 20], or -1 for the whole vocabulary; got "
                              f"{self.logprobs!r}")
+        if not isinstance(self.keep_special_tokens, (tuple, list)) or not all(
+                isinstance(t, str) and t for t in self.keep_special_tokens):
+            raise InputError(f"keep_special_tokens must be a list of token strings; got {self.keep_special_tokens!r}")
+        self.keep_special_tokens = tuple(self.keep_special_tokens)
         if self.stop_token_ids is None:
             self.stop_token_ids = []
         if not isinstance(self.stop_token_ids, (list, tuple)):

@@ -2,6 +2,7 @@
 `tokenizer.json` (Hugging Face tokenizers) when the checkpoint directory has one."""
 from __future__ import annotations
 
+import functools
 import json
 import os
 
@@ -22,6 +23,10 @@ class ByteTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
+
+    def decode_keeping(self, ids: list[int], keep: frozenset[str]) -> str:
+        """`decode` keeping the special tokens named (this tokenizer's BOS / EOS / PAD have no text)."""
+        return self.decode(ids)
 
 
 class HFTokenizer:
@@ -58,6 +63,16 @@ class HFTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
+
+    def decode_keeping(self, ids: list[int], keep: frozenset[str]) -> str:
+        """`decode`, but the special tokens whose text is in `keep` stay in the text (the markers of a
+        tool-call parser: Kimi's `<|tool_call_begin|>` and the like are special tokens)."""
+        drop = self._special_ids - {self._tok.token_to_id(t) for t in keep}
+        return self._tok.decode([i for i in ids if i not in drop], skip_special_tokens=False)
+
+    @functools.cached_property
+    def _special_ids(self) -> frozenset[int]:
+        return frozenset(i for i, t in self._tok.get_added_tokens_decoder().items() if t.special)
 
 
 RELEASE_GIL_CHARS = 4096      # texts this long are encoded without holding the interpreter lock

@@ -42,7 +42,8 @@ class _Stream:
         self.prompt_ids, self.params = prompt_ids, params
         self.token_ids: list[int] = []
         # the core detokenizes a request with stop strings (it checks them); this side all the others
-        self.detok = IncrementalDetokenizer(tokenizer) if tokenizer is not None and not params.stop else None
+        self.detok = IncrementalDetokenizer(tokenizer, params.keep_special_tokens) \
+            if tokenizer is not None and not params.stop else None
 
 
 class EngineCoreClient:

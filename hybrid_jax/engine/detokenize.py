@@ -4,7 +4,8 @@ every step (which costs O(n^2) over a long generation).
 Each step decodes a short window of already-emitted tokens plus the new ones and emits what the
 new ones add. Tokens that end inside an unfinished UTF-8 sequence (the decode ends in U+FFFD) are
 held back until the next token completes them. `finish()` decodes the whole list once, so the final
-text is exactly `tokenizer.decode(all ids)`. `detokenize_with_stops` applies a request's stop strings
+text is exactly `tokenizer.decode(all ids)`. Special tokens are skipped, except those a request
+names in `keep_special_tokens` (the chat endpoint's tool-call markers): their text stays. `detokenize_with_stops` applies a request's stop strings
 on the way, token by token (with include_stop_str_in_output, vLLM's: the text keeps the stop string
 and ends with it).
 """
@@ -14,8 +15,9 @@ CONTEXT = 6          # tokens of left context: enough for merges and multi-byte 
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, keep_special: tuple[str, ...] = ()):
         self.tok = tokenizer
+        self.keep = frozenset(keep_special)
         self.ids: list[int] = []
         self.text = ""
         self._done = 0                 # tokens whose text is already in self.text
@@ -24,8 +26,8 @@ class IncrementalDetokenizer:
         """Appends tokens; returns the text they add (possibly "" while a character is unfinished)."""
         self.ids += new_ids
         start = max(0, self._done - CONTEXT)
-        prefix = self.tok.decode(self.ids[start:self._done])
-        full = self.tok.decode(self.ids[start:])
+        prefix = self._decode(self.ids[start:self._done])
+        full = self._decode(self.ids[start:])
         if full.endswith("\ufffd") or not full.startswith(prefix):
             return ""                  # wait: an unfinished character, or a merge across the window
         delta = full[len(prefix):]
@@ -33,9 +35,12 @@ class IncrementalDetokenizer:
         self._done = len(self.ids)
         return delta
 
+    def _decode(self, ids: list[int]) -> str:
+        return self.tok.decode_keeping(ids, self.keep) if self.keep else self.tok.decode(ids)
+
     def finish(self) -> str:
         """Decodes everything once; returns what it adds to the text emitted so far."""
-        final = self.tok.decode(self.ids)
+        final = self._decode(self.ids)
         delta = final[len(self.text):] if final.startswith(self.text) else final
         self.text = final
         self._done = len(self.ids)

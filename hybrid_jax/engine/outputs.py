@@ -29,7 +29,7 @@ class OutputProcessor:
 
     def add(self, q: Request):
         if self.tokenizer is not None and (self.detokenize or q.params.stop):
-            self._detok[q.request_id] = IncrementalDetokenizer(self.tokenizer)
+            self._detok[q.request_id] = IncrementalDetokenizer(self.tokenizer, q.params.keep_special_tokens)
         self.prompt.add(q)
 
     def forget(self, request_id: str):

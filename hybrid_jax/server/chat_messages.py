@@ -10,6 +10,7 @@ The fields read here, and their accepted values, are listed in `CHAT_FIELDS`."""
 from __future__ import annotations
 
 import dataclasses
+import enum
 import json
 from typing import Any
 
@@ -33,7 +34,10 @@ CHAT_FIELDS = {
     "add_generation_prompt": "true (default) or false",
     "continue_final_message": "false (default) or true (then add_generation_prompt must be false)",
     "tools": "a list of {type: function, function: {name, ...}}, passed to the template",
-    "tool_choice": '"none" (the default); "auto", "required" and a named function are refused',
+    "tool_choice": '"auto" (the default with tools; calls are parsed out of the output), "none" (no parsing: '
+                   'text stays content), "required" or {type: function, function: {name}} (accepted; the '
+                   'grammar that enforces them is issue 52\'s)',
+    "parallel_tool_calls": "true (default) or false (only the first parsed call is kept)",
     "documents": "a list of objects, passed to the template",
 }
 
@@ -85,18 +89,58 @@ def parse_conversation(data: dict[str, Any]) -> Conversation:
     template = data.get("chat_template")
     if template is not None and (not isinstance(template, str) or not template):
         raise InputError("'chat_template' must be a non-empty string (a Jinja template)")
-    _tool_choice(data.get("tool_choice"))
+    tool_choice_of(data)
     return Conversation(messages, _tools(data.get("tools")), _documents(data.get("documents")), add_gen, cont,
                         dict(kwargs), template)
 
 
-def _tool_choice(choice):
-    if choice is None or choice == "none":
-        return
-    if choice in ("auto", "required") or isinstance(choice, dict):
-        shown = choice if isinstance(choice, str) else "a named function"
-        raise InputError(f"'tool_choice' = {shown}: this server does not parse tool calls out of the model's "
-                         "output yet; send tool_choice \"none\" (the default) to get text")
+class ToolMode(enum.Enum):
+    AUTO = "auto"            # the model may call tools: calls are parsed out of its output
+    NONE = "none"            # no calls: the output is text
+    REQUIRED = "required"    # at least one call (enforced by a grammar)
+    NAMED = "named"          # a call of the function `name` (enforced by a grammar)
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolChoice:
+    """A chat request's tool_choice and parallel_tool_calls, checked against its tools."""
+    mode: ToolMode
+    name: str | None = None          # NAMED: the function
+    parallel: bool = True            # parallel_tool_calls: false keeps the first call only
+    explicit: bool = False           # tool_choice was sent (not defaulted)
+
+    @property
+    def parses_calls(self) -> bool:
+        return self.mode is not ToolMode.NONE
+
+
+def tool_choice_of(data: dict[str, Any]) -> ToolChoice:
+    """tool_choice as OpenAI defines it: "none" without tools, "auto" with them when absent; "required"
+    and a named function need tools (the name one of them). TODO(integrator): REQUIRED / NAMED are
+    parsed like AUTO here; the structural-tag grammar that enforces them attaches where this is read
+    (server/chat_output.py)."""
+    choice, tools = data.get("tool_choice"), _tools(data.get("tools")) or []
+    parallel = _flag(data, "parallel_tool_calls", True)
+    names = [t["function"]["name"] for t in tools]
+    if choice is None:
+        return ToolChoice(ToolMode.AUTO if tools else ToolMode.NONE, parallel=parallel)
+    if choice == "none":
+        return ToolChoice(ToolMode.NONE, parallel=parallel, explicit=True)
+    if choice in ("auto", "required"):
+        if choice == "required" and not tools:
+            raise InputError("'tool_choice' = \"required\" needs 'tools' (at least one function to call)")
+        mode = ToolMode.REQUIRED if choice == "required" else ToolMode.AUTO if tools else ToolMode.NONE
+        return ToolChoice(mode, parallel=parallel, explicit=True)
+    if isinstance(choice, dict):
+        fn = choice.get("function")
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if choice.get("type") != "function" or not isinstance(name, str):
+            raise InputError("'tool_choice' as an object must be {\"type\": \"function\", \"function\": {\"name\": "
+                             "...}}")
+        if name not in names:
+            raise InputError(f"'tool_choice' names the function {name!r}, which is not in 'tools' "
+                             f"({', '.join(map(repr, names)) or 'none sent'})")
+        return ToolChoice(ToolMode.NAMED, name, parallel, explicit=True)
     raise InputError(f"'tool_choice' must be \"none\", \"auto\", \"required\" or {{type: function, ...}}; "
                      f"got {choice!r}")
 

@@ -21,6 +21,7 @@ from hybrid_jax.errors import InputError
 from hybrid_jax.sampling import SamplingParams
 from hybrid_jax.server import fanout, protocol
 from hybrid_jax.server.admission import Refused, client_key
+from hybrid_jax.server.chat_output import ChatOutput, chat_output, keep_markers
 from hybrid_jax.server.plumbing import AdmittedStream, ApiError, Gone, Http, Shutdown, released
 from hybrid_jax.server.protocol import RequestOptions
 from hybrid_jax.server.responses import ChoiceAcc, Format, Prompt, chat_choice, completion_choice, usage
@@ -37,8 +38,9 @@ class PromptFn(Protocol):
 @dataclasses.dataclass(frozen=True)
 class Prepared:
     """A request's prompts, tokenized and checked, and each prompt's sampling parameters."""
-    prompts: list[Prompt]                 # as a response shows them (echo)
+    prompts: list[Prompt]                 # as a response shows them (echo); chat: the rendered prompt
     params: list[SamplingParams]          # per prompt (choice seeds: fanout.plan)
+    reading: ChatOutput | None = None     # chat: how the output is parsed (tool calls, reasoning)
 
     @property
     def prompt_tokens(self) -> int:
@@ -66,8 +68,10 @@ def _final_max_tokens(opts: RequestOptions, n_prompt: int, max_model_len: int, l
     return max(opts.max_tokens, 1)        # echo with max_tokens 0: generate 1, drop it (vLLM's way)
 
 
-def prepare(eng, data: dict, opts: RequestOptions, prompt_fn: PromptFn, limit: int) -> Prepared:
-    """On a worker thread: every prompt rendered, tokenized (once) and checked with its final params."""
+def prepare(eng, data: dict, opts: RequestOptions, prompt_fn: PromptFn, limit: int,
+            reading: ChatOutput | None = None) -> Prepared:
+    """On a worker thread: every prompt rendered, tokenized (once) and checked with its final params
+    (with `reading`, the markers its parser reads kept in the output text)."""
     first = protocol.sampling_params(data, opts, _first_max_tokens(data, opts))
     tok = eng.tokenizer
     if opts.chat:
@@ -82,7 +86,8 @@ def prepare(eng, data: dict, opts: RequestOptions, prompt_fn: PromptFn, limit: i
     max_model_len = eng.model_card()["max_model_len"]
     prompts, params = [], []
     for text, ids in raw:
-        sp = protocol.sampling_params(data, opts, _final_max_tokens(opts, len(ids), max_model_len, limit))
+        sp = keep_markers(protocol.sampling_params(data, opts, _final_max_tokens(opts, len(ids), max_model_len, limit)),
+                          reading)
         ids = eng.validate({"prompt_token_ids": ids, "prompt": text}, sp)    # ids given: not tokenized again
         if text is None:                  # (shown only by echo)
             text = tok.decode(ids) if tok is not None and opts.echo else ""
@@ -91,7 +96,7 @@ def prepare(eng, data: dict, opts: RequestOptions, prompt_fn: PromptFn, limit: i
     if len(prompts) * opts.n > protocol.MAX_SEQUENCES:
         raise InputError(f"{len(prompts)} prompt(s) x 'n' = {opts.n} is {len(prompts) * opts.n} sequences; this "
                          f"server takes at most {protocol.MAX_SEQUENCES} in one request")
-    return Prepared(prompts, params)
+    return Prepared(prompts, params, reading)
 
 
 class Completions:
@@ -112,7 +117,9 @@ class Completions:
             raise ApiError(404, f"the model {str(model)[:200]!r} does not exist; this server serves "
                            f"{cfg.model_name!r}", "not_found_error", param="model", code="model_not_found")
         opts = protocol.request_options(data, chat=chat, max_tokens_limit=cfg.max_tokens_limit)
-        prep = await state.workers.run(prepare, state.engine, data, opts, self.prompt_fn, cfg.max_tokens_limit)
+        reading = chat_output(state.family, data) if chat else None
+        prep = await state.workers.run(prepare, state.engine, data, opts, self.prompt_fn, cfg.max_tokens_limit,
+                                       reading)
         return opts, prep
 
     async def serve(self, request: Request, chat: bool):
@@ -152,7 +159,7 @@ class Completions:
         outputs = released(fanout.merged(gens), ticket)
         fmt = Format(eng.tokenizer, opts.logprobs, opts.tokens_as_ids, opts.echo, opts.echo and opts.max_tokens == 0,
                      opts.prompt_logprobs)
-        accs = [ChoiceAcc(c.index, prep.prompts[c.prompt_index]) for c in choices]
+        accs = [ChoiceAcc(c.index, prep.prompts[c.prompt_index], reading=prep.reading) for c in choices]
         head = StreamHead(rid, ("chat.completion" if chat else "text_completion"), int(time.time()),
                           state.config.model_name)
         if opts.stream:

@@ -109,8 +109,12 @@ FIELDS: tuple[Field, ...] = (
     Field("chat_template_kwargs", H | T, _S, "the chat template"),
     Field("add_generation_prompt", H | T, _S, "the chat template"),
     Field("continue_final_message", H | T, _S, "the chat template"),
-    Field("tools", H | T, _S, "the chat template"),
-    Field("tool_choice", H, _S, "the chat template (values checked there)"),
+    Field("tools", H | T, _S, "the chat template; with tool_choice auto, calls are parsed out of the output "
+          "in the model family's format (server/tool_parsers/)"),
+    Field("tool_choice", H, _S, "auto (default with tools): calls parsed into `message.tool_calls`; none: text "
+          "only; required / a named function: accepted (server/chat_messages.py)"),
+    Field("parallel_tool_calls", H, _S, "false: only the first parsed call is kept"),
+    Field("include_reasoning", H, _S, "false: the reasoning (`reasoning_content`) is dropped from the response"),
     Field("documents", H | T, _S, "the chat template"),
     Field("add_special_tokens", C | T, _S, "the prompt's tokenization (default true: the tokenizer's BOS); "
           "/tokenize with messages: as on chat"),
@@ -133,9 +137,7 @@ FIELDS: tuple[Field, ...] = (
     Field("kv_transfer_params", BOTH, _N, "no disaggregated serving"),
     Field("vllm_xargs", BOTH, _N, "no custom extensions"),
     Field("mm_processor_kwargs", H | T, _N, "this server serves text-only models"),
-    Field("include_reasoning", H, _N, "reasoning is not parsed out of the text (it stays in `content`)", (True,)),
     Field("reasoning_effort", H, _N, "send the model's own switch in chat_template_kwargs (e.g. enable_thinking)"),
-    Field("parallel_tool_calls", H, _N, "tool calls are not constrained", (True,)),
     Field("functions", H, _N, "deprecated by OpenAI: use tools"),
     Field("function_call", H, _N, "deprecated by OpenAI: use tool_choice"),
     Field("audio", H, _N, "this server serves text-only models"),

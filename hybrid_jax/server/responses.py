@@ -1,13 +1,17 @@
 """Response bodies of /v1/completions and /v1/chat/completions: each choice built from its engine
 outputs (`ChoiceAcc`), the log-probability blocks in OpenAI's two shapes (completions: the legacy
 `tokens` / `token_logprobs` / `top_logprobs` / `text_offset` lists; chat: `content[]` entries with
-token, logprob, bytes and top_logprobs), echo and usage."""
+token, logprob, bytes and top_logprobs), echo and usage. A chat choice with a parser (its tool calls and
+reasoning: server/chat_output.py) is built, whole or streamed, from the deltas that parser gave."""
 from __future__ import annotations
 
 import dataclasses
 from typing import Any
 
 from hybrid_jax.engine.request import EngineOutput
+from hybrid_jax.server import chat_output
+from hybrid_jax.server.chat_output import ChatOutput
+from hybrid_jax.server.tool_parsers import Delta, MessageStream, collect
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +48,14 @@ class ChoiceAcc:
     logprobs: list[dict] = dataclasses.field(default_factory=list)
     prompt_logprobs: list[dict | None] | None = None
     finish_reason: str | None = None
+    reading: ChatOutput | None = None        # chat: how the text is parsed (tool calls, reasoning)
+    stream: MessageStream | None = dataclasses.field(default=None, init=False)   # the parser's state
+    deltas: list[Delta] = dataclasses.field(default_factory=list, init=False)      # all the parser gave
+    new_deltas: list[Delta] = dataclasses.field(default_factory=list, init=False)  # what the last output added
+
+    def __post_init__(self):
+        if self.reading is not None:
+            self.stream = self.reading.parser.stream(self.prompt.text)
 
     def add(self, out: EngineOutput):
         if out.prompt_logprobs is not None:
@@ -52,6 +64,16 @@ class ChoiceAcc:
         self.token_ids += out.new_token_ids
         self.logprobs += out.new_logprobs
         self.finish_reason = out.finish_reason
+        if self.stream is not None:
+            self.new_deltas = self.stream.feed(out.new_text) + (self.stream.finish() if out.finished else [])
+            self.deltas += self.new_deltas
+
+    @property
+    def reported_finish(self) -> str | None:
+        """The finish_reason a response shows: "tool_calls" once calls were parsed."""
+        if self.finish_reason is not None and self.stream is not None and self.stream.made_calls:
+            return "tool_calls"
+        return self.finish_reason
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
@@ -132,8 +154,9 @@ def completion_choice(acc: ChoiceAcc, fmt: Format) -> dict:
 
 
 def chat_choice(acc: ChoiceAcc, fmt: Format) -> dict:
-    return {"index": acc.index, "message": {"role": "assistant", "content": acc.text},
-            "finish_reason": acc.finish_reason,
+    msg = {"role": "assistant", "content": acc.text} if acc.reading is None else \
+        chat_output.message(collect(acc.deltas), acc.reading)
+    return {"index": acc.index, "message": msg, "finish_reason": acc.reported_finish,
             "logprobs": chat_logprobs(fmt, acc.logprobs) if fmt.logprobs is not None else None}
 
 
@@ -152,7 +175,25 @@ def completion_delta(acc: ChoiceAcc, out: EngineOutput, fmt: Format, first: bool
     return {"index": acc.index, "text": text, "token_ids": ids, "finish_reason": out.finish_reason, "logprobs": block}
 
 
-def chat_delta(acc: ChoiceAcc, out: EngineOutput, fmt: Format, first: bool) -> dict:
-    delta = {"role": "assistant", "content": out.new_text} if first else {"content": out.new_text}
-    return {"index": acc.index, "delta": delta, "finish_reason": out.finish_reason,
-            "logprobs": chat_logprobs(fmt, out.new_logprobs) if fmt.logprobs is not None else None}
+def completion_deltas(acc: ChoiceAcc, out: EngineOutput, fmt: Format, first: bool) -> list[dict]:
+    return [completion_delta(acc, out, fmt, first)]
+
+
+def chat_delta(acc: ChoiceAcc, out: EngineOutput, fmt: Format, first: bool) -> list[dict]:
+    """The streamed chat choices for one output (`acc` already holds it): one, or with a parser one per
+    piece it gave (none while it holds text back); the role on a choice's first, the log-probabilities
+    on the output's first, the finish_reason on its last."""
+    lps = chat_logprobs(fmt, out.new_logprobs) if fmt.logprobs is not None else None
+    if acc.reading is None:
+        deltas = [{"content": out.new_text}]
+    else:
+        deltas = [d for x in acc.new_deltas if (d := chat_output.delta(x, acc.reading)) is not None]
+        if not deltas and (out.finish_reason is not None or lps is not None):
+            deltas = [{}]
+    entries = [{"index": acc.index, "delta": d, "finish_reason": None, "logprobs": None} for d in deltas]
+    if entries:
+        if first:
+            entries[0]["delta"] = {"role": "assistant", **entries[0]["delta"]}
+        entries[0]["logprobs"] = lps
+        entries[-1]["finish_reason"] = acc.reported_finish if out.finish_reason is not None else None
+    return entries

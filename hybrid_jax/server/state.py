@@ -7,6 +7,7 @@ import dataclasses
 
 from hybrid_jax.server.admission import Admission, AdmissionConfig
 from hybrid_jax.server.api_metrics import ApiMetrics
+from hybrid_jax.server.tool_parsers import family
 from hybrid_jax.server.workers import Workers
 
 
@@ -20,6 +21,9 @@ class ServerConfig:
     metrics_api_key: bool = False       # /metrics behind the API key too
     admission: AdmissionConfig = AdmissionConfig()   # bounds on waiting requests and tokens (server/admission.py)
     admission_workers: int | None = None  # threads that parse, template and tokenize (server/workers.py)
+    model_type: str | None = None       # the checkpoint's (config.json): picks its tool-call / reasoning formats
+    tool_call_parser: str | None = None  # --tool-call-parser: a format of server/tool_parsers/ ("none": off)
+    reasoning_parser: str | None = None  # --reasoning-parser
 
 
 class ServerState:
@@ -27,6 +31,8 @@ class ServerState:
 
     def __init__(self, config: ServerConfig):
         self.config = config
+        # the served family's output formats (server/tool_parsers/); a bad parser name fails here, at startup
+        self.family = family(config.model_type, config.tool_call_parser, config.reasoning_parser)
         self.engine = None           # server/supervisor.EngineSupervisor (over the engine thread or core process)
         self.metrics = ApiMetrics()  # what this process counts itself (errors, restarts)
         self.admission = Admission(config.admission, self.metrics.registry)   # 429 past the waiting bounds

@@ -1,5 +1,6 @@
 """The SSE body of a streamed completion: one chunk per engine output of any choice (interleaved,
-each with its choice index), then, with `stream_options.include_usage`, a last chunk with
+each with its choice index; a chat choice's parser may make an output several chunks, or none while
+it holds back text that may begin a marker), then, with `stream_options.include_usage`, a last chunk with
 `choices: []` and the usage (every chunk before it carries `"usage": null`, or the usage so far with
 `continuous_usage_stats`), then `[DONE]`. A failure ends the stream with an error event and `[DONE]`."""
 from __future__ import annotations
@@ -12,7 +13,7 @@ from hybrid_jax.engine.async_engine import EngineRequestError, EngineUnavailable
 from hybrid_jax.errors import InputError
 from hybrid_jax.server.plumbing import Http, Shutdown, error_body
 from hybrid_jax.server.protocol import StreamOptions
-from hybrid_jax.server.responses import ChoiceAcc, Format, chat_delta, completion_delta, usage
+from hybrid_jax.server.responses import ChoiceAcc, Format, chat_delta, completion_deltas, usage
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,17 +41,18 @@ async def events(http: Http, head: StreamHead, outputs, accs: list[ChoiceAcc], f
                  options: StreamOptions, prompt_tokens: int) -> AsyncIterator[str]:
     """`outputs` yields (choice position, EngineOutput); `accs` the choices in that order."""
     first = [True] * len(accs)
-    delta = chat_delta if chat else completion_delta
+    deltas = chat_delta if chat else completion_deltas
     metrics = http.state.metrics
     try:
         async for i, out in http.guarded(outputs, None):
             acc = accs[i]
             acc.add(out)
-            chunk = head.chunk([delta(acc, out, fmt, first[i])])
-            first[i] = False
-            if options.include_usage:
-                chunk["usage"] = _usage_now(accs, prompt_tokens, fmt) if options.continuous_usage_stats else None
-            yield sse(chunk)
+            for entry in deltas(acc, out, fmt, first[i]):      # (a parser holding text back gives none)
+                first[i] = False
+                chunk = head.chunk([entry])
+                if options.include_usage:
+                    chunk["usage"] = _usage_now(accs, prompt_tokens, fmt) if options.continuous_usage_stats else None
+                yield sse(chunk)
         if options.include_usage:
             yield sse({**head.chunk([]), "usage": _usage_now(accs, prompt_tokens, fmt)})
     except Shutdown:

@@ -34,3 +34,26 @@ def test_multibyte_character_is_held_until_complete():
     b = "✓".encode("utf-8")                                # three bytes
     assert d.add([b[0]]) == "" and d.add([b[1]]) == ""
     assert d.add([b[2]]) == "✓"
+
+
+def test_special_tokens_named_by_the_request_stay_in_the_text(tmp_path):
+    """Kimi's tool-call markers are special tokens: skipped like any other, unless the request's
+    `keep_special_tokens` names them (the chat endpoint's parser does); the others stay skipped."""
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers  # noqa: PLC0415
+
+    from hybrid_jax.tokenizer import HFTokenizer  # noqa: PLC0415
+    tok = Tokenizer(models.WordLevel({"[UNK]": 0, "call": 1, "x": 2}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens([AddedToken("<|tool_call_begin|>", special=True), AddedToken("<|im_end|>", special=True)])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    hf = HFTokenizer(str(tmp_path))
+    ids = hf.encode("call <|tool_call_begin|> x <|im_end|>", add_bos=False)
+    assert len(ids) == 4 and hf.decode(ids) == "call x"
+    plain, kept = IncrementalDetokenizer(hf), IncrementalDetokenizer(hf, ("<|tool_call_begin|>",))
+    for t in ids:
+        plain.add([t])
+        kept.add([t])
+    plain.finish(), kept.finish()
+    assert "<|tool_call_begin|>" not in plain.text
+    assert "<|tool_call_begin|>" in kept.text and "<|im_end|>" not in kept.text
+    assert kept.text.replace("<|tool_call_begin|>", "").split() == ["call", "x"]
