@@ -116,9 +116,8 @@ class ToolChoice:
 
 def tool_choice_of(data: dict[str, Any]) -> ToolChoice:
     """tool_choice as OpenAI defines it: "none" without tools, "auto" with them when absent; "required"
-    and a named function need tools (the name one of them). TODO(integrator): REQUIRED / NAMED are
-    parsed like AUTO here; the structural-tag grammar that enforces them attaches where this is read
-    (server/chat_output.py)."""
+    and a named function need tools (the name one of them). REQUIRED / NAMED are enforced by the family's
+    tool-call grammar (server/chat_output.py, structured/tool_grammars.py) and parsed like AUTO."""
     choice, tools = data.get("tool_choice"), _tools(data.get("tools")) or []
     parallel = _flag(data, "parallel_tool_calls", True)
     names = [t["function"]["name"] for t in tools]

@@ -11,17 +11,23 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from hybrid_jax.errors import InputError
 from hybrid_jax.sampling import SamplingParams
-from hybrid_jax.server.chat_messages import tool_choice_of
+from hybrid_jax.server.chat_messages import ToolMode, tool_choice_of
 from hybrid_jax.server.protocol import typed
+from hybrid_jax.structured.params import StructuredOutputsParams
+from hybrid_jax.structured.tool_grammars import tool_call_grammar
 from hybrid_jax.server.tool_parsers import Delta, Family, MessageParser, ParsedMessage, needs_tool_format, schemas_of
 
 
 @dataclasses.dataclass(frozen=True)
 class ChatOutput:
-    """One chat request's output reading: its parser, and whether reasoning is shown."""
+    """One chat request's output reading: its parser, whether reasoning is shown, and for tool_choice
+    "required" or a named function the grammar that makes the model call (structured/tool_grammars.py,
+    in the family's format: the parser reads what it allows)."""
     parser: MessageParser
     include_reasoning: bool = True
+    calls: StructuredOutputsParams | None = None
 
 
 def chat_output(fam: Family, data: dict[str, Any]) -> ChatOutput | None:
@@ -29,20 +35,34 @@ def chat_output(fam: Family, data: dict[str, Any]) -> ChatOutput | None:
     choice = tool_choice_of(data)
     if choice.parses_calls and choice.explicit:
         needs_tool_format(fam)
-    # TODO(integrator): for ToolMode.REQUIRED / NAMED, attach the family's structural tag
-    # (xgrammar.get_model_structural_tag) here; the parser below reads what that grammar allows.
     tool = fam.tool_format if choice.parses_calls else None
     if tool is None and fam.reasoning is None:
         return None
+    calls = None
+    if choice.mode in (ToolMode.REQUIRED, ToolMode.NAMED):      # enforced by the mask, not hoped for
+        calls = tool_call_grammar(tool.name, data.get("tools") or [], choice.name, choice.parallel)
     include = bool(typed(data, "include_reasoning", (bool,), True))
-    return ChatOutput(MessageParser(tool, fam.reasoning, schemas_of(data.get("tools")), choice.parallel), include)
+    return ChatOutput(MessageParser(tool, fam.reasoning, schemas_of(data.get("tools")), choice.parallel), include,
+                      calls)
 
 
-def keep_markers(params: SamplingParams, out: ChatOutput | None) -> SamplingParams:
-    """The params with the parser's markers kept in the output text."""
+def read_with(params: SamplingParams, out: ChatOutput | None, prompt: str | None) -> SamplingParams:
+    """The params as the reading needs them: the parser's markers kept in the output text; the tool-call
+    grammar as the structured output (tool_choice required / named; with response_format too: a 400); a
+    structured output applying after the reasoning where the prompt opened it (the answer is held to the
+    grammar, the thinking is not)."""
     if out is None:
         return params
-    return dataclasses.replace(params, keep_special_tokens=tuple(out.parser.markers))
+    so = params.structured_outputs
+    if out.calls is not None:
+        if so is not None:
+            raise InputError("'tool_choice' required / a named function and a structured output (response_format, "
+                             "structured_outputs, guided_*) both constrain the answer: send one")
+        so = out.calls
+    reasoning = out.parser.reasoning
+    if so is not None and reasoning is not None and prompt is not None and reasoning.starts_inside(prompt):
+        so = dataclasses.replace(so, after=reasoning.end)
+    return dataclasses.replace(params, keep_special_tokens=tuple(out.parser.markers), structured_outputs=so)
 
 
 def message(parsed: ParsedMessage, out: ChatOutput) -> dict:

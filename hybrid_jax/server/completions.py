@@ -21,7 +21,7 @@ from hybrid_jax.errors import InputError
 from hybrid_jax.sampling import SamplingParams
 from hybrid_jax.server import fanout, protocol
 from hybrid_jax.server.admission import Refused, client_key
-from hybrid_jax.server.chat_output import ChatOutput, chat_output, keep_markers
+from hybrid_jax.server.chat_output import ChatOutput, chat_output, read_with
 from hybrid_jax.server.plumbing import AdmittedStream, ApiError, Gone, Http, Shutdown, released
 from hybrid_jax.server.protocol import RequestOptions
 from hybrid_jax.server.responses import ChoiceAcc, Format, Prompt, chat_choice, completion_choice, usage
@@ -86,8 +86,8 @@ def prepare(eng, data: dict, opts: RequestOptions, prompt_fn: PromptFn, limit: i
     max_model_len = eng.model_card()["max_model_len"]
     prompts, params = [], []
     for text, ids in raw:
-        sp = keep_markers(protocol.sampling_params(data, opts, _final_max_tokens(opts, len(ids), max_model_len, limit)),
-                          reading)
+        sp = read_with(protocol.sampling_params(data, opts, _final_max_tokens(opts, len(ids), max_model_len, limit)),
+                       reading, text)
         ids = eng.validate({"prompt_token_ids": ids, "prompt": text}, sp)    # ids given: not tokenized again
         if text is None:                  # (shown only by echo)
             text = tok.decode(ids) if tok is not None and opts.echo else ""

@@ -15,6 +15,9 @@ from typing import Any
 from hybrid_jax.errors import InputError
 
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
+# JSON as Python's json.dumps and the chat templates' tojson write it: ", " and ": ", no other whitespace
+# (no run of blanks a model could loop in); a request's whitespace_pattern replaces it
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 MAX_GRAMMAR_CHARS = 1 << 20     # a grammar's text (a schema, a regex, the choices, a Lark grammar)
 
 
@@ -24,7 +27,7 @@ class StructuredOutputsParams:
     output matches), choice (a list of strings: the output is one of them), grammar (a Lark grammar in
     llguidance's dialect, or a GBNF / EBNF one as llama.cpp and vLLM's xgrammar write them:
     `root ::= ...`), json_object (True: any JSON object). whitespace_pattern: a regex for the whitespace
-    JSON may hold between its tokens (default: none beyond one space after `,` and `:`). after: text
+    JSON may hold between its tokens (default: JSON_LAYOUT, one space after `,` and `:`). after: text
     (its tokens) the output must hold before the grammar applies: the end of a reasoning model's
     thinking, which the grammar does not hold (the server sets it where the prompt opened thinking)."""
     json: Any = None
@@ -88,12 +91,12 @@ def _schema_text(schema: Any, what: str) -> str:
         schema = {} if schema else {"not": {}}
     if not isinstance(schema, dict):
         raise InputError(f"{what} must be a JSON schema (an object); got {type(schema).__name__}")
-    return json.dumps(schema, sort_keys=True, ensure_ascii=False)
+    return json.dumps(schema, ensure_ascii=False)       # (key order kept: the output follows it)
 
 
 def _json_options(p: StructuredOutputsParams) -> dict:
-    if p.whitespace_pattern is None:      # compact: no run of whitespace a model could loop in
-        return {"whitespace_flexible": False}
+    if p.whitespace_pattern is None:
+        return dict(JSON_LAYOUT)
     if not isinstance(p.whitespace_pattern, str):
         raise InputError("whitespace_pattern must be a string (a regular expression)")
     return {"whitespace_pattern": p.whitespace_pattern}
@@ -105,7 +108,7 @@ def lark_json(schema_text: str, options: dict | None = None) -> str:
     schema = json.loads(schema_text)
     if options and isinstance(schema, dict):
         schema = {**schema, "x-guidance": {**schema.get("x-guidance", {}), **options}}
-    return "start: %json " + json.dumps(schema, sort_keys=True, ensure_ascii=False)
+    return "start: %json " + json.dumps(schema, ensure_ascii=False)
 
 
 def lark_string(s: str) -> str:

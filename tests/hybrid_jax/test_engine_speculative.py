@@ -69,7 +69,8 @@ def test_engine_ngram_request_is_warm_started_from_its_prompt_tail():
 
     from hybrid_jax.engine.speculate import EngineSpeculator  # noqa: PLC0415
     walk = np.random.default_rng(0).permutation(200)[:40].tolist()
-    q = SimpleNamespace(request_id="quote", all_ids=walk + walk[:20], remaining_tokens=50, params=SamplingParams())
+    q = SimpleNamespace(request_id="quote", all_ids=walk + walk[:20], remaining_tokens=50, params=SamplingParams(),
+                        grammar=None, masked=False)
     sp = EngineSpeculator({"method": "ngram", "num_speculative_tokens": 8}, target_vocab=211, groups={})
     drafts, shadows = sp.plan([q])
     assert drafts[0].tolist() == walk[20:28] == shadows[0].tolist()

@@ -34,13 +34,13 @@ def served():
     llm = LLM()
     engine = LLMEngine(llm, EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=512,
                                          compilation_cache_dir=None, warmup="none"))
-    state = ServerState(ServerConfig(model_name="default", api_key=KEY, max_tokens_limit=300))
+    state = ServerState(ServerConfig(model_name="default", api_key=KEY, max_tokens_limit=300, model_type="qwen3_next"))
     ae = AsyncEngine(engine)
     ae.start()
     state.engine = EngineSupervisor(ae, state.metrics)
     app = build_app(state)
     with TestClient(app, headers=H) as c:
-        yield c, app
+        yield c, app, state
     state.engine.shutdown()
 
 
@@ -57,7 +57,7 @@ def _stream_text(c, path, body, key):
 
 def test_the_official_client_gets_json_that_validates(served):
     import openai  # noqa: PLC0415
-    _, app = served
+    _, app, _ = served
 
     async def main():
         client = openai.AsyncOpenAI(base_url="http://test/v1", api_key=KEY, max_retries=0, http_client=httpx.AsyncClient(
@@ -83,7 +83,7 @@ def test_the_official_client_gets_json_that_validates(served):
     ({"structured_outputs": {"grammar": 'root ::= "amen" | "selah"'}}, lambda t: t in ("amen", "selah")),
 ])
 def test_every_spelling_streamed_and_not_gives_the_same_output(served, fields, check):
-    c, _ = served
+    c, _, _ = served
     for path, body, key in (("/v1/chat/completions", {"messages": MSGS}, "chat"),
                             ("/v1/completions", {"prompt": "And Moses said,"}, "text")):
         body = {**body, **fields, "max_tokens": 200, "temperature": 0}
@@ -106,8 +106,60 @@ def test_every_spelling_streamed_and_not_gives_the_same_output(served, fields, c
     ({"guided_choice": ["a"], "guided_decoding_backend": "outlines"}, "guided_decoding_backend"),
 ])
 def test_malformed_structured_requests_are_400_and_the_server_keeps_serving(served, fields, needle):
-    c, _ = served
+    c, _, _ = served
     r = c.post("/v1/chat/completions", json={"messages": MSGS, "max_tokens": 5, **fields})
     assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
     r = c.post("/v1/chat/completions", json={"messages": MSGS, "max_tokens": 5, "guided_choice": ["amen"]})
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "amen"
+
+
+TOOLS = [{"type": "function", "function": {"name": "find_verse", "parameters": {
+    "type": "object", "properties": {"book": {"enum": ["Genesis", "Exodus"]},
+                                     "chapter": {"type": "integer", "minimum": 1, "maximum": 50},
+                                     "words": {"type": "string", "maxLength": 20}},
+    "required": ["book", "chapter", "words"], "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "count", "parameters": {
+        "type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+        "required": ["n"], "additionalProperties": False}}}]
+
+
+@pytest.mark.parametrize("fmt", ["hermes", "qwen3_coder", "deepseek_v32", "deepseek_v4"])
+def test_tool_choice_required_and_named_give_calls_that_validate(served, fmt):
+    """The default model (which never saw a tool call) at temperature 0.8, in each family's format (the
+    served family's tool-call format overridden as `--tool-call-parser` does): tool_choice "required"
+    and a named function give parsed calls whose arguments validate, every choice; streamed and whole
+    give the same calls."""
+    from hybrid_jax.server.tool_parsers import family  # noqa: PLC0415
+    c, _, state = served
+    state.family = family("qwen3_next", fmt)
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    for choice in ("required", {"type": "function", "function": {"name": "count"}}):
+        body = {"messages": MSGS, "tools": TOOLS, "tool_choice": choice, "max_tokens": 250, "temperature": 0.8,
+                "seed": 3, "n": 3, "parallel_tool_calls": False}
+        r = c.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        for ch in r.json()["choices"]:
+            calls = ch["message"].get("tool_calls")
+            assert ch["finish_reason"] == "tool_calls" and len(calls) == 1, ch
+            fn = calls[0]["function"]
+            assert isinstance(choice, str) or fn["name"] == "count"
+            jsonschema.validate(json.loads(fn["arguments"]), schemas[fn["name"]])
+        whole = r.json()["choices"][0]["message"]["tool_calls"][0]["function"]
+        streamed = {"name": None, "arguments": ""}
+        with c.stream("POST", "/v1/chat/completions", json={**body, "n": 1, "stream": True}) as s:
+            for line in s.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    for ch in json.loads(line[6:])["choices"]:
+                        for tc in ch["delta"].get("tool_calls") or []:
+                            streamed["name"] = tc["function"].get("name") or streamed["name"]
+                            streamed["arguments"] += tc["function"].get("arguments") or ""
+        assert streamed == whole
+
+
+def test_tool_choice_required_beside_a_response_format_is_a_400(served):
+    c, _, state = served
+    from hybrid_jax.server.tool_parsers import family  # noqa: PLC0415
+    state.family = family("qwen3_next")
+    r = c.post("/v1/chat/completions", json={"messages": MSGS, "tools": TOOLS, "tool_choice": "required",
+                                             "response_format": {"type": "json_object"}, "max_tokens": 5})
+    assert r.status_code == 400 and "both constrain" in r.json()["error"]["message"]

@@ -1,8 +1,9 @@
 """The tool-call parsers (server/tool_parsers/): each family's hand-written outputs parse to the
 calls they hold; streaming gives the same final message at every split of the text (1-char deltas,
 random chunks, every cut inside a marker: the splits that broke vLLM's parsers, vLLM #40861 and
-#39056); and every string xgrammar's structural tag for the family accepts (the grammar that will
-enforce tool_choice "required" / named) parses into calls whose arguments validate."""
+#39056); and what the family's tool-call grammar allows (structured/tool_grammars.py, which enforces
+tool_choice "required" / named) parses back into the calls, arguments valid for their tools: the
+family's own layout, random awkward arguments, a blank inserted anywhere it allows one."""
 from __future__ import annotations
 
 import json
@@ -141,51 +142,11 @@ def test_families_defaults_and_overrides():
         family("qwen3_next", "nope")
 
 
-# --- what xgrammar's structural tags allow (the grammars tool_choice "required" / named will apply) --------
+# --- what the tool-call grammars allow (tool_choice "required" / named: structured/tool_grammars.py) -------
 
-def test_each_format_names_its_structural_tag():
-    """(The integrator builds the grammar of tool_choice required / named from this name.)"""
-    assert {f: TOOL_FORMATS[f].structural_tag for f in TOOL_FORMATS} == {
-        "hermes": "qwen_3", "qwen3_coder": "qwen_3_5", "deepseek_v32": "deepseek_v3_2", "deepseek_v4": "deepseek_v4",
-        "kimi_k2": "kimi"}
-
-
-def _dsml(section, calls, lead="\n\n"):
-    inner = "".join(f"<{DS}invoke name=\"{n}\">\n" + "".join(
-        f"<{DS}parameter name=\"{k}\" string=\"{'true' if isinstance(v, str) else 'false'}\">"
-        f"{v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)}</{DS}parameter>\n" for k, v in a.items())
-        + f"</{DS}invoke>\n" for n, a in calls)
-    return f"{lead}<{DS}{section}>\n{inner}</{DS}{section}>"
-
-
+FORMATS = sorted(TOOL_FORMATS)
 CALLS = [("get_weather", {"city": "Zürich", "days": 2}), ("search", {"query": "a < b", "filters": {"k": [1]}})]
-# per format: strings as the model writes them, and variants the grammar's whitespace rules also allow
-GRAMMAR_STRINGS = {
-    "hermes": [
-        "".join(f"<tool_call>\n{{\"name\": \"{n}\", \"arguments\": {json.dumps(a, ensure_ascii=False)}}}\n</tool_call>"
-                for n, a in CALLS),
-        "Text first.<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\":\"Zürich\",\n  \"days\" : 2}}\n"
-        "</tool_call>\n<tool_call>\n{\"name\": \"search\", \"arguments\": {\"query\": \"a < b\",\"filters\":{\"k\":[1]}}}"
-        "\n</tool_call>"],
-    "qwen3_coder": [
-        "".join(f"<tool_call>\n<function={n}>\n" + "".join(
-            f"<parameter={k}>\n{v if isinstance(v, str) else json.dumps(v)}\n</parameter>\n" for k, v in a.items())
-            + "</function>\n</tool_call>" for n, a in CALLS),
-        "<tool_call>\n<function=get_weather>\n<parameter=city>\nZürich\n</parameter><parameter=days> 2 </parameter>"
-        "\n</function>\n</tool_call>\n\n<tool_call>\n<function=search>\n<parameter=query>\na < b\n</parameter>\n"
-        "<parameter=filters>\n{\"k\": [1]}\n</parameter>\n</function>\n</tool_call>"],
-    "deepseek_v32": [_dsml("function_calls", CALLS), _dsml("function_calls", CALLS, "")],
-    "deepseek_v4": [_dsml("tool_calls", CALLS)],
-    "kimi_k2": [
-        "<|tool_calls_section_begin|>" + "".join(
-            f"<|tool_call_begin|>functions.{n}:{i}<|tool_call_argument_begin|>{json.dumps(a, ensure_ascii=False)}"
-            "<|tool_call_end|>" for i, (n, a) in enumerate(CALLS)) + "<|tool_calls_section_end|>",
-        "I will call.<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:12<|tool_call_argument_begin|>"
-        "{\"city\":\"Zürich\",\"days\":2}<|tool_call_end|><|tool_call_begin|>functions.search:13"
-        "<|tool_call_argument_begin|>{ \"query\" : \"a < b\" , \"filters\" : {\"k\": [1]} }<|tool_call_end|>"
-        "<|tool_calls_section_end|>"],
-}
-XG_TOOLS = [
+GRAMMAR_TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "parameters": {
         "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
         "required": ["city", "days"]}}},
@@ -193,46 +154,129 @@ XG_TOOLS = [
         "type": "object", "properties": {"query": {"type": "string"}, "filters": {"type": "object"}},
         "required": ["query"]}}},
 ]
+KIMI_SPECIALS = ["<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
+                 "<|tool_call_argument_begin|>", "<|tool_call_end|>"]
 
 
-def _accepts(fmt: str, text: str, choice: str, reasoning: str) -> bool:
-    xgrammar = pytest.importorskip("xgrammar")
-    from xgrammar.testing import _is_grammar_accept_string  # noqa: PLC0415
-    tag = xgrammar.get_model_structural_tag(TOOL_FORMATS[fmt].structural_tag, tools=XG_TOOLS, tool_choice=choice,
-                                            reasoning=reasoning)
-    return _is_grammar_accept_string(xgrammar.Grammar.from_structural_tag(tag), text)
+def _dsml(section, calls):
+    inner = "".join(f"<{DS}invoke name=\"{n}\">\n" + "".join(
+        f"<{DS}parameter name=\"{k}\" string=\"{'true' if isinstance(v, str) else 'false'}\">"
+        f"{v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)}</{DS}parameter>\n" for k, v in a.items())
+        + f"</{DS}invoke>\n" for n, a in calls)
+    return f"<{DS}{section}>\n{inner}</{DS}{section}>"
 
 
-@pytest.mark.parametrize("fmt", sorted(GRAMMAR_STRINGS))
-def test_what_the_structural_tag_accepts_parses(fmt):
-    p = parser(fmt, tools=XG_TOOLS)
-    for text in GRAMMAR_STRINGS[fmt]:
-        # "required" writes the block first (DSML after "\n\n"); text before it needs "auto"
-        choice = "required" if text.startswith("\n\n<" if fmt.startswith("deepseek") else "<") else "auto"
-        assert _accepts(fmt, text, choice, "disabled"), text
-        msg = p.parse(text)
-        assert [(c.name, json.loads(c.arguments)) for c in msg.tool_calls] == CALLS, text
-        for c in msg.tool_calls:
-            schema = next(t["function"]["parameters"] for t in XG_TOOLS if t["function"]["name"] == c.name)
-            jsonschema.validate(json.loads(c.arguments), schema)
-        # with reasoning on, the grammar starts inside the block the prompt opened
-        thinking = "Reason < first.\n</think>" + ("\n\n" if fmt in ("hermes", "qwen3_coder") else "") + text
-        assert _accepts(fmt, thinking, choice, "enabled"), thinking
-        think_msg = p.parse(thinking, prompt="<think>\n")
-        assert think_msg.reasoning == "Reason < first." and same(p.parse(text), think_msg.__class__(
-            think_msg.content, think_msg.tool_calls, None))
+def _written(fmt, calls):
+    """The calls as each family's template / encoder writes them (JSON as tojson: ", " and ": ")."""
+    if fmt == "hermes":
+        return "\n".join(f"<tool_call>\n{{\"name\": \"{n}\", \"arguments\": {json.dumps(a, ensure_ascii=False)}}}\n"
+                         "</tool_call>" for n, a in calls)
+    if fmt == "qwen3_coder":
+        return "\n".join(f"<tool_call>\n<function={n}>\n" + "".join(
+            f"<parameter={k}>\n{v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)}\n</parameter>\n"
+            for k, v in a.items())
+            + "</function>\n</tool_call>" for n, a in calls)
+    if fmt.startswith("deepseek"):
+        return _dsml("function_calls" if fmt == "deepseek_v32" else "tool_calls", calls)
+    return "<|tool_calls_section_begin|>" + "".join(
+        f"<|tool_call_begin|>functions.{n}:{i}<|tool_call_argument_begin|>{json.dumps(a, ensure_ascii=False)}"
+        "<|tool_call_end|>" for i, (n, a) in enumerate(calls)) + "<|tool_calls_section_end|>"
 
 
-@pytest.mark.parametrize("fmt", sorted(GRAMMAR_STRINGS))
-def test_fixtures_are_what_the_structural_tag_accepts(fmt):
-    """The hand-written fixtures are in the shape the family's grammar allows: the first with calls
-    (and no reasoning) is accepted by its tag, with the fixtures' own tools."""
-    case = next(c for c in CASES if c.format == fmt and c.calls and not c.reasoning)
-    xgrammar = pytest.importorskip("xgrammar")
-    from xgrammar.testing import _is_grammar_accept_string  # noqa: PLC0415
-    tag = xgrammar.get_model_structural_tag(TOOL_FORMATS[fmt].structural_tag, tools=TOOLS, tool_choice="auto",
-                                            reasoning="disabled")
-    assert _is_grammar_accept_string(xgrammar.Grammar.from_structural_tag(tag), case.text)
+class _Bytes:
+    """A byte vocabulary with Kimi's markers as special tokens, for llguidance's matcher."""
+    eos_token_id, bos_token_id = 256, None
+    tokens = [bytes([i]) for i in range(256)] + [b""] + [m.encode() for m in KIMI_SPECIALS]
+    special_token_ids = list(range(256, 257 + len(KIMI_SPECIALS)))
+
+    def __call__(self, s):
+        return list(s.encode() if isinstance(s, str) else s)
+
+    @staticmethod
+    def ids(text):
+        out, i = [], 0
+        while i < len(text):
+            m = next((j for j, k in enumerate(KIMI_SPECIALS) if text.startswith(k, i)), None)
+            if m is None:
+                out += list(text[i].encode())
+                i += 1
+            else:
+                out.append(257 + m)
+                i += len(KIMI_SPECIALS[m])
+        return out
+
+
+def _matcher(fmt, name=None, parallel=True, tools=GRAMMAR_TOOLS):
+    import llguidance  # noqa: PLC0415
+
+    from hybrid_jax.structured.tool_grammars import tool_call_grammar  # noqa: PLC0415
+    tok = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_Bytes()), n_vocab=len(_Bytes.tokens))
+    m = llguidance.LLMatcher(tok, tool_call_grammar(fmt, tools, name, parallel).grammar_text, log_level=0)
+    assert not m.is_error(), m.get_error()
+    return m
+
+
+def _accepts(fmt, text, name=None, parallel=True, tools=GRAMMAR_TOOLS) -> bool:
+    m, ids = _matcher(fmt, name, parallel, tools), _Bytes.ids(text)
+    return m.try_consume_tokens(ids) == len(ids) and m.is_accepting()
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_the_required_grammar_allows_the_familys_calls_and_they_parse(fmt):
+    p = parser(fmt, tools=GRAMMAR_TOOLS)
+    text = _written(fmt, CALLS)
+    assert _accepts(fmt, text), text
+    msg = p.parse(text)
+    assert [(c.name, json.loads(c.arguments)) for c in msg.tool_calls] == CALLS and not msg.content
+    # one call: parallel_tool_calls false allows it, not two; a named choice only its function
+    one = _written(fmt, CALLS[:1])
+    assert _accepts(fmt, one, parallel=False) and not _accepts(fmt, text, parallel=False)
+    assert _accepts(fmt, one, name="get_weather") and not _accepts(fmt, _written(fmt, CALLS[1:]), name="get_weather")
+    # text before the calls, a call of a tool the request does not have, arguments against the schema
+    assert not _accepts(fmt, "Sure. " + text)
+    assert not _accepts(fmt, _written(fmt, [("delete_all", {"city": "x", "days": 1})]))
+    assert not _accepts(fmt, _written(fmt, [("get_weather", {"city": "x", "days": "two"})]))
+
+
+ALPHABET = list("abc xyz019") + ["<", ">", "\"", "\\", "\n", "ü", "{", "}", "[", "]", ":", ",", "</", "</b>", "é€"]
+
+
+def _random_arguments(rng) -> list[tuple[str, dict]]:
+    """One or two calls with random arguments valid for GRAMMAR_TOOLS: strings of awkward characters
+    (quotes, backslashes, newlines, `<`, `</`, non-ASCII; never a closing tag of the formats, which
+    they cannot hold), integers, nested objects."""
+    def text():
+        return "".join(rng.choice(ALPHABET) for _ in range(int(rng.integers(0, 12)))).strip()
+    calls = []
+    for _ in range(int(rng.integers(1, 3))):
+        if rng.random() < 0.5:
+            calls.append(("get_weather", {"city": text() or "x", "days": int(rng.integers(-5, 400))}))
+        else:
+            args = {"query": text() or "q"}
+            if rng.random() < 0.6:
+                args["filters"] = {text() or "k": [int(rng.integers(0, 9)), text()], "n": {"deep": None}}
+            calls.append(("search", args))
+    return calls
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_random_calls_the_grammar_allows_parse_back_to_themselves(fmt):
+    """Random calls (awkward strings, nested objects), written as the family writes them: the required
+    grammar allows each and the parser gives back the same calls, arguments valid for their tools."""
+    import numpy as np  # noqa: PLC0415
+    rng = np.random.default_rng(0)
+    p = parser(fmt, tools=GRAMMAR_TOOLS)
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in GRAMMAR_TOOLS}
+    for _ in range(30):
+        calls = _random_arguments(rng)
+        text = _written(fmt, calls)
+        assert _accepts(fmt, text), text
+        got = [(c.name, json.loads(c.arguments)) for c in p.parse(text).tool_calls]
+        if fmt == "qwen3_coder":         # (a raw value loses one leading and one trailing newline)
+            calls = [(n, {k: v.strip("\n") if isinstance(v, str) else v for k, v in a.items()}) for n, a in calls]
+        assert got == calls, text
+        for name, args in got:
+            jsonschema.validate(args, schemas[name])
 
 
 # --- a follow-up turn: the calls sent back render as the family writes them ----------------------------
@@ -279,40 +323,19 @@ def test_a_follow_up_turn_renders_the_calls_in_the_familys_format(fmt):
     assert answer in text and "nothing new" in text
 
 
-# the text that starts a block for the grammar (xgrammar's trigger): a blank inside it makes the block free
-# text for the grammar, which is not what this test is about
-TRIGGERS = {"hermes": "<tool_call>", "qwen3_coder": "<tool_call>\n<function=", "deepseek_v32": f"<{DS}function_calls>",
-            "deepseek_v4": f"<{DS}tool_calls>", "kimi_k2": "<|tool_calls_section_begin|>"}
-
-
-@pytest.mark.parametrize("fmt", sorted(GRAMMAR_STRINGS))
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_every_blank_the_grammar_allows_still_parses(fmt):
-    """A blank (" " or "\n") inserted at every position of a call string (outside the block's trigger):
-    each variant the family's "required" grammar accepts (a matcher over a byte vocabulary) parses into
-    both calls, with arguments valid for their tools."""
-    xgrammar = pytest.importorskip("xgrammar")
-    info = xgrammar.TokenizerInfo([bytes([i]) for i in range(256)], vocab_type=xgrammar.VocabType.RAW,
-                                  stop_token_ids=[])
-    tag = xgrammar.get_model_structural_tag(TOOL_FORMATS[fmt].structural_tag, tools=XG_TOOLS,
-                                            tool_choice="required", reasoning="disabled")
-    grammar = xgrammar.GrammarCompiler(info).compile_structural_tag(tag)
-    p = parser(fmt, tools=XG_TOOLS)
-    text, accepted = GRAMMAR_STRINGS[fmt][0], 0
-    inside = set()
-    at = text.find(TRIGGERS[fmt])
-    while at >= 0:
-        inside.update(range(at + 1, at + len(TRIGGERS[fmt])))
-        at = text.find(TRIGGERS[fmt], at + 1)
-    for i in sorted(set(range(len(text) + 1)) - inside):
+    """A blank (" " or "\n") inserted at every position of the family's calls: each variant the
+    "required" grammar accepts parses into both calls, with arguments valid for their tools."""
+    p = parser(fmt, tools=GRAMMAR_TOOLS)
+    text = _written(fmt, CALLS)
+    for i in range(len(text) + 1):
         for blank in (" ", "\n"):
             variant = text[:i] + blank + text[i:]
-            m = xgrammar.GrammarMatcher(grammar, terminate_without_stop_token=True)
-            if not (m.accept_string(variant) and m.is_terminated()):
+            if not _accepts(fmt, variant):
                 continue
-            accepted += 1
             msg = p.parse(variant)
             assert [c.name for c in msg.tool_calls] == [n for n, _ in CALLS], variant
             for c in msg.tool_calls:
-                schema = next(t["function"]["parameters"] for t in XG_TOOLS if t["function"]["name"] == c.name)
+                schema = next(t["function"]["parameters"] for t in GRAMMAR_TOOLS if t["function"]["name"] == c.name)
                 jsonschema.validate(json.loads(c.arguments), schema)
-    assert accepted > 20          # (the matcher did accept variants: the check above ran)

@@ -10,8 +10,9 @@ text becomes calls. Two syntaxes cover the five families:
   `<｜DSML｜function_calls>`, V4: `<｜DSML｜tool_calls>`, around `<｜DSML｜invoke name="N">` with
   `<｜DSML｜parameter name="P" string="true|false">VALUE</｜DSML｜parameter>`).
 
-The shapes are those the releases' templates / encoders write and xgrammar's per-model structural
-tags (`get_model_structural_tag`) accept; a block that does not parse is left as content."""
+The shapes are those the releases' templates / encoders write, and what the tool-call grammars of
+tool_choice "required" / named allow (structured/tool_grammars.py, built for the same format names);
+a block that does not parse is left as content."""
 from __future__ import annotations
 
 import dataclasses
@@ -32,7 +33,6 @@ class ToolFormat:
     end: str
     parse_block: BlockParser
     markers: tuple[str, ...] = ()        # every marker the format writes (kept in the output text)
-    structural_tag: str = ""             # xgrammar.get_model_structural_tag's name for the format
     variants: tuple[tuple[str, str], ...] = ()   # other (begin, end) spellings the model is seen to write
 
     @property
@@ -131,21 +131,20 @@ DSML = XmlSyntax(
     strip_newline=False)
 
 
-def _dsml_format(name: str, section: str, tag: str) -> ToolFormat:
+def _dsml_format(name: str, section: str) -> ToolFormat:
     return ToolFormat(name, _dsml(section) + ">", f"</｜DSML｜{section}>", DSML.parse,
-                      (_dsml(section) + ">", f"</｜DSML｜{section}>"), tag)
+                      (_dsml(section) + ">", f"</｜DSML｜{section}>"))
 
 
 TOOL_FORMATS: dict[str, ToolFormat] = {f.name: f for f in (
-    ToolFormat("hermes", "<tool_call>", "</tool_call>", _hermes, ("<tool_call>", "</tool_call>"), "qwen_3"),
-    ToolFormat("qwen3_coder", "<tool_call>", "</tool_call>", QWEN_XML.parse, ("<tool_call>", "</tool_call>"),
-               "qwen_3_5"),
-    _dsml_format("deepseek_v32", "function_calls", "deepseek_v3_2"),
-    _dsml_format("deepseek_v4", "tool_calls", "deepseek_v4"),
+    ToolFormat("hermes", "<tool_call>", "</tool_call>", _hermes, ("<tool_call>", "</tool_call>")),
+    ToolFormat("qwen3_coder", "<tool_call>", "</tool_call>", QWEN_XML.parse, ("<tool_call>", "</tool_call>")),
+    _dsml_format("deepseek_v32", "function_calls"),
+    _dsml_format("deepseek_v4", "tool_calls"),
     ToolFormat("kimi_k2", "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", _kimi,
                ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
                 "<|tool_call_argument_begin|>", "<|tool_call_end|>", "<|tool_call_section_begin|>",
-                "<|tool_call_section_end|>"), "kimi",
+                "<|tool_call_section_end|>"),
                # Kimi models also write the section markers in the singular (vLLM and SGLang read both)
-               (("<|tool_call_section_begin|>", "<|tool_call_section_end|>"),)),
+               variants=(("<|tool_call_section_begin|>", "<|tool_call_section_end|>"),)),
 )}
