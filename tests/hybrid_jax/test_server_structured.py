@@ -163,3 +163,20 @@ def test_tool_choice_required_beside_a_response_format_is_a_400(served):
     r = c.post("/v1/chat/completions", json={"messages": MSGS, "tools": TOOLS, "tool_choice": "required",
                                              "response_format": {"type": "json_object"}, "max_tokens": 5})
     assert r.status_code == 400 and "both constrain" in r.json()["error"]["message"]
+
+
+def test_a_structured_output_applies_after_the_thinking_the_prompt_opened():
+    """Where the rendered prompt opened the reasoning (a thinking template's `<think>\\n`), the grammar
+    waits for its end: the thinking is free, the answer is held (StructuredOutputsParams.after)."""
+    from hybrid_jax import SamplingParams, StructuredOutputsParams  # noqa: PLC0415
+    from hybrid_jax.server.chat_output import chat_output, read_with  # noqa: PLC0415
+    from hybrid_jax.server.tool_parsers import family  # noqa: PLC0415
+    fam = family("qwen3_5")
+    so = StructuredOutputsParams(json=SCHEMA)
+    reading = chat_output(fam, {"messages": MSGS})
+    opened = read_with(SamplingParams(structured_outputs=so), reading, "<|im_start|>assistant\n<think>\n")
+    closed = read_with(SamplingParams(structured_outputs=so), reading, "<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert opened.structured_outputs.after == "</think>" and closed.structured_outputs.after is None
+    calls = read_with(SamplingParams(), chat_output(fam, {"messages": MSGS, "tools": TOOLS, "tool_choice": "required"}),
+                      "<think>\n")
+    assert calls.structured_outputs.after == "</think>" and "<tool_call>" in calls.structured_outputs.grammar_text
