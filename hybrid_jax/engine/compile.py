@@ -23,7 +23,8 @@ import numpy as np
 from cache.pools import copy_pages
 from hybrid_jax.engine.fork import fork_rows, warmup_forks
 from hybrid_jax.engine.step_inputs import LOGPROBS_WIDTH
-from hybrid_jax.engine.steps import StepContext, decode_step, loop_step, mixed_step, ragged_step, verify_step
+from hybrid_jax.engine.steps import (StepContext, decode_step, draft_step, loop_step, mixed_step, ragged_step,
+                                     verify_step)
 from hybrid_jax.logits_processors import seed_row, seeds
 from hybrid_jax.structured.bitmask import WRITE_WIDTH, write_masks
 from hybrid_jax.structured.grammars import words
@@ -31,7 +32,7 @@ from hybrid_jax.models.ragged import pack
 from hybrid_jax.parallel.context import Traced
 from hybrid_jax.sampling import FULL_SAMPLER, MAX_LOGIT_BIAS, SamplingParams
 
-KINDS = ("mixed", "ragged", "decode", "verify", "loop", "copy_pages", "seed", "fork_rows", "masks")
+KINDS = ("mixed", "ragged", "decode", "verify", "draft", "loop", "copy_pages", "seed", "fork_rows", "masks")
 
 
 def enable_persistent_compilation_cache(path: str | None):
@@ -52,7 +53,8 @@ class Programs:
       mixed       steps.mixed_step     static flags, top_n, prompt_n
       ragged      steps.ragged_step    static flags, top_n, prompt_n
       decode      steps.decode_step    static steps, flags, top_n
-      verify      steps.verify_step    static flags, replay
+      verify      steps.verify_step    static flags, replay (and whether its drafts are given)
+      draft       steps.draft_step     static flags (a drafter on the device drafting alone: structured outputs)
       loop        steps.loop_step      static lc (device_loop.LoopConfig)
       copy_pages  cache.pools.copy_pages (copy-on-write of shared pages)
       seed        logits_processors.seed_row (a row's processors' state, at placement)
@@ -70,9 +72,10 @@ class Programs:
                               donate_argnames=("cache", "last", "dcache"))
         self.verify = jax.jit(verify_step(ctx), static_argnames=("flags", "replay"),
                               donate_argnames=("cache", "dcache"))
+        self.draft = jax.jit(draft_step(ctx), static_argnames=("flags",))
         self.loop = jax.jit(loop_step(ctx), static_argnames=("lc",), donate_argnames=("cache",))
         if ctx.layout is not None:      # traced with the layout current: the per-device ops see the mesh
-            for kind in ("mixed", "ragged", "decode", "verify", "loop"):
+            for kind in ("mixed", "ragged", "decode", "verify", "draft", "loop"):
                 setattr(self, kind, Traced(ctx.layout, getattr(self, kind)))
         self.copy_pages = jax.jit(copy_pages, donate_argnames=("pools",))
         self.seed = jax.jit(seed_row, donate_argnames=("state",))
@@ -135,11 +138,18 @@ def warmup(runner, mode: str):
 
 def warmup_verify(runner, k_buckets, replay: bool):
     """Compiles the runner's verify program for every (batch bucket, draft length) pair; every row is
-    padding."""
+    padding. With a drafter on the device also its drafts drawn alone and the verify of drafts given
+    (what a structured output's row takes: ModelRunner.draft)."""
     for Bb in runner.batch_buckets():
         for K in k_buckets:
+            r, tokens, meta = runner.inputs.rows([], Bb), np.zeros((Bb, K + 1), np.int32), np.zeros((2, Bb), np.int32)
             _, _, runner.cache, runner.dcache = runner._verify(
-                runner.params, runner.cache, runner.inputs.rows([], Bb), np.zeros((Bb, K + 1), np.int32),
-                np.zeros((2, Bb), np.int32), runner.inputs.verify_masks(Bb, K), runner.drafter.params, runner.dcache,
-                flags=FULL_SAMPLER, replay=replay)
+                runner.params, runner.cache, r, tokens, meta, runner.inputs.verify_masks(Bb, K), runner.drafter.params,
+                runner.dcache, flags=FULL_SAMPLER, replay=replay)
+            if runner.drafter.on_device:
+                _, probs = runner._draft(runner.params, r, tokens, meta, runner.drafter.params, runner.dcache,
+                                         flags=FULL_SAMPLER)
+                _, _, runner.cache, runner.dcache = runner._verify(
+                    runner.params, runner.cache, r, tokens, meta, runner.inputs.verify_masks(Bb, K),
+                    runner.drafter.params, runner.dcache, flags=FULL_SAMPLER, replay=replay, given=probs)
     jax.block_until_ready(runner.cache)

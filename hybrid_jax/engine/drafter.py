@@ -37,6 +37,7 @@ class Drafter:
     ragged = True              # mixed steps may run ragged
     fresh_rows = False         # a mixed step sends which rows start over (StepRows.fresh): the MTP block
     params = None              # weights the steps take beside the target's
+    on_device = False          # it writes its drafts on the device (inside the verify, or `draft_step`)
 
     def new_state(self):
         """The drafter's state of every pool row (a pytree on the device), None without one."""
@@ -66,6 +67,7 @@ class _OnDevice(Drafter):
     """A drafter that writes its drafts on the device: `draft_step(params, dparams, run)` gives
     step(carry, token [Bb]) -> (logits [Bb, V], carry), started from `draft_carry(sub)`."""
     ragged = False
+    on_device = True
 
     def draft(self, params, dparams, sub, r, tokens, run, flags):
         step = self.draft_step(params, dparams, run)

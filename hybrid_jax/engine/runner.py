@@ -269,7 +269,7 @@ class ModelRunner:
         self._programs = p = Programs(ctx)
         self._mixed, self._ragged, self._decode, self._verify = p.mixed, p.ragged, p.decode, p.verify
         self._loop, self._copy_pages, self._seed, self._fork_rows = p.loop, p.copy_pages, p.seed, p.fork_rows
-        self._masks = p.masks
+        self._masks, self._draft = p.masks, p.draft
 
     # --- the drafter ------------------------------------------------------------------------------
     def _use(self, drafter: Drafter):
@@ -298,24 +298,46 @@ class ModelRunner:
         self.slot_last = self._new_slot_last()
         self.dcache = self.drafter.new_state()
 
-    def run_verify(self, reqs, drafts, K: int, replay: bool):
-        """reqs: decoding requests; drafts: [k_i] int32 per request (k_i <= K, may be 0); K: a
-        compiled draft length. Returns (n_accepted [n], tokens [n, K+1])."""
-        n = len(reqs)
-        Bb = bucket(n)
+    def _verify_inputs(self, reqs, drafts, K: int):
+        """A verify's tokens [Bb, K+1] (each row's pending token, then its drafts) and meta [2, Bb]."""
+        Bb = bucket(len(reqs))
         tokens = np.zeros((Bb, K + 1), np.int32)
         meta = np.zeros((2, Bb), np.int32)
-        allowed = self.inputs.verify_masks(Bb, K)
         for i, (q, d) in enumerate(zip(reqs, drafts)):
             with attributed(q):
                 tokens[i, 0] = q.output_ids[-1]
                 tokens[i, 1:1 + len(d)] = d
                 meta[0, i], meta[1, i] = 1 + len(d), len(d)
-                if q.masked:       # each position's mask, along the draft (the grammar allows it)
+        return tokens, meta
+
+    def draft(self, reqs, lengths, K: int):
+        """A drafter on the device drafts alone (`draft_step`), for a verify whose drafts the host must
+        read first: (drafts, one [k_i] int32 per request, k_i = lengths[i]; their distributions [Bb, K, V],
+        left on the device for `run_verify(given=...)`)."""
+        tokens, meta = self._verify_inputs(reqs, [np.zeros((k,), np.int32) for k in lengths], K)
+        out, probs = self._draft(self.params, self.inputs.rows(reqs, tokens.shape[0]), tokens, meta,
+                                 self.drafter.params, self.dcache, flags=FULL_SAMPLER)
+        self._wait(out)
+        out = np.asarray(out)
+        return [out[i, 1:1 + k] for i, k in enumerate(lengths)], probs
+
+    def run_verify(self, reqs, drafts, K: int, replay: bool, given=None):
+        """reqs: decoding requests; drafts: [k_i] int32 per request (k_i <= K, may be 0); K: a
+        compiled draft length; given: the distributions a drafter on the device drew them from (`draft`;
+        None: the drafter drafts inside the verify, or the drafts are the host's). Returns (n_accepted
+        [n], tokens [n, K+1])."""
+        n = len(reqs)
+        tokens, meta = self._verify_inputs(reqs, drafts, K)
+        Bb = tokens.shape[0]
+        allowed = self.inputs.verify_masks(Bb, K)
+        for i, (q, d) in enumerate(zip(reqs, drafts)):
+            if q.masked:           # each position's mask, along the draft (the grammar allows it)
+                with attributed(q):
                     q.grammar.fill_along(d, allowed[i])
+        kw = {} if given is None else {"given": given}
         n_acc, out, self.cache, self.dcache = self._verify(
             self.params, self.cache, self.inputs.rows(reqs, Bb), tokens, meta, allowed, self.drafter.params,
-            self.dcache, flags=FULL_SAMPLER, replay=replay)
+            self.dcache, flags=FULL_SAMPLER, replay=replay, **kw)
         self._wait(n_acc, out)
         return np.asarray(n_acc)[:n], np.asarray(out)[:n]
 

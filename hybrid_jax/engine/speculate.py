@@ -117,9 +117,8 @@ class EngineSpeculator:
                 if self.drafter is None and k == 0 and n % PROBE_EVERY == 0:
                     k = 1
             k = int(allowed_drafts(min(k, len(prop)), q.remaining_tokens))
-            if q.params.logprobs is not None or (q.grammar is not None and (self.drafter is None or not q.masked)):
-                k = 0     # (a draft written on the device cannot be checked against a grammar before its verify;
-                #            a row before its grammar's gate drafts none: the gate may come mid-draft)
+            if q.params.logprobs is not None or (q.grammar is not None and not q.masked):
+                k = 0     # (a row before its grammar's gate drafts none: the gate may come mid-draft)
             drafts.append(np.asarray(prop[:max(k, 0)], np.int32))
             shadows.append(np.asarray(prop if self.drafter is not None else prop[:0], np.int32))
         if self.drafter is not None and any(len(d) for d in drafts):

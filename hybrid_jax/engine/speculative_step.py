@@ -72,10 +72,17 @@ class SpeculativeStep:
         return toks, no_logprobs(*toks.shape)
 
     def verify(self, reqs, drafts) -> tuple:
-        """One verify step: every row emits its accepted drafts plus one token."""
+        """One verify step: every row emits its accepted drafts plus one token. A drafter on the device
+        drafts inside the verify, unless a row is held to a grammar: then it drafts first, the host cuts
+        each masked row's draft to what its grammar allows (and fills its masks), and the verify takes
+        the drafts as they are with the distributions they were drawn from."""
         K = self.spec.k_bucket(max(len(d) for d in drafts))
         t0 = time.perf_counter()
-        n_acc, out = self.runner.run_verify(reqs, drafts, K, replay=self.spec.spec.rollback == "replay")
+        given = None
+        if self.runner.drafter.on_device and any(q.masked for q in reqs):
+            drafts, given = self.runner.draft(reqs, [len(d) for d in drafts], K)
+            drafts = [d[:q.grammar.valid_prefix(d)] if q.masked else d for q, d in zip(reqs, drafts)]
+        n_acc, out = self.runner.run_verify(reqs, drafts, K, replay=self.spec.spec.rollback == "replay", given=given)
         dt = time.perf_counter() - t0
         self.metrics.spec_verify_seconds.inc(dt)
         toks = np.full(out.shape, -1, np.int32)

@@ -200,7 +200,8 @@ def decode_step(ctx: StepContext):
 
 
 def verify_step(ctx: StepContext):
-    def verify(params, cache, r: StepRows, tokens, meta, allowed, dparams=None, dcache=None, *, flags, replay):
+    def verify(params, cache, r: StepRows, tokens, meta, allowed, dparams=None, dcache=None, *, flags, replay,
+               given=None):
         """Speculative verify of tokens [Bb, K+1] = [pending, d_1 .. d_K] per row in ONE forward (a
         drafter on the device writes the drafts first); meta [2, Bb] = (n_fed = 1 + n_draft, 0 for
         padding rows; n_draft); allowed [Bb, K+1, W] int32: the structured-output bitmask of each
@@ -208,13 +209,18 @@ def verify_step(ctx: StepContext):
         target held to it here). Rejected tokens are rolled back by selection of the recurrent state
         after the last kept token, or (replay) by running the kept tokens from the pre-verify rows
         again; the rows' versions change when anything was rejected. The drafter then takes the kept
-        tokens from where it was. Returns (n_accepted [Bb], tokens [Bb, K+1]: the first n_accepted + 1
-        are emitted; pools; drafter state)."""
+        tokens from where it was. given [Bb, K, V] f32: the drafts are in `tokens` already, drawn by the
+        drafter on the device from these distributions (`draft_step`: read back first, so a grammar could
+        cut them); None: the drafter drafts here. Returns (n_accepted [Bb], tokens [Bb, K+1]: the first
+        n_accepted + 1 are emitted; pools; drafter state)."""
         d = ctx.drafter
         sub = open_view(cache, r)   # the snapshot, for replay (never donated)
         n_fed, n_draft = meta[0], meta[1]
         dsub = d.take(dcache, r.rows)
-        tokens, draft_probs = d.draft(params, dparams, dsub, r, tokens, (n_fed > 0).astype(jnp.int32), flags)
+        if given is None:
+            tokens, draft_probs = d.draft(params, dparams, dsub, r, tokens, (n_fed > 0).astype(jnp.int32), flags)
+        else:
+            draft_probs = given
         verified = replay_verified if replay else select_verified
         v = verified(params, sub, tokens, jnp.stack([n_fed, n_draft, r.steps]), draft_probs, r.seeds,
                      r.temperature, r.top_k, r.top_p, ctx.cfg, ctx.impl, flags, return_hidden=d.return_hidden,
@@ -223,6 +229,18 @@ def verify_step(ctx: StepContext):
         dcache = d.put(dcache, r.rows, d.advance(params, dparams, dsub, v, tokens, n_keep))
         return v.n_accepted, v.tokens, close_view(ctx, cache, r.rows, v.cache), dcache
     return verify
+
+
+def draft_step(ctx: StepContext):
+    def draft(params, r: StepRows, tokens, meta, dparams=None, dcache=None, *, flags):
+        """The drafts a verify of tokens [Bb, K+1] (meta as `verify_step`'s) would draw on the device, drawn
+        alone so the host can read them before the verify (a structured output's grammar cuts a masked
+        row's draft to what it allows, and fills each position's mask): (tokens [Bb, K+1] with the drafts,
+        their distributions [Bb, K, V]). The drafter's state is read, not changed (its draft runs on a
+        scratch copy, as in the verify)."""
+        d = ctx.drafter
+        return d.draft(params, dparams, d.take(dcache, r.rows), r, tokens, (meta[0] > 0).astype(jnp.int32), flags)
+    return draft
 
 
 def loop_step(ctx: StepContext):

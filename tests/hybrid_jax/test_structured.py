@@ -264,3 +264,35 @@ def _done(value):
     f = concurrent.futures.Future()
     f.set_result(value)
     return f
+
+
+def test_draft_model_drafts_are_cut_by_the_grammar_and_greedy_output_is_unchanged(llm):
+    """A drafter on the device (the default model as its own draft model: its drafts are what the target
+    would say unmasked) drafts alone first; the host cuts a masked row's draft to what its grammar allows
+    and fills each position's mask; the verify takes those drafts with their distributions. Greedy output
+    equals plain decoding's token for token, drafts are accepted, and sampled outputs validate."""
+    from hybrid_jax.default_model import DEFAULT_MODEL_DIR  # noqa: PLC0415
+    cfg = dict(max_num_seqs=4, max_num_batched_tokens=128, max_model_len=512, compilation_cache_dir=None,
+               warmup="none")
+    greedy = SamplingParams(max_tokens=300, temperature=0, structured_outputs=StructuredOutputsParams(json=SCHEMA))
+    prompts = [PROMPT, "Free text:"]
+    plain = LLMEngine(llm, EngineConfig(**cfg))
+    want = _run(plain, [(p, greedy) for p in prompts] + [(PROMPT, SamplingParams(max_tokens=20, temperature=0))])
+    spec = LLMEngine(llm, EngineConfig(**cfg, speculative_config={
+        "method": "draft_model", "model": DEFAULT_MODEL_DIR, "num_speculative_tokens": 3, "dynamic_k": False}))
+    drawn, real = [], spec.runner.draft
+
+    def counted(reqs, lengths, K):                  # the drafts drawn alone, before their verify
+        out = real(reqs, lengths, K)
+        drawn.append(sum(lengths))
+        return out
+    spec.runner.draft = counted
+    got = _run(spec, [(p, greedy) for p in prompts] + [(PROMPT, SamplingParams(max_tokens=20, temperature=0))])
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    st = spec.spec_stats()
+    assert sum(drawn) > 0 and st["verify_steps"] > 0 and st["accepted_tokens"] > 0
+    assert st["draft_tokens"] < sum(drawn)             # the grammar cut drafts the target's mask would refuse
+    for o in _run(spec, [(PROMPT, json_params(i)) for i in range(2)]):
+        jsonschema.validate(json.loads(o.text), SCHEMA)
+    plain.close()
+    spec.close()
