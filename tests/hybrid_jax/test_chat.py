@@ -5,15 +5,13 @@ import json
 import shutil
 
 import pytest
-from fastapi.testclient import TestClient
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from hybrid_jax import LLM, SamplingParams
-from hybrid_jax.engine import EngineConfig, LLMEngine
-from hybrid_jax.engine.async_engine import AsyncEngine
-from hybrid_jax.server.app import ServerConfig, ServerState, build_app
-from hybrid_jax.server.supervisor import EngineSupervisor
+from hybrid_jax.engine import EngineConfig
+from hybrid_jax.server.app import ServerConfig, ServerState
 from hybrid_jax.template_sources import ChatOptions, apply_chat_options
+from in_process import serving
 
 TEMPLATE = "{% for m in messages %}<{{ m.role }}> {{ m.content }} {% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
 
@@ -29,15 +27,9 @@ def client(tiny_checkpoint, tmp_path_factory):
     (d / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<eos>", "chat_template": TEMPLATE}))
     llm = LLM(model=str(d))
     apply_chat_options(llm.tokenizer, ChatOptions(trust_request_templates=True))   # requests bring templates below
-    engine = LLMEngine(llm, EngineConfig(max_num_seqs=2, max_num_batched_tokens=32, max_model_len=128,
-                                         compilation_cache_dir=None, warmup="none"))
-    state = ServerState(ServerConfig(model_name="tiny-chat"))
-    ae = AsyncEngine(engine)
-    ae.start()
-    state.engine = EngineSupervisor(ae, state.metrics)
-    with TestClient(build_app(state)) as c:
-        yield c, llm
-    state.engine.shutdown()
+    with serving(llm, EngineConfig(max_num_seqs=2, max_num_batched_tokens=32, max_model_len=128,
+                                   compilation_cache_dir=None, warmup="none"), ServerConfig(model_name="tiny-chat")) as s:
+        yield s[0], llm
 
 
 def test_chat_completion_uses_the_template(client):
@@ -210,15 +202,9 @@ def test_chat_template_option_reaches_the_api_server(client, tmp_path, monkeypat
 @pytest.fixture(scope="module")
 def default_client():
     llm = LLM()                                  # the shipped default model, as `hybrid-jax serve` loads it
-    engine = LLMEngine(llm, EngineConfig(max_num_seqs=2, max_num_batched_tokens=64, max_model_len=256,
-                                         compilation_cache_dir=None, warmup="none"))
-    state = ServerState(ServerConfig(model_name="default"))
-    ae = AsyncEngine(engine)
-    ae.start()
-    state.engine = EngineSupervisor(ae, state.metrics)
-    with TestClient(build_app(state)) as c:
-        yield c, llm
-    state.engine.shutdown()
+    with serving(llm, EngineConfig(max_num_seqs=2, max_num_batched_tokens=64, max_model_len=256,
+                                   compilation_cache_dir=None, warmup="none"), ServerConfig(model_name="default")) as s:
+        yield s[0], llm
 
 
 def test_the_default_model_chats_out_of_the_box(default_client, monkeypatch):

@@ -172,14 +172,12 @@ def _byte_level_tokenizer(path: pathlib.Path):
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    from fastapi.testclient import TestClient  # noqa: PLC0415
+    from in_process import serving  # noqa: PLC0415
     from test_deepseek_v32 import make_checkpoint  # noqa: PLC0415
 
     from hybrid_jax import LLM  # noqa: PLC0415
-    from hybrid_jax.engine import EngineConfig, LLMEngine  # noqa: PLC0415
-    from hybrid_jax.engine.async_engine import AsyncEngine  # noqa: PLC0415
-    from hybrid_jax.server.app import ServerConfig, ServerState, build_app  # noqa: PLC0415
-    from hybrid_jax.server.supervisor import EngineSupervisor  # noqa: PLC0415
+    from hybrid_jax.engine import EngineConfig  # noqa: PLC0415
+    from hybrid_jax.server.app import ServerConfig  # noqa: PLC0415
     from hybrid_jax.template_sources import ChatOptions, apply_chat_options  # noqa: PLC0415
 
     path = pathlib.Path(make_checkpoint(tmp_path_factory.mktemp("dsv32_chat") / "ckpt", vocab_size=272,
@@ -187,15 +185,9 @@ def server(tmp_path_factory):
     _byte_level_tokenizer(path)
     llm = LLM(model=str(path), dtype="float32")
     apply_chat_options(llm.tokenizer, ChatOptions(trust_request_templates=True))
-    engine = LLMEngine(llm, EngineConfig(max_num_seqs=2, max_num_batched_tokens=64, max_model_len=4096,
-                                         compilation_cache_dir=None, warmup="none"))
-    state = ServerState(ServerConfig(model_name="tiny-dsv32"))
-    ae = AsyncEngine(engine)
-    ae.start()
-    state.engine = EngineSupervisor(ae, state.metrics)
-    with TestClient(build_app(state)) as c:
-        yield c, llm
-    state.engine.shutdown()
+    with serving(llm, EngineConfig(max_num_seqs=2, max_num_batched_tokens=64, max_model_len=4096,
+                                   compilation_cache_dir=None, warmup="none"), ServerConfig(model_name="tiny-dsv32")) as s:
+        yield s[0], llm
 
 
 TOOL_CONVERSATION = [

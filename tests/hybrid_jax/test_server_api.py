@@ -16,11 +16,10 @@ from fastapi.testclient import TestClient
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from hybrid_jax import LLM, SamplingParams
-from hybrid_jax.engine import EngineConfig, LLMEngine
-from hybrid_jax.engine.async_engine import AsyncEngine
+from hybrid_jax.engine import EngineConfig
 from hybrid_jax.server import fields
-from hybrid_jax.server.app import ServerConfig, ServerState, build_app
-from hybrid_jax.server.supervisor import EngineSupervisor
+from hybrid_jax.server.app import ServerConfig
+from in_process import serving
 
 KEY = "k"
 H = {"Authorization": f"Bearer {KEY}"}
@@ -39,16 +38,10 @@ def served(tiny_checkpoint, tmp_path_factory):
     tok.save(str(d / "tokenizer.json"))
     (d / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<eos>", "chat_template": TEMPLATE}))
     llm = LLM(model=str(d))
-    engine = LLMEngine(llm, EngineConfig(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=MAX_MODEL_LEN,
-                                         compilation_cache_dir=None, warmup="none"))
-    state = ServerState(ServerConfig(model_name="tiny", api_key=KEY, max_tokens_limit=40))
-    ae = AsyncEngine(engine)
-    ae.start()
-    state.engine = EngineSupervisor(ae, state.metrics)
-    app = build_app(state)
-    with TestClient(app, headers=H) as c:
+    with serving(llm, EngineConfig(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=MAX_MODEL_LEN,
+                                   compilation_cache_dir=None, warmup="none"),
+                 ServerConfig(model_name="tiny", api_key=KEY, max_tokens_limit=40), H) as (c, app, _):
         yield c, llm, app
-    state.engine.shutdown()
 
 
 def _greedy(llm, prompt, n):

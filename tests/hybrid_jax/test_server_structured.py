@@ -11,13 +11,11 @@ import re
 import httpx
 import jsonschema
 import pytest
-from fastapi.testclient import TestClient
 
 from hybrid_jax import LLM
-from hybrid_jax.engine import EngineConfig, LLMEngine
-from hybrid_jax.engine.async_engine import AsyncEngine
-from hybrid_jax.server.app import ServerConfig, ServerState, build_app
-from hybrid_jax.server.supervisor import EngineSupervisor
+from hybrid_jax.engine import EngineConfig
+from hybrid_jax.server.app import ServerConfig
+from in_process import serving
 
 KEY = "k"
 H = {"Authorization": f"Bearer {KEY}"}
@@ -32,16 +30,10 @@ MSGS = [{"role": "user", "content": "Name a book of the law."}]
 @pytest.fixture(scope="module")
 def served():
     llm = LLM()
-    engine = LLMEngine(llm, EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=512,
-                                         compilation_cache_dir=None, warmup="none"))
-    state = ServerState(ServerConfig(model_name="default", api_key=KEY, max_tokens_limit=300, model_type="qwen3_next"))
-    ae = AsyncEngine(engine)
-    ae.start()
-    state.engine = EngineSupervisor(ae, state.metrics)
-    app = build_app(state)
-    with TestClient(app, headers=H) as c:
-        yield c, app, state
-    state.engine.shutdown()
+    with serving(llm, EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=512,
+                                   compilation_cache_dir=None, warmup="none"),
+                 ServerConfig(model_name="default", api_key=KEY, max_tokens_limit=300, model_type="qwen3_next"), H) as s:
+        yield s
 
 
 def _stream_text(c, path, body, key):
