@@ -112,8 +112,9 @@ FIELDS: tuple[Field, ...] = (
     Field("tools", H | T, _S, "the chat template; with tool_choice auto, calls are parsed out of the output "
           "in the model family's format (server/tool_parsers/)"),
     Field("tool_choice", H, _S, "auto (default with tools): calls parsed into `message.tool_calls`; none: text "
-          "only; required / a named function: accepted (server/chat_messages.py)"),
-    Field("parallel_tool_calls", H, _S, "false: only the first parsed call is kept"),
+          "only; required / a named function: enforced by the family's tool-call grammar"),
+    Field("parallel_tool_calls", H, _S, "false: one call (required / named: the grammar allows one; auto: the "
+          "first parsed is kept)"),
     Field("include_reasoning", H, _S, "false: the reasoning (`reasoning_content`) is dropped from the response"),
     Field("documents", H | T, _S, "the chat template"),
     Field("add_special_tokens", C | T, _S, "the prompt's tokenization (default true: the tokenizer's BOS); "
