@@ -45,7 +45,7 @@ from hybrid_jax.errors import InputError
 from hybrid_jax.generate import bucket
 from hybrid_jax.logits_processors import ProcState, RowState, seeds
 from hybrid_jax.structured.bitmask import WRITE_WIDTH
-from hybrid_jax.structured.grammars import words
+from hybrid_jax.structured.grammars import fill_rows, words
 from hybrid_jax.models import get_model
 from hybrid_jax.models.ragged import pack
 from hybrid_jax.parallel.context import active
@@ -165,10 +165,8 @@ class ModelRunner:
             part = reqs[start:start + WRITE_WIDTH]
             rows = np.full((WRITE_WIDTH,), self.ecfg.max_num_seqs + 1, np.int32)     # padding: dropped
             buf = np.zeros((WRITE_WIDTH, W), np.int32)
-            for i, q in enumerate(part):
-                with attributed(q):
-                    q.grammar.fill(buf[i])
-                    rows[i] = q.slot
+            fill_rows([q.grammar for q in part], buf)
+            rows[:len(part)] = [q.slot for q in part]
             self.slot_last = self._masks(self.slot_last, rows, buf)
 
     def _wait(self, *outs):

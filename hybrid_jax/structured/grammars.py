@@ -141,6 +141,20 @@ class RequestGrammar:
         return self.matcher.validate_tokens([int(t) for t in draft])
 
 
+_EXECUTOR = None
+
+
+def fill_rows(grammars: list[RequestGrammar], buf: np.ndarray):
+    """Each grammar's next-token mask into buf's rows ([>= len(grammars), W] int32, C-contiguous), the
+    rows filled in parallel by llguidance's executor (its threads, off the GIL)."""
+    global _EXECUTOR
+    import llguidance  # noqa: PLC0415
+    if _EXECUTOR is None:
+        _EXECUTOR = llguidance.LLExecutor()
+    _EXECUTOR.unsafe_compute_mask_ptr([(g.matcher, i) for i, g in enumerate(grammars)], buf.ctypes.data,
+                                      buf.shape[1] * 4, buf.shape[0])
+
+
 class GrammarCompiler:
     """Compiles requests' grammars on a worker thread, keeping the last CACHE_ENTRIES by their text.
     The tokenizer is converted on first use (on the worker too)."""

@@ -186,7 +186,8 @@ def test_a_failed_compile_fails_its_request_alone(engine, monkeypatch):
 
 
 def test_a_token_outside_the_grammar_fails_the_request_never_emitted(engine, monkeypatch):
-    monkeypatch.setattr(grammars.RequestGrammar, "fill", lambda self, row: row.fill(-1))   # a mask that lets all through
+    from hybrid_jax.engine import runner  # noqa: PLC0415
+    monkeypatch.setattr(runner, "fill_rows", lambda gs, buf: buf.fill(-1))       # masks that let everything through
     outs = _run(engine, [(PROMPT, SamplingParams(max_tokens=40, temperature=0,
                                                  structured_outputs=StructuredOutputsParams(regex="[0-9]+"))),
                          (PROMPT, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))])
