@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
-import json
 import threading
-import time
 from typing import Any
 
 import numpy as np
@@ -70,7 +68,6 @@ class RequestGrammar:
     def __init__(self, key: str, future: concurrent.futures.Future, gate: tuple[int, ...] = ()):
         self.key, self._future = key, future
         self._matcher = None
-        self.submitted = time.monotonic()
         self.gate = tuple(gate)
         self.active = not self.gate
         self._tail: list[int] = []
@@ -209,8 +206,3 @@ class GrammarCompiler:
 
     def close(self):
         self._pool.shutdown(wait=False, cancel_futures=True)
-
-
-def schema_of(params: StructuredOutputsParams) -> str:
-    """A short description of what a request is held to, for logs."""
-    return f"{params.kind}: {json.dumps(params.key)[:80]}"
