@@ -36,9 +36,13 @@ from typing import Sequence
 
 from hybrid_jax.errors import InputError
 from hybrid_jax.server.encoders import dsml
-from hybrid_jax.server.encoders.dsml import (ASSISTANT, BOS, DSML, END_THINK, EOS, MODES, THINK, USER,  # noqa: F401
+from hybrid_jax.server.encoders.dsml import (ASSISTANT, BOS, DSML, END_THINK, EOS, MODES, THINK, USER,
                                              DsmlFormatError, ParsedCompletion, ParsedToolCall, last_user_index,
                                              message_text, to_json, with_request_blocks)
+
+__all__ = ["ASSISTANT", "BOS", "CALLS_CLOSE", "CALLS_OPEN", "DSML", "END_THINK", "EOS", "MODES", "THINK", "USER",
+           "DsmlFormatError", "ParsedCompletion", "ParsedToolCall", "dsml_calls", "encode_messages",
+           "last_user_index", "parse_completion", "to_json", "tools_block"]
 
 BLOCK = "function_calls"
 CALLS_OPEN = dsml.opening(BLOCK)
