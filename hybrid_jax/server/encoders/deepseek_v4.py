@@ -28,9 +28,11 @@ Where V4 differs from V3.2:
   it), which the release's examples use; the server's chat requests cannot send them.
 
 `encode_messages` takes the request's tools separately: they go on the first message when it is a system
-message, else on an empty system message put in front (as SGLang and vLLM serve V4). As for V3.2,
+message, else on an empty system message put in front (as SGLang serves V4). As for V3.2,
 `add_generation_prompt=False` leaves off the opening of the next reply and `continue_final_message` ends the
-prompt inside a final assistant message; the release has neither."""
+prompt inside a final assistant message; the release has neither. With `context` (earlier messages, seen but
+not written) the turns written are exactly those of `messages`; the release counts them after its thinking
+mode has left out developer messages and can be off by those it left out of the context."""
 from __future__ import annotations
 
 import dataclasses
