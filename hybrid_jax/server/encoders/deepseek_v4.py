@@ -171,15 +171,20 @@ def _in_call_order(turn: _Turn, order: dict[str, int]) -> _Turn:
     return dataclasses.replace(turn, parts=tuple(next(ranked) if p.is_result else p for p in turn.parts))
 
 
+def _call_id(call) -> str | None:
+    """A call's id (the release also looks for one inside its `function`)."""
+    if not isinstance(call, dict):
+        return None
+    fn = call.get("function")
+    return call.get("id") or (fn.get("id") if isinstance(fn, dict) else None)
+
+
 def _sorted_results(turns: list[_Turn]) -> list[_Turn]:
+    """Each user turn's results in the order of the calls of the last assistant turn that made calls."""
     out, order = [], {}
     for turn in turns:
         if turn.role == "assistant" and turn.calls():
-            order = {}
-            for j, call in enumerate(turn.calls()):
-                call_id = call.get("id") or (call.get("function") or {}).get("id") if isinstance(call, dict) else None
-                if call_id:
-                    order[call_id] = j
+            order = {cid: j for j, cid in enumerate(map(_call_id, turn.calls())) if cid}
         out.append(_in_call_order(turn, order) if turn.role == "user" else turn)
     return out
 
@@ -207,8 +212,13 @@ class _Mode:
     effort: str | None
     last_user: int = -1
 
-    def keeps_reasoning(self, i: int) -> bool:
-        """Whether turn `i` is thought about: thinking mode, and no dropping or at / after the last user turn."""
+    def writes_reasoning(self, i: int) -> bool:
+        """Whether assistant turn `i` writes its reasoning and </think>: thinking mode, and nothing dropped or
+        the turn after the last user turn."""
+        return self.thinking and (not self.drop or i > self.last_user)
+
+    def opens_thinking(self, i: int) -> bool:
+        """Whether the reply after user turn `i` opens with <think> (else </think>)."""
         return self.thinking and (not self.drop or i >= self.last_user)
 
 
@@ -234,7 +244,7 @@ def _assistant(turns: list[_Turn], i: int, mode: _Mode) -> str:
     turn = turns[i]
     follows_task = i > 0 and turns[i - 1].task is not None
     thinking_part = ""
-    if not follows_task and mode.keeps_reasoning(i) and (not mode.drop or i > mode.last_user):
+    if not follows_task and mode.writes_reasoning(i):
         thinking_part = (turn.message.get("reasoning_content") or "") + END_THINK
     calls = turn.calls()
     calls_part = "\n\n" + dsml_calls(calls, f"{turn.name}.tool_calls") if calls else ""
@@ -247,12 +257,13 @@ def _reply_opening(turns: list[_Turn], i: int, mode: _Mode) -> str:
     turn = turns[i]
     if i + 1 < len(turns) and turns[i + 1].role not in ("assistant", "latest_reminder"):
         return ""
-    think = THINK if mode.keeps_reasoning(i) else END_THINK
     if turn.task == "action":
         return ASSISTANT + (THINK if mode.thinking else END_THINK) + TASK_TOKENS["action"]
     if turn.task is not None:
         return TASK_TOKENS[turn.task]
-    return ASSISTANT + think if turn.role in ("user", "developer") else ""
+    if turn.role not in ("user", "developer"):
+        return ""
+    return ASSISTANT + (THINK if mode.opens_thinking(i) else END_THINK)
 
 
 _WRITERS = {"system": _system, "developer": _developer, "user": _user, "latest_reminder": _reminder}
@@ -301,7 +312,7 @@ def encode_messages(messages: Sequence[dict], tools: Sequence[dict] | None = Non
         return text[:-len(EOS)]
     last = turns[-1]
     if not add_generation_prompt and last.role in ("user", "developer") and last.task is None:
-        text = text[:-len(_reply_opening(turns, len(turns) - 1, mode))]
+        text = text.removesuffix(_reply_opening(turns, len(turns) - 1, mode))
     return text
 
 
