@@ -146,6 +146,11 @@ def test_a_developer_message_is_a_user_turn_with_its_content_first():
     msgs = [{"role": "developer", "content": "Find it.", "tools": [WEATHER]}]
     assert encode_messages(msgs, thinking_mode="thinking") == (
         f"{BOS}{USER}Find it.\n\n{tools_block([WEATHER])}{ASSISTANT}<think>")
+    earlier = [{"role": "developer", "content": "D"}, {"role": "assistant", "content": "A"},
+               {"role": "user", "content": "Q"}]
+    # thinking mode without tools leaves out a developer message before the last user turn; chat mode keeps it
+    assert encode_messages(earlier, thinking_mode="thinking") == f"{BOS}A{EOS}{USER}Q{ASSISTANT}<think>"
+    assert encode_messages(earlier) == f"{BOS}{USER}D{ASSISTANT}</think>A{EOS}{USER}Q{ASSISTANT}</think>"
 
 
 MAX_EFFORT_FIRST_LINE = "Reasoning Effort: Absolute maximum with no shortcuts permitted.\n"

@@ -194,8 +194,8 @@ def _last_user(turns: Sequence[_Turn]) -> int:
 
 
 def _dropped(turns: list[_Turn]) -> list[_Turn]:
-    """Thinking mode without tools: the developer messages before the last user turn left out (their
-    reasoning, which the assistant turns there do not write, goes with them)."""
+    """The turns less the developer messages before the last user turn, which thinking mode without tools
+    leaves out (as it writes no reasoning for the assistant turns there)."""
     last = _last_user(turns)
     return [t for i, t in enumerate(turns) if t.role != "developer" or i >= last]
 
