@@ -1,5 +1,6 @@
 """Chat encoders: the prompt format of a family that ships Python code for it instead of a Jinja chat
-template (DeepSeek-V3.2's `encoding_dsv32.py`), registered by the checkpoint's `model_type`.
+template (DeepSeek-V3.2's `encoding_dsv32.py`, DeepSeek-V4's `encoding_dsv4.py`), registered by the
+checkpoint's `model_type`.
 
 server/chat_template.py renders a chat request with its encoder when the model has no chat template
 of its own (a request's `chat_template`, `--chat-template` and the checkpoint's templates come first).
@@ -11,7 +12,7 @@ from types import MappingProxyType
 from typing import Callable, Mapping
 
 from hybrid_jax.server.chat_messages import Conversation
-from hybrid_jax.server.encoders import deepseek_v32_chat
+from hybrid_jax.server.encoders import deepseek_v4_chat, deepseek_v32_chat
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,6 +24,7 @@ class ChatEncoder:
 
 ENCODERS: Mapping[str, ChatEncoder] = MappingProxyType({
     "deepseek_v32": ChatEncoder("deepseek_v32 (DeepSeek-V3.2's encoding_dsv32)", deepseek_v32_chat.render),
+    "deepseek_v4": ChatEncoder("deepseek_v4 (DeepSeek-V4's encoding_dsv4)", deepseek_v4_chat.render),
 })
 
 

@@ -1,7 +1,9 @@
 """DeepSeek-V3.2's prompt format. The release ships no Jinja chat template: its `encoding/encoding_dsv32.py`
 (Hugging Face deepseek-ai/DeepSeek-V3.2) turns OpenAI-style messages into the prompt text. This module
 writes the same text, byte for byte (tests/hybrid_jax/test_deepseek_v32_encoder.py checks it against the
-release's own examples), and reads the model's completions back (`parse_completion`).
+release's own examples), and reads the model's completions back (`parse_completion`). What it shares
+with DeepSeek-V4's format (encoders/deepseek_v4.py) is in encoders/dsml.py: the tokens, the DSML calls
+block, the response-format section, where a request's tools go and the completion parser.
 
 The format:
 - the prompt opens with BOS; a system message is its content, then (when it carries tools) two newlines
@@ -30,23 +32,21 @@ completion without its final EOS (the server strips the stop token)."""
 from __future__ import annotations
 
 import dataclasses
-import json
-import re
-from typing import Any, Sequence
+from typing import Sequence
 
 from hybrid_jax.errors import InputError
+from hybrid_jax.server.encoders import dsml
+from hybrid_jax.server.encoders.dsml import (ASSISTANT, BOS, DSML, END_THINK, EOS, MODES, THINK, USER,
+                                             DsmlFormatError, ParsedCompletion, ParsedToolCall, last_user_index,
+                                             message_text, to_json, with_request_blocks)
 
-BOS = "<｜begin▁of▁sentence｜>"
-EOS = "<｜end▁of▁sentence｜>"
-USER = "<｜User｜>"
-ASSISTANT = "<｜Assistant｜>"
-THINK = "<think>"
-END_THINK = "</think>"
-DSML = "｜DSML｜"
-CALLS_OPEN = f"<{DSML}function_calls>"
-CALLS_CLOSE = f"</{DSML}function_calls>"
+__all__ = ["ASSISTANT", "BOS", "CALLS_CLOSE", "CALLS_OPEN", "DSML", "END_THINK", "EOS", "MODES", "THINK", "USER",
+           "DsmlFormatError", "ParsedCompletion", "ParsedToolCall", "dsml_calls", "encode_messages",
+           "last_user_index", "parse_completion", "to_json", "tools_block"]
 
-MODES = ("chat", "thinking")
+BLOCK = "function_calls"
+CALLS_OPEN = dsml.opening(BLOCK)
+CALLS_CLOSE = dsml.closing(BLOCK)
 
 _TOOLS_PREAMBLE = f"""## Tools
 
@@ -82,64 +82,19 @@ thinking block. Here is an example:
 Here are the functions available in JSONSchema format:
 <functions>
 """
-_SCHEMA_PREAMBLE = "## Response Format:\n\nYou MUST strictly adhere to the following schema to reply:\n"
-
-
-def to_json(value: Any) -> str:
-    """JSON as the release writes it: Python's default separators, non-ASCII kept."""
-    return json.dumps(value, ensure_ascii=False)
-
-
 def tools_block(tools: Sequence[dict]) -> str:
     """The tools section of a system (or developer) message: the DSML instructions, then each tool's
     `function` object as one JSON line."""
-    lines = [to_json(_function_of(t, f"tools[{i}]")) for i, t in enumerate(tools)]
-    return _TOOLS_PREAMBLE + "\n".join(lines) + "\n</functions>\n"
-
-
-def _function_of(tool, where: str) -> dict:
-    fn = tool.get("function") if isinstance(tool, dict) else None
-    if not isinstance(fn, dict):
-        raise InputError(f"{where} must be {{\"type\": \"function\", \"function\": {{...}}}}")
-    return fn
+    return _TOOLS_PREAMBLE + dsml.function_lines(tools) + "\n</functions>\n"
 
 
 def _blocks(msg: dict) -> str:
-    """A system / developer message's tools and response_format sections, each after a blank line."""
-    out = ""
-    if msg.get("tools"):
-        out += "\n\n" + tools_block(msg["tools"])
-    if msg.get("response_format"):
-        out += "\n\n" + _SCHEMA_PREAMBLE + to_json(msg["response_format"])
-    return out
-
-
-def _arguments(call: dict, where: str) -> dict:
-    args = call.get("arguments")
-    if isinstance(args, str):
-        try:
-            args = json.loads(args)
-        except json.JSONDecodeError as e:
-            raise InputError(f"{where}.function.arguments is not valid JSON: {e}") from None
-    if not isinstance(args, dict):
-        raise InputError(f"{where}.function.arguments must be a JSON object")
-    return args
-
-
-def _parameter(name: str, value: Any) -> str:
-    is_str = isinstance(value, str)
-    text = value if is_str else to_json(value)
-    return f'<{DSML}parameter name="{name}" string="{"true" if is_str else "false"}">{text}</{DSML}parameter>'
+    return dsml.sections(msg, tools_block)
 
 
 def dsml_calls(tool_calls: Sequence[dict], where: str = "tool_calls") -> str:
-    """An assistant's tool calls (OpenAI's {function: {name, arguments}}) as the DSML block it writes."""
-    invokes = []
-    for j, call in enumerate(tool_calls):
-        fn = _function_of(call, f"{where}[{j}]")
-        params = [_parameter(k, v) for k, v in _arguments(fn, f"{where}[{j}]").items()]
-        invokes.append(f'<{DSML}invoke name="{fn.get("name")}">\n' + "\n".join(params) + f"\n</{DSML}invoke>")
-    return f"{CALLS_OPEN}\n" + "\n".join(invokes) + f"\n{CALLS_CLOSE}"
+    """An assistant's tool calls as the `<｜DSML｜function_calls>` block it writes."""
+    return dsml.calls_block(tool_calls, BLOCK, where)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,13 +117,7 @@ class _Turn:
 
 
 def _text(msg: dict, turn: _Turn) -> str:
-    content = msg.get("content")
-    if content is None:
-        return ""
-    if not isinstance(content, str):
-        raise InputError(f"{turn.name()}.content must be a string (text parts joined) or null; "
-                         f"got {type(content).__name__}")
-    return content
+    return message_text(msg, turn.name())
 
 
 def _system(msg: dict, turn: _Turn, messages: list[dict]) -> str:
@@ -226,37 +175,6 @@ def _tool(msg: dict, turn: _Turn, messages: list[dict]) -> str:
 _RENDERERS = {"system": _system, "user": _user, "developer": _developer, "assistant": _assistant, "tool": _tool}
 
 
-def last_user_index(messages: Sequence[dict]) -> int:
-    """The index of the last user or developer message (-1: none)."""
-    for i in range(len(messages) - 1, -1, -1):
-        if messages[i].get("role") in ("user", "developer"):
-            return i
-    return -1
-
-
-def _mode(thinking_mode: str | bool) -> bool:
-    if isinstance(thinking_mode, bool):
-        return thinking_mode
-    if thinking_mode not in MODES:
-        raise InputError(f"thinking_mode must be 'chat' or 'thinking'; got {thinking_mode!r}")
-    return thinking_mode == "thinking"
-
-
-def _with_request_blocks(messages: list[dict], tools, response_format) -> list[dict]:
-    """The request's tools / response_format put on the first message (a system one, made when missing)."""
-    if not tools and not response_format:
-        return messages
-    if messages and messages[0].get("role") == "system":
-        first, rest = dict(messages[0]), messages[1:]
-    else:
-        first, rest = {"role": "system", "content": ""}, messages
-    if tools:
-        first["tools"] = tools
-    if response_format:
-        first["response_format"] = response_format
-    return [first, *rest]
-
-
 def _generation_tail(messages: list[dict], thinking: bool) -> str:
     """What the last message's rendering ends with that opens the next assistant turn."""
     role = messages[-1].get("role")
@@ -274,11 +192,11 @@ def encode_messages(messages: Sequence[dict], tools: Sequence[dict] | None = Non
     """The prompt text of OpenAI-style `messages` (see the module's docstring). `context`: earlier messages,
     not rendered but seen (the release's way of rendering one more turn; no BOS then). `thinking_mode`:
     "chat" / "thinking" (or a bool). Malformed messages are InputErrors naming the message."""
-    thinking = _mode(thinking_mode)
+    thinking = dsml.is_thinking(thinking_mode)
     context = list(context or [])
     if not messages:
         raise InputError("'messages' must not be empty")
-    msgs = _with_request_blocks(list(messages), tools, response_format)
+    msgs = with_request_blocks(list(messages), tools, response_format)
     full = context + msgs
     last_user = last_user_index(full)
     shift = len(full) - len(messages)
@@ -304,96 +222,7 @@ def encode_messages(messages: Sequence[dict], tools: Sequence[dict] | None = Non
 # --- completions ------------------------------------------------------------------------------------
 
 
-class DsmlFormatError(ValueError):
-    """A completion that is not in DeepSeek-V3.2's output format (the message says where)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class ParsedToolCall:
-    """One DSML invoke: the function's name and its arguments as a JSON object's text."""
-    name: str
-    arguments: str
-
-
-@dataclasses.dataclass(frozen=True)
-class ParsedCompletion:
-    """A completion read back: its reasoning (thinking mode), its content, its tool calls."""
-    content: str
-    reasoning_content: str
-    tool_calls: tuple[ParsedToolCall, ...]
-
-    def as_message(self) -> dict:
-        """The OpenAI assistant message (tool calls as {type, function: {name, arguments}})."""
-        return {"role": "assistant", "content": self.content, "reasoning_content": self.reasoning_content,
-                "tool_calls": [{"type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-                               for c in self.tool_calls]}
-
-
-_CALLS_START = "\n\n" + CALLS_OPEN
-_INVOKE = re.compile(rf'<{DSML}invoke\s*name="(.*?)">\n', re.DOTALL)
-_PARAM = re.compile(rf'<{DSML}parameter name="(.*?)" string="(true|false)">(.*?)</{DSML}parameter>\n', re.DOTALL)
-_INVOKE_END = f"</{DSML}invoke>\n"
-_SPECIAL = (BOS, EOS, THINK, END_THINK, DSML)
-
-
-def _arguments_json(params: list[tuple[str, str, str]]) -> str:
-    """DSML parameters back to a JSON object's text: string values quoted, the others as written."""
-    items = [f"{to_json(k)}: {to_json(v) if is_str == 'true' else v}" for k, is_str, v in params]
-    return "{" + ", ".join(items) + "}"
-
-
-def _read_invoke(text: str, at: int) -> tuple[ParsedToolCall, int]:
-    head = _INVOKE.match(text, at)
-    if head is None:
-        raise DsmlFormatError(f"expected <{DSML}invoke name=\"...\"> at offset {at}")
-    at, params, names = head.end(), [], set()
-    while (p := _PARAM.match(text, at)) is not None:
-        if p.group(1) in names:
-            raise DsmlFormatError(f"parameter {p.group(1)!r} given twice in invoke {head.group(1)!r}")
-        names.add(p.group(1))
-        params.append((p.group(1), p.group(2), p.group(3)))
-        at = p.end()
-    if not text.startswith(_INVOKE_END, at):
-        raise DsmlFormatError(f"expected a parameter or </{DSML}invoke> at offset {at}")
-    return ParsedToolCall(head.group(1), _arguments_json(params)), at + len(_INVOKE_END)
-
-
-def _read_calls(text: str, at: int) -> tuple[tuple[ParsedToolCall, ...], int]:
-    """The invokes of a function_calls block whose opening tag ends at `at`; the offset after its close."""
-    if not text.startswith("\n", at):
-        raise DsmlFormatError(f"expected a newline after {CALLS_OPEN}")
-    at += 1
-    calls = []
-    while not text.startswith(CALLS_CLOSE, at):
-        call, at = _read_invoke(text, at)
-        calls.append(call)
-    return tuple(calls), at + len(CALLS_CLOSE)
-
-
 def parse_completion(text: str, thinking_mode: str | bool = "chat") -> ParsedCompletion:
     """A completion of DeepSeek-V3.2 (the text after the prompt) as reasoning, content and tool calls, as the
-    release's parser reads it: in thinking mode the reasoning runs to </think>; the content runs to EOS or to
-    a DSML function_calls block, which must end the message. Malformed text is a DsmlFormatError."""
-    thinking = _mode(thinking_mode)
-    reasoning, at = "", 0
-    if thinking:
-        end = text.find(END_THINK)
-        calls_at = text.find(_CALLS_START)
-        if end < 0 or 0 <= calls_at < end:
-            raise DsmlFormatError("thinking mode: the completion has no </think> before its content")
-        reasoning, at = text[:end], end + len(END_THINK)
-    calls_at = text.find(_CALLS_START, at)
-    eos_at = text.find(EOS, at)
-    calls: tuple[ParsedToolCall, ...] = ()
-    if calls_at >= 0 and (eos_at < 0 or calls_at < eos_at):
-        content = text[at:calls_at]
-        calls, at = _read_calls(text, calls_at + len(_CALLS_START))
-    else:
-        content = text[at:] if eos_at < 0 else text[at:eos_at]
-        at = len(text) if eos_at < 0 else eos_at
-    if text[at:] not in ("", EOS):
-        raise DsmlFormatError(f"unexpected text after the message: {text[at:at + 40]!r}")
-    for token in _SPECIAL:
-        if token in content or token in reasoning:
-            raise DsmlFormatError(f"special token {token!r} inside the reasoning or content")
-    return ParsedCompletion(content, reasoning, calls)
+    release's parser reads it (encoders/dsml.py's `parse_completion` with the `function_calls` block)."""
+    return dsml.parse_completion(text, thinking_mode, BLOCK)
