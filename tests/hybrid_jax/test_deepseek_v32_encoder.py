@@ -14,6 +14,7 @@ from hybrid_jax.errors import InputError
 from hybrid_jax.server.encoders import ENCODERS, encoder_for
 from hybrid_jax.server.encoders.deepseek_v32 import (ASSISTANT, BOS, EOS, USER, DsmlFormatError, ParsedToolCall,
                                                      encode_messages, parse_completion, tools_block)
+from dsml_fixtures import CALL, WEATHER, dsml_call
 
 DATA = pathlib.Path(__file__).parent.parent / "data" / "deepseek_v32_encoding"
 EXAMPLES = [("test_input.json", "test_output.txt"), ("variant_en/test_input.json", "variant_en/test_output.txt"),
@@ -59,15 +60,7 @@ def test_the_release_round_trips_a_tool_call_turn_and_a_thinking_turn(inp):
     assert parsed == thinking_turn
 
 
-WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
-                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
-                                                           "required": ["city"]}}}
-CALL = {"id": "c1", "type": "function",
-        "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 2}'}}
-DSML_CALL = ('\n\n<｜DSML｜function_calls>\n<｜DSML｜invoke name="get_weather">\n'
-             '<｜DSML｜parameter name="city" string="true">Paris</｜DSML｜parameter>\n'
-             '<｜DSML｜parameter name="days" string="false">2</｜DSML｜parameter>\n'
-             '</｜DSML｜invoke>\n</｜DSML｜function_calls>')
+DSML_CALL = dsml_call("function_calls")
 
 
 def test_generation_prompt_chat_and_thinking():

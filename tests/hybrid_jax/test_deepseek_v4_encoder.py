@@ -17,6 +17,7 @@ from hybrid_jax.server.encoders import ENCODERS, encoder_for
 from hybrid_jax.server.encoders.deepseek_v4 import (ASSISTANT, BOS, EOS, USER, encode_messages, parse_completion,
                                                     tools_block)
 from hybrid_jax.server.encoders.dsml import DsmlFormatError, ParsedToolCall
+from dsml_fixtures import CALL, WEATHER, dsml_call
 
 DATA = pathlib.Path(__file__).parent.parent / "data" / "deepseek_v4_encoding"
 # (example, the mode the release's test renders it in)
@@ -63,16 +64,7 @@ def test_without_tools_thinking_drops_the_earlier_reasoning():
     assert encode_messages(_release_messages(2), thinking_mode="thinking") == prompt
 
 
-WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
-                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
-                                                           "required": ["city"]}}}
-CALL = {"id": "c1", "type": "function",
-        "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 2}'}}
-# the call as V4 writes it: a blank line, then the tool_calls block (string="true" for strings, JSON otherwise)
-DSML_CALL = ('\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="get_weather">\n'
-             '<｜DSML｜parameter name="city" string="true">Paris</｜DSML｜parameter>\n'
-             '<｜DSML｜parameter name="days" string="false">2</｜DSML｜parameter>\n'
-             '</｜DSML｜invoke>\n</｜DSML｜tool_calls>')
+DSML_CALL = dsml_call("tool_calls")
 
 
 def test_the_tools_section_is_the_releases():
