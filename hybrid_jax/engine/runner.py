@@ -327,7 +327,7 @@ class ModelRunner:
         n = len(reqs)
         tokens, meta = self._verify_inputs(reqs, drafts, K)
         Bb = tokens.shape[0]
-        allowed = self.inputs.verify_masks(Bb, K)
+        allowed = self.inputs.verify_masks(Bb, K, masked=any(q.masked for q in reqs))
         for i, (q, d) in enumerate(zip(reqs, drafts)):
             if q.masked:           # each position's mask, along the draft (the grammar allows it)
                 with attributed(q):

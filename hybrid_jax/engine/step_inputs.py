@@ -70,6 +70,7 @@ class StepInputs:
         self.blocks = None
         # ids min_tokens holds back, as a static width: every stop id a request may name and the EOS ids
         self.held_width = MAX_STOP_TOKEN_IDS + len(self.eos_ids)
+        self._all_allowed: dict[tuple[int, int], np.ndarray] = {}     # verify_masks' arrays, by (Bb, K)
 
     def rows(self, reqs, Bb: int) -> StepRows:
         """The step's per-row inputs (a StepRows), padded to the batch bucket Bb."""
@@ -124,10 +125,15 @@ class StepInputs:
             stop_ids[:len(reqs)] = [self.row_consts(q)[4] for q in reqs]
         return stop_ids
 
-    def verify_masks(self, Bb: int, K: int) -> np.ndarray:
-        """[Bb, K+1, W] int32, every token allowed: a verify step's structured-output bitmasks before
-        the masked rows' are filled in (structured/grammars.RequestGrammar.fill_along)."""
-        return np.full((Bb, K + 1, words(self.vocab_size)), -1, np.int32)
+    def verify_masks(self, Bb: int, K: int, masked: bool = False) -> np.ndarray:
+        """[Bb, K+1, W] int32, every token allowed: a verify step's structured-output bitmasks (one array
+        per shape, made once and read-only); masked: a fresh copy the masked rows' are filled into
+        (structured/grammars.RequestGrammar.fill_along)."""
+        full = self._all_allowed.get((Bb, K))
+        if full is None:
+            full = self._all_allowed[(Bb, K)] = np.full((Bb, K + 1, words(self.vocab_size)), -1, np.int32)
+            full.flags.writeable = False
+        return full.copy() if masked else full
 
     def top_n(self, reqs) -> int:
         """The step's logprobs width: the vocabulary when a request asks for all of it (logprobs=-1),

@@ -53,7 +53,6 @@ class _ByteVocab:
         self.eos_token_id, self.bos_token_id = tokenizer.eos_token_id, getattr(tokenizer, "bos_token_id", None)
         self.tokens = [bytes([i]) if i < 256 else b"" for i in range(vocab_size)]
         self.special_token_ids = [i for i in range(256, vocab_size)]
-        self._tok = tokenizer
 
     def __call__(self, text):
         data = text if isinstance(text, bytes) else text.encode("utf-8")
@@ -164,10 +163,6 @@ class GrammarCompiler:
         self._cache: collections.OrderedDict[str, concurrent.futures.Future] = collections.OrderedDict()
         self.compiles = 0            # grammars compiled (cache misses)
         self.hits = 0
-
-    @property
-    def words(self) -> int:
-        return words(self.vocab_size)
 
     def _tokenizer(self):
         with self._lock:

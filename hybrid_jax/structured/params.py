@@ -81,7 +81,8 @@ def _problem(text: str) -> str | None:
     return ("; ".join(messages) or "invalid grammar") if failed else None
 
 
-def _schema_text(schema: Any, what: str) -> str:
+def _schema(schema: Any, what: str) -> dict:
+    """The request's JSON schema as a dict (its text parsed; true / false as the schemas they mean)."""
     if isinstance(schema, str):
         try:
             schema = json.loads(schema)
@@ -91,7 +92,7 @@ def _schema_text(schema: Any, what: str) -> str:
         schema = {} if schema else {"not": {}}
     if not isinstance(schema, dict):
         raise InputError(f"{what} must be a JSON schema (an object); got {type(schema).__name__}")
-    return json.dumps(schema, ensure_ascii=False)       # (key order kept: the output follows it)
+    return schema
 
 
 def _json_options(p: StructuredOutputsParams) -> dict:
@@ -102,13 +103,13 @@ def _json_options(p: StructuredOutputsParams) -> dict:
     return {"whitespace_pattern": p.whitespace_pattern}
 
 
-def lark_json(schema_text: str, options: dict | None = None) -> str:
-    """A Lark grammar whose start rule is the JSON schema `schema_text` (llguidance's `%json`; its
-    options, e.g. whitespace_pattern, ride in the schema's `x-guidance` entry)."""
-    schema = json.loads(schema_text)
+def json_rule(schema: dict, options: dict) -> str:
+    """A Lark expression matching JSON valid for `schema` (llguidance's `%json`, keys in the schema's
+    order: the output follows it); its layout options (JSON_LAYOUT, or whitespace_pattern) ride in the
+    schema's `x-guidance` entry, over any it has."""
     if options and isinstance(schema, dict):
         schema = {**schema, "x-guidance": {**schema.get("x-guidance", {}), **options}}
-    return "start: %json " + json.dumps(schema, ensure_ascii=False)
+    return "%json " + json.dumps(schema, ensure_ascii=False)
 
 
 def lark_string(s: str) -> str:
@@ -119,11 +120,11 @@ def lark_string(s: str) -> str:
 def _grammar(p: StructuredOutputsParams) -> str:
     kind = p.kind
     if kind == "json":
-        return lark_json(_schema_text(p.json, "the JSON schema"), _json_options(p))
+        return "start: " + json_rule(_schema(p.json, "the JSON schema"), _json_options(p))
     if kind == "json_object":
         if p.json_object is not True:
             raise InputError(f"json_object must be true; got {p.json_object!r}")
-        return lark_json('{"type": "object"}', _json_options(p))
+        return "start: " + json_rule({"type": "object"}, _json_options(p))
     if kind == "regex":
         if not isinstance(p.regex, str) or not p.regex:
             raise InputError("regex must be a non-empty string")

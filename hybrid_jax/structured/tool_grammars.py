@@ -20,10 +20,9 @@ the output is one call. The grammar is a Lark grammar in llguidance's dialect.""
 from __future__ import annotations
 
 import dataclasses
-import json
 
 from hybrid_jax.errors import InputError
-from hybrid_jax.structured.params import JSON_LAYOUT, StructuredOutputsParams, lark_string
+from hybrid_jax.structured.params import JSON_LAYOUT, StructuredOutputsParams, json_rule, lark_string
 
 DSML = "｜DSML｜"
 FORMATS = ("hermes", "qwen3_coder", "deepseek_v32", "deepseek_v4", "kimi_k2")
@@ -45,11 +44,9 @@ class Tool:
         return out
 
 
-def _js(schema: dict) -> str:
-    """A %json rule of the schema, laid out as the templates write arguments (JSON_LAYOUT), keys in order."""
-    if isinstance(schema, dict):
-        schema = {**schema, "x-guidance": {**JSON_LAYOUT, **(schema.get("x-guidance") or {})}}
-    return "%json " + json.dumps(schema, ensure_ascii=False)
+def _args(schema) -> str:
+    """Arguments valid for a parameter schema, laid out as the templates write them (JSON_LAYOUT)."""
+    return json_rule(schema, JSON_LAYOUT)
 
 
 def _blocks(call: str, parallel: bool) -> str:
@@ -60,7 +57,7 @@ def _blocks(call: str, parallel: bool) -> str:
 def _hermes(tools: list[Tool], parallel: bool) -> tuple[str, list[str]]:
     one = {"anyOf": [{"type": "object", "properties": {"name": {"const": t.name}, "arguments": t.parameters},
                       "required": ["name", "arguments"], "additionalProperties": False} for t in tools]}
-    return _blocks("call", parallel), ['call: "<tool_call>\\n" ' + _js(one) + ' "\\n</tool_call>"']
+    return _blocks("call", parallel), ['call: "<tool_call>\\n" ' + _args(one) + ' "\\n</tool_call>"']
 
 
 # what a raw string value can be held to (the XML formats write strings unquoted): its length, a pattern,
@@ -121,7 +118,7 @@ def _params(tool: Tool, i: int, write, close: str, newline: bool) -> tuple[str, 
             value, more = _raw(schema, name, f"s{i}_{j}", close, newline)
             rules += more
         else:
-            value = _js(schema if isinstance(schema, dict) else {})
+            value = _args(schema if isinstance(schema, dict) else {})
         rules.append(f"p{i}_{j}: {write(name, value, is_str)}")
         seq.append(f"p{i}_{j}" + ("" if name in required else "?"))
     return " ".join(seq), rules
@@ -152,7 +149,7 @@ def _dsml(tools: list[Tool], parallel: bool, section: str) -> tuple[str, list[st
 
 
 def _kimi(tools: list[Tool], parallel: bool) -> tuple[str, list[str]]:
-    calls = [f'<|tool_call_begin|> "functions.{t.name}:" IDX <|tool_call_argument_begin|> {_js(t.parameters)} '
+    calls = [f'<|tool_call_begin|> "functions.{t.name}:" IDX <|tool_call_argument_begin|> {_args(t.parameters)} '
              f'<|tool_call_end|>' for t in tools]
     many = "+" if parallel else ""          # (the calls of one section)
     return (f"start: <|tool_calls_section_begin|> ({' | '.join(calls)}){many} <|tool_calls_section_end|>",
