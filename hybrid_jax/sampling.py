@@ -223,13 +223,23 @@ def sample(logits: jax.Array, keys: jax.Array, step: jax.Array, temperature: jax
     return jnp.where(temperature > 0, drawn, greedy)
 
 
-def token_logprobs(logits: jax.Array, tokens: jax.Array, top_n: int):
-    """Log-probabilities of the model's distribution. logits: [B, V]; tokens: [B].
-    Returns (sampled [B], top values [B, top_n], top ids [B, top_n])."""
+def token_logprobs(logits: jax.Array, tokens: jax.Array, top_n: int, want: jax.Array | None = None):
+    """Log-probabilities of the model's distribution. logits: [B, V]; tokens: [B]; want [B] bool: the
+    rows that asked for their top log-probabilities (a runtime input: the top-n is computed only when
+    any did, zeros otherwise; None: always). Returns (sampled [B], top values [B, top_n], top ids
+    [B, top_n])."""
     lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     chosen = jnp.take_along_axis(lp, jnp.maximum(tokens, 0)[:, None], axis=-1)[:, 0]
+    B = logits.shape[0]
     if top_n == 0:
-        B = logits.shape[0]
         return chosen, jnp.zeros((B, 0), jnp.float32), jnp.zeros((B, 0), jnp.int32)
-    vals, ids = jax.lax.top_k(lp, top_n)
-    return chosen, vals, ids.astype(jnp.int32)
+
+    def top(x):
+        vals, ids = jax.lax.top_k(x, top_n)
+        return vals, ids.astype(jnp.int32)
+
+    if want is None:
+        return (chosen, *top(lp))
+    vals, ids = jax.lax.cond(jnp.any(want), top,
+                             lambda x: (jnp.zeros((B, top_n), jnp.float32), jnp.zeros((B, top_n), jnp.int32)), lp)
+    return chosen, vals, ids

@@ -1,38 +1,55 @@
 """Compiling the engine's steps: each step body (engine/steps.py) jitted once with its static options
-and donated buffers, counted, and warmed up before serving. Start-up work builds on this module.
+and donated buffers, compiled ahead of time into the runner's `ProgramTable`, read from and written
+to the program store, in parallel, the largest buckets first.
 
-  Programs                 the jitted programs of one `StepContext`, by kind (KINDS); on a mesh each
-                           is traced with the layout current (parallel.context.Traced)
-  warmup                   compiles the mixed / ragged / decode programs of every bucket a mode names
-                           (`minimal` or `all`), and with `all` the copy-on-write of shared pages
-  warmup_verify            compiles the verify program of every (batch bucket, draft length)
-  enable_persistent_compilation_cache   JAX's on-disk cache of compiled programs (a restart with
-                           the same programs, shapes and hardware reads them instead of compiling)
+  Programs       the jitted step bodies of one `StepContext` by kind (KINDS), each behind a `Routed`
+                 call: a step calls the table's compiled program for its key, never a jit dispatch
+                 (on a mesh each is traced with the layout current: parallel.context.Traced)
+  Compiler       lowers and compiles keys (`build`), many at once (`build_all`: lowering on the
+                 calling thread, XLA compiles on a pool), or one a step needs that nothing covers
+                 (`on_demand`: offline runs, warmup="none"; on a server that is a stall, counted)
+  enable_persistent_compilation_cache   JAX's on-disk cache of XLA compiles (engine/program_store.py
+                 is the engine's own, which also skips the tracing)
 
-Warm-up calls each program with padding rows only (every row points at the null row) and numpy
-inputs, as the runner's steps pass them: one dispatch-cache entry per program (so `num_compiled`
-counts exactly what serving runs), and the pools come back as they were.
+What is compiled at start-up, and in which order: engine/startup.py.
 """
 from __future__ import annotations
 
+import concurrent.futures
+import dataclasses
+import logging
 import os
+import threading
+import time
+from typing import Any, Callable
 
 import jax
-import numpy as np
 
 from cache.pools import copy_pages
-from hybrid_jax.engine.fork import fork_rows, warmup_forks
-from hybrid_jax.engine.step_inputs import LOGPROBS_WIDTH
+from hybrid_jax.engine.fork import fork_rows
+from hybrid_jax.engine.program_store import ProgramStore, signature, store_key
+from hybrid_jax.engine.program_table import CompiledProgram, ProgramKey, ProgramTable
 from hybrid_jax.engine.steps import (StepContext, decode_step, draft_step, loop_step, mixed_step, ragged_step,
                                      verify_step)
-from hybrid_jax.logits_processors import seed_row, seeds
-from hybrid_jax.structured.bitmask import WRITE_WIDTH, write_masks
-from hybrid_jax.structured.grammars import words
-from hybrid_jax.models.ragged import pack
+from hybrid_jax.logits_processors import seed_row
 from hybrid_jax.parallel.context import Traced
-from hybrid_jax.sampling import FULL_SAMPLER, MAX_LOGIT_BIAS, SamplingParams
+from hybrid_jax.structured.bitmask import write_masks
+
+log = logging.getLogger("hybrid_jax.engine")
 
 KINDS = ("mixed", "ragged", "decode", "verify", "draft", "loop", "copy_pages", "seed", "fork_rows", "masks")
+
+# each kind's static options, and the bucket a call's arguments are padded to
+STATICS = {"mixed": ("flags", "top_n", "prompt_n"), "ragged": ("flags", "top_n", "prompt_n"),
+           "decode": ("steps", "flags", "top_n"), "verify": ("flags", "replay"), "draft": ("flags",), "loop": ("lc",)}
+SHAPE = {
+    "mixed": lambda a: a[5].shape,                                   # tokens [Bb, T]
+    "ragged": lambda a: (a[3].rows.shape[0], a[5].tokens.shape[0]),  # rows [Bb], flat tokens [N]
+    "decode": lambda a: a[3].rows.shape,                             # rows [Bb]
+    "verify": lambda a: (a[3].shape[0], a[3].shape[1] - 1),          # tokens [Bb, K + 1]
+    "draft": lambda a: (a[2].shape[0], a[2].shape[1] - 1),           # tokens [Bb, K + 1]
+    "loop": lambda a: (a[2].rows.shape[0], a[3].shape[1]),           # rows [Bb], history [Bb, H]
+}
 
 
 def enable_persistent_compilation_cache(path: str | None):
@@ -45,111 +62,199 @@ def enable_persistent_compilation_cache(path: str | None):
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
+def call_key(kind: str, args: tuple, kw: dict) -> tuple[ProgramKey, dict]:
+    """The key of a call of `kind` and its dynamic keyword arguments (the statics taken out of kw; a
+    verify's drafts given from a draft step count as a static option: another program)."""
+    dyn = dict(kw)
+    statics = {n: dyn.pop(n) for n in STATICS.get(kind, ()) if n in dyn}
+    if kind == "verify":
+        statics["given"] = dyn.get("given") is not None
+        if not statics["given"]:
+            dyn.pop("given", None)
+    shape = SHAPE[kind](args) if kind in SHAPE else ()
+    return ProgramKey.of(kind, shape, **statics), dyn
+
+
+class Routed:
+    """A step kind's calls routed to the compiled program of their key (`Compiler.program`); `lower`
+    and the jitted function stay reachable (tests read the lowered HLO)."""
+
+    def __init__(self, kind: str, jitted, compiler: "Compiler"):
+        self.kind, self.jitted, self.compiler = kind, jitted, compiler
+
+    def __call__(self, *args, **kw):
+        key, dyn = call_key(self.kind, args, kw)
+        return self.compiler.program(key, self.jitted, args, dyn).executable(*args, **dyn)
+
+    def lower(self, *args, **kw):
+        return self.jitted.lower(*args, **kw)
+
+    def _cache_size(self) -> int:
+        return self.compiler.table.by_kind().get(self.kind, 0)
+
+
 class Programs:
     """The step programs of `ctx`, jitted once each, the pools (and the drafter's state) donated, and
     the rows' state (`last`: last tokens and the logits processors' counts, [max_num_seqs + 1, V]) by
     the mixed, ragged, decode and seed programs, so a step updates it in place rather than copying it:
 
-      mixed       steps.mixed_step     static flags, top_n, prompt_n
-      ragged      steps.ragged_step    static flags, top_n, prompt_n
-      decode      steps.decode_step    static steps, flags, top_n
-      verify      steps.verify_step    static flags, replay (and whether its drafts are given)
-      draft       steps.draft_step     static flags (a drafter on the device drafting alone: structured outputs)
-      loop        steps.loop_step      static lc (device_loop.LoopConfig)
+      mixed       steps.mixed_step     [Bb, T]  static flags, top_n, prompt_n
+      ragged      steps.ragged_step    [Bb, N]  static flags, top_n, prompt_n
+      decode      steps.decode_step    [Bb]     static steps, flags, top_n
+      verify      steps.verify_step    [Bb, K]  static flags, replay (and whether its drafts are given)
+      draft       steps.draft_step     [Bb, K]  static flags (a drafter on the device drafting alone)
+      loop        steps.loop_step      [Bb, H]  static lc (device_loop.LoopConfig)
       copy_pages  cache.pools.copy_pages (copy-on-write of shared pages)
       seed        logits_processors.seed_row (a row's processors' state, at placement)
       fork_rows   engine.fork.fork_rows (a group's leader row copied into its members' rows)
       masks       structured.bitmask.write_masks (rows' structured-output bitmasks, before a step)
-    """
 
-    def __init__(self, ctx: StepContext):
-        self.ctx = ctx
-        self.mixed = jax.jit(mixed_step(ctx), static_argnames=("flags", "top_n", "prompt_n"),
-                             donate_argnames=("cache", "last", "dcache"))
-        self.ragged = jax.jit(ragged_step(ctx), static_argnames=("flags", "top_n", "prompt_n"),
-                              donate_argnames=("cache", "last"))
-        self.decode = jax.jit(decode_step(ctx), static_argnames=("steps", "flags", "top_n"),
-                              donate_argnames=("cache", "last", "dcache"))
-        self.verify = jax.jit(verify_step(ctx), static_argnames=("flags", "replay"),
-                              donate_argnames=("cache", "dcache"))
-        self.draft = jax.jit(draft_step(ctx), static_argnames=("flags",))
-        self.loop = jax.jit(loop_step(ctx), static_argnames=("lc",), donate_argnames=("cache",))
-        if ctx.layout is not None:      # traced with the layout current: the per-device ops see the mesh
-            for kind in ("mixed", "ragged", "decode", "verify", "draft", "loop"):
-                setattr(self, kind, Traced(ctx.layout, getattr(self, kind)))
-        self.copy_pages = jax.jit(copy_pages, donate_argnames=("pools",))
-        self.seed = jax.jit(seed_row, donate_argnames=("state",))
-        self.fork_rows = jax.jit(fork_rows, donate_argnames=("pools",))
-        self.masks = jax.jit(write_masks, donate_argnames=("state",))
+    Each attribute is a `Routed` call: the table's compiled program of the call's key."""
+
+    def __init__(self, ctx: StepContext, compiler: "Compiler"):
+        self.ctx, self.compiler = ctx, compiler
+        jitted = {
+            "mixed": jax.jit(mixed_step(ctx), static_argnames=STATICS["mixed"], donate_argnames=("cache", "last", "dcache")),
+            "ragged": jax.jit(ragged_step(ctx), static_argnames=STATICS["ragged"], donate_argnames=("cache", "last")),
+            "decode": jax.jit(decode_step(ctx), static_argnames=STATICS["decode"],
+                              donate_argnames=("cache", "last", "dcache")),
+            "verify": jax.jit(verify_step(ctx), static_argnames=STATICS["verify"], donate_argnames=("cache", "dcache")),
+            "draft": jax.jit(draft_step(ctx), static_argnames=STATICS["draft"]),
+            "loop": jax.jit(loop_step(ctx), static_argnames=STATICS["loop"], donate_argnames=("cache",)),
+            "copy_pages": jax.jit(copy_pages, donate_argnames=("pools",)),
+            "seed": jax.jit(seed_row, donate_argnames=("state",)),
+            "fork_rows": jax.jit(fork_rows, donate_argnames=("pools",)),
+            "masks": jax.jit(write_masks, donate_argnames=("state",)),
+        }
+        for kind, fn in jitted.items():
+            if ctx.layout is not None and kind in ("mixed", "ragged", "decode", "verify", "draft", "loop"):
+                fn = Traced(ctx.layout, fn)     # traced with the layout current: the per-device ops see the mesh
+            setattr(self, kind, Routed(kind, fn, compiler))
+
+    @property
+    def table(self) -> ProgramTable:
+        return self.compiler.table
 
     def compiled(self) -> dict[str, int]:
         """Programs compiled so far, by kind (one per bucket and static option)."""
-        return {kind: getattr(self, kind)._cache_size() for kind in KINDS}
+        have = self.table.by_kind()
+        return {kind: have.get(kind, 0) for kind in KINDS}
 
     def num_compiled(self) -> int:
-        return sum(self.compiled().values())
+        return len(self.table)
 
 
-def warmup(runner, mode: str):
-    """Compiles the runner's step programs ahead of serving: `minimal` = every decode bucket and the
-    mixed step at the smallest token bucket; `all` = every (batch, token) bucket, with and without
-    logprobs, and (with prefix caching) the copy-on-write of shared pages: every program a step can
-    run; both compile, where the engine forks (engine/fork.py), the row copy of a fork and the
-    copy-on-write its members' first writes run; `none` = nothing. The pools come back untouched:
-    every row points at the null row.
-    runner: the engine's ModelRunner (its step programs, pools and drafter state are used and kept)."""
-    if mode == "none":
-        return
-    ecfg = runner.ecfg
-    forking = warmup_forks(runner)
-    if runner.widths and (forking or (mode == "all" and ecfg.enable_prefix_caching)):
-        W = ecfg.max_num_seqs
-        pad = (np.full((W,), -1, np.int32), np.full((W,), -1, np.int32))
-        runner.cache = runner._copy_pages(runner.cache, {n: pad for n in runner.widths})
-    # the seeding program, on the null row with neutral parameters (no step reads the null row's state)
-    null = seeds(runner.null_slot, [], [], SamplingParams(), runner.inputs.held_ids(SamplingParams()), MAX_LOGIT_BIAS)
-    runner.slot_last = runner._seed(runner.slot_last, null[0])
-    # the bitmask writer, every row padding (dropped)
-    runner.slot_last = runner._masks(runner.slot_last, np.full((WRITE_WIDTH,), runner.null_slot + 1, np.int32),
-                                     np.zeros((WRITE_WIDTH, words(runner.cfg.vocab_size)), np.int32))
-    tbs = runner.token_buckets() if mode == "all" else runner.token_buckets()[:1]
-    widths = (0, LOGPROBS_WIDTH) if mode == "all" else (0,)
-    dparams = runner.drafter.params
-    for Bb in runner.batch_buckets():
-        r = runner.inputs.rows([], Bb)
-        z = np.zeros((Bb,), bool)     # numpy, as the steps pass them: one dispatch-cache entry per program
-        rm = r.replace(fresh=z) if runner.drafter.fresh_rows else r
-        for top_n in widths:
-            for T in tbs:
-                if runner.ragged and Bb > 1:        # a step of several rows may run either way
-                    _, _, runner.cache, runner.slot_last, _ = runner._ragged(
-                        runner.params, runner.cache, runner.slot_last, r, z, pack([], [], T, Bb), z, flags=FULL_SAMPLER,
-                        top_n=top_n, targets=np.full((T,), -1, np.int32), prompt_n=LOGPROBS_WIDTH)
-                _, _, runner.cache, runner.dcache, runner.slot_last, _ = runner._mixed(
-                    runner.params, runner.cache, runner.slot_last, rm, z, np.zeros((Bb, T), np.int32),
-                    np.zeros((Bb,), np.int32), z, dparams, runner.dcache, flags=FULL_SAMPLER, top_n=top_n,
-                    targets=np.full((Bb, T), -1, np.int32), prompt_n=LOGPROBS_WIDTH)
-            _, _, runner.cache, runner.dcache, runner.slot_last = runner._decode(
-                runner.params, runner.cache, runner.slot_last, r, np.zeros((Bb,), np.int32), z,
-                np.full((Bb, ecfg.max_stop_ids), -1, np.int32), np.zeros((Bb,), np.int32), dparams,
-                runner.dcache, steps=ecfg.decode_steps, flags=FULL_SAMPLER, top_n=top_n)
-    jax.block_until_ready(runner.cache)
+@dataclasses.dataclass
+class Stats:
+    """What the compiler did: programs by source, seconds lowering / compiling / loading (summed over
+    threads), stalls (a step that waited on a compile while serving)."""
+    lower_s: float = 0.0
+    compile_s: float = 0.0
+    load_s: float = 0.0
+    stalls: int = 0
 
 
-def warmup_verify(runner, k_buckets, replay: bool):
-    """Compiles the runner's verify program for every (batch bucket, draft length) pair; every row is
-    padding. With a drafter on the device also its drafts drawn alone and the verify of drafts given
-    (what a structured output's row takes: ModelRunner.draft)."""
-    for Bb in runner.batch_buckets():
-        for K in k_buckets:
-            r, tokens, meta = runner.inputs.rows([], Bb), np.zeros((Bb, K + 1), np.int32), np.zeros((2, Bb), np.int32)
-            _, _, runner.cache, runner.dcache = runner._verify(
-                runner.params, runner.cache, r, tokens, meta, runner.inputs.verify_masks(Bb, K), runner.drafter.params,
-                runner.dcache, flags=FULL_SAMPLER, replay=replay)
-            if runner.drafter.on_device:
-                _, probs = runner._draft(runner.params, r, tokens, meta, runner.drafter.params, runner.dcache,
-                                         flags=FULL_SAMPLER)
-                _, _, runner.cache, runner.dcache = runner._verify(
-                    runner.params, runner.cache, r, tokens, meta, runner.inputs.verify_masks(Bb, K),
-                    runner.drafter.params, runner.dcache, flags=FULL_SAMPLER, replay=replay, given=probs)
-    jax.block_until_ready(runner.cache)
+class Compiler:
+    """Compiles one runner's programs into its table. context: what the step context is, for the
+    store's key (program_store.store_key); store: the program store (None: none); serving: a step
+    that needs an uncompiled program is a stall (logged and counted) rather than routine."""
+
+    def __init__(self, context: dict, store: ProgramStore | None = None):
+        self.context, self.store = context, store
+        self.table = ProgramTable()
+        self.stats = Stats()
+        self.serving = False
+        self._lock = threading.Lock()
+
+    def program(self, key: ProgramKey, jitted, args, kw) -> CompiledProgram:
+        p = self.table.get(key)
+        if p is None:
+            if self.serving:
+                self.stats.stalls += 1
+                log.warning("a step waits on a compile: %s (no compiled program covers it)", key.describe())
+            p = self._build(key, jitted, args, kw, source="on_demand")
+        return p
+
+    def _build(self, key: ProgramKey, jitted, args, kw, source: str) -> CompiledProgram:
+        """Reads key's program from the store, or lowers and compiles it (and stores it)."""
+        skey = self._store_key(key, args, kw)
+        t = time.perf_counter()
+        exe = self.store.load(skey) if self.store is not None else None
+        if exe is not None:
+            p = CompiledProgram(exe, "store", compile_s=time.perf_counter() - t)
+            self._count(p)
+        else:
+            lowered, lower_s = self._lower(key, jitted, args, kw)
+            p = self._compile(key, skey, lowered, lower_s, source)
+        self.table.add(key, p)
+        return p
+
+    def _store_key(self, key: ProgramKey, args, kw) -> str | None:
+        if self.store is None:
+            return None
+        return store_key(self.context, {"kind": key.kind, "shape": key.shape, "statics": repr(key.statics),
+                                        "signature": signature(args, kw)})
+
+    def _lower(self, key, jitted, args, kw):
+        t = time.perf_counter()
+        lowered = jitted.lower(*args, **kw, **{k: v for k, v in key.statics if k != "given"})
+        return lowered, time.perf_counter() - t
+
+    def _compile(self, key, skey, lowered, lower_s, source) -> CompiledProgram:
+        t = time.perf_counter()
+        exe = lowered.compile()
+        p = CompiledProgram(exe, source, lower_s=lower_s, compile_s=time.perf_counter() - t)
+        if self.store is not None:
+            self.store.save(skey, exe)
+        self._count(p)
+        return p
+
+    def _count(self, p: CompiledProgram):
+        with self._lock:
+            self.stats.lower_s += p.lower_s
+            if p.source == "store":
+                self.stats.load_s += p.compile_s
+            else:
+                self.stats.compile_s += p.compile_s
+
+    def build_all(self, jobs: list["Job"], workers: int, progress: Callable[[ProgramKey, CompiledProgram], Any],
+                  stop: threading.Event | None = None):
+        """Builds every job's key not in the table yet: store reads and lowering on this thread, in
+        order; XLA compiles on `workers` threads (XLA releases the GIL while it compiles), so lowering
+        the next program overlaps compiling the last ones. progress(key, program) after each."""
+        with concurrent.futures.ThreadPoolExecutor(max(1, workers), thread_name_prefix="hybrid-jax-compile") as pool:
+            pending = []
+            for job in jobs:
+                if stop is not None and stop.is_set():
+                    break
+                if job.key in self.table:
+                    continue
+                skey = self._store_key(job.key, job.args, job.kw)
+                t = time.perf_counter()
+                exe = self.store.load(skey) if self.store is not None else None
+                if exe is not None:
+                    p = CompiledProgram(exe, "store", compile_s=time.perf_counter() - t)
+                    self._count(p)
+                    self.table.add(job.key, p)
+                    progress(job.key, p)
+                    continue
+                lowered, lower_s = self._lower(job.key, job.jitted, job.args, job.kw)
+                pending.append(pool.submit(self._finish, job.key, skey, lowered, lower_s, job.source, progress))
+            for f in pending:
+                f.result()
+
+    def _finish(self, key, skey, lowered, lower_s, source, progress):
+        p = self._compile(key, skey, lowered, lower_s, source)
+        self.table.add(key, p)
+        progress(key, p)
+
+
+@dataclasses.dataclass
+class Job:
+    """A program to build ahead of use: its key, the jitted function, example arguments (the runner's
+    state as shape/dtype/sharding structs, the step inputs of padding rows) and its dynamic keywords."""
+    key: ProgramKey
+    jitted: Any
+    args: tuple
+    kw: dict
+    source: str = "compiled"

@@ -49,6 +49,7 @@ from hybrid_jax.engine.runner import Dispatched, ModelRunner
 from hybrid_jax.engine.scheduler import Scheduler, SchedulerOutput, StepResult
 from hybrid_jax.engine.speculate import EngineSpeculator
 from hybrid_jax.engine.speculative_step import SpeculativeStep
+from hybrid_jax.engine.startup import Startup, plan
 from hybrid_jax.errors import InputError
 from hybrid_jax.sampling import SamplingParams
 from hybrid_jax.structured.grammars import GrammarCompiler
@@ -109,6 +110,7 @@ class LLMEngine:
         self._planned: list[Request] = []       # the requests of the step under way (recovery's suspects)
         self._rng = np.random.default_rng(c.seed)   # seeds of requests that bring none
         self._grammars: GrammarCompiler | None = None   # structured outputs' compiles (made on first use)
+        self.startup: Startup | None = None     # the warm-up's plan and progress (engine/startup.py)
 
     @property
     def grammars(self) -> GrammarCompiler:
@@ -261,17 +263,31 @@ class LLMEngine:
         return (bool(s.waiting) or len(s.running) > s.releasing()
                 or (self._flight is not None and not all(q.finished for q in self._flight.reqs)))
 
-    def warmup(self, mode: str | None = None):
+    def warmup(self, mode: str | None = None, on_progress=None, background: bool = True):
+        """Builds the step programs the warm-up mode names (engine/startup.py): the ready set now, every
+        CPU compiling (or read from the program store); with mode "all" the smaller buckets then on a
+        background thread (`wait_compiled`; background=False: now). After a warm-up, a step that finds
+        no compiled program to run in is a stall, counted (`compile.Compiler.program`).
+        on_progress(StartupProgress) after each program."""
         t0 = time.perf_counter()
         mode = mode or self.config.warmup
-        self.runner.warmup(mode)
         if mode != "none" and self.loaded.tokenizer is not None:
             self.grammars.prepare()     # the grammar library's tokenizer, converted on its worker meanwhile
-        if self.spec is not None and mode != "none":
-            self.runner.warmup_verify(self.spec.spec.k_buckets(), replay=self.spec.spec.rollback == "replay")
+        spec = self.spec.spec if self.spec is not None else None
+        self.startup = Startup(self.runner, plan(self.runner, mode, spec), on_progress)
+        self.startup.ready_phase()
         if self.scheduler.prefix is not None and mode != "none":
             self.scheduler.prefix.warmup()
+        if mode != "none":
+            self.runner.compiler.serving = True
         self.warmup_seconds = time.perf_counter() - t0
+        self.startup.start_background()
+        if not background:
+            self.wait_compiled()
+
+    def wait_compiled(self, timeout: float | None = None) -> bool:
+        """Blocks until the warm-up's background compiles are done; whether they are."""
+        return self.startup.wait(timeout) if self.startup is not None else True
 
     def num_compiled(self) -> int:
         """Programs compiled so far: the step buckets plus the prefix cache's save and load."""

@@ -201,13 +201,3 @@ def can_fork(runner) -> bool:
     """Whether an engine over this runner forks groups: not where its drafter keeps per-row device
     state (a draft model, the MTP block), which a fork would have to copy too."""
     return runner.dcache is None
-
-
-def warmup_forks(runner) -> bool:
-    """Compiles `fork_rows` with padding pairs only (the pools come back as they were), where the
-    runner forks; returns whether it does (the caller then compiles the copy-on-write too)."""
-    if not can_fork(runner):
-        return False
-    pad = np.full((runner.ecfg.max_num_seqs,), -1, np.int32)
-    runner.cache = runner._fork_rows(runner.cache, pad, pad)
-    return True

@@ -25,6 +25,7 @@ request with processors is placed in a row and counted by the steps.
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 
 import jax
@@ -34,12 +35,14 @@ import numpy as np
 from cache.block_manager import BlockManager, GroupGeometry
 from cache.pools import build_pools, pool_geometry, size_pools
 from hybrid_jax.decode_loop import decode_budget
-from hybrid_jax.engine.compile import Programs, warmup, warmup_verify
+from hybrid_jax.engine.compile import Compiler, Job, Programs
+from hybrid_jax.engine.program_store import ProgramStore
+from hybrid_jax.engine.program_table import ProgramKey
 from hybrid_jax.engine.config import EngineConfig
 from hybrid_jax.engine.drafter import Drafter, DraftModel, MTPDrafter
 from hybrid_jax.engine.prompt_logprobs import PromptFlight, plan_targets, prompt_width
 from hybrid_jax.engine.request import attributed
-from hybrid_jax.engine.step_inputs import StepInputs
+from hybrid_jax.engine.step_inputs import LOGPROBS_WIDTH, StepInputs
 from hybrid_jax.engine.steps import StepContext
 from hybrid_jax.errors import InputError
 from hybrid_jax.generate import bucket
@@ -50,7 +53,7 @@ from hybrid_jax.models import get_model
 from hybrid_jax.models.ragged import pack
 from hybrid_jax.parallel.context import active
 from hybrid_jax.parallel.placement import entry_copies
-from hybrid_jax.sampling import FULL_SAMPLER, MAX_LOGIT_BIAS
+from hybrid_jax.sampling import FULL_SAMPLER, MAX_LOGIT_BIAS, SamplingParams
 
 MIN_T = 8
 
@@ -121,6 +124,9 @@ class ModelRunner:
         # The drafter (engine/drafter.py) the steps carry: none until `set_draft` / `set_mtp` choose one;
         # dcache holds its state on the device (None without one).
         self.drafter, self.dcache = Drafter(), None
+        # the program store (engine/program_store.py) beside JAX's compilation cache (None: none)
+        ccd = ecfg.compilation_cache_dir
+        self.store = ProgramStore(os.path.join(ccd, "hybrid_jax_programs")) if ccd else None
         self._build_programs()
         self.slot_last = self._new_slot_last()
         self.wait_seconds = 0.0        # time the host spent blocked on step results (`_wait`, `land`)
@@ -249,8 +255,12 @@ class ModelRunner:
         decodes costs about one decode step instead of stalling them all."""
         if self.ragged:        # a ragged step costs its real tokens: the scheduler's budget is the only cap
             return self.ecfg.max_num_batched_tokens
-        fit = self.ecfg.max_num_batched_tokens // bucket(rows)
-        return max([b for b in self.token_buckets() if b <= fit] or [MIN_T])
+        Bb = bucket(rows)
+        fit = [b for b in self.token_buckets() if b <= self.ecfg.max_num_batched_tokens // Bb]
+        if self.compiler.serving:      # while smaller buckets compile in the background: what is compiled
+            statics = dict(flags=FULL_SAMPLER, top_n=LOGPROBS_WIDTH, prompt_n=LOGPROBS_WIDTH)
+            fit = [b for b in fit if self.compiler.table.cover(ProgramKey.of("mixed", (Bb, b), **statics))]
+        return max(fit or [MIN_T])
 
     def token_bucket(self, n: int) -> int:
         return next(b for b in self.token_buckets() if b >= n)
@@ -260,14 +270,33 @@ class ModelRunner:
         return self._programs.num_compiled()
 
     def _build_programs(self):
-        """The step programs (engine/compile.Programs) over the runner's context and drafter. They are
-        the runner's `_mixed`, `_ragged`, `_decode`, `_verify`, `_loop`, `_copy_pages`, `_seed`,
-        `_fork_rows` (tests and benchmarks wrap them one at a time)."""
+        """The step programs (engine/compile.Programs) over the runner's context and drafter, and their
+        table and compiler. They are the runner's `_mixed`, `_ragged`, `_decode`, `_verify`, `_loop`,
+        `_copy_pages`, `_seed`, `_fork_rows`, `_masks`, `_draft` (tests and benchmarks wrap them one at
+        a time)."""
         ctx = StepContext(self.model, self.cfg, self.impl, self.layout, self.cache_shardings, self.drafter)
-        self._programs = p = Programs(ctx)
+        serving = getattr(self, "compiler", None) is not None and self.compiler.serving
+        self.compiler = Compiler(self._context(), self.store)
+        self.compiler.serving = serving
+        self._programs = p = Programs(ctx, self.compiler)
         self._mixed, self._ragged, self._decode, self._verify = p.mixed, p.ragged, p.decode, p.verify
         self._loop, self._copy_pages, self._seed, self._fork_rows = p.loop, p.copy_pages, p.seed, p.fork_rows
         self._masks, self._draft = p.masks, p.draft
+
+    def _context(self) -> dict:
+        """What the step context is, for the program store's key: the family and its config, dtype,
+        kernels, the layout, the drafter (engine/program_store.py)."""
+        d, lay = self.drafter, self.layout
+        return {"model": self.cfg.model_type, "cfg": repr(self.cfg), "dtype": str(self.dtype), "impl": self.impl,
+                "layout": None if lay is None else {"config": repr(lay.pc), "mesh": dict(lay.mesh.shape),
+                                                    "devices": [int(x.id) for x in lay.mesh.devices.flat]},
+                "drafter": {"kind": type(d).__name__, "cfg": repr(getattr(d, "cfg", None))}}
+
+    def cover(self, need: ProgramKey) -> ProgramKey:
+        """The compiled program a step that needs `need` runs in: itself, or a larger compiled bucket
+        of the same kind and options (the step padded to it); `need` when none is compiled (it is then
+        compiled on first use: `compile.Compiler.program`)."""
+        return self.compiler.table.cover(need) or need
 
     # --- the drafter ------------------------------------------------------------------------------
     def _use(self, drafter: Drafter):
@@ -296,9 +325,10 @@ class ModelRunner:
         self.slot_last = self._new_slot_last()
         self.dcache = self.drafter.new_state()
 
-    def _verify_inputs(self, reqs, drafts, K: int):
-        """A verify's tokens [Bb, K+1] (each row's pending token, then its drafts) and meta [2, Bb]."""
-        Bb = bucket(len(reqs))
+    def _verify_inputs(self, reqs, drafts, K: int, key: ProgramKey):
+        """A verify's (or a draft step's) tokens [Bb, K+1] (each row's pending token, then its drafts) and
+        meta [2, Bb], Bb the smallest compiled batch bucket of `key`'s kind and options that covers them."""
+        Bb = self.cover(dataclasses.replace(key, shape=(bucket(len(reqs)), K))).shape[0]
         tokens = np.zeros((Bb, K + 1), np.int32)
         meta = np.zeros((2, Bb), np.int32)
         for i, (q, d) in enumerate(zip(reqs, drafts)):
@@ -312,7 +342,8 @@ class ModelRunner:
         """A drafter on the device drafts alone (`draft_step`), for a verify whose drafts the host must
         read first: (drafts, one [k_i] int32 per request, k_i = lengths[i]; their distributions [Bb, K, V],
         left on the device for `run_verify(given=...)`)."""
-        tokens, meta = self._verify_inputs(reqs, [np.zeros((k,), np.int32) for k in lengths], K)
+        tokens, meta = self._verify_inputs(reqs, [np.zeros((k,), np.int32) for k in lengths], K,
+                                           ProgramKey.of("draft", flags=FULL_SAMPLER))
         out, probs = self._draft(self.params, self.inputs.rows(reqs, tokens.shape[0]), tokens, meta,
                                  self.drafter.params, self.dcache, flags=FULL_SAMPLER)
         self._wait(out)
@@ -325,7 +356,8 @@ class ModelRunner:
         None: the drafter drafts inside the verify, or the drafts are the host's). Returns (n_accepted
         [n], tokens [n, K+1])."""
         n = len(reqs)
-        tokens, meta = self._verify_inputs(reqs, drafts, K)
+        tokens, meta = self._verify_inputs(reqs, drafts, K, ProgramKey.of("verify", flags=FULL_SAMPLER, replay=replay,
+                                                                          given=given is not None))
         Bb = tokens.shape[0]
         allowed = self.inputs.verify_masks(Bb, K, masked=any(q.masked for q in reqs))
         for i, (q, d) in enumerate(zip(reqs, drafts)):
@@ -373,16 +405,31 @@ class ModelRunner:
         return toks, np.asarray(log)[:, :, :n], np.asarray(branch)
 
     # --- host calls ---------------------------------------------------------------------------------
-    def dispatch_mixed(self, plan_rows) -> Dispatched:
-        """Enqueues a mixed step of scheduler rows (prefill chunks and decodes; `land` gives tokens
-        [n, 1], -1 for a row that does not sample); a row whose request has tokens in flight is fed its
-        last one from `slot_last`."""
+    def _mixed_key(self, plan_rows) -> ProgramKey:
+        """The program a mixed step of these rows runs: ragged when padding to the longest row would cost
+        more tokens than the flat batch (several rows of unequal length; a step of one row, or of equal
+        rows, is no smaller flat, and the padded step is the faster program for it: XLA:CPU ~13% on a
+        512-token chunk over 4k), else padded; the smallest compiled bucket of either kind that covers
+        it (the preferred kind first)."""
         reqs = [p.request for p in plan_rows]
-        n = len(reqs)
-        Bb = bucket(n)
-        reset = np.zeros((Bb,), bool)
-        do_sample = np.zeros((Bb,), bool)
-        fresh = np.zeros((Bb,), bool)
+        Bb = bucket(len(reqs))
+        lens = [1 if p.request.num_inflight else p.num_tokens for p in plan_rows]
+        T, N = self.token_bucket(max(lens)), self.token_bucket(sum(lens))
+        statics = dict(flags=FULL_SAMPLER, top_n=self.inputs.top_n(reqs), prompt_n=prompt_width(reqs, self.cfg.vocab_size))
+        padded = ProgramKey.of("mixed", (Bb, T), **statics)
+        if not self.ragged:
+            return self.cover(padded)
+        flat = ProgramKey.of("ragged", (Bb, N), **statics)
+        first, second = (flat, padded) if Bb * T > N else (padded, flat)
+        table = self.compiler.table
+        return table.cover(first) or table.cover(second) or first
+
+    def _mixed_args(self, plan_rows, key: ProgramKey):
+        """A mixed step's arguments (after params, pools and `slot_last`) and keywords for program `key`
+        (engine/compile.SHAPE: mixed [Bb, T] or ragged [Bb, N]), and the prompt scores' spans."""
+        reqs = [p.request for p in plan_rows]
+        Bb = key.shape[0]
+        reset, do_sample, fresh = np.zeros((Bb,), bool), np.zeros((Bb,), bool), np.zeros((Bb,), bool)
         chunks = []
         for i, p in enumerate(plan_rows):
             q = p.request
@@ -392,43 +439,42 @@ class ModelRunner:
                 reset[i], do_sample[i] = p.reset, p.sample
                 # the MTP state starts over with the row, and after a prefix hit (it holds no prefix)
                 fresh[i] = p.reset or (q.num_cached_tokens > 0 and q.num_computed == q.num_cached_tokens)
-        top_n, prompt_n = self.inputs.top_n(reqs), prompt_width(reqs, self.cfg.vocab_size)
         r = self.inputs.rows(reqs, Bb)
-        T = self.token_bucket(max(len(c) for c in chunks))
-        N = self.token_bucket(sum(len(c) for c in chunks))
-        # Ragged when padding to the longest row would cost more tokens than the flat batch (several
-        # rows of unequal length); a step of one row, or of equal rows, is no smaller flat, and the
-        # padded step is the faster program for it (XLA:CPU: ~13% on a 512-token chunk over 4k).
-        t = time.perf_counter()
-        if self.ragged and Bb * T > N:
+        if key.kind == "ragged":
+            N = key.shape[1]
             batch = pack(chunks, [p.request.num_computed for p in plan_rows], N, Bb)
             targets, spans = plan_targets(plan_rows, batch.cu_seqlens, N)
-            tok, lps, self.cache, self.slot_last, plp = self._ragged(
-                self.params, self.cache, self.slot_last, r, reset, batch, do_sample, flags=FULL_SAMPLER, top_n=top_n,
-                targets=targets, prompt_n=prompt_n)
-            program = ("ragged", Bb, N, top_n)
-        else:
-            tokens = np.zeros((Bb, T), np.int32)
-            n_new = np.zeros((Bb,), np.int32)
-            for i, c in enumerate(chunks):
-                tokens[i, :len(c)] = c
-                n_new[i] = len(c)
-            if self.drafter.fresh_rows:
-                r = r.replace(fresh=fresh)
-            targets, spans = plan_targets(plan_rows, np.arange(Bb) * T, Bb * T)
-            tok, lps, self.cache, self.dcache, self.slot_last, plp = self._mixed(
-                self.params, self.cache, self.slot_last, r, reset, tokens, n_new,
-                do_sample, self.drafter.params, self.dcache, flags=FULL_SAMPLER, top_n=top_n,
-                targets=targets.reshape(Bb, T), prompt_n=prompt_n)
-            program = ("mixed", Bb, T, top_n)
-        return Dispatched(n, tok, lps, program, t, PromptFlight(spans, plp) if spans else None)
+            return (r, reset, batch, do_sample), {"targets": targets}, spans
+        T = key.shape[1]
+        tokens, n_new = np.zeros((Bb, T), np.int32), np.zeros((Bb,), np.int32)
+        for i, c in enumerate(chunks):
+            tokens[i, :len(c)] = c
+            n_new[i] = len(c)
+        if self.drafter.fresh_rows:
+            r = r.replace(fresh=fresh)
+        targets, spans = plan_targets(plan_rows, np.arange(Bb) * T, Bb * T)
+        return (r, reset, tokens, n_new, do_sample), {"targets": targets.reshape(Bb, T)}, spans
 
-    def dispatch_decode(self, reqs, steps: int, caps: list[int] | None = None) -> Dispatched:
-        """Enqueues up to `steps` decode iterations for running requests (each stops at a stop id, its
-        max_tokens or caps[i] tokens, on device; `land` gives tokens [n, steps], -1 past a row's end);
-        a request with tokens in flight is fed its last from `slot_last`."""
+    def dispatch_mixed(self, plan_rows) -> Dispatched:
+        """Enqueues a mixed step of scheduler rows (prefill chunks and decodes; `land` gives tokens
+        [n, 1], -1 for a row that does not sample); a row whose request has tokens in flight is fed its
+        last one from `slot_last`."""
+        key = self._mixed_key(plan_rows)
+        args, kw, spans = self._mixed_args(plan_rows, key)
+        statics = key.static_kwargs()
+        t = time.perf_counter()
+        if key.kind == "ragged":
+            tok, lps, self.cache, self.slot_last, plp = self._ragged(
+                self.params, self.cache, self.slot_last, *args, **statics, **kw)
+        else:
+            tok, lps, self.cache, self.dcache, self.slot_last, plp = self._mixed(
+                self.params, self.cache, self.slot_last, *args, self.drafter.params, self.dcache, **statics, **kw)
+        return Dispatched(len(plan_rows), tok, lps, key, t, PromptFlight(spans, plp) if spans else None)
+
+    def _decode_args(self, reqs, Bb: int, caps: list[int] | None = None) -> tuple:
+        """A decode step's arguments after params, pools and `slot_last`: (rows, last tokens [Bb], active
+        [Bb], stop ids [Bb, S], remaining [Bb])."""
         n = len(reqs)
-        Bb = bucket(n)
         last = np.zeros((Bb,), np.int32)
         active = np.zeros((Bb,), bool)
         remaining = np.zeros((Bb,), np.int32)
@@ -436,18 +482,63 @@ class ModelRunner:
             last[:n] = [q.output_ids[-1] if not q.num_inflight else 0 for q in reqs]
             active[:n] = True
             remaining[:n] = decode_budget(np.asarray([q.remaining_tokens for q in reqs]), caps)
-        stop_ids = self.inputs.stop_ids(reqs, Bb)
-        t, top_n = time.perf_counter(), self.inputs.top_n(reqs)
+        return self.inputs.rows(reqs, Bb), last, active, self.inputs.stop_ids(reqs, Bb), remaining
+
+    def dispatch_decode(self, reqs, steps: int, caps: list[int] | None = None) -> Dispatched:
+        """Enqueues up to `steps` decode iterations for running requests (each stops at a stop id, its
+        max_tokens or caps[i] tokens, on device; `land` gives tokens [n, steps], -1 past a row's end);
+        a request with tokens in flight is fed its last from `slot_last`."""
+        key = self.cover(ProgramKey.of("decode", (bucket(len(reqs)),), steps=steps, flags=FULL_SAMPLER,
+                                       top_n=self.inputs.top_n(reqs)))
+        args = self._decode_args(reqs, key.shape[0], caps)
+        t = time.perf_counter()
         out, lps, self.cache, self.dcache, self.slot_last = self._decode(
-            self.params, self.cache, self.slot_last, self.inputs.rows(reqs, Bb), last, active, stop_ids,
-            remaining, self.drafter.params, self.dcache, steps=steps, flags=FULL_SAMPLER, top_n=top_n)
-        return Dispatched(n, out, lps, ("decode", Bb, steps, top_n), t)
+            self.params, self.cache, self.slot_last, *args, self.drafter.params, self.dcache, **key.static_kwargs())
+        return Dispatched(len(reqs), out, lps, key, t)
 
-    # --- warm-up (engine/compile.py) ---------------------------------------------------------------
-    def warmup(self, mode: str):
-        """Compiles the step programs ahead of serving (`compile.warmup`)."""
-        warmup(self, mode)
+    # --- start-up (engine/startup.py) -------------------------------------------------------------
+    def state_structs(self) -> dict:
+        """The runner's device state as shape/dtype/sharding structs (what a program is compiled for,
+        whatever the arrays' fate: steps donate them)."""
+        def struct(a):
+            return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding) if isinstance(a, jax.Array) else a
+        return jax.tree.map(struct, {"params": self.params, "cache": self.cache, "last": self.slot_last,
+                                     "dparams": self.drafter.params, "dcache": self.dcache})
 
-    def warmup_verify(self, k_buckets, replay: bool):
-        """Compiles the verify step for every (batch bucket, draft length) pair (`compile.warmup_verify`)."""
-        warmup_verify(self, k_buckets, replay)
+    def job(self, key: ProgramKey, st: dict | None = None) -> Job:
+        """A program to build ahead of use: key's arguments for padding rows only (every row points at
+        the null row) over the runner's state structs `st` (`state_structs`)."""
+        st = st or self.state_structs()
+        P, C, L, DP, DC = st["params"], st["cache"], st["last"], st["dparams"], st["dcache"]
+        kind, W = key.kind, self.ecfg.max_num_seqs
+        fn = getattr(self._programs, kind).jitted
+        if kind in ("mixed", "ragged"):
+            args, kw, _ = self._mixed_args([], key)
+            args = (P, C, L, *args) + ((DP, DC) if kind == "mixed" else ())
+            return Job(key, fn, args, kw)
+        if kind == "decode":
+            return Job(key, fn, (P, C, L, *self._decode_args([], key.shape[0]), DP, DC), {})
+        if kind in ("verify", "draft"):
+            Bb, K = key.shape
+            r, tokens, meta = self.inputs.rows([], Bb), np.zeros((Bb, K + 1), np.int32), np.zeros((2, Bb), np.int32)
+            if kind == "draft":
+                return Job(key, fn, (P, r, tokens, meta, DP, DC), {})
+            kw = {}
+            if key.static_kwargs()["given"]:
+                V = self.cfg.vocab_size
+                kw["given"] = jax.ShapeDtypeStruct((Bb, K, V), jnp.float32)
+            return Job(key, fn, (P, C, r, tokens, meta, self.inputs.verify_masks(Bb, K), DP, DC), kw)
+        if kind == "copy_pages":
+            pad = (np.full((W,), -1, np.int32), np.full((W,), -1, np.int32))
+            return Job(key, fn, (C, {n: pad for n in self.widths}), {})
+        if kind == "fork_rows":
+            pad = np.full((W,), -1, np.int32)
+            return Job(key, fn, (C, pad, pad), {})
+        if kind == "seed":
+            null = seeds(self.null_slot, [], [], SamplingParams(), self.inputs.held_ids(SamplingParams()),
+                         MAX_LOGIT_BIAS)
+            return Job(key, fn, (L, null[0]), {})
+        if kind == "masks":
+            return Job(key, fn, (L, np.full((WRITE_WIDTH,), self.null_slot + 1, np.int32),
+                                 np.zeros((WRITE_WIDTH, words(self.cfg.vocab_size)), np.int32)), {})
+        raise InputError(f"no start-up build for a {kind!r} program")

@@ -28,7 +28,7 @@ LOGPROBS_WIDTH = 20      # top log-probabilities computed when any request of a 
 # the float32 sums moved by ~1e-5 (tests/hybrid_jax/test_eval.py compares cached and uncached scores).
 @functools.partial(jax.tree_util.register_dataclass,
                    data_fields=("from_dev", "lengths", "fresh", "rows", "seeds", "steps", "tables", "temperature",
-                                "top_k", "top_p", "procs", "masked"), meta_fields=())
+                                "top_k", "top_p", "procs", "masked", "logprobs"), meta_fields=())
 @dataclasses.dataclass(frozen=True)
 class StepRows:
     """A step's per-row inputs, padded to the batch bucket Bb (numpy on the host, traced in a step).
@@ -40,7 +40,9 @@ class StepRows:
     None in every other step, so the other programs do not carry it); procs [Bb] bool: rows whose
     request has logits processors on (hybrid_jax/logits_processors.py; None: no processing); masked
     [Bb] bool: rows whose next token is held to their structured output's bitmask
-    (hybrid_jax/structured/bitmask.py; None: none)."""
+    (hybrid_jax/structured/bitmask.py; None: none); logprobs [Bb] bool: rows whose request asked for
+    its tokens' top log-probabilities (the sampler computes the top-n only when a row did; None:
+    always)."""
     rows: Any
     tables: dict
     lengths: Any
@@ -53,6 +55,7 @@ class StepRows:
     fresh: Any = None
     procs: Any = None
     masked: Any = None
+    logprobs: Any = None
 
     def replace(self, **kw) -> "StepRows":
         return dataclasses.replace(self, **kw)
@@ -79,7 +82,7 @@ class StepInputs:
         steps, temperature = np.zeros((Bb,), np.int32), np.zeros((Bb,), np.float32)
         top_k, top_p = np.full((Bb,), -1, np.int32), np.ones((Bb,), np.float32)
         lengths, from_dev, procs = np.zeros((Bb,), np.int32), np.zeros((Bb,), bool), np.zeros((Bb,), bool)
-        masked = np.zeros((Bb,), bool)
+        masked, logprobs = np.zeros((Bb,), bool), np.zeros((Bb,), bool)
         ids = [q.request_id for q in reqs] + [None] * (Bb - n)
         tables = (self.blocks.block_tables(ids, self.widths) if self.blocks is not None
                   else {g: np.full((Bb, w), -1, np.int32) for g, w in self.widths.items()})
@@ -92,9 +95,10 @@ class StepInputs:
             from_dev[:n] = [q.num_inflight > 0 for q in reqs]      # its last token is still on the device
             procs[:n] = [q.params.processes_logits for q in reqs]
             masked[:n] = [q.masked for q in reqs]
+            logprobs[:n] = [q.params.logprobs is not None for q in reqs]
         return StepRows(rows=rows, tables=tables, lengths=lengths, steps=steps, seeds=seeds,
                         temperature=temperature, top_k=top_k, top_p=top_p, from_dev=from_dev, procs=procs,
-                        masked=masked)
+                        masked=masked, logprobs=logprobs)
 
     def row_consts(self, q) -> tuple:
         """A request's step inputs that never change, made once: (seed, temperature, top_k, top_p, its
@@ -136,9 +140,7 @@ class StepInputs:
         return full.copy() if masked else full
 
     def top_n(self, reqs) -> int:
-        """The step's logprobs width: the vocabulary when a request asks for all of it (logprobs=-1),
-        else LOGPROBS_WIDTH when any asks, else 0."""
-        asked = [q.params.logprobs for q in reqs if q.params.logprobs is not None]
-        if -1 in asked:
-            return self.vocab_size
-        return LOGPROBS_WIDTH if asked else 0
+        """The step's static logprobs width: the vocabulary when a request asks for all of it
+        (logprobs=-1: offline only, the server refuses it), else LOGPROBS_WIDTH, asked or not: whether
+        any row asks is a runtime input (StepRows.logprobs), so one program serves both."""
+        return self.vocab_size if any(q.params.logprobs == -1 for q in reqs) else LOGPROBS_WIDTH

@@ -123,7 +123,7 @@ def sample_rows(logits, r: StepRows, flags, top_n: int, offset=None, state: RowS
         if r.masked is not None:          # structured outputs: tokens outside a row's grammar are dropped
             x = apply_allowed(x, state.allowed, r.rows, r.masked)
     tok = draw_tokens(x, r, flags, offset, min_p)
-    return tok, token_logprobs(logits, tok, top_n)
+    return tok, token_logprobs(logits, tok, top_n, r.logprobs)
 
 
 def noted(last: RowState, r: StepRows, tok) -> RowState:
