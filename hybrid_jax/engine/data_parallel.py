@@ -127,11 +127,14 @@ class DataParallelEngine:
     generate = LLMEngine.generate       # the same loop over add_request / step / flush_publishes
 
     # --- warm-up, figures, shutdown ----------------------------------------------------------------
-    def warmup(self, mode: str | None = None):
-        """Each replica compiles its own programs (its devices' shardings), side by side."""
-        for f in [self._threads.submit(r.warmup, mode) for r in self.replicas]:
+    def warmup(self, mode: str | None = None, on_progress=None, background: bool = True):
+        """Each replica builds its own programs (its devices' shardings), side by side (LLMEngine.warmup)."""
+        for f in [self._threads.submit(r.warmup, mode, on_progress, background) for r in self.replicas]:
             f.result()
         self.warmup_seconds = max(r.warmup_seconds for r in self.replicas)
+
+    def wait_compiled(self, timeout: float | None = None) -> bool:
+        return all([r.wait_compiled(timeout) for r in self.replicas])
 
     def num_compiled(self) -> int:
         return sum(r.num_compiled() for r in self.replicas)
