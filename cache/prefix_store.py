@@ -44,12 +44,18 @@ def stored_fields(group) -> dict[str, int]:
 
 def init_versions(pools: ModelCache, names) -> dict[str, jax.Array]:
     """Device versions [N] of the units of slot groups `names` (N = rows of the group, request rows
-    included: only the checkpoint rows' versions are ever read)."""
+    included: only the checkpoint rows' versions are ever read), committed beside the pools (replicated
+    on a mesh), as the save program's outputs are: its first call then compiles the program every later
+    call runs (a jitted program keys its cache on whether an argument is committed)."""
     out = {}
     for n in names:
         g = pools.groups[n]
         f, ax = next(iter(g.row_fields().items()))
-        out[n] = jnp.zeros((getattr(g, f).shape[ax],), jnp.int32)
+        field = getattr(g, f)
+        where = field.sharding
+        if isinstance(where, jax.sharding.NamedSharding):
+            where = jax.sharding.NamedSharding(where.mesh, jax.sharding.PartitionSpec())
+        out[n] = jax.device_put(jnp.zeros((field.shape[ax],), jnp.int32), where)
     return out
 
 

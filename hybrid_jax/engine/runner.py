@@ -150,7 +150,7 @@ class ModelRunner:
         z = RowState(last=jnp.zeros((rows,), jnp.int32),
                      procs=ProcState.empty(rows, self.cfg.vocab_size, MAX_LOGIT_BIAS, self.inputs.held_width),
                      allowed=jnp.full((rows, words(self.cfg.vocab_size)), -1, jnp.int32))
-        return z if self.layout is None else jax.device_put(z, self.layout.replicated)
+        return jax.device_put(z, jax.devices()[0] if self.layout is None else self.layout.replicated)
 
     def seed_rows(self, reqs):
         """Seeds the processors' state of requests with logits processors just placed in their rows (the
@@ -211,10 +211,14 @@ class ModelRunner:
 
     def _new_pools(self):
         """Fresh, empty pools; on a mesh, created in place by each device (its part only: no device ever
-        holds a whole pool)."""
+        holds a whole pool). Committed to their devices, as every step's outputs are: the state's arrays
+        look the same to every program before the first step as after it (a jitted program, e.g. the
+        prefix store's, keys its cache on whether an argument is committed)."""
         def build():
             return build_pools(self.abstract, self.ecfg.max_num_seqs + 1, self.pages, self.units)
-        return build() if self.layout is None else jax.jit(build, out_shardings=self.cache_shardings)()
+        if self.layout is None:
+            return jax.device_put(build(), jax.devices()[0])
+        return jax.jit(build, out_shardings=self.cache_shardings)()
 
     def geometry(self) -> list[GroupGeometry]:
         """What the block manager hands out: every paged group's pages, every slot group's checkpoint
