@@ -67,6 +67,8 @@ class StartupStatus:
         store = f" ({self.from_store} from the program store)" if self.from_store else ""
         if self.phase == "loading":
             return f"loading weights ({s:.1f} s so far)"
+        if self.phase == "compiling" and not self.ready_total:       # (the warm-up's plan not made yet)
+            return f"weights loaded in {self.weights_s or 0.0:.1f} s, planning the warm-up ({s:.1f} s so far)"
         if self.phase == "compiling":
             last = f", last {self.last}" if self.last else ""
             return (f"compiling {min(self.done, self.ready_total)} of {self.ready_total} programs before ready"

@@ -49,7 +49,7 @@ class StartupLog:
             self._weights_said = True
             log.info("%s: weights loaded in %.1f s", self.who, s.weights_s or 0.0)
         if s.phase == "compiling":
-            if s.done == 0 or s.done >= s.ready_total or now - self._logged_at >= LOG_EVERY_S:
+            if s.ready_total and (s.done >= s.ready_total or now - self._logged_at >= LOG_EVERY_S):
                 self._logged_at = now
                 log.info("%s: %s", self.who, s.describe())
             return

@@ -158,10 +158,10 @@ class EngineSupervisor:
     def _watch(self):
         unresponsive = False
         hung = self.config.hung_after_s
-        phase = None
+        seen = (None, None)                     # (engine, its start-up phase) as last seen
         while not self._stop.wait(self.config.poll_s):
             eng = self.engine
-            phase = self._note_complete(eng, phase)
+            seen = (eng, self._note_complete(eng, seen[1] if seen[0] is eng else None))
             if not eng.alive:
                 reason = self._death(eng)
             elif hung and self.role != "follower" and eng.pulse.age() > hung:
@@ -186,11 +186,12 @@ class EngineSupervisor:
                 return
 
     def _note_complete(self, eng, before: str | None) -> str | None:
-        """Logs the serving engine's start-up completing (its background compiles); its phase now."""
+        """Logs the serving engine's start-up completing (its background compiles, once: `before` is
+        its phase as last seen); its phase now."""
         st = eng.pulse.startup
         if st is None:
             return before
-        if st.phase == "complete" and before == "ready":
+        if st.phase == "complete" and before != "complete" and st.total > st.ready_total:
             log.info("%s (the background set in %.1f s; %d steps waited on a compile)", st.describe(),
                      st.background_s or 0.0, st.stalls)
         return st.phase

@@ -64,6 +64,8 @@ def test_describe_and_split_name_the_counts():
                                     "last decode[2] steps=2 (3.0 s so far)")
     assert COMPILING.describe(seconds=7.25).endswith("(7.2 s so far)")
     assert StartupStatus(seconds=2.0).describe() == "loading weights (2.0 s so far)"
+    planning = StartupStatus(phase="compiling", weights_s=1.25, seconds=1.5)      # no plan yet: no "0 of 0"
+    assert planning.describe() == "weights loaded in 1.2 s, planning the warm-up (1.5 s so far)"
     ready = StartupStatus(phase="complete", done=5, ready_total=5, total=5, from_store=5, weights_s=1.5, ready_s=2.5,
                           load_s=0.25)
     assert "loading weights 1.5 s" in ready.split() and "loading 5 from the program store 0.2 s" in ready.split()
