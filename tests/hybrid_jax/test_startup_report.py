@@ -227,3 +227,32 @@ def test_metrics_after_requests(warm):
     assert m["hybrid_jax_startup_complete"] == 1
     assert m['hybrid_jax_startup_phase_seconds{phase="loading_weights"}'] == pytest.approx(seen[-1].weights_s)
     assert m['hybrid_jax_startup_phase_seconds{phase="compiling"}'] == pytest.approx(seen[-1].ready_s)
+
+
+def test_a_data_parallel_engine_reports_its_replicas_summed(tiny_checkpoint):
+    """Two replicas on this process's one device, timed as build_engine times a load: one status for
+    both (the ready sets summed), the metrics' programs by source summed over the replicas."""
+    from hybrid_jax import LLM  # noqa: PLC0415
+    from hybrid_jax.engine.data_parallel import DataParallelEngine  # noqa: PLC0415
+    llm = LLM(model=tiny_checkpoint)
+    cfg = EngineConfig(max_num_seqs=1, max_num_batched_tokens=16, max_model_len=128, decode_steps=2,
+                       warmup="minimal", compilation_cache_dir=None)
+    dp = DataParallelEngine([llm, llm], cfg)
+    try:
+        assert dp.startup_status() is None                  # no load timed: nothing to say
+        dp.clock.weights_loaded()
+        seen: list[StartupStatus] = []
+        dp.warmup(on_progress=lambda _: seen.append(dp.startup_status()))
+        dp.clock.ready()
+        one = len(dp.replicas[0].startup.plan.ready)
+        assert len(seen) == 2 * one and {s.phase for s in seen} == {"compiling"}
+        st = dp.startup_status()
+        assert (st.phase, st.done, st.ready_total, st.total) == ("complete", 2 * one, 2 * one, 2 * one)
+        dp.generate([{"prompt_token_ids": [1, 2, 3]}] * 2, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+        m = _metrics(dp.metrics.render().decode())
+        by = {s: m[f'hybrid_jax_compiled_programs_by_source{{source="{s}"}}'] for s in ("store", "compiled", "on_demand")}
+        assert sum(by.values()) == m["hybrid_jax_compiled_programs"] and by["compiled"] == 2 * one
+        assert m["hybrid_jax_compile_stalls_total"] == 0
+        assert m['hybrid_jax_startup_programs{state="built"}'] == 2 * one
+    finally:
+        dp.close()
