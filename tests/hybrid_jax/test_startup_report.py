@@ -111,7 +111,8 @@ def test_health_while_loading_says_the_phase_and_counts(monkeypatch, caplog):
             assert time.monotonic() < deadline
             time.sleep(0.05)
         h = c.get("/health")
-        assert h.status_code == 200 and h.text.startswith("ok: warm-up none") and "start-up complete: 0 programs" in h.text
+        assert h.status_code == 200 and h.text.startswith("ok: warm-up none")
+        assert "start-up complete: 0 programs" in h.text
         state.engine.shutdown()
     said = [r.getMessage() for r in caplog.records if r.name == "hybrid_jax.server"]
     assert "engine: loading the model's weights" in said
@@ -216,7 +217,8 @@ def test_the_ready_line_has_the_time_split(warm):
 
 def test_metrics_after_requests(warm):
     engine, seen, _ = warm
-    engine.generate([{"prompt_token_ids": [1, 2, 3]}, {"prompt_token_ids": [4, 5]}], [SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)] * 2)
+    engine.generate([{"prompt_token_ids": [1, 2, 3]}, {"prompt_token_ids": [4, 5]}],
+                    [SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)] * 2)
     m = _metrics(engine.metrics.render().decode())
     assert m["hybrid_jax_compile_stalls_total"] == 0
     by = {src: m[f'hybrid_jax_compiled_programs_by_source{{source="{src}"}}'] for src in ("store", "compiled",
@@ -250,7 +252,8 @@ def test_a_data_parallel_engine_reports_its_replicas_summed(tiny_checkpoint):
         assert (st.phase, st.done, st.ready_total, st.total) == ("complete", 2 * one, 2 * one, 2 * one)
         dp.generate([{"prompt_token_ids": [1, 2, 3]}] * 2, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
         m = _metrics(dp.metrics.render().decode())
-        by = {s: m[f'hybrid_jax_compiled_programs_by_source{{source="{s}"}}'] for s in ("store", "compiled", "on_demand")}
+        by = {s: m[f'hybrid_jax_compiled_programs_by_source{{source="{s}"}}']
+              for s in ("store", "compiled", "on_demand")}
         assert sum(by.values()) == m["hybrid_jax_compiled_programs"] and by["compiled"] == 2 * one
         assert m["hybrid_jax_compile_stalls_total"] == 0
         assert m['hybrid_jax_startup_programs{state="built"}'] == 2 * one
