@@ -336,12 +336,32 @@ class LLM:
         return self.generator.new_cache(batch_size, capacity)
 
 
-def build_engine(model: str | None, dtype: str, engine_config, parallel: dict | None = None):
+def build_engine(model: str | None, dtype: str, engine_config, parallel: dict | None = None, on_status=None):
     """An engine for a checkpoint directory (or the embedded default model, None): the model loaded,
     laid out over its devices (parallel: LLM's layout keywords, tensor_parallel_size,
     data_parallel_size, enable_expert_parallel), and the engine's step programs compiled as
     engine_config.warmup says. What `hybrid-jax serve` (every process of it, and the engine core
-    process it spawns: `engine.core_process.start_core(build=build_engine)`) and `hybrid-jax bench` run."""
+    process it spawns: `engine.core_process.start_core(build=build_engine)`) and `hybrid-jax bench` run.
+    on_status(engine.startup_status.StartupStatus): once as the weights begin to load, then after each
+    program of the warm-up (from the warm-up's threads, the background compiles' included), and once
+    more when the engine is ready; the engine's `startup_status()` says the same afterwards."""
+    from hybrid_jax.engine.startup_status import StartupClock, StartupStatus  # noqa: PLC0415
+    clock = StartupClock()
+    if on_status is not None:
+        on_status(StartupStatus())
     engine = LLM(model=model, dtype=dtype, **(parallel or {})).make_engine(engine_config)
-    engine.warmup()
+    clock.weights_loaded()
+    engine.clock = clock
+
+    def progress(_):
+        clock.program_built()
+        if on_status is not None:
+            on_status(engine.startup_status())
+
+    if on_status is not None:
+        on_status(engine.startup_status())
+    engine.warmup(on_progress=progress)
+    clock.ready()
+    if on_status is not None:
+        on_status(engine.startup_status())
     return engine

@@ -222,7 +222,7 @@ class AsyncEngine:
     def _beat(self, busy: bool):
         """From this thread only (a wedged step stops the beats): the pulse, with the metrics."""
         if self._beats.due(busy):
-            self.pulse.note(self._beats.beat(self.engine.metrics.render()))
+            self.pulse.note(self._beats.beat(self.engine.metrics.render(), self.engine.startup_status()))
 
     def _run(self):
         while not self._stop.is_set():
@@ -245,3 +245,4 @@ class AsyncEngine:
             for o in outs:
                 self._deliver(o.request_id, o)
             self.engine.flush_publishes()     # after the tokens went out: publishing never delays one
+

@@ -70,6 +70,8 @@ class EngineCore(Protocol):
 
     def check(self, prompt: Any, params: SamplingParams) -> tuple[str | None, list[int]]: ...
 
+    def startup_status(self) -> Any: ...     # engine/startup_status.StartupStatus, or None
+
     def close(self) -> None: ...
 
 

@@ -7,6 +7,13 @@ and aborts requests and steps the engine (`EngineConfig.detokenize=False`: it de
 requests whose stop strings it must check). Several API server processes can feed one core: each
 connects to its address and gets the outputs of the requests it sent.
 
+Start-up, over the pipe `start_core` reads until the core is warm (child to parent):
+
+  ("progress", StartupStatus)     as the weights begin to load, after each program of the warm-up, and
+                                  at ready (engine/startup_status.py; `start_core`'s on_progress)
+  ("ready", info) | ("failed", message)   the last message: after it, the start-up's status comes
+                                  with every heartbeat (Beat.startup: the background compiles)
+
 Channel: `multiprocessing.connection` over a Unix socket (an authenticated local socket, pickled
 tuples). Client to core:
 
@@ -25,9 +32,10 @@ Core to client, once per engine step for the requests that client sent:
 
 and to every client, from the step loop between steps and while idle (engine/heartbeat.py):
 
-  Beat(seq, metrics)              at most HEARTBEAT_S apart, and when the core runs out of work;
+  Beat(seq, metrics, startup)     at most HEARTBEAT_S apart, and when the core runs out of work;
                                   metrics: the core's Prometheus text, which the API servers serve
-                                  /metrics from (a scrape never reaches the core)
+                                  /metrics from (a scrape never reaches the core); startup: the
+                                  core's StartupStatus (/health's background compiles)
 
 A core that stops beating is wedged (the API server's supervisor marks it unresponsive, then kills
 it); one whose socket closes is dead (server/supervisor.py restarts it at the same address).
@@ -54,9 +62,9 @@ log = logging.getLogger("hybrid_jax.engine")
 
 def start_core(model: str | None, dtype: str, engine_config, parallel: dict | None = None, *, build,
                address: str | None = None, authkey: bytes | None = None, heartbeat_s: float = HEARTBEAT_S,
-               on_spawn=None):
+               on_spawn=None, on_progress=None):
     """Spawns the core for a checkpoint directory (or the embedded default model) and waits until it
-    is warm. build(model, dtype, engine_config, parallel) -> the engine: the loader the child runs (a
+    is warm. build(model, dtype, engine_config, parallel, on_status) -> the engine: the loader the child runs (a
     module-level function, so it pickles: `hybrid_jax.llm.build_engine`; the engine package does not
     import the LLM facade above it). Returns (process, address, authkey, info: the core's "ready"
     dict). Raises HybridJaxError with the core's message when loading fails.
@@ -64,7 +72,8 @@ def start_core(model: str | None, dtype: str, engine_config, parallel: dict | No
     address, authkey: a restart passes the dead core's, so API servers reconnect where they were (a
     socket file the dead core left behind is removed first); heartbeat_s: the core's beat period;
     on_spawn(process): called once the process started, before it is warm (a supervisor that must
-    be able to stop a core that is still loading)."""
+    be able to stop a core that is still loading); on_progress(StartupStatus): each start-up status
+    the core sends before it is ready (on this thread)."""
     ctx = multiprocessing.get_context("spawn")     # a fresh interpreter: no fork of a threaded process
     if address is None:
         address = os.path.join(tempfile.mkdtemp(prefix="hybrid-jax-core-"), "core.sock")
@@ -79,15 +88,47 @@ def start_core(model: str | None, dtype: str, engine_config, parallel: dict | No
     child.close()
     if on_spawn is not None:
         on_spawn(proc)
-    try:
-        msg = parent.recv()
-    except EOFError:
-        proc.join(timeout=5)
-        raise HybridJaxError(f"the engine core process exited while loading (exit code {proc.exitcode})") from None
+    msg = _until_warm(parent, proc, on_progress)
     if msg[0] != "ready":
         proc.join(timeout=30)
         raise HybridJaxError(msg[1])
     return proc, address, authkey, msg[1]
+
+
+def _until_warm(parent: Connection, proc, on_progress):
+    """The core's last start-up message ("ready" or "failed"), its progress reports passed on before."""
+    while True:
+        try:
+            msg = parent.recv()
+        except EOFError:
+            proc.join(timeout=5)
+            raise HybridJaxError(f"the engine core process exited while loading (exit code {proc.exitcode})") \
+                from None
+        if msg[0] != "progress":
+            return msg
+        if on_progress is not None:
+            on_progress(msg[1])
+
+
+class _Reporter:
+    """The child's side of the start-up reports: each StartupStatus sent over the ready pipe (from the
+    warm-up's threads: one send at a time) until the core says it is ready; after that, nothing (the
+    background compiles' progress goes with the heartbeats)."""
+
+    def __init__(self, pipe: Connection):
+        self.pipe, self.open = pipe, True
+        self._lock = threading.Lock()
+
+    def __call__(self, status):
+        with self._lock:
+            if self.open:
+                self.pipe.send(("progress", status))
+
+    def last(self, msg):
+        with self._lock:
+            self.open = False
+            self.pipe.send(msg)
+            self.pipe.close()
 
 
 def run_core(build, model, dtype, engine_config, parallel, address, authkey, ready: Connection,
@@ -108,26 +149,26 @@ def run_core(build, model, dtype, engine_config, parallel, address, authkey, rea
     from hybrid_jax.engine.async_engine import engine_rows  # noqa: PLC0415
     from hybrid_jax.tokenizer import ByteTokenizer  # noqa: PLC0415
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:%(name)s: %(message)s")
+    report = _Reporter(ready)
     try:
-        engine = build(model, dtype, dataclasses.replace(engine_config, detokenize=False), parallel)
+        engine = build(model, dtype, dataclasses.replace(engine_config, detokenize=False), parallel, report)
     except Exception as e:  # noqa: BLE001  (reported to the server, which exits with it)
-        ready.send(("failed", f"loading failed: {type(e).__name__}: {e}"))
+        report.last(("failed", f"loading failed: {type(e).__name__}: {e}"))
         return
     if device:
         try:
             cpu_affinity.split_threads(device)     # warm-up ran: the runtime's threads have all started
         except OSError as e:
-            ready.send(("failed", f"{cpu_affinity.CPUS_ENV}: {e}"))
+            report.last(("failed", f"{cpu_affinity.CPUS_ENV}: {e}"))
             return
     tok = engine.loaded.tokenizer
     info = {"max_model_len": engine.config.max_model_len, "vocab_size": engine.loaded.config.vocab_size,
             "tokenizer": "byte" if isinstance(tok, ByteTokenizer) else ("checkpoint" if tok is not None else None),
             "warmup": engine.config.warmup, "warmup_seconds": getattr(engine, "warmup_seconds", 0.0),
             "num_compiled": engine.num_compiled(), "pid": os.getpid(), "max_num_seqs": engine_rows(engine),
-            "speculative": engine.config.speculative_config is not None}
+            "speculative": engine.config.speculative_config is not None, "startup": engine.startup_status()}
     listener = Listener(address, family="AF_UNIX", authkey=authkey)
-    ready.send(("ready", info))
-    ready.close()
+    report.last(("ready", info))
     Core(engine, listener, heartbeat_s).run()
 
 
@@ -199,7 +240,8 @@ class Core:
         if not (self._beats.due(busy) or self._new_client):
             return
         self._new_client = False
-        beat = self._beats.beat(self.engine.metrics.render() + generate_latest(self.registry))
+        beat = self._beats.beat(self.engine.metrics.render() + generate_latest(self.registry),
+                                self.engine.startup_status())
         with self._lock:
             clients = list(self.clients)
         for conn in clients:

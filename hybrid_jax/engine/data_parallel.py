@@ -30,6 +30,7 @@ from hybrid_jax.engine.contracts import LoadedModel, Loads
 from hybrid_jax.engine.engine import LLMEngine
 from hybrid_jax.engine.metrics import EngineMetrics
 from hybrid_jax.engine.request import ForkGroup
+from hybrid_jax.engine.startup_status import StartupClock, StartupStatus, status
 from hybrid_jax.errors import ConfigError, InputError
 from hybrid_jax.sampling import SamplingParams
 
@@ -55,6 +56,7 @@ class DataParallelEngine:
         self.routed = [0] * len(llms)         # requests given to each replica
         self._threads = concurrent.futures.ThreadPoolExecutor(len(llms), thread_name_prefix="hybrid-jax-replica")
         self.warmup_seconds = 0.0
+        self.clock = StartupClock()           # the load's (llm.build_engine); the replicas' own stay unset
 
     # --- requests ----------------------------------------------------------------------------------
     @property
@@ -128,7 +130,8 @@ class DataParallelEngine:
 
     # --- warm-up, figures, shutdown ----------------------------------------------------------------
     def warmup(self, mode: str | None = None, on_progress=None, background: bool = True):
-        """Each replica builds its own programs (its devices' shardings), side by side (LLMEngine.warmup)."""
+        """Each replica builds its own programs (its devices' shardings), side by side (LLMEngine.warmup);
+        on_progress: after each program of any replica (`startup_status` sums them)."""
         for f in [self._threads.submit(r.warmup, mode, on_progress, background) for r in self.replicas]:
             f.result()
         self.warmup_seconds = max(r.warmup_seconds for r in self.replicas)
@@ -138,6 +141,13 @@ class DataParallelEngine:
 
     def num_compiled(self) -> int:
         return sum(r.num_compiled() for r in self.replicas)
+
+    def startup_status(self) -> StartupStatus | None:
+        """The replicas' warm-ups summed (engine/startup_status.py); None unless build_engine built it."""
+        if self.clock.weights_at is None:
+            return None
+        progress = [r.startup.progress for r in self.replicas if r.startup is not None]
+        return status(progress, [r.runner.compiler.stats for r in self.replicas], self.clock)
 
     def live_figures(self) -> dict:
         figs = [r.live_figures() for r in self.replicas]
@@ -150,6 +160,8 @@ class DataParallelEngine:
                 misses[k] = misses.get(k, 0) + n
         return {"waiting": sum(f["waiting"] for f in figs), "running": sum(f["running"] for f in figs),
                 "cache_usage": usage, "compiled": sum(f["compiled"] for f in figs),
+                "stalls": sum(f["stalls"] for f in figs), "by_source": _summed([f["by_source"] for f in figs]),
+                "startup": self.startup_status(),
                 "paged_groups": figs[0]["paged_groups"], "prefix_misses": misses}
 
     def cache_stats(self) -> dict:
@@ -183,3 +195,11 @@ class DataParallelEngine:
         for r in self.replicas:
             r.close()
         self._threads.shutdown(wait=True)
+
+
+def _summed(counts: list[dict[str, int]]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for c in counts:
+        for k, n in c.items():
+            out[k] = out.get(k, 0) + n
+    return out

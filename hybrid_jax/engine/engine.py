@@ -50,6 +50,7 @@ from hybrid_jax.engine.scheduler import Scheduler, SchedulerOutput, StepResult
 from hybrid_jax.engine.speculate import EngineSpeculator
 from hybrid_jax.engine.speculative_step import SpeculativeStep
 from hybrid_jax.engine.startup import Startup, plan
+from hybrid_jax.engine.startup_status import StartupClock, StartupStatus, status
 from hybrid_jax.errors import InputError
 from hybrid_jax.sampling import SamplingParams
 from hybrid_jax.structured.grammars import GrammarCompiler
@@ -111,6 +112,7 @@ class LLMEngine:
         self._rng = np.random.default_rng(c.seed)   # seeds of requests that bring none
         self._grammars: GrammarCompiler | None = None   # structured outputs' compiles (made on first use)
         self.startup: Startup | None = None     # the warm-up's plan and progress (engine/startup.py)
+        self.clock = StartupClock()             # when the load's phases ended (set by llm.build_engine)
 
     @property
     def grammars(self) -> GrammarCompiler:
@@ -246,9 +248,18 @@ class LLMEngine:
             except RuntimeError:
                 usage = {}
         return {"waiting": len(s.waiting), "running": len(s.running), "cache_usage": usage,
-                "compiled": self.num_compiled(),
+                "compiled": self.num_compiled(), "stalls": self.runner.compiler.stats.stalls,
+                "by_source": self.runner.compiler.table.by_source(), "startup": self.startup_status(),
                 "paged_groups": {n for n, g in s.blocks.groups.items() if g.paged}, "prefix_misses": misses,
                 "disk_tier": s.prefix.disk_health() if s.prefix is not None else None}
+
+    def startup_status(self) -> StartupStatus | None:
+        """Where the load and warm-up are (engine/startup_status.py); None for an engine that
+        `hybrid_jax.llm.build_engine` did not build (no load was timed)."""
+        if self.clock.weights_at is None:
+            return None
+        progress = [self.startup.progress] if self.startup is not None else []
+        return status(progress, [self.runner.compiler.stats], self.clock)
 
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting)

@@ -157,6 +157,7 @@ class EngineMetrics:
                                      "device spent running engine steps", value=self.device_busy()))
         out.append(GaugeMetricFamily(P + "compiled_programs", "Programs compiled so far (steps, copies, prefix "
                                      "store)", value=v.get("compiled", 0)))
+        out += _compile_figures(v)
         usage = v.get("cache_usage", {})
         paged = v.get("paged_groups", set())
         out.append(GaugeMetricFamily(P + "kv_cache_usage_ratio", "Share of the paged pools' pages in use (fullest "
@@ -184,3 +185,39 @@ class EngineMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+SOURCES = ("store", "compiled", "on_demand")      # engine/program_table.CompiledProgram.source
+
+
+def _compile_figures(v: dict) -> list:
+    """The compiler's and the start-up's series (engine/startup_status.py) from the live figures."""
+    out = [CounterMetricFamily(P + "compile_stalls", "Engine steps that waited on a compile while serving (no "
+                               "compiled program covered them; 0 unless the start-up plan missed a shape)",
+                               value=v.get("stalls", 0))]
+    by = GaugeMetricFamily(P + "compiled_programs_by_source", "Step programs in the engine's table, by where each "
+                           "came from: the program store, compiled at start-up or in the background, or compiled "
+                           "on first use (compiled_programs also counts the prefix store's)", labels=["source"])
+    have = v.get("by_source", {})
+    for src in SOURCES + tuple(sorted(set(have) - set(SOURCES))):
+        by.add_metric([src], have.get(src, 0))
+    out.append(by)
+    st = v.get("startup")
+    if st is None:                 # an engine that llm.build_engine did not build: no load was timed
+        return out
+    sec = GaugeMetricFamily(P + "startup_phase_seconds", "Seconds of each start-up phase begun: loading_weights "
+                            "(and building the engine), compiling (the programs needed before ready), background "
+                            "(the rest, while serving: so far, or in all once complete)", labels=["phase"])
+    for phase, s in st.phase_seconds().items():
+        sec.add_metric([phase], s)
+    out.append(sec)
+    progs = GaugeMetricFamily(P + "startup_programs", "Start-up programs: planned before ready (ready) and in all "
+                              "(planned), built so far (built), of those read from the program store (from_store)",
+                              labels=["state"])
+    for state, n in (("ready", st.ready_total), ("planned", st.total), ("built", st.done),
+                     ("from_store", st.from_store)):
+        progs.add_metric([state], n)
+    out.append(progs)
+    out.append(GaugeMetricFamily(P + "startup_complete", "1 once every planned program is built (0 while the "
+                                 "background compiles run)", value=1.0 if st.phase == "complete" else 0.0))
+    return out

@@ -1,7 +1,13 @@
 """The OpenAI-compatible API: /v1/completions, /v1/chat/completions (SSE streaming; the path in
 server/completions.py), /v1/models and /v1/models/{id}, vLLM's /tokenize and /detokenize
 (server/tokenize_api.py), /health (readiness), /metrics (Prometheus text), /docs and /openapi.json
-(behind the API key). Which request fields are honoured or refused: server/fields.py.
+(behind the API key).
+
+/health: 503 while the model loads, its body saying how far ("loading: loading weights (12.0 s so
+far)", "loading: compiling 3 of 12 programs before ready (2 from the program store), last decode[4]
+... (40.1 s so far)"); then 200, the warm-up's note followed by the background compiles' progress
+("compiling in the background: 5 of 40 programs ...") or "start-up complete: N programs"
+(server/startup_report.py). Which request fields are honoured or refused: server/fields.py.
 
 Every error is a 4xx / 5xx in OpenAI's shape, {"error": {"message", "type", "param", "code"}}:
 malformed bodies (see protocol.py), unknown routes (404) and methods (405), an unknown `model`
@@ -26,6 +32,7 @@ stream) or a JSON 503. No answer depends on the engine: errors are counted in th
 from __future__ import annotations
 
 import hmac
+import time
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -35,6 +42,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from hybrid_jax.server import chat_template, protocol
 from hybrid_jax.server.completions import Completions
 from hybrid_jax.server.plumbing import ApiError, Http, error_body  # noqa: F401  (ApiError, error_body: re-exported)
+from hybrid_jax.server.startup_report import loading_body, ready_body
 from hybrid_jax.server.state import ServerConfig, ServerState  # noqa: F401  (re-exported: the server's API)
 from hybrid_jax.server.tokenize_api import add_routes, model_card
 
@@ -113,12 +121,14 @@ def build_app(state: ServerState) -> FastAPI:
         if state.draining:
             return PlainTextResponse("shutting down", status_code=503)
         if state.engine is None:
-            return PlainTextResponse("loading failed (see the server log)" if state.load_error else "loading",
+            if state.load_error:
+                return PlainTextResponse("loading failed (see the server log)", status_code=503)
+            return PlainTextResponse(loading_body(state.startup, time.monotonic() - state.loading_since),
                                      status_code=503)
         down = state.engine.unavailable()
         if down is not None:
             return PlainTextResponse(down, status_code=503)
-        return PlainTextResponse(state.ready_note)
+        return PlainTextResponse(ready_body(state.ready_note, state.engine.startup_status()))
 
     @app.get("/metrics")
     async def metrics():

@@ -1,5 +1,6 @@
 """`hybrid-jax serve`: start uvicorn at once, load and warm the model on a background thread;
-/health turns 200 when the engine is ready. The engine core runs in its own process
+/health turns 200 when the engine is ready; meanwhile the log and /health's 503 say how far the
+load is (the weights, then N of M programs: server/startup_report.py). The engine core runs in its own process
 (engine/core_process.py: the device loop alone on its thread; HTTP, tokenization and detokenization
 stay here), or with `engine_process=False` (and always with several processes) on a thread of this one. A model that fails to load stops the server: the
 process exits 1 with the error in its log (never a 503 forever). On SIGTERM the server drains
@@ -18,6 +19,7 @@ from hybrid_jax.errors import ConfigError, HybridJaxError
 from hybrid_jax.server import lifecycle
 from hybrid_jax.server.app import ServerConfig, ServerState, build_app
 from hybrid_jax.llm import build_engine
+from hybrid_jax.server.startup_report import StartupLog
 from hybrid_jax.server.supervisor import EngineSupervisor, SupervisionConfig
 from hybrid_jax.template_sources import ChatOptions, apply_chat_options, read_template_arg
 
@@ -49,18 +51,23 @@ def load_engine(state: ServerState, model: str | None, dtype: str, engine_config
         if stop is not None:
             stop()
 
+    def keep(status):
+        state.startup = status
+
     try:
         if engine_process:
             device = cpu_affinity.from_env()
             if device:     # HTTP, /metrics and detokenizing keep off the CPUs the core's runtime computes on
                 cpu_affinity.keep_to(cpu_affinity.host_cpus(device))
-            client = _start_core(state, model, dtype, engine_config, parallel, chat)
+            client = _start_core(state, model, dtype, engine_config, parallel, chat, StartupLog(keep, "engine core"))
             address, authkey, _ = client.connection
 
             def restart(on_spawn):
                 from hybrid_jax.engine.core_process import start_core  # noqa: PLC0415
+                progress = StartupLog(state.engine.note_startup, "restarted engine core")
                 proc, _, _, info = start_core(model, dtype, engine_config, parallel, build=build_engine,
-                                              address=address, authkey=authkey, on_spawn=on_spawn)
+                                              address=address, authkey=authkey, on_spawn=on_spawn,
+                                              on_progress=progress)
                 return _core_client(state, model, address, authkey, info, proc, tokenizer=client.tokenizer, chat=chat)
 
             state.engine = EngineSupervisor(client, state.metrics, supervision, role="owner", renew=restart,
@@ -71,7 +78,7 @@ def load_engine(state: ServerState, model: str | None, dtype: str, engine_config
         device = cpu_affinity.from_env() if mirror is None else None      # (a mesh's processes keep theirs)
         if device:
             cpu_affinity.keep_to(device)          # the runtime's threads start on the device CPUs
-        engine = build_engine(model, dtype, engine_config, parallel)
+        engine = build_engine(model, dtype, engine_config, parallel, StartupLog(keep))
         apply_chat_options(engine.loaded.tokenizer, chat)
         if device:
             cpu_affinity.split_threads(device)    # and Python's (HTTP, the step loop) move off them
@@ -90,9 +97,10 @@ def load_engine(state: ServerState, model: str | None, dtype: str, engine_config
             stop()
 
 
-def _start_core(state: ServerState, model, dtype, engine_config, parallel, chat=None):
+def _start_core(state: ServerState, model, dtype, engine_config, parallel, chat=None, on_progress=None):
     from hybrid_jax.engine.core_process import start_core  # noqa: PLC0415
-    proc, address, authkey, info = start_core(model, dtype, engine_config, parallel, build=build_engine)
+    proc, address, authkey, info = start_core(model, dtype, engine_config, parallel, build=build_engine,
+                                              on_progress=on_progress)
     client = _core_client(state, model, address, authkey, info, proc, chat=chat)
     log.info("model ready in engine core process %d (warm-up %s, %.1f s, %d programs)", info["pid"], info["warmup"],
              info["warmup_seconds"], info["num_compiled"])

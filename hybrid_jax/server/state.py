@@ -1,9 +1,10 @@
 """What the API server serves from: its configuration (ServerConfig) and its live state (ServerState:
-the engine once loaded, admission, worker threads, drain)."""
+the engine once loaded, admission, worker threads, drain, the start-up's progress until then)."""
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 
 from hybrid_jax.server.admission import Admission, AdmissionConfig
 from hybrid_jax.server.api_metrics import ApiMetrics
@@ -40,6 +41,8 @@ class ServerState:
         self.load_error: str | None = None
         self.fatal_error: str | None = None    # the engine died and cannot come back: the server exits 1
         self.ready_note = "ok"       # /health's body once ready: what the warm-up compiled
+        self.startup = None          # the load's last engine/startup_status.StartupStatus (/health while loading)
+        self.loading_since = time.monotonic()
         self.draining = False
         self._deadline: asyncio.Future | None = None
 

@@ -24,6 +24,10 @@ What happens to a dead engine depends on who holds it:
 - an in-process engine (`--no-engine-process`) cannot be restarted: a dead (or hung past
   `hung_after_s`) engine thread ends the process with exit code 1.
 
+While a restarted core loads, /health's 503 says how far it is (the new core's start-up statuses:
+`note_startup`); once an engine serves, `startup_status` is the one its last heartbeat carried, and
+the supervisor logs when its background compiles complete.
+
 Requests in flight when the engine dies end with `EngineUnavailable` (the app: an error event and
 `[DONE]` on a stream, a JSON 503 otherwise); while it is down every new request gets a JSON 503.
 Nothing on these paths talks to the engine, so a dead core cannot turn an answer into a 500.
@@ -67,6 +71,7 @@ class EngineSupervisor:
         self.fatal: str | None = None           # why the engine cannot come back
         self._down: str | None = None           # why it is down now (dead, restarting, reconnecting)
         self._spawning = None                   # a core process still loading (killed at shutdown)
+        self._starting = None                   # that core's last StartupStatus (note_startup)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="hybrid-jax-supervisor", daemon=True)
@@ -92,8 +97,9 @@ class EngineSupervisor:
 
     def unavailable(self) -> str | None:
         """None while the engine serves; else why not (the body of /health's and the requests' 503)."""
-        if self._down is not None:
-            return self._down
+        down, starting = self._down, self._starting
+        if down is not None:
+            return down if starting is None else f"{down}; {starting.describe()}"
         eng = self.engine
         if not eng.alive:
             return self._death(eng)
@@ -101,6 +107,15 @@ class EngineSupervisor:
         if age > self.config.unresponsive_after_s:
             return f"the engine is not responding (no heartbeat for {age:.1f} s)"
         return None
+
+    def startup_status(self):
+        """The serving engine's start-up (engine/startup_status.StartupStatus) as of its last heartbeat;
+        None before the first, or for an engine that timed no load."""
+        return self.engine.pulse.startup
+
+    def note_startup(self, status):
+        """A restarting core's start-up status (its renew passes each one here): /health says it."""
+        self._starting = status
 
     @property
     def alive(self) -> bool:
@@ -143,8 +158,10 @@ class EngineSupervisor:
     def _watch(self):
         unresponsive = False
         hung = self.config.hung_after_s
+        seen = (None, None)                     # (engine, its start-up phase) as last seen
         while not self._stop.wait(self.config.poll_s):
             eng = self.engine
+            seen = (eng, self._note_complete(eng, seen[1] if seen[0] is eng else None))
             if not eng.alive:
                 reason = self._death(eng)
             elif hung and self.role != "follower" and eng.pulse.age() > hung:
@@ -167,6 +184,17 @@ class EngineSupervisor:
             unresponsive = False
             if not self._recover(eng, reason):
                 return
+
+    def _note_complete(self, eng, before: str | None) -> str | None:
+        """Logs the serving engine's start-up completing (its background compiles, once: `before` is
+        its phase as last seen); its phase now."""
+        st = eng.pulse.startup
+        if st is None:
+            return before
+        if st.phase == "complete" and before != "complete" and st.total > st.ready_total:
+            log.info("%s (the background set in %.1f s; %d steps waited on a compile)", st.describe(),
+                     st.background_s or 0.0, st.stalls)
+        return st.phase
 
     def _recover(self, old, reason: str) -> bool:
         """After `old` died: restart, reconnect or give up. False when the watch is over."""
@@ -197,6 +225,7 @@ class EngineSupervisor:
                     continue
                 finally:
                     self._note_spawn(None)
+                    self._starting = None
                 if self._adopt(new):
                     log.info("engine core restarted in %.1f s (pid %s, warm-up %s: %s programs)", time.monotonic() - t0,
                              new.info.get("pid"), new.info.get("warmup"), new.info.get("num_compiled"))

@@ -23,9 +23,12 @@ CONFIG = EngineConfig(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=2
                       warmup="none", compilation_cache_dir=None)
 
 
+STATUSES: list = []       # the fixture's core's start-up statuses, as start_core passed them on
+
+
 @pytest.fixture(scope="module")
 def core():
-    proc, address, authkey, info = start_core(None, "auto", CONFIG, build=build_engine)
+    proc, address, authkey, info = start_core(None, "auto", CONFIG, build=build_engine, on_progress=STATUSES.append)
     yield address, authkey, info
     EngineCoreClient(address, authkey, info, load_tokenizer(DEFAULT_MODEL_DIR), process=proc).shutdown()
     assert proc.exitcode == 0
@@ -114,6 +117,28 @@ def test_prompt_logprobs_and_include_stop_str_cross_the_process_boundary(core):
     assert carried[0][0] is None and [e["token_id"] for e in carried[0][1:]] == prompt["prompt_token_ids"][1:]
     assert carried[0] == want              # the same engine configuration: the same programs, the same numbers
     assert souts[-1].text == free[:free.find(stop) + len(stop)] and souts[-1].finish_reason == "stop"
+
+
+def test_the_core_reports_its_start_up_before_ready_and_with_its_beats(core):
+    """The child's statuses cross the ready pipe before "ready" (loading, the weights loaded, ready:
+    warm-up "none" plans no program), and the ready info and every beat carry the last one."""
+    address, authkey, info = core
+    assert [s.phase for s in STATUSES] == ["loading", "compiling", "complete"]
+    assert STATUSES[0].weights_s is None and STATUSES[1].weights_s > 0
+    last, ready = STATUSES[-1], info["startup"]
+    assert (ready.phase, ready.weights_s, ready.ready_s) == (last.phase, last.weights_s, last.ready_s)
+    assert ready.ready_s is not None
+    client = EngineCoreClient(address, authkey, info, load_tokenizer(DEFAULT_MODEL_DIR))
+    try:
+        deadline = time.monotonic() + 30
+        while client.pulse.startup is None:
+            assert time.monotonic() < deadline, "no beat with the start-up's status"
+            time.sleep(0.05)
+        st = client.pulse.startup
+        assert st.phase == "complete" and st.weights_s == info["startup"].weights_s and st.stalls == 0
+        assert b"hybrid_jax_compile_stalls_total 0.0" in client.pulse.metrics
+    finally:
+        client.close()
 
 
 def test_a_client_that_goes_away_has_its_requests_aborted(core):

@@ -51,6 +51,12 @@ def test_default_warmup_compiles_every_shape_before_health(server):
     _, url, _, _ = server
     health = httpx.get(url + "/health").text
     assert "warm-up all" in health and "every step shape" in health
+    assert "compiling in the background" in health or "start-up complete" in health, health
+    deadline = time.time() + 300
+    while "start-up complete" not in (health := httpx.get(url + "/health").text):    # the background set
+        assert time.time() < deadline, health
+        time.sleep(0.5)
+    assert _metric(url, "hybrid_jax_startup_complete") == 1
     before = _metric(url, "hybrid_jax_compiled_programs")
     for body in ({"prompt": [1, 2, 3], "max_tokens": 3, "logprobs": 5},             # first logprobs request
                  # first long prompt (398 tokens, stored at 384: its answer's checkpoint at 400 keeps the
@@ -61,6 +67,7 @@ def test_default_warmup_compiles_every_shape_before_health(server):
         r = httpx.post(url + "/v1/completions", headers=H, json=body, timeout=120)
         assert r.status_code == 200, r.text
     assert _metric(url, "hybrid_jax_compiled_programs") == before     # nothing compiled on the serving path
+    assert _metric(url, "hybrid_jax_compile_stalls_total") == 0
     assert _metric(url, "hybrid_jax_prefix_cache_hits_total") > 0
 
 
@@ -120,6 +127,11 @@ def test_sigterm_drains_then_exits_zero(server):
     assert time.time() - t0 < 60
     log = proc.stdout.read().decode()
     assert "draining" in log and "shutting down the engine" in log
+    # the API server's own account of the start-up (the core's pipe, then its beats)
+    assert "hybrid_jax.server: engine core: weights loaded in" in log
+    assert "hybrid_jax.server: engine core: compiling" in log and "programs before ready" in log
+    assert "hybrid_jax.server: engine core: ready in" in log and "loading weights" in log
+    assert "hybrid_jax.server: start-up complete:" in log
     assert any(kv.iterdir())                        # the disk tier's write-behind was flushed before exit
 
 
