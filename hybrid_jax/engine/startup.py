@@ -169,7 +169,7 @@ class Startup:
             try:
                 self.runner.compiler.build_all(self._jobs, workers, self._note, stop=self._stop)
                 self.progress.phase = "complete"
-                log.info("start-up complete: %s", self.progress.describe())
+                log.info("start-up %s", self.progress.describe())
             except BaseException as e:      # noqa: BLE001 -- steps still run padded in the ready set
                 self.error = e
                 log.exception("background compile failed; steps keep running in the larger buckets")

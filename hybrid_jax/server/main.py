@@ -26,8 +26,10 @@ from hybrid_jax.template_sources import ChatOptions, apply_chat_options, read_te
 log = logging.getLogger("hybrid_jax.server")
 
 WARMUP_NOTES = {
-    "all": "every step shape this server can be sent is compiled",
-    "minimal": "decode shapes compiled; prefill and logprobs shapes compile on first use, stalling the engine",
+    "all": "every step shape this server can be sent runs in a compiled program (the smaller buckets compile in "
+           "the background meanwhile, each step padded to a compiled one)",
+    "minimal": "every step shape this server can be sent runs in a compiled program (each family's largest "
+               "bucket, every step padded to it)",
     "none": "nothing compiled ahead; every new shape compiles on first use, stalling the engine",
 }
 
