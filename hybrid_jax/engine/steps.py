@@ -61,6 +61,12 @@ class StepContext:
         step's end)."""
         return view if self.layout is None else self.layout.pin(view)
 
+    def pin_rows(self, last: RowState) -> RowState:
+        """The rows' state (`last`) held replicated on a mesh, as the runner places it: a step's output
+        otherwise takes whatever layout the partitioner picks (the penalty counts split like the
+        vocabulary), and the next step's compiled program, built for the state as placed, refuses it."""
+        return last if self.layout is None else jax.lax.with_sharding_constraint(last, self.layout.replicated)
+
     def pin_pools(self, pools):
         """The pools held to their shardings on a mesh (so the donated buffers are reused step after
         step instead of the partitioner choosing another layout for the output)."""
@@ -147,7 +153,7 @@ def mixed_step(ctx: StepContext):
         d = ctx.drafter
         dsub = d.advance(params, dparams, d.take(dcache, r.rows, reset, r.fresh), out, tokens, n_new, r.fresh)
         plp = score_positions(ctx.model, ctx.cfg, params, out.final_hidden, targets, prompt_n)
-        return tok, lps, cache, d.put(dcache, r.rows, dsub), noted(last, r, tok), plp
+        return tok, lps, cache, d.put(dcache, r.rows, dsub), ctx.pin_rows(noted(last, r, tok)), plp
     return mixed
 
 
@@ -163,7 +169,7 @@ def ragged_step(ctx: StepContext):
         tok, lps = sample_rows(out.logits, r, flags, top_n, state=last)
         tok = jnp.where(do_sample, tok, -1)
         plp = score_positions(ctx.model, ctx.cfg, params, out.final_hidden, targets, prompt_n)
-        return tok, lps, close_view(ctx, cache, r.rows, out.cache), noted(last, r, tok), plp
+        return tok, lps, close_view(ctx, cache, r.rows, out.cache), ctx.pin_rows(noted(last, r, tok)), plp
     return ragged
 
 
@@ -195,7 +201,7 @@ def decode_step(ctx: StepContext):
                jnp.zeros((Bb, steps, top_n), jnp.int32))
         out, lps, (sub, dsub, last) = decode_tokens(feed, draw, (sub, d.take(dcache, r.rows), last), last_tok, active,
                                                     remaining, stop_ids, lps, steps=steps, note=note)
-        return out, lps, close_view(ctx, cache, r.rows, sub), d.put(dcache, r.rows, dsub), last
+        return out, lps, close_view(ctx, cache, r.rows, sub), d.put(dcache, r.rows, dsub), ctx.pin_rows(last)
     return decode
 
 
