@@ -23,7 +23,8 @@ cfg = dataclasses.replace(_engine_config(build_parser().parse_args(["serve", *sy
 engine = build_engine(None, "auto", cfg)
 engine.wait_compiled()
 c = engine.runner.compiler
-print(json.dumps({"by_source": c.table.by_source(), "compile_s": c.stats.compile_s, "rejected": engine.runner.store.rejected,
+print(json.dumps({"by_source": c.table.by_source(), "compile_s": c.stats.compile_s,
+                  "rejected": engine.runner.store.rejected,
                   "planned": len(engine.startup.plan.ready) + len(engine.startup.plan.background)}))
 """
 
