@@ -1,9 +1,10 @@
-"""Command line: `hybrid-jax generate | align | serve | bench | plan | eval`.
+"""Command line: `hybrid-jax generate | align | serve | warmup | bench | plan | eval`.
 
     hybrid-jax generate --prompt "And God said"          # the default model shipped in the package
     hybrid-jax generate --model PATH --prompt "Hello" --max-tokens 64 --temperature 0
     hybrid-jax align --model PATH --tokens 1,2,3
     hybrid-jax serve --model PATH --port 8000
+    hybrid-jax warmup --model PATH --compilation-cache-dir DIR   # serve's programs built ahead (no server)
     hybrid-jax bench --url http://127.0.0.1:8000 --num-requests 64 --concurrency 8
     hybrid-jax plan --model qwen3_next_80b_a3b_instruct --topology v6e:2x4 --tensor-parallel-size 8
     hybrid-jax eval --file text.txt                                         # perplexity
@@ -58,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     _generate_parser(sub)
     _align_parser(sub)
     _serve_parser(sub)
+    _warmup_parser(sub)
     _bench_parser(sub)
     _plan_parser(sub)
     _eval_parser(sub)
@@ -153,6 +155,18 @@ def _serve_parser(sub):
     _add_engine_args(s)
     _add_parallel_args(s)
     s.set_defaults(warmup="all")      # no request compiles on the serving path (see /health)
+
+
+def _warmup_parser(sub):
+    """`warmup`: serve's programs compiled into the program store, no server (hybrid_jax/prebuild.py).
+    The engine flags are serve's, with serve's defaults: the same flags give the same EngineConfig,
+    so the programs are the ones serve looks up."""
+    w = sub.add_parser("warmup", help="compile every program `serve` would, into --compilation-cache-dir "
+                       "(a container build or init container), and exit")
+    _add_model_args(w)
+    _add_engine_args(w)
+    _add_parallel_args(w)
+    w.set_defaults(warmup="all")
 
 
 def _bench_parser(sub):
@@ -335,6 +349,17 @@ def _api_key(args) -> str | None:
     return key
 
 
+def _warmup(args) -> int:
+    from hybrid_jax.prebuild import format_report, prebuild  # noqa: PLC0415
+    report = prebuild(args.model, args.dtype, _engine_config(args), parallel_options(args))
+    print(format_report(report))
+    if report.unstored:
+        print(f"hybrid-jax: error: {report.unstored} programs could not be written to the program store "
+              f"(see the warnings above): serve will compile them", file=sys.stderr)
+        return 1
+    return 0
+
+
 def _bench(args) -> int:
     from hybrid_jax.bench import main as bench_main  # noqa: PLC0415
     return bench_main(args, _engine_config(args))
@@ -455,7 +480,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         _join_processes(args)
-        return {"generate": _generate, "align": _align, "serve": _serve, "bench": _bench,
+        return {"generate": _generate, "align": _align, "serve": _serve, "warmup": _warmup, "bench": _bench,
                 "plan": _plan, "eval": _eval}[args.command](args)
     except HybridJaxError as e:
         print(f"hybrid-jax: error: {e}", file=sys.stderr)
