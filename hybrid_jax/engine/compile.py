@@ -178,15 +178,19 @@ class Compiler:
     def _build(self, key: ProgramKey, jitted, args, kw, source: str) -> CompiledProgram:
         """Reads key's program from the store, or lowers and compiles it (and stores it)."""
         skey = self._store_key(key, args, kw)
-        t = time.perf_counter()
-        exe = self.store.load(skey) if self.store is not None else None
-        if exe is not None:
-            p = CompiledProgram(exe, "store", compile_s=time.perf_counter() - t)
-            self._count(p)
-        else:
-            lowered, lower_s = self._lower(key, jitted, args, kw)
-            p = self._compile(key, skey, lowered, lower_s, source)
+        p = self._from_store(skey) or self._compile(key, skey, *self._lower(key, jitted, args, kw), source)
         self.table.add(key, p)
+        return p
+
+    def _from_store(self, skey: str | None) -> CompiledProgram | None:
+        if self.store is None:
+            return None
+        t = time.perf_counter()
+        exe = self.store.load(skey)
+        if exe is None:
+            return None
+        p = CompiledProgram(exe, "store", compile_s=time.perf_counter() - t)
+        self._count(p)
         return p
 
     def _store_key(self, key: ProgramKey, args, kw) -> str | None:
@@ -230,11 +234,8 @@ class Compiler:
                 if job.key in self.table:
                     continue
                 skey = self._store_key(job.key, job.args, job.kw)
-                t = time.perf_counter()
-                exe = self.store.load(skey) if self.store is not None else None
-                if exe is not None:
-                    p = CompiledProgram(exe, "store", compile_s=time.perf_counter() - t)
-                    self._count(p)
+                p = self._from_store(skey)
+                if p is not None:
                     self.table.add(job.key, p)
                     progress(job.key, p)
                     continue
