@@ -84,7 +84,19 @@ class Routed:
 
     def __call__(self, *args, **kw):
         key, dyn = call_key(self.kind, args, kw)
-        return self.compiler.program(key, self.jitted, args, dyn).executable(*args, **dyn)
+        p = self.compiler.program(key, self.jitted, args, dyn)
+        try:
+            return p.executable(*args, **dyn)
+        except jax.errors.JaxRuntimeError as e:
+            if p.source != "store" or "NOT_FOUND" not in str(e):
+                raise
+            # An executable read from the store that cannot run here (XLA:CPU: a function of it missing at
+            # run time): the entry goes, the program is compiled afresh, and the call runs again if its
+            # (donated) arguments are intact; else the engine's step recovery retries the step with it.
+            self.compiler.discard(key, self.jitted, args, dyn, e)
+            if any(isinstance(x, jax.Array) and x.is_deleted() for x in jax.tree.leaves((args, dyn))):
+                raise
+            return self.compiler.table.get(key).executable(*args, **dyn)
 
     def lower(self, *args, **kw):
         return self.jitted.lower(*args, **kw)
@@ -174,6 +186,15 @@ class Compiler:
                 log.warning("a step waits on a compile: %s (no compiled program covers it)", key.describe())
             p = self._build(key, jitted, args, kw, source="on_demand")
         return p
+
+    def discard(self, key: ProgramKey, jitted, args, kw, error):
+        """A program from the store failed to run: its entry is deleted and it is compiled again (not
+        read from the store), replacing it in the table."""
+        skey = self._store_key(key, args, kw)
+        log.warning("program store: %s read from the store cannot run (%s); compiling it instead",
+                    key.describe(), error)
+        self.store.discard(skey)
+        self.table.replace(key, self._compile(key, skey, *self._lower(key, jitted, args, kw), "on_demand"))
 
     def _build(self, key: ProgramKey, jitted, args, kw, source: str) -> CompiledProgram:
         """Reads key's program from the store, or lowers and compiles it (and stores it)."""

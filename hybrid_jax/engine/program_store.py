@@ -135,6 +135,11 @@ class ProgramStore:
         self.hits += 1
         return compiled
 
+    def discard(self, key: str):
+        """Deletes key's entry (one that loaded but could not run)."""
+        self._file(key).unlink(missing_ok=True)
+        self.rejected += 1
+
     def save(self, key: str, compiled):
         """Writes a compiled executable under key (whole, then renamed into place). A backend that
         cannot serialize it leaves the store as it was."""

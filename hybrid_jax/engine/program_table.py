@@ -79,6 +79,11 @@ class ProgramTable:
         with self._lock:
             self._programs.setdefault(key, program)
 
+    def replace(self, key: ProgramKey, program: CompiledProgram):
+        """key's program swapped for another (one read from the store that could not run)."""
+        with self._lock:
+            self._programs[key] = program
+
     def keys(self) -> list[ProgramKey]:
         with self._lock:
             return list(self._programs)

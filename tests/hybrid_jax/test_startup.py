@@ -5,6 +5,7 @@ the program store gives a restart every program without tracing, and misses when
 program changes."""
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
 
@@ -148,3 +149,23 @@ def test_the_store_key_changes_with_what_determines_a_program(llm, tmp_path, mon
     monkeypatch.delenv("XLA_FLAGS")
     assert program_store.store_key({"x": 1}, {"kind": "decode"}) != key
     assert files < set(tmp_path.joinpath("hybrid_jax_programs").iterdir())
+
+
+def test_a_stored_program_that_cannot_run_is_discarded_and_compiled_again(llm, tmp_path):
+    """XLA:CPU has loaded an executable from the store that then failed at run time (a function of it not
+    found): the call compiles the program afresh, runs, and the entry is replaced; the tokens are right."""
+    first = _engine(llm, warmup="minimal", compilation_cache_dir=str(tmp_path))
+    first.warmup()
+    want = _run(first, waves=((0, 1),))
+    again = _engine(llm, warmup="minimal", compilation_cache_dir=str(tmp_path))
+    again.warmup()
+    table = again.runner.compiler.table
+    key = next(k for k in table.keys() if k.kind == "decode")
+
+    class Unloadable:
+        def __call__(self, *a, **kw):
+            raise jax.errors.JaxRuntimeError("NOT_FOUND: Function negate_power_fusion not found (type id: 1)")
+
+    table.get(key).executable = Unloadable()
+    assert _run(again, waves=((0, 1),)) == want
+    assert table.get(key).source == "on_demand" and again.runner.compiler.store.rejected == 1
