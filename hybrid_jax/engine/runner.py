@@ -35,7 +35,7 @@ import numpy as np
 from cache.block_manager import BlockManager, GroupGeometry
 from cache.pools import build_pools, pool_geometry, size_pools
 from hybrid_jax.decode_loop import decode_budget
-from hybrid_jax.engine.compile import Compiler, Job, Programs
+from hybrid_jax.engine.compile import Compiler, Programs
 from hybrid_jax.engine.program_store import ProgramStore
 from hybrid_jax.engine.program_table import ProgramKey
 from hybrid_jax.engine.config import EngineConfig
@@ -53,7 +53,7 @@ from hybrid_jax.models import get_model
 from hybrid_jax.models.ragged import pack
 from hybrid_jax.parallel.context import active
 from hybrid_jax.parallel.placement import entry_copies
-from hybrid_jax.sampling import FULL_SAMPLER, MAX_LOGIT_BIAS, SamplingParams
+from hybrid_jax.sampling import FULL_SAMPLER, MAX_LOGIT_BIAS
 
 MIN_T = 8
 
@@ -504,50 +504,3 @@ class ModelRunner:
         out, lps, self.cache, self.dcache, self.slot_last = self._decode(
             self.params, self.cache, self.slot_last, *args, self.drafter.params, self.dcache, **key.static_kwargs())
         return Dispatched(len(reqs), out, lps, key, t)
-
-    # --- start-up (engine/startup.py) -------------------------------------------------------------
-    def state_structs(self) -> dict:
-        """The runner's device state as shape/dtype/sharding structs (what a program is compiled for,
-        whatever the arrays' fate: steps donate them)."""
-        def struct(a):
-            return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding) if isinstance(a, jax.Array) else a
-        return jax.tree.map(struct, {"params": self.params, "cache": self.cache, "last": self.slot_last,
-                                     "dparams": self.drafter.params, "dcache": self.dcache})
-
-    def job(self, key: ProgramKey, st: dict | None = None) -> Job:
-        """A program to build ahead of use: key's arguments for padding rows only (every row points at
-        the null row) over the runner's state structs `st` (`state_structs`)."""
-        st = st or self.state_structs()
-        P, C, L, DP, DC = st["params"], st["cache"], st["last"], st["dparams"], st["dcache"]
-        kind, W = key.kind, self.ecfg.max_num_seqs
-        fn = getattr(self._programs, kind).jitted
-        if kind in ("mixed", "ragged"):
-            args, kw, _ = self._mixed_args([], key)
-            args = (P, C, L, *args) + ((DP, DC) if kind == "mixed" else ())
-            return Job(key, fn, args, kw)
-        if kind == "decode":
-            return Job(key, fn, (P, C, L, *self._decode_args([], key.shape[0]), DP, DC), {})
-        if kind in ("verify", "draft"):
-            Bb, K = key.shape
-            r, tokens, meta = self.inputs.rows([], Bb), np.zeros((Bb, K + 1), np.int32), np.zeros((2, Bb), np.int32)
-            if kind == "draft":
-                return Job(key, fn, (P, r, tokens, meta, DP, DC), {})
-            kw = {}
-            if key.static_kwargs()["given"]:
-                V = self.cfg.vocab_size
-                kw["given"] = jax.ShapeDtypeStruct((Bb, K, V), jnp.float32)
-            return Job(key, fn, (P, C, r, tokens, meta, self.inputs.verify_masks(Bb, K), DP, DC), kw)
-        if kind == "copy_pages":
-            pad = (np.full((W,), -1, np.int32), np.full((W,), -1, np.int32))
-            return Job(key, fn, (C, {n: pad for n in self.widths}), {})
-        if kind == "fork_rows":
-            pad = np.full((W,), -1, np.int32)
-            return Job(key, fn, (C, pad, pad), {})
-        if kind == "seed":
-            null = seeds(self.null_slot, [], [], SamplingParams(), self.inputs.held_ids(SamplingParams()),
-                         MAX_LOGIT_BIAS)
-            return Job(key, fn, (L, null[0]), {})
-        if kind == "masks":
-            return Job(key, fn, (L, np.full((WRITE_WIDTH,), self.null_slot + 1, np.int32),
-                                 np.zeros((WRITE_WIDTH, words(self.cfg.vocab_size)), np.int32)), {})
-        raise InputError(f"no start-up build for a {kind!r} program")

@@ -26,9 +26,9 @@ import dataclasses
 import logging
 import os
 import threading
-import time
 
 from hybrid_jax.engine.fork import can_fork
+from hybrid_jax.engine.program_jobs import job, state_structs
 from hybrid_jax.engine.program_table import CompiledProgram, ProgramKey
 from hybrid_jax.engine.step_inputs import LOGPROBS_WIDTH
 from hybrid_jax.sampling import FULL_SAMPLER
@@ -111,24 +111,19 @@ def plan(runner, mode: str, spec=None) -> StartupPlan:
 class StartupProgress:
     """How far the start-up is: phase "loading" (weights), "compiling" (the ready set), "ready" (serving;
     the background set still compiling), "complete"; programs done of the ready set and of all, how
-    many came from the program store, the last one built, seconds since the start-up began."""
+    many came from the program store, the last one built."""
     phase: str = "loading"
     done: int = 0
     ready_total: int = 0
     total: int = 0
     from_store: int = 0
     last: str = ""
-    started: float = dataclasses.field(default_factory=time.perf_counter)
 
     def describe(self) -> str:
         s = f"{self.phase}: {self.done} of {self.total} programs ({self.ready_total} before ready"
         return s + (f", {self.from_store} from the program store)" if self.from_store else ")") + \
             (f", last {self.last}" if self.last else "")
 
-    def as_dict(self) -> dict:
-        d = dataclasses.asdict(self)
-        d["seconds"] = round(time.perf_counter() - d.pop("started"), 3)
-        return d
 
 
 class Startup:
@@ -156,10 +151,10 @@ class Startup:
             self.on_progress(self.progress)
 
     def ready_phase(self, workers: int | None = None):
-        st = self.runner.state_structs()
-        jobs = [self.runner.job(k, st) for k in self.plan.ready]
+        st = state_structs(self.runner)
+        jobs = [job(self.runner, k, st) for k in self.plan.ready]
         self.runner.compiler.build_all(jobs, workers or os.cpu_count() or 1, self._note)
-        self._jobs = [self.runner.job(k, st) for k in self.plan.background]   # built here: the runner's
+        self._jobs = [job(self.runner, k, st) for k in self.plan.background]   # built here: the runner's
         self.progress.phase = "ready" if self._jobs else "complete"           # state is this thread's
 
     def start_background(self, workers: int = 1):
