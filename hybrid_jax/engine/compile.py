@@ -31,13 +31,19 @@ from hybrid_jax.engine.program_store import ProgramStore, signature, store_key
 from hybrid_jax.engine.program_table import CompiledProgram, ProgramKey, ProgramTable
 from hybrid_jax.engine.steps import (StepContext, decode_step, draft_step, loop_step, mixed_step, ragged_step,
                                      verify_step)
+from hybrid_jax.engine.step_inputs import LOGPROBS_WIDTH
 from hybrid_jax.logits_processors import seed_row
 from hybrid_jax.parallel.context import Traced
+from hybrid_jax.sampling import FULL_SAMPLER
 from hybrid_jax.structured.bitmask import write_masks
 
 log = logging.getLogger("hybrid_jax.engine")
 
 KINDS = ("mixed", "ragged", "decode", "verify", "draft", "loop", "copy_pages", "seed", "fork_rows", "masks")
+
+# the static options of the mixed and ragged steps every request the server takes runs with (the decode
+# step's are these less prompt_n): the whole-vocabulary widths of logprobs=-1 are offline only
+MIXED_STATICS = (("flags", FULL_SAMPLER), ("prompt_n", LOGPROBS_WIDTH), ("top_n", LOGPROBS_WIDTH))
 
 # each kind's static options, and the bucket a call's arguments are padded to
 STATICS = {"mixed": ("flags", "top_n", "prompt_n"), "ragged": ("flags", "top_n", "prompt_n"),

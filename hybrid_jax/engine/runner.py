@@ -35,14 +35,14 @@ import numpy as np
 from cache.block_manager import BlockManager, GroupGeometry
 from cache.pools import build_pools, pool_geometry, size_pools
 from hybrid_jax.decode_loop import decode_budget
-from hybrid_jax.engine.compile import Compiler, Programs
+from hybrid_jax.engine.compile import MIXED_STATICS, Compiler, Programs
 from hybrid_jax.engine.program_store import ProgramStore
 from hybrid_jax.engine.program_table import ProgramKey
 from hybrid_jax.engine.config import EngineConfig
 from hybrid_jax.engine.drafter import Drafter, DraftModel, MTPDrafter
 from hybrid_jax.engine.prompt_logprobs import PromptFlight, plan_targets, prompt_width
 from hybrid_jax.engine.request import attributed
-from hybrid_jax.engine.step_inputs import LOGPROBS_WIDTH, StepInputs
+from hybrid_jax.engine.step_inputs import StepInputs
 from hybrid_jax.engine.steps import StepContext
 from hybrid_jax.errors import InputError
 from hybrid_jax.generate import bucket
@@ -262,8 +262,7 @@ class ModelRunner:
         Bb = bucket(rows)
         fit = [b for b in self.token_buckets() if b <= self.ecfg.max_num_batched_tokens // Bb]
         if self.compiler.serving:      # while smaller buckets compile in the background: what is compiled
-            statics = dict(flags=FULL_SAMPLER, top_n=LOGPROBS_WIDTH, prompt_n=LOGPROBS_WIDTH)
-            fit = [b for b in fit if self.compiler.table.cover(ProgramKey.of("mixed", (Bb, b), **statics))]
+            fit = [b for b in fit if self.compiler.table.cover(ProgramKey("mixed", (Bb, b), MIXED_STATICS))]
         return max(fit or [MIN_T])
 
     def token_bucket(self, n: int) -> int:

@@ -27,10 +27,10 @@ import logging
 import os
 import threading
 
+from hybrid_jax.engine.compile import MIXED_STATICS
 from hybrid_jax.engine.fork import can_fork
 from hybrid_jax.engine.program_jobs import job, state_structs
 from hybrid_jax.engine.program_table import CompiledProgram, ProgramKey
-from hybrid_jax.engine.step_inputs import LOGPROBS_WIDTH
 from hybrid_jax.sampling import FULL_SAMPLER
 
 log = logging.getLogger("hybrid_jax.engine")
@@ -74,8 +74,8 @@ def plan(runner, mode: str, spec=None) -> StartupPlan:
     ecfg = runner.ecfg
     bbs, tbs = runner.batch_buckets(), runner.token_buckets()
     top_b, top_t = bbs[-1], tbs[-1]
-    lp = dict(flags=FULL_SAMPLER, top_n=LOGPROBS_WIDTH)
-    step = dict(lp, prompt_n=LOGPROBS_WIDTH)
+    step = dict(MIXED_STATICS)
+    lp = {k: v for k, v in step.items() if k != "prompt_n"}
     ready = [ProgramKey.of("decode", (top_b,), steps=ecfg.decode_steps, **lp)]
     later = [ProgramKey.of("decode", (b,), steps=ecfg.decode_steps, **lp) for b in bbs[:-1]]
     mixed = [ProgramKey.of("mixed", (b, t), **step) for b in bbs for t in tbs if b * t <= top_t or t == tbs[0]]
