@@ -68,6 +68,29 @@ def enable_persistent_compilation_cache(path: str | None):
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
+_JAX_CACHE_HIT = "/jax/compilation_cache/cache_hits"
+_thread = threading.local()
+
+
+def _note_jax_cache_hit(event: str, **_):
+    if event == _JAX_CACHE_HIT:           # reported on the thread that compiles (compiler.compile_or_get_cached)
+        _thread.jax_cache_hit = True
+
+
+jax.monitoring.register_event_listener(_note_jax_cache_hit)
+
+
+def compile_fresh(lowered) -> tuple[Any, bool]:
+    """lowered.compile(), and whether XLA compiled it (False: JAX's persistent cache gave it).
+
+    The difference matters to the program store: an executable XLA:CPU loaded from a serialized form
+    serializes again without all of its kernels, so another process that loads that copy fails at its
+    first call (NOT_FOUND: "Function ... fusion not found"). Only programs XLA compiled are stored."""
+    _thread.jax_cache_hit = False
+    exe = lowered.compile()
+    return exe, not _thread.jax_cache_hit
+
+
 def call_key(kind: str, args: tuple, kw: dict) -> tuple[ProgramKey, dict]:
     """The key of a call of `kind` and its dynamic keyword arguments (the statics taken out of kw; a
     verify's drafts given from a draft step count as a static option: another program)."""
@@ -170,6 +193,7 @@ class Stats:
     compile_s: float = 0.0
     load_s: float = 0.0
     stalls: int = 0
+    jax_cache_hits: int = 0      # compiles JAX's persistent cache answered: not written to the store
 
 
 class Compiler:
@@ -233,15 +257,19 @@ class Compiler:
 
     def _compile(self, key, skey, lowered, lower_s, source) -> CompiledProgram:
         t = time.perf_counter()
-        exe = lowered.compile()
+        exe, fresh = compile_fresh(lowered)
         p = CompiledProgram(exe, source, lower_s=lower_s, compile_s=time.perf_counter() - t)
-        if self.store is not None:
+        if self.store is not None and fresh:
             self.store.save(skey, exe)
-        self._count(p)
+        elif not fresh:
+            log.debug("%s came from JAX's compilation cache: not written to the program store (a loaded "
+                      "executable does not serialize whole)", key.describe())
+        self._count(p, jax_cache_hit=not fresh)
         return p
 
-    def _count(self, p: CompiledProgram):
+    def _count(self, p: CompiledProgram, jax_cache_hit: bool = False):
         with self._lock:
+            self.stats.jax_cache_hits += jax_cache_hit
             self.stats.lower_s += p.lower_s
             if p.source == "store":
                 self.stats.load_s += p.compile_s

@@ -169,3 +169,49 @@ def test_a_stored_program_that_cannot_run_is_discarded_and_compiled_again(llm, t
     table.get(key).executable = Unloadable()
     assert _run(again, waves=((0, 1),)) == want
     assert table.get(key).source == "on_demand" and again.runner.compiler.store.rejected == 1
+
+
+_CHILD = """
+import json, sys
+import numpy as np
+from hybrid_jax import LLM, SamplingParams
+from hybrid_jax.engine import EngineConfig, LLMEngine
+eng = LLMEngine(LLM(model=sys.argv[1]), EngineConfig(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=256,
+                                                   compilation_cache_dir=sys.argv[2], warmup="minimal"))
+eng.warmup(background=False)
+prompts = [{"prompt_token_ids": np.random.default_rng(s).integers(3, 211, n).tolist()} for s, n in ((1, 1), (2, 40))]
+outs = eng.generate(prompts, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+c = eng.runner.compiler
+print(json.dumps({"tokens": [o.token_ids for o in outs], "sources": c.table.by_source(),
+                  "jax_cache_hits": c.stats.jax_cache_hits, "rejected": c.store.rejected}))
+"""
+
+
+def test_programs_jax_cache_gave_are_not_stored_so_another_process_runs_what_it_loads(tiny_checkpoint, tmp_path):
+    """JAX's persistent cache hands back a loaded executable, and XLA:CPU serializes one of those without
+    all of its kernels: stored, it loaded in the next process and failed at its first call. Three
+    processes share one JAX cache: the first compiles and stores; with the store emptied, the second
+    gets every program from JAX's cache and stores none; the third gives the first's tokens (when the
+    second stored its programs, the third loaded all six and every request failed)."""
+    import json
+    import os
+    import shutil
+    import subprocess
+    import sys
+    ccd = tmp_path / "ccd"
+    env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": str(ccd), "JAX_PLATFORMS": "cpu"}
+
+    def child():
+        r = subprocess.run([sys.executable, "-c", _CHILD, tiny_checkpoint, str(ccd)], env=env, capture_output=True,
+                           text=True, timeout=600)
+        assert r.returncode == 0, r.stderr[-3000:]
+        return json.loads(r.stdout.strip().splitlines()[-1])
+
+    first = child()
+    assert first["jax_cache_hits"] == 0 and set(first["sources"]) == {"compiled"}
+    shutil.rmtree(ccd / "hybrid_jax_programs")
+    second = child()
+    n = sum(second["sources"].values())
+    assert second["jax_cache_hits"] == n and not list((ccd / "hybrid_jax_programs").glob("*.xprog"))
+    third = child()
+    assert third["rejected"] == 0 and third["tokens"] == first["tokens"] == second["tokens"]
