@@ -72,6 +72,24 @@ def pytest_report_header(config):
     return None if limit is None else f"vm.max_map_count: {limit} (XLA:CPU takes ~3 maps per compiled kernel)"
 
 
+# The files that take a test worker longest (seconds of one worker, a full run of the suite on 2 cores),
+# collected first: `-n 2 --dist loadfile` hands out files in collection order as workers free up, so the
+# long ones start early and the short ones fill in, rather than one long file running alone at the end.
+LONGEST_FIRST = ("hybrid_jax/test_parallel_models.py", "hybrid_jax/test_parallel.py", "hybrid_jax/test_mtp.py",
+                 "hybrid_jax/test_model_baselines.py", "hybrid_jax/test_deepseek_v4.py",
+                 "hybrid_jax/test_prefix_traffic.py", "hybrid_jax/test_reserve_before_schedule.py",
+                 "hybrid_jax/test_plan.py", "hybrid_jax/test_structured.py", "hybrid_jax/test_v4_prefix_caching.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+
+    def key(item):
+        path = item.nodeid.split("::")[0].removeprefix("tests/")
+        return rank.get(path, len(rank))
+    items.sort(key=key)         # stable: every other file keeps its place, and tests within a file theirs
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _release_compiled_programs():
     """After each test file: drop every jit cache (and the executables, with their memory maps)."""
