@@ -27,8 +27,10 @@ from hybrid_jax.layers.norms import gated_rms_norm
 from hybrid_jax.parallel.context import per_device
 
 
-def causal_conv(x: jax.Array, conv_state: jax.Array, w: jax.Array, n_new: jax.Array, return_window: bool = False):
-    """Depthwise causal conv + SiLU.  x: [B, T, C]; conv_state: [B, W-1, C]; w: [W, C]; n_new: [B].
+def causal_conv(x: jax.Array, conv_state: jax.Array, w: jax.Array, n_new: jax.Array, return_window: bool = False,
+                bias: jax.Array | None = None):
+    """Depthwise causal conv (+ bias [C] when given) + SiLU.  x: [B, T, C]; conv_state: [B, W-1, C]; w: [W, C];
+    n_new: [B].
     Returns (y [B, T, C], new conv_state [B, W-1, C]: the last W-1 inputs up to each row's end) and,
     with return_window, the conv state and inputs [B, W-1+T, C] (`cache.state.conv_state_after` reads the state
     after any position from it)."""
@@ -36,6 +38,8 @@ def causal_conv(x: jax.Array, conv_state: jax.Array, w: jax.Array, n_new: jax.Ar
     T = x.shape[1]
     window = jnp.concatenate([conv_state.astype(x.dtype), x], axis=1)       # [B, W-1+T, C]
     y = sum(window[:, j:j + T] * w[j] for j in range(W))
+    if bias is not None:
+        y = y + bias
     new_state = conv_state_after(window, n_new - 1, W)
     if return_window:
         return jax.nn.silu(y), new_state, window
