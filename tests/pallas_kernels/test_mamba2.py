@@ -271,3 +271,24 @@ def test_tpu_kernels_compile_at_nemotron_h_shapes(name, dtype):
     if name == "decode_pooled":     # the kernel reads and writes the pool's rows in place
         assert " gather(" not in text and " scatter(" not in text
     assert cost.flops >= min_flops, (cost.flops, min_flops)
+
+
+@pytest.mark.parametrize("kernel", ["chunk", "recurrent"])
+def test_triton_variants_interpreted(kernel):
+    """The GPU (Triton) variants of both kernels with delta_rule=False, interpreted (power-of-two N, P): a packed
+    batch against the float64 recurrence (the D term left out: it is added around the kernel)."""
+    from pallas_kernels.gated_delta_rule.pallas_chunk import chunk_gated_delta_rule_pallas  # noqa: PLC0415
+    from pallas_kernels.gated_delta_rule.pallas_recurrent import (  # noqa: PLC0415
+        fused_recurrent_gated_delta_rule_pallas)
+    from pallas_kernels.mamba2.common import as_rule_args  # noqa: PLC0415
+    d, h0 = inputs(B=1, T=T_VARLEN, H=4, G=2, P=16, N=32, seed=13, n_states=len(CU) - 1)
+    a = _jnp(d)
+    r = as_rule_args(a["x"], a["dt"], a["A"], a["B"], a["C"], a["dt_bias"], TimeStep(softplus=True))
+    kw = dict(scale=1.0, initial_state=jnp.asarray(h0), output_final_state=True, cu_seqlens=jnp.asarray(CU, jnp.int32),
+              delta_rule=False, backend="gpu", interpret=True)
+    if kernel == "chunk":
+        y, s = chunk_gated_delta_rule_pallas(r.q, r.k, r.v, r.g, r.beta, chunk_size=16, **kw)
+    else:
+        y, s = fused_recurrent_gated_delta_rule_pallas(r.q, r.k, r.v, r.g, r.beta, **kw)
+    y64, s64 = reference(**dict(d, D=None), h0=h0, cu_seqlens=CU)
+    assert rel_rms(y, y64) <= F32_TOL and rel_rms(s, s64) <= F32_TOL, (rel_rms(y, y64), rel_rms(s, s64))
