@@ -9,6 +9,10 @@ With I = H P (H heads of head dim P), G groups of state size N and the conv over
   out = (w * grouprms(y * silu(z))) W_out     the RMS over each of G groups of I / G channels
 Padding tokens (valid = False) get dt = 0, which leaves the state untouched. The state is
 [B, H, N, P] f32 (abi.MAMBA2_SSD; transformers keeps [B, H, P, N]).
+
+Speculative decoding as in gated_deltanet: `fused_recurrent` runs token by token whatever T;
+`per_token_states` also returns what the states after any position are made from (the conv window and
+the per-token updates dt x), which `states_after` reads.
 """
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 import pallas_kernels
+from cache.state import conv_state_after
 from hybrid_jax.layers.gated_deltanet import causal_conv
 from hybrid_jax.layers.linear import linear
 from pallas_kernels.mamba2.common import NO_LIMIT, TimeStep, time_step
@@ -78,27 +83,46 @@ def _heads(xbc: jax.Array, d: Mamba2Dims):
 
 def mamba2_mixer(p: dict, x: jax.Array, valid: jax.Array, n_new: jax.Array, conv_state: jax.Array,
                  ssm_state: jax.Array, *, dims: Mamba2Dims, impl: str = "auto", fused_recurrent: bool = False,
-                 state_rows: jax.Array | None = None):
+                 per_token_states: bool = False, state_rows: jax.Array | None = None):
     """x: [B, T, Hd]; valid: [B, T]; n_new: [B]; conv_state: [B, W-1, C]; ssm_state: [B, H, N, P] f32.
     state_rows [B]: ssm_state is a pool [P, H, N, P] of which row state_rows[b] is row b's state (updated in
-    place by the token-by-token rule; the chunked one runs on the rows gathered).
+    place by the token-by-token rule; the chunked one and per_token_states run on the rows gathered).
     fused_recurrent: token by token whatever T (a verify window equal to T decode steps).
-    Returns (out [B, T, Hd], conv_state, ssm_state)."""
+    Returns (out [B, T, Hd], conv_state, ssm_state) and, with per_token_states (token by token), a dict of
+    what the states after every position are made from: conv_window [B, W-1+T, C], ssm0 [B, H, N, P] (the
+    state before the window), k [B, T, G, N] (B), g [B, T, H] (dt A) and delta [B, T, H, P] (dt x) f32;
+    `states_after` reads it. Padding positions have g = 0 and delta = 0."""
     T, d = x.shape[1], dims
-    recurrent = T == 1 or fused_recurrent
-    if state_rows is not None and not recurrent:
+    recurrent = T == 1 or fused_recurrent or per_token_states
+    if state_rows is not None and (per_token_states or not recurrent):
         pool = ssm_state
-        out, conv_state, rows = mamba2_mixer(p, x, valid, n_new, conv_state, pool[state_rows], dims=d, impl=impl)
-        return out, conv_state, pool.at[state_rows].set(rows)
+        out = mamba2_mixer(p, x, valid, n_new, conv_state, pool[state_rows], dims=d, impl=impl,
+                           fused_recurrent=fused_recurrent, per_token_states=per_token_states)
+        return (*out[:2], pool.at[state_rows].set(out[2]), *out[3:])
     z, xbc, dt = _split(linear(x, p["in_proj"]), d)
-    xbc, conv_state = causal_conv(xbc, conv_state, p["conv"], n_new, bias=p["conv_bias"])
+    xbc, conv_state, window = causal_conv(xbc, conv_state, p["conv"], n_new, return_window=True, bias=p["conv_bias"])
     xs, b, c = _heads(xbc, d)
     dt = jnp.where(valid[..., None], time_step(dt, p["dt_bias"], TimeStep(True, d.time_step_limit)), 0.0)
     A = -jnp.exp(p["A_log"].astype(jnp.float32))
     kw = dict(D=p["D"], initial_state=ssm_state, output_final_state=True, impl=impl)
-    if recurrent:
+    if per_token_states:
+        parts = {"conv_window": window, "ssm0": ssm_state, "k": b, "g": dt * A}
+        y, ssm_state, parts["delta"] = pallas_kernels.fused_recurrent_mamba2(xs, dt, A, b, c, output_deltas=True, **kw)
+    elif recurrent:
         y, ssm_state = pallas_kernels.fused_recurrent_mamba2(xs, dt, A, b, c, state_indices=state_rows, **kw)
     else:
         y, ssm_state = pallas_kernels.chunk_mamba2(xs, dt, A, b, c, **kw)
     y = group_gated_rms_norm(y.reshape(y.shape[:2] + (d.inner,)), z, p["norm"], d.n_groups, d.eps, x.dtype)
-    return linear(y, p["out_proj"]), conv_state, ssm_state
+    out = linear(y, p["out_proj"])
+    if per_token_states:
+        return out, conv_state, ssm_state, parts
+    return out, conv_state, ssm_state
+
+
+def states_after(parts: dict, idx: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The layer's states after position idx[b] of each row ([B] int32, in [0, T)) from the parts
+    `mamba2_mixer(..., per_token_states=True)` returned: (conv [B, W-1, C], ssm [B, H, N, P] f32). As
+    cache.state.states_after, with no l2norm on k (Mamba2's B)."""
+    width = parts["conv_window"].shape[1] - parts["k"].shape[1] + 1
+    conv = conv_state_after(parts["conv_window"], idx, width)
+    return conv, pallas_kernels.state_after(parts["ssm0"], parts["k"], parts["g"], parts["delta"], idx)

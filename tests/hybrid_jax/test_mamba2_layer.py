@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from hybrid_jax.layers.mamba2 import Mamba2Dims, mamba2_mixer, param_shapes
+from hybrid_jax.layers.mamba2 import Mamba2Dims, mamba2_mixer, param_shapes, states_after
 
 torch = pytest.importorskip("torch")
 nh = pytest.importorskip("transformers.models.nemotron_h.modeling_nemotron_h")
@@ -114,3 +114,26 @@ def test_pooled_state_rows(T):
     want, _, want_rows = run(p, x, states=(conv, pool[rows]))
     assert rel_rms(out, want) <= 1e-6 and rel_rms(new_pool[rows], want_rows) <= 1e-6
     np.testing.assert_array_equal(new_pool[jnp.asarray([1, 2, 4])], pool[jnp.asarray([1, 2, 4])])
+
+
+def test_per_token_states_rebuild_the_states_after_any_position():
+    """per_token_states: states_after(parts, idx) equals the states of a run stopped after idx; row 1 is padded
+    after 4 tokens, and its SSM state after a padding position is its last real one (a verify step only
+    asks for real positions' conv states)."""
+    p = our_params(hf_mixer(seed=9))
+    x = np.random.default_rng(10).standard_normal((2, 6, HIDDEN)).astype(np.float32)
+    valid = jnp.asarray(np.arange(6)[None] < np.array([[6], [4]]))
+    conv0 = jnp.asarray(np.random.default_rng(11).standard_normal((2, 3, DIMS.conv_dim)), jnp.float32)
+    ssm0 = jnp.asarray(np.random.default_rng(12).standard_normal((2, 4, 16, 8)), jnp.float32) * 0.1
+    out, conv, ssm, parts = run(p, x, valid, states=(conv0, ssm0), per_token_states=True)
+    assert rel_rms(out, run(p, x, valid, states=(conv0, ssm0))[0]) <= 1e-5
+
+    def stopped_after(b, n):
+        return run(p, x[b:b + 1, :n], states=(conv0[b:b + 1], ssm0[b:b + 1]))[1:]
+    for idx in ([0, 0], [2, 3], [5, 3]):
+        c, s = states_after(parts, jnp.asarray(idx, jnp.int32))
+        for b in range(2):
+            c_want, s_want = stopped_after(b, idx[b] + 1)
+            assert rel_rms(c[b], c_want[0]) <= 1e-6 and rel_rms(s[b], s_want[0]) <= 1e-5, (idx, b)
+    _, s = states_after(parts, jnp.asarray([5, 5], jnp.int32))
+    assert rel_rms(s[1], stopped_after(1, 4)[1][0]) <= 1e-5
