@@ -23,7 +23,7 @@ import jax.numpy as jnp
 
 import pallas_kernels
 from cache.state import conv_state_after
-from hybrid_jax.layers.gated_deltanet import causal_conv
+from hybrid_jax.layers.gated_deltanet import causal_conv, ragged_causal_conv
 from hybrid_jax.layers.linear import linear
 from pallas_kernels.mamba2.common import NO_LIMIT, TimeStep, time_step
 
@@ -117,6 +117,24 @@ def mamba2_mixer(p: dict, x: jax.Array, valid: jax.Array, n_new: jax.Array, conv
     if per_token_states:
         return out, conv_state, ssm_state, parts
     return out, conv_state, ssm_state
+
+
+def mamba2_mixer_ragged(p: dict, x: jax.Array, seq: jax.Array, valid: jax.Array, cu_seqlens: jax.Array,
+                        conv_state: jax.Array, ssm_state: jax.Array, *, dims: Mamba2Dims, impl: str = "auto"):
+    """`mamba2_mixer` over a ragged batch (hybrid_jax.models.ragged): x [N, Hd]; seq [N], valid [N];
+    cu_seqlens [S + 1]; conv_state [S, W-1, C]; ssm_state [S, H, N, P] f32 (row s: sequence s's). The chunked
+    rule runs the packed sequences with `cu_seqlens`. Returns (out [N, Hd], conv_state, ssm_state)."""
+    d = dims
+    z, xbc, dt = _split(linear(x, p["in_proj"]), d)
+    xbc, conv_state = ragged_causal_conv(xbc, conv_state, p["conv"], seq, cu_seqlens, bias=p["conv_bias"])
+    xs, b, c = _heads(xbc, d)
+    dt = jnp.where(valid[..., None], time_step(dt, p["dt_bias"], TimeStep(True, d.time_step_limit)), 0.0)
+    A = -jnp.exp(p["A_log"].astype(jnp.float32))
+    y, ssm_state = pallas_kernels.chunk_mamba2(xs[None], dt[None], A, b[None], c[None], D=p["D"],
+                                               initial_state=ssm_state, output_final_state=True,
+                                               cu_seqlens=cu_seqlens, impl=impl)
+    y = group_gated_rms_norm(y[0].reshape(y.shape[1], d.inner), z, p["norm"], d.n_groups, d.eps, x.dtype)
+    return linear(y, p["out_proj"]), conv_state, ssm_state
 
 
 def states_after(parts: dict, idx: jax.Array) -> tuple[jax.Array, jax.Array]:

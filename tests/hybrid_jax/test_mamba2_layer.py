@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from hybrid_jax.layers.mamba2 import Mamba2Dims, mamba2_mixer, param_shapes, states_after
+from hybrid_jax.layers.mamba2 import Mamba2Dims, mamba2_mixer, mamba2_mixer_ragged, param_shapes, states_after
 
 torch = pytest.importorskip("torch")
 nh = pytest.importorskip("transformers.models.nemotron_h.modeling_nemotron_h")
@@ -137,3 +137,23 @@ def test_per_token_states_rebuild_the_states_after_any_position():
             assert rel_rms(c[b], c_want[0]) <= 1e-6 and rel_rms(s[b], s_want[0]) <= 1e-5, (idx, b)
     _, s = states_after(parts, jnp.asarray([5, 5], jnp.int32))
     assert rel_rms(s[1], stopped_after(1, 4)[1][0]) <= 1e-5
+
+
+def test_ragged_batch_equals_each_sequence_alone():
+    """A ragged batch (sequences of 5, 0 and 7 tokens, then 2 rows of no sequence, each from its own states)
+    gives every sequence what the padded mixer gives it alone; the empty one keeps its states."""
+    p = our_params(hf_mixer(seed=13))
+    rng = np.random.default_rng(14)
+    cu = np.array([0, 5, 5, 12])
+    x = rng.standard_normal((14, HIDDEN)).astype(np.float32)
+    seq = np.clip(np.searchsorted(cu[1:], np.arange(14), side="right"), 0, 2)
+    conv0 = jnp.asarray(rng.standard_normal((3, 3, DIMS.conv_dim)), jnp.float32)
+    ssm0 = jnp.asarray(rng.standard_normal((3, 4, 16, 8)), jnp.float32) * 0.1
+    out, conv, ssm = mamba2_mixer_ragged(p, jnp.asarray(x), jnp.asarray(seq, jnp.int32), jnp.arange(14) < 12,
+                                         jnp.asarray(cu, jnp.int32), conv0, ssm0, dims=DIMS)
+    for s in (0, 2):
+        want, c_want, s_want = run(p, x[None, cu[s]:cu[s + 1]], states=(conv0[s:s + 1], ssm0[s:s + 1]))
+        assert rel_rms(out[cu[s]:cu[s + 1]], want[0]) <= 1e-5
+        assert rel_rms(conv[s], c_want[0]) <= 1e-6 and rel_rms(ssm[s], s_want[0]) <= 1e-5
+    np.testing.assert_array_equal(conv[1], conv0[1])
+    np.testing.assert_array_equal(ssm[1], ssm0[1])
