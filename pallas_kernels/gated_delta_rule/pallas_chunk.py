@@ -92,7 +92,8 @@ def chunk_step(h, q, k, v, g, beta, *, scale: float, use_l2norm: bool, delta_rul
     gc_row = jnp.sum(eye * gc, axis=0, keepdims=True)                      # [1, C]
     # the last row of gc, not sum(g): another order of the same sum, whose rounding would not cancel in
     # g_last - gc (|gc| reaches ~1e3 when a head decays fast, where one f32 ulp is 1e-4)
-    g_last = jnp.sum(jnp.where(i[:, :1] == C - 1, gc, 0.0), axis=0, keepdims=True)   # [1, 1]
+    last = jax.lax.broadcasted_iota(jnp.int32, (C, 1), 0) == C - 1               # (no slices: Triton lacks them)
+    g_last = jnp.sum(jnp.where(last, gc, 0.0), axis=0, keepdims=True)              # [1, 1]
     diff = gc - gc_row                                                      # [C, C]
     if delta_rule:
         v_new = _delta_values(h, k, v, beta, jnp.exp(gc), diff, eye, i, j)

@@ -292,3 +292,23 @@ def test_triton_variants_interpreted(kernel):
         y, s = fused_recurrent_gated_delta_rule_pallas(r.q, r.k, r.v, r.g, r.beta, **kw)
     y64, s64 = reference(**dict(d, D=None), h0=h0, cu_seqlens=CU)
     assert rel_rms(y, y64) <= F32_TOL and rel_rms(s, s64) <= F32_TOL, (rel_rms(y, y64), rel_rms(s, s64))
+
+
+@pytest.mark.parametrize("platform, call", [("tpu", "tpu_custom_call"), ("cuda", "__gpu$xla.gpu.triton"),
+                                            ("cpu", None)])
+@pytest.mark.parametrize("op", [chunk_mamba2, fused_recurrent_mamba2], ids=["chunk", "recurrent"])
+def test_auto_exports_the_platforms_kernel(op, platform, call):
+    """impl="auto" lowered for a TPU carries the Mosaic kernel, for CUDA the Triton one (both the SSD
+    variants), for the CPU the XLA path (no custom call) -- the platform lowered for, not this host's."""
+    T = 100 if op is chunk_mamba2 else 4
+    args = _abstract(2, T, jnp.bfloat16)
+
+    def fn(x, dt, A, B, C, D, bias, h0):
+        return op(x, dt, A, B, C, D=D, dt_bias=bias, dt_softplus=True, initial_state=h0, output_final_state=True,
+                  impl="auto")
+    text = jax.export.export(jax.jit(fn), platforms=[platform], disabled_checks=[
+        jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args).mlir_module()
+    if call is None:
+        assert "tpu_custom_call" not in text and "__gpu$xla.gpu.triton" not in text
+    else:
+        assert call in text and "ssd_" in text
