@@ -18,7 +18,7 @@ import pytest
 from mamba2_float64 import inputs, reference, rel_rms
 
 from pallas_kernels import abi, chunk_mamba2, fused_recurrent_mamba2, state_after
-from pallas_kernels.mamba2.common import time_step, TimeStep
+from pallas_kernels.mamba2.common import TimeStep, time_step
 
 F32_TOL, BF16_TOL = 1e-5, 1e-2
 CHUNK_IMPLS = ["reference", "xla", "pallas"]
