@@ -27,8 +27,10 @@ from hybrid_jax.layers.norms import gated_rms_norm
 from hybrid_jax.parallel.context import per_device
 
 
-def causal_conv(x: jax.Array, conv_state: jax.Array, w: jax.Array, n_new: jax.Array, return_window: bool = False):
-    """Depthwise causal conv + SiLU.  x: [B, T, C]; conv_state: [B, W-1, C]; w: [W, C]; n_new: [B].
+def causal_conv(x: jax.Array, conv_state: jax.Array, w: jax.Array, n_new: jax.Array, return_window: bool = False,
+                bias: jax.Array | None = None):
+    """Depthwise causal conv (+ bias [C] when given) + SiLU.  x: [B, T, C]; conv_state: [B, W-1, C]; w: [W, C];
+    n_new: [B].
     Returns (y [B, T, C], new conv_state [B, W-1, C]: the last W-1 inputs up to each row's end) and,
     with return_window, the conv state and inputs [B, W-1+T, C] (`cache.state.conv_state_after` reads the state
     after any position from it)."""
@@ -36,6 +38,8 @@ def causal_conv(x: jax.Array, conv_state: jax.Array, w: jax.Array, n_new: jax.Ar
     T = x.shape[1]
     window = jnp.concatenate([conv_state.astype(x.dtype), x], axis=1)       # [B, W-1+T, C]
     y = sum(window[:, j:j + T] * w[j] for j in range(W))
+    if bias is not None:
+        y = y + bias
     new_state = conv_state_after(window, n_new - 1, W)
     if return_window:
         return jax.nn.silu(y), new_state, window
@@ -135,9 +139,10 @@ def gated_deltanet(p: dict, x: jax.Array, valid: jax.Array, n_new: jax.Array, co
     return out, conv_state, ssm_state
 
 
-def ragged_causal_conv(x: jax.Array, conv_state: jax.Array, w: jax.Array, seq: jax.Array, cu_seqlens: jax.Array):
+def ragged_causal_conv(x: jax.Array, conv_state: jax.Array, w: jax.Array, seq: jax.Array, cu_seqlens: jax.Array,
+                       bias: jax.Array | None = None):
     """`causal_conv` over a ragged batch. x: [N, C] (sequence s owns rows cu_seqlens[s] ..
-    cu_seqlens[s + 1] - 1; seq [N] each row's sequence); conv_state [S, W-1, C]; w [W, C].
+    cu_seqlens[s + 1] - 1; seq [N] each row's sequence); conv_state [S, W-1, C]; w [W, C]; bias [C] or None.
     Returns (y [N, C] after SiLU, new conv_state [S, W-1, C]: each sequence's last W-1 inputs; a
     sequence without tokens keeps its state). Each tap reads the sequence's own earlier input, or
     its conv state before the first one: never another sequence's."""
@@ -150,6 +155,8 @@ def ragged_causal_conv(x: jax.Array, conv_state: jax.Array, w: jax.Array, seq: j
 
     local = jnp.arange(N, dtype=jnp.int32) - cu[seq]
     y = sum(ext[at(seq, local - (W - 1) + t)] * w[t] for t in range(W))
+    if bias is not None:
+        y = y + bias
     n = cu[1:] - cu[:-1]
     u = jnp.arange(W - 1, dtype=jnp.int32)
     new_state = ext[at(jnp.arange(S, dtype=jnp.int32)[:, None], n[:, None] - (W - 1) + u[None, :])]

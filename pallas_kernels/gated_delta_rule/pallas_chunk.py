@@ -22,7 +22,8 @@ Backends (both proven by `jax.export` on CPU in tests/pallas_kernels/test_export
     `DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")`). Every tile the kernel loads or stores
     ([C, K], [C, block_v], [K, block_v]) has power-of-two dims, so C, K, block_v must be powers of
     two; the refs themselves may have any size (e.g. the padded T).
-The per-chunk math (`chunk_step`) is shared by both.
+The per-chunk math (`chunk_step`) is shared by both. With the static `delta_rule=False` it is Mamba2's SSD
+rule instead (pallas_kernels.mamba2): no delta correction, so A = I, v' = beta v and no inverse is formed.
 
 Variable-length batches: every sequence is padded to a multiple of C (varlen.chunk_layout) so no
 chunk straddles two sequences; each chunk carries its sequence id and a reset flag.
@@ -73,8 +74,9 @@ def _dot_tn(a, b):   # a^T @ b
                                preferred_element_type=jnp.float32)
 
 
-def chunk_step(h, q, k, v, g, beta, *, scale: float, use_l2norm: bool):
+def chunk_step(h, q, k, v, g, beta, *, scale: float, use_l2norm: bool, delta_rule: bool = True):
     """One chunk. h [K, bv] f32; q, k [C, K]; v [C, bv]; g, beta [C, 1] f32.
+    delta_rule=False: no delta correction (Mamba2's SSD rule): A = I, so v' = beta v and no inverse.
     Returns (o [C, bv] f32, new h [K, bv] f32). Only 2-D elementwise ops, reductions and dots."""
     q, k, v = q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32)
     if use_l2norm:
@@ -88,8 +90,25 @@ def chunk_step(h, q, k, v, g, beta, *, scale: float, use_l2norm: bool):
     g_row = jnp.sum(eye * g, axis=0, keepdims=True)                         # [1, C]
     gc = jnp.sum(jnp.where(j <= i, g_row, 0.0), axis=1, keepdims=True)     # [C, 1] cumsum
     gc_row = jnp.sum(eye * gc, axis=0, keepdims=True)                      # [1, C]
-    g_last = jnp.sum(g, axis=0, keepdims=True)                             # [1, 1]
+    # the last row of gc, not sum(g): another order of the same sum, whose rounding would not cancel in
+    # g_last - gc (|gc| reaches ~1e3 when a head decays fast, where one f32 ulp is 1e-4)
+    last = jax.lax.broadcasted_iota(jnp.int32, (C, 1), 0) == C - 1               # (no slices: Triton lacks them)
+    g_last = jnp.sum(jnp.where(last, gc, 0.0), axis=0, keepdims=True)              # [1, 1]
     diff = gc - gc_row                                                      # [C, C]
+    if delta_rule:
+        v_new = _delta_values(h, k, v, beta, jnp.exp(gc), diff, eye, i, j)
+    else:
+        v_new = beta * v
+    attn = _dot_nt(q, k) * jnp.exp(jnp.where(j <= i, diff, _NEG))
+    o = _dot(q * jnp.exp(gc), h) + _dot(attn, v_new)
+    h = jnp.exp(g_last) * h + _dot_tn(k * jnp.exp(g_last - gc), v_new)
+    return o, h
+
+
+def _delta_values(h, k, v, beta, eg, diff, eye, i, j):
+    """The delta rule's corrected values v' = u - w h [C, bv], from the UT inverse A:
+    u = A (beta v), w = A (beta exp(gc) k)."""
+    C = k.shape[0]
     n_mat = beta * _dot_nt(k, k) * jnp.exp(jnp.where(j < i, diff, _NEG))
     # (I + N)^-1 = (I - N)(I + N^2)(I + N^4)... (N strictly lower, so nilpotent)
     p = -n_mat
@@ -99,14 +118,9 @@ def chunk_step(h, q, k, v, g, beta, *, scale: float, use_l2norm: bool):
         p = _dot(p, p)
         a_inv = _dot(a_inv, eye + p)
         n *= 2
-    eg = jnp.exp(gc)
     u = _dot(a_inv, beta * v)                                               # [C, bv]
     w = _dot(a_inv, beta * eg * k)                                          # [C, K]
-    v_new = u - _dot(w, h)
-    attn = _dot_nt(q, k) * jnp.exp(jnp.where(j <= i, diff, _NEG))
-    o = _dot(q * eg, h) + _dot(attn, v_new)
-    h = jnp.exp(g_last) * h + _dot_tn(k * jnp.exp(g_last - gc), v_new)
-    return o, h
+    return u - _dot(w, h)
 
 
 def _tpu_kernel(seq_ref, flag_ref,            # [B * NC] int32 in SMEM
@@ -117,7 +131,7 @@ def _tpu_kernel(seq_ref, flag_ref,            # [B * NC] int32 in SMEM
                 o_ref,                        # [C, bv]
                 hT_ref,                       # [NB, K, bv] f32 (aliases h0)
                 h_scr,                        # [K, bv] f32 VMEM scratch: the state across chunks
-                *, scale, use_l2norm, NC):
+                *, scale, use_l2norm, NC, delta_rule=True):
     b, c = pl.program_id(0), pl.program_id(3)
 
     @pl.when(c == 0)
@@ -129,7 +143,8 @@ def _tpu_kernel(seq_ref, flag_ref,            # [B * NC] int32 in SMEM
     C = q_ref.shape[0]
     eye = (jax.lax.broadcasted_iota(jnp.int32, (C, C), 0) == jax.lax.broadcasted_iota(jnp.int32, (C, C), 1))
     g, beta = (row_to_col(r[pl.ds(c, 1), :], eye.astype(jnp.float32)) for r in (g_ref, b_ref))   # [C, 1]
-    o, h = chunk_step(h, q_ref[...], k_ref[...], v_ref[...], g, beta, scale=scale, use_l2norm=use_l2norm)
+    o, h = chunk_step(h, q_ref[...], k_ref[...], v_ref[...], g, beta, scale=scale, use_l2norm=use_l2norm,
+                      delta_rule=delta_rule)
     o_ref[...] = o.astype(o_ref.dtype)
     h_scr[...] = h
     hT_ref[s] = h
@@ -142,7 +157,7 @@ def _gpu_kernel(seq_ref, flag_ref,            # [B * NC] int32
                 h0_ref,                       # [NB, K, bv] f32
                 o_ref,                        # [Tp, bv]
                 hT_ref,                       # [NB, K, bv] f32 (aliases h0)
-                *, scale, use_l2norm, NC, C):
+                *, scale, use_l2norm, NC, C, delta_rule=True):
     b = pl.program_id(0)
     copy_states(h0_ref, hT_ref)
 
@@ -151,7 +166,7 @@ def _gpu_kernel(seq_ref, flag_ref,            # [B * NC] int32
         h = jnp.where((flag_ref[b * NC + c] & 1) == 1, h0_ref[s], h)
         rows = pl.ds(c * C, C)
         o, h = chunk_step(h, q_ref[rows, :], k_ref[rows, :], v_ref[rows, :], g_ref[rows, :],
-                          b_ref[rows, :], scale=scale, use_l2norm=use_l2norm)
+                          b_ref[rows, :], scale=scale, use_l2norm=use_l2norm, delta_rule=delta_rule)
         o_ref[rows, :] = o.astype(o_ref.dtype)
         hT_ref[s] = h
         return h
@@ -160,7 +175,7 @@ def _gpu_kernel(seq_ref, flag_ref,            # [B * NC] int32
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "output_final_state", "use_qk_l2norm_in_kernel",
-                                             "chunk_size", "config", "backend", "interpret"))
+                                             "chunk_size", "config", "backend", "interpret", "delta_rule"))
 def chunk_gated_delta_rule_pallas(
     q: jax.Array,            # [B, T, H, K]
     k: jax.Array,            # [B, T, H, K]
@@ -176,10 +191,13 @@ def chunk_gated_delta_rule_pallas(
     config: ChunkConfig | None = None,
     backend: str = "tpu",
     interpret: bool = False,
+    delta_rule: bool = True,
 ):
     """Chunked Pallas kernel. Returns (o [B, T, HV, V] in v.dtype, final [N, HV, K, V] f32 or None).
     chunk_size, when given, overrides config.chunk_size. The initial state buffer is aliased to the
-    final state (`input_output_aliases`), so a donated state is updated in place."""
+    final state (`input_output_aliases`), so a donated state is updated in place.
+    delta_rule=False drops the delta correction: h <- exp(g) h + k (beta v)^T, Mamba2's SSD rule
+    (pallas_kernels.mamba2), with no UT inverse."""
     B, T, H, K, HV, V = check_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
     config = config or ChunkConfig()
     C = chunk_size or config.chunk_size
@@ -196,7 +214,7 @@ def chunk_gated_delta_rule_pallas(
     gt = g.astype(jnp.float32).transpose(0, 2, 1)                       # [B, HV, Tp]
     bt = beta.astype(jnp.float32).transpose(0, 2, 1)
     varl = cu_seqlens is not None
-    kw = dict(scale=scale, use_l2norm=use_qk_l2norm_in_kernel, NC=NC)
+    kw = dict(scale=scale, use_l2norm=use_qk_l2norm_in_kernel, NC=NC, delta_rule=delta_rule)
     out_shape = [jax.ShapeDtypeStruct((B, HV, Tp, V), v.dtype), jax.ShapeDtypeStruct((N, HV, K, V), jnp.float32)]
     b_sem = "arbitrary" if varl else "parallel"   # a packed batch revisits one state block
     if backend == "tpu":
@@ -219,23 +237,26 @@ def chunk_gated_delta_rule_pallas(
     o, hT = pl.pallas_call(
         kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
         scratch_shapes=scratch, input_output_aliases={7: 1}, compiler_params=params,
-        interpret=interpret, name="gdn_chunk",
-        cost_estimate=_cost(qt, kt, vt, h0, out_shape, C, use_qk_l2norm_in_kernel),
+        interpret=interpret, name="gdn_chunk" if delta_rule else "ssd_chunk",
+        cost_estimate=_cost(qt, kt, vt, h0, out_shape, C, use_qk_l2norm_in_kernel, delta_rule),
     )(seq, flag, qt, kt, vt, gt, bt, h0)
     o = o.transpose(0, 2, 1, 3)                                         # [B, Tp, HV, V]
     o = varlen.unchunked(o, T, pos)
     return o, (hT if output_final_state else None)
 
 
-def _cost(qt, kt, vt, h0, out_shape, C, l2norm):
+def _cost(qt, kt, vt, h0, out_shape, C, l2norm, delta_rule=True):
     """Per chunk of C tokens and value head, the matmuls of `chunk_step`: k k^T, q k^T, the inverse by
     repeated squaring (2 log2(C) - 2 C^3 products), u, w, w h, (q e^g) h, attn v', k^T v' -- plus the
-    l2norms; exp and rsqrt per token and per [C, C] mask."""
+    l2norms; exp and rsqrt per token and per [C, C] mask. Without the delta rule: q k^T, (q e^g) h,
+    attn v', k^T v' only."""
     B, H, Tp, K = qt.shape
     HV, V = vt.shape[1], vt.shape[-1]
     chunks = B * HV * (Tp // C)
     squarings = max(2 * (C - 1).bit_length() - 2, 0)
     mm = 2 * (2 * C * C * K + squarings * C ** 3 + C * C * V + C * C * K + 3 * C * K * V + C * C * V)
+    if not delta_rule:
+        mm = 2 * (C * C * K + 2 * C * K * V + C * C * V)
     return cost(chunks * (mm + (4 * C * K if l2norm else 0)), chunks * (2 * C * C + 3 * C),
                 qt, kt, vt, h0, *out_shape)
 

@@ -3,6 +3,7 @@
 One kernel for both decays: Gated DeltaNet's, one log decay per head (g [B, T, HV]: the state is scaled
 by a scalar), and Kimi Delta Attention's, one per key channel (g [B, T, HV, K]: row c of the state
 [K, V] is scaled by exp(g[c])). The choice is static, made from g.ndim; the GDN path is unchanged by it.
+A second static choice, `delta_rule=False`, drops the delta correction: Mamba2's SSD rule (pallas_kernels.mamba2).
 
 The state block [K, block_v] stays on chip (VMEM on TPU, registers / shared memory on GPU) for the
 whole window and goes back to HBM once per sequence. Gating (exp(g)), beta and the q/k l2norm are
@@ -78,16 +79,21 @@ def copy_states(src_ref, dst_ref):
     jax.lax.fori_loop(0, src_ref.shape[0], body, 0)
 
 
-def _token_step(S, q, k, v, g, beta, eye, *, scale: float, use_l2norm: bool, per_channel: bool = False):
+def _token_step(S, q, k, v, g, beta, eye, *, scale: float, use_l2norm: bool, per_channel: bool = False,
+                delta_rule: bool = True):
     """One token. S [K, bv] f32; q, k [1, K] f32; v [1, bv] f32; beta [1, 1] f32; g [1, 1] f32 (one
     decay for the head) or, per_channel, [1, K] f32 (one per key channel: row c of S decays by exp(g[c])).
+    delta_rule=False drops the delta correction (the update is k (beta v)^T: Mamba2's SSD rule).
     Returns (new S, o [1, bv] = S_new^T q, delta [1, bv])."""
     if use_l2norm:
         q, k = l2norm_row(q), l2norm_row(k)
     q_col, k_col = row_to_col(q * scale, eye), row_to_col(k, eye)   # [K, 1]
     S = S * (row_to_col(jnp.exp(g), eye) if per_channel else jnp.exp(g))   # [K, 1] or [1, 1]
-    kv = jnp.sum(k_col * S, axis=0, keepdims=True)                   # [1, bv] = S^T k
-    delta = (v - kv) * beta
+    if delta_rule:
+        kv = jnp.sum(k_col * S, axis=0, keepdims=True)               # [1, bv] = S^T k
+        delta = (v - kv) * beta
+    else:
+        delta = v * beta
     S = S + k_col * delta
     return S, jnp.sum(q_col * S, axis=0, keepdims=True), delta
 
@@ -107,7 +113,8 @@ def _gpu_kernel(seq_ref, flag_ref,                        # [B * T] int32
                 o_ref,                                    # [T, bv]
                 hT_ref,                                   # [NB, K, bv] f32 (aliases h0)
                 *rest,                                    # states_ref [T, K, bv] or deltas_ref [T, bv] f32
-                scale: float, use_l2norm: bool, T: int, keep: str | None, per_channel: bool = False):
+                scale: float, use_l2norm: bool, T: int, keep: str | None, per_channel: bool = False,
+                delta_rule: bool = True):
     out_ref = rest[0] if keep else None
     b = pl.program_id(0)
     eye = _eye(q_ref.shape[1])
@@ -121,7 +128,7 @@ def _gpu_kernel(seq_ref, flag_ref,                        # [B * T] int32
         S_new, o, delta = _token_step(
             S, q_ref[pl.ds(t, 1), :].astype(jnp.float32), k_ref[pl.ds(t, 1), :].astype(jnp.float32),
             v_ref[pl.ds(t, 1), :].astype(jnp.float32), g_ref[pl.ds(t, 1), :], b_ref[pl.ds(t, 1), :], eye,
-            scale=scale, use_l2norm=use_l2norm, per_channel=per_channel)
+            scale=scale, use_l2norm=use_l2norm, per_channel=per_channel, delta_rule=delta_rule)
         S = jnp.where(valid, S_new, S)
         o_ref[pl.ds(t, 1), :] = jnp.where(valid, o, 0.0).astype(o_ref.dtype)
         hT_ref[s] = jnp.where(valid, S, hT_ref[s])
@@ -146,7 +153,7 @@ def _tpu_kernel(seq_ref, flag_ref,                        # [B * Tp] int32 in SM
                 *rest,                                    # [states_ref [Tb, K, bv] | deltas_ref [Tb, bv]],
                                                           # S_scr [K, bv] f32, o_scr [Tb, bv] f32
                 scale: float, use_l2norm: bool, Tp: int, Tb: int, keep: str | None, varl: bool,
-                per_channel: bool = False):
+                per_channel: bool = False, delta_rule: bool = True):
     out_ref = rest[0] if keep else None
     S_scr, o_scr = rest[-2:]
     b, tb = pl.program_id(0), pl.program_id(3)
@@ -177,7 +184,8 @@ def _tpu_kernel(seq_ref, flag_ref,                        # [B * Tp] int32 in SM
             g = jnp.sum(jnp.where(lane == r, g_row, 0.0), axis=1, keepdims=True)  # [1, 1]
         beta = jnp.sum(jnp.where(lane == r, b_row, 0.0), axis=1, keepdims=True)
         S_new, o, delta = _token_step(S, qs[r:r + 1], ks[r:r + 1], vs[r:r + 1], g, beta, eye,
-                                      scale=scale, use_l2norm=use_l2norm, per_channel=per_channel)
+                                      scale=scale, use_l2norm=use_l2norm, per_channel=per_channel,
+                                      delta_rule=delta_rule)
         S = jnp.where(valid, S_new, S)                    # tokens of no sequence leave the state alone
         o_scr[r:r + 1, :] = jnp.where(valid, o, 0.0)
         if varl:
@@ -194,7 +202,7 @@ def _tpu_kernel(seq_ref, flag_ref,                        # [B * Tp] int32 in SM
 
 @functools.partial(jax.jit, static_argnames=("scale", "output_final_state", "output_all_states",
                                              "use_qk_l2norm_in_kernel", "config", "backend", "interpret",
-                                             "output_deltas"))
+                                             "output_deltas", "delta_rule"))
 def fused_recurrent_gated_delta_rule_pallas(
     q: jax.Array,            # [B, T, H, K]
     k: jax.Array,            # [B, T, H, K]
@@ -212,6 +220,7 @@ def fused_recurrent_gated_delta_rule_pallas(
     interpret: bool = False,
     output_deltas: bool = False,
     state_indices: jax.Array | None = None,  # [B] int32: row b's state is initial_state[state_indices[b]]
+    delta_rule: bool = True,
 ):
     """Fused recurrent kernel. Returns (o [B, T, HV, V] in v.dtype, final [N, HV, K, V] f32 or None)
     and, with output_all_states, the state after every token [B, T, HV, K, V] f32, or, with
@@ -226,6 +235,8 @@ def fused_recurrent_gated_delta_rule_pallas(
 
     g [B, T, HV] decays the state of a head by one factor (Gated DeltaNet), g [B, T, HV, K] each of its
     key rows by its own (Kimi Delta Attention); the kernel is chosen statically from g.ndim.
+    delta_rule=False drops the delta correction, S <- exp(g) S + k (beta v)^T (Mamba2's SSD rule,
+    pallas_kernels.mamba2); output_deltas are then beta v.
     The initial state buffer is aliased to the final state (`input_output_aliases`): under
     `jax.jit(..., donate_argnames=...)` the state is updated in place."""
     per_channel = g.ndim == 4
@@ -235,7 +246,8 @@ def fused_recurrent_gated_delta_rule_pallas(
         if backend != "tpu":
             return on_gathered_rows(lambda h0: fused_recurrent_gated_delta_rule_pallas(
                 q, k, v, g, beta, scale=scale, initial_state=h0, output_final_state=True,
-                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, config=config, backend=backend, interpret=interpret),
+                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, config=config, backend=backend, interpret=interpret,
+                delta_rule=delta_rule),
                 pool, state_indices.astype(jnp.int32), output_final_state)
         initial_state = pool
     B, T, H, K, HV, V = check_inputs(q, k, v, g, beta, None if state_indices is not None else initial_state,
@@ -285,7 +297,7 @@ def fused_recurrent_gated_delta_rule_pallas(
         if keep == "deltas":
             out_specs.append(pl.BlockSpec((None, None, Tb, bv), lambda b, h, j, t: (b, h, t, j)))
         kernel = functools.partial(_tpu_kernel, scale=scale, use_l2norm=use_qk_l2norm_in_kernel, Tp=Tp, Tb=Tb,
-                                   keep=keep, varl=varl, per_channel=per_channel)
+                                   keep=keep, varl=varl, per_channel=per_channel, delta_rule=delta_rule)
         grid = (B, HV, V // bv, NT)
         scratch = [pltpu.VMEM((K, bv), jnp.float32), pltpu.VMEM((Tb, bv), jnp.float32)]
         params = compiler_params(backend, (b_sem, "parallel", "parallel", "arbitrary"),
@@ -299,9 +311,9 @@ def fused_recurrent_gated_delta_rule_pallas(
                 grid_spec=pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=1, grid=grid, in_specs=in_specs,
                                                        out_specs=out_specs, scratch_shapes=scratch),
                 out_shape=out_shape, input_output_aliases={8: 1}, compiler_params=params, interpret=interpret,
-                name="kda_fused_recurrent" if per_channel else "gdn_fused_recurrent",
+                name=_kernel_name(per_channel, delta_rule),
                 cost_estimate=_cost(q, k, v, None, out_shape[:1], HV, use_qk_l2norm_in_kernel,
-                                    g if per_channel else None, state_rows=B),
+                                    g if per_channel else None, state_rows=B, delta_rule=delta_rule),
             )(state_indices.astype(jnp.int32), seq, flag, qt, kt, vt, gt, bt, h0)
             return outs[0].transpose(0, 2, 1, 3), (outs[1] if output_final_state else None)
     else:
@@ -313,14 +325,15 @@ def fused_recurrent_gated_delta_rule_pallas(
         if keep == "deltas":
             out_specs.append(pl.BlockSpec((None, None, T, bv), lambda b, h, j: (b, h, 0, j)))
         kernel = functools.partial(_gpu_kernel, scale=scale, use_l2norm=use_qk_l2norm_in_kernel, T=T, keep=keep,
-                                   per_channel=per_channel)
+                                   per_channel=per_channel, delta_rule=delta_rule)
         grid, scratch = (B, HV, V // bv), []
         params = compiler_params(backend, (), config.num_warps)
     outs = pl.pallas_call(
         kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape, scratch_shapes=scratch,
         input_output_aliases={7: 1}, compiler_params=params, interpret=interpret,
-        name="kda_fused_recurrent" if per_channel else "gdn_fused_recurrent",
-        cost_estimate=_cost(q, k, v, h0, out_shape, HV, use_qk_l2norm_in_kernel, g if per_channel else None),
+        name=_kernel_name(per_channel, delta_rule),
+        cost_estimate=_cost(q, k, v, h0, out_shape, HV, use_qk_l2norm_in_kernel, g if per_channel else None,
+                            delta_rule=delta_rule),
     )(seq, flag, qt, kt, vt, gt, bt, h0)
     o = outs[0].transpose(0, 2, 1, 3)
     final = outs[1] if output_final_state else None
@@ -329,6 +342,12 @@ def fused_recurrent_gated_delta_rule_pallas(
     if keep == "deltas":
         return o, final, outs[2].transpose(0, 2, 1, 3)
     return o, final
+
+
+def _kernel_name(per_channel: bool, delta_rule: bool) -> str:
+    if not delta_rule:
+        return "kda_ssd_fused_recurrent" if per_channel else "ssd_fused_recurrent"
+    return "kda_fused_recurrent" if per_channel else "gdn_fused_recurrent"
 
 
 def time_block_specs(n_meta: int, Tb: int, NT: int, K: int, bv: int, r: int, NB: int, varl: bool,
@@ -381,15 +400,16 @@ def whole_sequence_specs(backend: str, n_meta: int, L: int, K: int, bv: int, r: 
     return ([smem_spec(backend, n_meta), smem_spec(backend, n_meta), qk, qk, rows, decay, col, state], [rows, state])
 
 
-def _cost(q, k, v, h0, out_shape, HV, l2norm, g_channels=None, state_rows: int = 0):
+def _cost(q, k, v, h0, out_shape, HV, l2norm, g_channels=None, state_rows: int = 0, delta_rule: bool = True):
     """Per token and value head: decay, S^T k, the rank-one update and S^T q over the [K, V] state
     (7 K V flops), the l2norms (4 K); exp(g) and two rsqrt. g_channels: a per-channel g [B, T, HV, K],
     K exps a token and as many bytes as q (a per-head g is negligible beside q, k, v). state_rows: the
-    rows of a state pool read and written once each (h0 and the final state left out of out_shape)."""
+    rows of a state pool read and written once each (h0 and the final state left out of out_shape).
+    Without the delta rule S^T k is not formed: 5 K V flops."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     tokens = B * T * HV
-    return cost(tokens * (7 * K * V + (4 * K if l2norm else 0)),
+    return cost(tokens * ((7 if delta_rule else 5) * K * V + (4 * K if l2norm else 0)),
                 tokens * ((1 if g_channels is None else K) + (2 if l2norm else 0)),
                 q, k, v, g_channels, h0, *out_shape, extra_bytes=2 * state_rows * HV * K * V * 4)
 
