@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from pallas_kernels import dispatch
 from pallas_kernels.sparse_attention import naive, xla
 from pallas_kernels.ragged_paged_attention.common import cdiv, softmax_fold
+from pallas_kernels.ragged_paged_attention.xla import gather_any
 from pallas_kernels.sparse_attention.common import check_lengths, check_page_table, check_pool, physical_rows
 
 
@@ -185,7 +186,7 @@ def _dense_mla(q_lat, q_rope, latent, rope, page_table, q_positions, kv_lengths,
     ql, qr = q_lat.astype(jnp.float32) * scale, q_rope.astype(jnp.float32) * scale
 
     def gather(pool, pages):                                                # [B, bp * ps, X] f32
-        rows = pool[pages] if layer is None else pool[layer, pages]
+        rows = gather_any(pool, pages if layer is None else (layer, pages))
         return rows.reshape(B, bp * ps, -1).astype(jnp.float32)
 
     def body(j, carry):
