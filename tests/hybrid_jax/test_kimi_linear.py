@@ -140,8 +140,9 @@ def test_decode_and_chunked_prefill_equal_full_recompute(pair):
 def test_prefix_caching_and_speculative_decoding_equal_plain_greedy(checkpoints):
     """The KDA state checkpoints and the MLA latent pages serve a second pass of the same prompts (hits
     counted; the prefill chunks ran as ragged steps, and the tokens are full recomputation's greedy ones);
-    n-gram speculation, its prefill chunks ragged too, gives the plain greedy tokens, rolling back by selecting the state after
-    the last accepted token or by replaying the accepted ones from the pre-verify cache."""
+    n-gram speculation, its prefill chunks ragged too, gives the plain greedy tokens, rolling back by
+    selecting the state after the last accepted token or by replaying the accepted ones from the
+    pre-verify cache."""
     path = checkpoints["kda3_mla1"]
     base = [_prompt(70, 97, 21), _prompt(33, 97, 22)]
     prompts = [{"prompt_token_ids": p + p[:20] * 2} for p in base]            # repeats: n-gram drafts land
@@ -179,8 +180,8 @@ def test_ragged_steps_equal_the_padded_engine_and_transformers(checkpoints):
     a = [o.token_ids for o in ragged.generate([{"prompt_token_ids": p} for p in prompts], sp)]
     b = [o.token_ids for o in padded.generate([{"prompt_token_ids": p} for p in prompts], sp)]
     with torch.no_grad():
-        ref = [hf.generate(torch.tensor([p]), max_new_tokens=10, do_sample=False, min_new_tokens=10)[0, len(p):].tolist()
-               for p in prompts]
+        ref = [hf.generate(torch.tensor([p]), max_new_tokens=10, do_sample=False, min_new_tokens=10)[0, len(p):]
+               .tolist() for p in prompts]
     assert a == b == ref
     assert ragged.runner._ragged._cache_size() > 0 and padded.runner._ragged._cache_size() == 0
 

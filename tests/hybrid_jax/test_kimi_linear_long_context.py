@@ -35,10 +35,12 @@ def _temp_bytes(fam, cfg, params, capacity: int, ragged: bool) -> int:
     if ragged:
         b = pack([list(range(PROMPT))], [0], 512, 1)
         batch = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype), b)
-        lowered = jax.jit(lambda p, c, b: fam.forward_ragged(cfg, p, c, b), donate_argnums=1).lower(params, cache, batch)
+        step = jax.jit(lambda p, c, b: fam.forward_ragged(cfg, p, c, b), donate_argnums=1)
+        lowered = step.lower(params, cache, batch)
     else:
         tok, n = jax.ShapeDtypeStruct((1, PROMPT), jnp.int32), jax.ShapeDtypeStruct((1,), jnp.int32)
-        lowered = jax.jit(lambda p, c, t, n: fam.forward(cfg, p, c, t, n), donate_argnums=1).lower(params, cache, tok, n)
+        step = jax.jit(lambda p, c, t, n: fam.forward(cfg, p, c, t, n), donate_argnums=1)
+        lowered = step.lower(params, cache, tok, n)
     return lowered.compile().memory_analysis().temp_size_in_bytes
 
 

@@ -1,7 +1,7 @@
 """Ragged (flat, token-major) steps: a family's forward_ragged (Qwen3-Next; DeepSeek-V3.2, its indexer's Top-K
-shorter than the contexts; DeepSeek-V4; Kimi-Linear) over sequences of unequal lengths (a long prefill chunk, a decode token, a chunk
-on a cached prefix, an empty sequence) gives the logits and the cache the padded [B, T] forward gives, and
-the ragged causal conv never reads across sequences."""
+shorter than the contexts; DeepSeek-V4; Kimi-Linear) over sequences of unequal lengths (a long prefill chunk,
+a decode token, a chunk on a cached prefix, an empty sequence) gives the logits and the cache the padded
+[B, T] forward gives, and the ragged causal conv never reads across sequences."""
 from __future__ import annotations
 
 import jax

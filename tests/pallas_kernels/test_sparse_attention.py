@@ -359,9 +359,9 @@ def test_dense_mla_reads_only_the_pages_in_use_and_its_ragged_form_equals_it(blo
     cu = jnp.asarray(np.concatenate([[0], np.cumsum(new)]), jnp.int32)
     ql = jnp.asarray(rng.standard_normal((N, Hm, R)), jnp.float32)
     qr = jnp.asarray(rng.standard_normal((N, Hm, Dr)), jnp.float32)
-    o = jax.jit(lambda *a: ragged.dense_mla_attention_ragged(*a, scale=0.2, layer=1, max_q_len=3, prefill_tile=16,
-                                                             group=2))(ql, qr, stack(lat), stack(rp), jnp.asarray(table), cu,
-                                                                       jnp.asarray(kv))
+    step = jax.jit(lambda *a: ragged.dense_mla_attention_ragged(*a, scale=0.2, layer=1, max_q_len=3,
+                                                                prefill_tile=16, group=2))
+    o = step(ql, qr, stack(lat), stack(rp), jnp.asarray(table), cu, jnp.asarray(kv))
     total = int(cu[-1])
     assert not np.asarray(o[total:]).any()
     for s in range(S):
