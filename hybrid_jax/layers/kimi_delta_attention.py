@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 import pallas_kernels
-from hybrid_jax.layers.gated_deltanet import _rule, causal_conv
+from hybrid_jax.layers.gated_deltanet import _rule, causal_conv, ragged_causal_conv
 from hybrid_jax.layers.linear import linear
 from hybrid_jax.layers.norms import sigmoid_gated_rms_norm
 
@@ -63,3 +63,23 @@ def kimi_delta_attention(p: dict, x: jax.Array, valid: jax.Array, n_new: jax.Arr
     if per_token_states:
         return out, conv_state, ssm_state, parts
     return out, conv_state, ssm_state
+
+
+def kimi_delta_attention_ragged(p: dict, x: jax.Array, seq: jax.Array, valid: jax.Array, cu_seqlens: jax.Array,
+                                conv_state: jax.Array, ssm_state: jax.Array, *, num_heads: int, head_dim: int,
+                                eps: float, impl: str = "auto"):
+    """`kimi_delta_attention` over a ragged batch, as `gated_deltanet_ragged`: x [N, Hd]; seq, valid [N];
+    cu_seqlens [S + 1]; conv_state [S, W-1, 3 H D]; ssm_state [S, H, D, D] fp32 (row s: sequence s's). The
+    ragged causal conv, then the chunked KDA rule over the packed sequences. Returns (out [N, Hd],
+    conv_state, ssm_state)."""
+    N = x.shape[0]
+    H, D = num_heads, head_dim
+    qkv, conv_state = ragged_causal_conv(linear(x, p["qkv"]), conv_state, p["conv"], seq, cu_seqlens)
+    qkv = qkv.reshape(1, N, H, 3 * D)
+    q, k, v = qkv[..., :D], qkv[..., D:2 * D], qkv[..., 2 * D:]
+    beta, g = _gates(p, x[None], valid[None], H, D)
+    o, ssm_state = _rule(pallas_kernels.chunk_kda, q, k, v, g, beta, ssm_state, cu_seqlens,
+                         use_qk_l2norm_in_kernel=True, impl=impl)
+    gate = linear(linear(x, p["g_a"]), p["g_b"]).reshape(N, H, D)
+    o = sigmoid_gated_rms_norm(o[0].astype(x.dtype), gate, p["norm"], eps)
+    return linear(o.reshape(N, H * D), p["o_proj"]), conv_state, ssm_state

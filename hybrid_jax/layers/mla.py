@@ -1,5 +1,6 @@
 """DeepSeek-V3.2 sparse attention layer: MLA (q/kv low-rank, decoupled RoPE key) + the DSA indexer; and
-Kimi-Linear's MLA without positional encoding (`nope_attention`, dense over the same latent pools).
+Kimi-Linear's MLA without positional encoding (`nope_attention`, dense over the same latent pools, read
+only as far as the step's rows reach).
 
 Per layer and step, for the T new tokens of each row (positions lengths[b] + t, t < n_new[b]):
   q_resid = RMSNorm(x W_qa);   q = q_resid W_qb -> [H, nope | rope]      (interleaved RoPE on rope part)
@@ -27,6 +28,7 @@ from pallas_kernels.sparse_attention import (
     sparse_mla_attention,
 )
 from pallas_kernels.sparse_attention.ragged import (
+    dense_mla_attention_ragged,
     indexer_topk_ragged,
     sparse_hit_rate_ragged,
     sparse_mla_attention_ragged,
@@ -163,24 +165,39 @@ def sparse_attention(p: dict, x, cos, sin, positions, valid, lengths, n_new, lat
 
 def nope_attention(p: dict, x, positions, valid, lengths, n_new, lat, rope, page_table, *, num_heads: int, nope: int,
                    rope_dim: int, v_dim: int, kv_lora_rank: int, scale: float, eps: float = 1e-6,
-                   layer: int | None = None):
+                   layer: int | None = None, ragged=None):
     """MLA without positional encoding or indexer (Kimi-Linear's `mla_use_nope`): q = x W_q [H, nope | Dr];
     c, k_r = split(x W_kva), c = RMSNorm(c); the `Dr` channels are a key part every head shares, never
     rotated. Dense absorbed attention over every cached position <= the query's: q_lat = q_nope W_uk,
-    o = softmax(q_lat c + q_r k_r) c, then o W_uv W_o. eps: the latent norm's, 1e-6 whatever the model's
-    rms_norm_eps (its norm is built with the norm's default, as in DeepSeek-V3's MLA). Shapes as `sparse_attention`'s (lat, rope one
-    layer's pools or, with `layer`, the group's stacks written in place). Returns (out [B, T, Hd], lat, rope)."""
+    o = softmax(q_lat c + q_r k_r) c, then o W_uv W_o. The read (`dense_mla_attention`) walks each row's
+    pages only as far as the step's furthest query, never the whole page table. eps: the latent norm's,
+    1e-6 whatever the model's rms_norm_eps (its norm is built with the norm's default, as in DeepSeek-V3's
+    MLA). Shapes as `sparse_attention`'s (lat, rope one layer's pools or, with `layer`, the group's stacks
+    written and read in place); ragged: as `sparse_attention`'s (x [1, N, Hd], the entries written
+    token-major, the read on the batch's tiles). Returns (out [B, T, Hd], lat, rope)."""
     B, T, _ = x.shape
     H, R = num_heads, kv_lora_rank
     q = linear(x, p["q"]).reshape(B, T, H, nope + rope_dim)
     kv = linear(x, p["kv_a"])
     c = rms_norm(kv[..., :R], p["kv_a_norm"], eps)                                      # [B, T, R]
-    lat = _whole(write_paged(lat, c, page_table, positions, valid, layer))
-    rope = _whole(write_paged(rope, to_pool_width(kv[..., R:], rope.shape[-1]), page_table, positions, valid, layer))
+    k_r = to_pool_width(kv[..., R:], rope.shape[-1])
+    if ragged is None:
+        def write(pool, new):
+            return write_paged(pool, new, page_table, positions, valid, layer)
+    else:
+        def write(pool, new):
+            return write_paged_flat(pool, new[0], page_table, ragged.seq, positions[0], valid[0], layer)
+    lat, rope = _whole(write(lat, c)), _whole(write(rope, k_r))
     q_lat = jnp.einsum("bthn,hnr->bthr", q[..., :nope], dequantize(p["w_uk"], x.dtype))   # [B, T, H, R]
-    one = (lambda a: a) if layer is None else (lambda a: a[layer])
-    o_lat = _per_head(lambda ql, qr, la, ro, tb, qp, kl: dense_mla_attention(ql, qr, one(la), one(ro), tb, qp, kl,
-                                                                              scale=scale),
-                      2, q_lat, to_pool_width(q[..., nope:], rope.shape[-1]), lat, rope, page_table, jnp.where(valid, positions, -1), lengths + n_new)
+    q_r = to_pool_width(q[..., nope:], rope.shape[-1])
+    kv_len = lengths + n_new
+    if ragged is None:
+        o_lat = _per_head(lambda ql, qr, la, ro, tb, qp, kl: dense_mla_attention(ql, qr, la, ro, tb, qp, kl,
+                                                                                  scale=scale, layer=layer),
+                          2, q_lat, q_r, lat, rope, page_table, jnp.where(valid, positions, -1), kv_len)
+    else:
+        o_lat = _per_head(lambda ql, qr, la, ro, tb, cu, kl: dense_mla_attention_ragged(
+            ql, qr, la, ro, tb, cu, kl, scale=scale, layer=layer),
+            1, q_lat[0], q_r[0], lat, rope, page_table, ragged.cu_seqlens, kv_len)[None]
     o = jnp.einsum("bthr,hvr->bthv", o_lat.astype(x.dtype), dequantize(p["w_uv"], x.dtype)).reshape(B, T, H * v_dim)
     return linear(o, p["o_proj"]).astype(x.dtype), lat, rope

@@ -1,7 +1,8 @@
 """Kimi-Linear (Kimi Delta Attention + MLA without positional encoding, DeepSeek MoE) as pure functions,
 recombined from the project's pieces: the KDA mixer (layers.kimi_delta_attention, Gated DeltaNet's conv
 and kernels with a per-channel decay), MLA over DeepSeek's latent pools (layers.mla.nope_attention), and
-DeepSeek-V3.2's feed-forward and its conversion (models.deepseek_v32).
+DeepSeek-V3.2's feed-forward and its conversion (models.deepseek_v32). `forward_ragged` steps a flat batch
+(models.ragged): KDA as Gated DeltaNet's ragged rule, MLA on DeepSeek's ragged tiles.
 
 Parameters (converted once at load by `convert_hf_weights`):
   embed [V, Hd]; lm_head [Hd, V] (absent when tied); final_norm [Hd]
@@ -27,12 +28,13 @@ import numpy as np
 from cache import ModelCache
 from cache.mla import init_latent_group
 from cache.state import RecurrentGroup, recurrent_group
-from hybrid_jax.layers.kimi_delta_attention import kimi_delta_attention
+from hybrid_jax.layers.kimi_delta_attention import kimi_delta_attention, kimi_delta_attention_ragged
 from hybrid_jax.layers.mla import nope_attention, rms_norm
 from hybrid_jax.models.common import LayerStep, finish_step, token_positions
 from hybrid_jax.models.contract import LayerType, ModelFamily, StepOutput
 from hybrid_jax.models.deepseek_v32 import FFN_AXES, convert_ffn, ffn, init_ffn
 from hybrid_jax.models.kimi_linear_config import KimiLinearConfig
+from hybrid_jax.models.ragged import RaggedBatch
 from hybrid_jax.models.qwen3_next_params import per_head_channels
 from hybrid_jax.weights import checked_getter, concat, to_device, to_device_linear
 from pallas_kernels import abi as kernel_abi
@@ -66,15 +68,21 @@ class _Step(LayerStep):
     rope: jax.Array | None = None
     rec: RecurrentGroup | None = None  # the KDA group, its layers' states written in place one by one
     per_token: list = dataclasses.field(default_factory=list)
+    ragged: RaggedBatch | None = None  # forward_ragged: the flat batch (positions, valid [1, N] then)
 
 
 def _kda(cfg: KimiLinearConfig, lp: dict, h: jax.Array, step: _Step, i: int) -> jax.Array:
     rec = step.rec
     s = rec.layer_ids.index(i)
+    heads = dict(num_heads=cfg.linear_num_heads, head_dim=cfg.linear_head_dim, eps=cfg.rms_norm_eps, impl=step.impl)
+    if step.ragged is not None:
+        rb = step.ragged
+        out, conv, ssm = kimi_delta_attention_ragged(lp["kda"], h[0], rb.seq, rb.valid, rb.cu_seqlens,
+                                                     *rec.layer_state(s), **heads)
+        step.rec = rec.with_layer_state(s, conv, ssm)
+        return out[None]
     res = kimi_delta_attention(lp["kda"], h, step.valid, step.n_new, *rec.layer_state(s),
-                               num_heads=cfg.linear_num_heads, head_dim=cfg.linear_head_dim, eps=cfg.rms_norm_eps,
-                               impl=step.impl, fused_recurrent=step.fused_recurrent,
-                               per_token_states=step.per_token_states)
+                               fused_recurrent=step.fused_recurrent, per_token_states=step.per_token_states, **heads)
     step.rec = rec.with_layer_state(s, res[1], res[2])
     if step.per_token_states:
         step.per_token.append(res[3])
@@ -87,7 +95,7 @@ def _mla(cfg: KimiLinearConfig, lp: dict, h: jax.Array, step: _Step, i: int) -> 
         lp["attn"], h, step.positions, step.valid, step.cache.lengths, step.n_new, step.latent, step.rope,
         lg.page_table, num_heads=cfg.num_attention_heads, nope=cfg.qk_nope_head_dim, rope_dim=cfg.qk_rope_head_dim,
         v_dim=cfg.v_head_dim, kv_lora_rank=cfg.kv_lora_rank, scale=cfg.softmax_scale,
-        layer=lg.layer_ids.index(i))
+        layer=lg.layer_ids.index(i), ragged=step.ragged)
     return h
 
 
@@ -109,6 +117,35 @@ def forward(cfg: KimiLinearConfig, params: dict, cache: ModelCache, tokens: jax.
     x = params["embed"][tokens] if inputs_embeds is None else inputs_embeds
     step = _Step(cache, positions, valid, n_new, impl, fused_recurrent=fused_recurrent or per_token_states,
                  per_token_states=per_token_states)
+    x, groups, hidden = _layers(cfg, params, x, step, return_hidden)
+    out = finish_step(cfg, params, cache, groups, x, n_new, final_norm=final_norm, logits_at=logits_at, hidden=hidden)
+    if return_final_hidden:
+        out = out.replace(final_hidden=x)
+    if per_token_states:
+        out = out.replace(states=jax.tree_util.tree_map(lambda *a: jnp.stack(a), *step.per_token)
+                          if step.per_token else {})
+    return out
+
+
+def forward_ragged(cfg: KimiLinearConfig, params: dict, cache: ModelCache, batch: RaggedBatch, *, impl: str = "auto",
+                   return_final_hidden: bool = False) -> StepOutput:
+    """One step over a ragged batch (hybrid_jax.models.ragged), as qwen3_next.forward_ragged: logits [S, V]
+    at each sequence's last token. The KDA layers run the packed chunked rule after the ragged causal conv
+    (as Gated DeltaNet's); the MLA layers write their latent entries token-major and read each sequence's
+    pages on the batch's tiles (`layers.mla.nope_attention` with ragged)."""
+    x = params["embed"][batch.tokens][None]                                  # [1, N, Hd]
+    step = _Step(cache, batch.positions[None], batch.valid[None], batch.n_new, impl, ragged=batch)
+    x, groups, _ = _layers(cfg, params, x, step, False)
+    flat = x[0]
+    x = flat[batch.last_index()][:, None]                                    # [S, 1, Hd]
+    out = finish_step(cfg, params, cache, groups, x, batch.n_new, final_norm=final_norm, logits_at="all")
+    return out.replace(logits=out.logits[:, 0], final_hidden=flat if return_final_hidden else None)
+
+
+def _layers(cfg: KimiLinearConfig, params: dict, x: jax.Array, step: _Step, return_hidden: bool):
+    """Every layer over x [B, T, Hd] (a ragged batch: [1, N, Hd]). Returns (the residual stream after the
+    last layer, the cache's updated groups, the hidden states with return_hidden)."""
+    cache = step.cache
     lg = cache.groups.get("full_attention")
     if lg is not None:
         step.latent, step.rope = lg.latent, lg.rope
@@ -124,13 +161,7 @@ def forward(cfg: KimiLinearConfig, params: dict, cache: ModelCache, tokens: jax.
         groups["linear_attention"] = step.rec
     if lg is not None:
         groups["full_attention"] = lg.replace(latent=step.latent, rope=step.rope)
-    out = finish_step(cfg, params, cache, groups, x, n_new, final_norm=final_norm, logits_at=logits_at, hidden=hidden)
-    if return_final_hidden:
-        out = out.replace(final_hidden=x)
-    if per_token_states:
-        out = out.replace(states=jax.tree_util.tree_map(lambda *a: jnp.stack(a), *step.per_token)
-                          if step.per_token else {})
-    return out
+    return x, groups, hidden
 
 
 def final_norm(cfg: KimiLinearConfig, params: dict, x: jax.Array) -> jax.Array:
@@ -254,5 +285,5 @@ PARAM_AXES = {
 }
 
 FAMILY = ModelFamily(
-    name="kimi_linear", forward=forward, new_cache=new_cache, init_params=init_params,
+    name="kimi_linear", forward=forward, forward_ragged=forward_ragged, new_cache=new_cache, init_params=init_params,
     convert_hf_weights=convert_hf_weights, final_norm=final_norm, layer_types=LAYER_TYPES, param_axes=PARAM_AXES)

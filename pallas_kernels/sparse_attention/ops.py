@@ -11,11 +11,15 @@ implementations (reference/xla: best first; pallas: position order); the selecte
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
 from pallas_kernels import dispatch
 from pallas_kernels.sparse_attention import naive, xla
+from pallas_kernels.ragged_paged_attention.common import cdiv, softmax_fold
+from pallas_kernels.ragged_paged_attention.xla import gather_any
 from pallas_kernels.sparse_attention.common import check_lengths, check_page_table, check_pool, physical_rows
 
 
@@ -146,34 +150,62 @@ def sparse_mla_attention(
         pallas=lambda: on_args(_pallas_mla(), stacked=True))
 
 
-def dense_mla_attention(q_lat, q_rope, latent, rope, page_table, q_positions, kv_lengths, *, scale: float):
-    """Dense absorbed MLA over every readable position <= each query's (the baseline; XLA).
-    Shapes as sparse_mla_attention with q_positions [B, T] -> [B, T, H, R] f32."""
+DENSE_BLOCK_KEYS = 512     # key positions per iteration of the dense read
+
+
+def dense_mla_attention(q_lat, q_rope, latent, rope, page_table, q_positions, kv_lengths, *, scale: float,
+                        layer: int | None = None, block_keys: int = DENSE_BLOCK_KEYS):
+    """Dense absorbed MLA over every readable position <= each query's (XLA; Kimi-Linear's MLA).
+    Shapes as sparse_mla_attention with q_positions [B, T] (-1: a padding query, which reads nothing and
+    gives 0) -> [B, T, H, R] f32; layer: the pools are the layers' stacks [L, P, ps, X], read in place.
+    Keys are read a block of about `block_keys` positions (whole pages) at a time through the page table,
+    only as far as the step's furthest readable query position (a loop with a run-time trip count, folded
+    into an online softmax): the memory and work follow the context the rows hold, never the table's
+    capacity, and no [B, T, H, context] score tensor exists."""
+    stacks = latent, rope
+    if layer is not None:
+        latent, rope = _layer_of(latent, layer), _layer_of(rope, layer)
     _check_mla(q_lat, q_rope, latent, rope, page_table, kv_lengths)
-    return _dense_mla(q_lat, q_rope, latent, rope, page_table, q_positions, kv_lengths, scale=scale)
+    if q_positions.shape != q_lat.shape[:2]:
+        raise ValueError(f"q_positions must be [B, T] = {q_lat.shape[:2]}; got {q_positions.shape}")
+    return _dense_mla(q_lat, q_rope, *stacks, page_table, q_positions, kv_lengths, scale=jnp.float32(scale),
+                      layer=layer, block_keys=block_keys)
 
 
-@jax.jit
-def _dense_core(q_lat, q_rope, lat, rp, allowed, scale):
+
+@functools.partial(jax.jit, static_argnames=("layer", "block_keys"))
+def _dense_mla(q_lat, q_rope, latent, rope, page_table, q_positions, kv_lengths, *, scale, layer, block_keys):
+    P, ps, R = latent.shape[-3:]
+    B, NP = page_table.shape
+    bp = max(1, min(NP, block_keys // ps))                                  # pages per block
+    nb = cdiv(NP, bp)
+    table = jnp.pad(page_table, ((0, 0), (0, nb * bp - NP)), constant_values=-1)
+    qpos = jnp.minimum(q_positions, kv_lengths[:, None] - 1)                # the last key each query reads
+    n = jnp.clip(cdiv(jnp.max(qpos) + 1, bp * ps), 0, nb)                   # blocks up to the furthest one
     hp = jax.lax.Precision.HIGHEST
-    s = (jnp.einsum("bthr,bsr->bths", q_lat.astype(jnp.float32), lat.astype(jnp.float32), precision=hp)
-         + jnp.einsum("bthr,bsr->bths", q_rope.astype(jnp.float32), rp.astype(jnp.float32), precision=hp)) * scale
-    s = jnp.where(allowed[:, :, None, :], s, -jnp.inf)
-    m = jnp.max(s, axis=-1, keepdims=True)
-    e = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0))
-    l = jnp.sum(e, axis=-1, keepdims=True)
-    return jnp.einsum("bths,bsr->bthr", e, lat.astype(jnp.float32), precision=hp) / jnp.where(l > 0, l, 1.0)
+    ql, qr = q_lat.astype(jnp.float32) * scale, q_rope.astype(jnp.float32) * scale
 
+    def gather(pool, pages):                                                # [B, bp * ps, X] f32
+        rows = gather_any(pool, pages if layer is None else (layer, pages))
+        return rows.reshape(B, bp * ps, -1).astype(jnp.float32)
 
-def _dense_mla(q_lat, q_rope, latent, rope, page_table, q_positions, kv_lengths, *, scale):
-    from pallas_kernels.sparse_attention.common import gather_pages, page_valid  # noqa: PLC0415
-    P, ps, _ = latent.shape
-    S = page_table.shape[1] * ps
-    j = jnp.arange(S, dtype=jnp.int32)
-    allowed = ((j[None, None, :] <= q_positions[:, :, None]) & (j[None, None, :] < kv_lengths[:, None, None])
-               & page_valid(page_table, P, ps)[:, None, :])
-    return _dense_core(q_lat, q_rope, gather_pages(latent, page_table), gather_pages(rope, page_table),
-                       allowed, jnp.float32(scale))
+    def body(j, carry):
+        m, l, acc = carry
+        pages = jax.lax.dynamic_slice_in_dim(table, j * bp, bp, axis=1)    # [B, bp]
+        on_pool = jnp.repeat((pages >= 0) & (pages < P), ps, axis=1)       # [B, bp * ps]
+        safe = jnp.clip(pages, 0, P - 1)
+        pos = j * bp * ps + jnp.arange(bp * ps, dtype=jnp.int32)
+        readable = on_pool & (pos[None, :] < kv_lengths[:, None])
+        lat = jnp.where(readable[..., None], gather(latent, safe), 0.0)     # a slot past a row's length may hold NaN
+        s = (jnp.einsum("bthr,bsr->bths", ql, lat, precision=hp)
+             + jnp.einsum("bthr,bsr->bths", qr, gather(rope, safe), precision=hp))
+        seen = readable[:, None, :] & (pos[None, None, :] <= qpos[:, :, None])         # [B, T, bs]
+        m, l, alpha, e = softmax_fold(m, l, jnp.where(seen[:, :, None, :], s, -jnp.inf))
+        return m, l, alpha * acc + jnp.einsum("bths,bsr->bthr", e, lat, precision=hp)
+
+    stat = jnp.zeros(q_lat.shape[:3] + (1,), jnp.float32)
+    m, l, acc = jax.lax.fori_loop(0, n, body, (stat - jnp.inf, stat, jnp.zeros(q_lat.shape, jnp.float32)))
+    return acc / jnp.where(l > 0, l, 1.0)
 
 
 # Above this many (selection, page-table slot) pairs, sparse_hit_rate gathers instead of comparing.

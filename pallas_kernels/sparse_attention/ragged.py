@@ -10,6 +10,8 @@ their sequence's page table, inside a loop whose trip count is the number of rea
 read once per tile (not once per query token), nothing is padded to the longest sequence, and the static
 bound on tiles costs nothing when the batch has fewer.
 
+`dense_mla_attention_ragged` runs the dense MLA (every causal key; Kimi-Linear) on the same tiles.
+
 Shapes: N tokens, S sequences, H heads, K = topk; every op's result is token-major ([N, ...]), rows of
 padding tokens are 0 / -1.
 """
@@ -114,6 +116,31 @@ def sparse_mla_attention_ragged(
         return (ops.sparse_mla_attention(t[0], t[1], latent, rope, pt, t[2], kl, scale=scale, impl=impl,
                                          layer=layer),)
     return _over_tiles(fn, (out,), (q_lat, q_rope, indices), page_table, cu_seqlens, kv_lengths,
+                       page_size=latent.shape[-2], max_q_len=max_q_len, prefill_tile=prefill_tile, group=group)[0]
+
+
+def dense_mla_attention_ragged(
+    q_lat: jax.Array,          # [N, H, R]
+    q_rope: jax.Array,         # [N, H, Dr]
+    latent: jax.Array,         # [P, ps, R] (or [L, P, ps, R] with `layer`)
+    rope: jax.Array,           # [P, ps, Dr]
+    page_table: jax.Array,     # [S, NP] int32
+    cu_seqlens: jax.Array,     # [S + 1] int32
+    kv_lengths: jax.Array,     # [S] int32
+    *,
+    scale: float,
+    layer: int | None = None,
+    max_q_len: int = 1,
+    prefill_tile: int = PREFILL_TILE,
+    group: int = GROUP,
+) -> jax.Array:
+    """`ops.dense_mla_attention` over a ragged batch -> o_lat [N, H, R] f32 (padding tokens 0): each group
+    of tiles reads its sequences' pages only as far as its furthest query."""
+    out = jnp.zeros(q_lat.shape, jnp.float32)
+
+    def fn(t, pt, kl, qp):
+        return (ops.dense_mla_attention(t[0], t[1], latent, rope, pt, qp, kl, scale=scale, layer=layer),)
+    return _over_tiles(fn, (out,), (q_lat, q_rope), page_table, cu_seqlens, kv_lengths,
                        page_size=latent.shape[-2], max_q_len=max_q_len, prefill_tile=prefill_tile, group=group)[0]
 
 

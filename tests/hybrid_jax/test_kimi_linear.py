@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from conftest import hf_model, save_random_checkpoint, stop_process
+from conftest import greedy_reference, hf_model, save_random_checkpoint, stop_process
 
 from hybrid_jax import LLM, SamplingParams
 from hybrid_jax.errors import ConfigError
@@ -139,22 +139,51 @@ def test_decode_and_chunked_prefill_equal_full_recompute(pair):
 
 def test_prefix_caching_and_speculative_decoding_equal_plain_greedy(checkpoints):
     """The KDA state checkpoints and the MLA latent pages serve a second pass of the same prompts (hits
-    counted); n-gram speculation gives the plain greedy tokens, rolling back by selecting the state after
-    the last accepted token or by replaying the accepted ones from the pre-verify cache."""
+    counted; the prefill chunks ran as ragged steps, and the tokens are full recomputation's greedy ones);
+    n-gram speculation, its prefill chunks ragged too, gives the plain greedy tokens, rolling back by
+    selecting the state after the last accepted token or by replaying the accepted ones from the
+    pre-verify cache."""
     path = checkpoints["kda3_mla1"]
     base = [_prompt(70, 97, 21), _prompt(33, 97, 22)]
     prompts = [{"prompt_token_ids": p + p[:20] * 2} for p in base]            # repeats: n-gram drafts land
     sp = SamplingParams(max_tokens=24, temperature=0)
-    cached = LLM(model=path, dtype="float32", enable_prefix_caching=True)
+    small = {"max_num_batched_tokens": 32}      # chunks beside other rows' chunks and decodes: ragged steps
+    cached = LLM(model=path, dtype="float32", enable_prefix_caching=True, engine_config=small)
     plain = [o.outputs[0].token_ids for o in cached.generate(prompts, sp)]       # a cold cache: nothing reused
     assert cached.cache_stats()["hits"] == 0
+    assert cached.engine.runner._ragged._cache_size() > 0      # prefill chunks ran ragged
     again = [o.outputs[0].token_ids for o in cached.generate(prompts, sp)]
     assert again == plain and cached.cache_stats()["hits"] >= 2
+    assert plain == [greedy_reference(cached, p["prompt_token_ids"], 24) for p in prompts]
     for rollback in ("selection", "replay"):
-        spec = LLM(model=path, dtype="float32", speculative_config={"method": "ngram", "num_speculative_tokens": 3,
-                                                                    "rollback": rollback})
+        spec = LLM(model=path, dtype="float32", engine_config=small,
+                   speculative_config={"method": "ngram", "num_speculative_tokens": 3, "rollback": rollback})
         assert [o.outputs[0].token_ids for o in spec.generate(prompts, sp)] == plain, rollback
         assert spec.engine.spec_stats()["accepted_tokens"] > 0, rollback          # drafts were accepted
+        assert spec.engine.runner._ragged._cache_size() > 0, rollback            # prefill chunks ran ragged
+
+
+def test_ragged_steps_equal_the_padded_engine_and_transformers(checkpoints):
+    """Prefill chunks beside decodes of unequal rows run as one flat batch (KDA on the packed chunked rule,
+    MLA on the ragged tiles): the greedy tokens equal the padded [B, T] engine's and transformers'
+    generate in float32, and the ragged program is what ran."""
+    from hybrid_jax.engine import EngineConfig, LLMEngine  # noqa: PLC0415
+    path = checkpoints["kda3_mla1"]
+    llm, hf = LLM(model=path, dtype="float32"), hf_model(path)
+    cfg = EngineConfig(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=192, compilation_cache_dir=None,
+                       warmup="none")
+    ragged, padded = LLMEngine(llm, cfg), LLMEngine(llm, cfg)
+    padded.runner.ragged = False
+    assert ragged.runner.ragged
+    prompts = [_prompt(n, 97, seed=300 + n) for n in (61, 7, 45, 23, 90)]
+    sp = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    a = [o.token_ids for o in ragged.generate([{"prompt_token_ids": p} for p in prompts], sp)]
+    b = [o.token_ids for o in padded.generate([{"prompt_token_ids": p} for p in prompts], sp)]
+    with torch.no_grad():
+        ref = [hf.generate(torch.tensor([p]), max_new_tokens=10, do_sample=False, min_new_tokens=10)[0, len(p):]
+               .tolist() for p in prompts]
+    assert a == b == ref
+    assert ragged.runner._ragged._cache_size() > 0 and padded.runner._ragged._cache_size() == 0
 
 
 def test_pallas_impl_matches_xla_in_the_model(checkpoints):

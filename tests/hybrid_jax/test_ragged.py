@@ -1,7 +1,7 @@
 """Ragged (flat, token-major) steps: a family's forward_ragged (Qwen3-Next; DeepSeek-V3.2, its indexer's Top-K
-shorter than the contexts) over sequences of unequal lengths (a long prefill chunk, a decode token, a chunk
-on a cached prefix, an empty sequence) gives the logits and the cache the padded [B, T] forward gives, and
-the ragged causal conv never reads across sequences."""
+shorter than the contexts; DeepSeek-V4; Kimi-Linear) over sequences of unequal lengths (a long prefill chunk,
+a decode token, a chunk on a cached prefix, an empty sequence) gives the logits and the cache the padded
+[B, T] forward gives, and the ragged causal conv never reads across sequences."""
 from __future__ import annotations
 
 import jax
@@ -35,14 +35,24 @@ DSV4 = dict(model_type="deepseek_v4", vocab_size=97, hidden_size=32, moe_interme
             mlp_layer_types=["hash_moe", "moe", "moe"], partial_rotary_factor=0.5)
 
 
-@pytest.fixture(scope="module", params=["qwen3_next", "deepseek_v32", "deepseek_v4"])
+# A Kimi-Linear miniature: KDA layers around an MLA layer (no positional encoding, dense over the latent pages).
+KIMI = dict(model_type="kimi_linear", vocab_size=97, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+            num_hidden_layers=3, num_attention_heads=4, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8,
+            qk_nope_head_dim=16, v_head_dim=12, num_experts=8, num_experts_per_token=2, first_k_dense_replace=1,
+            linear_attn_config={"head_dim": 16, "num_heads": 2, "short_conv_kernel_size": 4, "kda_layers": [1, 3],
+                                "full_attn_layers": [2]})
+MINIATURES = {"deepseek_v32": DSV32, "deepseek_v4": DSV4, "kimi_linear": KIMI}
+
+
+@pytest.fixture(scope="module", params=["qwen3_next", "deepseek_v32", "deepseek_v4", "kimi_linear"])
 def model(request):
     """(config, params, family): the embedded default (Gated DeltaNet + gated full attention + MoE), or a
-    random DeepSeek-V3.2 (MLA + the DSA indexer over paged latent and indexer-key pools)."""
+    random miniature of DeepSeek-V3.2 (MLA + the DSA indexer over paged latent and indexer-key pools),
+    DeepSeek-V4 or Kimi-Linear (KDA + MLA over a paged latent pool)."""
     if request.param == "qwen3_next":
         llm = LLM()
         return llm.config, llm.params, get_model(llm.config.model_type)
-    cfg = config_from_hf_dict(DSV32 if request.param == "deepseek_v32" else DSV4)
+    cfg = config_from_hf_dict(MINIATURES[request.param])
     fam = get_model(cfg.model_type)
     return cfg, fam.init_params(cfg, seed=1), fam
 

@@ -329,6 +329,55 @@ def test_ragged_ops_equal_the_padded_ops_per_sequence(impl):
         assert abs(float(rate[s]) - float(want)) < 1e-6, s
 
 
+@pytest.mark.parametrize("block_keys", [32, 512])
+def test_dense_mla_reads_only_the_pages_in_use_and_its_ragged_form_equals_it(block_keys):
+    """Kimi-Linear's dense MLA over the batch of the test above: every page a row does not use (past its
+    length, or another row's) holds NaN and every table entry past a row's used pages points outside the
+    pool, and the output is still the reference's (every causal position gathered from a clean pool),
+    whether the keys come in blocks of 2 pages or 1 block; the layer stack is read in place at `layer`;
+    the ragged form gives each token what the padded op gives its row."""
+    from pallas_kernels.sparse_attention import naive, ragged  # noqa: PLC0415
+    rng = np.random.default_rng(4)
+    S, NP, ps, Hm, R, Dr = 5, 8, 16, 2, 32, 8
+    new, held = [70, 1, 3, 10, 0], [40, 100, 7, 0, 5]
+    N = 96
+    P, pt = _paged(rng, S, NP, ps)
+    kv = np.asarray([h + n for h, n in zip(held, new)], np.int32)
+    used = -(-kv // ps)                                                   # pages each row reads
+    clean_lat = rng.standard_normal((P, ps, R)).astype(np.float32)
+    clean_rp = rng.standard_normal((P, ps, Dr)).astype(np.float32)
+    lat, rp = clean_lat.copy(), clean_rp.copy()
+    live = np.zeros((P, ps), bool)
+    for s in range(S):
+        for j in range(kv[s]):
+            live[int(pt[s, j // ps]), j % ps] = True
+    lat[~live], rp[~live] = np.nan, np.nan
+    table = np.asarray(pt).copy()
+    for s in range(S):
+        table[s, used[s]:] = P + 3 if s % 2 else -5
+    stack = lambda a: jnp.asarray(np.stack([np.zeros_like(a), a]))        # noqa: E731  layer 1 is the pool
+    cu = jnp.asarray(np.concatenate([[0], np.cumsum(new)]), jnp.int32)
+    ql = jnp.asarray(rng.standard_normal((N, Hm, R)), jnp.float32)
+    qr = jnp.asarray(rng.standard_normal((N, Hm, Dr)), jnp.float32)
+    step = jax.jit(lambda *a: ragged.dense_mla_attention_ragged(*a, scale=0.2, layer=1, max_q_len=3,
+                                                                prefill_tile=16, group=2))
+    o = step(ql, qr, stack(lat), stack(rp), jnp.asarray(table), cu, jnp.asarray(kv))
+    total = int(cu[-1])
+    assert not np.asarray(o[total:]).any()
+    for s in range(S):
+        a, b = int(cu[s]), int(cu[s + 1])
+        if a == b:
+            continue
+        qpos = (int(kv[s]) - (b - a) + jnp.arange(b - a, dtype=jnp.int32))[None]
+        want = naive.dense_mla_reference(ql[None, a:b], qr[None, a:b], jnp.asarray(clean_lat), jnp.asarray(clean_rp),
+                                         pt[s:s + 1], qpos, jnp.asarray(kv[s:s + 1]), scale=0.2)
+        got = sa.dense_mla_attention(ql[None, a:b], qr[None, a:b], stack(lat), stack(rp), jnp.asarray(table[s:s + 1]),
+                                     qpos, jnp.asarray(kv[s:s + 1]), scale=0.2, layer=1, block_keys=block_keys)
+        assert np.isfinite(np.asarray(got)).all(), s
+        assert rel_rms(got[0], want[0]) < 1e-5, s
+        assert rel_rms(o[a:b], got[0]) < 1e-6, s
+
+
 @pytest.mark.parametrize("platform", ["tpu", "cuda"])
 def test_ragged_ops_export_with_the_kernels(platform):
     """The ragged forms keep the platform's kernels (inside the loop over tiles)."""
