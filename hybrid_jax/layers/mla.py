@@ -4,7 +4,8 @@ Kimi-Linear's MLA without positional encoding (`nope_attention`, dense over the 
 Per layer and step, for the T new tokens of each row (positions lengths[b] + t, t < n_new[b]):
   q_resid = RMSNorm(x W_qa);   q = q_resid W_qb -> [H, nope | rope]      (interleaved RoPE on rope part)
   c, k_rope = split(x W_kva);  c = RMSNorm(c)                             (latent [R] + RoPE key [Dr])
-  indexer: qi = q_resid W_iq -> [Hi, Di], ki = LayerNorm(x W_ik)          (half-split RoPE on first Dr)
+  indexer: qi = q_resid W_iq -> [Hi, Di], ki = LayerNorm(x W_ik)          (RoPE on the first Dr: half-split
+                                                                           for DeepSeek-V3.2, interleaved for GLM-5)
            w = x W_iw * Hi^-0.5 * Di^-0.5;  idx = Top-K_j sum_h w_h relu(qi_h . ki_j)   (causal)
   attention in the absorbed form over idx: q_lat = q_nope W_uk,  o = softmax(...) c  then  o W_uv W_o.
 c, k_rope and ki are written into their paged pools (cache/mla.py) before the ops read them.
@@ -57,6 +58,15 @@ def rope_interleaved(x, cos, sin):
     return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
 
 
+def index_rope(x, cos, sin, interleaved: bool):
+    """The indexer's RoPE on the first Dr = cos.shape[-1] channels of x [B, T, N, Di] (the rest pass):
+    half-split (DeepSeek-V3.2) or on interleaved pairs like the MLA's (GLM-5's `indexer_rope_interleave`)."""
+    if not interleaved:
+        return apply_rope(x, cos, sin)
+    dr = cos.shape[-1]
+    return jnp.concatenate([rope_interleaved(x[..., :dr], cos, sin), x[..., dr:]], axis=-1)
+
+
 def _whole(pool: jax.Array) -> jax.Array:
     """A latent / indexer pool just written, held whole on every device on a mesh (every head reads all
     of it; `parallel.constrain`)."""
@@ -94,12 +104,14 @@ def sparse_attention(p: dict, x, cos, sin, positions, valid, lengths, n_new, lat
                      page_table, index_table, page_resident, *, num_heads: int, nope: int, rope_dim: int,
                      v_dim: int, kv_lora_rank: int, index_heads: int, index_dim: int, index_topk: int,
                      eps: float, impl: str = "auto", layer: int | None = None, scale: float | None = None,
-                     ragged=None):
+                     ragged=None, index_rope_interleaved: bool = False):
     """x [B, T, Hd]; cos, sin [B, T, Dr]; positions, valid [B, T]; lengths, n_new [B];
     lat [P, ps, R], rope [P, ps, Wr] (one layer's latent pools; Wr = cache.mla.rope_width(Dr), the
     queries and keys zero-padded to it), ikeys [P2, ps2, Di], iscale [P2, ps2] | None,
     or with `layer` the groups' stacks of them ([L, ...]), written in place at that layer (`write_paged`).
     scale: the attention softmax scale (default (nope + rope_dim)^-0.5; DeepSeek's YaRN corrects it).
+    eps: the q / latent norms' (1e-6 in transformers' DeepSeek-V3.2 and GLM-5, whatever rms_norm_eps).
+    index_rope_interleaved: the indexer's RoPE layout (`index_rope`).
     ragged: a hybrid_jax.models.ragged.RaggedBatch of S sequences; x is then [1, N, Hd] (cos, sin, positions,
     valid [1, N, ...]), lengths, n_new and the tables [S, ...]: the entries are written token-major and the
     ops run on the batch's tiles (pallas_kernels.sparse_attention.ragged).
@@ -123,9 +135,9 @@ def sparse_attention(p: dict, x, cos, sin, positions, valid, lengths, n_new, lat
     rope = _whole(write(rope, k_rot, page_table))
 
     # indexer: keys written first, so a query sees its own key
-    qi = apply_rope(linear(q_resid, p["idx_q"]).reshape(B, T, index_heads, index_dim), cos, sin)
+    qi = index_rope(linear(q_resid, p["idx_q"]).reshape(B, T, index_heads, index_dim), cos, sin, index_rope_interleaved)
     ki = layer_norm(linear(x, p["idx_k"]), p["idx_k_norm"], p["idx_k_norm_bias"])
-    ki = apply_rope(ki[:, :, None], cos, sin)[:, :, 0]                                  # [B, T, Di]
+    ki = index_rope(ki[:, :, None], cos, sin, index_rope_interleaved)[:, :, 0]          # [B, T, Di]
     if iscale is not None:
         k8, sc = quantize_fp8(ki)
         ikeys = _whole(write(ikeys, k8, index_table))

@@ -94,8 +94,9 @@ def _sparse_attention(cfg: DeepseekV32Config, lp: dict, h: jax.Array, step: _Ste
         step.latent, step.rope, step.keys, step.scale, lg.page_table, ig.page_table, lg.page_resident,
         num_heads=cfg.num_attention_heads, nope=cfg.qk_nope_head_dim, rope_dim=cfg.qk_rope_head_dim,
         v_dim=cfg.v_head_dim, kv_lora_rank=cfg.kv_lora_rank, index_heads=cfg.index_n_heads,
-        index_dim=cfg.index_head_dim, index_topk=cfg.index_topk, eps=cfg.rms_norm_eps, impl=step.impl,
-        layer=lg.layer_ids.index(i), scale=cfg.softmax_scale, ragged=step.ragged)
+        index_dim=cfg.index_head_dim, index_topk=cfg.index_topk, eps=cfg.latent_norm_eps, impl=step.impl,
+        layer=lg.layer_ids.index(i), scale=cfg.softmax_scale, ragged=step.ragged,
+        index_rope_interleaved=cfg.index_rope_interleaved)
     step.hits.append(hit)
     return h
 
