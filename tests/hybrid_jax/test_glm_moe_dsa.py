@@ -242,3 +242,25 @@ def test_indexer_rope_interleave_false_reads_as_half_split():
     cfg = config_from_hf_dict({**BASE, "model_type": "glm_moe_dsa", "indexer_rope_interleave": False})
     assert not cfg.index_rope_interleaved
     assert config_from_hf_dict({**BASE, "model_type": "glm_moe_dsa", "index_topk_freq": 1}).num_hidden_layers == 3
+
+
+# --- split over CPU devices (parallel_worker.py with 8 devices, as test_parallel_models.py) ------------
+
+@pytest.fixture(scope="module")
+def split_worker(tmp_path_factory):
+    from multi_device import run_worker  # noqa: PLC0415
+    ckpt = make_checkpoint(tmp_path_factory.mktemp("tp_glm5") / "m", seed=5, vocab_size=320)
+    return run_worker("parallel_worker.py", ckpt, "glm_moe_dsa")
+
+
+@pytest.mark.parametrize("layout", ["tp2", "tp4_ep"])
+def test_split_generates_what_one_device_does(split_worker, layout):
+    """MLA and indexer heads split (DeepSeek-V3.2's rules), experts by columns or whole: one device's
+    greedy tokens and log-probabilities, with the prefix cache and n-gram speculation on."""
+    one, split = split_worker["tp1"], split_worker[layout]
+    assert split["tokens"] == one["tokens"] and split["again"] == one["again"] == one["tokens"]
+    assert split["logprobs"] == pytest.approx(one["logprobs"], rel=1e-5, abs=1e-5)
+    assert split["hits"] >= 2 and split["pools_keep_shardings"] is True
+    assert split["weights"]["device0"] < 0.75 * split["weights"]["total"]
+    assert split["whole_matrices"] == ["layers/*/attn/idx_k", "layers/*/attn/kv_a", "layers/*/attn/q_a",
+                                       "layers/*/moe/router"]
