@@ -217,7 +217,10 @@ def test_published_glm5_config_parses():
     assert cfg.softmax_scale == pytest.approx(256 ** -0.5)            # no YaRN mscale
     assert cfg.eos_token_ids == tuple(d["eos_token_id"]) and cfg.routed_experts == 256
     from hybrid_jax.plan.planner import resolve_model  # noqa: PLC0415
+    from hybrid_jax.plan.shapes import abstract_params, tree_nbytes  # noqa: PLC0415
     assert resolve_model("zai-org/GLM-5")[0] == "glm_5"
+    # the release's announced size, 744B parameters (GLM-5's README), as this layout's shapes (no MTP layer)
+    assert tree_nbytes(abstract_params(cfg, jnp.bfloat16)) / 2 == pytest.approx(744e9, rel=1e-3)
 
 
 @pytest.mark.parametrize("extra,match", [
@@ -264,3 +267,30 @@ def test_split_generates_what_one_device_does(split_worker, layout):
     assert split["weights"]["device0"] < 0.75 * split["weights"]["total"]
     assert split["whole_matrices"] == ["layers/*/attn/idx_k", "layers/*/attn/kv_a", "layers/*/attn/q_a",
                                        "layers/*/moe/router"]
+
+
+# --- hybrid-jax plan on a TPU topology (test_plan.py's pattern; compiled by libtpu, skipped without it) ----
+
+def test_plan_compiles_split_on_a_tpu_topology():
+    """GLM-5 in miniature planned for v6e:2x2 whole and split over 2 chips: its pools are DeepSeek's
+    (MLA latent, indexer keys; whole on every chip), its heads' weights split, collectives in the split
+    decode; its decode bytes are those of DeepSeek-V3.2 with the same shapes (the recombined family
+    compiles the same program but for the indexer's RoPE)."""
+    pytest.importorskip("libtpu", reason="libtpu (the TPU compiler) is not installed")
+    from hybrid_jax.plan import plan  # noqa: PLC0415
+    tiny = dict(model_type="glm_moe_dsa", vocab_size=211, hidden_size=64, intermediate_size=96,
+                moe_intermediate_size=32, num_hidden_layers=3, first_k_dense_replace=1, num_attention_heads=4,
+                num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                v_head_dim=16, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, n_group=1,
+                topk_group=1, index_n_heads=2, index_head_dim=32, index_topk=64, max_position_embeddings=1024)
+    shapes = dict(max_num_seqs=4, max_model_len=256, chunk=64)
+    cfg = config_from_hf_dict(tiny)
+    p1, p2 = (plan("glm", "v6e:2x2", layers="full", tensor_parallel_size=n, config=cfg, **shapes) for n in (1, 2))
+    assert {"mla_latent", "indexer_keys"} <= set(p1.memory.cache_by_kind)
+    assert p2.sharded and p2.roofline.decode_collectives > 0
+    assert p2.memory.cache_by_kind == p1.memory.cache_by_kind
+    assert p1.memory.weights / 2 < p2.memory.weights < p1.memory.weights
+    v32 = plan("v32", "v6e:2x2", layers="full", config=config_from_hf_dict(dict(tiny, model_type="deepseek_v32")),
+               **shapes)
+    assert p1.memory.weights == v32.memory.weights and p1.roofline.min_decode_bytes == v32.roofline.min_decode_bytes
+    assert p1.roofline.decode_bytes == pytest.approx(v32.roofline.decode_bytes, rel=0.02)
