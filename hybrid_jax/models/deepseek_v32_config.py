@@ -1,6 +1,7 @@
 """DeepSeek-V3.2 (`model_type: deepseek_v32`) configuration: a frozen dataclass read from config.json.
 
-Every layer is `sparse_attention` (MLA + the DSA indexer; transformers calls it "indexed_attention").
+Every layer is `sparse_attention` (MLA + the DSA indexer; transformers calls it "indexed_attention"); GLM-5's
+config (glm_moe_dsa_config) may make some `shared_sparse_attention` (reusing the previous indexer's Top-K).
 The first `first_k_dense_replace` layers (or `mlp_layer_types`) use a dense MLP, the rest DeepSeek's
 MoE (sigmoid router with correction bias, group-limited Top-K, routed scaling, shared experts).
 """
@@ -14,6 +15,9 @@ from hybrid_jax.layers.rope import RopeSpec, softmax_scale
 from hybrid_jax.models.config_common import MLPLayerPattern, check_grouped_topk, common_fields, parse_rope
 
 _HF_LAYER_TYPES = {"indexed_attention": "sparse_attention", "sparse_attention": "sparse_attention"}
+# sparse_attention: MLA + its own indexer; shared_sparse_attention: MLA over the previous indexer layer's
+# Top-K (GLM-5's "shared" indexer layers; DeepSeek-V3.2 has none)
+DSA_LAYER_TYPES = ("sparse_attention", "shared_sparse_attention")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,9 +66,12 @@ class DeepseekV32Config(MLPLayerPattern):
     index_page_size: int = 128
 
     def __post_init__(self):
-        if any(t != "sparse_attention" for t in self.layer_types):
-            raise ConfigError(f"{self.model_type} layers must all be 'sparse_attention'; got "
-                              f"{sorted(set(self.layer_types))}")
+        bad = sorted(set(self.layer_types) - set(DSA_LAYER_TYPES))
+        if bad:
+            raise ConfigError(f"{self.model_type} layers must be of {list(DSA_LAYER_TYPES)}; got {bad}")
+        if self.layer_types and self.layer_types[0] != "sparse_attention":
+            raise ConfigError(f"{self.model_type}: layer 0 reuses an earlier layer's indexer Top-K, but no "
+                              f"layer runs the indexer before it")
         if len(self.layer_types) != self.num_hidden_layers or len(self.mlp_layer_types) != self.num_hidden_layers:
             raise ConfigError(f"layer_types / mlp_layer_types need {self.num_hidden_layers} entries; got "
                               f"{len(self.layer_types)} / {len(self.mlp_layer_types)}")
@@ -82,6 +89,10 @@ class DeepseekV32Config(MLPLayerPattern):
                               f"{self.index_head_dim}")
         if "sparse" in self.mlp_layer_types:
             check_grouped_topk(self.n_routed_experts, self.n_group, self.topk_group, self.num_experts_per_tok)
+
+    def attention_layers(self) -> tuple[int, ...]:
+        """Every layer: each keeps its latent (the indexer keys only the "sparse_attention" layers)."""
+        return tuple(i for i, t in enumerate(self.layer_types) if t in DSA_LAYER_TYPES)
 
     def is_moe_layer(self, i: int) -> bool:
         return self.mlp_layer_types[i] == "sparse"

@@ -5,8 +5,8 @@ transformers' GlmMoeDsa is DeepseekV32 with (a) the indexer's RoPE on interleave
 (the release's `indexer_rope_interleave: true`; false reads as V3.2's half-split layout), and (b) an
 optional cross-layer sharing of the indexer's Top-K (`indexer_types`, or the `index_topk_freq` /
 `index_skip_topk_offset` / `index_topk_pattern` schedule): a "shared" layer runs no indexer and reuses
-the previous full layer's selection. The release's schedule has every layer "full"; a config with a
-"shared" layer is refused by name (not implemented here). Everything else (MLA, group-limited sigmoid
+the previous full layer's selection: here a "shared_sparse_attention" layer (models.deepseek_v32), which
+keeps its latent but no indexer keys. The release's schedule has every layer "full". Everything else (MLA, group-limited sigmoid
 MoE with correction bias, shared experts, first dense layers, MTP layer stored after the last layer) is
 DeepSeek-V3.2's. Keys some GLM/DeepSeek configs carry that would change the math if they held another
 value than the one implemented (scoring_func, topk_method, rope_interleave, moe_layer_freq,
@@ -65,14 +65,13 @@ def _check_fixed(d: dict[str, Any]) -> None:
 
 
 def glm_moe_dsa_config(d: dict[str, Any]) -> GlmMoeDsaConfig:
-    """config.json -> GlmMoeDsaConfig (KeyError / ValueError / ConfigError on bad fields)."""
+    """config.json -> GlmMoeDsaConfig (KeyError / ValueError / ConfigError on bad fields). A layer whose
+    indexer type is "shared" becomes a "shared_sparse_attention" layer."""
     _check_fixed(d)
-    n = int(d["num_hidden_layers"])
-    shared = [i for i, t in enumerate(indexer_types(d, n)) if t == "shared"]
-    if shared:
-        raise ConfigError(f"glm_moe_dsa: layers {shared} share the previous layer's indexer Top-K "
-                          f"(indexer_types 'shared'), which is not implemented; only 'full' layers are")
     fields = dsa_fields(d, "glm_moe_dsa", GLM_DEFAULTS)
+    kinds = indexer_types(d, fields["num_hidden_layers"])
+    fields["layer_types"] = tuple("shared_sparse_attention" if k == "shared" else t
+                                  for t, k in zip(fields["layer_types"], kinds))
     if d.get("rms_norm_eps") is None:
         fields["rms_norm_eps"] = GLM_RMS_NORM_EPS
     if fields["rope"].partial_rotary_factor != 1.0:

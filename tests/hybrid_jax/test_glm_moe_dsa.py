@@ -32,8 +32,10 @@ BASE = dict(vocab_size=97, hidden_size=32, intermediate_size=48, moe_intermediat
             v_head_dim=12, qk_nope_head_dim=16, index_topk=16, index_head_dim=16, index_n_heads=32,
             first_k_dense_replace=1, max_position_embeddings=512, eos_token_id=None, bos_token_id=None,
             pad_token_id=None, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+# shared_fssf: layers 1 and 2 run no indexer and attend over layer 0's Top-K (transformers' cross-layer sharing)
 CONFIGS = {"glm5_mini": {}, "tied_bias": dict(index_topk=8, tie_word_embeddings=True, attention_bias=True,
-                                              num_hidden_layers=2, first_k_dense_replace=0)}
+                                              num_hidden_layers=2, first_k_dense_replace=0),
+           "shared_fssf": dict(num_hidden_layers=4, indexer_types=["full", "shared", "shared", "full"])}
 PUBLISHED = Path(__file__).parents[2] / "hybrid_jax" / "published_configs" / "glm_5.json"
 
 
@@ -224,8 +226,8 @@ def test_published_glm5_config_parses():
 
 
 @pytest.mark.parametrize("extra,match", [
-    ({"indexer_types": ["full", "shared", "full"]}, r"layers \[1\] share"),
-    ({"index_topk_freq": 2}, r"layers \[2\] share"),          # transformers' schedule: offset 2, every 2nd
+    ({"indexer_types": ["shared", "full", "full"]}, "layer 0 reuses"),
+    ({"indexer_types": ["full", "full"]}, "3 entries"),
     ({"index_topk_pattern": "FFX"}, "only 'F' and 'S'"),
     ({"scoring_func": "softmax"}, "scoring_func"),
     ({"topk_method": "greedy"}, "topk_method"),
@@ -239,6 +241,39 @@ def test_published_glm5_config_parses():
 def test_bad_configs_fail_clearly(extra, match):
     with pytest.raises(ConfigError, match=match):
         config_from_hf_dict({**BASE, "model_type": "glm_moe_dsa", **extra})
+
+
+def test_shared_indexer_layers_keep_no_indexer(checkpoints):
+    """A "shared" layer has no indexer weights in the checkpoint (every tensor is read) and no indexer keys
+    in the cache; transformers' freq / offset schedule maps as it does there."""
+    llm = LLM(model=checkpoints["shared_fssf"], dtype="float32")
+    assert llm.config.layer_types == ("sparse_attention", "shared_sparse_attention", "shared_sparse_attention",
+                                      "sparse_attention")
+    assert ["idx_q" in lp["attn"] for lp in llm.params["layers"]] == [True, False, False, True]
+    cache = llm.new_cache(1, 64)
+    assert cache.groups["indexer"].layer_ids == (0, 3) and cache.groups["sparse_attention"].layer_ids == (0, 1, 2, 3)
+    assert cache.groups["indexer"].keys.shape[0] == 2
+    from transformers import GlmMoeDsaConfig  # noqa: PLC0415
+    for extra in ({"index_topk_freq": 2}, {"index_topk_freq": 3, "index_skip_topk_offset": 1},
+                  {"index_topk_pattern": "FSFF"}):
+        hf = GlmMoeDsaConfig(**{**BASE, "num_hidden_layers": 4}, **extra)
+        ours = config_from_hf_dict({**BASE, "model_type": "glm_moe_dsa", "num_hidden_layers": 4, **extra})
+        assert ours.layer_types == tuple("shared_sparse_attention" if t == "shared" else "sparse_attention"
+                                         for t in hf.indexer_types), extra
+
+
+def test_shared_layers_in_the_engine_match_offline(checkpoints):
+    """The shared-Top-K layers in the engine's ragged steps (chunked prefill, decode, prefix hits) give
+    the offline path's tokens (which test_greedy_tokens_identical_to_hf_generate checks against HF)."""
+    llm = LLM(model=checkpoints["shared_fssf"], dtype="float32", max_model_len=512)
+    rng = np.random.default_rng(11)
+    shared = rng.integers(0, 97, 140).tolist()
+    prompts = [shared + rng.integers(0, 97, k).tolist() for k in (3, 20)] + [_prompt(70, 97, 9)]
+    want = _tokens(llm.generate([{"prompt_token_ids": p} for p in prompts], SP))
+    eng = _engine(llm, max_num_batched_tokens=64, enable_prefix_caching=True, prefix_block_size=16,
+                  prefix_checkpoint_interval=1)
+    assert [eng.generate([{"prompt_token_ids": p}], SP)[0].token_ids for p in prompts] == want
+    assert eng.cache_stats()["passes"] >= 1
 
 
 def test_indexer_rope_interleave_false_reads_as_half_split():
