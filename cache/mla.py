@@ -129,12 +129,14 @@ def init_latent_group(*, batch_size: int, capacity: int, layer_ids: tuple[int, .
 
 def init_mla_groups(*, batch_size: int, capacity: int, layer_ids: tuple[int, ...], kv_lora_rank: int,
                     rope_dim: int, index_dim: int, dtype, latent_page_size: int = 64,
-                    index_page_size: int = 128, index_dtype=None) -> dict:
-    """The two DSA groups for `batch_size` rows of up to `capacity` tokens.
+                    index_page_size: int = 128, index_dtype=None, index_layer_ids: tuple[int, ...] | None = None) -> dict:
+    """The two DSA groups for `batch_size` rows of up to `capacity` tokens: the latent of `layer_ids`, the
+    indexer keys of `index_layer_ids` (default the same; fewer where some layers reuse another's Top-K).
     index_dtype=jnp.float8_e4m3fn stores the indexer keys as fp8 with a per-token scale."""
+    index_layer_ids = tuple(layer_ids if index_layer_ids is None else index_layer_ids)
     ips = min(index_page_size, capacity)
     ipt = contiguous_page_table(batch_size, capacity, ips)
-    L, P2 = len(layer_ids), ipt.size
+    L, P2 = len(index_layer_ids), ipt.size
     idt = index_dtype or dtype
     fp8 = jnp.dtype(idt) == jnp.float8_e4m3fn
     return {
@@ -144,7 +146,7 @@ def init_mla_groups(*, batch_size: int, capacity: int, layer_ids: tuple[int, ...
         "indexer": IndexerKeyGroup(
             keys=jnp.zeros((L, P2, ips, index_dim), idt),
             scale=jnp.ones((L, P2, ips), jnp.float32) if fp8 else None,
-            page_table=ipt, layer_ids=tuple(layer_ids)),
+            page_table=ipt, layer_ids=index_layer_ids),
     }
 
 

@@ -5,7 +5,8 @@ only as far as the step's rows reach).
 Per layer and step, for the T new tokens of each row (positions lengths[b] + t, t < n_new[b]):
   q_resid = RMSNorm(x W_qa);   q = q_resid W_qb -> [H, nope | rope]      (interleaved RoPE on rope part)
   c, k_rope = split(x W_kva);  c = RMSNorm(c)                             (latent [R] + RoPE key [Dr])
-  indexer: qi = q_resid W_iq -> [Hi, Di], ki = LayerNorm(x W_ik)          (half-split RoPE on first Dr)
+  indexer: qi = q_resid W_iq -> [Hi, Di], ki = LayerNorm(x W_ik)          (RoPE on the first Dr: half-split
+                                                                           for DeepSeek-V3.2, interleaved for GLM-5)
            w = x W_iw * Hi^-0.5 * Di^-0.5;  idx = Top-K_j sum_h w_h relu(qi_h . ki_j)   (causal)
   attention in the absorbed form over idx: q_lat = q_nope W_uk,  o = softmax(...) c  then  o W_uv W_o.
 c, k_rope and ki are written into their paged pools (cache/mla.py) before the ops read them.
@@ -59,6 +60,15 @@ def rope_interleaved(x, cos, sin):
     return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
 
 
+def index_rope(x, cos, sin, interleaved: bool):
+    """The indexer's RoPE on the first Dr = cos.shape[-1] channels of x [B, T, N, Di] (the rest pass):
+    half-split (DeepSeek-V3.2) or on interleaved pairs like the MLA's (GLM-5's `indexer_rope_interleave`)."""
+    if not interleaved:
+        return apply_rope(x, cos, sin)
+    dr = cos.shape[-1]
+    return jnp.concatenate([rope_interleaved(x[..., :dr], cos, sin), x[..., dr:]], axis=-1)
+
+
 def _whole(pool: jax.Array) -> jax.Array:
     """A latent / indexer pool just written, held whole on every device on a mesh (every head reads all
     of it; `parallel.constrain`)."""
@@ -96,16 +106,23 @@ def sparse_attention(p: dict, x, cos, sin, positions, valid, lengths, n_new, lat
                      page_table, index_table, page_resident, *, num_heads: int, nope: int, rope_dim: int,
                      v_dim: int, kv_lora_rank: int, index_heads: int, index_dim: int, index_topk: int,
                      eps: float, impl: str = "auto", layer: int | None = None, scale: float | None = None,
-                     ragged=None):
+                     ragged=None, index_rope_interleaved: bool = False, index_layer: int | None = None,
+                     selected: jax.Array | None = None):
     """x [B, T, Hd]; cos, sin [B, T, Dr]; positions, valid [B, T]; lengths, n_new [B];
     lat [P, ps, R], rope [P, ps, Wr] (one layer's latent pools; Wr = cache.mla.rope_width(Dr), the
     queries and keys zero-padded to it), ikeys [P2, ps2, Di], iscale [P2, ps2] | None,
-    or with `layer` the groups' stacks of them ([L, ...]), written in place at that layer (`write_paged`).
+    or with `layer` the groups' stacks of them ([L, ...]), written in place at that layer (`write_paged`;
+    the indexer stacks at `index_layer` when it differs, as when some layers run no indexer).
     scale: the attention softmax scale (default (nope + rope_dim)^-0.5; DeepSeek's YaRN corrects it).
+    eps: the q / latent norms' (1e-6 in transformers' DeepSeek-V3.2 and GLM-5, whatever rms_norm_eps).
+    index_rope_interleaved: the indexer's RoPE layout (`index_rope`).
+    selected: a previous layer's Top-K (what this function returns as `idx`) to attend over instead of
+    running the indexer (GLM's "shared" layers: no indexer weights, no indexer keys written).
     ragged: a hybrid_jax.models.ragged.RaggedBatch of S sequences; x is then [1, N, Hd] (cos, sin, positions,
     valid [1, N, ...]), lengths, n_new and the tables [S, ...]: the entries are written token-major and the
     ops run on the batch's tiles (pallas_kernels.sparse_attention.ragged).
-    Returns (out [B, T, Hd], lat, rope, ikeys, iscale, hit_rate [B] (ragged: [S])), the pools as they came in."""
+    Returns (out [B, T, Hd], lat, rope, ikeys, iscale, hit_rate [B] (ragged: [S]), idx (the Top-K used)),
+    the pools as they came in."""
     B, T, _ = x.shape
     H, R = num_heads, kv_lora_rank
     q_resid = rms_norm(linear(x, p["q_a"]) + p.get("q_a_bias", 0.0), p["q_a_norm"], eps)
@@ -115,52 +132,68 @@ def sparse_attention(p: dict, x, cos, sin, positions, valid, lengths, n_new, lat
     c = rms_norm(kv[..., :R], p["kv_a_norm"], eps)                                     # [B, T, R]
     k_rot = rope_interleaved(kv[..., None, R:], cos, sin)[:, :, 0]                      # [B, T, Dr]
     q_rot, k_rot = to_pool_width(q_rot, rope.shape[-1]), to_pool_width(k_rot, rope.shape[-1])  # [.., Wr]
-    if ragged is None:
-        def write(pool, new, table):
-            return write_paged(pool, new, table, positions, valid, layer)
-    else:
-        def write(pool, new, table):
-            return write_paged_flat(pool, new[0], table, ragged.seq, positions[0], valid[0], layer)
+
+    def writer(at):
+        if ragged is None:
+            return lambda pool, new, table: write_paged(pool, new, table, positions, valid, at)
+        return lambda pool, new, table: write_paged_flat(pool, new[0], table, ragged.seq, positions[0], valid[0], at)
+    write = writer(layer)
     lat = _whole(write(lat, c, page_table))
     rope = _whole(write(rope, k_rot, page_table))
+    kv_len = lengths + n_new
+    if selected is None:
+        il = layer if index_layer is None else index_layer
+        idx, ikeys, iscale = _index_select(p, x, q_resid, cos, sin, positions, valid, kv_len, ikeys, iscale,
+                                           index_table, writer(il), index_heads=index_heads, index_dim=index_dim,
+                                           index_topk=index_topk, impl=impl, layer=il, ragged=ragged,
+                                           interleaved=index_rope_interleaved)
+    else:
+        idx = selected
+    q_lat = jnp.einsum("bthn,hnr->bthr", q_nope, dequantize(p["w_uk"], q_nope.dtype))        # [B, T, H, R]
+    scale = scale or (nope + rope_dim) ** -0.5
+    # the ops read layer `layer` of the stacks in place (a slice handed to a kernel is a copy of the pool)
+    if ragged is None:
+        o_lat = _per_head(lambda ql, qr, la, ro, tb, ix, kl: sparse_mla_attention(
+            ql, qr, la, ro, tb, ix, kl, layer=layer, scale=scale, impl=impl),
+            2, q_lat, q_rot, lat, rope, page_table, idx, kv_len)                                 # [B, T, H, R] f32
+        hit = sparse_hit_rate(idx, page_table, page_resident, lat.shape[-2], kv_len)
+    else:
+        o_lat = _per_head(lambda ql, qr, la, ro, tb, c, ix, kl: sparse_mla_attention_ragged(
+            ql, qr, la, ro, tb, c, ix, kl, scale=scale, impl=impl, layer=layer),
+            1, q_lat[0], q_rot[0], lat, rope, page_table, ragged.cu_seqlens, idx, kv_len)[None]
+        hit = sparse_hit_rate_ragged(idx, page_table, ragged.seq, ragged.valid, page_resident, lat.shape[-2], kv_len)
+    o = jnp.einsum("bthr,hvr->bthv", o_lat.astype(x.dtype), dequantize(p["w_uv"], x.dtype)).reshape(B, T, H * v_dim)
+    out = linear(o, p["o_proj"]) + p.get("o_bias", 0.0)
+    return out.astype(x.dtype), lat, rope, ikeys, iscale, hit, idx
 
-    # indexer: keys written first, so a query sees its own key
-    qi = apply_rope(linear(q_resid, p["idx_q"]).reshape(B, T, index_heads, index_dim), cos, sin)
+
+def _index_select(p: dict, x, q_resid, cos, sin, positions, valid, kv_len, ikeys, iscale, index_table, write, *,
+                  index_heads: int, index_dim: int, index_topk: int, impl: str, layer: int | None, ragged,
+                  interleaved: bool):
+    """The DSA indexer of `sparse_attention`: writes this step's indexer keys (before scoring, so a query
+    sees its own key) and selects each query's Top-K positions. Returns (idx, ikeys, iscale)."""
+    B, T, _ = x.shape
+    qi = index_rope(linear(q_resid, p["idx_q"]).reshape(B, T, index_heads, index_dim), cos, sin, interleaved)
     ki = layer_norm(linear(x, p["idx_k"]), p["idx_k_norm"], p["idx_k_norm_bias"])
-    ki = apply_rope(ki[:, :, None], cos, sin)[:, :, 0]                                  # [B, T, Di]
+    ki = index_rope(ki[:, :, None], cos, sin, interleaved)[:, :, 0]                     # [B, T, Di]
     if iscale is not None:
         k8, sc = quantize_fp8(ki)
         ikeys = _whole(write(ikeys, k8, index_table))
         iscale = _whole(write(iscale, sc, index_table))
     else:
         ikeys = _whole(write(ikeys, ki, index_table))
-    # the ops read layer `layer` of the stacks in place (a slice handed to a kernel is a copy of the pool)
     w = indexer_weights(x.astype(jnp.float32) @ p["idx_w"].astype(jnp.float32), index_heads, index_dim)
-    kv_len = lengths + n_new
     topk = min(index_topk, index_table.shape[1] * ikeys.shape[-2])         # Top-K >= context: all causal keys
-    q_lat = jnp.einsum("bthn,hnr->bthr", q_nope, dequantize(p["w_uk"], q_nope.dtype))        # [B, T, H, R]
-    scale = scale or (nope + rope_dim) ** -0.5
     if ragged is None:
         qpos = jnp.where(valid, positions, -1)
         idx = indexer_per_head(lambda *a, head_axis: indexer_topk(*a[:-1], topk=topk, k_scale=a[-1], impl=impl,
                                                                    layer=layer, head_axis=head_axis),
-                                qi, w, ikeys, index_table, qpos, kv_len, iscale)
-        o_lat = _per_head(lambda ql, qr, la, ro, tb, ix, kl: sparse_mla_attention(
-            ql, qr, la, ro, tb, ix, kl, layer=layer, scale=scale, impl=impl),
-            2, q_lat, q_rot, lat, rope, page_table, idx, kv_len)                                 # [B, T, H, R] f32
-        hit = sparse_hit_rate(idx, page_table, page_resident, lat.shape[-2], kv_len)
+                               qi, w, ikeys, index_table, qpos, kv_len, iscale)
     else:
-        cu = ragged.cu_seqlens
         idx = indexer_per_head(lambda *a, head_axis: indexer_topk_ragged(
             *a[:-1], topk=topk, k_scale=a[-1], impl=impl, layer=layer, head_axis=head_axis),
-            qi[0], w[0], ikeys, index_table, cu, kv_len, iscale)
-        o_lat = _per_head(lambda ql, qr, la, ro, tb, c, ix, kl: sparse_mla_attention_ragged(
-            ql, qr, la, ro, tb, c, ix, kl, scale=scale, impl=impl, layer=layer),
-            1, q_lat[0], q_rot[0], lat, rope, page_table, cu, idx, kv_len)[None]
-        hit = sparse_hit_rate_ragged(idx, page_table, ragged.seq, ragged.valid, page_resident, lat.shape[-2], kv_len)
-    o = jnp.einsum("bthr,hvr->bthv", o_lat.astype(x.dtype), dequantize(p["w_uv"], x.dtype)).reshape(B, T, H * v_dim)
-    out = linear(o, p["o_proj"]) + p.get("o_bias", 0.0)
-    return out.astype(x.dtype), lat, rope, ikeys, iscale, hit
+            qi[0], w[0], ikeys, index_table, ragged.cu_seqlens, kv_len, iscale)
+    return idx, ikeys, iscale
 
 
 def nope_attention(p: dict, x, positions, valid, lengths, n_new, lat, rope, page_table, *, num_heads: int, nope: int,

@@ -31,6 +31,7 @@ REGISTRY: dict[str, Registered] = {
     "qwen3_next": Registered("hybrid_jax.models.qwen3_next", "hybrid_jax.models.qwen3_next_config:qwen3_next_config"),
     "deepseek_v32": Registered("hybrid_jax.models.deepseek_v32", "hybrid_jax.models.deepseek_v32_config:deepseek_v32_config"),
     "deepseek_v4": Registered("hybrid_jax.models.deepseek_v4", "hybrid_jax.models.deepseek_v4_config:deepseek_v4_config"),
+    "glm_moe_dsa": Registered("hybrid_jax.models.glm_moe_dsa", "hybrid_jax.models.glm_moe_dsa_config:glm_moe_dsa_config"),
     "kimi_linear": Registered("hybrid_jax.models.kimi_linear", "hybrid_jax.models.kimi_linear_config:kimi_linear_config"),
 }
 for _t in ("qwen3_5", "qwen3_5_moe", "qwen3_5_text", "qwen3_5_moe_text"):    # multimodal and text-only checkpoints

@@ -40,7 +40,8 @@ def new_cache(cfg: DeepseekV32Config, batch_size: int, capacity: int, dtype, ind
     """An empty cache: the paged latent group and the indexer-key group (index_dtype=fp8 for fp8 keys).
     Their page sizes are the config's (latent_page_size, index_page_size); page_size, the full-KV page
     size of the families that have full attention, has nothing to size here."""
-    groups = init_mla_groups(batch_size=batch_size, capacity=capacity, layer_ids=cfg.layers_of("sparse_attention"),
+    groups = init_mla_groups(batch_size=batch_size, capacity=capacity, layer_ids=cfg.attention_layers(),
+                             index_layer_ids=cfg.layers_of("sparse_attention"),
                              kv_lora_rank=cfg.kv_lora_rank, rope_dim=cfg.qk_rope_head_dim,
                              index_dim=cfg.index_head_dim, dtype=dtype, latent_page_size=cfg.latent_page_size,
                              index_page_size=cfg.index_page_size, index_dtype=index_dtype)
@@ -83,25 +84,42 @@ class _Step(LayerStep):
     keys: jax.Array | None = None
     scale: jax.Array | None = None
     hits: list = dataclasses.field(default_factory=list)
+    selected: jax.Array | None = None    # the last indexer layer's Top-K (a shared layer attends over it)
     ragged: RaggedBatch | None = None    # forward_ragged: the flat batch (positions, valid [1, N] then)
 
 
 def _sparse_attention(cfg: DeepseekV32Config, lp: dict, h: jax.Array, step: _Step, i: int) -> jax.Array:
     """MLA with DSA's indexer Top-K over the paged latent and indexer-key groups."""
+    return _mla(cfg, lp, h, step, i, shared=False)
+
+
+def _shared_sparse_attention(cfg: DeepseekV32Config, lp: dict, h: jax.Array, step: _Step, i: int) -> jax.Array:
+    """MLA over the Top-K the previous indexer layer selected (GLM's "shared" indexer layers): no indexer
+    of its own, nothing in the indexer group."""
+    if step.selected is None:
+        raise ValueError(f"layer {i} reuses an indexer selection, but no earlier layer ran its indexer")
+    return _mla(cfg, lp, h, step, i, shared=True)
+
+
+def _mla(cfg: DeepseekV32Config, lp: dict, h: jax.Array, step: _Step, i: int, shared: bool) -> jax.Array:
     lg, ig = step.cache.groups["sparse_attention"], step.cache.groups["indexer"]
-    h, step.latent, step.rope, step.keys, step.scale, hit = sparse_attention(
+    h, step.latent, step.rope, step.keys, step.scale, hit, step.selected = sparse_attention(
         lp["attn"], h, step.cos, step.sin, step.positions, step.valid, step.cache.lengths, step.n_new,
         step.latent, step.rope, step.keys, step.scale, lg.page_table, ig.page_table, lg.page_resident,
         num_heads=cfg.num_attention_heads, nope=cfg.qk_nope_head_dim, rope_dim=cfg.qk_rope_head_dim,
         v_dim=cfg.v_head_dim, kv_lora_rank=cfg.kv_lora_rank, index_heads=cfg.index_n_heads,
-        index_dim=cfg.index_head_dim, index_topk=cfg.index_topk, eps=cfg.rms_norm_eps, impl=step.impl,
-        layer=lg.layer_ids.index(i), scale=cfg.softmax_scale, ragged=step.ragged)
+        index_dim=cfg.index_head_dim, index_topk=cfg.index_topk, eps=cfg.latent_norm_eps, impl=step.impl,
+        layer=lg.layer_ids.index(i), scale=cfg.softmax_scale, ragged=step.ragged,
+        index_rope_interleaved=cfg.index_rope_interleaved,
+        index_layer=None if shared else ig.layer_ids.index(i), selected=step.selected if shared else None)
     step.hits.append(hit)
     return h
 
 
-# The family's one layer type: its mixer and the cache groups it keeps its objects in.
-LAYER_TYPES = {"sparse_attention": LayerType(_sparse_attention, ("sparse_attention", "indexer"))}
+# The family's layer types: their mixers and the cache groups they keep their objects in. DeepSeek-V3.2's
+# layers are all "sparse_attention"; GLM-5's config may make some "shared_sparse_attention".
+LAYER_TYPES = {"sparse_attention": LayerType(_sparse_attention, ("sparse_attention", "indexer")),
+               "shared_sparse_attention": LayerType(_shared_sparse_attention, ("sparse_attention",))}
 
 
 def forward(cfg: DeepseekV32Config, params: dict, cache: ModelCache, tokens: jax.Array, n_new: jax.Array, *,
@@ -244,10 +262,12 @@ def init_params(cfg: DeepseekV32Config, seed: int = 0, dtype=jnp.float32, rng=No
         lp["attn"] = {"q_a": n(Hd, s["Rq"]), "q_a_norm": jnp.ones((s["Rq"],), dtype),
                       "q_b": n(s["Rq"], H * (s["nope"] + s["Dr"])), "kv_a": n(Hd, s["R"] + s["Dr"]),
                       "kv_a_norm": jnp.ones((s["R"],), dtype), "w_uk": n(H, s["nope"], s["R"]),
-                      "w_uv": n(H, s["v"], s["R"]), "o_proj": n(H * s["v"], Hd),
-                      "idx_q": n(s["Rq"], s["Hi"] * s["Di"]), "idx_k": n(Hd, s["Di"]),
-                      "idx_k_norm": jnp.ones((s["Di"],), dtype), "idx_k_norm_bias": jnp.zeros((s["Di"],), dtype),
-                      "idx_w": n(Hd, s["Hi"], dt=jnp.float32)}
+                      "w_uv": n(H, s["v"], s["R"]), "o_proj": n(H * s["v"], Hd)}
+        if cfg.layer_types[i] == "sparse_attention":           # a layer that runs its indexer
+            lp["attn"].update({"idx_q": n(s["Rq"], s["Hi"] * s["Di"]), "idx_k": n(Hd, s["Di"]),
+                               "idx_k_norm": jnp.ones((s["Di"],), dtype),
+                               "idx_k_norm_bias": jnp.zeros((s["Di"],), dtype),
+                               "idx_w": n(Hd, s["Hi"], dt=jnp.float32)})
         lp.update(init_ffn(cfg, i, n))
         params["layers"].append(lp)
     return params
@@ -271,7 +291,8 @@ def convert_hf_weights(cfg: DeepseekV32Config, get: Callable[[str], np.ndarray],
     if not cfg.tie_word_embeddings:
         params["lm_head"] = dev(t("lm_head.weight", (cfg.vocab_size, Hd)).T)
     for i in range(cfg.num_hidden_layers):
-        params["layers"].append(_convert_layer(cfg, t, has, f"model.layers.{i}.", cfg.is_moe_layer(i), dev, lin))
+        params["layers"].append(_convert_layer(cfg, t, has, f"model.layers.{i}.", cfg.is_moe_layer(i), dev, lin,
+                                               indexer=cfg.layer_types[i] == "sparse_attention"))
     if has(mtp_prefixes(cfg)[0] + "eh_proj.weight"):
         params["mtp"] = _convert_mtp(cfg, t, has, params, dev, lin)
     return params
@@ -303,8 +324,9 @@ def _convert_mtp(cfg: DeepseekV32Config, t, has, params: dict, dev, lin) -> dict
     return mp
 
 
-def _convert_layer(cfg: DeepseekV32Config, t, has, p: str, moe: bool, dev, lin) -> dict:
-    """One decoder layer's tensors under prefix p (`model.layers.3.`) -> its params."""
+def _convert_layer(cfg: DeepseekV32Config, t, has, p: str, moe: bool, dev, lin, indexer: bool = True) -> dict:
+    """One decoder layer's tensors under prefix p (`model.layers.3.`) -> its params (without an indexer:
+    a GLM "shared" layer, which has none)."""
     s = _attn_shapes(cfg)
     Hd, H = s["Hd"], s["H"]
     a = p + "self_attn."
@@ -317,12 +339,13 @@ def _convert_layer(cfg: DeepseekV32Config, t, has, p: str, moe: bool, dev, lin) 
           "kv_a": lin(t(a + "kv_a_proj_with_mqa.weight", (s["R"] + s["Dr"], Hd)).T),
           "kv_a_norm": dev(t(a + "kv_a_layernorm.weight", (s["R"],))),
           "w_uk": lin(kvb[:, :s["nope"]]), "w_uv": lin(kvb[:, s["nope"]:]),
-          "o_proj": lin(t(a + "o_proj.weight", (Hd, H * s["v"])).T),
-          "idx_q": lin(t(a + "indexer.wq_b.weight", (s["Hi"] * s["Di"], s["Rq"])).T),
-          "idx_k": lin(t(a + "indexer.wk.weight", (s["Di"], Hd)).T),
-          "idx_k_norm": dev(t(a + "indexer.k_norm.weight", (s["Di"],))),
-          "idx_k_norm_bias": dev(t(a + "indexer.k_norm.bias", (s["Di"],))),
-          "idx_w": dev(t(a + "indexer.weights_proj.weight", (s["Hi"], Hd)).T, jnp.float32)}
+          "o_proj": lin(t(a + "o_proj.weight", (Hd, H * s["v"])).T)}
+    if indexer:
+        at.update({"idx_q": lin(t(a + "indexer.wq_b.weight", (s["Hi"] * s["Di"], s["Rq"])).T),
+                   "idx_k": lin(t(a + "indexer.wk.weight", (s["Di"], Hd)).T),
+                   "idx_k_norm": dev(t(a + "indexer.k_norm.weight", (s["Di"],))),
+                   "idx_k_norm_bias": dev(t(a + "indexer.k_norm.bias", (s["Di"],))),
+                   "idx_w": dev(t(a + "indexer.weights_proj.weight", (s["Hi"], Hd)).T, jnp.float32)})
     if cfg.attention_bias:
         at["q_a_bias"] = dev(t(a + "q_a_proj.bias", (s["Rq"],)))
         at["kv_a_bias"] = dev(t(a + "kv_a_proj_with_mqa.bias", (s["R"] + s["Dr"],)))

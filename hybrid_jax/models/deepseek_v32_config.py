@@ -1,6 +1,7 @@
 """DeepSeek-V3.2 (`model_type: deepseek_v32`) configuration: a frozen dataclass read from config.json.
 
-Every layer is `sparse_attention` (MLA + the DSA indexer; transformers calls it "indexed_attention").
+Every layer is `sparse_attention` (MLA + the DSA indexer; transformers calls it "indexed_attention"); GLM-5's
+config (glm_moe_dsa_config) may make some `shared_sparse_attention` (reusing the previous indexer's Top-K).
 The first `first_k_dense_replace` layers (or `mlp_layer_types`) use a dense MLP, the rest DeepSeek's
 MoE (sigmoid router with correction bias, group-limited Top-K, routed scaling, shared experts).
 """
@@ -14,6 +15,9 @@ from hybrid_jax.layers.rope import RopeSpec, softmax_scale
 from hybrid_jax.models.config_common import MLPLayerPattern, check_grouped_topk, common_fields, parse_rope
 
 _HF_LAYER_TYPES = {"indexed_attention": "sparse_attention", "sparse_attention": "sparse_attention"}
+# sparse_attention: MLA + its own indexer; shared_sparse_attention: MLA over the previous indexer layer's
+# Top-K (GLM-5's "shared" indexer layers; DeepSeek-V3.2 has none)
+DSA_LAYER_TYPES = ("sparse_attention", "shared_sparse_attention")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +50,8 @@ class DeepseekV32Config(MLPLayerPattern):
     norm_topk_prob: bool
     mlp_layer_types: tuple[str, ...]
     rope: RopeSpec = RopeSpec()              # on the qk_rope_head_dim channels
+    index_rope_interleaved: bool = False     # the indexer's RoPE: half-split (V3.2) or interleaved pairs (GLM-5)
+    latent_norm_eps: float = 1e-6            # q_a / kv_a norms (built with the norm's default in transformers)
     attention_bias: bool = False
     max_position_embeddings: int = 163840
     rms_norm_eps: float = 1e-6
@@ -60,8 +66,12 @@ class DeepseekV32Config(MLPLayerPattern):
     index_page_size: int = 128
 
     def __post_init__(self):
-        if any(t != "sparse_attention" for t in self.layer_types):
-            raise ConfigError(f"deepseek_v32 layers must all be 'sparse_attention'; got {sorted(set(self.layer_types))}")
+        bad = sorted(set(self.layer_types) - set(DSA_LAYER_TYPES))
+        if bad:
+            raise ConfigError(f"{self.model_type} layers must be of {list(DSA_LAYER_TYPES)}; got {bad}")
+        if self.layer_types and self.layer_types[0] != "sparse_attention":
+            raise ConfigError(f"{self.model_type}: layer 0 reuses an earlier layer's indexer Top-K, but no "
+                              f"layer runs the indexer before it")
         if len(self.layer_types) != self.num_hidden_layers or len(self.mlp_layer_types) != self.num_hidden_layers:
             raise ConfigError(f"layer_types / mlp_layer_types need {self.num_hidden_layers} entries; got "
                               f"{len(self.layer_types)} / {len(self.mlp_layer_types)}")
@@ -79,6 +89,10 @@ class DeepseekV32Config(MLPLayerPattern):
                               f"{self.index_head_dim}")
         if "sparse" in self.mlp_layer_types:
             check_grouped_topk(self.n_routed_experts, self.n_group, self.topk_group, self.num_experts_per_tok)
+
+    def attention_layers(self) -> tuple[int, ...]:
+        """Every layer: each keeps its latent (the indexer keys only the "sparse_attention" layers)."""
+        return tuple(i for i, t in enumerate(self.layer_types) if t in DSA_LAYER_TYPES)
 
     def is_moe_layer(self, i: int) -> bool:
         return self.mlp_layer_types[i] == "sparse"
@@ -100,33 +114,49 @@ class DeepseekV32Config(MLPLayerPattern):
         return softmax_scale(self.rope, self.qk_head_dim)
 
 
+# The defaults of fields a DeepSeek-V3.2 config.json may leave out (transformers' DeepseekV32Config
+# where this parser takes one; GLM-5's parser passes its own).
+V32_DEFAULTS = dict(index_topk=2048, index_n_heads=64, index_head_dim=128, first_k_dense_replace=3, n_shared_experts=1,
+                    n_group=1, topk_group=1, routed_scaling_factor=1.0, norm_topk_prob=True,
+                    max_position_embeddings=163840, moe_intermediate_size=0)
+
+
 def deepseek_v32_config(d: dict[str, Any]) -> DeepseekV32Config:
     """config.json -> DeepseekV32Config (KeyError / ValueError / ConfigError on bad fields)."""
+    return DeepseekV32Config(**dsa_fields(d, "deepseek_v32", V32_DEFAULTS))
+
+
+def dsa_fields(d: dict[str, Any], family: str, defaults: dict[str, Any]) -> dict[str, Any]:
+    """The DeepseekV32Config fields config.json `d` gives (the families built on it: DeepSeek-V3.2, GLM-5);
+    `defaults`: the family's values of the fields `d` may leave out (V32_DEFAULTS' keys)."""
+    def get(k):
+        v = d.get(k)
+        return defaults[k] if v is None else v
     n = int(d["num_hidden_layers"])
     raw = d.get("layer_types") or ["indexed_attention"] * n
     unknown = sorted({t for t in raw if t not in _HF_LAYER_TYPES})
     if unknown:
-        raise ConfigError(f"unknown layer type(s) {unknown} in layer_types for deepseek_v32")
+        raise ConfigError(f"unknown layer type(s) {unknown} in layer_types for {family}")
     mlp = d.get("mlp_layer_types")
     if mlp is None:
-        k = min(int(d.get("first_k_dense_replace", 3)), n)
+        k = min(int(get("first_k_dense_replace")), n)
         mlp = ["dense"] * k + ["sparse"] * (n - k)
-    return DeepseekV32Config(
+    max_pos = int(get("max_position_embeddings"))
+    return dict(
         model_type=d["model_type"], vocab_size=int(d["vocab_size"]), hidden_size=int(d["hidden_size"]),
         num_hidden_layers=n, layer_types=tuple(_HF_LAYER_TYPES[t] for t in raw),
         num_attention_heads=int(d["num_attention_heads"]),
         q_lora_rank=int(d["q_lora_rank"]), kv_lora_rank=int(d["kv_lora_rank"]),
         qk_nope_head_dim=int(d["qk_nope_head_dim"]), qk_rope_head_dim=int(d["qk_rope_head_dim"]),
-        v_head_dim=int(d["v_head_dim"]), index_topk=int(d.get("index_topk", 2048)),
-        index_n_heads=int(d.get("index_n_heads", 64)), index_head_dim=int(d.get("index_head_dim", 128)),
-        intermediate_size=int(d["intermediate_size"]), moe_intermediate_size=int(d.get("moe_intermediate_size", 0)),
+        v_head_dim=int(d["v_head_dim"]), index_topk=int(get("index_topk")),
+        index_n_heads=int(get("index_n_heads")), index_head_dim=int(get("index_head_dim")),
+        intermediate_size=int(d["intermediate_size"]), moe_intermediate_size=int(get("moe_intermediate_size")),
         n_routed_experts=int(d.get("n_routed_experts", d.get("num_local_experts", 0)) or 0),
-        n_shared_experts=int(d.get("n_shared_experts", 1) or 0),
+        n_shared_experts=int(get("n_shared_experts") or 0),
         num_experts_per_tok=int(d.get("num_experts_per_tok", 0) or 0),
-        n_group=int(d.get("n_group", 1) or 1), topk_group=int(d.get("topk_group", 1) or 1),
-        routed_scaling_factor=float(d.get("routed_scaling_factor", 1.0)),
-        norm_topk_prob=bool(d.get("norm_topk_prob", True)), mlp_layer_types=tuple(mlp),
-        rope=parse_rope(d, "deepseek_v32", max_position_embeddings=163840),
-        attention_bias=bool(d.get("attention_bias", False)),
-        max_position_embeddings=int(d.get("max_position_embeddings", 163840)),
+        n_group=int(get("n_group") or 1), topk_group=int(get("topk_group") or 1),
+        routed_scaling_factor=float(get("routed_scaling_factor")),
+        norm_topk_prob=bool(get("norm_topk_prob")), mlp_layer_types=tuple(mlp),
+        rope=parse_rope(d, family, max_position_embeddings=max_pos),
+        attention_bias=bool(d.get("attention_bias", False)), max_position_embeddings=max_pos,
         **common_fields(d))

@@ -55,7 +55,9 @@ FP8_BLOCK = (128, 128)
 
 
 def family(model_type: str) -> str:
-    """The parameter layout a model_type uses (Qwen3.5 has Qwen3-Next's)."""
+    """The parameter layout a model_type uses (Qwen3.5 has Qwen3-Next's, GLM-5 DeepSeek-V3.2's)."""
+    if model_type == "glm_moe_dsa":
+        return "deepseek_v32"
     return "qwen3_next" if model_type.startswith("qwen3_5") else model_type
 
 

@@ -2,7 +2,7 @@
 core (multi_device.py; the rest of the suite keeps one device). Prints one JSON line "RESULT {...}" with, per
 layout, what the test compares against one device.
 
-    python parallel_worker.py CHECKPOINT_DIR [deepseek_v32 | deepseek_v4 | fp8 | disk DIRECTORY]
+    python parallel_worker.py CHECKPOINT_DIR [deepseek_v32 | glm_moe_dsa | deepseek_v4 | fp8 | disk DIRECTORY]
 """
 from __future__ import annotations
 
@@ -175,6 +175,8 @@ if __name__ == "__main__":
     # the DeepSeek families' tp4 split runs as dp2_tp4's two replicas (each compared with one device), not alone too
     if sys.argv[2:] == ["deepseek_v32"]:      # 4 heads, 8 experts: split over 2, and over 4 with experts whole
         result = run(sys.argv[1], {k: LAYOUTS[k] for k in ("tp1", "tp2", "tp4_ep", "dp2_tp4")}, full=False)
+    elif sys.argv[2:] == ["glm_moe_dsa"]:     # GLM-5: DeepSeek-V3.2's layout (4 heads, 32 indexer heads, 8 experts)
+        result = run(sys.argv[1], {k: LAYOUTS[k] for k in ("tp1", "tp2", "tp4_ep")}, full=False)
     elif sys.argv[2:] == ["fp8"]:             # an FP8 release kept in FP8, experts split whole
         result = run(sys.argv[1], {"tp1": dict(quantization="fp8"),
                                    "tp2_ep": dict(tensor_parallel_size=2, enable_expert_parallel=True,
