@@ -96,8 +96,9 @@ class NemotronHConfig(LayerPattern):
             check_grouped_topk(self.n_routed_experts, self.n_group, self.topk_group, self.num_experts_per_tok)
 
     def ffn_kind(self, i: int) -> str:
-        """No layer has a feed-forward of its own: "mlp" and "moe" are layer types."""
-        return "none"
+        """A block is one mixer: an "mlp" block is "dense", a "moe" block "moe", a Mamba2 or attention
+        block has no feed-forward ("none")."""
+        return {"mlp": "dense", "moe": "moe"}.get(self.layer_types[i], "none")
 
     def with_layers(self, indices: Sequence[int]) -> Self:
         return dataclasses.replace(self, num_hidden_layers=len(indices),
