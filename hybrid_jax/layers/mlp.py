@@ -80,7 +80,7 @@ def relu2(h):
     return jnp.square(jax.nn.relu(h))
 
 
-def _routed_gather(x, idx, w, gate_up, down, act):
+def _routed_gather(x, idx, w, gate_up, down, act=_split_act):
     # x: [M, Hd]; idx, w: [M, k]; gate_up: [E, Hd, 2I]; down: [E, I, Hd] (only the chosen experts are decoded)
     h = jnp.einsum("mh,mkhi->mki", x, dequantize(take(gate_up, idx), x.dtype))
     y = jnp.einsum("mki,mkih->mkh", act(h), dequantize(take(down, idx), x.dtype))
@@ -90,7 +90,7 @@ def _routed_gather(x, idx, w, gate_up, down, act):
 BATCHED_UP_ROWS = 64   # _routed_dense: fewer rows than this use the batched up projection
 
 
-def _routed_dense(x, idx, w, gate_up, down, act):
+def _routed_dense(x, idx, w, gate_up, down, act=_split_act):
     # Every expert on every row, with the routing weights (zero where not routed) folded into the
     # activations. Wastes E/k of the FLOPs but has no gather or scatter: the fastest form when E is
     # small. Two up projections: few rows (decode, short verify windows) take a batched matmul over
@@ -123,7 +123,7 @@ def _grouped(xs, w, sizes):
     return jax.lax.ragged_dot(xs, dequantize(w, xs.dtype), sizes)
 
 
-def _routed_sorted(x, idx, w, gate_up, down, act):
+def _routed_sorted(x, idx, w, gate_up, down, act=_split_act):
     # idx may hold E (= gate_up.shape[0]): an assignment to no expert here (another device's), sorted
     # last and left out of the groups
     M, k = idx.shape

@@ -244,3 +244,21 @@ def test_selection_rollback_keeps_the_state_after_the_last_kept_token(checkpoint
     np.testing.assert_allclose(np.asarray(got.ssm), np.asarray(want.ssm), atol=1e-5, rtol=1e-5)
     np.testing.assert_allclose(np.asarray(got.conv), np.asarray(want.conv), atol=1e-6, rtol=0)
     assert not np.allclose(np.asarray(got.ssm[:, 0]), np.asarray(out.cache.groups["linear_attention"].ssm[:, 0]))
+
+
+@pytest.mark.parametrize("rows", [1, 6, 100])
+def test_ungated_relu2_experts_agree_on_every_moe_path(rows):
+    """routed_experts with activation=relu2 (up [E, Hd, I], no gate half): the gather, dense and sorted
+    forms equal a loop over each row's chosen experts in numpy."""
+    from hybrid_jax.layers import mlp  # noqa: PLC0415
+    rng = np.random.default_rng(rows)
+    E, k, Hd, I = 8, 2, 16, 12
+    x = rng.standard_normal((rows, Hd)).astype(np.float32)
+    idx = np.stack([rng.choice(E, k, replace=False) for _ in range(rows)]).astype(np.int32)
+    w = rng.random((rows, k)).astype(np.float32)
+    up, dn = rng.standard_normal((E, Hd, I)).astype(np.float32), rng.standard_normal((E, I, Hd)).astype(np.float32)
+    want = np.stack([sum(w[m, j] * (np.maximum(x[m] @ up[e], 0) ** 2) @ dn[e] for j, e in enumerate(idx[m]))
+                     for m in range(rows)])
+    for f in (mlp._routed_gather, mlp._routed_dense, mlp._routed_sorted):
+        got = f(jnp.asarray(x), jnp.asarray(idx), jnp.asarray(w), jnp.asarray(up), jnp.asarray(dn), act=mlp.relu2)
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-4, err_msg=f.__name__)
