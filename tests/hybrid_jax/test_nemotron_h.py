@@ -262,3 +262,21 @@ def test_ungated_relu2_experts_agree_on_every_moe_path(rows):
     for f in (mlp._routed_gather, mlp._routed_dense, mlp._routed_sorted):
         got = f(jnp.asarray(x), jnp.asarray(idx), jnp.asarray(w), jnp.asarray(up), jnp.asarray(dn), act=mlp.relu2)
         np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-4, err_msg=f.__name__)
+
+
+def test_pallas_impl_matches_xla_in_the_model(checkpoints):
+    """The Mamba2 SSD kernels and the paged attention read through Pallas (interpreted on the CPU) give
+    the XLA path's logits, prefill then a decode step."""
+    from hybrid_jax.models import nemotron_h as m  # noqa: PLC0415
+    llm = LLM(model=checkpoints["m_star_mlp_moe"], dtype="float32")
+    cfg, params = llm.config, llm.params
+    ids = _prompt(40, 97, 3)
+    outs = []
+    for impl in ("xla", "pallas"):
+        pre = m.forward(cfg, params, m.new_cache(cfg, 1, 48, jnp.float32), jnp.asarray([ids], jnp.int32),
+                        jnp.asarray([40], jnp.int32), logits_at="all", impl=impl)
+        dec = m.forward(cfg, params, pre.cache, jnp.asarray([[ids[0]]], jnp.int32), jnp.asarray([1], jnp.int32),
+                        impl=impl)
+        outs.append((np.asarray(pre.logits), np.asarray(dec.logits)))
+    for a, b in zip(*outs):
+        np.testing.assert_allclose(b, a, atol=TOL, rtol=0)
