@@ -25,17 +25,18 @@ import jax
 import jax.numpy as jnp
 
 from cache import ModelCache
-from cache.mla import contiguous_page_table
+from cache.mla import contiguous_page_table, write_paged_flat
 from cache.state import DEFAULT_KV_PAGE_SIZE, KVGroup, RecurrentGroup, recurrent_group
-from hybrid_jax.layers.attention import paged_attend
+from hybrid_jax.layers.attention import paged_attend, pinned_pool, ragged_read
 from hybrid_jax.layers.linear import linear
-from hybrid_jax.layers.mamba2 import mamba2_mixer
+from hybrid_jax.layers.mamba2 import mamba2_mixer, mamba2_mixer_ragged
 from hybrid_jax.layers.mla import rms_norm
 from hybrid_jax.layers.mlp import relu2, routed_experts
 from hybrid_jax.models.common import LayerStep, finish_step, token_positions
 from hybrid_jax.models.contract import LayerType, ModelFamily, StepOutput
 from hybrid_jax.models.deepseek_v32 import grouped_topk_route
 from hybrid_jax.models.nemotron_h_config import NemotronHConfig
+from hybrid_jax.models.ragged import RaggedBatch
 from hybrid_jax.models.nemotron_h_params import convert_hf_weights, init_params, mamba_dims
 from hybrid_jax.models.qwen3_next import DEFERRED_GROUPS, write_deferred_kv
 from hybrid_jax.parallel.context import kv_replicas
@@ -69,6 +70,7 @@ class _Step(LayerStep):
     fused_recurrent: bool = False
     per_token_states: bool = False
     defer_kv_write: bool = False
+    ragged: RaggedBatch | None = None  # forward_ragged: the flat batch (positions, valid: [N] then)
     k_all: jax.Array | None = None     # the KV page stacks, written in place layer after layer
     v_all: jax.Array | None = None
     rec: RecurrentGroup | None = None  # the Mamba2 group, its layers' states written in place one by one
@@ -82,6 +84,12 @@ def _mamba(cfg: NemotronHConfig, lp: dict, h: jax.Array, step: _Step, i: int) ->
     the token-by-token rule, as qwen3_next's linear attention)."""
     rec = step.rec
     s = rec.layer_ids.index(i)
+    if step.ragged is not None:
+        rb = step.ragged
+        out, conv, ssm = mamba2_mixer_ragged(lp["mamba"], h[0], rb.seq, rb.valid, rb.cu_seqlens, *rec.layer_state(s),
+                                             dims=mamba_dims(cfg), impl=step.impl)
+        step.rec = rec.with_layer_state(s, conv, ssm)
+        return out[None]
     pooled = rec.view_rows is not None
     if pooled:
         conv0, (ssm0, rows) = rec.conv[s], rec.ssm_pool(s)
@@ -106,6 +114,8 @@ def _attention(cfg: NemotronHConfig, lp: dict, h: jax.Array, step: _Step, i: int
     if r > 1:     # the cache holds r copies of each KV head (parallel.kv_replicas)
         k, v = jnp.repeat(k, r, axis=2), jnp.repeat(v, r, axis=2)
     kv = step.cache.groups["full_attention"]
+    if step.ragged is not None:
+        return _attention_ragged(cfg, p, q[0], k[0], v[0], step, kv.layer_ids.index(i))[None].astype(h.dtype)
     out, k2, v2 = paged_attend(q, k, v, step.positions, step.valid, step.k_all, step.v_all, kv.page_table,
                                layer=kv.layer_ids.index(i), defer_write=step.defer_kv_write, impl=step.impl)
     if step.defer_kv_write:
@@ -114,6 +124,17 @@ def _attention(cfg: NemotronHConfig, lp: dict, h: jax.Array, step: _Step, i: int
     else:
         step.k_all, step.v_all = k2, v2
     return linear(out.astype(h.dtype), p["o_proj"])
+
+
+def _attention_ragged(cfg: NemotronHConfig, p: dict, q, k, v, step: _Step, layer: int) -> jax.Array:
+    """A ragged batch's attention (q [N, Hq, D], k, v [N, Hkv, D]): the new entries written in place at
+    their sequences' positions, then each sequence's pages read for its queries (`ragged_read`)."""
+    rb, kv = step.ragged, step.cache.groups["full_attention"]
+    step.k_all = pinned_pool(write_paged_flat(step.k_all, k, kv.page_table, rb.seq, rb.positions, rb.valid, layer))
+    step.v_all = pinned_pool(write_paged_flat(step.v_all, v, kv.page_table, rb.seq, rb.positions, rb.valid, layer))
+    o = ragged_read(q, step.k_all, step.v_all, step.cache.lengths + rb.n_new, kv.page_table, rb.cu_seqlens,
+                    sm_scale=cfg.head_dim ** -0.5, impl=step.impl, layer=layer)
+    return linear(o.reshape(q.shape[0], -1).astype(q.dtype), p["o_proj"])
 
 
 def _mlp(cfg: NemotronHConfig, lp: dict, h: jax.Array, step: _Step, i: int) -> jax.Array:
@@ -152,6 +173,36 @@ def forward(cfg: NemotronHConfig, params: dict, cache: ModelCache, tokens: jax.A
     x = params["embed"][tokens] if inputs_embeds is None else inputs_embeds
     step = _Step(cache, positions, valid, n_new, impl, fused_recurrent=fused_recurrent,
                  per_token_states=per_token_states, defer_kv_write=defer_kv_write)
+    x, groups, hidden = _layers(cfg, params, x, step, return_hidden)
+    out = finish_step(cfg, params, cache, groups, x, n_new, final_norm=final_norm, logits_at=logits_at, hidden=hidden)
+    if return_final_hidden:
+        out = out.replace(final_hidden=x)
+    if per_token_states:
+        out = out.replace(states=jax.tree_util.tree_map(lambda *a: jnp.stack(a), *step.per_token)
+                          if step.per_token else {})
+    if defer_kv_write:
+        out = out.replace(deferred={"k": jnp.stack(step.k_new), "v": jnp.stack(step.v_new)} if step.k_new else {})
+    return out
+
+
+def forward_ragged(cfg: NemotronHConfig, params: dict, cache: ModelCache, batch: RaggedBatch, *, impl: str = "auto",
+                   return_final_hidden: bool = False) -> StepOutput:
+    """One step over a ragged batch (hybrid_jax.models.ragged), as qwen3_next.forward_ragged: the Mamba2
+    layers on the packed chunked rule (`mamba2_mixer_ragged`), attention on ragged paged attention.
+    Returns logits [S, V] at each sequence's last token; return_final_hidden: `final_hidden` [N, Hd]."""
+    x = params["embed"][batch.tokens][None]                                  # [1, N, Hd]
+    step = _Step(cache, batch.positions, batch.valid, batch.n_new, impl, ragged=batch)
+    x, groups, _ = _layers(cfg, params, x, step, False)
+    flat = x[0]
+    out = finish_step(cfg, params, cache, groups, flat[batch.last_index()][:, None], batch.n_new,
+                      final_norm=final_norm, logits_at="all")
+    return out.replace(logits=out.logits[:, 0], final_hidden=flat if return_final_hidden else None)
+
+
+def _layers(cfg: NemotronHConfig, params: dict, x: jax.Array, step: _Step, return_hidden: bool):
+    """Every block over x [B, T, Hd] (a ragged batch: [1, N, Hd]): x + mixer(rms_norm(x)). Returns (the
+    residual stream after the last block, the cache's updated groups, the hidden states with return_hidden)."""
+    cache = step.cache
     kv = cache.groups.get("full_attention")
     if kv is not None:
         step.k_all, step.v_all = kv.k, kv.v
@@ -166,15 +217,7 @@ def forward(cfg: NemotronHConfig, params: dict, cache: ModelCache, tokens: jax.A
         groups["linear_attention"] = step.rec
     if kv is not None:
         groups["full_attention"] = kv.replace(k=step.k_all, v=step.v_all)
-    out = finish_step(cfg, params, cache, groups, x, n_new, final_norm=final_norm, logits_at=logits_at, hidden=hidden)
-    if return_final_hidden:
-        out = out.replace(final_hidden=x)
-    if per_token_states:
-        out = out.replace(states=jax.tree_util.tree_map(lambda *a: jnp.stack(a), *step.per_token)
-                          if step.per_token else {})
-    if defer_kv_write:
-        out = out.replace(deferred={"k": jnp.stack(step.k_new), "v": jnp.stack(step.v_new)} if step.k_new else {})
-    return out
+    return x, groups, hidden
 
 
 def final_norm(cfg: NemotronHConfig, params: dict, x: jax.Array) -> jax.Array:
@@ -182,6 +225,6 @@ def final_norm(cfg: NemotronHConfig, params: dict, x: jax.Array) -> jax.Array:
 
 
 FAMILY = ModelFamily(
-    name="nemotron_h", forward=forward, new_cache=new_cache, init_params=init_params,
+    name="nemotron_h", forward=forward, forward_ragged=forward_ragged, new_cache=new_cache, init_params=init_params,
     convert_hf_weights=convert_hf_weights, final_norm=final_norm, layer_types=LAYER_TYPES,
     write_deferred_kv=write_deferred_kv, deferred_groups=DEFERRED_GROUPS)

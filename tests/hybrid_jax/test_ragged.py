@@ -1,5 +1,5 @@
 """Ragged (flat, token-major) steps: a family's forward_ragged (Qwen3-Next; DeepSeek-V3.2, its indexer's Top-K
-shorter than the contexts) over sequences of unequal lengths (a long prefill chunk, a decode token, a chunk
+shorter than the contexts; DeepSeek-V4; Nemotron-H) over sequences of unequal lengths (a long prefill chunk, a decode token, a chunk
 on a cached prefix, an empty sequence) gives the logits and the cache the padded [B, T] forward gives, and
 the ragged causal conv never reads across sequences."""
 from __future__ import annotations
@@ -35,14 +35,21 @@ DSV4 = dict(model_type="deepseek_v4", vocab_size=97, hidden_size=32, moe_interme
             mlp_layer_types=["hash_moe", "moe", "moe"], partial_rotary_factor=0.5)
 
 
-@pytest.fixture(scope="module", params=["qwen3_next", "deepseek_v32", "deepseek_v4"])
+# A Nemotron-H miniature: Mamba2 (two groups) around an attention block, a relu2 MLP and a MoE block.
+NEMOTRON_H = dict(model_type="nemotron_h", vocab_size=97, hidden_size=32, hybrid_override_pattern="M*-EM",
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=48, mamba_num_heads=4,
+                  mamba_head_dim=8, n_groups=2, ssm_state_size=8, conv_kernel=4, n_routed_experts=8,
+                  num_experts_per_tok=2, moe_intermediate_size=16, moe_shared_expert_intermediate_size=24)
+
+
+@pytest.fixture(scope="module", params=["qwen3_next", "deepseek_v32", "deepseek_v4", "nemotron_h"])
 def model(request):
     """(config, params, family): the embedded default (Gated DeltaNet + gated full attention + MoE), or a
     random DeepSeek-V3.2 (MLA + the DSA indexer over paged latent and indexer-key pools)."""
     if request.param == "qwen3_next":
         llm = LLM()
         return llm.config, llm.params, get_model(llm.config.model_type)
-    cfg = config_from_hf_dict(DSV32 if request.param == "deepseek_v32" else DSV4)
+    cfg = config_from_hf_dict({"deepseek_v32": DSV32, "deepseek_v4": DSV4, "nemotron_h": NEMOTRON_H}[request.param])
     fam = get_model(cfg.model_type)
     return cfg, fam.init_params(cfg, seed=1), fam
 
