@@ -38,14 +38,19 @@ def conv_state_after(window: jax.Array, idx: jax.Array, width: int) -> jax.Array
     return jax.vmap(lambda row, n: jax.lax.dynamic_slice_in_dim(row, n, width - 1, axis=0))(window, idx + 1)
 
 
-def states_after(parts: dict, idx: jax.Array) -> tuple[jax.Array, jax.Array]:
+def states_after(parts: dict, idx: jax.Array, l2norm_keys: bool = True) -> tuple[jax.Array, jax.Array]:
     """One layer's states after position idx[b] of each row ([B] int32, in [0, T)), from the parts
-    `layers.gated_deltanet(..., per_token_states=True)` returned: (conv [B, W-1, C], ssm [B, HV, K, V] fp32)."""
+    `layers.gated_deltanet(..., per_token_states=True)` returned: (conv [B, W-1, C], ssm [B, HV, K, V] fp32).
+    l2norm_keys: the rule normalised its keys (Gated DeltaNet, KDA); Mamba2's SSD rule does not."""
     width = parts["conv_window"].shape[1] - parts["k"].shape[1] + 1
     conv = conv_state_after(parts["conv_window"], idx, width)
     ssm = pallas_kernels.state_after(parts["ssm0"], parts["k"], parts["g"], parts["delta"], idx,
-                                     use_qk_l2norm_in_kernel=True)
+                                     use_qk_l2norm_in_kernel=l2norm_keys)
     return conv, ssm
+
+
+# the recurrent rules whose keys enter the state as given (no l2norm): `RecurrentGroup.truncate`
+UNNORMALISED_KEYS = frozenset({kernel_abi.MAMBA2_SSD.id})
 
 
 @flax.struct.dataclass
@@ -101,7 +106,8 @@ class RecurrentGroup(CacheGroup):
                              "view gathered")
         idx = jnp.maximum(n_keep - 1, 0)
         fed = (n_keep > 0)
-        conv, ssm = jax.vmap(lambda parts: states_after(parts, idx))(states)
+        l2 = self.writer_abi not in UNNORMALISED_KEYS
+        conv, ssm = jax.vmap(lambda parts: states_after(parts, idx, l2))(states)
         conv = jnp.where(fed.reshape(1, -1, 1, 1), conv, self.conv)
         ssm = jnp.where(fed.reshape(1, -1, 1, 1, 1), ssm, self.ssm)
         return self.replace(conv=conv.astype(self.conv.dtype), ssm=ssm)

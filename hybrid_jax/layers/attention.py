@@ -187,10 +187,22 @@ def gated_attention(p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, posit
     lowered for a TPU or GPU (`_decode_read`) and the paged XLA read on the CPU; "pallas" the kernel
     everywhere (interpreted on the CPU); "xla" / "reference" the paged XLA read."""
     B, T, _ = x.shape
-    Hq, Hkv, D = num_heads, num_kv_heads, head_dim
-    q, gate, k, v = _qkv(p, x, cos, sin, Hq, Hkv, D, eps)
-    Hkv = k.shape[2]
+    q, gate, k, v = _qkv(p, x, cos, sin, num_heads, num_kv_heads, head_dim, eps)
+    out, k_pool, v_pool = paged_attend(q, k, v, positions, valid, k_pool, v_pool, page_table, layer=layer,
+                                       defer_write=defer_write, impl=impl)
+    out = _gated_output(p, out.astype(x.dtype), gate)
+    return out, k_pool, v_pool
 
+
+def paged_attend(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, valid: jax.Array,
+                 k_pool: jax.Array, v_pool: jax.Array, page_table: jax.Array, *, layer: int | None = None,
+                 defer_write: bool = False, impl: str = "auto"):
+    """Causal GQA of q [B, T, Hq, D] (unscaled: scaled by D^-0.5 here) over the paged cache and the new
+    k, v [B, T, Hkv, D], which are written first (`write_kv`) unless defer_write. Pools, layer,
+    defer_write and impl as `gated_attention`. Returns (out [B, T, Hq * D] f32, k_pool, v_pool), or
+    with defer_write (out, k, v)."""
+    B, T, Hq, D = q.shape
+    Hkv = k.shape[2]
     if not defer_write:
         k_pool = write_kv(k_pool, k, page_table, positions, valid, layer)
         v_pool = write_kv(v_pool, v, page_table, positions, valid, layer)
@@ -212,7 +224,7 @@ def gated_attention(p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, posit
             out = jax.lax.platform_dependent(*args, cpu=paged, default=kernel)
     else:
         out = _prefill_attention(qg, k, v, k_pool, v_pool, page_table, positions, layer=layer)
-    out = _gated_output(p, out.transpose(0, 3, 1, 2, 4).reshape(B, T, Hq * D).astype(x.dtype), gate)
+    out = out.transpose(0, 3, 1, 2, 4).reshape(B, T, Hq * D)
     if defer_write:
         return out, k, v
     return out, k_pool, v_pool

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 import pallas_kernels
-from cache.state import conv_state_after
+from cache.state import states_after as cache_states_after
 from hybrid_jax.layers.gated_deltanet import causal_conv, ragged_causal_conv
 from hybrid_jax.layers.linear import linear
 from pallas_kernels.mamba2.common import NO_LIMIT, TimeStep, time_step
@@ -139,8 +139,7 @@ def mamba2_mixer_ragged(p: dict, x: jax.Array, seq: jax.Array, valid: jax.Array,
 
 def states_after(parts: dict, idx: jax.Array) -> tuple[jax.Array, jax.Array]:
     """The layer's states after position idx[b] of each row ([B] int32, in [0, T)) from the parts
-    `mamba2_mixer(..., per_token_states=True)` returned: (conv [B, W-1, C], ssm [B, H, N, P] f32). As
-    cache.state.states_after, with no l2norm on k (Mamba2's B)."""
-    width = parts["conv_window"].shape[1] - parts["k"].shape[1] + 1
-    conv = conv_state_after(parts["conv_window"], idx, width)
-    return conv, pallas_kernels.state_after(parts["ssm0"], parts["k"], parts["g"], parts["delta"], idx)
+    `mamba2_mixer(..., per_token_states=True)` returned: (conv [B, W-1, C], ssm [B, H, N, P] f32).
+    cache.state.states_after with no l2norm on k (Mamba2's B), as `RecurrentGroup.truncate` runs it for a
+    group written under abi.MAMBA2_SSD."""
+    return cache_states_after(parts, idx, l2norm_keys=False)

@@ -75,17 +75,22 @@ def swiglu(x: jax.Array, gate_up: jax.Array, down: jax.Array, limit: float | Non
     return linear(act, down)
 
 
-def _routed_gather(x, idx, w, gate_up, down, limit=None):
+def relu2(h):
+    """Nemotron-H's activation: relu(h) squared (an ungated MLP: its up projection is [.., I], not [.., 2I])."""
+    return jnp.square(jax.nn.relu(h))
+
+
+def _routed_gather(x, idx, w, gate_up, down, act=_split_act):
     # x: [M, Hd]; idx, w: [M, k]; gate_up: [E, Hd, 2I]; down: [E, I, Hd] (only the chosen experts are decoded)
     h = jnp.einsum("mh,mkhi->mki", x, dequantize(take(gate_up, idx), x.dtype))
-    y = jnp.einsum("mki,mkih->mkh", _split_act(h, limit), dequantize(take(down, idx), x.dtype))
+    y = jnp.einsum("mki,mkih->mkh", act(h), dequantize(take(down, idx), x.dtype))
     return jnp.einsum("mkh,mk->mh", y, w.astype(y.dtype))
 
 
 BATCHED_UP_ROWS = 64   # _routed_dense: fewer rows than this use the batched up projection
 
 
-def _routed_dense(x, idx, w, gate_up, down, limit=None):
+def _routed_dense(x, idx, w, gate_up, down, act=_split_act):
     # Every expert on every row, with the routing weights (zero where not routed) folded into the
     # activations. Wastes E/k of the FLOPs but has no gather or scatter: the fastest form when E is
     # small. Two up projections: few rows (decode, short verify windows) take a batched matmul over
@@ -99,10 +104,10 @@ def _routed_dense(x, idx, w, gate_up, down, limit=None):
     combine = jnp.sum(jax.nn.one_hot(idx, E, dtype=x.dtype) * w[..., None].astype(x.dtype), axis=1)   # [M, E]
     if M < BATCHED_UP_ROWS:
         h = jnp.einsum("emh,ehi->emi", jnp.broadcast_to(x, (E, M, Hd)), gate_up)        # [E, M, 2I]
-        act = jnp.moveaxis(_split_act(h, limit) * combine.T[..., None], 0, 1)            # [M, E, I]
+        act = jnp.moveaxis(act(h) * combine.T[..., None], 0, 1)            # [M, E, I]
     else:
         h = jnp.einsum("mh,ehi->mei", x, gate_up)                                        # [M, E, 2I]
-        act = _split_act(h, limit) * combine[..., None]                                  # [M, E, I]
+        act = act(h) * combine[..., None]                                                # [M, E, I]
     # contracted over (E, I) as two axes, not reshaped into one: split experts or a split intermediate
     # axis (hybrid_jax.parallel) stay split, and each device sums its own part
     return jnp.einsum("mei,eih->mh", act, down)
@@ -118,7 +123,7 @@ def _grouped(xs, w, sizes):
     return jax.lax.ragged_dot(xs, dequantize(w, xs.dtype), sizes)
 
 
-def _routed_sorted(x, idx, w, gate_up, down, limit=None):
+def _routed_sorted(x, idx, w, gate_up, down, act=_split_act):
     # idx may hold E (= gate_up.shape[0]): an assignment to no expert here (another device's), sorted
     # last and left out of the groups
     M, k = idx.shape
@@ -128,7 +133,7 @@ def _routed_sorted(x, idx, w, gate_up, down, limit=None):
     tok = order // k
     sizes = jnp.bincount(flat_e, length=E).astype(jnp.int32)
     xs = x[tok]
-    y = _grouped(_split_act(_grouped(xs, gate_up, sizes), limit), down, sizes)
+    y = _grouped(act(_grouped(xs, gate_up, sizes)), down, sizes)
     mine = (flat_e[order] < E)[:, None]              # rows past the groups are not computed: never read them
     y = jnp.where(mine, y * w.reshape(-1)[order][:, None].astype(y.dtype), 0)
     return jnp.zeros_like(x).at[tok].add(y)
@@ -147,15 +152,18 @@ _EXPERTS = ("experts", None, None)     # gate_up [E, Hd, 2I], down [E, I, Hd] (a
 
 
 def routed_experts(x: jax.Array, idx: jax.Array, w: jax.Array, gate_up: jax.Array, down: jax.Array,
-                   limit: float | None = None) -> jax.Array:
+                   limit: float | None = None, activation=None) -> jax.Array:
     """The routed experts' output: x [M, Hd]; idx, w [M, k] (chosen experts, their weights; an expert
     chosen twice in a row counts twice); gate_up [E, Hd, 2I]; down [E, I, Hd] (arrays or `layers.linear`
     weights: an FP8 expert is decoded inside the step, only the chosen ones on the gather path); limit:
-    clamp the SwiGLU pre-activations (DeepSeek-V4). Picks the form by shape (see the module docstring);
-    with the experts split over devices, each runs it on its own (module docstring)."""
+    clamp the SwiGLU pre-activations (DeepSeek-V4); activation: an ungated experts' activation of the up
+    projection (gate_up then [E, Hd, I]: Nemotron-H's `relu2`) in place of SwiGLU. Picks the form by
+    shape (see the module docstring); with the experts split over devices, each runs it on its own
+    (module docstring)."""
     M, k = idx.shape
     E = gate_up.shape[0]
-    form = functools.partial(_form(M, k, E), limit=limit)
+    act = functools.partial(_split_act, limit=limit) if activation is None else activation
+    form = functools.partial(_form(M, k, E), act=act)
     lay = current()
     if lay is None or tensor_size() == 1 or lay.spec(_EXPERTS, gate_up.shape, "experts")[0] is None:
         return form(x, idx, w, gate_up, down)

@@ -33,6 +33,7 @@ REGISTRY: dict[str, Registered] = {
     "deepseek_v4": Registered("hybrid_jax.models.deepseek_v4", "hybrid_jax.models.deepseek_v4_config:deepseek_v4_config"),
     "glm_moe_dsa": Registered("hybrid_jax.models.glm_moe_dsa", "hybrid_jax.models.glm_moe_dsa_config:glm_moe_dsa_config"),
     "kimi_linear": Registered("hybrid_jax.models.kimi_linear", "hybrid_jax.models.kimi_linear_config:kimi_linear_config"),
+    "nemotron_h": Registered("hybrid_jax.models.nemotron_h", "hybrid_jax.models.nemotron_h_config:nemotron_h_config"),
 }
 for _t in ("qwen3_5", "qwen3_5_moe", "qwen3_5_text", "qwen3_5_moe_text"):    # multimodal and text-only checkpoints
     REGISTRY[_t] = Registered("hybrid_jax.models.qwen3_5", "hybrid_jax.models.qwen3_5_config:qwen3_5_config")

@@ -174,14 +174,16 @@ _COUNTS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_head
            "num_expert_group", "topk_group", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
            "v_head_dim", "index_topk", "index_n_heads", "index_head_dim", "o_groups", "o_lora_rank", "sliding_window",
            "hc_mult", "hc_sinkhorn_iters", "num_hash_layers", "compress_rate_csa", "compress_rate_hca",
-           "num_nextn_predict_layers", "index_topk_freq", "index_skip_topk_offset")
+           "num_nextn_predict_layers", "index_topk_freq", "index_skip_topk_offset", "mamba_num_heads", "mamba_head_dim",
+           "n_groups", "mamba_n_groups", "ssm_state_size", "conv_kernel", "mamba_d_conv",
+           "moe_shared_expert_intermediate_size", "moe_latent_size")
 _FLOATS = ("rms_norm_eps", "rope_theta", "partial_rotary_factor", "routed_scaling_factor", "hc_eps", "swiglu_limit",
-           "compress_rope_theta")
+           "compress_rope_theta", "layer_norm_epsilon")
 _BOOLS = ("attention_bias", "tie_word_embeddings", "norm_topk_prob", "moe_renormalize", "use_grouped_topk",
           "attn_output_gate", "mla_use_nope", "mlp_bias", "indexer_rope_interleave", "rope_interleave",
-          "use_sliding_window")
+          "use_sliding_window", "use_bias", "mamba_proj_bias", "use_conv_bias", "mamba_conv_bias")
 _STRS = ("model_type", "hidden_act", "dtype", "torch_dtype", "scoring_func", "topk_method", "moe_router_activation_func",
-         "mamba_ssm_dtype")
+         "mamba_ssm_dtype", "hybrid_override_pattern", "mlp_hidden_act", "mamba_hidden_act")
 
 
 def _is_int(v) -> bool:
@@ -207,7 +209,7 @@ FIELD_KINDS: dict[str, str] = {
     **{k: "count" for k in _COUNTS}, **{k: "float" for k in _FLOATS}, **{k: "bool" for k in _BOOLS},
     **{k: "str" for k in _STRS},
     "bos_token_id": "id", "pad_token_id": "id", "eos_token_id": "ids",
-    "layer_types": "strs", "mlp_layer_types": "strs", "indexer_types": "strs",
+    "layer_types": "strs", "mlp_layer_types": "strs", "indexer_types": "strs", "layers_block_type": "strs",
     "mlp_only_layers": "counts", "compress_ratios": "counts",
     "text_config": "object", "rope_parameters": "object", "rope_scaling": "object", "linear_attn_config": "object",
     "compress_rates": "object", "quantization_config": "object",

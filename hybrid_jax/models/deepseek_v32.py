@@ -49,12 +49,11 @@ def new_cache(cfg: DeepseekV32Config, batch_size: int, capacity: int, dtype, ind
                       version=jnp.zeros((batch_size,), jnp.int32))
 
 
-def deepseek_moe(cfg: DeepseekV32Config, p: dict, x: jax.Array) -> jax.Array:
-    """x [B, T, Hd]. Sigmoid router + correction bias (choice only), group-limited Top-K (groups ranked by
-    the sum of their two best experts), weights from the raw sigmoid, renormalised, times
-    routed_scaling_factor; plus the shared experts."""
-    B, T, Hd = x.shape
-    x2 = x.reshape(B * T, Hd)
+def grouped_topk_route(cfg, p: dict, x2: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """DeepSeek's router over x2 [M, Hd]: sigmoid scores, the correction bias in the choice only,
+    group-limited Top-K (groups ranked by the sum of their two best experts), weights from the raw
+    sigmoid, renormalised (norm_topk_prob), times routed_scaling_factor. Returns (idx [M, k], w [M, k]
+    in x2's dtype). Reads cfg's n_routed_experts, n_group, topk_group, num_experts_per_tok."""
     E, G, k = cfg.n_routed_experts, cfg.n_group, cfg.num_experts_per_tok
     scores = jax.nn.sigmoid(x2.astype(jnp.float32) @ p["router"])                       # [M, E]
     choice = scores + p["bias"]
@@ -66,7 +65,14 @@ def deepseek_moe(cfg: DeepseekV32Config, p: dict, x: jax.Array) -> jax.Array:
     w = jnp.take_along_axis(scores, idx, axis=1)
     if cfg.norm_topk_prob:
         w = w / (jnp.sum(w, axis=-1, keepdims=True) + 1e-20)
-    w = (w * cfg.routed_scaling_factor).astype(x.dtype)
+    return idx, (w * cfg.routed_scaling_factor).astype(x2.dtype)
+
+
+def deepseek_moe(cfg: DeepseekV32Config, p: dict, x: jax.Array) -> jax.Array:
+    """x [B, T, Hd]. The routed experts chosen by `grouped_topk_route`, plus the shared experts."""
+    B, T, Hd = x.shape
+    x2 = x.reshape(B * T, Hd)
+    idx, w = grouped_topk_route(cfg, p, x2)
     routed = mlp_lib.routed_experts(x2, idx, w, p["gate_up"], p["down"])
     shared = mlp_lib.swiglu(x2, p["shared_gate_up"], p["shared_down"])
     return (routed + shared).reshape(B, T, Hd)

@@ -30,6 +30,7 @@ HEAD_FIELDS = {
     "linear_num_value_heads": "linear-attention value heads",
     "linear_num_heads": "linear-attention heads",
     "index_n_heads": "indexer heads",
+    "mamba_num_heads": "Mamba2 heads",
     "o_groups": "output-projection groups",
 }
 

@@ -170,7 +170,7 @@ def test_every_model_types_fields_are_type_checked():
     (its path inside text_config, rope_parameters, linear_attn_config, compress_rates)."""
     configs = _published()
     assert {config_from_hf_dict(d).model_type for d in configs.values()} >= {
-        "qwen3_next", "qwen3_5", "qwen3_5_moe", "deepseek_v32", "deepseek_v4", "kimi_linear"}
+        "qwen3_next", "qwen3_5", "qwen3_5_moe", "deepseek_v32", "deepseek_v4", "kimi_linear", "nemotron_h"}
     accepted, unnamed, checked = [], [], 0
     for name, base in configs.items():
         for path, kind in _fields(base):

@@ -60,3 +60,17 @@ def test_kimi_linear_48b():
     assert (cfg.linear_num_heads, cfg.linear_head_dim, cfg.linear_conv_kernel_dim) == (32, 128, 4)
     assert (cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.n_shared_experts) == (256, 8, 1)
     assert cfg.mlp_layer_types == ("dense",) + ("sparse",) * 26
+
+
+def test_nemotron_3_nano_30b():
+    """The release's 52-character pattern: 23 Mamba2, 23 MoE and 6 attention blocks; Mamba2 64 heads of 64
+    in 8 groups of state 128 (a conv over 64 * 64 + 2 * 8 * 128 channels)."""
+    cfg = config_from_hf_dict(_load("nemotron_3_nano_30b_a3b.json"))
+    kinds = {t: cfg.layer_types.count(t) for t in set(cfg.layer_types)}
+    assert kinds == {"linear_attention": 23, "moe": 23, "full_attention": 6}
+    assert cfg.layers_of("full_attention") == (5, 12, 19, 26, 33, 42)
+    assert (cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.n_groups, cfg.ssm_state_size) == (64, 64, 8, 128)
+    assert cfg.mamba_conv_dim == 6144 and cfg.time_step_limit == (0.0, float("inf"))
+    assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (32, 2, 128)
+    assert (cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size) == (128, 6, 1856)
+    assert (cfg.moe_shared_expert_intermediate_size, cfg.routed_scaling_factor) == (3712, 2.5)

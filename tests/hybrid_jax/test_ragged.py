@@ -1,6 +1,6 @@
 """Ragged (flat, token-major) steps: a family's forward_ragged (Qwen3-Next; DeepSeek-V3.2, its indexer's Top-K
-shorter than the contexts; DeepSeek-V4; Kimi-Linear) over sequences of unequal lengths (a long prefill chunk,
-a decode token, a chunk on a cached prefix, an empty sequence) gives the logits and the cache the padded
+shorter than the contexts; DeepSeek-V4; Kimi-Linear; Nemotron-H) over sequences of unequal lengths (a long prefill
+chunk, a decode token, a chunk on a cached prefix, an empty sequence) gives the logits and the cache the padded
 [B, T] forward gives, and the ragged causal conv never reads across sequences."""
 from __future__ import annotations
 
@@ -41,10 +41,15 @@ KIMI = dict(model_type="kimi_linear", vocab_size=97, hidden_size=32, intermediat
             qk_nope_head_dim=16, v_head_dim=12, num_experts=8, num_experts_per_token=2, first_k_dense_replace=1,
             linear_attn_config={"head_dim": 16, "num_heads": 2, "short_conv_kernel_size": 4, "kda_layers": [1, 3],
                                 "full_attn_layers": [2]})
-MINIATURES = {"deepseek_v32": DSV32, "deepseek_v4": DSV4, "kimi_linear": KIMI}
+# A Nemotron-H miniature: Mamba2 (two groups) around an attention block, a relu2 MLP and a MoE block.
+NEMOTRON_H = dict(model_type="nemotron_h", vocab_size=97, hidden_size=32, hybrid_override_pattern="M*-EM",
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=48, mamba_num_heads=4,
+                  mamba_head_dim=8, n_groups=2, ssm_state_size=8, conv_kernel=4, n_routed_experts=8,
+                  num_experts_per_tok=2, moe_intermediate_size=16, moe_shared_expert_intermediate_size=24)
+MINIATURES = {"deepseek_v32": DSV32, "deepseek_v4": DSV4, "kimi_linear": KIMI, "nemotron_h": NEMOTRON_H}
 
 
-@pytest.fixture(scope="module", params=["qwen3_next", "deepseek_v32", "deepseek_v4", "kimi_linear"])
+@pytest.fixture(scope="module", params=["qwen3_next", "deepseek_v32", "deepseek_v4", "kimi_linear", "nemotron_h"])
 def model(request):
     """(config, params, family): the embedded default (Gated DeltaNet + gated full attention + MoE), or a
     random miniature of DeepSeek-V3.2 (MLA + the DSA indexer over paged latent and indexer-key pools),
