@@ -78,7 +78,8 @@ def pytest_report_header(config):
 LONGEST_FIRST = ("hybrid_jax/test_parallel_models.py", "hybrid_jax/test_parallel.py", "hybrid_jax/test_mtp.py",
                  "hybrid_jax/test_model_baselines.py", "hybrid_jax/test_deepseek_v4.py",
                  "hybrid_jax/test_prefix_traffic.py", "hybrid_jax/test_reserve_before_schedule.py",
-                 "hybrid_jax/test_plan.py", "hybrid_jax/test_structured.py", "hybrid_jax/test_v4_prefix_caching.py")
+                 "hybrid_jax/test_glm_moe_dsa.py", "hybrid_jax/test_plan.py", "hybrid_jax/test_structured.py",
+                 "hybrid_jax/test_v4_prefix_caching.py", "hybrid_jax/test_nemotron_h.py")
 
 
 def pytest_collection_modifyitems(config, items):

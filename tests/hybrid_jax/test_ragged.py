@@ -53,7 +53,7 @@ MINIATURES = {"deepseek_v32": DSV32, "deepseek_v4": DSV4, "kimi_linear": KIMI, "
 def model(request):
     """(config, params, family): the embedded default (Gated DeltaNet + gated full attention + MoE), or a
     random miniature of DeepSeek-V3.2 (MLA + the DSA indexer over paged latent and indexer-key pools),
-    DeepSeek-V4 or Kimi-Linear (KDA + MLA over a paged latent pool)."""
+    DeepSeek-V4, Kimi-Linear (KDA + MLA over a paged latent pool) or Nemotron-H (Mamba2, attention, relu2 MLP and MoE)."""
     if request.param == "qwen3_next":
         llm = LLM()
         return llm.config, llm.params, get_model(llm.config.model_type)
