@@ -72,23 +72,45 @@ def pytest_report_header(config):
     return None if limit is None else f"vm.max_map_count: {limit} (XLA:CPU takes ~3 maps per compiled kernel)"
 
 
-# The files that take a test worker longest (seconds of one worker, a full run of the suite on 2 cores),
+# The files that take a test worker longest (seconds of one worker in a full run on 2 cores: 100-400 s each),
 # collected first: `-n 2 --dist loadfile` hands out files in collection order as workers free up, so the
 # long ones start early and the short ones fill in, rather than one long file running alone at the end.
-LONGEST_FIRST = ("hybrid_jax/test_parallel_models.py", "hybrid_jax/test_parallel.py", "hybrid_jax/test_mtp.py",
-                 "hybrid_jax/test_model_baselines.py", "hybrid_jax/test_deepseek_v4.py",
-                 "hybrid_jax/test_prefix_traffic.py", "hybrid_jax/test_reserve_before_schedule.py",
-                 "hybrid_jax/test_glm_moe_dsa.py", "hybrid_jax/test_plan.py", "hybrid_jax/test_structured.py",
-                 "hybrid_jax/test_v4_prefix_caching.py", "hybrid_jax/test_nemotron_h.py")
+LONGEST_FIRST = ("hybrid_jax/test_parallel_models.py", "hybrid_jax/test_glm_moe_dsa.py", "hybrid_jax/test_mtp.py",
+                 "hybrid_jax/test_model_baselines.py", "hybrid_jax/test_kimi_linear.py",
+                 "hybrid_jax/test_prefix_traffic.py", "hybrid_jax/test_parallel.py", "hybrid_jax/test_plan.py",
+                 "hybrid_jax/test_startup.py", "hybrid_jax/test_speculative.py",
+                 "hybrid_jax/test_v4_prefix_caching.py", "hybrid_jax/test_nemotron_h.py",
+                 "pallas_kernels/test_kda_pallas.py", "pallas_kernels/test_tpu_compile.py",
+                 "hybrid_jax/test_reserve_before_schedule.py", "hybrid_jax/test_structured.py",
+                 "hybrid_jax/test_eval.py")
+
+# The slow tier (`-m slow`, about 2,600 worker-seconds): multi-device and multi-process workers, TPU compiles
+# and their cost baselines, speculative-decoding and traffic matrices over every family, the CLI's eval.
+# The README's test command leaves it out (`-m "not slow"`: under 30 minutes on 2 cores); CI runs both.
+SLOW_FILES = frozenset({
+    "hybrid_jax/test_parallel_models.py", "hybrid_jax/test_parallel.py", "hybrid_jax/test_parallel_ops.py",
+    "hybrid_jax/test_data_parallel.py", "hybrid_jax/test_many_hosts.py", "hybrid_jax/test_mtp.py",
+    "hybrid_jax/test_speculative.py", "hybrid_jax/test_model_baselines.py", "hybrid_jax/test_plan.py",
+    "pallas_kernels/test_tpu_compile.py", "pallas_kernels/test_tpu_compile_f32.py", "pallas_kernels/test_kda_pallas.py",
+    "hybrid_jax/test_prefix_traffic.py", "hybrid_jax/test_v4_prefix_caching.py",
+    "hybrid_jax/test_reserve_before_schedule.py", "hybrid_jax/test_pool_state_machine.py", "hybrid_jax/test_eval.py",
+})
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: the slow tier (tests/conftest.py SLOW_FILES); CI runs it after the "
+                                       "README's command")
 
 
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
 
-    def key(item):
-        path = item.nodeid.split("::")[0].removeprefix("tests/")
-        return rank.get(path, len(rank))
-    items.sort(key=key)         # stable: every other file keeps its place, and tests within a file theirs
+    def path(item):
+        return item.nodeid.split("::")[0].removeprefix("tests/")
+    for item in items:
+        if path(item) in SLOW_FILES:
+            item.add_marker(pytest.mark.slow)
+    items.sort(key=lambda item: rank.get(path(item), len(rank)))   # stable: the others keep their order
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -131,7 +131,9 @@ class ProgramStore:
             serialized, in_tree, out_tree = pickle.loads(body)
             compiled = deserialize_and_load(serialized, in_tree, out_tree)
         except Exception as e:     # noqa: BLE001 -- any unreadable entry is a miss, compiled again
-            log.warning("program store: %s unreadable (%s: %s); compiling it instead", f.name, type(e).__name__, e)
+            log.warning("program store: %s unreadable (%s: %s); deleted, compiling it instead", f.name,
+                        type(e).__name__, e)
+            f.unlink(missing_ok=True)      # files are renamed into place whole: this one never reads
             self.rejected += 1
             return None
         self.hits += 1
