@@ -21,7 +21,7 @@ a restart (or another replica sharing the directory) loads it without tracing an
 Weights are arguments, not constants, so replicas of one model with other weights (a fine-tune)
 share programs; a config or code change misses. Files are written whole under a temporary name and
 renamed into place, so replicas may share the directory (a network or object-storage mount), and a
-file is read only if its length and sha256 match its header: a torn or corrupt file is a miss,
+file is read only if its length and sha256 match its header: a torn or corrupt file is deleted, a miss,
 never a wrong program. The directory must be trusted like JAX's own cache (entries are pickles).
 Only programs XLA compiled in this process are written: one JAX's persistent cache handed back does
 not serialize whole on XLA:CPU (engine/compile.compile_fresh).
