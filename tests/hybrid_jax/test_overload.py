@@ -259,7 +259,9 @@ def test_flood_gets_429s_while_a_well_behaved_client_is_served(server):
     assert codes and accepted >= ROWS, (accepted, len(codes))
     assert _refused_total(url) - refused_before == len(codes)        # each 429 counted
     # the well-behaved client always had its share of the waiting slots, and waited little
-    assert len(lat) >= 2 and all(status == 200 for _, status in lat), lat
+    # (its first request starts before the flood and runs through it; on a loaded machine the flood may be
+    # answered within that one request's time, so there may be no second)
+    assert lat and all(status == 200 for _, status in lat), lat
     worst = max(t for t, _ in lat)
     assert worst < 10 * max(unloaded) + 2.0, (worst, unloaded)
 
