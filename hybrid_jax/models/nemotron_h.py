@@ -19,26 +19,24 @@ Cache: "linear_attention" (conv window [L, B, W-1, C] + SSM state [L, B, H, N, P
 """
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 
 from cache import ModelCache
 from cache.mla import contiguous_page_table, write_paged_flat
-from cache.state import DEFAULT_KV_PAGE_SIZE, KVGroup, RecurrentGroup, recurrent_group
+from cache.state import DEFAULT_KV_PAGE_SIZE, KVGroup, recurrent_group
 from hybrid_jax.layers.attention import paged_attend, pinned_pool, ragged_read
 from hybrid_jax.layers.linear import linear
 from hybrid_jax.layers.mamba2 import mamba2_mixer, mamba2_mixer_ragged
 from hybrid_jax.layers.mla import rms_norm
 from hybrid_jax.layers.mlp import relu2, routed_experts
-from hybrid_jax.models.common import LayerStep, finish_step, token_positions
+from hybrid_jax.models.common import finish_step, token_positions
 from hybrid_jax.models.contract import LayerType, ModelFamily, StepOutput
 from hybrid_jax.models.deepseek_v32 import grouped_topk_route
 from hybrid_jax.models.nemotron_h_config import NemotronHConfig
 from hybrid_jax.models.ragged import RaggedBatch
 from hybrid_jax.models.nemotron_h_params import convert_hf_weights, init_params, mamba_dims
-from hybrid_jax.models.qwen3_next import DEFERRED_GROUPS, write_deferred_kv
+from hybrid_jax.models.qwen3_next import DEFERRED_GROUPS, HybridStep, write_deferred_kv
 from hybrid_jax.parallel.context import kv_replicas
 from pallas_kernels import abi as kernel_abi
 
@@ -64,22 +62,7 @@ def new_cache(cfg: NemotronHConfig, batch_size: int, capacity: int, dtype, page_
                       version=jnp.zeros((batch_size,), jnp.int32))
 
 
-@dataclasses.dataclass
-class _Step(LayerStep):
-    """The working state of one forward of this family (see LayerStep)."""
-    fused_recurrent: bool = False
-    per_token_states: bool = False
-    defer_kv_write: bool = False
-    ragged: RaggedBatch | None = None  # forward_ragged: the flat batch (positions, valid: [N] then)
-    k_all: jax.Array | None = None     # the KV page stacks, written in place layer after layer
-    v_all: jax.Array | None = None
-    rec: RecurrentGroup | None = None  # the Mamba2 group, its layers' states written in place one by one
-    per_token: list = dataclasses.field(default_factory=list)
-    k_new: list = dataclasses.field(default_factory=list)
-    v_new: list = dataclasses.field(default_factory=list)
-
-
-def _mamba(cfg: NemotronHConfig, lp: dict, h: jax.Array, step: _Step, i: int) -> jax.Array:
+def _mamba(cfg: NemotronHConfig, lp: dict, h: jax.Array, step: HybridStep, i: int) -> jax.Array:
     """The Mamba2 mixer over the layer's slice of the recurrent group (an in-place view lends the pool to
     the token-by-token rule, as qwen3_next's linear attention)."""
     rec = step.rec
@@ -103,7 +86,7 @@ def _mamba(cfg: NemotronHConfig, lp: dict, h: jax.Array, step: _Step, i: int) ->
     return res[0]
 
 
-def _attention(cfg: NemotronHConfig, lp: dict, h: jax.Array, step: _Step, i: int) -> jax.Array:
+def _attention(cfg: NemotronHConfig, lp: dict, h: jax.Array, step: HybridStep, i: int) -> jax.Array:
     """GQA without positional encoding over the KV pages (written in place in the group's stacks, or
     collected with defer_kv_write)."""
     p, (B, T, _) = lp["attn"], h.shape
@@ -126,7 +109,7 @@ def _attention(cfg: NemotronHConfig, lp: dict, h: jax.Array, step: _Step, i: int
     return linear(out.astype(h.dtype), p["o_proj"])
 
 
-def _attention_ragged(cfg: NemotronHConfig, p: dict, q, k, v, step: _Step, layer: int) -> jax.Array:
+def _attention_ragged(cfg: NemotronHConfig, p: dict, q, k, v, step: HybridStep, layer: int) -> jax.Array:
     """A ragged batch's attention (q [N, Hq, D], k, v [N, Hkv, D]): the new entries written in place at
     their sequences' positions, then each sequence's pages read for its queries (`ragged_read`)."""
     rb, kv = step.ragged, step.cache.groups["full_attention"]
@@ -137,11 +120,11 @@ def _attention_ragged(cfg: NemotronHConfig, p: dict, q, k, v, step: _Step, layer
     return linear(o.reshape(q.shape[0], -1).astype(q.dtype), p["o_proj"])
 
 
-def _mlp(cfg: NemotronHConfig, lp: dict, h: jax.Array, step: _Step, i: int) -> jax.Array:
+def _mlp(cfg: NemotronHConfig, lp: dict, h: jax.Array, step: HybridStep, i: int) -> jax.Array:
     return linear(relu2(linear(h, lp["mlp"]["up"])), lp["mlp"]["down"])
 
 
-def _moe(cfg: NemotronHConfig, lp: dict, h: jax.Array, step: _Step, i: int) -> jax.Array:
+def _moe(cfg: NemotronHConfig, lp: dict, h: jax.Array, step: HybridStep, i: int) -> jax.Array:
     """Routed relu2 experts (inside the latent projection when there is one) plus the shared relu2 MLP."""
     p, (B, T, Hd) = lp["moe"], h.shape
     x2 = h.reshape(B * T, Hd)
@@ -171,7 +154,7 @@ def forward(cfg: NemotronHConfig, params: dict, cache: ModelCache, tokens: jax.A
     the KV pages unwritten and returns the new entries in `deferred` for `write_deferred_kv`."""
     positions, valid = token_positions(cache, tokens.shape[1], n_new)
     x = params["embed"][tokens] if inputs_embeds is None else inputs_embeds
-    step = _Step(cache, positions, valid, n_new, impl, fused_recurrent=fused_recurrent,
+    step = HybridStep(cache, positions, valid, n_new, impl, fused_recurrent=fused_recurrent,
                  per_token_states=per_token_states, defer_kv_write=defer_kv_write)
     x, groups, hidden = _layers(cfg, params, x, step, return_hidden)
     out = finish_step(cfg, params, cache, groups, x, n_new, final_norm=final_norm, logits_at=logits_at, hidden=hidden)
@@ -191,7 +174,7 @@ def forward_ragged(cfg: NemotronHConfig, params: dict, cache: ModelCache, batch:
     layers on the packed chunked rule (`mamba2_mixer_ragged`), attention on ragged paged attention.
     Returns logits [S, V] at each sequence's last token; return_final_hidden: `final_hidden` [N, Hd]."""
     x = params["embed"][batch.tokens][None]                                  # [1, N, Hd]
-    step = _Step(cache, batch.positions, batch.valid, batch.n_new, impl, ragged=batch)
+    step = HybridStep(cache, batch.positions, batch.valid, batch.n_new, impl, ragged=batch)
     x, groups, _ = _layers(cfg, params, x, step, False)
     flat = x[0]
     out = finish_step(cfg, params, cache, groups, flat[batch.last_index()][:, None], batch.n_new,
@@ -199,7 +182,7 @@ def forward_ragged(cfg: NemotronHConfig, params: dict, cache: ModelCache, batch:
     return out.replace(logits=out.logits[:, 0], final_hidden=flat if return_final_hidden else None)
 
 
-def _layers(cfg: NemotronHConfig, params: dict, x: jax.Array, step: _Step, return_hidden: bool):
+def _layers(cfg: NemotronHConfig, params: dict, x: jax.Array, step: HybridStep, return_hidden: bool):
     """Every block over x [B, T, Hd] (a ragged batch: [1, N, Hd]): x + mixer(rms_norm(x)). Returns (the
     residual stream after the last block, the cache's updated groups, the hidden states with return_hidden)."""
     cache = step.cache

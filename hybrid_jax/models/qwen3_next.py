@@ -61,8 +61,9 @@ def _ffn(cfg: ModelConfig, lp: dict, x: jax.Array) -> jax.Array:
 
 
 @dataclasses.dataclass
-class _Step(LayerStep):
-    """The working state of one forward of this family (see LayerStep)."""
+class HybridStep(LayerStep):
+    """The working state of one forward over recurrent and paged-KV layers (see LayerStep): this family's,
+    and Nemotron-H's (no RoPE: cos / sin stay None)."""
     cos: jax.Array | None = None
     sin: jax.Array | None = None
     fused_recurrent: bool = False
@@ -77,7 +78,7 @@ class _Step(LayerStep):
     v_new: list = dataclasses.field(default_factory=list)
 
 
-def _linear_attention(cfg: ModelConfig, lp: dict, h: jax.Array, step: _Step, i: int) -> jax.Array:
+def _linear_attention(cfg: ModelConfig, lp: dict, h: jax.Array, step: HybridStep, i: int) -> jax.Array:
     """Gated DeltaNet over the layer's slice of the recurrent group; the new conv / recurrent state
     are written into that slice in place."""
     rec = step.rec
@@ -107,7 +108,7 @@ def _linear_attention(cfg: ModelConfig, lp: dict, h: jax.Array, step: _Step, i: 
     return res[0]
 
 
-def _full_attention(cfg: ModelConfig, lp: dict, h: jax.Array, step: _Step, i: int) -> jax.Array:
+def _full_attention(cfg: ModelConfig, lp: dict, h: jax.Array, step: HybridStep, i: int) -> jax.Array:
     """Gated attention over the KV pages. KV is written in place in the group's [L, P, ps, Hkv, D]
     stacks (slicing a layer out and stacking the layers back copies every page at every step), or,
     with defer_kv_write, only read and the new entries collected."""
@@ -161,7 +162,7 @@ def forward(cfg: ModelConfig, params: dict, cache: ModelCache, tokens: jax.Array
     positions, valid = token_positions(cache, T, n_new)                  # [B, T] each
     x = params["embed"][tokens] if inputs_embeds is None else inputs_embeds
     cos, sin = rope_cos_sin(positions, cfg.rotary_dim, cfg.rope, seq_len=cache.lengths + n_new)
-    step = _Step(cache, positions, valid, n_new, impl, cos=cos, sin=sin, fused_recurrent=fused_recurrent,
+    step = HybridStep(cache, positions, valid, n_new, impl, cos=cos, sin=sin, fused_recurrent=fused_recurrent,
                  per_token_states=per_token_states, defer_kv_write=defer_kv_write)
     x, groups, hidden = _layers(cfg, params, x, step, return_hidden)
     out = finish_step(cfg, params, cache, groups, x, n_new, final_norm=final_norm, logits_at=logits_at,
@@ -186,7 +187,7 @@ def forward_ragged(cfg: ModelConfig, params: dict, cache: ModelCache, batch: Rag
     x = params["embed"][batch.tokens][None]                                  # [1, N, Hd]
     seq_len = (cache.lengths + batch.n_new)[batch.seq]
     cos, sin = rope_cos_sin(batch.positions[:, None], cfg.rotary_dim, cfg.rope, seq_len=seq_len)
-    step = _Step(cache, batch.positions, batch.valid, batch.n_new, impl, cos=cos[:, 0], sin=sin[:, 0], ragged=batch)
+    step = HybridStep(cache, batch.positions, batch.valid, batch.n_new, impl, cos=cos[:, 0], sin=sin[:, 0], ragged=batch)
     x, groups, _ = _layers(cfg, params, x, step, False)
     flat = x[0]
     x = flat[batch.last_index()][:, None]                                    # [S, 1, Hd]
@@ -194,7 +195,7 @@ def forward_ragged(cfg: ModelConfig, params: dict, cache: ModelCache, batch: Rag
     return out.replace(logits=out.logits[:, 0], final_hidden=flat if return_final_hidden else None)
 
 
-def _layers(cfg: ModelConfig, params: dict, x: jax.Array, step: _Step, return_hidden: bool):
+def _layers(cfg: ModelConfig, params: dict, x: jax.Array, step: HybridStep, return_hidden: bool):
     """Every layer over x [B, T, Hd] (a ragged batch: [1, N, Hd]), each token mixer its type's.
     Returns (the residual stream after the last layer, the cache's updated groups, the hidden states
     with return_hidden)."""
