@@ -35,7 +35,7 @@ from hybrid_jax.models.contract import LayerType, ModelFamily, StepOutput
 from hybrid_jax.models.deepseek_v32 import grouped_topk_route
 from hybrid_jax.models.nemotron_h_config import NemotronHConfig
 from hybrid_jax.models.ragged import RaggedBatch
-from hybrid_jax.models.nemotron_h_params import convert_hf_weights, init_params, mamba_dims
+from hybrid_jax.models.nemotron_h_params import PARAM_AXES, convert_hf_weights, init_params, mamba_dims
 from hybrid_jax.models.qwen3_next import DEFERRED_GROUPS, HybridStep, write_deferred_kv
 from hybrid_jax.parallel.context import kv_replicas
 from pallas_kernels import abi as kernel_abi
@@ -210,4 +210,4 @@ def final_norm(cfg: NemotronHConfig, params: dict, x: jax.Array) -> jax.Array:
 FAMILY = ModelFamily(
     name="nemotron_h", forward=forward, forward_ragged=forward_ragged, new_cache=new_cache, init_params=init_params,
     convert_hf_weights=convert_hf_weights, final_norm=final_norm, layer_types=LAYER_TYPES,
-    write_deferred_kv=write_deferred_kv, deferred_groups=DEFERRED_GROUPS)
+    write_deferred_kv=write_deferred_kv, deferred_groups=DEFERRED_GROUPS, param_axes=PARAM_AXES)

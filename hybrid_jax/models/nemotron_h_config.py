@@ -105,7 +105,11 @@ class NemotronHConfig(LayerPattern):
                                    layer_types=tuple(self.layer_types[i] for i in indices))
 
     def head_counts(self) -> dict[str, int]:
-        return {"num_attention_heads": self.num_attention_heads, "mamba_num_heads": self.mamba_num_heads}
+        """Attention heads, and the Mamba2 heads and groups (a split keeps each group's heads together with
+        the B / C they read: `nemotron_h_params.PARAM_AXES`); 0 for a mixer the model has no layer of."""
+        mamba = "linear_attention" in self.layer_types
+        return {"num_attention_heads": self.num_attention_heads if "full_attention" in self.layer_types else 0,
+                "mamba_num_heads": self.mamba_num_heads if mamba else 0, "n_groups": self.n_groups if mamba else 0}
 
     @property
     def routed_experts(self) -> int:

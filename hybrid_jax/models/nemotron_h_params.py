@@ -8,9 +8,9 @@ from collections.abc import Callable
 import jax.numpy as jnp
 import numpy as np
 
-from hybrid_jax.layers.mamba2 import Mamba2Dims, param_shapes
+from hybrid_jax.layers.mamba2 import Mamba2Dims, group_major, param_shapes
 from hybrid_jax.models.nemotron_h_config import NemotronHConfig
-from hybrid_jax.weights import checked_getter, stack, to_device, to_device_linear
+from hybrid_jax.weights import checked_getter, concat, stack, to_device, to_device_linear
 
 F32_PARAMS = ("dt_bias", "A_log", "D")    # the Mamba2 decay / skip parameters stay float32
 
@@ -91,11 +91,16 @@ def convert_hf_weights(cfg: NemotronHConfig, get: Callable[[str], np.ndarray], h
 
 
 def _convert_mamba(cfg: NemotronHConfig, t, has, a: str, dev, lin) -> dict:
-    shapes = param_shapes(cfg.hidden_size, mamba_dims(cfg))
+    """The mixer's weights, in_proj's columns and the conv's channels re-laid group-major
+    (`layers.mamba2.group_major`: a device's contiguous share of them is whole groups)."""
+    d = mamba_dims(cfg)
+    shapes = param_shapes(cfg.hidden_size, d)
     W, C = shapes["conv"]
     bias = t(a + "conv1d.bias", (C,)) if cfg.use_conv_bias else np.zeros((C,), np.float32)
-    m = {"in_proj": lin(t(a + "in_proj.weight", shapes["in_proj"][::-1]).T),
-         "conv": dev(np.asarray(t(a + "conv1d.weight", (C, 1, W)))[:, 0, :].T), "conv_bias": dev(bias),
+    in_proj = group_major(t(a + "in_proj.weight", shapes["in_proj"][::-1]), d, 0, concat, with_z_dt=True)
+    conv = group_major(np.asarray(t(a + "conv1d.weight", (C, 1, W)))[:, 0, :], d, 0, np.concatenate, with_z_dt=False)
+    m = {"in_proj": lin(in_proj.T), "conv": dev(conv.T),
+         "conv_bias": dev(group_major(np.asarray(bias), d, 0, np.concatenate, with_z_dt=False)),
          "norm": dev(t(a + "norm.weight", shapes["norm"])),
          "out_proj": lin(t(a + "out_proj.weight", shapes["out_proj"][::-1]).T)}
     m.update({k: dev(t(a + k, shapes[k]), jnp.float32) for k in F32_PARAMS})
@@ -134,3 +139,41 @@ def _convert_moe(cfg: NemotronHConfig, t, has, a: str, dev, lin) -> dict:
         moe.update(latent_in=lin(t(a + "fc1_latent_proj.weight", (He, Hd)).T),
                    latent_out=lin(t(a + "fc2_latent_proj.weight", (Hd, He)).T))
     return {"moe": moe}
+
+
+# Logical axes of every parameter (hybrid_jax.parallel.rules), first match wins. A Mamba2 layer splits by
+# its groups: in_proj's columns and the conv's channels are group-major (`layers.mamba2.group_major`), so
+# a device's contiguous share is whole groups with their heads' z, x, dt and the B / C those heads read;
+# the per-head A_log / D / dt_bias, the gated norm's channels (normed per group) and out_proj's rows
+# follow the heads. tensor_parallel_size must divide n_groups (`NemotronHConfig.head_counts`): with fewer
+# groups than devices a group's B / C would be needed on several devices, which this layout does not copy.
+# Attention splits by query heads (KV heads replicated when fewer than the devices), the relu2 MLP and
+# shared expert column then row parallel, the routed experts as DeepSeek's (whole under expert
+# parallelism, else by their columns); the router, its bias and the latent projections stay whole.
+PARAM_AXES = {
+    "embed": ("vocab", "embed"),
+    "lm_head": ("embed", "vocab"),
+    "*/mamba/in_proj": ("embed", "heads"),
+    "*/mamba/conv": (None, "heads"),
+    "*/mamba/conv_bias": ("heads",),
+    "*/mamba/dt_bias": ("heads",),
+    "*/mamba/A_log": ("heads",),
+    "*/mamba/D": ("heads",),
+    "*/mamba/norm": ("heads",),
+    "*/mamba/out_proj": ("heads", "embed"),
+    "*/attn/q": ("embed", "heads"),
+    "*/attn/k": ("embed", "kv_heads"),
+    "*/attn/v": ("embed", "kv_heads"),
+    "*/attn/o_proj": ("heads", "embed"),
+    "*/mlp/up": ("embed", "mlp"),
+    "*/mlp/down": ("mlp", "embed"),
+    "*/moe/router": ("embed", None),
+    "*/moe/bias": (None,),
+    "*/moe/up": ("experts", "embed", "expert_mlp"),
+    "*/moe/down": ("experts", "expert_mlp", "embed"),
+    "*/moe/shared_up": ("embed", "mlp"),
+    "*/moe/shared_down": ("mlp", "embed"),
+    "*/moe/latent_in": ("embed", None),
+    "*/moe/latent_out": (None, "embed"),
+    "*norm": (None,),
+}

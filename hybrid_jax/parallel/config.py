@@ -31,6 +31,7 @@ HEAD_FIELDS = {
     "linear_num_heads": "linear-attention heads",
     "index_n_heads": "indexer heads",
     "mamba_num_heads": "Mamba2 heads",
+    "n_groups": "Mamba2 groups",
     "o_groups": "output-projection groups",
 }
 

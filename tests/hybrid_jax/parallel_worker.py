@@ -2,7 +2,7 @@
 core (multi_device.py; the rest of the suite keeps one device). Prints one JSON line "RESULT {...}" with, per
 layout, what the test compares against one device.
 
-    python parallel_worker.py CHECKPOINT_DIR [deepseek_v32 | glm_moe_dsa | deepseek_v4 | fp8 | disk DIRECTORY]
+    python parallel_worker.py CHECKPOINT_DIR [deepseek_v32 | glm_moe_dsa | deepseek_v4 | kimi_linear | nemotron_h | fp8 | disk DIRECTORY]
 """
 from __future__ import annotations
 
@@ -122,6 +122,10 @@ def run(path: str, layouts: dict = LAYOUTS, full: bool = True) -> dict:
             # KV heads each device's pages hold (the KV group's [L, P, ps, Hkv, D] shard on device 0)
             "kv_heads_on_device0": [next(sh.data.shape[3] for sh in g.k.addressable_shards if sh.device.id == 0)
                                     for g in runner.cache.groups.values() if g.kind == "full_kv"],
+            # recurrent-state heads and conv channels of device 0's shard ([L, R, H, K, V], [L, R, W-1, C])
+            "state_heads_on_device0": [[next(sh.data.shape[axis] for sh in a.addressable_shards if sh.device.id == 0)
+                                        for a, axis in ((g.ssm, 2), (g.conv, 3))]
+                                       for g in runner.cache.groups.values() if g.kind == "recurrent_state"],
             "split_weights": sorted({tuple(leaf.shape) for leaf in jax.tree_util.tree_leaves(llm.params)
                                      if leaf.ndim >= 2 and not leaf.sharding.is_fully_replicated}),
             "whole_matrices": whole_matrices(llm.params),
@@ -184,6 +188,8 @@ if __name__ == "__main__":
     elif sys.argv[2:] == ["deepseek_v4"]:     # 4 heads in 4 output groups, 32 indexer heads, 8 experts
         result = run(sys.argv[1], {k: LAYOUTS[k] for k in ("tp1", "tp2", "tp4_ep", "dp2_tp4")}, full=False)
     elif sys.argv[2:] == ["kimi_linear"]:     # 4 MLA heads, 4 KDA heads, 8 experts
+        result = run(sys.argv[1], {k: LAYOUTS[k] for k in ("tp1", "tp2", "tp4", "tp4_ep")}, full=False)
+    elif sys.argv[2:] == ["nemotron_h"]:      # 4 attention heads (2 KV), 8 Mamba2 heads in 4 groups, 8 experts
         result = run(sys.argv[1], {k: LAYOUTS[k] for k in ("tp1", "tp2", "tp4", "tp4_ep")}, full=False)
     elif sys.argv[2:3] == ["disk"]:           # a disk tier written at tensor size 2, read at 4
         result = disk_across_layouts(sys.argv[1], sys.argv[3])

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from hybrid_jax.layers.mamba2 import Mamba2Dims, mamba2_mixer, mamba2_mixer_ragged, param_shapes, states_after
+from hybrid_jax.layers.mamba2 import Mamba2Dims, group_major, mamba2_mixer, mamba2_mixer_ragged, param_shapes, states_after
 
 torch = pytest.importorskip("torch")
 nh = pytest.importorskip("transformers.models.nemotron_h.modeling_nemotron_h")
@@ -40,9 +40,13 @@ def hf_mixer(seed=0):
 
 
 def our_params(m) -> dict:
-    """transformers' mixer parameters in the layout `param_shapes` names."""
+    """transformers' mixer parameters in the layout `param_shapes` names (in_proj and the conv group-major)."""
     t = lambda a: jnp.asarray(a.detach().numpy())  # noqa: E731
-    p = {"in_proj": t(m.in_proj.weight).T, "conv": t(m.conv1d.weight)[:, 0, :].T, "conv_bias": t(m.conv1d.bias),
+
+    def gm(a, z_dt):
+        return group_major(a, DIMS, 0, jnp.concatenate, with_z_dt=z_dt)
+    p = {"in_proj": gm(t(m.in_proj.weight), True).T, "conv": gm(t(m.conv1d.weight)[:, 0, :], False).T,
+         "conv_bias": gm(t(m.conv1d.bias), False),
          "dt_bias": t(m.dt_bias), "A_log": t(m.A_log), "D": t(m.D), "norm": t(m.norm.weight),
          "out_proj": t(m.out_proj.weight).T}
     assert {k: v.shape for k, v in p.items()} == param_shapes(HIDDEN, DIMS)

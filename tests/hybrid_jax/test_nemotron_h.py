@@ -280,3 +280,45 @@ def test_pallas_impl_matches_xla_in_the_model(checkpoints):
         outs.append((np.asarray(pre.logits), np.asarray(dec.logits)))
     for a, b in zip(*outs):
         np.testing.assert_allclose(b, a, atol=TOL, rtol=0)
+
+
+# --- split over CPU devices (parallel_worker.py with 8 devices, as test_glm_moe_dsa.py) ----------------------
+
+# 8 Mamba2 heads in 4 groups (tp 2 and 4 both hold whole groups), 4 attention heads over 2 KV heads (kept
+# twice at tp 4), 8 relu2 experts split by their columns (tp2, tp4) or whole (tp4_ep)
+SPLIT = dict(hybrid_override_pattern="M*M-ME", vocab_size=320, mamba_num_heads=8, n_groups=4)
+
+
+@pytest.fixture(scope="module")
+def split_worker(tmp_path_factory):
+    from multi_device import run_worker  # noqa: PLC0415
+    return run_worker("parallel_worker.py", make_checkpoint(tmp_path_factory.mktemp("tp_nemotron") / "m", seed=7,
+                                                            **SPLIT), "nemotron_h")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout, devices", [("tp2", 2), ("tp4", 4), ("tp4_ep", 4)])
+def test_split_generates_what_one_device_does(split_worker, layout, devices):
+    """Mamba2 heads and groups, attention heads, the MLP and the experts split: one device's greedy tokens
+    and log-probabilities, with the prefix cache (hits) and n-gram speculation on; each device holds its
+    share of the Mamba2 states, heads and conv channels alike."""
+    one, split = split_worker["tp1"], split_worker[layout]
+    assert split["tokens"] == one["tokens"] and split["again"] == one["again"] == one["tokens"]
+    assert split["logprobs"] == pytest.approx(one["logprobs"], rel=1e-5, abs=1e-5)
+    assert split["hits"] >= 2 and split["pools_keep_shardings"] is True
+    conv_channels = 8 * 8 + 2 * 4 * 8                                     # I + 2 G N
+    assert one["state_heads_on_device0"] == [[8, conv_channels]]
+    assert split["state_heads_on_device0"] == [[8 // devices, conv_channels // devices]]
+    assert split["weights"]["device0"] < 0.75 * split["weights"]["total"]
+    # whole on every device: the router, and at most the KV projections (2 KV heads); every Mamba2, query,
+    # MLP and expert matrix split
+    assert set(split["whole_matrices"]) - {"layers/*/attn/k", "layers/*/attn/v"} == {"layers/*/moe/router"}
+
+
+def test_fewer_mamba2_groups_than_devices_is_refused_by_name():
+    """A device's Mamba2 heads must find their groups' B / C on it: tp must divide n_groups."""
+    from hybrid_jax.parallel import ParallelConfig  # noqa: PLC0415
+    cfg = config_from_hf_dict(_release_dict(num_attention_heads=4, mamba_num_heads=4, n_groups=2))
+    ParallelConfig(tensor_parallel_size=2).check(cfg, 2)
+    with pytest.raises(ConfigError, match=r"does not divide the model's Mamba2 groups \(n_groups = 2\)"):
+        ParallelConfig(tensor_parallel_size=4).check(cfg, 4)
