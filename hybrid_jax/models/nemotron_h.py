@@ -11,7 +11,8 @@ second (feed-forward) half. Parameters (`nemotron_h_params.py`):
     mamba (linear_attention): layers.mamba2.param_shapes
     attn (full_attention):    q [Hd, Hq*D], k, v [Hd, Hkv*D], o_proj [Hq*D, Hd]
     mlp:                      up [Hd, I], down [I, Hd]
-    moe:                      router [Hd, E] f32, bias [E] f32, up [E, Hd', I], down [E, I, Hd'],
+    moe:                      router [Hd, E] f32, bias [E] f32, up [E, Hd', I'], down [E, I', Hd'] (I' =
+                              moe_intermediate_size rounded up to 128: `nemotron_h_params.expert_columns`),
                               shared_up [Hd, Is], shared_down [Is, Hd], and with a latent size Hd'
                               latent_in [Hd, Hd'], latent_out [Hd', Hd]
 Cache: "linear_attention" (conv window [L, B, W-1, C] + SSM state [L, B, H, N, P] f32, a

@@ -10,9 +10,29 @@ import numpy as np
 
 from hybrid_jax.layers.mamba2 import Mamba2Dims, group_major, param_shapes
 from hybrid_jax.models.nemotron_h_config import NemotronHConfig
-from hybrid_jax.weights import checked_getter, concat, stack, to_device, to_device_linear
+from hybrid_jax.weights import QUANTIZED, checked_getter, concat, stack, to_device, to_device_linear
 
 F32_PARAMS = ("dt_bias", "A_log", "D")    # the Mamba2 decay / skip parameters stay float32
+LANES = 128     # a TPU tile's minor dimension
+
+
+def expert_columns(cfg: NemotronHConfig) -> int:
+    """The routed experts' intermediate size as stored: moe_intermediate_size rounded up to a multiple of
+    128, the added columns of up and rows of down zero (relu2(0) = 0: the output is unchanged). A TPU lays
+    out an up stack [E, Hd, I] with I not a multiple of 128 (Nemotron-3-Nano's 1856) Hd-minor, which its
+    grouped matmul cannot read: the compiled decode step then copied every expert's up weights, each step."""
+    return -(-cfg.moe_intermediate_size // LANES) * LANES
+
+
+def _pad_experts(cfg: NemotronHConfig, up, down):
+    """up [E, He, I], down [E, I, He] with `expert_columns` - I zero columns / rows appended (an FP8 record
+    stack kept as it is: its block scales are laid out for I)."""
+    extra = expert_columns(cfg) - up.shape[-1]
+    if extra == 0 or up.dtype == QUANTIZED or down.dtype == QUANTIZED:
+        return up, down
+    E, He, _ = up.shape
+    return (concat([up, np.zeros((E, He, extra), up.dtype)], axis=2),
+            concat([down, np.zeros((E, extra, He), down.dtype)], axis=1))
 
 
 def mamba_dims(cfg: NemotronHConfig) -> Mamba2Dims:
@@ -50,9 +70,11 @@ def init_params(cfg: NemotronHConfig, seed: int = 0, dtype=jnp.float32, rng=None
             lp["mlp"] = {"up": n(Hd, cfg.intermediate_size), "down": n(cfg.intermediate_size, Hd)}
         else:
             E, I, Is = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.moe_shared_expert_intermediate_size
-            He = cfg.moe_latent_size or Hd
+            He, extra = cfg.moe_latent_size or Hd, expert_columns(cfg) - I
             moe = {"router": n(Hd, E, dt=jnp.float32), "bias": jnp.zeros((E,), jnp.float32),
-                   "up": n(E, He, I), "down": n(E, I, He), "shared_up": n(Hd, Is), "shared_down": n(Is, Hd)}
+                   "up": jnp.pad(n(E, He, I), ((0, 0), (0, 0), (0, extra))),
+                   "down": jnp.pad(n(E, I, He), ((0, 0), (0, extra), (0, 0))),
+                   "shared_up": n(Hd, Is), "shared_down": n(Is, Hd)}
             if cfg.moe_latent_size:
                 moe.update(latent_in=n(Hd, He), latent_out=n(He, Hd))
             lp["moe"] = moe
@@ -130,6 +152,7 @@ def _convert_moe(cfg: NemotronHConfig, t, has, a: str, dev, lin) -> dict:
     else:
         up = stack([t(f"{a}experts.{e}.up_proj.weight", (I, He)).T for e in range(E)])
         down = stack([t(f"{a}experts.{e}.down_proj.weight", (He, I)).T for e in range(E)])
+    up, down = _pad_experts(cfg, up, down)
     moe = {"router": dev(t(a + "gate.weight", (E, Hd)).T, jnp.float32),
            "bias": dev(t(a + "gate.e_score_correction_bias", (E,)), jnp.float32),
            "up": lin(up), "down": lin(down),

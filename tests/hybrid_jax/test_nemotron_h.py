@@ -322,3 +322,27 @@ def test_fewer_mamba2_groups_than_devices_is_refused_by_name():
     ParallelConfig(tensor_parallel_size=2).check(cfg, 2)
     with pytest.raises(ConfigError, match=r"does not divide the model's Mamba2 groups \(n_groups = 2\)"):
         ParallelConfig(tensor_parallel_size=4).check(cfg, 4)
+
+
+# --- hybrid-jax plan on a TPU topology (test_plan.py's pattern; compiled by libtpu, skipped without it) ----
+
+@pytest.mark.slow
+def test_plan_compiles_split_on_a_tpu_topology():
+    """Nemotron-H in miniature planned for v6e:2x2 whole and split over 2 chips with the engine's layout
+    (the SSD kernels per device: Mosaic refuses to be partitioned): every pool is split by heads (Mamba2
+    state heads, conv channels by whole groups, 2 KV heads over 2 chips), so each chip holds half of each;
+    the weights split but for the router and norms; the split decode step has collectives."""
+    pytest.importorskip("libtpu", reason="libtpu (the TPU compiler) is not installed")
+    from hybrid_jax.plan import plan  # noqa: PLC0415
+    tiny = dict(model_type="nemotron_h", vocab_size=256, hidden_size=64, hybrid_override_pattern="M*M-ME",
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=96, mamba_num_heads=8,
+                mamba_head_dim=16, n_groups=4, ssm_state_size=16, conv_kernel=4, n_routed_experts=8,
+                num_experts_per_tok=2, moe_intermediate_size=32, moe_shared_expert_intermediate_size=48, n_group=1,
+                topk_group=1, max_position_embeddings=1024)
+    cfg = config_from_hf_dict(tiny)
+    p1, p2 = (plan("nemotron", "v6e:2x2", layers="full", tensor_parallel_size=n, config=cfg, max_num_seqs=4,
+                   max_model_len=256, chunk=64) for n in (1, 2))
+    assert not p1.sharded and p2.sharded and p2.roofline.decode_collectives > 0
+    assert {"recurrent_state", "conv_state", "full_kv"} <= set(p1.memory.cache_by_kind)
+    assert p2.memory.cache_by_kind == {k: v / 2 if k != "row_metadata" else v for k, v in p1.memory.cache_by_kind.items()}
+    assert p1.memory.weights / 2 < p2.memory.weights < 0.55 * p1.memory.weights
