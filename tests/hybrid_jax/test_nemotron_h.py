@@ -282,6 +282,19 @@ def test_pallas_impl_matches_xla_in_the_model(checkpoints):
         np.testing.assert_allclose(b, a, atol=TOL, rtol=0)
 
 
+def test_routed_experts_are_stored_128_wide_with_zero_padding(checkpoints):
+    """The experts' intermediate size is stored rounded up to 128 columns (a TPU tile's minor dimension;
+    Nemotron-3-Nano's 1856 = 14.5 x 128), the added up columns and down rows zero, so relu2 leaves them
+    out (the logits tests above hold the outputs to transformers')."""
+    from hybrid_jax.models.nemotron_h_params import expert_columns  # noqa: PLC0415
+    from hybrid_jax.plan.planner import resolve_model  # noqa: PLC0415
+    assert expert_columns(resolve_model("nemotron_3_nano_30b_a3b")[1]) == 1920
+    moe = LLM(model=checkpoints["m_star_mlp_moe"], dtype="float32").params["layers"][5]["moe"]
+    up, down = np.asarray(moe["up"]), np.asarray(moe["down"])
+    assert up.shape == (8, 32, 128) and down.shape == (8, 128, 32)
+    assert np.any(up[..., :16]) and not np.any(up[..., 16:]) and not np.any(down[:, 16:])
+
+
 # --- split over CPU devices (parallel_worker.py with 8 devices, as test_glm_moe_dsa.py) ----------------------
 
 # 8 Mamba2 heads in 4 groups (tp 2 and 4 both hold whole groups), 4 attention heads over 2 KV heads (kept
