@@ -29,6 +29,7 @@ MODELS = {
     "tiny_deepseek_v32": (V32_TINY, "v6e", None, 8),
     "qwen3_next_80b_a3b_instruct": ("qwen3_next_80b_a3b_instruct", "v6e", None, 8),
     "deepseek_v32": ("deepseek_v32", "v5p", "fp8", 64),
+    "nemotron_3_nano_30b_a3b": ("nemotron_3_nano_30b_a3b", "v6e", None, 8),
 }
 
 
