@@ -276,6 +276,7 @@ def _engine_config(args):
 def _serve(args) -> int:
     from hybrid_jax.server.app import ServerConfig  # noqa: PLC0415
     from hybrid_jax.server.main import serve  # noqa: PLC0415
+    from hybrid_jax.server.worker_info import ModelIdentity  # noqa: PLC0415
     name = args.served_model_name or (args.model or "hybrid-jax-default")
     return serve(model=args.model, host=args.host, port=args.port, dtype=args.dtype,
                  engine_config=_engine_config(args), parallel=parallel_options(args),
@@ -284,6 +285,7 @@ def _serve(args) -> int:
                                             max_tokens_limit=args.max_tokens_limit, body_timeout_s=args.timeout_body,
                                             metrics_api_key=args.metrics_require_api_key,
                                             admission=_admission(args), model_type=_model_type(args.model),
+                                            identity=ModelIdentity.read(args.model, parallel_options(args)),
                                             tool_call_parser=args.tool_call_parser,
                                             reasoning_parser=args.reasoning_parser),
                  shutdown_timeout_s=args.shutdown_timeout, header_timeout_s=args.timeout_header,
@@ -323,12 +325,8 @@ API_KEY_ENV = "HYBRID_JAX_API_KEY"
 def _model_type(model: str | None) -> str | None:
     """The checkpoint's config.json model_type (None for the embedded default model, or none found):
     it picks the chat endpoint's tool-call and reasoning formats."""
-    path = os.path.join(model, "config.json") if model else None
-    if path is None or not os.path.isfile(path):
-        return None
-    with open(path, encoding="utf-8") as f:
-        cfg = json.load(f)
-    return cfg.get("model_type") if isinstance(cfg, dict) else None
+    from hybrid_jax.server.worker_info import ModelIdentity  # noqa: PLC0415
+    return ModelIdentity.read(model).model_type if model else None
 
 
 def _api_key(args) -> str | None:

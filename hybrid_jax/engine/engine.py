@@ -204,7 +204,15 @@ class LLMEngine:
                 "compiled": self.num_compiled(), "stalls": self.runner.compiler.stats.stalls,
                 "by_source": self.runner.compiler.table.by_source(), "startup": self.startup_status(),
                 "paged_groups": {n for n, g in s.blocks.groups.items() if g.paged}, "prefix_misses": misses,
+                "cache_config": self.cache_config(),
                 "disk_tier": s.prefix.disk_health() if s.prefix is not None else None}
+
+    def cache_config(self) -> tuple[int, int]:
+        """(block size, blocks): the prefix cache's block in tokens (a full-attention page) and how many
+        such blocks the tightest paged pool holds (0 for a model with no paged group)."""
+        b = self.config.prefix_block_size
+        tokens = [g.page_tokens * g.num_units for g in self.runner.geometry() if g.paged]
+        return b, (min(tokens) // b if tokens else 0)
 
     def startup_status(self) -> StartupStatus | None:
         """Where the load and warm-up are (engine/startup_status.py); None for an engine that
