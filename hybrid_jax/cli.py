@@ -245,6 +245,10 @@ def _add_engine_args(p: argparse.ArgumentParser):
     p.add_argument("--prefetch-policy", default="wait", choices=["best_effort", "wait", "timeout"])
     p.add_argument("--speculative-config", default=None, type=_json_dict,
                    help='speculative decoding, vLLM\'s shape: \'{"method": "ngram", "num_speculative_tokens": 4}\'')
+    p.add_argument("--kv-events-config", default=None, type=_json_dict,
+                   help='KV-cache events for routers over ZeroMQ, vLLM\'s shape: \'{"enable_kv_cache_events": true, '
+                        '"publisher": "zmq", "endpoint": "tcp://*:5557", "topic": "kv-events"}\' (with '
+                        '--enable-prefix-caching)')
 
 
 def _json_dict(text: str) -> dict:
@@ -270,7 +274,8 @@ def _engine_config(args):
                         prefix_checkpoint_interval=args.prefix_checkpoint_interval,
                         prefix_cache_bytes=args.prefix_cache_bytes, kv_cache_dir=args.kv_cache_dir,
                         kv_cache_dir_bytes=args.kv_cache_dir_bytes, prefetch_policy=args.prefetch_policy,
-                        speculative_config=args.speculative_config, async_scheduling=args.async_scheduling)
+                        speculative_config=args.speculative_config, async_scheduling=args.async_scheduling,
+                        kv_events_config=args.kv_events_config)
 
 
 def _serve(args) -> int:

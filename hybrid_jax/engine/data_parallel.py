@@ -48,7 +48,8 @@ class DataParallelEngine:
                               "tiers would write one directory); use the device prefix cache or one replica")
         self.config = config
         self.metrics = EngineMetrics()
-        self.replicas = [LLMEngine(llm, config, metrics=self.metrics) for llm in llms]
+        self.replicas = [LLMEngine(llm, config, metrics=self.metrics, data_parallel_rank=r)
+                         for r, llm in enumerate(llms)]
         self.metrics.bind(self.live_figures)
         self.loaded = self.replicas[0].loaded
         self.max_imbalance = max_imbalance

@@ -22,12 +22,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from cache.block_manager import BlockManager
+from cache.kv_events import KVEventLog
 from cache.prefix_cache import PrefixCache, PrefixCacheConfig
 from cache.prefix_disk import DiskConfig
 from hybrid_jax.engine.compile import enable_persistent_compilation_cache
 from hybrid_jax.engine.config import EngineConfig
 from hybrid_jax.engine.contracts import LoadedModel, Loads, as_loaded
 from hybrid_jax.engine.fork import can_fork
+from hybrid_jax.engine.kv_event_publisher import KVEventPublisher, KVEventsConfig
 from hybrid_jax.engine.limits import admit
 from hybrid_jax.engine.metrics import EngineMetrics
 from hybrid_jax.engine.outputs import OutputProcessor
@@ -49,10 +51,10 @@ log = logging.getLogger("hybrid_jax.engine")
 
 class LLMEngine:
     def __init__(self, model: LoadedModel | Loads, config: EngineConfig | None = None,
-                 metrics: EngineMetrics | None = None):
+                 metrics: EngineMetrics | None = None, data_parallel_rank: int = 0):
         """model: the LoadedModel to serve (an LLM facade hands over its own); metrics: a registry shared
         with other engines (data-parallel replicas: the owner binds its live figures); by default the
-        engine's own."""
+        engine's own. data_parallel_rank: this replica's (its KV events' endpoint and mark)."""
         self.loaded = m = as_loaded(model)
         self.config = c = config or EngineConfig()
         if c.max_model_len > m.max_model_len:
@@ -63,8 +65,12 @@ class LLMEngine:
         blocks = BlockManager(self.runner.geometry(), num_rows=c.max_num_seqs)
         self.runner.blocks = blocks
         self.spec = self._speculator() if c.speculative_config else None
+        events = KVEventsConfig.parse(c.kv_events_config)
+        self.kv_events = KVEventLog() if events is not None else None
         prefix = (PrefixManager(self.runner, self._store_settings(), self._disk_config(), blocks, self.metrics,
-                                c.run_to_completion, c.prefix_publish_chunk_ends) if c.enable_prefix_caching else None)
+                                c.run_to_completion, c.prefix_publish_chunk_ends, events=self.kv_events)
+                  if c.enable_prefix_caching else None)
+        self.kv_publisher = KVEventPublisher(events, data_parallel_rank) if events is not None else None
         k_max = self.spec.spec.num_speculative_tokens + 1 if self.spec is not None else 1
         # pages a decoding request gets ahead of its writes: a decode call's tokens or a verify's
         # K + 1, or (run_to_completion) everything up to its max_tokens
@@ -274,6 +280,7 @@ class LLMEngine:
         """Runs the publishes queued by the last step (`Scheduler.flush_publishes`): callers do it once
         the step's tokens are out (the async loop, generate())."""
         self.scheduler.flush_publishes()
+        self._publish_kv_events()
 
     def reset_prefix_cache(self, prefix_cache_bytes: int | None = None):
         """Drops every cached prefix and the counters (optionally with a new store cap); running
@@ -283,6 +290,7 @@ class LLMEngine:
             raise InputError("prefix caching is off: EngineConfig(enable_prefix_caching=True)")
         self.flush_publishes()
         self.scheduler.prefix.reset(self.blocks, prefix_cache_bytes, clear_points=False, disk=self._disk_config())
+        self._publish_kv_events()
 
     def close(self):
         """Closes the prefix store (waits for the disk tier's pending writes)."""
@@ -290,6 +298,9 @@ class LLMEngine:
             self.scheduler.prefix.close()
         if self._grammars is not None:
             self._grammars.close()
+        if self.kv_publisher is not None:
+            self._publish_kv_events()
+            self.kv_publisher.close()
 
     def cache_stats(self) -> dict:
         """Prefix-cache figures (hit rate, validation pass rate, effective reuse, misses by reason,
@@ -317,7 +328,14 @@ class LLMEngine:
         """One scheduler step (engine/step_loop.py). A failure attributable to one request fails only
         that request (an output with finish_reason "error"); any other failure rebuilds the pools and
         the requests go on. Nothing a request sends makes this raise."""
-        return self.loop.step()
+        outs = self.loop.step()
+        self._publish_kv_events()
+        return outs
+
+    def _publish_kv_events(self):
+        """Hands the prefix cache's new KV events to the routers' publisher (engine/kv_event_publisher.py)."""
+        if self.kv_publisher is not None:
+            self.kv_publisher.publish(self.kv_events.take())
 
     # --- offline convenience -----------------------------------------------------------------------
     def generate(self, prompts: list, params: SamplingParams | list[SamplingParams]) -> list[EngineOutput]:
