@@ -16,6 +16,7 @@ import jax.numpy as jnp
 
 from cache.group import CacheGroup
 from cache.segments import Kind
+from pallas_kernels import abi as kernel_abi
 
 
 @flax.struct.dataclass
@@ -23,6 +24,7 @@ class PLEGroup(CacheGroup):
     ctx: jax.Array             # [L, B, c] int32
     conv: jax.Array            # [L, B, S, C]
     layer_ids: tuple[int, ...] = flax.struct.field(pytree_node=False, default=())
+    writer_abi: str = flax.struct.field(pytree_node=False, default=kernel_abi.PLE_STATE.id)
 
     kind = "ple_state"
     STORE_KIND = Kind.RECURRENT_STATE

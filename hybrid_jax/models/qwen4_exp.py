@@ -34,6 +34,7 @@ from hybrid_jax.models.contract import LayerType, ModelFamily, StepOutput
 from hybrid_jax.models.qwen3_next import HybridStep, _linear_attention
 from hybrid_jax.models.qwen4_exp_config import Qwen4ExpConfig
 from hybrid_jax.models.qwen4_exp_params import convert_hf_weights, init_params
+from pallas_kernels import abi as kernel_abi
 
 
 def new_cache(cfg: Qwen4ExpConfig, batch_size: int, capacity: int, dtype, page_size: int = DEFAULT_KV_PAGE_SIZE
@@ -55,7 +56,8 @@ def new_cache(cfg: Qwen4ExpConfig, batch_size: int, capacity: int, dtype, page_s
         groups["full_attention"] = KVGroup(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), page_table=table,
                                            layer_ids=idx)
         groups["indexer"] = IndexerKeyGroup(keys=jnp.zeros((len(idx), table.size, ps, cfg.indexer_head_dim), dtype),
-                                            scale=None, page_table=table, layer_ids=idx)
+                                            scale=None, page_table=table, layer_ids=idx,
+                                            writer_abi=kernel_abi.QSA_RAW_KEYS.id)
     return ModelCache(groups=groups, lengths=jnp.zeros((batch_size,), jnp.int32),
                       version=jnp.zeros((batch_size,), jnp.int32))
 

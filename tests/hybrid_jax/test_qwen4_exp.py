@@ -235,3 +235,43 @@ def test_fields_that_change_the_math_are_refused_by_name(kw, words):
     assert cfg.layer_types == (LIN, IDX, LIN, IDX)          # the release's "full_attention" is the indexed layer
     with pytest.raises(ConfigError, match=words):
         config_from_hf_dict(_release_dict(**kw))
+
+
+def _zero_stored_ple(engine):
+    """Zeroes the PLE checkpoint units the engine's prefix store holds (conftest.zero_stored_objects, one group)."""
+    from cache.prefix_store import stored_fields  # noqa: PLC0415
+    ids = [u for g, u in engine.prefix.store.units.values() if g == "ple"]
+    assert ids, "the store holds no PLE checkpoint"
+    cache = engine.runner.cache
+    g = cache.groups["ple"]
+    g = g.replace(**{f: getattr(g, f).at[(slice(None),) * ax + (jnp.asarray(ids),)].set(0)
+                     for f, ax in stored_fields(g).items()})
+    engine.runner.cache = cache.replace(groups={**cache.groups, "ple": g})
+
+
+def test_prefix_caching_and_speculative_decoding_equal_plain_greedy(checkpoints):
+    """The Gated DeltaNet and PLE states are checkpointed together and, with the KV and indexer-key pages,
+    serve a second pass of the same prompts (hits counted); n-gram speculation gives the plain greedy
+    tokens, a rejected draft undone by replay (the PLE state is rewritten in place: it cannot be selected,
+    so "auto" picks replay and an explicit "selection" is refused)."""
+    path = checkpoints["ple_qsa"]
+    base = [_prompt(70, 97, 21), _prompt(33, 97, 22)]
+    prompts = [{"prompt_token_ids": p + p[:20] * 2} for p in base]            # repeats: n-gram drafts land
+    sp = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    cached = LLM(model=path, dtype="float32", enable_prefix_caching=True)
+    plain = [o.outputs[0].token_ids for o in cached.generate(prompts, sp)]       # a cold cache: nothing reused
+    assert cached.cache_stats()["hits"] == 0
+    again = [o.outputs[0].token_ids for o in cached.generate(prompts, sp)]
+    assert again == plain and cached.cache_stats()["hits"] >= 2
+    _zero_stored_ple(cached.engine)            # negative control: a hit reads the PLE state the store holds
+    assert [o.outputs[0].token_ids for o in cached.generate(prompts, sp)] != plain
+    spec = LLM(model=path, dtype="float32", speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    assert [o.outputs[0].token_ids for o in spec.generate(prompts, sp)] == plain
+    stats = spec.engine.spec_stats()
+    # drafts were verified and rejected (this random checkpoint does not continue the prompt's repeats), each
+    # rejection restoring the pre-verify PLE, recurrent and KV state and replaying the kept token: a PLE state
+    # left as the verify wrote it (after the rejected drafts) would change the next tokens
+    assert stats["rollback"] == "replay" and stats["draft_tokens"] > 0 and stats["replays"] > 0
+    with pytest.raises(Exception, match="selection"):
+        LLM(model=path, dtype="float32", speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                                             "rollback": "selection"})
