@@ -11,6 +11,7 @@ under `model.language_model.*` or `model.*`), reusing Qwen3-Next's converters fo
 """
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import jax.numpy as jnp
@@ -23,6 +24,8 @@ from hybrid_jax.models.qwen3_next_params import convert_gated_attention, convert
 from hybrid_jax.models.qwen3_next_params import init_params as qwen3_next_init
 from hybrid_jax.models.qwen4_exp_config import Qwen4ExpConfig
 from hybrid_jax.weights import checked_getter, concat, to_device, to_device_linear
+
+log = logging.getLogger(__name__)
 
 
 def _hc_shapes(cfg: Qwen4ExpConfig, inject: bool) -> dict:
@@ -69,6 +72,9 @@ def convert_hf_weights(cfg: Qwen4ExpConfig, get: Callable[[str], np.ndarray], ha
     missing or misshapen tensor, or n-gram table sizes that disagree with the config's hash."""
     t = checked_getter(get, has, progress)
     prefix = _text_prefix(has)
+    if prefix == "model.language_model." and has("model.visual.patch_embed.proj.weight"):
+        log.info("Qwen4-Exp: loading the text model (model.language_model.*); the vision tower (model.visual.*) "
+                 "is not loaded")
     Hd = cfg.hidden_size
 
     def dev(a):

@@ -198,6 +198,31 @@ def test_ngram_hash_equals_transformers_at_release_sizes():
     np.testing.assert_array_equal(np.asarray(got), want)
 
 
+def test_the_multimodal_release_layout_runs_its_text_model(tmp_path, caplog):
+    """Qwen4ExpForConditionalGeneration's checkpoint (text model under model.language_model.*, a vision
+    tower beside it, config under text_config): the text model is loaded, the vision tower skipped with a
+    log line, and text-only logits equal transformers'."""
+    from transformers import Qwen4ExpConfig, Qwen4ExpForConditionalGeneration  # noqa: PLC0415
+    torch.manual_seed(3)
+    vision = dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=32, patch_size=4,
+                  num_position_embeddings=16)
+    model = Qwen4ExpForConditionalGeneration(Qwen4ExpConfig(text_config={**BASE, **CONFIGS["ple_qsa"]},
+                                                            vision_config=vision)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("ple.conv1d.weight"):
+                p.copy_(0.5 * torch.randn_like(p))
+    model.save_pretrained(str(tmp_path))
+    ids = _prompt(75, 97, seed=5)
+    with caplog.at_level("INFO"):
+        llm = LLM(model=str(tmp_path), dtype="float32")
+        got = llm.logits(ids)
+    assert llm.config.model_type == "qwen4_exp" and "vision tower (model.visual.*) is not loaded" in caplog.text
+    with torch.no_grad():
+        ref = model(input_ids=torch.tensor([ids])).logits[0].numpy()
+    assert _rel_rms(got, ref) < REL_RMS
+
+
 def test_config_reads_the_layers_and_declares_the_groups(checkpoints):
     llm = LLM(model=checkpoints["ple_qsa"], dtype="float32")
     cfg = llm.config
