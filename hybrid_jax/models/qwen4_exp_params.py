@@ -48,7 +48,7 @@ def init_params(cfg: Qwen4ExpConfig, seed: int = 0, dtype=jnp.float32, rng=None)
     params.pop("final_norm")
 
     def draw(shapes: dict) -> dict:
-        return {k: jnp.zeros(s, dtype) if k.startswith("norm") else jnp.asarray(rng.normal(0.0, 0.02, s), dtype)
+        return {k: jnp.zeros(s, dtype) if "norm" in k else jnp.asarray(rng.normal(0.0, 0.02, s), dtype)
                 for k, s in shapes.items()}
 
     params["mixer"] = draw(_hc_shapes(cfg, False))
@@ -58,9 +58,7 @@ def init_params(cfg: Qwen4ExpConfig, seed: int = 0, dtype=jnp.float32, rng=None)
         lp["attn_hc"], lp["mlp_hc"] = draw(_hc_shapes(cfg, True)), draw(_hc_shapes(cfg, True))
         if "attn" in lp:
             Hi, Di = cfg.indexer_n_heads, cfg.indexer_head_dim
-            lp["attn"]["indexer"] = draw({"qk": (cfg.hidden_size, (Hi + 1) * Di), "norm_q": (Di,), "norm_k": (Di,)})
-            lp["attn"]["indexer"]["q_norm"] = lp["attn"]["indexer"].pop("norm_q")
-            lp["attn"]["indexer"]["k_norm"] = lp["attn"]["indexer"].pop("norm_k")
+            lp["attn"]["indexer"] = draw({"qk": (cfg.hidden_size, (Hi + 1) * Di), "q_norm": (Di,), "k_norm": (Di,)})
         if i in rank:
             lp["ple"] = draw(_ple_shapes(cfg, rank[i]))
     return params
