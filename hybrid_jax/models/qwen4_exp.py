@@ -32,6 +32,7 @@ from hybrid_jax.layers.rope import rope_cos_sin
 from hybrid_jax.models.common import finish_step, token_positions
 from hybrid_jax.models.contract import LayerType, ModelFamily, StepOutput
 from hybrid_jax.models.qwen3_next import HybridStep, _linear_attention
+from hybrid_jax.models.ragged import RaggedBatch, over_tiles
 from hybrid_jax.models.qwen4_exp_config import Qwen4ExpConfig
 from hybrid_jax.models.qwen4_exp_params import convert_hf_weights, init_params
 from pallas_kernels import abi as kernel_abi
@@ -170,6 +171,63 @@ def forward(cfg: Qwen4ExpConfig, params: dict, cache: ModelCache, tokens: jax.Ar
     return out
 
 
+# Tokens per tile of a long sequence in a ragged step (`over_tiles`): its tiles run one after another.
+RAGGED_TILE = 128
+
+
+def forward_ragged(cfg: Qwen4ExpConfig, params: dict, cache: ModelCache, batch: RaggedBatch, *, impl: str = "auto",
+                   return_final_hidden: bool = False) -> StepOutput:
+    """One step over a ragged batch (hybrid_jax.models.ragged): the padded `forward` run on the batch's tiles
+    as rows (`over_tiles`: the decode tokens in one call, a longer sequence in tiles of RAGGED_TILE tokens, in
+    order), each tile on the row state (recurrent, PLE, page tables) its sequence's previous tile left, the KV
+    and indexer-key pools written in place. Returns logits [S, V] at each sequence's last token;
+    return_final_hidden: `final_hidden` [N, hc_count, Hd]."""
+    N, C = batch.tokens.shape[0], cfg.hc_count * cfg.hidden_size
+
+    def tile_step(x, positions, valid, lengths, n_new, rows_t, pools):
+        out = forward(cfg, params, _joined(cache, rows_t, pools, lengths), x["tokens"], n_new, impl=impl,
+                      return_final_hidden=True)
+        return {"tokens": x["tokens"], "hidden": out.final_hidden.reshape(x["hidden"].shape)}, *_split(out.cache)
+
+    x = {"tokens": batch.tokens, "hidden": jnp.zeros((N, C), params["embed"].dtype)}
+    out, rows, pools = over_tiles(tile_step, x, *_split(cache), batch, cache.lengths, prefill_tile=RAGGED_TILE)
+    groups = _joined(cache, rows, pools, cache.lengths).groups
+    flat = out["hidden"]
+    res = finish_step(cfg, params, cache, groups, flat[batch.last_index()][:, None], batch.n_new,
+                      final_norm=final_norm, logits_at="all")
+    return res.replace(logits=res.logits[:, 0],
+                       final_hidden=flat.reshape(N, cfg.hc_count, cfg.hidden_size) if return_final_hidden else None)
+
+
+def _split(cache: ModelCache) -> tuple[dict, dict]:
+    """A cache as `over_tiles` carries it: the per-row parts with the row axis first (states, page tables),
+    and the pools."""
+    rows, pools, g = {}, {}, cache.groups
+    for name in ("linear_attention", "ple"):
+        if name in g:
+            if g[name].view_rows is not None:
+                raise ValueError("a ragged step takes its recurrent rows gathered, not as an in-place view")
+            rows[name] = {f: getattr(g[name], f).swapaxes(0, 1) for f in g[name].ROW_FIELDS}
+    if "full_attention" in g:
+        rows["tables"] = {"full_attention": g["full_attention"].page_table, "indexer": g["indexer"].page_table}
+        pools.update(k=g["full_attention"].k, v=g["full_attention"].v, keys=g["indexer"].keys)
+    return rows, pools
+
+
+def _joined(cache: ModelCache, rows: dict, pools: dict, lengths: jax.Array) -> ModelCache:
+    """`_split`'s parts (of the rows `lengths` [R] describes) as a cache with `cache`'s groups."""
+    groups = dict(cache.groups)
+    for name in ("linear_attention", "ple"):
+        if name in rows:
+            groups[name] = groups[name].replace(**{f: a.swapaxes(0, 1) for f, a in rows[name].items()})
+    if "tables" in rows:
+        t = rows["tables"]
+        groups["full_attention"] = groups["full_attention"].replace(k=pools["k"], v=pools["v"],
+                                                                    page_table=t["full_attention"])
+        groups["indexer"] = groups["indexer"].replace(keys=pools["keys"], page_table=t["indexer"])
+    return ModelCache(groups=groups, lengths=lengths, version=jnp.zeros_like(lengths))
+
+
 def final_norm(cfg: Qwen4ExpConfig, params: dict, x: jax.Array) -> jax.Array:
     """The final hyper-connection mixer: streams [..., N * Hd] (or [..., N, Hd]) -> [..., Hd]."""
     streams = x.reshape(x.shape[:-1] + (cfg.hc_count, cfg.hidden_size)) if x.shape[-1] != cfg.hidden_size else x
@@ -177,5 +235,5 @@ def final_norm(cfg: Qwen4ExpConfig, params: dict, x: jax.Array) -> jax.Array:
 
 
 FAMILY = ModelFamily(
-    name="qwen4_exp", forward=forward, new_cache=new_cache, init_params=init_params,
+    name="qwen4_exp", forward=forward, forward_ragged=forward_ragged, new_cache=new_cache, init_params=init_params,
     convert_hf_weights=convert_hf_weights, final_norm=final_norm, layer_types=LAYER_TYPES)
