@@ -92,7 +92,8 @@ def _linear_attention(cfg: ModelConfig, lp: dict, h: jax.Array, step: HybridStep
         conv0, ssm0 = rec.layer_state(s)
         rows = None
     heads = dict(num_k_heads=cfg.linear_num_key_heads, num_v_heads=cfg.linear_num_value_heads,
-                 head_k_dim=cfg.linear_key_head_dim, head_v_dim=cfg.linear_value_head_dim, eps=cfg.rms_norm_eps)
+                 head_k_dim=cfg.linear_key_head_dim, head_v_dim=cfg.linear_value_head_dim, eps=cfg.rms_norm_eps,
+                 gate_act=jax.nn.sigmoid if cfg.output_gate == "sigmoid" else jax.nn.silu)
     if step.ragged is not None:
         rb = step.ragged
         h, conv, ssm = gated_deltanet_ragged(lp["gdn"], h, rb.seq, rb.valid, rb.cu_seqlens, conv0, ssm0,
