@@ -189,13 +189,16 @@ def random_prompt(n: int, vocab: int, seed: int = 0) -> list[int]:
     return np.random.default_rng(seed).integers(0, vocab, n).tolist()
 
 
-def family_checkpoints(config_cls: str, model_cls: str, base: dict, configs: dict, tag: str):
+def family_checkpoints(config_cls: str, model_cls: str, base: dict, configs: dict, tag: str, make=None):
     """What a family's test module against transformers starts from: (make_checkpoint, checkpoints,
     pair). make_checkpoint(path, seed, **overrides) writes a random transformers checkpoint of the
     family (`config_cls` / `model_cls`, names in transformers) from base + overrides
-    (`save_random_checkpoint`); `checkpoints`, a module fixture, one per entry of `configs` (seed = its
-    index); `pair`, a module fixture parametrised over `configs`: (LLM in float32, transformers model)."""
+    (`save_random_checkpoint`; `make`, the same signature, writes it instead when a family needs its own
+    initialisation); `checkpoints`, a module fixture, one per entry of `configs` (seed = its index);
+    `pair`, a module fixture parametrised over `configs`: (LLM in float32, transformers model)."""
     def make_checkpoint(path, seed: int = 0, **overrides):
+        if make is not None:
+            return make(path, seed, **overrides)
         import transformers  # noqa: PLC0415
         config = getattr(transformers, config_cls)(**{**base, **overrides})
         return save_random_checkpoint(getattr(transformers, model_cls), config, path, seed)

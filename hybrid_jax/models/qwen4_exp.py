@@ -159,12 +159,8 @@ def forward(cfg: Qwen4ExpConfig, params: dict, cache: ModelCache, tokens: jax.Ar
     x, groups, hidden = _layers(cfg, params, x, step, return_hidden)
     flat = x.reshape(B, T, -1)
     out = finish_step(cfg, params, cache, groups, flat, n_new, final_norm=final_norm, logits_at=logits_at,
-                      hidden=hidden)
-    if return_final_hidden:
-        out = out.replace(final_hidden=x)
-    if per_token_states:
-        out = out.replace(states=jax.tree_util.tree_map(lambda *a: jnp.stack(a), *step.per_token)
-                          if step.per_token else {})
+                      hidden=hidden, final_hidden=x if return_final_hidden else None,
+                      per_token=step.per_token if per_token_states else None)
     if defer_kv_write:
         out = out.replace(deferred={"k": jnp.stack(step.k_new), "v": jnp.stack(step.v_new),
                                     "keys": jnp.stack(step.i_new)} if step.k_new else {})

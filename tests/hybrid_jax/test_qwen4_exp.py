@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from conftest import hf_model
+from conftest import family_checkpoints, random_prompt
 
 from hybrid_jax import LLM, SamplingParams
 from hybrid_jax.errors import ConfigError
@@ -59,20 +59,8 @@ def make_checkpoint(path, seed=0, **overrides):
     return str(path)
 
 
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    root = tmp_path_factory.mktemp("qwen4_exp")
-    return {k: make_checkpoint(root / k, seed=i, **kw) for i, (k, kw) in enumerate(CONFIGS.items())}
-
-
-@pytest.fixture(scope="module", params=sorted(CONFIGS))
-def pair(request, checkpoints):
-    path = checkpoints[request.param]
-    return LLM(model=path, dtype="float32"), hf_model(path)
-
-
-def _prompt(n, vocab, seed):
-    return np.random.default_rng(seed).integers(0, vocab, n).tolist()
+_, checkpoints, pair = family_checkpoints("Qwen4ExpTextConfig", "Qwen4ExpForCausalLM", BASE, CONFIGS, "qwen4_exp",
+                                         make=make_checkpoint)
 
 
 def _rel_rms(got, ref):
@@ -91,7 +79,7 @@ def _logits(llm, cfg, ids):
 def test_prefill_logits_match_transformers(pair):
     llm, hf = pair
     for n in (1, 9, 75, 300):
-        ids = _prompt(n, llm.config.vocab_size, seed=n)
+        ids = random_prompt(n, llm.config.vocab_size, seed=n)
         with torch.no_grad():
             ref = hf(torch.tensor([ids]), use_cache=False).logits[0].numpy()
         got = llm.logits(ids)
@@ -104,7 +92,7 @@ def test_each_part_moves_the_logits(pair):
     layers or swapping the output gate changes the 300-token logits far beyond the tolerance, so the
     agreement above is the indexer's selection, PLE's and the gate's, not a part too small to matter."""
     llm, hf = pair
-    cfg, ids = llm.config, _prompt(300, llm.config.vocab_size, seed=300)
+    cfg, ids = llm.config, random_prompt(300, llm.config.vocab_size, seed=300)
     ref = llm.logits(ids)
     assert 300 > cfg.indexer_budget + cfg.indexer_compress_ratio    # the indexer reads a part of the prompt
     variants = {"no selection": dataclasses.replace(cfg, indexer_budget=1024),
@@ -133,7 +121,7 @@ def test_greedy_tokens_identical_to_transformers(pair):
     """16 greedy tokens after a 12- and a 300-token prompt equal transformers' (its full recompute, one
     forward per token: the reference without its cache)."""
     llm, hf = pair
-    prompts = [_prompt(12, llm.config.vocab_size, seed=112), _prompt(300, llm.config.vocab_size, seed=301)]
+    prompts = [random_prompt(12, llm.config.vocab_size, seed=112), random_prompt(300, llm.config.vocab_size, seed=301)]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
     for p, o in zip(prompts, outs):
@@ -142,7 +130,7 @@ def test_greedy_tokens_identical_to_transformers(pair):
 
 def test_decode_and_chunked_prefill_equal_full_recompute(pair):
     llm, _ = pair
-    ids = _prompt(90, llm.config.vocab_size, seed=7)
+    ids = random_prompt(90, llm.config.vocab_size, seed=7)
     ids[41] = ids[75] = EOS                       # an EOS inside a chunk and inside the decode
     gen = llm.generator
     full = llm.logits(ids)
@@ -213,7 +201,7 @@ def test_the_multimodal_release_layout_runs_its_text_model(tmp_path, caplog):
             if name.endswith("ple.conv1d.weight"):
                 p.copy_(0.5 * torch.randn_like(p))
     model.save_pretrained(str(tmp_path))
-    ids = _prompt(75, 97, seed=5)
+    ids = random_prompt(75, 97, seed=5)
     with caplog.at_level("INFO"):
         llm = LLM(model=str(tmp_path), dtype="float32")
         got = llm.logits(ids)
@@ -280,7 +268,7 @@ def test_prefix_caching_and_speculative_decoding_equal_plain_greedy(checkpoints)
     tokens, a rejected draft undone by replay (the PLE state is rewritten in place: it cannot be selected,
     so "auto" picks replay and an explicit "selection" is refused)."""
     path = checkpoints["ple_qsa"]
-    base = [_prompt(70, 97, 21), _prompt(33, 97, 22)]
+    base = [random_prompt(70, 97, 21), random_prompt(33, 97, 22)]
     prompts = [{"prompt_token_ids": p + p[:20] * 2} for p in base]            # repeats: n-gram drafts land
     sp = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     cached = LLM(model=path, dtype="float32", enable_prefix_caching=True)
