@@ -88,13 +88,13 @@ class KVEventLog:
         g = event_group(specs)
         self.group, self.block_size = g if g is not None else (None, 0)
 
-    def stored(self, sid: int, tokens: Sequence[int], start: int, end: int):
-        """Segment `sid` holds tokens[start:end] of the chain `tokens`; a whole aligned block is an event."""
+    def stored(self, sid: int, tokens: Sequence[int], start: int, end: int, hashes: Sequence[int]):
+        """Segment `sid` holds tokens[start:end] of the chain `tokens`, whose block hashes are `hashes`
+        (`chain_hashes`, computed once per publish); a whole aligned block is an event."""
         b = self.block_size
         if self.group is None or end - start != b or start % b:
             return
-        parent = chain_hashes(tokens[:start], b)[-1] if start else None
-        h = block_hash(parent, tokens[start:end])
+        parent, h = (hashes[start // b - 1] if start else None), hashes[start // b]
         self._hash[sid] = h
         self._events.append(BlockStored((h,), parent, tuple(int(t) for t in tokens[start:end]), b))
 

@@ -64,7 +64,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from cache.block_manager import BlockManager
-from cache.kv_events import KVEventLog
+from cache.kv_events import KVEventLog, chain_hashes
 from cache.group import CacheGroup
 from cache.prefix_index import IndexEntry, KeyContext, block_geometry, chain_keys, checkpoint_boundaries, key_at
 from cache.prefix_config import PrefixCacheConfig, Reuse
@@ -374,11 +374,12 @@ class PrefixCache:
         """The publish's new segments become servable; a partial block's interior points get index
         entries (an entry there already, e.g. a held shorter block's, stays) after the shorter copies
         of the same block the policy retires leave."""
-        store, gcd, marks, log = self.store, self.geometry.gcd, [], self.kv_events
+        store, gcd, marks, log, hashes = self.store, self.geometry.gcd, [], self.kv_events, None
         for a in new:
             store.commit(a)
             if log is not None and a.spec.name == log.group:
-                log.stored(a.sid, tokens, store.alloc.get(a.sid).start, a.end)
+                hashes = hashes or chain_hashes(tokens, log.block_size)
+                log.stored(a.sid, tokens, store.alloc.get(a.sid).start, a.end, hashes)
             if a.spec.partial:
                 keys = self.keys(tokens, a.spec)
                 start = store.alloc.get(a.sid).start
