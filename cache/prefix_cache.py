@@ -64,6 +64,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from cache.block_manager import BlockManager
+from cache.kv_events import KVEventLog, chain_hashes
 from cache.group import CacheGroup
 from cache.prefix_index import IndexEntry, KeyContext, block_geometry, chain_keys, checkpoint_boundaries, key_at
 from cache.prefix_config import PrefixCacheConfig, Reuse
@@ -81,9 +82,10 @@ __all__ = ["PrefixCache", "PrefixCacheConfig", "Reuse", "LOOKUP_SAMPLES"]
 
 class PrefixCache:
     def __init__(self, cache: ModelCache, config: PrefixCacheConfig, blocks: BlockManager,
-                 disk: DiskConfig | None = None):
+                 disk: DiskConfig | None = None, events: KVEventLog | None = None):
         """cache: the engine's pools (for their shapes); blocks: the engine's block manager, whose
-        reclaimer this cache becomes."""
+        reclaimer this cache becomes; events: where the blocks stored and let go of are logged for
+        routers (cache/kv_events.py), or None."""
         self.config = config
         groups = dict(sorted(cache.groups.items()))    # a fixed order: span keys hash the groups in it
         unknown = [n for n, g in groups.items() if not isinstance(g, CacheGroup)]
@@ -115,6 +117,10 @@ class PrefixCache:
         self.store = SegmentStore(cache, layout, config.cap_bytes, blocks, self.policy, self.notes)
         self.blocks = blocks
         blocks.reclaimer = self
+        self.kv_events = events
+        if events is not None:
+            events.bind(self.specs)
+            self.store.watch = events
         self.stats = CacheStats()
         self.between_check_and_use: Callable[[], None] | None = None    # test hook (a concurrent writer)
         # host time of the last reuses' lookup + validation (bounded: a server runs for months)
@@ -368,9 +374,12 @@ class PrefixCache:
         """The publish's new segments become servable; a partial block's interior points get index
         entries (an entry there already, e.g. a held shorter block's, stays) after the shorter copies
         of the same block the policy retires leave."""
-        store, gcd, marks = self.store, self.geometry.gcd, []
+        store, gcd, marks, log, hashes = self.store, self.geometry.gcd, [], self.kv_events, None
         for a in new:
             store.commit(a)
+            if log is not None and a.spec.name == log.group:
+                hashes = hashes or chain_hashes(tokens, log.block_size)
+                log.stored(a.sid, tokens, store.alloc.get(a.sid).start, a.end, hashes)
             if a.spec.partial:
                 keys = self.keys(tokens, a.spec)
                 start = store.alloc.get(a.sid).start

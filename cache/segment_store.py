@@ -32,6 +32,7 @@ import numpy as np
 
 from cache import segment_allocator as A
 from cache.block_manager import BlockManager
+from cache.kv_events import KVEventLog
 from cache.prefix_index import IndexEntry, PrefixIndex, key_at
 from cache.prefix_retention import RetentionPolicy
 from cache.prefix_store import init_versions, load_checkpoints, read_units, save_checkpoints, write_units
@@ -114,6 +115,7 @@ class SegmentStore:
         self.unit_version = {n: np.zeros(v.shape, np.int64) for n, v in self.versions.items()}   # host mirror
         self.counts = StoreCounts()
         self.lower: LowerTier | None = None
+        self.watch: KVEventLog | None = None    # told of every page or unit let go (routers' KV events)
         self.save_program = jax.jit(save_checkpoints, donate_argnames=("pools", "versions"))
         self.load_program = jax.jit(load_checkpoints, donate_argnames=("pools",))
         self._read = jax.jit(read_units)
@@ -363,6 +365,8 @@ class SegmentStore:
         self.policy.forget(sid)
         group, unit = self.units.pop(sid)
         self.blocks.release(group, unit)
+        if self.watch is not None:
+            self.watch.released(sid)
 
     def abort(self, sids: list[int]):
         """Frees segments allocated (WRITING) by a publish or restore that cannot complete, with their units."""
@@ -394,8 +398,11 @@ class SegmentStore:
 
     def clear(self):
         """Lets go of every page and unit (the engine drops the store); pages requests list stay theirs."""
+        watch, self.watch = self.watch, None          # one AllBlocksCleared, not a removal per block
         for sid in list(self.units):
             self.release_unit(sid)
+        if watch is not None:
+            watch.cleared()
         self.policy.clear()
         self.alloc = A.init_state(self.alloc.config)
         self.index = PrefixIndex()

@@ -245,6 +245,10 @@ def _add_engine_args(p: argparse.ArgumentParser):
     p.add_argument("--prefetch-policy", default="wait", choices=["best_effort", "wait", "timeout"])
     p.add_argument("--speculative-config", default=None, type=_json_dict,
                    help='speculative decoding, vLLM\'s shape: \'{"method": "ngram", "num_speculative_tokens": 4}\'')
+    p.add_argument("--kv-events-config", default=None, type=_json_dict,
+                   help='KV-cache events for routers over ZeroMQ, vLLM\'s shape: \'{"enable_kv_cache_events": true, '
+                        '"publisher": "zmq", "endpoint": "tcp://*:5557", "topic": "kv-events"}\' (with '
+                        '--enable-prefix-caching)')
 
 
 def _json_dict(text: str) -> dict:
@@ -270,12 +274,14 @@ def _engine_config(args):
                         prefix_checkpoint_interval=args.prefix_checkpoint_interval,
                         prefix_cache_bytes=args.prefix_cache_bytes, kv_cache_dir=args.kv_cache_dir,
                         kv_cache_dir_bytes=args.kv_cache_dir_bytes, prefetch_policy=args.prefetch_policy,
-                        speculative_config=args.speculative_config, async_scheduling=args.async_scheduling)
+                        speculative_config=args.speculative_config, async_scheduling=args.async_scheduling,
+                        kv_events_config=args.kv_events_config)
 
 
 def _serve(args) -> int:
     from hybrid_jax.server.app import ServerConfig  # noqa: PLC0415
     from hybrid_jax.server.main import serve  # noqa: PLC0415
+    from hybrid_jax.server.worker_info import ModelIdentity  # noqa: PLC0415
     name = args.served_model_name or (args.model or "hybrid-jax-default")
     return serve(model=args.model, host=args.host, port=args.port, dtype=args.dtype,
                  engine_config=_engine_config(args), parallel=parallel_options(args),
@@ -284,6 +290,7 @@ def _serve(args) -> int:
                                             max_tokens_limit=args.max_tokens_limit, body_timeout_s=args.timeout_body,
                                             metrics_api_key=args.metrics_require_api_key,
                                             admission=_admission(args), model_type=_model_type(args.model),
+                                            identity=ModelIdentity.read(args.model, parallel_options(args)),
                                             tool_call_parser=args.tool_call_parser,
                                             reasoning_parser=args.reasoning_parser),
                  shutdown_timeout_s=args.shutdown_timeout, header_timeout_s=args.timeout_header,
@@ -323,12 +330,8 @@ API_KEY_ENV = "HYBRID_JAX_API_KEY"
 def _model_type(model: str | None) -> str | None:
     """The checkpoint's config.json model_type (None for the embedded default model, or none found):
     it picks the chat endpoint's tool-call and reasoning formats."""
-    path = os.path.join(model, "config.json") if model else None
-    if path is None or not os.path.isfile(path):
-        return None
-    with open(path, encoding="utf-8") as f:
-        cfg = json.load(f)
-    return cfg.get("model_type") if isinstance(cfg, dict) else None
+    from hybrid_jax.server.worker_info import ModelIdentity  # noqa: PLC0415
+    return ModelIdentity.read(model).model_type if model else None
 
 
 def _api_key(args) -> str | None:

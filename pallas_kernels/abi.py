@@ -68,3 +68,8 @@ V4_COMPRESSOR = register(KernelABI(
     "v4_compress", "entries[P,ps,D]:paged,rms+rope@w*m;tail[B,m,C]:raw_gate+count;overlap[B,m,C/2]:biased_gate", 2))
 V4_WINDOW = register(KernelABI("v4_window", "kv[B,W,D]:ring", 1))
 V4_SPARSE_READ = register(KernelABI("v4_sparse_read", "window[B,S,D]+entries[P,ps,D]:paged(reads only)", 1))
+# Qwen4-Exp (hybrid_jax.layers.qsa / layers.ple, XLA): the QSA indexer's keys are kept raw (before the block
+# pooling, norm and RoPE; a DSA-written key page means something else), and the PLE state is the last c token ids
+# plus the dilated conv's last (K-1) * n inputs per row.
+QSA_RAW_KEYS = register(KernelABI("qsa_indexer", "raw_keys[P,ps,D]:paged", 1))
+PLE_STATE = register(KernelABI("qwen4_ple", "ctx[B,c]:i32+conv[B,(K-1)n,N*Hd]", 1))

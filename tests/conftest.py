@@ -46,6 +46,7 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 
 import gc  # noqa: E402
 
+import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 # XLA:CPU maps every compiled kernel into the process as its own small code / data / read-only
@@ -94,6 +95,7 @@ SLOW_FILES = frozenset({
     "pallas_kernels/test_tpu_compile.py", "pallas_kernels/test_tpu_compile_f32.py", "pallas_kernels/test_kda_pallas.py",
     "hybrid_jax/test_prefix_traffic.py", "hybrid_jax/test_v4_prefix_caching.py",
     "hybrid_jax/test_reserve_before_schedule.py", "hybrid_jax/test_pool_state_machine.py", "hybrid_jax/test_eval.py",
+    "hybrid_jax/test_sglang_gateway.py",
 })
 
 
@@ -180,6 +182,39 @@ def hf_model(path):
     from transformers import AutoModelForCausalLM  # noqa: PLC0415
     torch.set_num_threads(2)
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True).eval()
+
+
+def random_prompt(n: int, vocab: int, seed: int = 0) -> list[int]:
+    """n token ids drawn uniformly from [0, vocab) with numpy seed `seed`."""
+    return np.random.default_rng(seed).integers(0, vocab, n).tolist()
+
+
+def family_checkpoints(config_cls: str, model_cls: str, base: dict, configs: dict, tag: str, make=None):
+    """What a family's test module against transformers starts from: (make_checkpoint, checkpoints,
+    pair). make_checkpoint(path, seed, **overrides) writes a random transformers checkpoint of the
+    family (`config_cls` / `model_cls`, names in transformers) from base + overrides
+    (`save_random_checkpoint`; `make`, the same signature, writes it instead when a family needs its own
+    initialisation); `checkpoints`, a module fixture, one per entry of `configs` (seed = its index);
+    `pair`, a module fixture parametrised over `configs`: (LLM in float32, transformers model)."""
+    def make_checkpoint(path, seed: int = 0, **overrides):
+        if make is not None:
+            return make(path, seed, **overrides)
+        import transformers  # noqa: PLC0415
+        config = getattr(transformers, config_cls)(**{**base, **overrides})
+        return save_random_checkpoint(getattr(transformers, model_cls), config, path, seed)
+
+    @pytest.fixture(scope="module")
+    def checkpoints(tmp_path_factory):
+        root = tmp_path_factory.mktemp(tag)
+        return {k: make_checkpoint(root / k, seed=i, **kw) for i, (k, kw) in enumerate(configs.items())}
+
+    @pytest.fixture(scope="module", params=sorted(configs))
+    def pair(request, checkpoints):
+        from hybrid_jax import LLM  # noqa: PLC0415
+        path = checkpoints[request.param]
+        return LLM(model=path, dtype="float32"), hf_model(path)
+
+    return make_checkpoint, checkpoints, pair
 
 
 def zero_stored_objects(engine):

@@ -36,6 +36,21 @@ def engine_rows(engine) -> int:
     return engine.config.max_num_seqs * len(getattr(engine, "replicas", None) or (engine,))
 
 
+CARD_KEYS = ("max_model_len", "vocab_size", "max_num_seqs", "max_num_batched_tokens", "max_total_tokens",
+             "kv_block_size")
+
+
+def engine_card(engine) -> dict:
+    """`EngineClient.model_card` of an engine (or a data-parallel engine): max_model_len, vocab_size,
+    max_num_seqs (rows over all replicas), max_num_batched_tokens (one step's), max_total_tokens (the
+    tokens the attention pools hold, over all replicas), kv_block_size (the prefix cache's block)."""
+    c = engine.config
+    block, blocks = engine.live_figures()["cache_config"]
+    return {"max_model_len": c.max_model_len, "vocab_size": engine.loaded.config.vocab_size,
+            "max_num_seqs": engine_rows(engine), "max_num_batched_tokens": c.max_num_batched_tokens,
+            "max_total_tokens": block * blocks, "kv_block_size": block}
+
+
 class EngineRequestError(RuntimeError):
     """This request failed inside the engine (the server answers 500 naming it)."""
 
@@ -136,9 +151,9 @@ class AsyncEngine:
 
     def model_card(self) -> dict:
         """What a client may send (max_model_len, vocab_size) and how many requests run at once
-        (max_num_seqs: the engine's rows, over all its data-parallel replicas)."""
-        return {"max_model_len": self.engine.config.max_model_len, "vocab_size": self.engine.loaded.config.vocab_size,
-                "max_num_seqs": engine_rows(self.engine)}
+        (max_num_seqs: the engine's rows, over all its data-parallel replicas); for routers
+        (server/worker_info.py), a step's token budget and the cache's tokens."""
+        return engine_card(self.engine)
 
     @property
     def alive(self) -> bool:

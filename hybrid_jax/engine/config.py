@@ -5,6 +5,7 @@ import dataclasses
 import math
 import os
 
+from hybrid_jax.engine.kv_event_publisher import KVEventsConfig
 from hybrid_jax.errors import InputError
 
 
@@ -38,6 +39,8 @@ class EngineConfig:
     prefetch_policy: str = "wait"        # disk prefetch at admission: "best_effort" | "wait" | "timeout"
     prefetch_timeout_s: float = 1.0
     speculative_config: dict | None = None  # vLLM's shape, e.g. {"method": "ngram", "num_speculative_tokens": 4}
+    kv_events_config: dict | None = None  # vLLM's --kv-events-config: the prefix cache's blocks, published
+                                          # to routers (engine/kv_event_publisher.py; prefix caching on)
     run_to_completion: bool = False      # offline: a decode step takes every decoding row to its end (LLM.generate)
     async_scheduling: bool = True        # enqueue the next step before reading this one's tokens (no speculation)
     detokenize: bool = True              # False: only requests with stop strings (an API front end does the rest)
@@ -63,6 +66,9 @@ class EngineConfig:
             raise InputError(f"kv_cache_bytes must be positive; got {self.kv_cache_bytes}")
         if self.prefix_cache_bytes is not None and self.prefix_cache_bytes <= 0:
             raise InputError(f"prefix_cache_bytes must be positive; got {self.prefix_cache_bytes}")
+        if KVEventsConfig.parse(self.kv_events_config) is not None and not self.enable_prefix_caching:
+            raise InputError("kv_events_config needs enable_prefix_caching=True (the events are the prefix "
+                             "cache's blocks)")
         if self.kv_cache_dir is not None and not self.enable_prefix_caching:
             raise InputError("kv_cache_dir needs enable_prefix_caching=True (the disk tier holds cached prefixes)")
         if self.prefetch_policy not in ("best_effort", "wait", "timeout"):

@@ -24,7 +24,7 @@ from collections.abc import AsyncIterator
 from multiprocessing.connection import Client
 from typing import Any
 
-from hybrid_jax.engine.async_engine import EngineRequestError, EngineUnavailable, OutputStream
+from hybrid_jax.engine.async_engine import CARD_KEYS, EngineRequestError, EngineUnavailable, OutputStream
 from hybrid_jax.engine.detokenize import IncrementalDetokenizer
 from hybrid_jax.engine.heartbeat import Beat, Pulse
 from hybrid_jax.engine.limits import admit
@@ -72,8 +72,7 @@ class EngineCoreClient:
         return self._tokenizer
 
     def model_card(self) -> dict:
-        return {"max_model_len": self.info["max_model_len"], "vocab_size": self.info["vocab_size"],
-                "max_num_seqs": self.info["max_num_seqs"]}
+        return {k: self.info[k] for k in CARD_KEYS}
 
     @property
     def alive(self) -> bool:

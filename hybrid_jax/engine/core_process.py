@@ -146,7 +146,7 @@ def run_core(build, model, dtype, engine_config, parallel, address, authkey, rea
         ready.send(("failed", f"{cpu_affinity.CPUS_ENV}: {e}"))
         return
 
-    from hybrid_jax.engine.async_engine import engine_rows  # noqa: PLC0415
+    from hybrid_jax.engine.async_engine import engine_card  # noqa: PLC0415
     from hybrid_jax.tokenizer import ByteTokenizer  # noqa: PLC0415
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:%(name)s: %(message)s")
     report = _Reporter(ready)
@@ -162,10 +162,10 @@ def run_core(build, model, dtype, engine_config, parallel, address, authkey, rea
             report.last(("failed", f"{cpu_affinity.CPUS_ENV}: {e}"))
             return
     tok = engine.loaded.tokenizer
-    info = {"max_model_len": engine.config.max_model_len, "vocab_size": engine.loaded.config.vocab_size,
+    info = {**engine_card(engine),
             "tokenizer": "byte" if isinstance(tok, ByteTokenizer) else ("checkpoint" if tok is not None else None),
             "warmup": engine.config.warmup, "warmup_seconds": getattr(engine, "warmup_seconds", 0.0),
-            "num_compiled": engine.num_compiled(), "pid": os.getpid(), "max_num_seqs": engine_rows(engine),
+            "num_compiled": engine.num_compiled(), "pid": os.getpid(),
             "speculative": engine.config.speculative_config is not None, "startup": engine.startup_status()}
     listener = Listener(address, family="AF_UNIX", authkey=authkey)
     report.last(("ready", info))

@@ -48,7 +48,8 @@ class DataParallelEngine:
                               "tiers would write one directory); use the device prefix cache or one replica")
         self.config = config
         self.metrics = EngineMetrics()
-        self.replicas = [LLMEngine(llm, config, metrics=self.metrics) for llm in llms]
+        self.replicas = [LLMEngine(llm, config, metrics=self.metrics, data_parallel_rank=r)
+                         for r, llm in enumerate(llms)]
         self.metrics.bind(self.live_figures)
         self.loaded = self.replicas[0].loaded
         self.max_imbalance = max_imbalance
@@ -162,7 +163,8 @@ class DataParallelEngine:
                 "cache_usage": usage, "compiled": sum(f["compiled"] for f in figs),
                 "stalls": sum(f["stalls"] for f in figs), "by_source": _summed([f["by_source"] for f in figs]),
                 "startup": self.startup_status(),
-                "paged_groups": figs[0]["paged_groups"], "prefix_misses": misses}
+                "paged_groups": figs[0]["paged_groups"], "prefix_misses": misses,
+                "cache_config": (figs[0]["cache_config"][0], sum(f["cache_config"][1] for f in figs))}
 
     def cache_stats(self) -> dict:
         """The replicas' prefix-cache figures (`replicas`), with their counts summed at the top level and

@@ -1,22 +1,11 @@
 """LLMEngine: requests in, streamed outputs out, one scheduler step at a time.
 
-`step()` is schedule -> execute -> update, as in vLLM v1's engine core: the scheduler
-(engine/scheduler.py, the one owner of request state, pages and the prefix glue) gives the step's
-whole input, the runner (engine/runner.py) runs it as one compiled call (a mixed prefill/decode step,
-`decode_steps` decode iterations when nothing is prefilling, or the speculative path), and the
-scheduler takes the tokens back (`update_from_output`). This object keeps the loop, the overlap of
-steps and the recovery from a failed step.
-
-Overlap (`EngineConfig.async_scheduling`): a step is enqueued on the device before the tokens of the
-step before it are read back (a `Flight`), so the device never waits for the host's work between
-steps. Sampling stays on the device, and a row whose last token is still in flight is fed it from
-there (the runner's `slot_last`). The scheduler counts a request's in-flight tokens when its step is
-enqueued (`Scheduler.commit`: the step's iterations, its max_tokens and its publish cap are known; only
-a stop token id can end it sooner, on the device) and applies what only the host can check (stop
-strings, finishing, aborts) when they are read back, one step late: the tokens a finished request's
-next step sampled are discarded, never emitted. A step at whose end a request publishes its prefix
-is read back before anything else is enqueued (its rows are copied as they stand then). Speculative
-decoding reads every step's tokens before drafting the next, so it does not overlap.
+The engine builds the rooms and answers for them: the runner (engine/runner.py: the device pools and
+the compiled step programs), the scheduler (engine/scheduler.py: the one owner of request state,
+pages and the prefix glue), the speculator, and the step loop (engine/step_loop.py: schedule ->
+execute -> update as in vLLM v1's engine core, the overlap of steps and the recovery from a failed
+step). Itself it keeps admission (`add_request`, engine/limits.py), the warm-up (engine/startup.py),
+the prefix store's controls and the figures /metrics reads.
 
 Memory: the runner's pools (cache.pools) and one block manager (cache.block_manager), the
 scheduler's, that hands out their rows, pages and checkpoint units to the requests and to the prefix
@@ -33,23 +22,25 @@ import jax.numpy as jnp
 import numpy as np
 
 from cache.block_manager import BlockManager
+from cache.kv_events import KVEventLog
 from cache.prefix_cache import PrefixCache, PrefixCacheConfig
 from cache.prefix_disk import DiskConfig
 from hybrid_jax.engine.compile import enable_persistent_compilation_cache
 from hybrid_jax.engine.config import EngineConfig
 from hybrid_jax.engine.contracts import LoadedModel, Loads, as_loaded
-from hybrid_jax.engine.fork import can_fork, run_forks
+from hybrid_jax.engine.fork import can_fork
+from hybrid_jax.engine.kv_event_publisher import KVEventPublisher, KVEventsConfig
 from hybrid_jax.engine.limits import admit
 from hybrid_jax.engine.metrics import EngineMetrics
 from hybrid_jax.engine.outputs import OutputProcessor
 from hybrid_jax.engine.prefix_manager import PrefixManager
-from hybrid_jax.engine.prompt_logprobs import landed
-from hybrid_jax.engine.request import EngineOutput, ForkGroup, Request, RequestFailed
-from hybrid_jax.engine.runner import Dispatched, ModelRunner
-from hybrid_jax.engine.scheduler import Scheduler, SchedulerOutput, StepResult
+from hybrid_jax.engine.request import EngineOutput, ForkGroup, Request
+from hybrid_jax.engine.runner import ModelRunner
+from hybrid_jax.engine.scheduler import Scheduler
 from hybrid_jax.engine.speculate import EngineSpeculator
 from hybrid_jax.engine.speculative_step import SpeculativeStep
 from hybrid_jax.engine.startup import Startup, plan
+from hybrid_jax.engine.step_loop import StepLoop
 from hybrid_jax.engine.startup_status import StartupClock, StartupStatus, status
 from hybrid_jax.errors import InputError
 from hybrid_jax.sampling import SamplingParams
@@ -58,26 +49,12 @@ from hybrid_jax.structured.grammars import GrammarCompiler
 log = logging.getLogger("hybrid_jax.engine")
 
 
-@dataclasses.dataclass
-class Flight:
-    """A step enqueued on the device whose tokens the host has not read yet: the scheduler's output
-    for it (its counts ahead and whether it must be read back before the next step is enqueued are
-    set: `Scheduler.commit`) and its rows' sparse hit rates (on the device, or None)."""
-    out: SchedulerOutput
-    dispatched: Dispatched
-    rates: Any = None
-
-    @property
-    def reqs(self) -> list[Request]:
-        return self.out.requests
-
-
 class LLMEngine:
     def __init__(self, model: LoadedModel | Loads, config: EngineConfig | None = None,
-                 metrics: EngineMetrics | None = None):
+                 metrics: EngineMetrics | None = None, data_parallel_rank: int = 0):
         """model: the LoadedModel to serve (an LLM facade hands over its own); metrics: a registry shared
         with other engines (data-parallel replicas: the owner binds its live figures); by default the
-        engine's own."""
+        engine's own. data_parallel_rank: this replica's (its KV events' endpoint and mark)."""
         self.loaded = m = as_loaded(model)
         self.config = c = config or EngineConfig()
         if c.max_model_len > m.max_model_len:
@@ -88,8 +65,12 @@ class LLMEngine:
         blocks = BlockManager(self.runner.geometry(), num_rows=c.max_num_seqs)
         self.runner.blocks = blocks
         self.spec = self._speculator() if c.speculative_config else None
+        events = KVEventsConfig.parse(c.kv_events_config)
+        self.kv_events = KVEventLog() if events is not None else None
         prefix = (PrefixManager(self.runner, self._store_settings(), self._disk_config(), blocks, self.metrics,
-                                c.run_to_completion, c.prefix_publish_chunk_ends) if c.enable_prefix_caching else None)
+                                c.run_to_completion, c.prefix_publish_chunk_ends, events=self.kv_events)
+                  if c.enable_prefix_caching else None)
+        self.kv_publisher = KVEventPublisher(events, data_parallel_rank) if events is not None else None
         k_max = self.spec.spec.num_speculative_tokens + 1 if self.spec is not None else 1
         # pages a decoding request gets ahead of its writes: a decode call's tokens or a verify's
         # K + 1, or (run_to_completion) everything up to its max_tokens
@@ -104,11 +85,9 @@ class LLMEngine:
             self.metrics.bind(self.live_figures)
         self.speculative = (SpeculativeStep(self.runner, self.spec, self.metrics, c.run_to_completion)
                             if self.spec is not None else None)
-        self._flight: Flight | None = None      # the step enqueued last, not read back yet
-        self._landing: Flight | None = None     # the one before it, while a step is being enqueued
-        self._overlap = c.async_scheduling and self.spec is None and not c.run_to_completion
-        self.overlapped = 0                     # steps enqueued while the one before was still in flight
-        self._planned: list[Request] = []       # the requests of the step under way (recovery's suspects)
+        self.loop = StepLoop(self.scheduler, self.runner, self.metrics, self.spec, self.speculative,
+                             overlap=c.async_scheduling and self.spec is None and not c.run_to_completion,
+                             max_num_seqs=c.max_num_seqs)
         self._rng = np.random.default_rng(c.seed)   # seeds of requests that bring none
         self._grammars: GrammarCompiler | None = None   # structured outputs' compiles (made on first use)
         self.startup: Startup | None = None     # the warm-up's plan and progress (engine/startup.py)
@@ -203,28 +182,8 @@ class LLMEngine:
 
     def abort_request(self, request_id: str):
         if self.scheduler.abort(request_id):
-            self._forget(request_id)
-            self._land_if_finished()
-
-    def _forget(self, request_id: str):
-        """A request ended: the drafter's state of it goes too."""
-        if self.spec is not None:
-            self.spec.forget(request_id)
-
-    def _forget_finished(self, outs: list[EngineOutput]) -> list[EngineOutput]:
-        for o in outs:
-            if o.finished:
-                self._forget(o.request_id)
-        return outs
-
-    def _land_if_finished(self):
-        """Reads back now a step in flight whose requests have all finished (stopped, aborted): nothing
-        will step behind it, and read later (at the next request, after an idle gap) the device time it
-        took could no longer be told from the gap. Its tokens are dropped."""
-        f = self._flight
-        if f is not None and all(q.finished for q in f.reqs):
-            self._flight = None
-            self._land(f)
+            self.loop.forget(request_id)
+            self.loop.land_if_finished()
 
     def abort_all(self) -> list[str]:
         """Aborts every request the engine holds (after a step raised past its own isolation: nothing
@@ -251,7 +210,15 @@ class LLMEngine:
                 "compiled": self.num_compiled(), "stalls": self.runner.compiler.stats.stalls,
                 "by_source": self.runner.compiler.table.by_source(), "startup": self.startup_status(),
                 "paged_groups": {n for n, g in s.blocks.groups.items() if g.paged}, "prefix_misses": misses,
+                "cache_config": self.cache_config(),
                 "disk_tier": s.prefix.disk_health() if s.prefix is not None else None}
+
+    def cache_config(self) -> tuple[int, int]:
+        """(block size, blocks): the prefix cache's block in tokens (a full-attention page) and how many
+        such blocks the tightest paged pool holds (0 for a model with no paged group)."""
+        b = self.config.prefix_block_size
+        tokens = [g.page_tokens * g.num_units for g in self.runner.geometry() if g.paged]
+        return b, (min(tokens) // b if tokens else 0)
 
     def startup_status(self) -> StartupStatus | None:
         """Where the load and warm-up are (engine/startup_status.py); None for an engine that
@@ -261,6 +228,11 @@ class LLMEngine:
         progress = [self.startup.progress] if self.startup is not None else []
         return status(progress, [self.runner.compiler.stats], self.clock)
 
+    @property
+    def overlapped(self) -> int:
+        """Steps enqueued while the one before was still in flight."""
+        return self.loop.overlapped
+
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting)
 
@@ -269,10 +241,9 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         """Whether a step has work: requests to run, or tokens in flight for one that has not finished
-        (a step in flight for finished requests only is read back at once: `_land_if_finished`)."""
+        (a step in flight for finished requests only is read back at once: `StepLoop.land_if_finished`)."""
         s = self.scheduler
-        return (bool(s.waiting) or len(s.running) > s.releasing()
-                or (self._flight is not None and not all(q.finished for q in self._flight.reqs)))
+        return bool(s.waiting) or len(s.running) > s.releasing() or self.loop.in_flight()
 
     def warmup(self, mode: str | None = None, on_progress=None, background: bool = True):
         """Builds the step programs the warm-up mode names (engine/startup.py): the ready set now, every
@@ -309,6 +280,7 @@ class LLMEngine:
         """Runs the publishes queued by the last step (`Scheduler.flush_publishes`): callers do it once
         the step's tokens are out (the async loop, generate())."""
         self.scheduler.flush_publishes()
+        self._publish_kv_events()
 
     def reset_prefix_cache(self, prefix_cache_bytes: int | None = None):
         """Drops every cached prefix and the counters (optionally with a new store cap); running
@@ -318,6 +290,7 @@ class LLMEngine:
             raise InputError("prefix caching is off: EngineConfig(enable_prefix_caching=True)")
         self.flush_publishes()
         self.scheduler.prefix.reset(self.blocks, prefix_cache_bytes, clear_points=False, disk=self._disk_config())
+        self._publish_kv_events()
 
     def close(self):
         """Closes the prefix store (waits for the disk tier's pending writes)."""
@@ -325,6 +298,9 @@ class LLMEngine:
             self.scheduler.prefix.close()
         if self._grammars is not None:
             self._grammars.close()
+        if self.kv_publisher is not None:
+            self._publish_kv_events()
+            self.kv_publisher.close()
 
     def cache_stats(self) -> dict:
         """Prefix-cache figures (hit rate, validation pass rate, effective reuse, misses by reason,
@@ -349,143 +325,17 @@ class LLMEngine:
 
     # --- one step ----------------------------------------------------------------------------------
     def step(self) -> list[EngineOutput]:
-        """One scheduler step. A failure attributable to one request fails only that request (an
-        output with finish_reason "error"); any other failure resets the step state (`_recover`)
-        and the requests go on. Nothing a request sends makes this raise."""
-        self._planned = []
-        t0, w0, d0 = time.perf_counter(), self.runner.wait_seconds, self.runner.device_seconds
-        try:
-            return self._step()
-        except RequestFailed as e:
-            log.error("request %s failed in an engine step; the other requests go on", e.request_id,
-                      exc_info=e.cause)
-            try:
-                outs = self._land_late()    # the step before this one is still in flight: its tokens stand
-            except Exception as e2:  # noqa: BLE001
-                return self._recover(e2)
-            req = self.scheduler.requests.get(e.request_id)
-            return outs + (self._forget_finished([self.scheduler.fail(req, str(e))]) if req is not None else [])
-        except Exception as e:  # noqa: BLE001  (no client input reaches here unchecked: recover, keep serving)
-            return self._recover(e)
-        finally:
-            if self._planned:           # a step ran: its host time is its wall time less the device wait
-                self.metrics.note_step(time.perf_counter() - t0, self.runner.wait_seconds - w0,
-                                       self.runner.device_seconds - d0)
-
-    def _recover(self, exc: BaseException) -> list[EngineOutput]:
-        """A step failed and no single request can be blamed: the pools may have been consumed by
-        the failed call, so they are rebuilt empty (with the block manager and the prefix store),
-        and every running request goes back to the queue to be recomputed from its tokens
-        (`Scheduler.recover`: its output so far is kept, and sampling resumes at the same step, so
-        the outputs do not change). The requests of the failed step become suspects: each then runs
-        alone to its end, and a suspect whose step fails again fails. So a request that always breaks
-        a step fails by itself and cannot wedge the engine, while the innocents of its step go on,
-        with unchanged outputs."""
-        self.metrics.step_failures.labels(attributable="false").inc()
-        self._flight = self._landing = None     # what was in flight is lost with the pools: it is sampled again
-        doomed = self.scheduler.recover(list(self._planned))
-        self._reset_pools()
-        outs = self._forget_finished([self.scheduler.fail(q, f"request {q.request_id!r}: its step failed again when "
-                                                             f"it ran alone ({type(exc).__name__}: {exc})")
-                                      for q in doomed])
-        log.error("engine step failed (%s: %s), not attributable to one request: step state reset (pools, "
-                  "block manager%s rebuilt); %d requests requeued for recompute, %d failed",
-                  type(exc).__name__, exc, ", prefix store" if self.prefix is not None else "",
-                  len(self.scheduler.waiting), len(outs), exc_info=exc)
+        """One scheduler step (engine/step_loop.py). A failure attributable to one request fails only
+        that request (an output with finish_reason "error"); any other failure rebuilds the pools and
+        the requests go on. Nothing a request sends makes this raise."""
+        outs = self.loop.step()
+        self._publish_kv_events()
         return outs
 
-    def _reset_pools(self):
-        self.runner.reset_pools()
-        blocks = BlockManager(self.runner.geometry(), num_rows=self.config.max_num_seqs)
-        self.runner.blocks = blocks
-        self.scheduler.reset_blocks(blocks)
-
-    def _step(self) -> list[EngineOutput]:
-        outs = self._failed_grammars()
-        out = self.scheduler.schedule()
-        self._landing, self._flight = self._flight, None   # read back once this step is enqueued
-        if out.forks:        # the members forked from their leaders get its row state (engine/fork.py)
-            run_forks(self.runner, out.forks)
-        if out.placed:           # their rows' logits processors' state (prompt and outputs so far)
-            self.runner.seed_rows(out.placed)
-        if out.rows:
-            self._planned.extend(out.requests)
-            if out.copies:       # the private copies its rows write (reserved with their pages)
-                self.runner.copy_on_write(out.copies)
-            if out.mode == "speculative":
-                outs += self._step_speculative(out)
-            else:
-                self._flight = self._dispatch(out)
-                self.overlapped += self._landing is not None
-        outs = self._land_late() + outs
-        if self._flight is not None and (self._flight.out.sync or not self._overlap):
-            f, self._flight = self._flight, None
-            outs += self._land(f)
-        self._land_if_finished()
-        return outs
-
-    def _failed_grammars(self) -> list[EngineOutput]:
-        """Waiting requests whose structured output's grammar failed to compile fail, with its message."""
-        bad = [q for q in self.scheduler.waiting if q.grammar is not None and q.grammar.error is not None]
-        return self._forget_finished([self.scheduler.fail(q, q.grammar.error) for q in bad])
-
-    def _dispatch(self, out: SchedulerOutput) -> Flight:
-        """Enqueues a mixed or plain decode step (first the bitmasks of its rows that sample under a
-        grammar); the scheduler then counts its tokens ahead."""
-        masked = [p.request for p in out.rows if p.sample and p.request.masked]
-        if masked:
-            self.runner.write_masks(masked)
-        if out.mode == "decode":
-            d = self.runner.dispatch_decode(out.requests, out.decode_steps, caps=out.caps)
-        else:
-            d = self.runner.dispatch_mixed(out.rows)
-        self.scheduler.commit(out)
-        return Flight(out, d, self._hit_rates(out.requests))
-
-    def _land_late(self) -> list[EngineOutput]:
-        """Reads back the step that was in flight while this one was enqueued."""
-        f, self._landing = self._landing, None
-        return self._land(f) if f is not None else []
-
-    def _read(self, d: Dispatched) -> StepResult:
-        toks, lps = self.runner.land(d)
-        self.metrics.step_seconds.observe(time.perf_counter() - d.dispatched)
-        return StepResult(toks, lps, landed(d.prompt))
-
-    def _land(self, f: Flight) -> list[EngineOutput]:
-        outs = self.scheduler.update_from_output(f.out, self._read(f.dispatched))
-        self._sparse_hit_rate(f.rates)
-        return self._forget_finished(outs)
-
-    def _step_speculative(self, out: SchedulerOutput) -> list[EngineOutput]:
-        """A decode-only step with speculation (engine/speculative_step.py): drafts verified, or plain
-        decode iterations read back at once (no count ahead: the scheduler counts what they emitted)."""
-        def decode(rs):
-            steps = out.decode_steps if out.decode_steps is not None else self.spec.fallback_steps(rs)
-            masked = [q for q in rs if q.masked]
-            if masked:                   # (their caps are 1: a mask for one token each)
-                self.runner.write_masks(masked)
-            d = self.runner.dispatch_decode(rs, steps, caps=out.caps)
-            rates = self._hit_rates(rs)
-            r = self._read(d)
-            return r.tokens, r.lps, rates
-        toks, lps, rates = self.speculative.run(out.requests, decode, self._hit_rates)
-        outs = self.scheduler.update_from_output(out, StepResult(toks, lps))
-        self._sparse_hit_rate(rates)
-        return self._forget_finished(outs)
-
-    def _hit_rates(self, reqs):
-        """Models with Top-K sparse attention record, per row, the resident share of the positions
-        their last step selected: right after a step is enqueued, its rows' figures (a device array,
-        read with the step's tokens; the pools themselves move on to the next step), else None."""
-        g = next((g for g in self.runner.cache.groups.values() if g.kind == "mla_latent"), None)
-        slots = [q.slot for q in reqs if q.slot is not None]
-        return jnp.take(g.hit_rate, jnp.asarray(slots, jnp.int32)) if g is not None and slots else None
-
-    def _sparse_hit_rate(self, rates):
-        """The gauge: the mean over a step's rows (`_hit_rates`)."""
-        if rates is not None:
-            self.metrics.sparse_hit_rate.set(float(np.mean(np.asarray(rates))))
+    def _publish_kv_events(self):
+        """Hands the prefix cache's new KV events to the routers' publisher (engine/kv_event_publisher.py)."""
+        if self.kv_publisher is not None:
+            self.kv_publisher.publish(self.kv_events.take())
 
     # --- offline convenience -----------------------------------------------------------------------
     def generate(self, prompts: list, params: SamplingParams | list[SamplingParams]) -> list[EngineOutput]:

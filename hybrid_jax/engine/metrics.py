@@ -6,6 +6,10 @@ from when the engine thread picked it up. Names follow Prometheus conventions (b
 project's `hybrid_jax_` prefix instead of `vllm:`. Everything that describes the present (queue,
 running requests, cache usage, throughput over the last 10 s, cache misses by reason) is computed
 when /metrics is scraped, so an idle server shows 0 and never a stale value.
+
+Routers read a few of those figures under the names the Gateway API Inference Extension's model-server
+protocol gives for vLLM (`ROUTER_GAUGES`: queue length, running requests, KV-cache utilisation, the
+cache's block size and block count); they are served beside this project's own, with the same values.
 """
 from __future__ import annotations
 
@@ -158,10 +162,10 @@ class EngineMetrics:
         out.append(GaugeMetricFamily(P + "compiled_programs", "Programs compiled so far (steps, copies, prefix "
                                      "store)", value=v.get("compiled", 0)))
         out += _compile_figures(v)
+        out += _router_gauges(v)
         usage = v.get("cache_usage", {})
-        paged = v.get("paged_groups", set())
         out.append(GaugeMetricFamily(P + "kv_cache_usage_ratio", "Share of the paged pools' pages in use (fullest "
-                                     "group)", value=max([u for g, u in usage.items() if g in paged] or [0.0])))
+                                     "group)", value=_kv_usage(v)))
         per = GaugeMetricFamily(P + "cache_usage_ratio", "Share of each cache group's pages or checkpoint units in "
                                 "use", labels=["group"])
         for g, u in sorted(usage.items()):
@@ -185,6 +189,38 @@ class EngineMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def _kv_usage(v: dict) -> float:
+    """Share of the paged pools' pages in use, the fullest paged group's (0 with none)."""
+    paged = v.get("paged_groups", set())
+    return max([u for g, u in v.get("cache_usage", {}).items() if g in paged] or [0.0])
+
+
+# The names the Gateway API Inference Extension (and llm-d's scorers) read from a vLLM backend, for
+# the same figures as this project's hybrid_jax_num_requests_waiting / _running / _kv_cache_usage_ratio.
+ROUTER_GAUGES = {"waiting": "vllm:num_requests_waiting", "running": "vllm:num_requests_running",
+                 "kv_usage": "vllm:kv_cache_usage_perc", "cache_config": "vllm:cache_config_info"}
+
+
+def _router_gauges(v: dict) -> list:
+    """`ROUTER_GAUGES` from the live figures. vllm:kv_cache_usage_perc is a ratio in [0, 1] as vLLM's
+    is (the name is vLLM's); vllm:cache_config_info's labels are the prefix cache's block size in tokens
+    and the number of such blocks the attention pool holds (what a prefix-aware scorer sizes its model
+    of this server's cache with); its value is 1."""
+    out = [GaugeMetricFamily(ROUTER_GAUGES["waiting"], "Requests waiting (hybrid_jax_num_requests_waiting)",
+                             value=v.get("waiting", 0)),
+           GaugeMetricFamily(ROUTER_GAUGES["running"], "Requests holding a cache row (hybrid_jax_num_requests_running)",
+                             value=v.get("running", 0)),
+           GaugeMetricFamily(ROUTER_GAUGES["kv_usage"], "KV-cache usage, 1 = full (hybrid_jax_kv_cache_usage_ratio)",
+                             value=_kv_usage(v))]
+    cc = v.get("cache_config")
+    if cc is not None:
+        info = GaugeMetricFamily(ROUTER_GAUGES["cache_config"], "The KV cache's block size (tokens) and blocks",
+                                 labels=["block_size", "num_gpu_blocks"])
+        info.add_metric([str(cc[0]), str(cc[1])], 1.0)
+        out.append(info)
+    return out
 
 
 SOURCES = ("store", "compiled", "on_demand")      # engine/program_table.CompiledProgram.source

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 
+from cache.kv_events import KVEventLog
 from cache.block_manager import BlockManager
 from cache.prefix_cache import PrefixCache, PrefixCacheConfig
 from cache.prefix_disk import DiskConfig
@@ -32,13 +33,15 @@ class PrefixManager:
     cap included); disk: the disk tier's, or None; blocks: the scheduler's block manager."""
 
     def __init__(self, runner, settings: PrefixCacheConfig, disk: DiskConfig | None, blocks: BlockManager,
-                 metrics: EngineMetrics, run_to_completion: bool, publish_chunk_ends: bool = False):
+                 metrics: EngineMetrics, run_to_completion: bool, publish_chunk_ends: bool = False,
+                 events: KVEventLog | None = None):
         self.runner, self.settings, self.disk_config, self.metrics = runner, settings, disk, metrics
         self.run_to_completion = run_to_completion
         self.points = PublishPoints(publish_chunk_ends)   # where each request publishes its prefix
         self.pending: list[Publish] = []               # publishes queued by the last step read back
         self.releasing: list[Request] = []             # finished, row and pages given back after `pending`
-        self.store = PrefixCache(runner.cache, settings, blocks, disk=disk)
+        self.events = events                           # the routers' KV events (cache/kv_events.py), or None
+        self.store = PrefixCache(runner.cache, settings, blocks, disk=disk, events=events)
 
     # --- admission and planning --------------------------------------------------------------------
     def reuse(self, q: Request) -> int:
@@ -123,7 +126,7 @@ class PrefixManager:
             self.settings = dataclasses.replace(self.settings, cap_bytes=cap_bytes)
         if disk is not True:
             self.disk_config = disk
-        self.store = PrefixCache(self.runner.cache, self.settings, blocks, disk=self.disk_config)
+        self.store = PrefixCache(self.runner.cache, self.settings, blocks, disk=self.disk_config, events=self.events)
         if clear_points:
             self.points.clear()
             self.pending, self.releasing = [], []

@@ -28,19 +28,19 @@ from hybrid_jax.parallel.context import per_device
 
 
 def causal_conv(x: jax.Array, conv_state: jax.Array, w: jax.Array, n_new: jax.Array, return_window: bool = False,
-                bias: jax.Array | None = None):
-    """Depthwise causal conv (+ bias [C] when given) + SiLU.  x: [B, T, C]; conv_state: [B, W-1, C]; w: [W, C];
-    n_new: [B].
-    Returns (y [B, T, C], new conv_state [B, W-1, C]: the last W-1 inputs up to each row's end) and,
-    with return_window, the conv state and inputs [B, W-1+T, C] (`cache.state.conv_state_after` reads the state
+                bias: jax.Array | None = None, dilation: int = 1):
+    """Depthwise causal conv (+ bias [C] when given) + SiLU.  x: [B, T, C]; conv_state: [B, S, C] with
+    S = (W-1) * dilation (the taps are `dilation` positions apart; 1: S = W-1); w: [W, C]; n_new: [B].
+    Returns (y [B, T, C], new conv_state [B, S, C]: the last S inputs up to each row's end) and,
+    with return_window, the conv state and inputs [B, S+T, C] (`cache.state.conv_state_after` reads the state
     after any position from it)."""
     W = w.shape[0]
     T = x.shape[1]
-    window = jnp.concatenate([conv_state.astype(x.dtype), x], axis=1)       # [B, W-1+T, C]
-    y = sum(window[:, j:j + T] * w[j] for j in range(W))
+    window = jnp.concatenate([conv_state.astype(x.dtype), x], axis=1)       # [B, S+T, C]
+    y = sum(window[:, j * dilation:j * dilation + T] * w[j] for j in range(W))
     if bias is not None:
         y = y + bias
-    new_state = conv_state_after(window, n_new - 1, W)
+    new_state = conv_state_after(window, n_new - 1, (W - 1) * dilation + 1)
     if return_window:
         return jax.nn.silu(y), new_state, window
     return jax.nn.silu(y), new_state
@@ -70,9 +70,9 @@ def _gates(p: dict, b: jax.Array, a: jax.Array, valid: jax.Array):
     return jnp.where(valid[..., None], beta, 0.0), jnp.where(valid[..., None], g, 0.0)
 
 
-def _output(p: dict, o: jax.Array, z: jax.Array, eps: float, dtype) -> jax.Array:
-    """Gated RMSNorm of the rule's output o [..., HV, V] by z, then the output projection -> [..., Hd]."""
-    o = gated_rms_norm(o.astype(dtype), z.reshape(o.shape), p["norm"], eps)
+def _output(p: dict, o: jax.Array, z: jax.Array, eps: float, dtype, gate_act=jax.nn.silu) -> jax.Array:
+    """Gated RMSNorm of the rule's output o [..., HV, V] by gate_act(z), then the output projection -> [..., Hd]."""
+    o = gated_rms_norm(o.astype(dtype), z.reshape(o.shape), p["norm"], eps, act=gate_act)
     return linear(o.reshape(o.shape[:-2] + (-1,)), p["out_proj"])
 
 
@@ -98,8 +98,9 @@ def _rule(kernel, q, k, v, g, beta, state, cu_seqlens=None, state_rows=None, **k
 def gated_deltanet(p: dict, x: jax.Array, valid: jax.Array, n_new: jax.Array, conv_state: jax.Array,
                    ssm_state: jax.Array, *, num_k_heads: int, num_v_heads: int, head_k_dim: int,
                    head_v_dim: int, eps: float, impl: str = "auto", fused_recurrent: bool = False,
-                   per_token_states: bool = False, state_rows: jax.Array | None = None):
+                   per_token_states: bool = False, state_rows: jax.Array | None = None, gate_act=jax.nn.silu):
     """x: [B, T, Hd]; valid: [B, T]; n_new: [B]; conv_state: [B, W-1, C]; ssm_state: [B, HV, K, V] fp32.
+    gate_act: the output gate's activation (SiLU; Qwen4-Exp's output_gate_type may make it a sigmoid).
     state_rows [B]: ssm_state is a pool [P, HV, K, V] of which row state_rows[b] is row b's state; the
     returned ssm_state is the pool with those rows updated (in place by the token-by-token rule; the
     chunked rule and per_token_states run on the rows gathered).
@@ -114,7 +115,7 @@ def gated_deltanet(p: dict, x: jax.Array, valid: jax.Array, n_new: jax.Array, co
         pool = ssm_state
         out = gated_deltanet(p, x, valid, n_new, conv_state, pool[state_rows], num_k_heads=H, num_v_heads=HV,
                              head_k_dim=K, head_v_dim=V, eps=eps, impl=impl, fused_recurrent=fused_recurrent,
-                             per_token_states=per_token_states)
+                             per_token_states=per_token_states, gate_act=gate_act)
         return (*out[:2], pool.at[state_rows].set(out[2]), *out[3:])
     qkv, z, b, a = _project(p, x, H, HV, K, V)
     if per_token_states:
@@ -133,7 +134,7 @@ def gated_deltanet(p: dict, x: jax.Array, valid: jax.Array, n_new: jax.Array, co
     else:
         o, ssm_state = _rule(pallas_kernels.chunk_gated_delta_rule, q, k, v, g, beta, ssm_state,
                              use_qk_l2norm_in_kernel=True, impl=impl)
-    out = _output(p, o, z, eps, x.dtype)
+    out = _output(p, o, z, eps, x.dtype, gate_act)
     if per_token_states:
         return out, conv_state, ssm_state, parts
     return out, conv_state, ssm_state
@@ -165,7 +166,7 @@ def ragged_causal_conv(x: jax.Array, conv_state: jax.Array, w: jax.Array, seq: j
 
 def gated_deltanet_ragged(p: dict, x: jax.Array, seq: jax.Array, valid: jax.Array, cu_seqlens: jax.Array,
                           conv_state: jax.Array, ssm_state: jax.Array, *, num_k_heads: int, num_v_heads: int,
-                          head_k_dim: int, head_v_dim: int, eps: float, impl: str = "auto"):
+                          head_k_dim: int, head_v_dim: int, eps: float, impl: str = "auto", gate_act=jax.nn.silu):
     """`gated_deltanet` over a ragged batch (hybrid_jax.models.ragged): x [N, Hd]; seq [N], valid [N];
     cu_seqlens [S + 1]; conv_state [S, W-1, C]; ssm_state [S, HV, K, V] fp32 (row s: sequence s's).
     The chunked rule runs the packed sequences with `cu_seqlens` (each padded to the chunk size, no
@@ -177,4 +178,4 @@ def gated_deltanet_ragged(p: dict, x: jax.Array, seq: jax.Array, valid: jax.Arra
     beta, g = _gates(p, b, a, valid)
     o, ssm_state = _rule(pallas_kernels.chunk_gated_delta_rule, q[None], k[None], v[None], g[None], beta[None],
                          ssm_state, cu_seqlens, use_qk_l2norm_in_kernel=True, impl=impl)
-    return _output(p, o[0], z, eps, x.dtype), conv_state, ssm_state
+    return _output(p, o[0], z, eps, x.dtype, gate_act), conv_state, ssm_state

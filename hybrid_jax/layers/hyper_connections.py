@@ -10,6 +10,12 @@ A block reads one stream collapsed from the N by `pre` weights, and its output i
   comb = sinkhorn(softmax(f_comb * s2 + b_comb) + eps)       [B, T, N, N]  (col, then (row, col) x iters-1)
   block_in = sum_n pre_n x_n;   x'_k = post_k * block_out + sum_j comb[j, k] x_j
 The hyper head collapses the streams once more before the final norm. All in fp32.
+
+Qwen4-Exp's gated residual (`gated_residual`) keeps N streams too, with other math: the streams are
+RMS-normed each (a (1 + w) weight over all N * Hd channels), the block reads the mean over the streams of
+a per-channel sigmoid gate (a rank-r mixer: up(silu(down(normed) / N))) times the normed stream, and its
+output is added to each raw stream with a weight 2 sigmoid(inject(normed) / N): `hc_merge` with no comb
+(the streams are not mixed). Its final mixer is the same read without the injection weights.
 """
 from __future__ import annotations
 
@@ -48,9 +54,10 @@ def hc_weights(p: dict, x, *, iters: int, hc_eps: float, norm_eps: float):
 
 
 def hc_merge(post, comb, block_out, x):
-    """post [B, T, N], comb [B, T, N, N], block_out [B, T, Hd], x [B, T, N, Hd] -> new streams [B, T, N, Hd]."""
+    """post [B, T, N], comb [B, T, N, N] (None: the streams are not mixed), block_out [B, T, Hd], x [B, T, N, Hd]
+    -> new streams [B, T, N, Hd]."""
     dt = x.dtype
-    mixed = jnp.einsum("btjk,btjd->btkd", comb.astype(dt), x)
+    mixed = x if comb is None else jnp.einsum("btjk,btjd->btkd", comb.astype(dt), x)
     return post.astype(dt)[..., None] * block_out[:, :, None, :] + mixed
 
 
@@ -61,3 +68,21 @@ def hc_head(p: dict, x, *, hc_eps: float, norm_eps: float):
     pre = jax.nn.sigmoid((flat @ p["fn"].astype(jnp.float32)) * p["scale"].astype(jnp.float32)[0]
                          + p["base"].astype(jnp.float32)) + hc_eps
     return jnp.sum(pre[..., None] * x.astype(jnp.float32), axis=-2).astype(x.dtype)
+
+
+def normed_streams(x, w, eps):
+    """Qwen4-Exp's grouped RMSNorm: each stream of x [..., N, Hd] normalised alone, times (1 + w), w [N * Hd]."""
+    return (unweighted_rms(x, eps) * (1.0 + w.astype(jnp.float32).reshape(x.shape[-2:]))).astype(x.dtype)
+
+
+def gated_residual(p: dict, x, *, eps: float):
+    """Qwen4-Exp's read of the streams x [..., N, Hd] (p: norm [N*Hd], down [N*Hd, r], up [r, N*Hd] and,
+    except in the final mixer, inject [N*Hd, N]). Returns (block input [..., Hd], the injection weights
+    [..., N] or None) -- `hc_merge(weights, None, block_out, x)` adds the block's output back."""
+    lead, (N, Hd) = x.shape[:-2], x.shape[-2:]
+    normed = normed_streams(x, p["norm"], eps).reshape(lead + (N * Hd,))
+    gate = jax.nn.sigmoid(jax.nn.silu((normed @ p["down"]) / N) @ p["up"]).reshape(lead + (N, Hd))
+    block_in = jnp.mean(gate * normed.reshape(lead + (N, Hd)), axis=-2)
+    if "inject" not in p:
+        return block_in, None
+    return block_in, 2.0 * jax.nn.sigmoid((normed @ p["inject"]) / N)

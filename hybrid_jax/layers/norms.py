@@ -16,10 +16,10 @@ def rms_norm_zero_centered(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
     return (_rms(x, eps) * (1.0 + w.astype(jnp.float32))).astype(x.dtype)
 
 
-def gated_rms_norm(x: jax.Array, gate: jax.Array, w: jax.Array, eps: float) -> jax.Array:
-    """Norm before gate: (w * rmsnorm(x)) * silu(gate). x, gate: [..., D]; w: [D]."""
+def gated_rms_norm(x: jax.Array, gate: jax.Array, w: jax.Array, eps: float, act=jax.nn.silu) -> jax.Array:
+    """Norm before gate: (w * rmsnorm(x)) * act(gate) (SiLU; Qwen4-Exp may use a sigmoid). x, gate: [..., D]; w: [D]."""
     y = w * _rms(x, eps).astype(x.dtype)
-    return (y * jax.nn.silu(gate.astype(jnp.float32))).astype(x.dtype)
+    return (y * act(gate.astype(jnp.float32))).astype(x.dtype)
 
 
 def sigmoid_gated_rms_norm(x: jax.Array, gate: jax.Array, w: jax.Array, eps: float) -> jax.Array:

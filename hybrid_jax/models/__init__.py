@@ -35,6 +35,8 @@ REGISTRY: dict[str, Registered] = {
     "kimi_linear": Registered("hybrid_jax.models.kimi_linear", "hybrid_jax.models.kimi_linear_config:kimi_linear_config"),
     "nemotron_h": Registered("hybrid_jax.models.nemotron_h", "hybrid_jax.models.nemotron_h_config:nemotron_h_config"),
 }
+for _t in ("qwen4_exp", "qwen4_exp_text"):        # the multimodal release (text model only) and text-only checkpoints
+    REGISTRY[_t] = Registered("hybrid_jax.models.qwen4_exp", "hybrid_jax.models.qwen4_exp_config:qwen4_exp_config")
 for _t in ("qwen3_5", "qwen3_5_moe", "qwen3_5_text", "qwen3_5_moe_text"):    # multimodal and text-only checkpoints
     REGISTRY[_t] = Registered("hybrid_jax.models.qwen3_5", "hybrid_jax.models.qwen3_5_config:qwen3_5_config")
 

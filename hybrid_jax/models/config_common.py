@@ -176,14 +176,18 @@ _COUNTS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_head
            "hc_mult", "hc_sinkhorn_iters", "num_hash_layers", "compress_rate_csa", "compress_rate_hca",
            "num_nextn_predict_layers", "index_topk_freq", "index_skip_topk_offset", "mamba_num_heads", "mamba_head_dim",
            "n_groups", "mamba_n_groups", "ssm_state_size", "conv_kernel", "mamba_d_conv",
-           "moe_shared_expert_intermediate_size", "moe_latent_size")
+           "moe_shared_expert_intermediate_size", "moe_latent_size", "hc_count", "hc_lowrank", "ple_embed_dim",
+           "ple_conv_kernel_size", "ngram_size", "heads_per_ngram", "ngram_vocab_size_base",
+           "make_ngram_vocab_size_divisible_by", "seed", "split_ngram_parts", "indexer_n_heads", "indexer_kv_heads",
+           "indexer_head_dim", "indexer_budget", "indexer_compress_ratio")
 _FLOATS = ("rms_norm_eps", "rope_theta", "partial_rotary_factor", "routed_scaling_factor", "hc_eps", "swiglu_limit",
            "compress_rope_theta", "layer_norm_epsilon")
 _BOOLS = ("attention_bias", "tie_word_embeddings", "norm_topk_prob", "moe_renormalize", "use_grouped_topk",
           "attn_output_gate", "mla_use_nope", "mlp_bias", "indexer_rope_interleave", "rope_interleave",
           "use_sliding_window", "use_bias", "mamba_proj_bias", "use_conv_bias", "mamba_conv_bias")
 _STRS = ("model_type", "hidden_act", "dtype", "torch_dtype", "scoring_func", "topk_method", "moe_router_activation_func",
-         "mamba_ssm_dtype", "hybrid_override_pattern", "mlp_hidden_act", "mamba_hidden_act")
+         "mamba_ssm_dtype", "hybrid_override_pattern", "mlp_hidden_act", "mamba_hidden_act",
+         "output_gate_type")
 
 
 def _is_int(v) -> bool:
@@ -210,7 +214,7 @@ FIELD_KINDS: dict[str, str] = {
     **{k: "str" for k in _STRS},
     "bos_token_id": "id", "pad_token_id": "id", "eos_token_id": "ids",
     "layer_types": "strs", "mlp_layer_types": "strs", "indexer_types": "strs", "layers_block_type": "strs",
-    "mlp_only_layers": "counts", "compress_ratios": "counts",
+    "mlp_only_layers": "counts", "compress_ratios": "counts", "ple_layer_ids": "counts",
     "text_config": "object", "rope_parameters": "object", "rope_scaling": "object", "linear_attn_config": "object",
     "compress_rates": "object", "quantization_config": "object",
 }

@@ -28,7 +28,7 @@ from hybrid_jax.layers import mlp as mlp_lib
 from hybrid_jax.layers.linear import linear
 from hybrid_jax.layers.mla import rms_norm, sparse_attention
 from hybrid_jax.layers.rope import rope_cos_sin
-from hybrid_jax.models.common import LayerStep, finish_step, token_positions
+from hybrid_jax.models.common import LayerStep, finish_ragged, finish_step, token_positions
 from hybrid_jax.models.contract import LayerType, MTPHead, ModelFamily, StepOutput
 from hybrid_jax.models.ragged import RaggedBatch
 from hybrid_jax.weights import checked_getter, concat, dense_mlp_weights, expert_weights, to_device, to_device_linear
@@ -145,11 +145,9 @@ def forward(cfg: DeepseekV32Config, params: dict, cache: ModelCache, tokens: jax
     cos, sin = rope_cos_sin(positions, cfg.qk_rope_head_dim, cfg.rope, seq_len=cache.lengths + n_new)
     step = _Step(cache, positions, valid, n_new, impl, cos=cos, sin=sin)
     x, groups, hidden = _layers(cfg, params, x, step, return_hidden)
-    out = finish_step(cfg, params, cache, groups, x, n_new, final_norm=final_norm, logits_at=logits_at,
-                      hidden=hidden)
-    if return_final_hidden:
-        out = out.replace(final_hidden=x)
-    return out.replace(states={}) if per_token_states else out
+    return finish_step(cfg, params, cache, groups, x, n_new, final_norm=final_norm, logits_at=logits_at,
+                       hidden=hidden, final_hidden=x if return_final_hidden else None,
+                       per_token=[] if per_token_states else None)
 
 
 def forward_ragged(cfg: DeepseekV32Config, params: dict, cache: ModelCache, batch: RaggedBatch, *,
@@ -164,10 +162,8 @@ def forward_ragged(cfg: DeepseekV32Config, params: dict, cache: ModelCache, batc
     step = _Step(cache, batch.positions[None], batch.valid[None], batch.n_new, impl, cos=cos[:, 0][None],
                  sin=sin[:, 0][None], ragged=batch)
     x, groups, _ = _layers(cfg, params, x, step, False)
-    flat = x[0]
-    x = flat[batch.last_index()][:, None]                                    # [S, 1, Hd]
-    out = finish_step(cfg, params, cache, groups, x, batch.n_new, final_norm=final_norm, logits_at="all")
-    return out.replace(logits=out.logits[:, 0], final_hidden=flat if return_final_hidden else None)
+    return finish_ragged(cfg, params, cache, groups, x, batch, final_norm=final_norm,
+                         return_final_hidden=return_final_hidden)
 
 
 def _layers(cfg: DeepseekV32Config, params: dict, x: jax.Array, step: _Step, return_hidden: bool):

@@ -207,11 +207,10 @@ def forward(cfg: DeepseekV4Config, params: dict, cache: ModelCache, tokens: jax.
     x, new_groups, hidden = _layers(cfg, params["layers"], cache, x, tokens, positions, valid, n_new, impl,
                                     return_hidden)
     xh = hc_head(params["hc_head"], x, hc_eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps)
-    out = finish_step(cfg, params, cache, new_groups, xh, n_new, final_norm=_norm, logits_at=logits_at,
-                      hidden=hidden)
-    if return_final_hidden:                  # the streams, as `final_norm` takes them
-        out = out.replace(final_hidden=x)
-    return out.replace(states={}) if per_token_states else out
+    # final_hidden: the streams, as `final_norm` takes them
+    return finish_step(cfg, params, cache, new_groups, xh, n_new, final_norm=_norm, logits_at=logits_at,
+                       hidden=hidden, final_hidden=x if return_final_hidden else None,
+                       per_token=[] if per_token_states else None)
 
 
 def forward_ragged(cfg: DeepseekV4Config, params: dict, cache: ModelCache, batch: RaggedBatch, *,

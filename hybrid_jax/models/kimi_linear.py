@@ -30,7 +30,7 @@ from cache.mla import init_latent_group
 from cache.state import RecurrentGroup, recurrent_group
 from hybrid_jax.layers.kimi_delta_attention import kimi_delta_attention, kimi_delta_attention_ragged
 from hybrid_jax.layers.mla import nope_attention, rms_norm
-from hybrid_jax.models.common import LayerStep, finish_step, token_positions
+from hybrid_jax.models.common import LayerStep, finish_ragged, finish_step, token_positions
 from hybrid_jax.models.contract import LayerType, ModelFamily, StepOutput
 from hybrid_jax.models.deepseek_v32 import FFN_AXES, convert_ffn, ffn, init_ffn
 from hybrid_jax.models.kimi_linear_config import KimiLinearConfig
@@ -118,13 +118,9 @@ def forward(cfg: KimiLinearConfig, params: dict, cache: ModelCache, tokens: jax.
     step = _Step(cache, positions, valid, n_new, impl, fused_recurrent=fused_recurrent or per_token_states,
                  per_token_states=per_token_states)
     x, groups, hidden = _layers(cfg, params, x, step, return_hidden)
-    out = finish_step(cfg, params, cache, groups, x, n_new, final_norm=final_norm, logits_at=logits_at, hidden=hidden)
-    if return_final_hidden:
-        out = out.replace(final_hidden=x)
-    if per_token_states:
-        out = out.replace(states=jax.tree_util.tree_map(lambda *a: jnp.stack(a), *step.per_token)
-                          if step.per_token else {})
-    return out
+    return finish_step(cfg, params, cache, groups, x, n_new, final_norm=final_norm, logits_at=logits_at,
+                       hidden=hidden, final_hidden=x if return_final_hidden else None,
+                       per_token=step.per_token if per_token_states else None)
 
 
 def forward_ragged(cfg: KimiLinearConfig, params: dict, cache: ModelCache, batch: RaggedBatch, *, impl: str = "auto",
@@ -136,10 +132,8 @@ def forward_ragged(cfg: KimiLinearConfig, params: dict, cache: ModelCache, batch
     x = params["embed"][batch.tokens][None]                                  # [1, N, Hd]
     step = _Step(cache, batch.positions[None], batch.valid[None], batch.n_new, impl, ragged=batch)
     x, groups, _ = _layers(cfg, params, x, step, False)
-    flat = x[0]
-    x = flat[batch.last_index()][:, None]                                    # [S, 1, Hd]
-    out = finish_step(cfg, params, cache, groups, x, batch.n_new, final_norm=final_norm, logits_at="all")
-    return out.replace(logits=out.logits[:, 0], final_hidden=flat if return_final_hidden else None)
+    return finish_ragged(cfg, params, cache, groups, x, batch, final_norm=final_norm,
+                         return_final_hidden=return_final_hidden)
 
 
 def _layers(cfg: KimiLinearConfig, params: dict, x: jax.Array, step: _Step, return_hidden: bool):

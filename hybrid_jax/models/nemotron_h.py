@@ -31,7 +31,7 @@ from hybrid_jax.layers.linear import linear
 from hybrid_jax.layers.mamba2 import mamba2_mixer, mamba2_mixer_ragged
 from hybrid_jax.layers.mla import rms_norm
 from hybrid_jax.layers.mlp import relu2, routed_experts
-from hybrid_jax.models.common import finish_step, token_positions
+from hybrid_jax.models.common import finish_ragged, finish_step, token_positions
 from hybrid_jax.models.contract import LayerType, ModelFamily, StepOutput
 from hybrid_jax.models.deepseek_v32 import grouped_topk_route
 from hybrid_jax.models.nemotron_h_config import NemotronHConfig
@@ -158,12 +158,9 @@ def forward(cfg: NemotronHConfig, params: dict, cache: ModelCache, tokens: jax.A
     step = HybridStep(cache, positions, valid, n_new, impl, fused_recurrent=fused_recurrent,
                  per_token_states=per_token_states, defer_kv_write=defer_kv_write)
     x, groups, hidden = _layers(cfg, params, x, step, return_hidden)
-    out = finish_step(cfg, params, cache, groups, x, n_new, final_norm=final_norm, logits_at=logits_at, hidden=hidden)
-    if return_final_hidden:
-        out = out.replace(final_hidden=x)
-    if per_token_states:
-        out = out.replace(states=jax.tree_util.tree_map(lambda *a: jnp.stack(a), *step.per_token)
-                          if step.per_token else {})
+    out = finish_step(cfg, params, cache, groups, x, n_new, final_norm=final_norm, logits_at=logits_at,
+                      hidden=hidden, final_hidden=x if return_final_hidden else None,
+                      per_token=step.per_token if per_token_states else None)
     if defer_kv_write:
         out = out.replace(deferred={"k": jnp.stack(step.k_new), "v": jnp.stack(step.v_new)} if step.k_new else {})
     return out
@@ -177,10 +174,8 @@ def forward_ragged(cfg: NemotronHConfig, params: dict, cache: ModelCache, batch:
     x = params["embed"][batch.tokens][None]                                  # [1, N, Hd]
     step = HybridStep(cache, batch.positions, batch.valid, batch.n_new, impl, ragged=batch)
     x, groups, _ = _layers(cfg, params, x, step, False)
-    flat = x[0]
-    out = finish_step(cfg, params, cache, groups, flat[batch.last_index()][:, None], batch.n_new,
-                      final_norm=final_norm, logits_at="all")
-    return out.replace(logits=out.logits[:, 0], final_hidden=flat if return_final_hidden else None)
+    return finish_ragged(cfg, params, cache, groups, x, batch, final_norm=final_norm,
+                         return_final_hidden=return_final_hidden)
 
 
 def _layers(cfg: NemotronHConfig, params: dict, x: jax.Array, step: HybridStep, return_hidden: bool):

@@ -34,7 +34,7 @@ from hybrid_jax.layers.linear import linear
 from hybrid_jax.layers.mlp import sparse_moe, swiglu
 from hybrid_jax.layers.norms import rms_norm_zero_centered
 from hybrid_jax.layers.rope import rope_cos_sin
-from hybrid_jax.models.common import LayerStep, finish_step, token_positions
+from hybrid_jax.models.common import LayerStep, finish_ragged, finish_step, token_positions
 from hybrid_jax.models.contract import LayerType, MTPHead, ModelFamily, StepOutput
 from hybrid_jax.models.ragged import RaggedBatch
 from hybrid_jax.parallel.context import kv_replicas
@@ -92,7 +92,8 @@ def _linear_attention(cfg: ModelConfig, lp: dict, h: jax.Array, step: HybridStep
         conv0, ssm0 = rec.layer_state(s)
         rows = None
     heads = dict(num_k_heads=cfg.linear_num_key_heads, num_v_heads=cfg.linear_num_value_heads,
-                 head_k_dim=cfg.linear_key_head_dim, head_v_dim=cfg.linear_value_head_dim, eps=cfg.rms_norm_eps)
+                 head_k_dim=cfg.linear_key_head_dim, head_v_dim=cfg.linear_value_head_dim, eps=cfg.rms_norm_eps,
+                 gate_act=jax.nn.sigmoid if cfg.output_gate == "sigmoid" else jax.nn.silu)
     if step.ragged is not None:
         rb = step.ragged
         h, conv, ssm = gated_deltanet_ragged(lp["gdn"], h, rb.seq, rb.valid, rb.cu_seqlens, conv0, ssm0,
@@ -166,12 +167,8 @@ def forward(cfg: ModelConfig, params: dict, cache: ModelCache, tokens: jax.Array
                  per_token_states=per_token_states, defer_kv_write=defer_kv_write)
     x, groups, hidden = _layers(cfg, params, x, step, return_hidden)
     out = finish_step(cfg, params, cache, groups, x, n_new, final_norm=final_norm, logits_at=logits_at,
-                      hidden=hidden)
-    if return_final_hidden:
-        out = out.replace(final_hidden=x)
-    if per_token_states:
-        states = jax.tree_util.tree_map(lambda *a: jnp.stack(a), *step.per_token) if step.per_token else {}
-        out = out.replace(states=states)
+                      hidden=hidden, final_hidden=x if return_final_hidden else None,
+                      per_token=step.per_token if per_token_states else None)
     if defer_kv_write:
         out = out.replace(deferred={"k": jnp.stack(step.k_new), "v": jnp.stack(step.v_new)} if step.k_new else {})
     return out
@@ -189,10 +186,8 @@ def forward_ragged(cfg: ModelConfig, params: dict, cache: ModelCache, batch: Rag
     cos, sin = rope_cos_sin(batch.positions[:, None], cfg.rotary_dim, cfg.rope, seq_len=seq_len)
     step = HybridStep(cache, batch.positions, batch.valid, batch.n_new, impl, cos=cos[:, 0], sin=sin[:, 0], ragged=batch)
     x, groups, _ = _layers(cfg, params, x, step, False)
-    flat = x[0]
-    x = flat[batch.last_index()][:, None]                                    # [S, 1, Hd]
-    out = finish_step(cfg, params, cache, groups, x, batch.n_new, final_norm=final_norm, logits_at="all")
-    return out.replace(logits=out.logits[:, 0], final_hidden=flat if return_final_hidden else None)
+    return finish_ragged(cfg, params, cache, groups, x, batch, final_norm=final_norm,
+                         return_final_hidden=return_final_hidden)
 
 
 def _layers(cfg: ModelConfig, params: dict, x: jax.Array, step: HybridStep, return_hidden: bool):

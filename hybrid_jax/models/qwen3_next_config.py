@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any, Self
+from typing import Any, ClassVar, Self
 
 from hybrid_jax.errors import ConfigError
 from hybrid_jax.layers.rope import RopeSpec
@@ -19,12 +19,16 @@ from hybrid_jax.models.config_common import LayerPattern, common_fields, parse_r
 
 # Every mixer the architecture family knows; SUPPORTED_LAYER_TYPES is what runs today.
 KNOWN_LAYER_TYPES = ("linear_attention", "full_attention", "sliding_attention", "sparse_attention",
-                     "compressed_sparse_attention", "heavily_compressed_attention")
+                     "compressed_sparse_attention", "heavily_compressed_attention", "indexed_attention")
 SUPPORTED_LAYER_TYPES = ("linear_attention", "full_attention")
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig(LayerPattern):
+    # the layer types a config of this class runs, and those of them that are (gated) attention; a subclass
+    # (Qwen4-Exp's indexed attention) names its own
+    SUPPORTED_LAYER_TYPES: ClassVar[tuple[str, ...]] = SUPPORTED_LAYER_TYPES
+    ATTENTION_TYPES: ClassVar[tuple[str, ...]] = ("full_attention",)
     model_type: str
     vocab_size: int
     hidden_size: int
@@ -43,6 +47,7 @@ class ModelConfig(LayerPattern):
     linear_value_head_dim: int = 128
     linear_num_key_heads: int = 16
     linear_num_value_heads: int = 32
+    output_gate: str = "silu"          # the output gate's activation (Qwen4-Exp's output_gate_type may say sigmoid)
     # feed-forward
     intermediate_size: int = 0
     num_experts: int = 0
@@ -65,17 +70,18 @@ class ModelConfig(LayerPattern):
         unknown = sorted({t for t in self.layer_types if t not in KNOWN_LAYER_TYPES})
         if unknown:
             raise ConfigError(f"unknown layer type(s) {unknown} in layer_types; known: {list(KNOWN_LAYER_TYPES)}")
-        unsupported = sorted({t for t in self.layer_types if t not in SUPPORTED_LAYER_TYPES})
+        unsupported = sorted({t for t in self.layer_types if t not in self.SUPPORTED_LAYER_TYPES})
         if unsupported:
             raise ConfigError(f"layer type(s) {unsupported} are not supported yet for model_type "
-                              f"{self.model_type!r}; supported: {list(SUPPORTED_LAYER_TYPES)}")
+                              f"{self.model_type!r}; supported: {list(self.SUPPORTED_LAYER_TYPES)}")
         if len(self.layer_types) != self.num_hidden_layers:
             raise ConfigError(f"layer_types has {len(self.layer_types)} entries but num_hidden_layers is "
                               f"{self.num_hidden_layers}")
         if self.hidden_act != "silu":
             raise ConfigError(f"hidden_act {self.hidden_act!r} is not supported (only 'silu')")
         positive = ["vocab_size", "hidden_size", "num_hidden_layers", "max_position_embeddings"]
-        if "full_attention" in self.layer_types:
+        attention = any(t in self.ATTENTION_TYPES for t in self.layer_types)
+        if attention:
             positive += ["num_attention_heads", "num_key_value_heads", "head_dim"]
         if "linear_attention" in self.layer_types:
             positive += ["linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",
@@ -83,7 +89,7 @@ class ModelConfig(LayerPattern):
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive; got {getattr(self, name)}")
-        if "full_attention" in self.layer_types and self.num_attention_heads % self.num_key_value_heads:
+        if attention and self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError(f"num_attention_heads={self.num_attention_heads} is not a multiple of "
                               f"num_key_value_heads={self.num_key_value_heads}")
         if "linear_attention" in self.layer_types and self.linear_num_value_heads % self.linear_num_key_heads:

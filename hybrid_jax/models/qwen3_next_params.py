@@ -154,53 +154,67 @@ def _convert_mtp(cfg: ModelConfig, t, has, dev, lin) -> dict:
 def _convert_layer(cfg: ModelConfig, t, has, p: str, kind: str, moe: bool, dev, lin, gdn_in_proj=grouped_in_proj
                    ) -> dict:
     """One decoder layer's tensors under prefix p (`model.layers.3.`, `mtp.layers.0.`) -> its params."""
-    s = _shapes(cfg)
-    Hd = s["Hd"]
+    Hd = cfg.hidden_size
     lp = {"input_norm": dev(t(p + "input_layernorm.weight", (Hd,))),
           "post_norm": dev(t(p + "post_attention_layernorm.weight", (Hd,)))}
     if kind == "linear_attention":
-        HV, V = s["HV"], s["V"]
-        a = p + "linear_attn."
-        conv = t(a + "conv1d.weight", (cfg.linear_conv_dim, 1, cfg.linear_conv_kernel_dim))
-        qkvz, ba = gdn_in_proj(cfg, t, a)
-        lp["gdn"] = {
-            "qkvz": lin(qkvz.T), "ba": lin(ba.T), "conv": dev(conv[grouped_conv_channels(cfg), 0, :].T),
-            "A_log": to_device(t(a + "A_log", (HV,)), jnp.float32),
-            "dt_bias": to_device(t(a + "dt_bias", (HV,)), jnp.float32),
-            "norm": dev(t(a + "norm.weight", (V,))),
-            "out_proj": lin(t(a + "out_proj.weight", (Hd, HV * V)).T),
-        }
+        lp["gdn"] = convert_gdn(cfg, t, p + "linear_attn.", dev, lin, gdn_in_proj)
     else:
-        Hq, Hkv, D = s["Hq"], s["Hkv"], s["D"]
-        a = p + "self_attn."
-        # q_proj interleaves per head, [Hq, (query D | gate D)]: the layer reads it as stored; k and v
-        # are interleaved per head alike, [Hkv, (k D | v D)]
-        k = t(a + "k_proj.weight", (Hkv * D, Hd)).reshape(Hkv, 1, D, Hd)
-        v = t(a + "v_proj.weight", (Hkv * D, Hd)).reshape(Hkv, 1, D, Hd)
-        lp["attn"] = {"qg": lin(t(a + "q_proj.weight", (2 * Hq * D, Hd)).T),
-                      "kv": lin(concat([k, v], axis=1).reshape(2 * Hkv * D, Hd).T),
-                      "q_norm": dev(t(a + "q_norm.weight", (D,))), "k_norm": dev(t(a + "k_norm.weight", (D,))),
-                      "o_proj": lin(t(a + "o_proj.weight", (Hd, Hq * D)).T)}
-        if cfg.attention_bias:
-            lp["attn"]["qg_bias"] = dev(t(a + "q_proj.bias", (2 * Hq * D,)))
-            lp["attn"]["kv_bias"] = dev(np.stack([t(a + "k_proj.bias", (Hkv * D,)).reshape(Hkv, D),
-                                                  t(a + "v_proj.bias", (Hkv * D,)).reshape(Hkv, D)], axis=1).reshape(-1))
-            lp["attn"]["o_bias"] = dev(t(a + "o_proj.bias", (Hd,)))
-    m = p + "mlp."
+        lp["attn"] = convert_gated_attention(cfg, t, p + "self_attn.", dev, lin)
     if moe:
-        E, I, Is = cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
-        router = t(m + "gate.weight", (E, Hd))
-        sgate = t(m + "shared_expert_gate.weight", (1, Hd))
-        sg = t(m + "shared_expert.gate_proj.weight", (Is, Hd))
-        su = t(m + "shared_expert.up_proj.weight", (Is, Hd))
-        gate_up, down = expert_weights(t, has, m, E, I, Hd)
-        lp["moe"] = {"in_proj": lin(concat([router, sgate, sg, su], axis=0).T),
-                     "shared_down": lin(t(m + "shared_expert.down_proj.weight", (Hd, Is)).T),
-                     "gate_up": lin(gate_up), "down": lin(down)}
+        lp["moe"] = convert_moe(cfg, t, has, p + "mlp.", lin)
     else:
-        gate_up, down = dense_mlp_weights(t, m, cfg.intermediate_size, Hd)
+        gate_up, down = dense_mlp_weights(t, p + "mlp.", cfg.intermediate_size, Hd)
         lp["mlp"] = {"gate_up": lin(gate_up), "down": lin(down)}
     return lp
+
+
+def convert_gdn(cfg: ModelConfig, t, a: str, dev, lin, gdn_in_proj=grouped_in_proj) -> dict:
+    """A Gated DeltaNet mixer's tensors under `a` (`...linear_attn.`) -> its params (layers.gated_deltanet)."""
+    s = _shapes(cfg)
+    HV, V, Hd = s["HV"], s["V"], s["Hd"]
+    conv = t(a + "conv1d.weight", (cfg.linear_conv_dim, 1, cfg.linear_conv_kernel_dim))
+    qkvz, ba = gdn_in_proj(cfg, t, a)
+    return {
+        "qkvz": lin(qkvz.T), "ba": lin(ba.T), "conv": dev(conv[grouped_conv_channels(cfg), 0, :].T),
+        "A_log": to_device(t(a + "A_log", (HV,)), jnp.float32),
+        "dt_bias": to_device(t(a + "dt_bias", (HV,)), jnp.float32),
+        "norm": dev(t(a + "norm.weight", (V,))),
+        "out_proj": lin(t(a + "out_proj.weight", (Hd, HV * V)).T),
+    }
+
+
+def convert_gated_attention(cfg: ModelConfig, t, a: str, dev, lin) -> dict:
+    """A gated attention's tensors under `a` (`...self_attn.`) -> its params (layers.attention)."""
+    s = _shapes(cfg)
+    Hq, Hkv, D, Hd = s["Hq"], s["Hkv"], s["D"], s["Hd"]
+    # q_proj interleaves per head, [Hq, (query D | gate D)]: the layer reads it as stored; k and v
+    # are interleaved per head alike, [Hkv, (k D | v D)]
+    k = t(a + "k_proj.weight", (Hkv * D, Hd)).reshape(Hkv, 1, D, Hd)
+    v = t(a + "v_proj.weight", (Hkv * D, Hd)).reshape(Hkv, 1, D, Hd)
+    attn = {"qg": lin(t(a + "q_proj.weight", (2 * Hq * D, Hd)).T),
+            "kv": lin(concat([k, v], axis=1).reshape(2 * Hkv * D, Hd).T),
+            "q_norm": dev(t(a + "q_norm.weight", (D,))), "k_norm": dev(t(a + "k_norm.weight", (D,))),
+            "o_proj": lin(t(a + "o_proj.weight", (Hd, Hq * D)).T)}
+    if cfg.attention_bias:
+        attn["qg_bias"] = dev(t(a + "q_proj.bias", (2 * Hq * D,)))
+        attn["kv_bias"] = dev(np.stack([t(a + "k_proj.bias", (Hkv * D,)).reshape(Hkv, D),
+                                        t(a + "v_proj.bias", (Hkv * D,)).reshape(Hkv, D)], axis=1).reshape(-1))
+        attn["o_bias"] = dev(t(a + "o_proj.bias", (Hd,)))
+    return attn
+
+
+def convert_moe(cfg: ModelConfig, t, has, m: str, lin) -> dict:
+    """A sparse MoE block's tensors under `m` (`...mlp.`) -> its params (layers.mlp.sparse_moe)."""
+    E, I, Is, Hd = cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size, cfg.hidden_size
+    router = t(m + "gate.weight", (E, Hd))
+    sgate = t(m + "shared_expert_gate.weight", (1, Hd))
+    sg = t(m + "shared_expert.gate_proj.weight", (Is, Hd))
+    su = t(m + "shared_expert.up_proj.weight", (Is, Hd))
+    gate_up, down = expert_weights(t, has, m, E, I, Hd)
+    return {"in_proj": lin(concat([router, sgate, sg, su], axis=0).T),
+            "shared_down": lin(t(m + "shared_expert.down_proj.weight", (Hd, Is)).T),
+            "gate_up": lin(gate_up), "down": lin(down)}
 
 
 # Logical axes of every parameter (hybrid_jax.parallel.rules), first match wins. The mixers' projections

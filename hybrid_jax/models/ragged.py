@@ -83,12 +83,14 @@ def over_tiles(fn, x: jax.Array, rows, shared, batch: RaggedBatch, lengths: jax.
     The batch is cut like the ragged attention op cuts it (`plan_tiles`): a sequence of at most max_q_len
     tokens is one tile, and all of those (distinct sequences) run as one call; a longer one is cut into
     tiles of prefill_tile tokens that run one call each, in order, so each tile sees the state the previous
-    one left. Only real tiles run. Returns (out [N, ...], rows, shared)."""
-    N = x.shape[0]
+    one left. Only real tiles run. Returns (out [N, ...], rows, shared).
+    x may be a pytree of [N, ...] arrays (out_t then one of [G, tile, ...] of the same structure): a step
+    that reads the tokens and writes a hidden state of another width passes both."""
+    N = jax.tree_util.tree_leaves(x)[0].shape[0]
     S = batch.n_new.shape[0]
     kv_lens = lengths + batch.n_new
     dims = Dims(N, 1, 1, 1, 1, 1, S, 1 << 30)                    # only the sizes the planner reads
-    out = jnp.zeros_like(x)
+    out = jax.tree_util.tree_map(jnp.zeros_like, x)
     carry = (out, rows, shared)
     for tile, longer_than, at_most in tile_classes(N, min(max_q_len, N), min(prefill_tile, N)):
         plan = plan_tiles(kv_lens, batch.cu_seqlens, jnp.full((1,), S, jnp.int32), dims, tile=tile,
@@ -104,9 +106,9 @@ def over_tiles(fn, x: jax.Array, rows, shared, batch: RaggedBatch, lengths: jax.
             sl = lambda a: jax.lax.dynamic_slice_in_dim(a, i * G, G)    # noqa: E731
             t_rows, seq, ok, n, pos0 = sl(token_rows), sl(plan.seq), sl(real), sl(plan.rows), sl(plan.pos0)
             rows_t = jax.tree_util.tree_map(lambda a: a[seq], rows)
-            o, rows_t, shared = fn(x[jnp.minimum(t_rows, N - 1)], pos0[:, None] + r[None, :], t_rows < N, pos0,
-                                   n, rows_t, shared)
-            out = out.at[t_rows].set(o.astype(out.dtype), mode="drop")
+            x_t = jax.tree_util.tree_map(lambda a: a[jnp.minimum(t_rows, N - 1)], x)
+            o, rows_t, shared = fn(x_t, pos0[:, None] + r[None, :], t_rows < N, pos0, n, rows_t, shared)
+            out = jax.tree_util.tree_map(lambda a, b: a.at[t_rows].set(b.astype(a.dtype), mode="drop"), out, o)
             dest = jnp.where(ok, seq, S)                           # tiles without tokens write nothing back
             rows = jax.tree_util.tree_map(lambda a, b: a.at[dest].set(b.astype(a.dtype), mode="drop"), rows, rows_t)
             return out, rows, shared

@@ -1,7 +1,8 @@
 """The OpenAI-compatible API: /v1/completions, /v1/chat/completions (SSE streaming; the path in
 server/completions.py), /v1/models and /v1/models/{id}, vLLM's /tokenize and /detokenize
 (server/tokenize_api.py), /health (readiness), /metrics (Prometheus text), /docs and /openapi.json
-(behind the API key).
+(behind the API key); for routers and orchestrators, /server_info and /model_info (the SGLang Model
+Gateway's worker discovery, behind the API key), /liveness and /readiness (server/worker_info.py).
 
 /health: 503 while the model loads, its body saying how far ("loading: loading weights (12.0 s so
 far)", "loading: compiling 3 of 12 programs before ready (2 from the program store), last decode[4]
@@ -39,7 +40,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from hybrid_jax.server import chat_template, protocol
+from hybrid_jax.server import chat_template, protocol, worker_info
 from hybrid_jax.server.completions import Completions
 from hybrid_jax.server.plumbing import ApiError, Http, error_body  # noqa: F401  (ApiError, error_body: re-exported)
 from hybrid_jax.server.startup_report import loading_body, ready_body
@@ -63,7 +64,8 @@ class _Guard:
     for a request with more than one Authorization header; the declared body size; 503 while loading
     or draining."""
 
-    PROTECTED = ("/openapi.json", "/docs", "/docs/oauth2-redirect", "/tokenize", "/detokenize")
+    PROTECTED = ("/openapi.json", "/docs", "/docs/oauth2-redirect", "/tokenize", "/detokenize", "/server_info",
+                 "/get_server_info", "/model_info", "/get_model_info")
     ENGINE_POSTS = ("/tokenize", "/detokenize")     # like /v1/* POSTs: body limit, 503 while loading / draining
 
     def __init__(self, app, state: ServerState, err):
@@ -129,6 +131,8 @@ def build_app(state: ServerState) -> FastAPI:
         if down is not None:
             return PlainTextResponse(down, status_code=503)
         return PlainTextResponse(ready_body(state.ready_note, state.engine.startup_status()))
+
+    worker_info.add_routes(app, state, readiness=health)
 
     @app.get("/metrics")
     async def metrics():

@@ -153,6 +153,12 @@ FIELDS: tuple[Field, ...] = (
     Field("prompt_cache_key", H, _N, "the prefix cache is automatic and needs no key"),
     Field("prompt_cache_retention", H, _N, "the prefix cache's retention is the server's"),
     Field("prompt_cache_options", H, _N, "the prefix cache's retention is the server's"),
+    # --- SGLang's extensions, which the SGLang Model Gateway writes into every request it forwards -----
+    Field("no_stop_trim", BOTH, _Y, "a stop string is always trimmed from the output", (False,)),
+    Field("return_hidden_states", BOTH, _N, "hidden states are not returned", (False,)),
+    Field("separate_reasoning", H, _Y, "with a reasoning parser the reasoning is always separated (drop it with "
+          "include_reasoning: false)", (True,)),
+    Field("stream_reasoning", H, _Y, "the reasoning streams as it is generated", (True,)),
 )
 
 _BY_ENDPOINT: dict[Endpoint, dict[str, Field]] = {

@@ -9,6 +9,7 @@ import time
 from hybrid_jax.server.admission import Admission, AdmissionConfig
 from hybrid_jax.server.api_metrics import ApiMetrics
 from hybrid_jax.server.tool_parsers import family
+from hybrid_jax.server.worker_info import ModelIdentity
 from hybrid_jax.server.workers import Workers
 
 
@@ -25,6 +26,7 @@ class ServerConfig:
     model_type: str | None = None       # the checkpoint's (config.json): picks its tool-call / reasoning formats
     tool_call_parser: str | None = None  # --tool-call-parser: a format of server/tool_parsers/ ("none": off)
     reasoning_parser: str | None = None  # --reasoning-parser
+    identity: ModelIdentity = ModelIdentity()   # the checkpoint and layout, for /server_info and /model_info
 
 
 class ServerState:

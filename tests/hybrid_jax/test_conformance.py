@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import CONFIGS, hf_model
+from conftest import CONFIGS, hf_model, random_prompt
 from hybrid_jax import LLM, SamplingParams
 from hybrid_jax.default_model import DEFAULT_MODEL_DIR
 
@@ -20,14 +20,11 @@ def pair(request, checkpoints):
     return LLM(model=path, dtype="float32"), hf_model(path)
 
 
-def _prompt(n, vocab, seed=0):
-    return np.random.default_rng(seed).integers(0, vocab, n).tolist()
-
 
 def test_prefill_logits_match_transformers(pair):
     llm, hf = pair
     for n in (1, 7, 75, 300):     # 75: across GDN chunks; 300: several attention query blocks
-        ids = _prompt(n, llm.config.vocab_size, seed=n)
+        ids = random_prompt(n, llm.config.vocab_size, seed=n)
         with torch.no_grad():
             ref = hf(torch.tensor([ids]), use_cache=False).logits[0].numpy()
         got = llm.logits(ids)
@@ -38,7 +35,7 @@ def test_prefill_logits_match_transformers(pair):
 
 def test_greedy_32_tokens_identical_to_hf_generate(pair):
     llm, hf = pair
-    prompts = [_prompt(n, llm.config.vocab_size, seed=100 + n) for n in (5, 33, 70)]
+    prompts = [random_prompt(n, llm.config.vocab_size, seed=100 + n) for n in (5, 33, 70)]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=32, temperature=0))
     for p, o in zip(prompts, outs):
         with torch.no_grad():
@@ -51,7 +48,7 @@ def test_greedy_32_tokens_identical_to_hf_generate(pair):
 
 def test_incremental_decode_equals_full_recompute(pair):
     llm, _ = pair
-    ids = _prompt(90, llm.config.vocab_size, seed=7)
+    ids = random_prompt(90, llm.config.vocab_size, seed=7)
     gen = llm.generator
     full = llm.logits(ids)
     # prefill 40 tokens, then one token at a time through the same cache

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from conftest import hf_model, save_random_checkpoint
+from conftest import family_checkpoints, random_prompt
 
 from hybrid_jax import LLM, SamplingParams
 from hybrid_jax.errors import ConfigError
@@ -29,25 +29,8 @@ CONFIGS = {"topk16_moe": {}, "topk8_tied_bias": dict(index_topk=8, tie_word_embe
                                                      num_hidden_layers=2, first_k_dense_replace=0)}
 
 
-def make_checkpoint(path, seed=0, **overrides):
-    from transformers import DeepseekV32Config, DeepseekV32ForCausalLM  # noqa: PLC0415
-    return save_random_checkpoint(DeepseekV32ForCausalLM, DeepseekV32Config(**{**BASE, **overrides}), path, seed)
+make_checkpoint, checkpoints, pair = family_checkpoints("DeepseekV32Config", "DeepseekV32ForCausalLM", BASE, CONFIGS, "dsv32")
 
-
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    root = tmp_path_factory.mktemp("dsv32")
-    return {k: make_checkpoint(root / k, seed=i, **kw) for i, (k, kw) in enumerate(CONFIGS.items())}
-
-
-@pytest.fixture(scope="module", params=sorted(CONFIGS))
-def pair(request, checkpoints):
-    path = checkpoints[request.param]
-    return LLM(model=path, dtype="float32"), hf_model(path)
-
-
-def _prompt(n, vocab, seed):
-    return np.random.default_rng(seed).integers(0, vocab, n).tolist()
 
 
 def test_config_maps_layer_types_and_dense_first_layers(checkpoints):
@@ -64,7 +47,7 @@ def test_config_maps_layer_types_and_dense_first_layers(checkpoints):
 def test_prefill_logits_match_transformers(pair):
     llm, hf = pair
     for n in (1, 9, 75, 150):                 # 75, 150 >> index_topk: the indexer selects
-        ids = _prompt(n, llm.config.vocab_size, seed=n)
+        ids = random_prompt(n, llm.config.vocab_size, seed=n)
         with torch.no_grad():
             ref = hf(torch.tensor([ids]), use_cache=False).logits[0].numpy()
         got = llm.logits(ids)
@@ -74,7 +57,7 @@ def test_prefill_logits_match_transformers(pair):
 
 def test_greedy_32_tokens_identical_to_hf_generate(pair):
     llm, hf = pair
-    prompts = [_prompt(n, llm.config.vocab_size, seed=100 + n) for n in (5, 40, 110)]
+    prompts = [random_prompt(n, llm.config.vocab_size, seed=100 + n) for n in (5, 40, 110)]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=32, temperature=0))
     for p, o in zip(prompts, outs):
         with torch.no_grad():
@@ -84,7 +67,7 @@ def test_greedy_32_tokens_identical_to_hf_generate(pair):
 
 def test_incremental_decode_equals_full_recompute(pair):
     llm, _ = pair
-    ids = _prompt(90, llm.config.vocab_size, seed=7)
+    ids = random_prompt(90, llm.config.vocab_size, seed=7)
     gen = llm.generator
     full = llm.logits(ids)
     cache = gen.new_cache(1, 128)
@@ -110,7 +93,7 @@ def test_padding_rows_do_not_leak(checkpoints):
     """A right-padded batch gives each row the logits it gets alone."""
     llm = LLM(model=checkpoints["topk16_moe"], dtype="float32")
     from hybrid_jax.models import deepseek_v32 as m  # noqa: PLC0415
-    a, b = _prompt(50, 97, 1), _prompt(23, 97, 2)
+    a, b = random_prompt(50, 97, 1), random_prompt(23, 97, 2)
     tok = np.zeros((2, 64), np.int32)
     tok[0, :50], tok[1, :23] = a, b
     cache = m.new_cache(llm.config, 2, 96, jnp.float32)
@@ -123,7 +106,7 @@ def test_padding_rows_do_not_leak(checkpoints):
 def test_pallas_impl_matches_xla_in_the_model(checkpoints):
     llm = LLM(model=checkpoints["topk8_tied_bias"], dtype="float32")
     from hybrid_jax.models import deepseek_v32 as m  # noqa: PLC0415
-    ids = _prompt(40, 97, 3)
+    ids = random_prompt(40, 97, 3)
     tok = jnp.asarray([ids], jnp.int32)
     outs = [m.forward(llm.config, llm.params, m.new_cache(llm.config, 1, 48, jnp.float32), tok,
                       jnp.asarray([40], jnp.int32), logits_at="all", impl=impl).logits for impl in ("xla", "pallas")]
@@ -133,7 +116,7 @@ def test_pallas_impl_matches_xla_in_the_model(checkpoints):
 def test_fp8_indexer_cache_runs_and_stays_close(checkpoints):
     llm = LLM(model=checkpoints["topk16_moe"], dtype="float32")
     from hybrid_jax.models import deepseek_v32 as m  # noqa: PLC0415
-    ids = jnp.asarray([_prompt(60, 97, 4)], jnp.int32)
+    ids = jnp.asarray([random_prompt(60, 97, 4)], jnp.int32)
     n = jnp.asarray([60], jnp.int32)
     _o = m.forward(llm.config, llm.params, m.new_cache(llm.config, 1, 64, jnp.float32), ids, n)
     ref = _o.logits
@@ -165,7 +148,7 @@ def test_engine_serves_deepseek_v32_like_offline(checkpoints):
     llm = LLM(model=checkpoints["topk16_moe"])
     eng = LLMEngine(llm, EngineConfig(max_num_seqs=2, max_num_batched_tokens=32, max_model_len=192,
                                       compilation_cache_dir=None, warmup="none"))
-    prompts = [_prompt(n, 97, seed=n) for n in (5, 70, 33)]
+    prompts = [random_prompt(n, 97, seed=n) for n in (5, 70, 33)]
     sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     got = [o.token_ids for o in eng.generate([{"prompt_token_ids": p} for p in prompts], sp)]
     ref = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], sp)]

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from conftest import random_prompt
 
 from cache import put_rows, take_rows
 from hybrid_jax import LLM, SamplingParams
@@ -76,9 +77,6 @@ def pairs(checkpoints):
                 AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32, local_files_only=True).eval())
             for k, p in checkpoints.items()}
 
-
-def _prompt(n, vocab, seed):
-    return np.random.default_rng(seed).integers(0, vocab, n).tolist()
 
 
 def _leaves(cache):
@@ -151,7 +149,7 @@ def test_prefill_logits_match_transformers(pairs, name):
     llm, hf = pairs[name]
     gen = llm.generator
     lcm = int(np.lcm(llm.config.csa_rate, llm.config.hca_rate))
-    ids = _prompt(44, llm.config.vocab_size, seed=44)
+    ids = random_prompt(44, llm.config.vocab_size, seed=44)
     with torch.no_grad():
         ref = hf(torch.tensor([ids]), use_cache=False).logits[0].numpy()
     for n in [1] + list(range(45 - lcm, 45)):
@@ -164,7 +162,7 @@ GREEDY_PROMPTS = (13, 30)     # LLM.generate buckets them as [2, 32] with capaci
 
 def test_greedy_32_tokens_identical_to_hf_generate(pairs):
     llm, hf = pairs["mixed"]
-    prompts = [_prompt(n, llm.config.vocab_size, seed=100 + n) for n in GREEDY_PROMPTS]
+    prompts = [random_prompt(n, llm.config.vocab_size, seed=100 + n) for n in GREEDY_PROMPTS]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=32, temperature=0))
     for p, o in zip(prompts, outs):
         with torch.no_grad():
@@ -180,7 +178,7 @@ def test_ngram_speculation_equals_plain_greedy(pairs, checkpoints):
     from hybrid_jax.errors import InputError  # noqa: PLC0415
     llm, _ = pairs["mixed"]
     rng = np.random.default_rng(7)
-    prompts = [np.tile(rng.integers(0, 97, 5), 6).tolist() for _ in range(2)] + [_prompt(20, 97, seed=8)]
+    prompts = [np.tile(rng.integers(0, 97, 5), 6).tolist() for _ in range(2)] + [random_prompt(20, 97, seed=8)]
     sp = SamplingParams(max_tokens=20, temperature=0)
     plain = llm.generate([{"prompt_token_ids": p} for p in prompts], sp)
     spec = LLM(model=checkpoints["mixed"], dtype="float32",
@@ -200,7 +198,7 @@ def test_decode_after_prefill_equals_one_long_prefill(pairs):
     llm, _ = pairs["mixed"]
     gen = llm.generator
     for P in range(16, 24):
-        ids = _prompt(P + 8, 97, seed=P)
+        ids = random_prompt(P + 8, 97, seed=P)
         full, full_cache = _step(gen, gen.new_cache(1, CAP), ids)
         logits, cache = _step(gen, gen.new_cache(1, CAP), ids[:P])
         np.testing.assert_allclose(logits[-1], full[P - 1], atol=TOL, rtol=0)
@@ -244,7 +242,7 @@ def test_entries_are_read_and_written_through_the_page_table(pairs):
     llm, _ = pairs["mixed"]
     gen = llm.generator
     for P in (17, 22):
-        ids = _prompt(P + 4, 97, seed=200 + P)
+        ids = random_prompt(P + 4, 97, seed=200 + P)
         want, want_cache = _step(gen, gen.new_cache(1, CAP), ids)
         cache = _shuffled_pages(llm, 8, seed=P)
         assert cache.groups[CSA].page_table.shape == (1, 8) and cache.groups[HCA].page_table.shape == (1, 8)
@@ -267,7 +265,7 @@ def test_padding_leaves_the_cache_exact_and_rows_move(pairs):
     put_rows (the engine's slot moves, with a reset row) carry every group."""
     llm, _ = pairs["mixed"]
     gen = llm.generator
-    rows = [_prompt(21, 97, 1), _prompt(10, 97, 2)]
+    rows = [random_prompt(21, 97, 1), random_prompt(10, 97, 2)]
     tok = np.zeros((2, 32), np.int32)
     for r, ids in enumerate(rows):
         tok[r, :len(ids)] = ids

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from conftest import hf_model, save_random_checkpoint
+from conftest import family_checkpoints, hf_model, random_prompt
 
 from hybrid_jax import LLM, SamplingParams
 from hybrid_jax.engine import EngineConfig, LLMEngine
@@ -39,30 +39,13 @@ CONFIGS = {"glm5_mini": {}, "tied_bias": dict(index_topk=8, tie_word_embeddings=
 PUBLISHED = Path(__file__).parents[2] / "hybrid_jax" / "published_configs" / "glm_5.json"
 
 
-def make_checkpoint(path, seed=0, **overrides):
-    from transformers import GlmMoeDsaConfig, GlmMoeDsaForCausalLM  # noqa: PLC0415
-    return save_random_checkpoint(GlmMoeDsaForCausalLM, GlmMoeDsaConfig(**{**BASE, **overrides}), path, seed)
-
-
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    root = tmp_path_factory.mktemp("glm5")
-    return {k: make_checkpoint(root / k, seed=i, **kw) for i, (k, kw) in enumerate(CONFIGS.items())}
-
-
-@pytest.fixture(scope="module", params=sorted(CONFIGS))
-def pair(request, checkpoints):
-    path = checkpoints[request.param]
-    return LLM(model=path, dtype="float32"), hf_model(path)
+make_checkpoint, checkpoints, pair = family_checkpoints("GlmMoeDsaConfig", "GlmMoeDsaForCausalLM", BASE, CONFIGS, "glm5")
 
 
 @pytest.fixture(scope="module")
 def glm(checkpoints):
     return LLM(model=checkpoints["glm5_mini"], dtype="float32", max_model_len=512)
 
-
-def _prompt(n, vocab, seed):
-    return np.random.default_rng(seed).integers(0, vocab, n).tolist()
 
 
 def _rel_rms(got, ref):
@@ -90,7 +73,7 @@ def test_config_reads_glm_defaults_and_layout(checkpoints):
 def test_prefill_logits_match_transformers(pair):
     llm, hf = pair
     for n in (1, 9, 150, 300):                  # 150, 300 >> index_topk: the indexer selects
-        ids = _prompt(n, llm.config.vocab_size, seed=n)
+        ids = random_prompt(n, llm.config.vocab_size, seed=n)
         with torch.no_grad():
             ref = hf(torch.tensor([ids]), use_cache=False).logits[0].numpy()
         err = _rel_rms(llm.logits(ids), ref)
@@ -100,7 +83,7 @@ def test_prefill_logits_match_transformers(pair):
 def test_greedy_tokens_identical_to_hf_generate(pair):
     """A short prompt and a 300-token one."""
     llm, hf = pair
-    prompts = [_prompt(n, llm.config.vocab_size, seed=100 + n) for n in (5, 300)]
+    prompts = [random_prompt(n, llm.config.vocab_size, seed=100 + n) for n in (5, 300)]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=24, temperature=0))
     for p, o in zip(prompts, outs):
         with torch.no_grad():
@@ -112,7 +95,7 @@ def test_half_split_indexer_rope_would_differ(glm, checkpoints):
     """Negative control: the same weights with DeepSeek-V3.2's indexer RoPE select other keys and give
     other logits once the indexer selects (so the parameter is what makes the match above)."""
     from hybrid_jax.models import deepseek_v32 as m  # noqa: PLC0415
-    ids = _prompt(150, 97, seed=150)
+    ids = random_prompt(150, 97, seed=150)
     with torch.no_grad():
         ref = hf_model(checkpoints["glm5_mini"])(torch.tensor([ids]), use_cache=False).logits[0].numpy()
     v32 = dataclasses.replace(glm.config, index_rope_interleaved=False)
@@ -124,7 +107,7 @@ def test_half_split_indexer_rope_would_differ(glm, checkpoints):
 def test_decode_equals_full_recompute_and_chunked_prefill(glm):
     """Prefill 40, a chunk of 30, then one token at a time: every position's logits equal the one-shot
     prefill's."""
-    ids = _prompt(90, 97, seed=7)
+    ids = random_prompt(90, 97, seed=7)
     gen = glm.generator
     full = glm.logits(ids)
     cache = gen.new_cache(1, 128)
@@ -163,7 +146,7 @@ def test_engine_chunked_prefill_and_prefix_hits_are_token_identical(glm):
     still give the same tokens."""
     rng = np.random.default_rng(3)
     shared = rng.integers(0, 97, 140).tolist()
-    prompts = [shared + rng.integers(0, 97, k).tolist() for k in (3, 20, 41)] + [_prompt(70, 97, 9)]
+    prompts = [shared + rng.integers(0, 97, k).tolist() for k in (3, 20, 41)] + [random_prompt(70, 97, 9)]
     prompts.append(prompts[1])
     want = _tokens(glm.generate([{"prompt_token_ids": p} for p in prompts], SP))
     assert _tokens(_engine(glm).generate([{"prompt_token_ids": p} for p in prompts], SP)) == want
@@ -268,7 +251,7 @@ def test_shared_layers_in_the_engine_match_offline(checkpoints):
     llm = LLM(model=checkpoints["shared_fssf"], dtype="float32", max_model_len=512)
     rng = np.random.default_rng(11)
     shared = rng.integers(0, 97, 140).tolist()
-    prompts = [shared + rng.integers(0, 97, k).tolist() for k in (3, 20)] + [_prompt(70, 97, 9)]
+    prompts = [shared + rng.integers(0, 97, k).tolist() for k in (3, 20)] + [random_prompt(70, 97, 9)]
     want = _tokens(llm.generate([{"prompt_token_ids": p} for p in prompts], SP))
     eng = _engine(llm, max_num_batched_tokens=64, enable_prefix_caching=True, prefix_block_size=16,
                   prefix_checkpoint_interval=1)

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from conftest import greedy_reference, hf_model, save_random_checkpoint, stop_process
+from conftest import family_checkpoints, greedy_reference, hf_model, random_prompt, stop_process
 
 from hybrid_jax import LLM, SamplingParams
 from hybrid_jax.errors import ConfigError
@@ -37,25 +37,8 @@ CONFIGS = {
 }
 
 
-def make_checkpoint(path, seed=0, **overrides):
-    from transformers import KimiLinearConfig, KimiLinearForCausalLM  # noqa: PLC0415
-    return save_random_checkpoint(KimiLinearForCausalLM, KimiLinearConfig(**{**BASE, **overrides}), path, seed)
+make_checkpoint, checkpoints, pair = family_checkpoints("KimiLinearConfig", "KimiLinearForCausalLM", BASE, CONFIGS, "kimi")
 
-
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    root = tmp_path_factory.mktemp("kimi")
-    return {k: make_checkpoint(root / k, seed=i, **kw) for i, (k, kw) in enumerate(CONFIGS.items())}
-
-
-@pytest.fixture(scope="module", params=sorted(CONFIGS))
-def pair(request, checkpoints):
-    path = checkpoints[request.param]
-    return LLM(model=path, dtype="float32"), hf_model(path)
-
-
-def _prompt(n, vocab, seed):
-    return np.random.default_rng(seed).integers(0, vocab, n).tolist()
 
 
 def test_config_reads_the_one_based_layer_lists(checkpoints):
@@ -97,7 +80,7 @@ def test_fields_that_change_the_math_are_refused_by_name(kw, words):
 def test_prefill_logits_match_transformers(pair):
     llm, hf = pair
     for n in (1, 9, 75, 150):
-        ids = _prompt(n, llm.config.vocab_size, seed=n)
+        ids = random_prompt(n, llm.config.vocab_size, seed=n)
         with torch.no_grad():
             ref = hf(torch.tensor([ids]), use_cache=False).logits[0].numpy()
         got = llm.logits(ids)
@@ -107,7 +90,7 @@ def test_prefill_logits_match_transformers(pair):
 
 def test_greedy_32_tokens_identical_to_hf_generate(pair):
     llm, hf = pair
-    prompts = [_prompt(40, llm.config.vocab_size, seed=140)]
+    prompts = [random_prompt(40, llm.config.vocab_size, seed=140)]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=32, temperature=0))
     for p, o in zip(prompts, outs):
         with torch.no_grad():
@@ -117,7 +100,7 @@ def test_greedy_32_tokens_identical_to_hf_generate(pair):
 
 def test_decode_and_chunked_prefill_equal_full_recompute(pair):
     llm, _ = pair
-    ids = _prompt(90, llm.config.vocab_size, seed=7)
+    ids = random_prompt(90, llm.config.vocab_size, seed=7)
     gen = llm.generator
     full = llm.logits(ids)
     cache = gen.new_cache(1, 128)
@@ -144,7 +127,7 @@ def test_prefix_caching_and_speculative_decoding_equal_plain_greedy(checkpoints)
     selecting the state after the last accepted token or by replaying the accepted ones from the
     pre-verify cache."""
     path = checkpoints["kda3_mla1"]
-    base = [_prompt(70, 97, 21), _prompt(33, 97, 22)]
+    base = [random_prompt(70, 97, 21), random_prompt(33, 97, 22)]
     prompts = [{"prompt_token_ids": p + p[:20] * 2} for p in base]            # repeats: n-gram drafts land
     sp = SamplingParams(max_tokens=24, temperature=0)
     small = {"max_num_batched_tokens": 32}      # chunks beside other rows' chunks and decodes: ragged steps
@@ -175,7 +158,7 @@ def test_ragged_steps_equal_the_padded_engine_and_transformers(checkpoints):
     ragged, padded = LLMEngine(llm, cfg), LLMEngine(llm, cfg)
     padded.runner.ragged = False
     assert ragged.runner.ragged
-    prompts = [_prompt(n, 97, seed=300 + n) for n in (61, 7, 45, 23, 90)]
+    prompts = [random_prompt(n, 97, seed=300 + n) for n in (61, 7, 45, 23, 90)]
     sp = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
     a = [o.token_ids for o in ragged.generate([{"prompt_token_ids": p} for p in prompts], sp)]
     b = [o.token_ids for o in padded.generate([{"prompt_token_ids": p} for p in prompts], sp)]
@@ -189,7 +172,7 @@ def test_ragged_steps_equal_the_padded_engine_and_transformers(checkpoints):
 def test_pallas_impl_matches_xla_in_the_model(checkpoints):
     llm = LLM(model=checkpoints["kda3_mla1"], dtype="float32")
     from hybrid_jax.models import kimi_linear as m  # noqa: PLC0415
-    ids = _prompt(40, 97, 3)
+    ids = random_prompt(40, 97, 3)
     tok = jnp.asarray([ids], jnp.int32)
     outs = [m.forward(llm.config, llm.params, m.new_cache(llm.config, 1, 48, jnp.float32), tok,
                       jnp.asarray([40], jnp.int32), logits_at="all", impl=impl).logits for impl in ("xla", "pallas")]
@@ -203,7 +186,7 @@ def test_engine_serves_it_like_offline(checkpoints):
     llm = LLM(model=checkpoints["mla_first_tied"], dtype="float32")
     eng = LLMEngine(llm, EngineConfig(max_num_seqs=2, max_num_batched_tokens=32, max_model_len=192,
                                       compilation_cache_dir=None, warmup="none"))
-    prompts = [_prompt(n, 97, seed=n) for n in (5, 70, 33)]
+    prompts = [random_prompt(n, 97, seed=n) for n in (5, 70, 33)]
     sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     got = [o.token_ids for o in eng.generate([{"prompt_token_ids": p} for p in prompts], sp)]
     assert got == [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], sp)]
@@ -228,7 +211,7 @@ def test_the_server_serves_it_like_offline(checkpoints, tmp_path):
     url = f"http://127.0.0.1:{port}"
     try:
         _wait_ready(proc, url, 300)
-        prompts = [_prompt(30, 97, 31), _prompt(9, 97, 32)]
+        prompts = [random_prompt(30, 97, 31), random_prompt(9, 97, 32)]
         sp = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
         want = [o.outputs[0].token_ids
                 for o in LLM(model=path, dtype="float32").generate([{"prompt_token_ids": p} for p in prompts], sp)]

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from conftest import hf_model, save_random_checkpoint
+from conftest import family_checkpoints, random_prompt
 
 from hybrid_jax import LLM, SamplingParams
 from hybrid_jax.errors import ConfigError
@@ -37,25 +37,8 @@ CONFIGS = {
 }
 
 
-def make_checkpoint(path, seed=0, **overrides):
-    from transformers import NemotronHConfig, NemotronHForCausalLM  # noqa: PLC0415
-    return save_random_checkpoint(NemotronHForCausalLM, NemotronHConfig(**{**BASE, **overrides}), path, seed)
+make_checkpoint, checkpoints, pair = family_checkpoints("NemotronHConfig", "NemotronHForCausalLM", BASE, CONFIGS, "nemotron_h")
 
-
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    root = tmp_path_factory.mktemp("nemotron_h")
-    return {k: make_checkpoint(root / k, seed=i, **kw) for i, (k, kw) in enumerate(CONFIGS.items())}
-
-
-@pytest.fixture(scope="module", params=sorted(CONFIGS))
-def pair(request, checkpoints):
-    path = checkpoints[request.param]
-    return LLM(model=path, dtype="float32"), hf_model(path)
-
-
-def _prompt(n, vocab, seed):
-    return np.random.default_rng(seed).integers(0, vocab, n).tolist()
 
 
 def test_config_reads_the_pattern_and_declares_the_mamba2_group(checkpoints):
@@ -120,7 +103,7 @@ def _rel_rms(got, ref):
 def test_prefill_logits_match_transformers(pair):
     llm, hf = pair
     for n in (1, 9, 75, 300):
-        ids = _prompt(n, llm.config.vocab_size, seed=n)
+        ids = random_prompt(n, llm.config.vocab_size, seed=n)
         with torch.no_grad():
             ref = hf(torch.tensor([ids]), use_cache=False).logits[0].numpy()
         got = llm.logits(ids)
@@ -143,7 +126,7 @@ def test_greedy_tokens_identical_to_transformers(pair):
     selective_state_update) does not clamp dt while its prefill does, so its generate disagrees with its
     own forward (checked here too); this family clamps in both."""
     llm, hf = pair
-    prompts = [_prompt(12, llm.config.vocab_size, seed=112), _prompt(300, llm.config.vocab_size, seed=300)]
+    prompts = [random_prompt(12, llm.config.vocab_size, seed=112), random_prompt(300, llm.config.vocab_size, seed=300)]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=24, temperature=0))
     clamped = llm.config.time_step_limit != (0.0, math.inf)
     differ = []
@@ -158,7 +141,7 @@ def test_greedy_tokens_identical_to_transformers(pair):
 
 def test_decode_and_chunked_prefill_equal_full_recompute(pair):
     llm, _ = pair
-    ids = _prompt(90, llm.config.vocab_size, seed=7)
+    ids = random_prompt(90, llm.config.vocab_size, seed=7)
     gen = llm.generator
     full = llm.logits(ids)
     cache = gen.new_cache(1, 128)
@@ -184,7 +167,7 @@ def test_prefix_caching_and_speculative_decoding_equal_plain_greedy(checkpoints)
     the last accepted token (rebuilt from the verify's per-token parts, B not l2-normalised) or by
     replaying the accepted ones from the pre-verify cache."""
     path = checkpoints["m_star_mlp_moe"]
-    base = [_prompt(70, 97, 21), _prompt(33, 97, 22)]
+    base = [random_prompt(70, 97, 21), random_prompt(33, 97, 22)]
     prompts = [{"prompt_token_ids": p + p[:20] * 2} for p in base]            # repeats: n-gram drafts land
     sp = SamplingParams(max_tokens=24, temperature=0)
     cached = LLM(model=path, dtype="float32", enable_prefix_caching=True)
@@ -206,7 +189,7 @@ def test_engine_serves_it_like_offline(checkpoints):
     llm = LLM(model=checkpoints["latent_moe"], dtype="float32")
     eng = LLMEngine(llm, EngineConfig(max_num_seqs=2, max_num_batched_tokens=32, max_model_len=192,
                                       compilation_cache_dir=None, warmup="none"))
-    prompts = [_prompt(n, 97, seed=n) for n in (5, 70, 33)]
+    prompts = [random_prompt(n, 97, seed=n) for n in (5, 70, 33)]
     sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     got = [o.token_ids for o in eng.generate([{"prompt_token_ids": p} for p in prompts], sp)]
     assert got == [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], sp)]
@@ -233,7 +216,7 @@ def test_selection_rollback_keeps_the_state_after_the_last_kept_token(checkpoint
     from hybrid_jax.speculative.rollback import rollback_by_selection  # noqa: PLC0415
     llm = LLM(model=checkpoints["m_star_mlp_moe"], dtype="float32")
     cfg, params = llm.config, llm.params
-    ids = np.asarray([_prompt(20, 97, 5), _prompt(20, 97, 6), _prompt(20, 97, 8)], np.int32)
+    ids = np.asarray([random_prompt(20, 97, 5), random_prompt(20, 97, 6), random_prompt(20, 97, 8)], np.int32)
     pre = m.forward(cfg, params, m.new_cache(cfg, 3, 64, jnp.float32), jnp.asarray(ids[:, :14]), jnp.full((3,), 14, jnp.int32))
     window = jnp.asarray(ids[:, 14:])
     out = m.forward(cfg, params, pre.cache, window, jnp.full((3,), 6, jnp.int32), per_token_states=True)
@@ -270,7 +253,7 @@ def test_pallas_impl_matches_xla_in_the_model(checkpoints):
     from hybrid_jax.models import nemotron_h as m  # noqa: PLC0415
     llm = LLM(model=checkpoints["m_star_mlp_moe"], dtype="float32")
     cfg, params = llm.config, llm.params
-    ids = _prompt(40, 97, 3)
+    ids = random_prompt(40, 97, 3)
     outs = []
     for impl in ("xla", "pallas"):
         pre = m.forward(cfg, params, m.new_cache(cfg, 1, 48, jnp.float32), jnp.asarray([ids], jnp.int32),

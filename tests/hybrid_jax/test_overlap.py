@@ -138,9 +138,9 @@ def test_an_idle_gap_after_an_abort_is_not_device_time(llm):
     eng.add_request("a", {"prompt_token_ids": [100, 101, 102]}, SamplingParams(max_tokens=40, ignore_eos=True))
     for _ in range(3):
         eng.step()
-    assert eng._flight is not None           # its next step is in flight
+    assert eng.loop.flight is not None           # its next step is in flight
     eng.abort_request("a")
-    assert eng._flight is None and not eng.has_unfinished()
+    assert eng.loop.flight is None and not eng.has_unfinished()
     time.sleep(1.0)
     eng.add_request("b", {"prompt_token_ids": [100, 101, 102]}, SamplingParams(max_tokens=9, ignore_eos=True))
     while eng.has_unfinished():

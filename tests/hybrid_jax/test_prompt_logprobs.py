@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from conftest import random_prompt
 
 from hybrid_jax import LLM, SamplingParams
 from hybrid_jax.engine import EngineConfig, LLMEngine
@@ -32,9 +33,6 @@ def _engine(llm, **kw):
                compilation_cache_dir=None, warmup="none")
     return LLMEngine(llm, EngineConfig(**{**cfg, **kw}))
 
-
-def _prompt(n, vocab, seed):
-    return np.random.default_rng(seed).integers(0, vocab, n).tolist()
 
 
 def _run(eng, prompts, sps):
@@ -84,7 +82,7 @@ def _check(entries, ids, ref, n):
 def test_scores_equal_a_full_forward_short_and_over_many_chunks(llm, n_tokens):
     """9 tokens (one chunk of the 16-token budget) and 100 (seven chunks, each chunk's last position
     scoring the next chunk's first token)."""
-    ids = _prompt(n_tokens, llm.config.vocab_size, seed=n_tokens)
+    ids = random_prompt(n_tokens, llm.config.vocab_size, seed=n_tokens)
     eng, sp = _engine(llm), SamplingParams(max_tokens=3, temperature=0, prompt_logprobs=5)
     (out, carried), = _run(eng, [ids], [sp])
     assert len(carried) == 1                      # once, in the first output
@@ -93,7 +91,7 @@ def test_scores_equal_a_full_forward_short_and_over_many_chunks(llm, n_tokens):
 
 
 def test_kimi_linear_scores_equal_a_full_forward(kimi):
-    ids = _prompt(70, kimi.config.vocab_size, seed=3)
+    ids = random_prompt(70, kimi.config.vocab_size, seed=3)
     (_, carried), = _run(_engine(kimi), [ids], [SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=4)])
     _check(carried[0], ids, _reference(kimi, ids), 4)
 
@@ -101,7 +99,7 @@ def test_kimi_linear_scores_equal_a_full_forward(kimi):
 def test_offline_api_and_the_whole_vocabulary(llm):
     """LLM.generate's RequestOutput.prompt_logprobs; -1: every token of the vocabulary, best first;
     0: the chosen token only."""
-    ids = _prompt(40, llm.config.vocab_size, seed=5)
+    ids = random_prompt(40, llm.config.vocab_size, seed=5)
     ref = _reference(llm, ids)
     full, none, plain = llm.generate([{"prompt_token_ids": ids}] * 3, [
         SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=-1),
@@ -115,7 +113,7 @@ def test_offline_api_and_the_whole_vocabulary(llm):
 
 def test_a_row_that_asks_beside_one_that_does_not(llm):
     """Together (one ragged step of unequal rows) each gives what it gives alone (a padded step)."""
-    a, b = _prompt(50, llm.config.vocab_size, seed=11), _prompt(23, llm.config.vocab_size, seed=12)
+    a, b = random_prompt(50, llm.config.vocab_size, seed=11), random_prompt(23, llm.config.vocab_size, seed=12)
     sa = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, prompt_logprobs=3)
     sb = SamplingParams(max_tokens=6, temperature=0.8, seed=4, ignore_eos=True)
     eng = _engine(llm, max_num_batched_tokens=64)
@@ -132,7 +130,7 @@ def test_a_row_that_asks_beside_one_that_does_not(llm):
 def test_a_cached_prompt_is_scored_whole(llm):
     """With the prompt already in the prefix cache, a request that asks takes nothing from it (every
     token scored, equal to the uncached scores) and still publishes; one that does not ask hits."""
-    ids = _prompt(80, llm.config.vocab_size, seed=21)
+    ids = random_prompt(80, llm.config.vocab_size, seed=21)
     eng = _engine(llm, enable_prefix_caching=True, prefix_block_size=16, prefix_checkpoint_interval=2)
     plain = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     asks = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, prompt_logprobs=2)
@@ -154,7 +152,7 @@ def test_a_cached_prompt_is_scored_whole(llm):
 def test_preemption_neither_loses_nor_duplicates_entries(llm):
     """Pages for about one and a half requests: the newest are preempted and recomputed from their
     tokens; every asking request still gets each prompt token's entry once, in one output."""
-    prompts = [_prompt(n, llm.config.vocab_size, seed=30 + n) for n in (57, 52, 47, 41)]
+    prompts = [random_prompt(n, llm.config.vocab_size, seed=30 + n) for n in (57, 52, 47, 41)]
     sps = [SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, prompt_logprobs=None if i == 1 else 1)
            for i in range(len(prompts))]
     eng = _engine(llm, max_num_batched_tokens=32)
@@ -182,7 +180,7 @@ def test_no_program_compiled_after_warmup(llm):
     eng = _engine(llm, max_num_seqs=2, max_num_batched_tokens=8, warmup="minimal")
     eng.warmup()
     n0 = eng.num_compiled()
-    a, b = _prompt(30, llm.config.vocab_size, seed=41), _prompt(13, llm.config.vocab_size, seed=42)
+    a, b = random_prompt(30, llm.config.vocab_size, seed=41), random_prompt(13, llm.config.vocab_size, seed=42)
     got = _run(eng, [a, b, a], [SamplingParams(max_tokens=5, temperature=0, prompt_logprobs=20),
                                 SamplingParams(max_tokens=9, temperature=0),
                                 SamplingParams(max_tokens=3, temperature=0, prompt_logprobs=0)])

@@ -74,3 +74,16 @@ def test_nemotron_3_nano_30b():
     assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (32, 2, 128)
     assert (cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size) == (128, 6, 1856)
     assert (cfg.moe_shared_expert_intermediate_size, cfg.routed_scaling_factor) == (3712, 2.5)
+
+
+def test_qwen4_exp_reconstructed():
+    """48 layers, every 4th QSA-indexed (the release's "full_attention" name), PLE on the second; the n-gram
+    table this config's hash implies (16 heads of the primes from 20,000,000, padded to 128 rows) is the
+    ~102.4 GB in bf16 one source states for it, a check independent of the values copied."""
+    from hybrid_jax.layers.ple import ngram_hash, table_rows  # noqa: PLC0415
+    cfg = config_from_hf_dict(_load("qwen4_exp_reconstructed.json"))
+    assert cfg.layer_types.count("indexed_attention") == 12 and cfg.layers_of("indexed_attention")[:2] == (3, 7)
+    assert cfg.ple_layers == (1,) and cfg.layer_types[1] == "linear_attention" and cfg.output_gate == "sigmoid"
+    assert (cfg.qsa_block_topk, cfg.rotary_dim, cfg.indexer_head_dim) == (512, 64, 128)
+    rows = table_rows(ngram_hash(cfg, 0), cfg.ngram_vocab_multiple)
+    assert round(rows * (cfg.ple_embed_dim // cfg.ngram_heads) * 2 / 1e9, 1) == 102.4

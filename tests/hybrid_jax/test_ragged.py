@@ -1,5 +1,5 @@
 """Ragged (flat, token-major) steps: a family's forward_ragged (Qwen3-Next; DeepSeek-V3.2, its indexer's Top-K
-shorter than the contexts; DeepSeek-V4; Kimi-Linear; Nemotron-H) over sequences of unequal lengths (a long prefill
+shorter than the contexts; DeepSeek-V4; Kimi-Linear; Nemotron-H; Qwen4-Exp) over sequences of unequal lengths (a long prefill
 chunk, a decode token, a chunk on a cached prefix, an empty sequence) gives the logits and the cache the padded
 [B, T] forward gives, and the ragged causal conv never reads across sequences."""
 from __future__ import annotations
@@ -46,14 +46,27 @@ NEMOTRON_H = dict(model_type="nemotron_h", vocab_size=97, hidden_size=32, hybrid
                   num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=48, mamba_num_heads=4,
                   mamba_head_dim=8, n_groups=2, ssm_state_size=8, conv_kernel=4, n_routed_experts=8,
                   num_experts_per_tok=2, moe_intermediate_size=16, moe_shared_expert_intermediate_size=24)
-MINIATURES = {"deepseek_v32": DSV32, "deepseek_v4": DSV4, "kimi_linear": KIMI, "nemotron_h": NEMOTRON_H}
+# A Qwen4-Exp miniature: PLE on both Gated DeltaNet layers (an EOS, id 1, restarts the n-grams) and QSA selecting
+# 2 blocks of 4 (fewer than the rows' contexts hold), run on tiles as rows.
+QWEN4 = dict(model_type="qwen4_exp_text", vocab_size=97, hidden_size=32, num_hidden_layers=4,
+             layer_types=["linear_attention", "full_attention"] * 2, num_attention_heads=4, num_key_value_heads=2,
+             head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+             linear_value_head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+             shared_expert_intermediate_size=24, hc_count=3, hc_lowrank=8, ple_layer_ids=[1, 3], ple_embed_dim=32,
+             heads_per_ngram=2, ngram_vocab_size_base=50, make_ngram_vocab_size_divisible_by=8, indexer_n_heads=8,
+             indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=8, indexer_compress_ratio=4, eos_token_id=1,
+             rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5})
+MINIATURES = {"deepseek_v32": DSV32, "deepseek_v4": DSV4, "kimi_linear": KIMI, "nemotron_h": NEMOTRON_H,
+              "qwen4_exp": QWEN4}
 
 
-@pytest.fixture(scope="module", params=["qwen3_next", "deepseek_v32", "deepseek_v4", "kimi_linear", "nemotron_h"])
+@pytest.fixture(scope="module", params=["qwen3_next", "deepseek_v32", "deepseek_v4", "kimi_linear", "nemotron_h",
+                                        "qwen4_exp"])
 def model(request):
     """(config, params, family): the embedded default (Gated DeltaNet + gated full attention + MoE), or a
     random miniature of DeepSeek-V3.2 (MLA + the DSA indexer over paged latent and indexer-key pools),
-    DeepSeek-V4, Kimi-Linear (KDA + MLA over a paged latent pool) or Nemotron-H (Mamba2, attention, relu2 MLP and MoE)."""
+    DeepSeek-V4, Kimi-Linear (KDA + MLA over a paged latent pool), Nemotron-H (Mamba2, attention, relu2 MLP and MoE)
+    or Qwen4-Exp (Gated DeltaNet with PLE, QSA-indexed attention, hyper-connections)."""
     if request.param == "qwen3_next":
         llm = LLM()
         return llm.config, llm.params, get_model(llm.config.model_type)
@@ -69,14 +82,14 @@ def _rel(a, b):
 
 @pytest.mark.parametrize("tile", [None, 8])
 def test_ragged_forward_equals_the_padded_forward(model, tile, monkeypatch):
-    """tile 8 (DeepSeek-V4 only): the 37-token chunk's attention runs as 5 tiles in a row, each on the
-    window ring, compressor tails and overlaps the previous one left (windows close across tiles)."""
+    """tile 8 (DeepSeek-V4 and Qwen4-Exp): the 37-token chunk runs as 5 tiles in a row, each on the state the
+    previous one left (V4's window ring, compressor tails and overlaps; Qwen4-Exp's recurrent and PLE rows)."""
     cfg, params, fam = model
     if tile is not None:
-        if cfg.model_type != "deepseek_v4":
-            pytest.skip("only DeepSeek-V4 runs a layer on tiles as rows")
-        from hybrid_jax.models import deepseek_v4  # noqa: PLC0415
-        monkeypatch.setattr(deepseek_v4, "RAGGED_TILE", tile)
+        if cfg.model_type not in ("deepseek_v4", "qwen4_exp_text"):
+            pytest.skip("only DeepSeek-V4 and Qwen4-Exp run on tiles as rows")
+        from hybrid_jax.models import deepseek_v4, qwen4_exp  # noqa: PLC0415
+        monkeypatch.setattr(deepseek_v4 if cfg.model_type == "deepseek_v4" else qwen4_exp, "RAGGED_TILE", tile)
     rng = np.random.default_rng(0)
     B, CAP = 4, 192
     held = [0, 20, 64, 10]                  # tokens each row holds before the step
@@ -99,10 +112,10 @@ def test_ragged_forward_equals_the_padded_forward(model, tile, monkeypatch):
     assert got.cache.lengths.tolist() == ref.cache.lengths.tolist() == [37, 21, 73, 10]
     compared = 0
     for name, g in ref.cache.groups.items():
-        for f in ("conv", "ssm", "k", "v", "latent", "rope", "keys", "scale", "kv", "gate", "entries", "count"):
+        for f in ("conv", "ssm", "k", "v", "latent", "rope", "keys", "scale", "kv", "gate", "entries", "count", "ctx"):
             if getattr(g, f, None) is not None:
                 a, b = getattr(got.cache.groups[name], f), getattr(g, f)
-                if f == "count":
+                if f in ("count", "ctx"):
                     np.testing.assert_array_equal(a[:B], b[:B], err_msg=f"{name}.{f}")
                 else:
                     assert _rel(a, b) < 1e-5, (name, f)
