@@ -9,7 +9,7 @@
   context, tensor parallel over its chips with expert parallelism, the same way: MLA heads and experts
   split, the FP8 codes with their block scales, the latent and indexer whole on every chip;
 - GLM-5 (DeepSeek-V3.2's family with GLM's shapes, FP8 as released) the same way (`glm`, not in the
-  default set: its compile takes about 15 minutes on a 2-core host);
+  default set: its compile took 21 minutes on a loaded 2-core host);
 
 each at max_num_seqs 64 and 32k context: per-chip HBM, the batch that fits at 32k, decode bytes per step
 against the minimum (weights + cache read once; the goal is <= 1.2x), the collectives of a decode step

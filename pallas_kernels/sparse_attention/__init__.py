@@ -9,5 +9,5 @@ from pallas_kernels.sparse_attention.ops import (
     sparse_mla_attention,
 )
 
-__all__ = ["dense_mla_attention", "in_order_selection", "indexer_topk", "indexer_weights", "quantize_fp8", "sparse_hit_rate",
-           "sparse_mla_attention"]
+__all__ = ["dense_mla_attention", "in_order_selection", "indexer_topk", "indexer_weights", "quantize_fp8",
+           "sparse_hit_rate", "sparse_mla_attention"]
