@@ -10,7 +10,8 @@ DeepSeek-V3.2 decode step at 32k context, caught by the TPU compile tests). So t
 
 DMAs start at tile-aligned rows: a 32-bit row is copied alone; a 16-bit row travels with the aligned
 8-row group that holds it (8x the row's bytes, still a small fraction of the context) and is picked out
-on chip. Pages must then hold a multiple of 8 rows.
+on chip. Pages must then hold a multiple of 8 rows. A kernel that reads every position of a row in order
+reads runs of consecutive rows instead (`RowRun`: one DMA per run, each row moved once).
 """
 from __future__ import annotations
 
