@@ -1,6 +1,6 @@
-"""Plans of two real models on TPU slices, built by the TPU compiler on this CPU host (no TPU, no weights).
+"""Plans of real models on TPU slices, built by the TPU compiler on this CPU host (no TPU, no weights).
 
-    python benchmarks/tpu_plan.py [qwen] [deepseek] [nemotron]
+    python benchmarks/tpu_plan.py [qwen] [deepseek] [nemotron] [glm]
 
 - Qwen3-Next-80B-A3B-Instruct on v6e:2x4, tensor parallel over its 8 chips with expert parallelism:
   compiled for the 8 devices with the engine's layout (hybrid_jax.parallel: the rule table's shardings,
@@ -11,6 +11,8 @@
 - NVIDIA-Nemotron-3-Nano-30B-A3B (bf16) on v6e:2x4, tensor parallel over its 8 chips with expert
   parallelism: Mamba2 heads split by whole groups (8 groups, one per chip), attention heads with each of
   its 2 KV heads kept on 4 chips, the relu2 experts whole;
+- GLM-5 (DeepSeek-V3.2's family with GLM's shapes, FP8 as released) the same way (`glm`, not in the
+  default set: its compile took 21 minutes on a loaded 2-core host);
 
 each at max_num_seqs 64 and 32k context: per-chip HBM, the batch that fits at 32k, decode bytes per step
 against the minimum (weights + cache read once; the goal is <= 1.2x), the collectives of a decode step
@@ -63,7 +65,7 @@ def run(label: str, model: str, topo: str, n: int, quantization: str | None = No
 
 
 def main(argv: list[str]):
-    """argv: which models to plan ("qwen", "deepseek", "nemotron"; default all)."""
+    """argv: which models to plan ("qwen", "deepseek", "nemotron", "glm"; default all but glm)."""
     which = set(argv) or {"qwen", "deepseek", "nemotron"}
     rows = []
     if "qwen" in which:
@@ -79,6 +81,11 @@ def main(argv: list[str]):
         p = run("Nemotron-3-Nano-30B-A3B on v6e:2x4, tp 8 + expert parallel", "nemotron_3_nano_30b_a3b", "v6e:2x4", 8,
                 ep=True)
         rows.append(("Nemotron-3-Nano-30B bf16", p))
+    if "glm" in which:
+        topo, n = smallest_slice("glm_5", "fp8", "v5p")
+        p = run(f"GLM-5 FP8 on {topo} (smallest v5p slice holding it), tp {n} + expert parallel", "glm_5", topo, n,
+                "fp8", ep=True)
+        rows.append(("GLM-5 fp8", p))
     print("==== summary (per chip; ESTIMATES from the TPU compiler's cost analysis and published chip peaks)")
     print(f"{'model':<26}{'slice':<11}{'split':<8}{'HBM used':>10}{'of':>8}{'batch@32k':>11}{'bytes/min':>11}"
           f"{'collectives':>13}{'decode tok/s/chip':>19}{'at min bytes':>14}")

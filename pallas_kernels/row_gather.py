@@ -10,7 +10,8 @@ DeepSeek-V3.2 decode step at 32k context, caught by the TPU compile tests). So t
 
 DMAs start at tile-aligned rows: a 32-bit row is copied alone; a 16-bit row travels with the aligned
 8-row group that holds it (8x the row's bytes, still a small fraction of the context) and is picked out
-on chip. Pages must then hold a multiple of 8 rows.
+on chip. Pages must then hold a multiple of 8 rows. A kernel that reads every position of a row in order
+reads runs of consecutive rows instead (`RowRun`: one DMA per run, each row moved once).
 """
 from __future__ import annotations
 
@@ -81,21 +82,7 @@ class RowGather:
         """At step j of nj along a sequential grid axis: starts step 0's rows at j == 0, prefetches step
         j + 1's into the other buffer, waits for step j's. base_of(j) is step j's first index into
         rows_ref. Returns the buffer slot that holds step j's rows."""
-        slot = jax.lax.rem(j, 2)
-
-        @pl.when(j == 0)
-        def _():
-            for c in self._copies(base_of(0), 0):
-                c.start()
-
-        @pl.when(j + 1 < nj)
-        def _():
-            for c in self._copies(base_of(j + 1), 1 - slot):
-                c.start()
-
-        for c in self._copies(base_of(j), slot):
-            c.wait()
-        return slot
+        return _pipeline(self._copies, j, nj, base_of)
 
     def row(self, p: int, slot, i: int, base) -> jax.Array:
         """Row i of the step (pool p) as [1, X] f32."""
@@ -105,3 +92,57 @@ class RowGather:
         _, off = self._offset(base, i)
         pick = jax.lax.broadcasted_iota(jnp.int32, (self.G, 1), 0) == jax.lax.rem(off, self.G)
         return jnp.sum(jnp.where(pick, x, 0.0), axis=0, keepdims=True)
+
+
+def _pipeline(copies, j, nj, base_of):
+    """Double-buffered DMAs along a sequential grid axis (RowGather.pipeline): copies(base, slot) are the
+    DMAs of the step whose first index is base into buffer `slot`."""
+    slot = jax.lax.rem(j, 2)
+
+    @pl.when(j == 0)
+    def _():
+        for c in copies(base_of(0), 0):
+            c.start()
+
+    @pl.when(j + 1 < nj)
+    def _():
+        for c in copies(base_of(j + 1), 1 - slot):
+            c.start()
+
+    for c in copies(base_of(j), slot):
+        c.wait()
+    return slot
+
+
+def run_scratch(pools: list[tuple[int, Any]], bk: int) -> list:
+    """RowRun's VMEM buffers [2, bk, X] per pool (X, dtype), and its DMA semaphores [2, n_pools]."""
+    return [pltpu.VMEM((2, bk, x), dt) for x, dt in pools] + [pltpu.SemaphoreType.DMA((2, len(pools)))]
+
+
+@dataclasses.dataclass(frozen=True)
+class RowRun:
+    """RowGather's interface for a step whose bk rows are consecutive positions of one page, the first a
+    multiple of bk (bk dividing the page size): ONE DMA per pool moves the bk rows, where RowGather moves
+    a row (with its aligned group of G rows, for 16-bit pools) per DMA. A kernel that reads every
+    position of a row in order reads each row once this way, not G times. pools: HBM refs [P, ps, X_p];
+    bufs: VMEM refs [2, bk, X_p] (`run_scratch`); sem: DMA semaphores [2, n_pools]; locate(k) -> (page,
+    slot) of the step's first position k."""
+    pools: tuple
+    bufs: tuple
+    sem: Any
+    bk: int
+    locate: Callable
+
+    def _copies(self, base, slot):
+        page, off = self.locate(base)
+        start = pl.multiple_of(jax.lax.div(off, self.bk) * self.bk, self.bk)
+        return [pltpu.make_async_copy(pool.at[page, pl.ds(start, self.bk)], buf.at[slot], self.sem.at[slot, p])
+                for p, (pool, buf) in enumerate(zip(self.pools, self.bufs))]
+
+    def pipeline(self, j, nj, base_of):
+        """As RowGather.pipeline."""
+        return _pipeline(self._copies, j, nj, base_of)
+
+    def row(self, p: int, slot, i: int, base) -> jax.Array:
+        """Row i of the step (pool p) as [1, X] f32."""
+        return self.bufs[p][slot].astype(jnp.float32)[i:i + 1]            # [bk, X] -> row i

@@ -22,6 +22,7 @@ from hybrid_jax.layers.rope import apply_rope
 from hybrid_jax.parallel.context import MODEL, constrain, per_device, tensor_size
 from pallas_kernels.sparse_attention import (
     dense_mla_attention,
+    in_order_selection,
     indexer_topk,
     indexer_weights,
     quantize_fp8,
@@ -118,6 +119,10 @@ def sparse_attention(p: dict, x, cos, sin, positions, valid, lengths, n_new, lat
     index_rope_interleaved: the indexer's RoPE layout (`index_rope`).
     selected: a previous layer's Top-K (what this function returns as `idx`) to attend over instead of
     running the indexer (GLM's "shared" layers: no indexer weights, no indexer keys written).
+    When index_topk is at least the tables' span (max_model_len <= index_topk), the Top-K is every causal
+    position: the indexer then only writes its keys, `idx` is every position in order
+    (`in_order_selection`), and the read takes it in runs of rows, each row once (a gathered 16-bit row
+    moves its aligned group of 8: the read was 8x the latent cache at such lengths).
     ragged: a hybrid_jax.models.ragged.RaggedBatch of S sequences; x is then [1, N, Hd] (cos, sin, positions,
     valid [1, N, ...]), lengths, n_new and the tables [S, ...]: the entries are written token-major and the
     ops run on the batch's tiles (pallas_kernels.sparse_attention.ragged).
@@ -141,12 +146,18 @@ def sparse_attention(p: dict, x, cos, sin, positions, valid, lengths, n_new, lat
     lat = _whole(write(lat, c, page_table))
     rope = _whole(write(rope, k_rot, page_table))
     kv_len = lengths + n_new
+    # a Top-K as wide as the table selects every causal position: the read takes them in order (each
+    # row once, not a gathered row group per selection) and the indexer only writes its keys
+    span = page_table.shape[1] * lat.shape[-2]
+    in_order = ragged is None and index_topk >= min(span, index_table.shape[1] * ikeys.shape[-2])
     if selected is None:
         il = layer if index_layer is None else index_layer
         idx, ikeys, iscale = _index_select(p, x, q_resid, cos, sin, positions, valid, kv_len, ikeys, iscale,
                                            index_table, writer(il), index_heads=index_heads, index_dim=index_dim,
                                            index_topk=index_topk, impl=impl, layer=il, ragged=ragged,
-                                           interleaved=index_rope_interleaved)
+                                           interleaved=index_rope_interleaved, score=not in_order)
+        if in_order:
+            idx = in_order_selection(jnp.where(valid, positions, -1), span)
     else:
         idx = selected
     q_lat = jnp.einsum("bthn,hnr->bthr", q_nope, dequantize(p["w_uk"], q_nope.dtype))        # [B, T, H, R]
@@ -154,7 +165,7 @@ def sparse_attention(p: dict, x, cos, sin, positions, valid, lengths, n_new, lat
     # the ops read layer `layer` of the stacks in place (a slice handed to a kernel is a copy of the pool)
     if ragged is None:
         o_lat = _per_head(lambda ql, qr, la, ro, tb, ix, kl: sparse_mla_attention(
-            ql, qr, la, ro, tb, ix, kl, layer=layer, scale=scale, impl=impl),
+            ql, qr, la, ro, tb, ix, kl, layer=layer, scale=scale, impl=impl, in_order=in_order),
             2, q_lat, q_rot, lat, rope, page_table, idx, kv_len)                                 # [B, T, H, R] f32
         hit = sparse_hit_rate(idx, page_table, page_resident, lat.shape[-2], kv_len)
     else:
@@ -169,9 +180,10 @@ def sparse_attention(p: dict, x, cos, sin, positions, valid, lengths, n_new, lat
 
 def _index_select(p: dict, x, q_resid, cos, sin, positions, valid, kv_len, ikeys, iscale, index_table, write, *,
                   index_heads: int, index_dim: int, index_topk: int, impl: str, layer: int | None, ragged,
-                  interleaved: bool):
+                  interleaved: bool, score: bool = True):
     """The DSA indexer of `sparse_attention`: writes this step's indexer keys (before scoring, so a query
-    sees its own key) and selects each query's Top-K positions. Returns (idx, ikeys, iscale)."""
+    sees its own key) and selects each query's Top-K positions. Returns (idx, ikeys, iscale); score=False:
+    the keys written, no selection (idx None)."""
     B, T, _ = x.shape
     qi = index_rope(linear(q_resid, p["idx_q"]).reshape(B, T, index_heads, index_dim), cos, sin, interleaved)
     ki = layer_norm(linear(x, p["idx_k"]), p["idx_k_norm"], p["idx_k_norm_bias"])
@@ -182,6 +194,8 @@ def _index_select(p: dict, x, q_resid, cos, sin, positions, valid, kv_len, ikeys
         iscale = _whole(write(iscale, sc, index_table))
     else:
         ikeys = _whole(write(ikeys, ki, index_table))
+    if not score:
+        return None, ikeys, iscale
     w = indexer_weights(x.astype(jnp.float32) @ p["idx_w"].astype(jnp.float32), index_heads, index_dim)
     topk = min(index_topk, index_table.shape[1] * ikeys.shape[-2])         # Top-K >= context: all causal keys
     if ragged is None:

@@ -124,10 +124,13 @@ def sparse_mla_attention(
     scale: float,
     impl: str = "auto",
     layer: int | None = None,
+    in_order: bool = False,
 ) -> jax.Array:
     """Absorbed-MLA attention over the selected positions -> o_lat [B, T, H, R] f32. Unreadable indices
     (negative, >= kv_lengths[b], or on a page outside the pool) are masked, never read. layer: latent and
-    rope are the layers' stacks [L, P, ps, X] and layer `layer` is read (in place by the TPU kernel)."""
+    rope are the layers' stacks [L, P, ps, X] and layer `layer` is read (in place by the TPU kernel).
+    in_order: indices[b, t, k] is k or -1 (every position of the table, `in_order_selection`): the same
+    result, which the TPU kernel reads row by row in runs instead of gathering each selection."""
     stacks = latent, rope
     if layer is not None:
         latent, rope = _layer_of(latent, layer), _layer_of(rope, layer)
@@ -147,7 +150,15 @@ def sparse_mla_attention(
     return dispatch.run(
         "sparse_mla_attention", impl, (q_lat, q_rope, *stacks, page_table, indices, kv_lengths),
         reference=on_args(naive.sparse_mla_reference), xla=on_args(xla.sparse_mla_xla),
-        pallas=lambda: on_args(_pallas_mla(), stacked=True))
+        pallas=lambda: on_args(functools.partial(_pallas_mla(), in_order=in_order), stacked=True))
+
+
+def in_order_selection(q_positions: jax.Array, span: int) -> jax.Array:
+    """[B, T, span] int32: position k where k <= the query's position, else -1 (q_positions [B, T], -1
+    for padding queries): every causal position, the selection a Top-K at least `span` wide makes over
+    a table of `span` positions, in the order `sparse_mla_attention(in_order=True)` reads."""
+    k = jnp.arange(span, dtype=jnp.int32)
+    return jnp.where(k <= q_positions[..., None], k, -1)
 
 
 DENSE_BLOCK_KEYS = 512     # key positions per iteration of the dense read

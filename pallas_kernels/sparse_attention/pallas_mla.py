@@ -19,7 +19,9 @@ Backends (both proven by `jax.export` tests):
     2048, or a 2048-token prefill chunk, they are 1 to 32 MiB, and SMEM holds 1 MiB); kv_lengths [B]
     is scalar-prefetched; the pools stay in HBM and every grid step DMAs its bk scattered rows (pallas_kernels.row_gather), fetching
     step i + 1's rows while step i computes. bf16 rows travel in aligned 8-row groups, so pages must
-    hold a multiple of 8 tokens. Running statistics live in VMEM scratch; the output block is
+    hold a multiple of 8 tokens. A selection of every position in order (`in_order`: a Top-K as wide
+    as the table) is read in runs instead, one DMA per bk consecutive rows (row_gather.RowRun): each
+    row once, where the gather moves 8 rows per selection. Running statistics live in VMEM scratch; the output block is
     resident across the K axis.
   * GPU (Triton): grid (B, T); the program loops over the K selected rows and gathers each from the
     whole pool in-kernel. H, R, Dr must be powers of two (H is padded).
@@ -36,7 +38,7 @@ from jax.experimental import pallas as pl
 from pallas_kernels.dispatch import KernelUnsupported
 from pallas_kernels import row_gather
 from pallas_kernels.kernel_params import compiler_params, cost
-from pallas_kernels.row_gather import RowGather
+from pallas_kernels.row_gather import RowGather, RowRun
 from pallas_kernels.sparse_attention.common import physical_rows
 
 
@@ -70,6 +72,13 @@ def _locate(idx_ref, pt_ref, kv_len, k, *, ps: int, NP: int, P: int):
     return jnp.where(ok, page, 0), jnp.where(ok, jax.lax.rem(pos, ps), 0), ok
 
 
+def _run_start(pt_ref, k, *, ps: int, P: int):
+    """(page, slot) of position k of the row (pt_ref [1, NP] its page table, k < NP * ps): the first row of
+    an in-order step's run; an unmapped page reads page 0 (its rows are masked by their selections)."""
+    page = pt_ref[0, jax.lax.div(k, ps)]
+    return jnp.where((page >= 0) & (page < P), page, 0), jax.lax.rem(k, ps)
+
+
 def _tpu_kernel(len_ref,                              # scalar prefetch [B] int32: kv_lengths
                 idx_ref, pt_ref,                      # SMEM [1, Kp], [1, NP] int32: this (b, t)'s selections
                                                       # (logical positions) and its row's page table
@@ -78,12 +87,15 @@ def _tpu_kernel(len_ref,                              # scalar prefetch [B] int3
                 o_ref,                                # [H, R] f32
                 lat_buf, rp_buf, sem,                 # row_gather scratch
                 m_sc, l_sc, acc_sc,                   # [H, 1], [H, 1], [H, R] f32
-                *, bk, ps, NP, P, G, scale, layer):
+                *, bk, ps, NP, P, G, scale, layer, in_order):
     j = pl.program_id(2)
     kv_len = len_ref[pl.program_id(0)]
     pools = (lat_hbm, rp_hbm) if layer is None else (lat_hbm.at[layer], rp_hbm.at[layer])
     locate = functools.partial(_locate, idx_ref, pt_ref, kv_len, ps=ps, NP=NP, P=P)
-    gather = RowGather(None, pools, (lat_buf, rp_buf), sem, ps, bk, G, locate=lambda k: locate(k)[:2])
+    if in_order:        # selection k is position k (or -1): a step's bk rows are one run of a page
+        gather = RowRun(pools, (lat_buf, rp_buf), sem, bk, locate=functools.partial(_run_start, pt_ref, ps=ps, P=P))
+    else:
+        gather = RowGather(None, pools, (lat_buf, rp_buf), sem, ps, bk, G, locate=lambda k: locate(k)[:2])
 
     @pl.when(j == 0)
     def _():
@@ -126,14 +138,19 @@ def _gpu_kernel(rows_ref, ok_ref,                     # [K] int32
     o_ref[...] = (acc / jnp.where(l > 0, l, 1.0)).astype(o_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "config", "backend", "interpret", "layer"))
+@functools.partial(jax.jit, static_argnames=("scale", "config", "backend", "interpret", "layer", "in_order"))
 def sparse_mla_pallas(q_lat, q_rope, latent, rope, page_table, indices, kv_lengths, *, scale: float,
                       config: SparseMLAConfig = SparseMLAConfig(), backend: str = "tpu",
-                      interpret: bool = False, layer: int | None = None):
+                      interpret: bool = False, layer: int | None = None, in_order: bool = False):
     """q_lat [B, T, H, R], q_rope [B, T, H, Dr], latent [P, ps, R], rope [P, ps, Dr], page_table [B, NP],
     indices [B, T, K], kv_lengths [B] -> o_lat [B, T, H, R] f32. With `layer`, latent and rope are the
     layers' stacks [L, P, ps, X] and layer `layer` is read: the TPU kernel DMAs its rows out of the stack
-    (a slice handed to a kernel is a copy of the layer's pool, every layer of every step)."""
+    (a slice handed to a kernel is a copy of the layer's pool, every layer of every step).
+    in_order: the caller promises indices[b, t, k] is k or -1 (every position of the table, K = NP * ps,
+    masked per query): the TPU kernel then reads each block of bk positions with one DMA per pool
+    (row_gather.RowRun), each row once, instead of one row-group DMA per selection (G x the rows' bytes
+    for 16-bit pools). Where the shapes do not allow runs (bk not a multiple of G or not dividing the
+    page), the selections are gathered as usual: the result is the same either way."""
     if layer is not None and backend != "tpu":
         latent, rope, layer = latent[layer], rope[layer], None
     B, T, H, R = q_lat.shape
@@ -146,6 +163,7 @@ def sparse_mla_pallas(q_lat, q_rope, latent, rope, page_table, indices, kv_lengt
         G = max(row_gather.check_pool(latent.dtype, ps, "sparse MLA"), row_gather.check_pool(rope.dtype, ps, "sparse MLA"))
         bk = min(config.block_k, K)
         Kp = -(-K // bk) * bk                          # padded selections: -1, never read
+        in_order = in_order and K == NP * ps and bk % G == 0 and ps % bk == 0
         q_spec = lambda d: pl.BlockSpec((None, None, H, d), lambda b, t, j, lens: (b, t, 0, 0))  # noqa: E731
         # [B * T, 1, Kp], [B, 1, NP]: a block's last two dims must be whole (or (8, 128)-aligned) dims of the
         # array. The kernel turns positions into pages itself (_locate): an XLA gather of B * T * K page-table
@@ -157,14 +175,16 @@ def sparse_mla_pallas(q_lat, q_rope, latent, rope, page_table, indices, kv_lengt
             num_scalar_prefetch=1, grid=(B, T, Kp // bk),
             in_specs=[sel_spec, pt_spec, q_spec(R), q_spec(Dr), any_spec, any_spec],
             out_specs=pl.BlockSpec((None, None, H, R), lambda b, t, j, lens: (b, t, 0, 0)),
-            scratch_shapes=row_gather.scratch([(R, latent.dtype), (Dr, rope.dtype)], bk, G)
+            scratch_shapes=(row_gather.run_scratch if in_order else functools.partial(row_gather.scratch, G=G))(
+                [(R, latent.dtype), (Dr, rope.dtype)], bk)
             + [pltpu.VMEM((H, 1), jnp.float32), pltpu.VMEM((H, 1), jnp.float32), pltpu.VMEM((H, R), jnp.float32)])
         idx = jnp.pad(indices.astype(jnp.int32), ((0, 0), (0, 0), (0, Kp - K)), constant_values=-1)
         return pl.pallas_call(
-            functools.partial(_tpu_kernel, bk=bk, ps=ps, NP=NP, P=P, G=G, scale=scale, layer=layer),
+            functools.partial(_tpu_kernel, bk=bk, ps=ps, NP=NP, P=P, G=G, scale=scale, layer=layer, in_order=in_order),
             grid_spec=grid_spec, out_shape=jax.ShapeDtypeStruct((B, T, H, R), jnp.float32),
             compiler_params=compiler_params("tpu", ("parallel", "parallel", "arbitrary")),
-            interpret=interpret, name="dsa_sparse_mla", cost_estimate=_cost(q_lat, q_rope, latent, rope, K, G),
+            interpret=interpret, name="dsa_sparse_mla",
+            cost_estimate=_cost(q_lat, q_rope, latent, rope, K, 1 if in_order else G),
         )(kv_lengths.astype(jnp.int32), idx.reshape(B * T, 1, Kp), page_table.astype(jnp.int32).reshape(B, 1, NP),
           q_lat, q_rope, latent, rope)
     rows, ok = physical_rows(indices.astype(jnp.int32), page_table.astype(jnp.int32), ps, P,

@@ -1,8 +1,8 @@
 """Perf baselines of whole models: the compiled FLOPs and HBM bytes per decode token of the tiny test models
 and of real published configs, held to model_baselines.json (a change may not raise either by more than 5%
 without updating the file). The decode step is the plan's (take_view in place -> forward -> put_view, pools
-donated; hybrid_jax.plan.decode_cost_per_token), compiled by libtpu for one chip at 8 rows (DeepSeek-V3.2 64) x 4k context,
-real configs with one layer of each kind and scaled by layer (the kernels' own baselines are in
+donated; hybrid_jax.plan.decode_cost_per_token), compiled by libtpu for one chip at 8 rows (DeepSeek-V3.2 and
+GLM-5 64) x 4k context, real configs with one layer of each kind and scaled by layer (the kernels' own baselines are in
 tests/pallas_kernels/tpu_baselines.json). After a deliberate change:
 
     UPDATE_TPU_BASELINES=1 python -m pytest tests/hybrid_jax/test_model_baselines.py -k decode_baselines
@@ -30,6 +30,7 @@ MODELS = {
     "qwen3_next_80b_a3b_instruct": ("qwen3_next_80b_a3b_instruct", "v6e", None, 8),
     "deepseek_v32": ("deepseek_v32", "v5p", "fp8", 64),
     "nemotron_3_nano_30b_a3b": ("nemotron_3_nano_30b_a3b", "v6e", None, 8),
+    "glm_5": ("glm_5", "v5p", "fp8", 64),        # DeepSeek-V3.2's family at GLM-5's shapes, held the same way
 }
 
 
@@ -50,8 +51,8 @@ def test_decode_baselines_per_token():
     check_cost_baselines(
         BASELINES, measured,
         "Compiled FLOPs and HBM bytes per decode token of whole models (tests/hybrid_jax/test_model_baselines.py: "
-        "the plan's decode step, one chip, 8 rows (DeepSeek-V3.2 64), 4k context (tiny models 256), bf16 "
-        "(DeepSeek-V3.2 FP8)). "
+        "the plan's decode step, one chip, 8 rows (DeepSeek-V3.2 and GLM-5 64), 4k context (tiny models 256), bf16 "
+        "(DeepSeek-V3.2 and GLM-5 FP8)). "
         "Regenerate: UPDATE_TPU_BASELINES=1 python -m pytest tests/hybrid_jax/test_model_baselines.py")
 
 

@@ -390,3 +390,19 @@ def test_deepseek_v32_decode_reads_its_pools_where_they_lie(monkeypatch, lane_de
     copies = [ln for ln in decode.splitlines() if re.search(r"= (\S+)\{[^}]*\} copy\(", ln)
               and re.search(r"= (\S+)\{", ln).group(1) in pools]
     assert (not copies) if lane_dense else copies, copies[:2]
+
+
+@needs_libtpu
+def test_dsa_decode_reads_the_latent_once_when_the_top_k_covers_the_table():
+    """A Top-K at least as wide as the table (max_model_len <= index_topk) selects every causal position.
+    Gathered one by one, each selected bf16 row moves with its aligned group of 8 (pallas_kernels.row_gather):
+    8x the latent rows a step, which made a mid-size DeepSeek / GLM plan at 1k context read 5x its minimum.
+    Read in order (row_gather.RowRun) each row moves once and the indexer only writes its keys. A Top-K of
+    half the table, gathered, moves 4x the table's rows: the in-order read of the whole table must cost
+    well under half of that step (the MLA read 4x smaller, the rest of the step alike)."""
+    shapes = dict(max_num_seqs=16, max_model_len=2048, chunk=64)
+    big = dict(V32_TINY, kv_lora_rank=512, qk_rope_head_dim=64, index_head_dim=128, hidden_size=256)
+    wide, half = (plan("v32", "v6e:2x2", layers="full", config=config_from_hf_dict(dict(big, index_topk=k)), **shapes)
+                  for k in (2048, 1024))
+    assert wide.roofline.min_decode_bytes == half.roofline.min_decode_bytes
+    assert wide.roofline.decode_bytes < 0.5 * half.roofline.decode_bytes

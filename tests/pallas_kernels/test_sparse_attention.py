@@ -394,3 +394,36 @@ def test_ragged_ops_export_with_the_kernels(platform):
             S((P, ps, Dr), jnp.bfloat16), S((NS, NP), jnp.int32), S((NS + 1,), jnp.int32), S((NS,), jnp.int32)]
     text = _export(fn, platform, args)
     assert text.count(call) >= 2, "both the indexer and the MLA kernel"
+
+
+def test_in_order_selection_is_every_causal_position():
+    got = sa.in_order_selection(jnp.asarray([[2, 4], [-1, 0]], jnp.int32), 5)
+    want = [[[0, 1, 2, -1, -1], [0, 1, 2, 3, 4]], [[-1, -1, -1, -1, -1], [0, -1, -1, -1, -1]]]
+    np.testing.assert_array_equal(np.asarray(got), want)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_in_order_read_equals_the_gathered_read_and_dense_attention(dtype):
+    """in_order=True (every position of the table selected in order) makes the TPU kernel read runs of
+    rows, one DMA per block of positions, instead of one row group per selection: the same output as
+    the gathered read of the same selection and as dense attention, with rows past a length poisoned,
+    an unmapped page past a row's length, and the layers' stacks read in place."""
+    rng = np.random.default_rng(11)
+    B, T, H, R, Dr, ps, NP, L = 2, 3, 2, 128, 128, 16, 3, 2
+    P = B * NP + 1
+    f = lambda *s: jnp.asarray(rng.standard_normal(s), dtype)  # noqa: E731
+    lat, rope = f(L, P, ps, R), f(L, P, ps, Dr)
+    table = jnp.asarray(rng.permutation(P)[:B * NP].reshape(B, NP), jnp.int32).at[1, 2].set(-1)
+    lens = jnp.asarray([41, 29], jnp.int32)                    # row 1 ends in its second page
+    lat = lat.at[1, table[0, 2], 41 % ps:].set(1e4)             # past row 0's length: poison
+    qpos = lens[:, None] - T + jnp.arange(T)[None]
+    qpos = qpos.at[1, 0].set(-1)                                # a padding query
+    ql, qr = f(B, T, H, R), f(B, T, H, Dr)
+    idx = sa.in_order_selection(qpos, NP * ps)
+    runs = sa.sparse_mla_attention(ql, qr, lat, rope, table, idx, lens, scale=0.1, impl="pallas", layer=1,
+                                   in_order=True)
+    gathered = sa.sparse_mla_attention(ql, qr, lat, rope, table, idx, lens, scale=0.1, impl="pallas", layer=1)
+    dense = sa.dense_mla_attention(ql, qr, lat, rope, table, qpos, lens, scale=0.1, layer=1)
+    np.testing.assert_allclose(np.asarray(runs), np.asarray(gathered), rtol=1e-5, atol=1e-5)
+    assert rel_rms(runs, dense) < 1e-5
+    assert np.all(np.asarray(runs[1, 0]) == 0)                 # the padding query reads nothing
