@@ -189,6 +189,29 @@ def random_prompt(n: int, vocab: int, seed: int = 0) -> list[int]:
     return np.random.default_rng(seed).integers(0, vocab, n).tolist()
 
 
+def assert_decode_and_chunks_equal_recompute(llm, ids: list[int], tol: float):
+    """A 90-token prompt stepped as the engine steps it, each step's logits against full recompute
+    (`llm.logits`) within `tol`: ids[:40] in a 64-token bucket, ids[40:70] as one chunk in a 32-token
+    bucket (logits at every position), then one-token decodes to the end."""
+    import jax.numpy as jnp  # noqa: PLC0415
+    gen = llm.generator
+    full = llm.logits(ids)
+    tok = np.zeros((1, 64), np.int32)
+    tok[0, :40] = ids[:40]
+    out = gen._forward(gen.params, gen.new_cache(1, 128), jnp.asarray(tok), jnp.asarray([40], jnp.int32))
+    np.testing.assert_allclose(np.asarray(out.logits[0]), full[39], atol=tol, rtol=0)
+    tok = np.zeros((1, 32), np.int32)
+    tok[0, :30] = ids[40:70]
+    out = gen._forward(gen.params, out.cache, jnp.asarray(tok), jnp.asarray([30], jnp.int32), logits_at="all")
+    np.testing.assert_allclose(np.asarray(out.logits[0, :30]), full[40:70], atol=tol, rtol=0)
+    cache = out.cache
+    for i in range(70, 90):
+        out = gen._forward(gen.params, cache, jnp.asarray([[ids[i]]], jnp.int32), jnp.asarray([1], jnp.int32))
+        cache = out.cache
+        np.testing.assert_allclose(np.asarray(out.logits[0]), full[i], atol=tol, rtol=0, err_msg=f"decode at {i}")
+    assert int(cache.lengths[0]) == 90
+
+
 def family_checkpoints(config_cls: str, model_cls: str, base: dict, configs: dict, tag: str, make=None):
     """What a family's test module against transformers starts from: (make_checkpoint, checkpoints,
     pair). make_checkpoint(path, seed, **overrides) writes a random transformers checkpoint of the

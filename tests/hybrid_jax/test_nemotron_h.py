@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from conftest import family_checkpoints, random_prompt
+from conftest import assert_decode_and_chunks_equal_recompute, family_checkpoints, random_prompt
 
 from hybrid_jax import LLM, SamplingParams
 from hybrid_jax.errors import ConfigError
@@ -142,23 +142,7 @@ def test_greedy_tokens_identical_to_transformers(pair):
 def test_decode_and_chunked_prefill_equal_full_recompute(pair):
     llm, _ = pair
     ids = random_prompt(90, llm.config.vocab_size, seed=7)
-    gen = llm.generator
-    full = llm.logits(ids)
-    cache = gen.new_cache(1, 128)
-    tok = np.zeros((1, 64), np.int32)
-    tok[0, :40] = ids[:40]
-    out = gen._forward(gen.params, cache, jnp.asarray(tok), jnp.asarray([40], jnp.int32))
-    np.testing.assert_allclose(np.asarray(out.logits[0]), full[39], atol=TOL, rtol=0)
-    tok = np.zeros((1, 32), np.int32)
-    tok[0, :30] = ids[40:70]
-    out = gen._forward(gen.params, out.cache, jnp.asarray(tok), jnp.asarray([30], jnp.int32), logits_at="all")
-    np.testing.assert_allclose(np.asarray(out.logits[0, :30]), full[40:70], atol=TOL, rtol=0)
-    cache = out.cache
-    for i in range(70, 90):
-        out = gen._forward(gen.params, cache, jnp.asarray([[ids[i]]], jnp.int32), jnp.asarray([1], jnp.int32))
-        cache = out.cache
-        np.testing.assert_allclose(np.asarray(out.logits[0]), full[i], atol=TOL, rtol=0, err_msg=f"decode at {i}")
-    assert int(cache.lengths[0]) == 90
+    assert_decode_and_chunks_equal_recompute(llm, ids, TOL)
 
 
 def test_prefix_caching_and_speculative_decoding_equal_plain_greedy(checkpoints):
