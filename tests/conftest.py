@@ -189,6 +189,24 @@ def random_prompt(n: int, vocab: int, seed: int = 0) -> list[int]:
     return np.random.default_rng(seed).integers(0, vocab, n).tolist()
 
 
+def rel_rms(got, ref) -> float:
+    """Relative RMS error of got against ref."""
+    return float(np.sqrt(np.mean((got - ref) ** 2) / np.mean(ref ** 2)))
+
+
+def assert_logits_match_transformers(llm, hf, lengths, max_rel_rms: float, tol: float):
+    """For random prompts of each length, the logits at every position (`llm.logits`) against the
+    transformers model's within `max_rel_rms` relative RMS and `tol` max abs."""
+    import torch  # noqa: PLC0415
+    for n in lengths:
+        ids = random_prompt(n, llm.config.vocab_size, seed=n)
+        with torch.no_grad():
+            ref = hf(torch.tensor([ids]), use_cache=False).logits[0].numpy()
+        got = llm.logits(ids)
+        assert rel_rms(got, ref) < max_rel_rms, f"T={n}: relative RMS error {rel_rms(got, ref):.3e}"
+        assert np.max(np.abs(got - ref)) < tol, f"T={n}: max abs logit error {np.max(np.abs(got - ref)):.3e}"
+
+
 def assert_decode_and_chunks_equal_recompute(llm, ids: list[int], tol: float):
     """A 90-token prompt stepped as the engine steps it, each step's logits against full recompute
     (`llm.logits`) within `tol`: ids[:40] in a 64-token bucket, ids[40:70] as one chunk in a 32-token

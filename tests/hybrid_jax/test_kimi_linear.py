@@ -14,7 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from conftest import (assert_decode_and_chunks_equal_recompute, family_checkpoints, greedy_reference, hf_model, random_prompt, stop_process)
+from conftest import (assert_decode_and_chunks_equal_recompute, family_checkpoints, greedy_reference, hf_model,
+                      random_prompt, stop_process)
 
 from hybrid_jax import LLM, SamplingParams
 from hybrid_jax.errors import ConfigError

@@ -12,7 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from conftest import assert_decode_and_chunks_equal_recompute, family_checkpoints, random_prompt
+from conftest import (assert_decode_and_chunks_equal_recompute, assert_logits_match_transformers, family_checkpoints,
+                      random_prompt)
 
 from hybrid_jax import LLM, SamplingParams
 from hybrid_jax.errors import ConfigError
@@ -96,19 +97,9 @@ def test_release_field_names_are_read():
     assert (cfg.n_groups, cfg.conv_kernel, cfg.time_step_limit, cfg.use_conv_bias) == (4, 3, (0.0, 0.2), False)
 
 
-def _rel_rms(got, ref):
-    return float(np.sqrt(np.mean((got - ref) ** 2) / np.mean(ref ** 2)))
-
 
 def test_prefill_logits_match_transformers(pair):
-    llm, hf = pair
-    for n in (1, 9, 75, 300):
-        ids = random_prompt(n, llm.config.vocab_size, seed=n)
-        with torch.no_grad():
-            ref = hf(torch.tensor([ids]), use_cache=False).logits[0].numpy()
-        got = llm.logits(ids)
-        assert _rel_rms(got, ref) < REL_RMS, f"T={n}: relative RMS error {_rel_rms(got, ref):.3e}"
-        assert np.max(np.abs(got - ref)) < TOL, f"T={n}: max abs logit error {np.max(np.abs(got - ref)):.3e}"
+    assert_logits_match_transformers(*pair, (1, 9, 75, 300), REL_RMS, TOL)
 
 
 def _hf_greedy(hf, prompt, n: int) -> list[int]:

@@ -12,7 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from conftest import assert_decode_and_chunks_equal_recompute, family_checkpoints, random_prompt
+from conftest import (assert_decode_and_chunks_equal_recompute, assert_logits_match_transformers, family_checkpoints,
+                      random_prompt, rel_rms)
 
 from hybrid_jax import LLM, SamplingParams
 from hybrid_jax.errors import ConfigError
@@ -63,9 +64,6 @@ _, checkpoints, pair = family_checkpoints("Qwen4ExpTextConfig", "Qwen4ExpForCaus
                                          make=make_checkpoint)
 
 
-def _rel_rms(got, ref):
-    return float(np.sqrt(np.mean((got - ref) ** 2) / np.mean(ref ** 2)))
-
 
 def _logits(llm, cfg, ids):
     """Full-prompt logits of `llm`'s weights run under `cfg` (a config changed from the checkpoint's)."""
@@ -77,14 +75,7 @@ def _logits(llm, cfg, ids):
 
 
 def test_prefill_logits_match_transformers(pair):
-    llm, hf = pair
-    for n in (1, 9, 75, 300):
-        ids = random_prompt(n, llm.config.vocab_size, seed=n)
-        with torch.no_grad():
-            ref = hf(torch.tensor([ids]), use_cache=False).logits[0].numpy()
-        got = llm.logits(ids)
-        assert _rel_rms(got, ref) < REL_RMS, f"T={n}: relative RMS error {_rel_rms(got, ref):.3e}"
-        assert np.max(np.abs(got - ref)) < TOL, f"T={n}: max abs logit error {np.max(np.abs(got - ref)):.3e}"
+    assert_logits_match_transformers(*pair, (1, 9, 75, 300), REL_RMS, TOL)
 
 
 def test_each_part_moves_the_logits(pair):
@@ -98,12 +89,12 @@ def test_each_part_moves_the_logits(pair):
     variants = {"no selection": dataclasses.replace(cfg, indexer_budget=1024),
                 "gate": dataclasses.replace(cfg, output_gate="silu" if cfg.output_gate == "sigmoid" else "sigmoid")}
     for name, c in variants.items():
-        assert _rel_rms(_logits(llm, c, ids), ref) > 100 * REL_RMS, name
+        assert rel_rms(_logits(llm, c, ids), ref) > 100 * REL_RMS, name
     np.testing.assert_allclose(_logits(llm, cfg, ids), ref, atol=TOL, rtol=0)     # the helper itself agrees
     params = llm.generator.params
     saved = [lp.pop("ple") for lp in params["layers"] if "ple" in lp]
     try:
-        assert _rel_rms(_logits(llm, dataclasses.replace(cfg, ple_layers=(), ple_ranks=()), ids), ref) > 100 * REL_RMS
+        assert rel_rms(_logits(llm, dataclasses.replace(cfg, ple_layers=(), ple_ranks=()), ids), ref) > 100 * REL_RMS
     finally:
         for i, p in zip(cfg.ple_layers, saved):
             params["layers"][i]["ple"] = p
@@ -192,7 +183,7 @@ def test_the_multimodal_release_layout_runs_its_text_model(tmp_path, caplog):
     assert llm.config.model_type == "qwen4_exp" and "vision tower (model.visual.*) is not loaded" in caplog.text
     with torch.no_grad():
         ref = model(input_ids=torch.tensor([ids])).logits[0].numpy()
-    assert _rel_rms(got, ref) < REL_RMS
+    assert rel_rms(got, ref) < REL_RMS
 
 
 def test_config_reads_the_layers_and_declares_the_groups(checkpoints):
