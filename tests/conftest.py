@@ -194,6 +194,16 @@ def rel_rms(got, ref) -> float:
     return float(np.sqrt(np.mean((got - ref) ** 2) / np.mean(ref ** 2)))
 
 
+def hf_greedy(hf, prompt, n: int) -> list[int]:
+    """transformers' n greedy tokens after `prompt` by full recompute (its no-cache forward, once per token)."""
+    import torch  # noqa: PLC0415
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(hf(torch.tensor([ids]), use_cache=False).logits[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
 def assert_logits_match_transformers(llm, hf, lengths, max_rel_rms: float, tol: float):
     """For random prompts of each length, the logits at every position (`llm.logits`) against the
     transformers model's within `max_rel_rms` relative RMS and `tol` max abs."""

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import (assert_decode_and_chunks_equal_recompute, assert_logits_match_transformers, family_checkpoints,
-                      random_prompt)
+                      hf_greedy, random_prompt)
 
 from hybrid_jax import LLM, SamplingParams
 from hybrid_jax.errors import ConfigError
@@ -102,14 +102,6 @@ def test_prefill_logits_match_transformers(pair):
     assert_logits_match_transformers(*pair, (1, 9, 75, 300), REL_RMS, TOL)
 
 
-def _hf_greedy(hf, prompt, n: int) -> list[int]:
-    """transformers' greedy tokens by full recompute (its no-cache forward, once per token)."""
-    ids = list(prompt)
-    with torch.no_grad():
-        for _ in range(n):
-            ids.append(int(hf(torch.tensor([ids]), use_cache=False).logits[0, -1].argmax()))
-    return ids[len(prompt):]
-
 
 def test_greedy_tokens_identical_to_transformers(pair):
     """24 greedy tokens after a 12- and a 300-token prompt equal transformers' generate. With a finite
@@ -124,7 +116,7 @@ def test_greedy_tokens_identical_to_transformers(pair):
     for p, o in zip(prompts, outs):
         with torch.no_grad():
             gen = hf.generate(torch.tensor([p]), max_new_tokens=24, do_sample=False, min_new_tokens=24)[0, len(p):].tolist()
-        want = _hf_greedy(hf, p, 24) if clamped else gen
+        want = hf_greedy(hf, p, 24) if clamped else gen
         assert o.outputs[0].token_ids == want, f"prompt of {len(p)}"
         differ.append(gen != want)
     assert any(differ) == clamped     # the transformers inconsistency above is real on this checkpoint

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import (assert_decode_and_chunks_equal_recompute, assert_logits_match_transformers, family_checkpoints,
-                      random_prompt, rel_rms)
+                      hf_greedy, random_prompt, rel_rms)
 
 from hybrid_jax import LLM, SamplingParams
 from hybrid_jax.errors import ConfigError
@@ -100,13 +100,6 @@ def test_each_part_moves_the_logits(pair):
             params["layers"][i]["ple"] = p
 
 
-def _hf_greedy(hf, prompt, n: int) -> list[int]:
-    ids = list(prompt)
-    with torch.no_grad():
-        for _ in range(n):
-            ids.append(int(hf(torch.tensor([ids]), use_cache=False).logits[0, -1].argmax()))
-    return ids[len(prompt):]
-
 
 def test_greedy_tokens_identical_to_transformers(pair):
     """16 greedy tokens after a 12- and a 300-token prompt equal transformers' (its full recompute, one
@@ -116,7 +109,7 @@ def test_greedy_tokens_identical_to_transformers(pair):
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
     for p, o in zip(prompts, outs):
-        assert o.outputs[0].token_ids == _hf_greedy(hf, p, 16), f"prompt of {len(p)}"
+        assert o.outputs[0].token_ids == hf_greedy(hf, p, 16), f"prompt of {len(p)}"
 
 
 def test_decode_and_chunked_prefill_equal_full_recompute(pair):
