@@ -32,16 +32,21 @@ from cache.segments import Kind
 
 def block_hash(parent: int | None, tokens: Sequence[int]) -> int:
     """The public hash of a block of token ids after the block whose hash is `parent` (None: the first)."""
+    return _hash(parent, np.asarray(tokens, dtype="<i8").tobytes())
+
+
+def _hash(parent: int | None, body: bytes) -> int:
     head = b"" if parent is None else int(parent).to_bytes(8, "big", signed=True)
-    digest = hashlib.sha256(head + np.asarray(tokens, dtype="<i8").tobytes()).digest()
-    return int.from_bytes(digest[:8], "big", signed=True)
+    return int.from_bytes(hashlib.sha256(head + body).digest()[:8], "big", signed=True)
 
 
 def chain_hashes(tokens: Sequence[int], block_size: int) -> list[int]:
-    """`block_hash` of every whole block of `tokens`, each chained to the one before."""
+    """`block_hash` of every whole block of `tokens`, each chained to the one before (the tokens turned
+    into bytes once)."""
+    buf, step = np.asarray(tokens, dtype="<i8").tobytes(), 8 * block_size
     out, parent = [], None
     for i in range(len(tokens) // block_size):
-        parent = block_hash(parent, tokens[i * block_size:(i + 1) * block_size])
+        parent = _hash(parent, buf[i * step:(i + 1) * step])
         out.append(parent)
     return out
 
@@ -133,6 +138,6 @@ def event_group(specs) -> tuple[str, int] | None:
     latent group whose entries are single tokens (specs: the prefix cache's GroupSpecs); None when the
     model has none (DeepSeek-V4's compressed groups hold an entry per several tokens)."""
     for s in specs:
-        if s.kind in EVENT_KINDS and not s.is_checkpoint and not s.entry > 1:
+        if s.kind in EVENT_KINDS and not s.is_checkpoint and s.entry == 1:
             return s.name, s.block_size
     return None

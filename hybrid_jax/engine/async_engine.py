@@ -45,7 +45,7 @@ def engine_card(engine) -> dict:
     max_num_seqs (rows over all replicas), max_num_batched_tokens (one step's), max_total_tokens (the
     tokens the attention pools hold, over all replicas), kv_block_size (the prefix cache's block)."""
     c = engine.config
-    block, blocks = engine.live_figures()["cache_config"]
+    block, blocks = engine.cache_config()
     return {"max_model_len": c.max_model_len, "vocab_size": engine.loaded.config.vocab_size,
             "max_num_seqs": engine_rows(engine), "max_num_batched_tokens": c.max_num_batched_tokens,
             "max_total_tokens": block * blocks, "kv_block_size": block}

@@ -164,7 +164,12 @@ class DataParallelEngine:
                 "stalls": sum(f["stalls"] for f in figs), "by_source": _summed([f["by_source"] for f in figs]),
                 "startup": self.startup_status(),
                 "paged_groups": figs[0]["paged_groups"], "prefix_misses": misses,
-                "cache_config": (figs[0]["cache_config"][0], sum(f["cache_config"][1] for f in figs))}
+                "cache_config": self.cache_config()}
+
+    def cache_config(self) -> tuple[int, int]:
+        """`LLMEngine.cache_config` over the replicas: their block size and their blocks together."""
+        per = [r.cache_config() for r in self.replicas]
+        return per[0][0], sum(n for _, n in per)
 
     def cache_stats(self) -> dict:
         """The replicas' prefix-cache figures (`replicas`), with their counts summed at the top level and

@@ -65,6 +65,7 @@ class LLMEngine:
         blocks = BlockManager(self.runner.geometry(), num_rows=c.max_num_seqs)
         self.runner.blocks = blocks
         self.spec = self._speculator() if c.speculative_config else None
+        self._cache_config: tuple[int, int] | None = None       # `cache_config`, once asked
         events = KVEventsConfig.parse(c.kv_events_config)
         self.kv_events = KVEventLog() if events is not None else None
         prefix = (PrefixManager(self.runner, self._store_settings(), self._disk_config(), blocks, self.metrics,
@@ -215,10 +216,13 @@ class LLMEngine:
 
     def cache_config(self) -> tuple[int, int]:
         """(block size, blocks): the prefix cache's block in tokens (a full-attention page) and how many
-        such blocks the tightest paged pool holds (0 for a model with no paged group)."""
-        b = self.config.prefix_block_size
-        tokens = [g.page_tokens * g.num_units for g in self.runner.geometry() if g.paged]
-        return b, (min(tokens) // b if tokens else 0)
+        such blocks the tightest paged pool holds (0 for a model with no paged group). The pools keep
+        their shapes for the engine's life, so it is worked out once."""
+        if self._cache_config is None:
+            b = self.config.prefix_block_size
+            tokens = [g.page_tokens * g.num_units for g in self.runner.geometry() if g.paged]
+            self._cache_config = (b, min(tokens) // b if tokens else 0)
+        return self._cache_config
 
     def startup_status(self) -> StartupStatus | None:
         """Where the load and warm-up are (engine/startup_status.py); None for an engine that
