@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.metadata
 import json
 import os
@@ -77,7 +78,9 @@ def model_info(state) -> dict:
     return out
 
 
+@functools.cache
 def _version() -> str:
+    """The installed package's version (looked up once: it reads the installed metadata from disk)."""
     try:
         return importlib.metadata.version("hybrid-jax")
     except importlib.metadata.PackageNotFoundError:     # run from a source tree that was not installed
