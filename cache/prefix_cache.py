@@ -66,6 +66,7 @@ import numpy as np
 from cache.block_manager import BlockManager
 from cache.kv_events import KVEventLog, chain_hashes
 from cache.group import CacheGroup
+from cache.handoff import KVTransfer
 from cache.prefix_index import IndexEntry, KeyContext, block_geometry, chain_keys, checkpoint_boundaries, key_at
 from cache.prefix_config import PrefixCacheConfig, Reuse
 from cache.prefix_disk import DiskConfig, DiskSpans, SpanSetup
@@ -134,7 +135,7 @@ class PrefixCache:
         if disk is not None:
             setup = SpanSetup(specs=self.specs, geometry=self.geometry, fingerprint=config.fingerprint,
                               checkpoint_interval=config.checkpoint_interval, copies=config.copies,
-                              keys=self.keys, notes=self.notes)
+                              keys=self.keys, notes=self.notes, commit=self._commit)
             self.disk = DiskSpans(self.store, setup, cache, disk)
             self.store.lower = self.disk
 
@@ -185,12 +186,16 @@ class PrefixCache:
         servable = SERVABLE_STATES if self.disk is not None else frozenset({SegState.DEVICE})
         return check_hit(tokens, self.specs, self.store.index, self.store.alloc, servable=servable)
 
-    def reuse(self, cache: ModelCache, row: int, request_id: str, tokens: Sequence[int]) -> tuple[ModelCache, Reuse]:
+    def reuse(self, cache: ModelCache, row: int, request_id: str, tokens: Sequence[int],
+              transfer: KVTransfer | None = None) -> tuple[ModelCache, Reuse]:
         """Gives request `request_id` (row `row`, empty block tables) the longest validated cached
         prefix of `tokens`: the stored pages go into its block tables, the checkpoints into its row.
-        Returns (cache, Reuse): the request now holds tokens[:boundary] (0 = nothing reused), and its
-        branch point, if any."""
+        transfer: a receiving request's handoff (cache.handoff), installed first when it reaches
+        beyond the device's hit and passes every check. Returns (cache, Reuse): the request now holds
+        tokens[:boundary] (0 = nothing reused), and its branch point, if any."""
         t0 = time.perf_counter()
+        if transfer is not None and transfer.role == "receive" and self.disk is not None:
+            cache = self._receive(cache, tokens, request_id, transfer)
         if len(tokens) <= self.geometry.resume:
             self.notes.once("short", f"prompts of at most {self.geometry.resume} tokens cannot reuse a prefix: every"
                                      f" group must resume at a multiple of {self.geometry.resume} tokens (the"
@@ -221,6 +226,31 @@ class PrefixCache:
         self.stats = self.stats.record(hit)
         return cache, Reuse(hit.boundary, self._branch(hit, len(tokens), hit.boundary))
 
+    def _receive(self, cache: ModelCache, tokens: Sequence[int], request_id: str, t: KVTransfer) -> ModelCache:
+        """Installs a receiving request's handoff unless the device already holds as much (what the
+        device's hit holds is kept while it installs)."""
+        hit = self.lookup(tokens)
+        alloc = self.store.alloc
+        on_device = hit.ok and all(alloc.get(i).state is SegState.DEVICE for ids in hit.segments.values() for i in ids)
+        if on_device and hit.boundary >= t.end:
+            self.disk.handoffs.forget(request_id)
+            return cache
+        keep = frozenset(i for ids in hit.segments.values() for i in ids) if on_device else frozenset()
+        cache, _ = self.disk.handoffs.receive(cache, tokens, request_id, t.end, t.key, keep)
+        return cache
+
+    def handoff_point(self, num_tokens: int) -> int:
+        """Where a sending request's prompt is handed over (cache.handoff.Handoffs.point; 0: nowhere)."""
+        return self.disk.handoffs.point(num_tokens) if self.disk is not None else 0
+
+    def hand_off(self, cache: ModelCache, tokens: Sequence[int], boundary: int, room: int):
+        """A sending request holds tokens[:boundary], published: its handoff is written for `room`."""
+        self.disk.handoffs.send(cache, list(tokens[:boundary]), boundary, room)
+
+    def abandon_handoff(self, room: int, reason: str):
+        if self.disk is not None:
+            self.disk.handoffs.abandon(room, reason)
+
     def _branch(self, hit: HitResult, num_tokens: int, boundary: int) -> int:
         """The branch point of a prompt of `num_tokens` (see `Reuse`): the blocks it shares with cached
         sequences, rounded down to the resume grid, if beyond `boundary` and before its last token."""
@@ -246,9 +276,14 @@ class PrefixCache:
             hit = self.lookup(tokens)
         return cache, hit
 
-    def prefetch(self, request_id: str, tokens: Sequence[int]):
-        """On a request's arrival: starts loading its longest prefix found in the disk tier."""
-        if self.disk is not None and len(tokens) > self.geometry.lcm:
+    def prefetch(self, request_id: str, tokens: Sequence[int], transfer: KVTransfer | None = None):
+        """On a request's arrival: starts loading its handoff (a receiving request's), else its longest
+        prefix found in the disk tier."""
+        if self.disk is None:
+            return
+        if transfer is not None and transfer.role == "receive" and transfer.end > 0:
+            self.disk.handoffs.prefetch(request_id, tokens, transfer.end, transfer.key)
+        elif len(tokens) > self.geometry.lcm:
             self.disk.prefetch(request_id, tokens)
 
     def _miss(self, hit: HitResult) -> int:

@@ -39,6 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from cache.disk_tier import DiskTier
+from cache.handoff import Handoffs
 from cache.prefix_index import BlockGeometry, chain_keys, key_at
 from cache.prefix_store import stored_fields
 from cache.state import ModelCache
@@ -72,7 +73,7 @@ class SpanSetup:
     """What the disk tier knows of its prefix cache besides the store: the groups' specs and block
     geometry, the weights' fingerprint, the checkpoint interval (spans are interval x LCM tokens), the
     pool fields kept in copies (`PrefixCacheConfig.copies`), the chain keys of a token list for a group
-    (the cache's memo) and where warnings go."""
+    (the cache's memo), where warnings go and how restored segments are committed."""
     specs: tuple[GroupSpec, ...]
     geometry: BlockGeometry
     fingerprint: str
@@ -80,6 +81,8 @@ class SpanSetup:
     copies: tuple[tuple[str, str, int, int], ...]
     keys: Callable[[list[int], GroupSpec], tuple[str, ...]]
     notes: Notes
+    # makes restored segments servable as a publish does (index entries inside a partial page, KV events)
+    commit: Callable[[list[int], list[Allocated]], None]
 
 
 class DiskSpans:
@@ -106,6 +109,7 @@ class DiskSpans:
         self.spans_restored = 0
         self.tokens_restored = 0
         self.skipped_writes = 0            # spans not written because the tier's writes were off
+        self.handoffs = Handoffs(self)     # prefill/decode disaggregation's transfers (cache/handoff.py)
 
     # --- geometry ----------------------------------------------------------------------------------
     def start(self, b: int) -> int:
@@ -128,10 +132,11 @@ class DiskSpans:
         toks = list(tokens)
         return {n: chain_keys(toks, self.setup.geometry.gcd, ctx) for n, ctx in self._ctx.items()}
 
-    def key(self, keys: dict[str, tuple[str, ...]], b: int) -> str:
-        """The key of the span ending at b, from `_span_keys`."""
+    def key(self, keys: dict[str, tuple[str, ...]], b: int, kind: str = "prefix-span") -> str:
+        """The key of the span ending at b (kind "prefix-span"; a handoff's: "prefix-handoff"), from
+        `_span_keys`."""
         gcd = self.setup.geometry.gcd
-        return make_key("prefix-span", *(key_at(keys[n], gcd, b) for n in sorted(keys)))
+        return make_key(kind, *(key_at(keys[n], gcd, b) for n in sorted(keys)))
 
     def _logical(self, name: str, f: str, a: np.ndarray) -> np.ndarray:
         """A pool field's values (any unit axis) with one copy of each entry."""
@@ -143,16 +148,17 @@ class DiskSpans:
         axis, r = self._copies[name].get(f, (0, 1))
         return a if r == 1 else np.repeat(a, r, axis=axis)
 
-    def expect(self, b: int) -> EntryMeta:
-        """The exact meta of the span ending at b: array '<group>-<field>' is the pool field with its
-        unit axis holding the span's blocks (a block group: [L, blocks, ps, ...]) or without it (a
-        checkpoint group: the checkpoint at b, e.g. [L, ...], a tail's count [])."""
-        s = self.start(b)
+    def expect(self, b: int, start: int | None = None) -> EntryMeta:
+        """The exact meta of the span ending at b (of [start, b) when given: a handoff's): array
+        '<group>-<field>' is the pool field with its unit axis holding the span's blocks (a block group:
+        [L, blocks, ps, ...]) or without it (a checkpoint group: the checkpoint at b, e.g. [L, ...], a
+        tail's count [])."""
+        s = self.start(b) if start is None else start
         abi, dtypes, shapes = {}, {}, {}
         for spec in self.setup.specs:
             for f, (ax, shape, dtype) in self._layout[spec.name].items():
                 n = f"{spec.name}-{f}"
-                lead = () if spec.is_checkpoint else ((b - s) // spec.block_size,)
+                lead = () if spec.is_checkpoint else (len(self._objects(spec, b, s)),)
                 shape = list(shape)
                 if f in self._copies[spec.name]:
                     axis, r = self._copies[spec.name][f]
@@ -161,35 +167,54 @@ class DiskSpans:
                 dtypes[n], abi[n] = np.dtype(dtype).name, spec.ctx.abi_id
         return EntryMeta(fingerprint=self.setup.fingerprint, abi=abi, dtypes=dtypes, shapes=shapes, start=s, end=b)
 
-    def _objects(self, spec, b: int) -> list[int]:
-        """Block ends (or the checkpoint boundary) a span ending at b holds for a group."""
+    def _objects(self, spec, b: int, start: int | None = None) -> list[int]:
+        """Block ends (or the checkpoint boundary) a span ending at b (from `start` when given) holds
+        for a group."""
         if spec.is_checkpoint:
             return [b]
-        return list(range(self.start(b) + spec.block_size, b + 1, spec.block_size))
+        s = self.start(b) if start is None else start
+        inner = b - b % spec.entry            # a handoff may end inside a page of a partial group
+        ends = list(range(s + spec.block_size, inner + 1, spec.block_size))
+        return ends + [inner] if inner % spec.block_size else ends
 
     # --- write behind ------------------------------------------------------------------------------
     def write(self, cache: ModelCache, tokens: Sequence[int], b: int):
         """After a publish at b: copies the span ending at b from the pools to the host and writes it
         on a background thread. Skipped when the span is already on disk or a block of it is not on
         the device."""
-        keys = self._group_keys(tokens)
         k = self.key(self._span_keys(tokens), b)
         if k in self._written or k in self.tier:
             return
         if not self.tier.writable():       # an unwritable directory: not even the copy to the host
             self.skipped_writes += 1
             return
+        got = self.read(cache, tokens, b)
+        if got is None:
+            return
+        arrays, sids = got
+        self._written[k] = self._writer.submit(self.tier.put, k, arrays, self.expect(b))
+        for sid in sids:
+            self._seg_spans[sid].add(k)
+
+    def read(self, cache: ModelCache, tokens: Sequence[int], b: int, start: int | None = None
+             ) -> tuple[dict[str, np.ndarray], list[int]] | None:
+        """Copies to the host what the span ending at b (of [start, b) when given) holds, as `expect`
+        names and shapes it: (arrays, the segments read), or None when an object of it is not on the
+        device."""
+        keys = self._group_keys(tokens)
         plan, cols, sids = {}, {}, []
         store, gcd = self.store, self.setup.geometry.gcd
         for spec in self.setup.specs:
             slots = []
-            for e in self._objects(spec, b):
+            for e in self._objects(spec, b, start):
                 seg = store.segment_at(spec, key_at(keys[spec.name], gcd, e))
                 if seg is None or seg.state is not SegState.DEVICE:
-                    return
+                    return None
                 slots.append(store.unit(seg.id))
                 sids.append(seg.id)
             W = store.layout.width[spec.name]
+            if len(slots) > W:
+                return None
             p = np.full((W,), -1, np.int32)
             p[:len(slots)] = slots
             plan[spec.name], cols[spec.name] = jnp.asarray(p), len(slots)
@@ -200,9 +225,7 @@ class DiskSpans:
                 ax = self._layout[spec.name][f][0]
                 a = self._logical(spec.name, f, np.take(a, np.arange(cols[spec.name]), axis=ax))
                 arrays[f"{spec.name}-{f}"] = np.array(np.take(a, 0, axis=ax) if spec.is_checkpoint else a)   # ndim 0 kept
-        self._written[k] = self._writer.submit(self.tier.put, k, arrays, self.expect(b))
-        for sid in sids:
-            self._seg_spans[sid].add(k)
+        return arrays, sids
 
     def durable(self, sid: int) -> bool:
         """Whether a written span holds this segment's bytes."""
@@ -258,7 +281,6 @@ class DiskSpans:
                 return cache, False
             handles = [(e, k, self.tier.prefetch(k, self.expect(e))) for e, k in chain]
             policy = "wait"            # nothing was prefetched: the read is on the critical path anyway
-        keys = self._group_keys(tokens)
         installed = False
         for e, k, h in handles:
             if e <= on_device:
@@ -269,7 +291,7 @@ class DiskSpans:
                 self.setup.notes.once(f"disk:{reason}", f"a span on disk was not used ({reason}); its tokens are"
                                                      f" recomputed")
                 break
-            cache, ok, held = self._install(cache, keys, e, k, arrays, keep)
+            cache, ok, held = self.install(cache, tokens, e, k, arrays, keep)
             if not ok:
                 break
             keep = keep | held
@@ -278,20 +300,22 @@ class DiskSpans:
             self.tokens_restored += e - self.start(e)
         return cache, installed
 
-    def _install(self, cache: ModelCache, keys: dict, b: int, span: str, arrays: dict[str, np.ndarray],
-                 keep: frozenset[int] = frozenset()) -> tuple[ModelCache, bool, frozenset[int]]:
-        """Puts one span's objects (span: its key) into fresh pages / checkpoint units: objects already
-        on the device are kept, ones the store knows on disk are restored (disk -> host -> device),
-        others are allocated; nothing in `keep` is evicted for room. keys: the device store's chain
-        keys. Returns (cache, ok, the span's segments)."""
+    def install(self, cache: ModelCache, tokens: Sequence[int], b: int, span: str, arrays: dict[str, np.ndarray],
+                keep: frozenset[int] = frozenset(), start: int | None = None
+                ) -> tuple[ModelCache, bool, frozenset[int]]:
+        """Puts one span's objects (span: its key; [start, b) when given: a handoff's) into fresh pages /
+        checkpoint units: objects already on the device are kept, ones the store knows on disk are
+        restored (disk -> host -> device), others are allocated and committed as a publish commits
+        them; nothing in `keep` is evicted for room. Returns (cache, ok, the span's segments)."""
         store, gcd = self.store, self.setup.geometry.gcd
+        keys = self._group_keys(tokens)
         plan, data, new, held = {}, {}, [], set()
         for spec in self.setup.specs:
             W = store.layout.width[spec.name]
             slots = np.full((W,), -1, np.int32)
             layout = self._layout[spec.name]
             cols = {f: np.zeros(shape[:ax] + (W,) + shape[ax + 1:], dtype) for f, (ax, shape, dtype) in layout.items()}
-            for j, e in enumerate(self._objects(spec, b)):
+            for j, e in enumerate(self._objects(spec, b, start)):
                 key = key_at(keys[spec.name], gcd, e)
                 seg = store.segment_at(spec, key)
                 if seg is not None and seg.state is SegState.DEVICE:
@@ -318,8 +342,7 @@ class DiskSpans:
             plan[spec.name], data[spec.name] = jnp.asarray(slots), cols
         cache = store.write_units(cache, plan, data)
         store.release([sid for sid in held if store.alloc.get(sid).ref_count])
-        for a in new:
-            store.commit(a)
+        self.setup.commit(list(tokens[:b]), new)
         if span not in self._written:       # it is on disk: offloading these segments again is free
             f = cf.Future()
             f.set_result(True)
@@ -340,8 +363,9 @@ class DiskSpans:
         return False
 
     def forget(self, request_id: str):
-        """Drops a request's prefetch (aborted before admission)."""
+        """Drops a request's prefetch (aborted before admission), its handoff's included."""
         self._prefetched.pop(request_id, None)
+        self.handoffs.forget(request_id)
 
     def stats(self) -> dict:
         st = self.tier.stats()
@@ -351,7 +375,7 @@ class DiskSpans:
                 "evictions": st["evictions"], "prefetch_hidden_s": st["prefetch_hidden_s"],
                 "prefetch_wait_s": st["prefetch_wait_s"], "writable": st["writable"],
                 "write_faults": st["write_faults"], "write_fault": st["write_fault"],
-                "skipped_writes": self.skipped_writes}
+                "skipped_writes": self.skipped_writes, "handoffs": self.handoffs.stats()}
 
     def health(self) -> dict:
         """writable, write_faults, write_fault, skipped_writes: whether the tier's directory takes

@@ -11,6 +11,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from cache.handoff import KVTransfer
 from hybrid_jax.errors import InputError
 from hybrid_jax.logits_processors import apply_min_p
 from hybrid_jax.structured.params import StructuredOutputsParams
@@ -56,6 +57,9 @@ class SamplingParams:
     # special tokens (by their text) the output text keeps although special tokens are skipped: the
     # markers the chat endpoint's tool-call / reasoning parser reads (server/chat_output.py)
     keep_special_tokens: tuple[str, ...] = ()
+    # prefill/decode disaggregation (vLLM's kv_transfer_params): this request hands its prompt's cache
+    # over ("send") or takes one ("receive"); cache/handoff.py. Set by the server, not by clients.
+    kv_transfer: KVTransfer | None = None
 
     def __post_init__(self):
         self.validate()
@@ -92,6 +96,10 @@ class SamplingParams:
         if bad:
             raise InputError(f"stop_token_ids must be non-negative integers; got {bad}")
         self._validate_processors()
+        if isinstance(self.kv_transfer, dict):       # as dataclasses.asdict wrote it (parallel/hosts.py)
+            self.kv_transfer = KVTransfer(**self.kv_transfer)
+        if self.kv_transfer is not None and not isinstance(self.kv_transfer, KVTransfer):
+            raise InputError(f"kv_transfer must be a KVTransfer; got {type(self.kv_transfer).__name__}")
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):

@@ -17,12 +17,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 
+from cache.handoff import KVTransfer
 from cache.kv_events import KVEventLog
 from cache.block_manager import BlockManager
 from cache.prefix_cache import PrefixCache, PrefixCacheConfig
 from cache.prefix_disk import DiskConfig
 from hybrid_jax.engine.metrics import EngineMetrics
-from hybrid_jax.engine.publish_points import Publish, PublishPoints
+from hybrid_jax.engine.publish_points import Publish, PublishPoints, handoff_point
 from hybrid_jax.engine.request import Request
 
 log = logging.getLogger("hybrid_jax.engine")
@@ -41,6 +42,7 @@ class PrefixManager:
         self.pending: list[Publish] = []               # publishes queued by the last step read back
         self.releasing: list[Request] = []             # finished, row and pages given back after `pending`
         self.events = events                           # the routers' KV events (cache/kv_events.py), or None
+        self.rooms_sent: set[int] = set()              # rooms of sending requests whose handoff was written
         self.store = PrefixCache(runner.cache, settings, blocks, disk=disk, events=events)
 
     # --- admission and planning --------------------------------------------------------------------
@@ -54,10 +56,15 @@ class PrefixManager:
             q.num_cached_tokens = 0
             self.points.admitted(self.store, q, 0)
             return 0
-        self.runner.cache, got = self.store.reuse(self.runner.cache, q.slot, q.request_id, q.all_ids)
+        self.runner.cache, got = self.store.reuse(self.runner.cache, q.slot, q.request_id, q.all_ids,
+                                                  q.params.kv_transfer)
         n = got.boundary
         q.num_cached_tokens = n
         self.points.admitted(self.store, q, got.branch)
+        h = handoff_point(self.store, q)
+        if h and n >= h:          # a sending request whose hit covers its handoff point: no publish stops there
+            self.store.hand_off(self.runner.cache, q.prompt_ids, h, q.params.kv_transfer.room)
+            self.rooms_sent.add(q.params.kv_transfer.room)
         self.metrics.prefix_queries.inc(len(q.all_ids))
         self.metrics.prefix_hits.inc(n)
         st = self.store.stats
@@ -96,21 +103,34 @@ class PrefixManager:
             self.runner.cache = self.store.publish(self.runner.cache, x.row, x.request_id, x.tokens, x.boundary,
                                                    branch=x.branch, durable=not x.decoded or x.boundary % span == 0,
                                                    spare=x.spare, keep=x.keep)
+            if x.room is not None:
+                self.store.hand_off(self.runner.cache, x.tokens, x.boundary, x.room)
+                self.rooms_sent.add(x.room)
         releasing, self.releasing = self.releasing, []
         return releasing
 
-    def forget(self, request_id: str, dropped: bool = False):
+    def forget(self, request_id: str, dropped: bool = False, transfer: KVTransfer | None = None):
         """A request ended: its points go; a dropped one (aborted, failed) also its queued publishes
-        and its disk prefetch."""
+        and its disk prefetch. A sending request (`transfer`) that has not handed its cache over and
+        will not (dropped, or no handoff publish queued) tells its room so: the receiver recomputes
+        at once rather than waiting out its timeout."""
         self.points.forget(request_id)
         if dropped:
             self.pending = [x for x in self.pending if x.request_id != request_id]
+        if transfer is not None and transfer.role == "send":
+            queued = any(x.request_id == request_id and x.room is not None for x in self.pending)
+            if transfer.room in self.rooms_sent:
+                self.rooms_sent.discard(transfer.room)
+            elif not queued:
+                self.store.abandon_handoff(transfer.room, "the prefill request was aborted or failed" if dropped else
+                                           "short prompt: no resume point before its last token, or its publish"
+                                           " was refused")
             if self.store.disk is not None:
                 self.store.disk.forget(request_id)
 
     # --- the store's life --------------------------------------------------------------------------
     def prefetch(self, q: Request):
-        self.store.prefetch(q.request_id, q.prompt_ids)    # a disk hit starts loading now
+        self.store.prefetch(q.request_id, q.prompt_ids, q.params.kv_transfer)    # a disk hit starts loading now
 
     def reset(self, blocks: BlockManager, cap_bytes: int | None = None, clear_points: bool = True,
               disk: DiskConfig | None | bool = True):

@@ -28,6 +28,13 @@ class Publish:
     decoded: bool = False       # a point reached while decoding (PrefixCache.publish's `durable`)
     spare: bool = False         # the prompt's spare point (PrefixCache.spare_point)
     keep: int = 0               # a decoded point's: the prompt's end, kept as a spare (PrefixCache.publish)
+    room: int | None = None     # a sending request's handoff point: its handoff goes to this room
+
+
+def handoff_point(prefix: PrefixCache, q: Request) -> int:
+    """A sending request's handoff point (PrefixCache.handoff_point); 0 for any other request."""
+    t = q.params.kv_transfer
+    return prefix.handoff_point(len(q.prompt_ids)) if t is not None and t.role == "send" else 0
 
 
 class PublishPoints:
@@ -45,8 +52,15 @@ class PublishPoints:
         prompt, and its branch point (set at admission)."""
         pts = self._stops.get(q.request_id)
         if pts is None:
-            pts = self._stops[q.request_id] = prefix.publish_boundaries(len(q.prompt_ids))
+            pts = self._stops[q.request_id] = self._prompt_points(prefix, q)
         return pts
+
+    @staticmethod
+    def _prompt_points(prefix: PrefixCache, q: Request) -> tuple[int, ...]:
+        """The retention policy's boundaries of the prompt, and a sending request's handoff point."""
+        pts = prefix.publish_boundaries(len(q.prompt_ids))
+        h = handoff_point(prefix, q)
+        return tuple(sorted(set(pts) | {h})) if h else pts
 
     def next_point(self, prefix: PrefixCache, q: Request) -> int | None:
         """The scheduler's next stop for a prefilling request (its chunk ends there)."""
@@ -55,7 +69,7 @@ class PublishPoints:
     def admitted(self, prefix: PrefixCache, q: Request, branch: int):
         """A request was admitted with its cached prefix; `branch`: where its prompt runs off the cached
         blocks (0: nowhere), which becomes one of its publish points."""
-        pts = prefix.publish_boundaries(len(q.prompt_ids))
+        pts = self._prompt_points(prefix, q)
         if branch:
             pts = tuple(sorted(set(pts) | {branch}))
             self._branches[q.request_id] = branch
@@ -80,7 +94,8 @@ class PublishPoints:
             spare = passing or (prompt_point and not branch and b == prefix.spare_point(len(q.prompt_ids)))
             keep = len(q.prompt_ids) // grid * grid if decoded else 0
             keep = keep if keep > q.num_cached_tokens else 0     # one it published itself
-            out.append(Publish(q.slot, q.request_id, ids, b, branch, decoded, spare, keep))
+            room = q.params.kv_transfer.room if prompt_point and b == handoff_point(prefix, q) else None
+            out.append(Publish(q.slot, q.request_id, ids, b, branch, decoded, spare, keep, room))
         return out
 
     def due(self, prefix: PrefixCache, q: Request) -> bool:

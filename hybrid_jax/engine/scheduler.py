@@ -188,7 +188,7 @@ class Scheduler:
         if self.outputs is not None:
             self.outputs.forget(req.request_id)
         if self.prefix is not None:
-            self.prefix.forget(req.request_id, dropped=True)
+            self.prefix.forget(req.request_id, dropped=True, transfer=req.params.kv_transfer)
 
     def fail(self, req: Request, message: str) -> EngineOutput:
         """Fails one request (finish_reason "error"); the engine and every other request go on."""
@@ -201,7 +201,7 @@ class Scheduler:
         """A request ended by itself (stop, length): its row and pages go back once its pending
         publishes ran (the next flush), else now."""
         if self.prefix is not None:
-            self.prefix.forget(q.request_id)
+            self.prefix.forget(q.request_id, transfer=q.params.kv_transfer)
         q.status = RequestStatus.FINISHED
         if self.prefix is not None and self.prefix.has_pending(q.request_id):
             self.prefix.releasing.append(q)
