@@ -17,7 +17,7 @@ import json
 import os
 import sys
 
-from hybrid_jax.errors import HybridJaxError
+from hybrid_jax.errors import HybridJaxError, InputError
 
 
 def _add_model_args(p: argparse.ArgumentParser):
@@ -116,6 +116,15 @@ def _serve_parser(sub):
                         "its config.json model_type; none: tool calls stay text)")
     s.add_argument("--reasoning-parser", default=None, choices=[*REASONING_FORMATS, "none"],
                    help="the reasoning format split into reasoning_content (default: the family's)")
+    s.add_argument("--disaggregation-mode", default="null", choices=["null", "prefill", "decode"],
+                   help="prefill/decode disaggregation behind the SGLang Model Gateway's --pd-disaggregation: a "
+                        "prefill server computes prompts and hands their caches over, a decode server takes them "
+                        "(both with --enable-prefix-caching and the same --kv-cache-dir on shared storage)")
+    s.add_argument("--disaggregation-timeout", type=float, default=60.0,
+                   help="seconds a decode server waits for a request's handoff before computing its prompt itself")
+    s.add_argument("--disaggregation-bootstrap-port", type=int, default=None,
+                   help="the bootstrap port the gateway is given for this prefill server (reported in /server_info; "
+                        "the handoff itself goes through --kv-cache-dir)")
     s.add_argument("--max-request-bytes", type=int, default=1 << 20)
     s.add_argument("--max-tokens-limit", type=int, default=4096, help="largest max_tokens a request may ask")
     s.add_argument("--shutdown-timeout", type=float, default=30.0,
@@ -278,6 +287,19 @@ def _engine_config(args):
                         kv_events_config=args.kv_events_config)
 
 
+def _disaggregation(args):
+    from hybrid_jax.server.disaggregation import DisaggregationConfig  # noqa: PLC0415
+    if args.disaggregation_mode != "null" and not args.enable_prefix_caching:
+        raise SystemExit("--disaggregation-mode needs --enable-prefix-caching (handoffs go through the prefix "
+                         "cache's disk tier)")
+    try:
+        return DisaggregationConfig(mode=args.disaggregation_mode, directory=args.kv_cache_dir,
+                                    timeout_s=args.disaggregation_timeout,
+                                    bootstrap_port=args.disaggregation_bootstrap_port)
+    except InputError as e:
+        raise SystemExit(str(e)) from None
+
+
 def _serve(args) -> int:
     from hybrid_jax.server.app import ServerConfig  # noqa: PLC0415
     from hybrid_jax.server.main import serve  # noqa: PLC0415
@@ -292,7 +314,8 @@ def _serve(args) -> int:
                                             admission=_admission(args), model_type=_model_type(args.model),
                                             identity=ModelIdentity.read(args.model, parallel_options(args)),
                                             tool_call_parser=args.tool_call_parser,
-                                            reasoning_parser=args.reasoning_parser),
+                                            reasoning_parser=args.reasoning_parser,
+                                            disaggregation=_disaggregation(args)),
                  shutdown_timeout_s=args.shutdown_timeout, header_timeout_s=args.timeout_header,
                  max_header_bytes=args.max_header_bytes,
                  keep_alive_timeout_s=args.timeout_keep_alive, engine_process=args.engine_process,

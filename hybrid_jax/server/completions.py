@@ -20,6 +20,7 @@ from hybrid_jax.engine.async_engine import EngineRequestError, EngineUnavailable
 from hybrid_jax.errors import InputError
 from hybrid_jax.sampling import SamplingParams
 from hybrid_jax.server import fanout, protocol
+from hybrid_jax.server.disaggregation import room_of
 from hybrid_jax.server.admission import Refused, client_key
 from hybrid_jax.server.chat_output import ChatOutput, chat_output, read_with
 from hybrid_jax.server.plumbing import AdmittedStream, ApiError, Gone, Http, Shutdown, released
@@ -120,6 +121,13 @@ class Completions:
         reading = chat_output(state.family, data) if chat else None
         prep = await state.workers.run(prepare, state.engine, data, opts, self.prompt_fn, cfg.max_tokens_limit,
                                        reading)
+        room = room_of(data)
+        if room is not None and state.disagg is not None:     # a copy of a P/D gateway's request
+            if state.disagg.config.mode == "prefill":
+                opts = dataclasses.replace(opts, n=1)
+                prep = dataclasses.replace(prep, params=state.disagg.prefill(prep.params, room))
+            else:
+                prep = dataclasses.replace(prep, params=await state.disagg.decode(prep.params, room))
         return opts, prep
 
     async def serve(self, request: Request, chat: bool):

@@ -159,6 +159,12 @@ FIELDS: tuple[Field, ...] = (
     Field("separate_reasoning", H, _Y, "with a reasoning parser the reasoning is always separated (drop it with "
           "include_reasoning: false)", (True,)),
     Field("stream_reasoning", H, _Y, "the reasoning streams as it is generated", (True,)),
+    Field("bootstrap_room", BOTH, _S, "prefill/decode disaggregation (`--disaggregation-mode`): the room a "
+          "prefill server hands the prompt's cache to and its decode server takes it from (server/disaggregation.py)"),
+    Field("bootstrap_host", BOTH, _S, "prefill/decode disaggregation: the prefill server's address; accepted and "
+          "not used (the cache goes through the shared `--kv-cache-dir`)"),
+    Field("bootstrap_port", BOTH, _S, "prefill/decode disaggregation: the prefill server's bootstrap port; "
+          "accepted and not used"),
 )
 
 _BY_ENDPOINT: dict[Endpoint, dict[str, Field]] = {

@@ -8,6 +8,7 @@ import time
 
 from hybrid_jax.server.admission import Admission, AdmissionConfig
 from hybrid_jax.server.api_metrics import ApiMetrics
+from hybrid_jax.server.disaggregation import Disaggregation, DisaggregationConfig
 from hybrid_jax.server.tool_parsers import family
 from hybrid_jax.server.worker_info import ModelIdentity
 from hybrid_jax.server.workers import Workers
@@ -27,6 +28,7 @@ class ServerConfig:
     tool_call_parser: str | None = None  # --tool-call-parser: a format of server/tool_parsers/ ("none": off)
     reasoning_parser: str | None = None  # --reasoning-parser
     identity: ModelIdentity = ModelIdentity()   # the checkpoint and layout, for /server_info and /model_info
+    disaggregation: DisaggregationConfig = DisaggregationConfig()   # prefill/decode mode (server/disaggregation.py)
 
 
 class ServerState:
@@ -39,6 +41,8 @@ class ServerState:
         self.engine = None           # server/supervisor.EngineSupervisor (over the engine thread or core process)
         self.metrics = ApiMetrics()  # what this process counts itself (errors, restarts)
         self.admission = Admission(config.admission, self.metrics.registry)   # 429 past the waiting bounds
+        self.disagg = (Disaggregation(config.disaggregation, self.metrics.registry)
+                       if config.disaggregation.on else None)
         self.workers = Workers(config.admission_workers)     # parsing, templates, tokenization: off the loop
         self.load_error: str | None = None
         self.fatal_error: str | None = None    # the engine died and cannot come back: the server exits 1

@@ -56,7 +56,11 @@ def server_info(state) -> dict:
     """The /server_info body: the configuration's identity, and the engine's sizes once it is loaded."""
     ident, name = state.config.identity, state.config.model_name
     out = {"model_path": ident.model_path or name, "served_model_name": name, "tp_size": ident.tensor_parallel_size,
-           "dp_size": ident.data_parallel_size, "disaggregation_mode": "null", "version": _version()}
+           "dp_size": ident.data_parallel_size, "version": _version()}
+    pd = state.config.disaggregation
+    out["disaggregation_mode"] = pd.mode
+    if pd.bootstrap_port is not None:
+        out["disaggregation_bootstrap_port"] = pd.bootstrap_port
     card = state.engine.model_card() if state.engine is not None else {}
     for ours, theirs in (("max_total_tokens", "max_total_tokens"), ("max_num_batched_tokens", "max_prefill_tokens"),
                          ("max_num_seqs", "max_running_requests"), ("max_model_len", "context_length"),
