@@ -83,17 +83,59 @@ def test_volume_mounts_name_volumes_of_their_pod_and_the_env_they_expand():
                 assert var in env, (name, var)
 
 
+def _serve_args(d) -> list[str]:
+    (c,) = [c for c in d["spec"]["template"]["spec"]["containers"] if c["args"][0] == "serve"]
+    return c["args"]
+
+
 def test_router_args_parse_and_select_the_worker_pods():
+    """Each file's router selects that file's serving pods: by one selector, or (prefill/decode mode) its
+    prefill selector the pods serving with --disaggregation-mode prefill and its decode selector the
+    decode ones, which share one disk-tier volume (the handoffs go through it)."""
     launch = pytest.importorskip("sglang_router.launch_router")
-    (router,) = [c for _, _, s in _pod_specs() for c in s["containers"] if c["name"] == "router"]
-    ra = launch.parse_router_args(router["args"])
-    ra._validate_router_args()
-    workers = {k: v for _, d, _ in _pod_specs() if d["metadata"]["name"] == "hybrid-jax"
-               for k, v in d["spec"]["template"]["metadata"]["labels"].items()}
-    assert ra.service_discovery and ra.selector and ra.selector.items() <= workers.items()
-    (serve,) = [c for _, _, c in _containers("hybrid-jax") if c["args"][0] == "serve"]
-    assert ra.service_discovery_port == int(serve["args"][serve["args"].index("--port") + 1])
-    assert ra.health_check_endpoint == "/readiness"
+    ap = build_parser()
+    files = sorted({f for f, _ in _docs()})
+    routers = 0
+    for f in files:
+        docs = [d for g, d in _docs() if g == f]
+        deploys = [d for d in docs if d["kind"] == "Deployment"]
+        for d in deploys:
+            for router in [c for c in d["spec"]["template"]["spec"]["containers"] if c["name"] == "router"]:
+                routers += 1
+                ra = launch.parse_router_args(router["args"])
+                ra._validate_router_args()
+                assert ra.health_check_endpoint == "/readiness"
+                servers = [x for x in deploys if any(c["args"][0] == "serve"
+                                                     for c in x["spec"]["template"]["spec"]["containers"])]
+                def labels(x):
+                    return x["spec"]["template"]["metadata"]["labels"]
+                if not ra.pd_disaggregation:
+                    (w,) = servers
+                    assert ra.service_discovery and ra.selector and ra.selector.items() <= labels(w).items()
+                    targets = [w]
+                else:
+                    by_mode = {ap.parse_args(_serve_args(x)).disaggregation_mode: x for x in servers}
+                    assert set(by_mode) == {"prefill", "decode"}
+                    assert ra.prefill_selector.items() <= labels(by_mode["prefill"]).items()
+                    assert ra.decode_selector.items() <= labels(by_mode["decode"]).items()
+                    assert not ra.decode_selector.items() <= labels(by_mode["prefill"]).items()
+                    args = {m: ap.parse_args(_serve_args(x)) for m, x in by_mode.items()}
+                    assert all(a.enable_prefix_caching and a.kv_cache_dir for a in args.values())
+                    claims = []
+                    for m, x in by_mode.items():
+                        spec = x["spec"]["template"]["spec"]
+                        (c,) = spec["containers"]
+                        (mount,) = [v for v in c["volumeMounts"] if v["mountPath"] == args[m].kv_cache_dir]
+                        assert "subPathExpr" not in mount          # one directory for every pod
+                        (vol,) = [v for v in spec["volumes"] if v["name"] == mount["name"]]
+                        claims.append(vol["persistentVolumeClaim"]["claimName"])
+                    assert claims[0] == claims[1]
+                    annotations = by_mode["prefill"]["spec"]["template"]["metadata"].get("annotations", {})
+                    assert int(annotations["sglang.ai/bootstrap-port"]) == args["prefill"].disaggregation_bootstrap_port
+                    targets = servers
+                for w in targets:
+                    assert ra.service_discovery_port == int(_serve_args(w)[_serve_args(w).index("--port") + 1])
+    assert routers == len(files) - 1          # every file but the warm-up Job's has its router
 
 
 def test_the_image_serves_on_the_port_the_manifests_probe():
