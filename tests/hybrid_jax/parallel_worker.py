@@ -175,6 +175,38 @@ def disk_across_layouts(path: str, directory: str) -> dict:
     return out
 
 
+def handoff_across_layouts(path: str, directory: str) -> dict:
+    """Prefill at tensor size 4 (experts whole: each KV head kept twice) hands two prompts over to a decode
+    engine at tensor size 2 through one directory: the receiver's tokens, handoffs taken, misses; and the
+    tokens of one device serving alone."""
+    import time  # noqa: PLC0415
+    import numpy as np  # noqa: PLC0415
+    from cache.handoff import KVTransfer, read_marker  # noqa: PLC0415
+    rng = np.random.default_rng(11)
+    prompts = [{"prompt_token_ids": rng.integers(0, 300, k).tolist()} for k in (90, 133)]
+    engine = {"prefix_block_size": 16, "warmup": "none"}
+    kw = dict(dtype="float32", max_model_len=256, max_num_seqs=2, enable_prefix_caching=True, kv_cache_dir=directory,
+              engine_config=engine)
+    sender = LLM(model=path, **kw, **LAYOUTS["tp4_ep"])
+    marks = []
+    for room, p in enumerate(prompts):
+        sender.generate(p, SamplingParams(max_tokens=1, temperature=0.0, kv_transfer=KVTransfer("send", room)))
+        while (m := read_marker(directory, room)) is None:
+            time.sleep(0.01)
+        marks.append(m)
+    del sender
+    receiver = LLM(model=path, **kw, **LAYOUTS["tp2"])
+    tokens = [receiver.generate(p, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, kv_transfer=KVTransfer(
+        "receive", m.room, m.end, m.key)))[0].outputs[0].token_ids for p, m in zip(prompts, marks)]
+    st = receiver.cache_stats()
+    alone = LLM(model=path, dtype="float32", max_model_len=256, max_num_seqs=2)
+    want = [o.outputs[0].token_ids for o in alone.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0,
+                                                                                   ignore_eos=True))]
+    return {"tokens": tokens, "alone": want, "ends": [m.end for m in marks], "status": [m.status for m in marks],
+            "received": st["disk"]["handoffs"]["received"], "misses": st["misses_by_reason"],
+            "copies": [list(c) for c in receiver.engine.runner.copies]}
+
+
 if __name__ == "__main__":
     # the DeepSeek families' tp4 split runs as dp2_tp4's two replicas (each compared with one device), not alone too
     if sys.argv[2:] == ["deepseek_v32"]:      # 4 heads, 8 experts: split over 2, and over 4 with experts whole
@@ -191,6 +223,8 @@ if __name__ == "__main__":
         result = run(sys.argv[1], {k: LAYOUTS[k] for k in ("tp1", "tp2", "tp4", "tp4_ep")}, full=False)
     elif sys.argv[2:] == ["nemotron_h"]:      # 4 attention heads (2 KV), 8 Mamba2 heads in 4 groups, 8 experts
         result = run(sys.argv[1], {k: LAYOUTS[k] for k in ("tp1", "tp2", "tp4", "tp4_ep")}, full=False)
+    elif sys.argv[2:3] == ["handoff"]:        # prefill at tensor size 4 hands over to decode at 2
+        result = handoff_across_layouts(sys.argv[1], sys.argv[3])
     elif sys.argv[2:3] == ["disk"]:           # a disk tier written at tensor size 2, read at 4
         result = disk_across_layouts(sys.argv[1], sys.argv[3])
     else:

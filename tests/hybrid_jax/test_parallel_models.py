@@ -71,6 +71,17 @@ def test_disk_tier_written_at_tensor_size_2_serves_tensor_size_4(tmp_path_factor
     assert not any(v for k, v in four["misses"].items() if k != "no_hit")
 
 
+def test_a_handoff_from_tensor_size_4_is_taken_at_tensor_size_2(tmp_path_factory):
+    """Prefill/decode with different layouts: the handoff holds the logical cache (each KV head once), so a
+    decode engine at tensor size 2 places what a prefill engine at tensor size 4 (KV heads kept twice) wrote
+    and answers as one device alone; nothing is refused."""
+    ckpt = make_checkpoint(tmp_path_factory.mktemp("tp") / "m", seed=5, **SPLITTABLE)
+    r = run_worker("parallel_worker.py", ckpt, "handoff", tmp_path_factory.mktemp("handoffs"))
+    assert r["status"] == ["ok", "ok"] and r["ends"] == [80, 128]      # the resume grid (16) before the last token
+    assert r["received"] == 2 and r["tokens"] == r["alone"]
+    assert not any(v for k, v in r["misses"].items() if k != "no_hit")
+
+
 @pytest.fixture(scope="module")
 def v4_worker(tmp_path_factory):
     from test_deepseek_v4 import make_checkpoint as make_v4  # noqa: PLC0415
