@@ -22,7 +22,7 @@ import sys
 import tempfile
 import time
 
-from cache.handoff import KVTransfer, read_marker
+from cache.handoff import KVTransfer, wait_marker_blocking
 from hybrid_jax import LLM, SamplingParams
 from hybrid_jax.engine import EngineConfig, LLMEngine
 
@@ -70,15 +70,6 @@ def run(eng: LLMEngine, prompt: list[int], params: SamplingParams) -> tuple[list
     # (unreachable)
 
 
-def marker(d: str, room: int):
-    for _ in range(2000):
-        m = read_marker(d, room)
-        if m is not None:
-            return m
-        time.sleep(0.005)
-    raise RuntimeError(f"no marker for room {room}")
-
-
 def cache_bytes(eng: LLMEngine, end: int) -> int:
     store = eng.scheduler.prefix.store
     layout, geo = store.store.layout, store.geometry
@@ -109,7 +100,7 @@ def family(name: str, write, prompt_len: int, repeats: int, tmp: str) -> dict:
         room += 1
         prompt = [(j * (7 + i) + 3 * i + 1) % (vocab - 2) + 1 for j in range(prompt_len)]
         run(P, prompt, SamplingParams(max_tokens=1, temperature=0, kv_transfer=KVTransfer("send", room)))
-        m = marker(shared, room)
+        m = wait_marker_blocking(shared, room, 10.0)
         bad = i >= repeats                        # the second half: every handoff damaged on disk
         if bad:
             flip(shared, m.key)

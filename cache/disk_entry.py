@@ -4,7 +4,9 @@ An entry directory (entries/<key>/ once published, see cache.disk_tier) holds
 
     arrays/...    the entry's arrays, one Orbax PyTree checkpoint (any dtype numpy + ml_dtypes know:
                   float32, bfloat16, int32, float8_e4m3fn, ...); zero-size arrays are not written
-                  (the meta alone rebuilds them)
+                  (the meta alone rebuilds them). Or, format "raw" (an entry read once, on the critical
+                  path of a request's first token: a prefill/decode handoff), each array's bytes in C
+                  order in arrays/<name>.bin, rebuilt from the meta's dtype and shape: no Orbax restore
     meta.json     sealed JSON (cache.tier_entry.sealed_json): the entry's own key, its EntryMeta, a
                   blake2b checksum per array, the size of every file under arrays/
 
@@ -60,17 +62,22 @@ def dir_bytes(path: str) -> int:
         return 0
 
 
-def write_entry(tmp: str, key: str, arrays: Arrays, meta: EntryMeta, durable: bool) -> int:
-    """Write the entry into `tmp` (Orbax checkpoint + sealed meta naming `key`), fsync it (durable); its
-    size in bytes."""
-    import orbax.checkpoint as ocp  # noqa: PLC0415 - keeps `import cache` light
+def write_entry(tmp: str, key: str, arrays: Arrays, meta: EntryMeta, durable: bool, raw: bool = False) -> int:
+    """Write the entry into `tmp` (Orbax checkpoint, or with `raw` one file of bytes per array, + sealed
+    meta naming `key`), fsync it (durable); its size in bytes."""
     arrays_dir = os.path.join(tmp, ARRAYS)
     stored = {n: a for n, a in arrays.items() if a.size}   # Orbax cannot write zero-size arrays; the
-    if stored:                                             # meta alone rebuilds them
+    if stored and raw:                                     # meta alone rebuilds them
+        os.mkdir(arrays_dir)
+        for n, a in stored.items():
+            with open(os.path.join(arrays_dir, n + ".bin"), "wb") as f:
+                f.write(np.ascontiguousarray(a).tobytes())
+    elif stored:
+        import orbax.checkpoint as ocp  # noqa: PLC0415 - keeps `import cache` light
         ocp.PyTreeCheckpointer().save(arrays_dir, args=ocp.args.PyTreeSave(stored))
     written = files(arrays_dir) if stored else {}
     body = {"key": key, "meta": meta.to_json(), "checksums": {n: checksum(a) for n, a in arrays.items()},
-            "files": written}
+            "files": written, "format": "raw" if raw else "orbax"}
     raw = sealed_json(body)
     with open(os.path.join(tmp, META), "wb") as f:
         f.write(raw)
@@ -85,8 +92,8 @@ def write_entry(tmp: str, key: str, arrays: Arrays, meta: EntryMeta, durable: bo
     return sum(written.values()) + len(raw)
 
 
-def _sealed_meta(path: str, key: str) -> tuple[EntryMeta, dict, dict]:
-    """(meta, checksums, files) of the entry at `path`, its seal and key checked."""
+def _sealed_meta(path: str, key: str) -> tuple[EntryMeta, dict, dict, str]:
+    """(meta, checksums, files, format) of the entry at `path`, its seal and key checked."""
     try:
         with open(os.path.join(path, META), "rb") as f:
             raw = f.read()
@@ -95,18 +102,20 @@ def _sealed_meta(path: str, key: str) -> tuple[EntryMeta, dict, dict]:
     try:
         body = open_sealed_json(raw)
         meta = EntryMeta.from_json(body["meta"])
-        sums, listed = dict(body["checksums"]), dict(body["files"])
+        sums, listed, fmt = dict(body["checksums"]), dict(body["files"]), body.get("format", "orbax")
     except (ValueError, KeyError, TypeError):
         raise Reject("disk_corrupt") from None
     if body.get("key") != key:
         raise Reject("disk_key_mismatch")
-    return meta, sums, listed
+    if fmt not in ("orbax", "raw"):
+        raise Reject("disk_corrupt")
+    return meta, sums, listed, fmt
 
 
 def read_entry(path: str, key: str, expect: EntryMeta | None, fingerprint: str) -> Arrays:
     """The arrays of the entry at `path` stored under `key`, after every check of the module docstring
     (`Reject` with the reason of the first that fails)."""
-    meta, sums, listed = _sealed_meta(path, key)
+    meta, sums, listed, fmt = _sealed_meta(path, key)
     arrays_dir = os.path.join(path, ARRAYS)
     for rel, size in listed.items():
         try:
@@ -121,10 +130,12 @@ def read_entry(path: str, key: str, expect: EntryMeta | None, fingerprint: str) 
         reason = meta.mismatch(expect, "disk")
         if reason is not None:
             raise Reject(reason)
-    import orbax.checkpoint as ocp  # noqa: PLC0415
     names = [n for n, s in meta.shapes.items() if math.prod(s)]
     out = {}
-    if names:
+    if names and fmt == "raw":
+        out = _read_raw(arrays_dir, meta, names)
+    elif names:
+        import orbax.checkpoint as ocp  # noqa: PLC0415
         restore = {n: ocp.RestoreArgs(restore_type=np.ndarray) for n in names}
         out = ocp.PyTreeCheckpointer().restore(arrays_dir, args=ocp.args.PyTreeRestore(restore_args=restore))
     if not isinstance(out, dict) or set(out) != set(names) or set(sums) != set(meta.dtypes):
@@ -135,3 +146,16 @@ def read_entry(path: str, key: str, expect: EntryMeta | None, fingerprint: str) 
         if a.dtype.name != meta.dtypes[n] or a.shape != meta.shapes[n] or checksum(a) != sums[n]:
             raise Reject("disk_corrupt")
     return arrays
+
+
+def _read_raw(arrays_dir: str, meta: EntryMeta, names: list[str]) -> Arrays:
+    """A raw entry's arrays, from their bytes and the meta's dtype and shape (sizes were checked)."""
+    out = {}
+    for n in names:
+        try:
+            with open(os.path.join(arrays_dir, n + ".bin"), "rb") as f:
+                data = f.read()
+            out[n] = np.frombuffer(data, np.dtype(meta.dtypes[n])).reshape(meta.shapes[n])
+        except (OSError, ValueError, TypeError):
+            raise Reject("disk_corrupt") from None
+    return out

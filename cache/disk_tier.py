@@ -128,9 +128,9 @@ class DiskTier:
 
     # ---- public API -----------------------------------------------------------------------------
 
-    def put(self, key: str, arrays: Mapping[str, np.ndarray], meta: EntryMeta) -> bool:
-        """Store `arrays` (name -> numpy array, as `meta` describes them) under `key`; replaces an
-        existing entry. False if refused (bigger than the cap, writes off, the directory lock not had
+    def put(self, key: str, arrays: Mapping[str, np.ndarray], meta: EntryMeta, raw: bool = False) -> bool:
+        """Store `arrays` (name -> numpy array, as `meta` describes them) under `key` (raw: in the raw
+        format, cache.disk_entry); replaces an existing entry. False if refused (bigger than the cap, writes off, the directory lock not had
         in time, an I/O error), counted per reason. ValueError for a bad key, arrays that `meta` does
         not describe, or a foreign fingerprint."""
         validate_key(key)
@@ -148,7 +148,7 @@ class DiskTier:
             tmp, lock_path, lock_fd = temp_dir(self._tmp, key)
             op = "write"
             os.mkdir(tmp)
-            size = self._write(tmp, key, dict(arrays), meta)
+            size = self._write(tmp, key, dict(arrays), meta, raw)
             if size > self.cap_bytes:
                 return self._refuse("too_big")
             op = "publish"
@@ -331,9 +331,9 @@ class DiskTier:
 
     # ---- writing --------------------------------------------------------------------------------
 
-    def _write(self, tmp: str, key: str, arrays: Arrays, meta: EntryMeta) -> int:
+    def _write(self, tmp: str, key: str, arrays: Arrays, meta: EntryMeta, raw: bool = False) -> int:
         """Write the entry into `tmp` (cache.disk_entry.write_entry); its size in bytes."""
-        return write_entry(tmp, key, arrays, meta, self.durable)
+        return write_entry(tmp, key, arrays, meta, self.durable, raw)
 
     def _refuse(self, reason: str) -> bool:
         with self._lock:

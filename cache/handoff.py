@@ -4,7 +4,8 @@ through the disk tier's directory (shared storage), checked on arrival as every 
 A handoff is one tier entry holding what a request with this prompt resumes from: every block group's
 blocks over [0, b) and every checkpoint group's state at b (recurrent and window states, a compressed
 group's uncompressed tail), b the last point of the LCM grid before the prompt's last token (`point`),
-so the receiver computes that token itself and samples from its own logits. It is stored without
+so the receiver computes that token itself and samples from its own logits. It is written in the
+tier's raw format (read once, on the critical path of the request's first token). It is stored without
 mesh layout, like a span (cache.prefix_disk), so a sender at tensor size 4 hands over to a receiver at
 tensor size 2: the receiver places the arrays in its own pools' layout. Unlike a chain of spans it
 holds one checkpoint, not one per span: the bytes moved are the request's cache bytes at b.
@@ -125,6 +126,16 @@ def clean_markers(directory: str, older_than_s: float = 3600.0) -> int:
     return gone
 
 
+def wait_marker_blocking(directory: str, room: int, timeout_s: float, poll_s: float = 0.005) -> Marker:
+    """`wait_marker` for a caller with no event loop (tests, benchmarks, offline senders and receivers)."""
+    deadline = time.monotonic() + timeout_s
+    while (m := read_marker(directory, room)) is None:
+        if time.monotonic() >= deadline:
+            return Marker(room=room, status="refused", reason="handoff_timeout")
+        time.sleep(poll_s)
+    return m
+
+
 async def wait_marker(directory: str, room: int, timeout_s: float, poll_s: float = 0.005) -> Marker:
     """Waits (without blocking the event loop) for the room's marker; a refusal with reason
     "handoff_timeout" after `timeout_s`."""
@@ -174,7 +185,7 @@ class Handoffs:
         if got is None:
             return self._refuse(room, "the prompt's cache was not on the device (a publish refused for room)")
         arrays, _ = got
-        put = spans._writer.submit(spans.tier.put, key, arrays, spans.expect(b, start=0))
+        put = spans._writer.submit(spans.tier.put, key, arrays, spans.expect(b, start=0), True)   # raw: read once
         self._after(room, key, b, put, sum(a.nbytes for a in arrays.values()))
 
     def _after(self, room: int, key: str, b: int, put: cf.Future | None, nbytes: int = 0) -> None:

@@ -39,7 +39,7 @@ def same(a: dict, b: dict) -> bool:
 
 
 def data_file(tier: DiskTier, key: str) -> pathlib.Path:
-    """The largest file of an entry's Orbax checkpoint (holds array bytes)."""
+    """The largest file of an entry's arrays (holds array bytes; Orbax's or the raw format's)."""
     files = [p for p in pathlib.Path(tier.directory, "entries", key, "arrays").rglob("*") if p.is_file()]
     return max(files, key=lambda p: p.stat().st_size)
 
@@ -62,10 +62,11 @@ def tier(tmp_path):
     t.close()
 
 
-def test_round_trip_every_dtype(tier):
+@pytest.mark.parametrize("raw", [False, True])
+def test_round_trip_every_dtype(tier, raw):
     arrays, meta = entry(0)
     key = make_key("chain", "full_0")
-    assert tier.put(key, arrays, meta)
+    assert tier.put(key, arrays, meta, raw)
     out, reason = tier.get(key, meta)
     assert reason is None and same(out, arrays)
     assert {a.dtype.name for a in out.values()} == {"float32", "bfloat16", "int32", "float8_e4m3fn"}
@@ -76,11 +77,12 @@ def test_round_trip_every_dtype(tier):
     assert s["bytes"] == disk_bytes(tier) > 0
 
 
-def test_zero_size_and_scalar_arrays(tier):
+@pytest.mark.parametrize("raw", [False, True])
+def test_zero_size_and_scalar_arrays(tier, raw):
     arrays = {"empty": np.zeros((0, 8), ml_dtypes.bfloat16), "scalar": np.array(7, np.int32),
               "f": np.asfortranarray(np.arange(12.0).reshape(3, 4))}
     meta = EntryMeta.of(arrays, fingerprint=FP, abi="a", start=0, end=1)
-    assert tier.put(make_key("z"), arrays, meta)
+    assert tier.put(make_key("z"), arrays, meta, raw)
     out, reason = tier.get(make_key("z"), meta)
     assert reason is None and same(out, arrays)
     only_empty = {"empty": arrays["empty"]}
@@ -104,10 +106,11 @@ def test_missing_entry(tier):
     assert tier.stats()["misses_by_reason"] == {"disk_missing": 1}
 
 
-def test_truncated_file_is_rejected_and_deleted(tier):
+@pytest.mark.parametrize("raw", [False, True])
+def test_truncated_file_is_rejected_and_deleted(tier, raw):
     arrays, meta = entry(0, n=4096)
     key = make_key("t")
-    tier.put(key, arrays, meta)
+    tier.put(key, arrays, meta, raw)
     f = data_file(tier, key)
     os.truncate(f, f.stat().st_size // 2)
     assert tier.get(key, meta) == (None, "disk_truncated")
@@ -116,11 +119,12 @@ def test_truncated_file_is_rejected_and_deleted(tier):
     assert s["misses_by_reason"] == {"disk_truncated": 1, "disk_missing": 1} and s["quarantined"] == 1
 
 
+@pytest.mark.parametrize("raw", [False, True])
 @pytest.mark.parametrize("target", ["data", "meta"])
-def test_flipped_bytes_are_rejected(tier, target):
+def test_flipped_bytes_are_rejected(tier, target, raw):
     arrays, meta = entry(0, n=4096)
     key = make_key("f")
-    tier.put(key, arrays, meta)
+    tier.put(key, arrays, meta, raw)
     f = data_file(tier, key) if target == "data" else pathlib.Path(tier.directory, "entries", key, "meta.json")
     raw = bytearray(f.read_bytes())
     for i in (len(raw) // 3, len(raw) // 2):       # same size: only the checksum / seal can tell

@@ -179,9 +179,8 @@ def handoff_across_layouts(path: str, directory: str) -> dict:
     """Prefill at tensor size 4 (experts whole: each KV head kept twice) hands two prompts over to a decode
     engine at tensor size 2 through one directory: the receiver's tokens, handoffs taken, misses; and the
     tokens of one device serving alone."""
-    import time  # noqa: PLC0415
     import numpy as np  # noqa: PLC0415
-    from cache.handoff import KVTransfer, read_marker  # noqa: PLC0415
+    from cache.handoff import KVTransfer, wait_marker_blocking  # noqa: PLC0415
     rng = np.random.default_rng(11)
     prompts = [{"prompt_token_ids": rng.integers(0, 300, k).tolist()} for k in (90, 133)]
     engine = {"prefix_block_size": 16, "warmup": "none"}
@@ -191,9 +190,7 @@ def handoff_across_layouts(path: str, directory: str) -> dict:
     marks = []
     for room, p in enumerate(prompts):
         sender.generate(p, SamplingParams(max_tokens=1, temperature=0.0, kv_transfer=KVTransfer("send", room)))
-        while (m := read_marker(directory, room)) is None:
-            time.sleep(0.01)
-        marks.append(m)
+        marks.append(wait_marker_blocking(directory, room, 60.0))
     del sender
     receiver = LLM(model=path, **kw, **LAYOUTS["tp2"])
     tokens = [receiver.generate(p, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, kv_transfer=KVTransfer(

@@ -5,11 +5,10 @@ handing over are each refused or reported and the prompt recomputed, never serve
 from __future__ import annotations
 
 import os
-import time
 
 import pytest
 
-from cache.handoff import KVTransfer, read_marker
+from cache.handoff import KVTransfer, wait_marker_blocking
 from hybrid_jax import LLM, SamplingParams
 
 
@@ -26,18 +25,9 @@ def engines(tmp_path_factory):
             LLM(**kw), d)
 
 
-def _marker(d: str, room: int):
-    for _ in range(400):
-        m = read_marker(d, room)
-        if m is not None:
-            return m
-        time.sleep(0.025)
-    raise AssertionError(f"no marker for room {room}")
-
-
 def _send(sender, d, prompt, room):
     sender.generate(prompt, SamplingParams(max_tokens=1, temperature=0, kv_transfer=KVTransfer("send", room)))
-    return _marker(d, room)
+    return wait_marker_blocking(d, room, 10.0)
 
 
 def _handoffs(llm):

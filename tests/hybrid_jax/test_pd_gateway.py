@@ -5,16 +5,17 @@ answered as a single server answers it, and the decode server resumed from the p
 handoff (its prefix-cache hits and handoff counters moved) rather than computing the prompt."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
 from conftest import stop_process
 from test_server import _free_port, _wait_ready
+from test_sglang_gateway import launch_gateway
 
 pytest.importorskip("sglang_router")
 
@@ -44,21 +45,7 @@ def pd(tmp_path_factory):
     try:
         for proc, url in zip(procs, urls):
             _wait_ready(proc, url, 300)
-        router = subprocess.Popen([sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
-                                   "--prefill", urls[0], "18998", "--decode", urls[1], "--host", "127.0.0.1",
-                                   "--port", str(rport), "--prometheus-port", str(_free_port())],
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        deadline = time.time() + 120
-        while time.time() < deadline and router.poll() is None:
-            try:
-                w = httpx.get(rurl + "/workers", timeout=5).json().get("workers", [])
-                if len(w) == 2 and all(x["is_healthy"] for x in w):
-                    break
-            except (httpx.HTTPError, ValueError):
-                pass
-            time.sleep(1)
-        else:
-            pytest.fail(f"the gateway did not register the workers: {router.stdout.read().decode()[-3000:]}")
+        router = launch_gateway(rport, 2, "--pd-disaggregation", "--prefill", urls[0], "18998", "--decode", urls[1])
         yield rurl, urls[0], urls[1], urls[2]
     finally:
         if router is not None:
@@ -111,7 +98,7 @@ def test_requests_through_prefill_and_decode_are_answered_as_one_server_answers(
     if body.get("stream"):
         def text(r):
             return "".join(c["choices"][0].get("text", "") for c in
-                           (__import__("json").loads(x[6:]) for x in r.text.splitlines()
+                           (json.loads(x[6:]) for x in r.text.splitlines()
                             if x.startswith("data: {")) if c.get("choices"))
         assert text(routed) == text(direct) and text(routed)
     else:

@@ -28,6 +28,25 @@ def _serve(port: int, cc) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, "JAX_PLATFORMS": "cpu"})
 
 
+def launch_gateway(port: int, workers: int, *args: str) -> subprocess.Popen:
+    """sglang-router on 127.0.0.1:`port` with `args`, once it lists `workers` healthy workers (the test
+    fails with its output otherwise)."""
+    router = subprocess.Popen([sys.executable, "-m", "sglang_router.launch_router", *args, "--host", "127.0.0.1",
+                               "--port", str(port), "--prometheus-port", str(_free_port())],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    deadline, url = time.time() + 120, f"http://127.0.0.1:{port}"
+    while time.time() < deadline and router.poll() is None:
+        try:
+            w = httpx.get(url + "/workers", timeout=5).json().get("workers", [])
+            if len(w) == workers and all(x["is_healthy"] for x in w):
+                return router
+        except (httpx.HTTPError, ValueError):
+            pass
+        time.sleep(1)
+    stop_process(router)
+    pytest.fail(f"the gateway did not register the workers: {router.stdout.read().decode()[-3000:]}")
+
+
 @pytest.fixture(scope="module")
 def gateway(tmp_path_factory):
     """(router url, [server urls]): two replicas (the shipped default model) behind one router."""
@@ -39,21 +58,7 @@ def gateway(tmp_path_factory):
     try:
         for proc, url in zip(servers, urls):
             _wait_ready(proc, url, 300)
-        router = subprocess.Popen([sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *urls,
-                                   "--host", "127.0.0.1", "--port", str(rport), "--policy", "cache_aware",
-                                   "--prometheus-port", str(_free_port())],
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        deadline = time.time() + 120
-        while time.time() < deadline and router.poll() is None:
-            try:
-                w = httpx.get(rurl + "/workers", timeout=5).json().get("workers", [])
-                if len(w) == 2 and all(x["is_healthy"] for x in w):
-                    break
-            except (httpx.HTTPError, ValueError):
-                pass
-            time.sleep(1)
-        else:
-            pytest.fail(f"the gateway did not register the workers: {router.stdout.read().decode()[-3000:]}")
+        router = launch_gateway(rport, 2, "--worker-urls", *urls, "--policy", "cache_aware")
         yield rurl, urls
     finally:
         if router is not None:
