@@ -179,15 +179,18 @@ def indexed_attention(p: dict, x: jax.Array, cos, sin, block_rope: Callable, pos
     qk = linear(x, ip["qk"]).reshape(B, T, index_heads + 1, index_dim)
     qi = apply_rope(rms_norm_zero_centered(qk[:, :, :index_heads], ip["q_norm"], eps), cos, sin)
     ki = qk[:, :, index_heads]
+    if not defer_write:        # written first and read after: a pool read before its in-place write is copied whole
+        kv = kv.replace(k=write_kv(kv.k, k, kv.page_table, positions, valid, layer),
+                        v=write_kv(kv.v, v, kv.page_table, positions, valid, layer))
+        ikeys = ikeys.replace(keys=write_paged(ikeys.keys, ki.astype(ikeys.keys.dtype), ikeys.page_table, positions,
+                                               valid, layer=ilayer))
     span = row_span(positions, valid)
     blocks = select_blocks(ip, qi, PagedSource(ikeys.keys, ilayer, ikeys.page_table, ki), span, positions,
-                           block_rope, C=compress_ratio, block_topk=block_topk, eps=eps)
+                           block_rope, C=compress_ratio, block_topk=block_topk, eps=eps, block_keys=QSA_BLOCK_KEYS)
     sel = selected_positions(blocks, positions, valid, compress_ratio)
     o = sparse_read(q, PagedSource(kv.k, layer, kv.page_table, k), PagedSource(kv.v, layer, kv.page_table, v),
-                    span, sel)
+                    span, sel, block_q=QSA_BLOCK_Q)
     out = _gated_output(p, o.reshape(B, T, -1).astype(x.dtype), gate)
     if defer_write:
         return out, k, v, ki
-    return (out, write_kv(kv.k, k, kv.page_table, positions, valid, layer),
-            write_kv(kv.v, v, kv.page_table, positions, valid, layer),
-            write_paged(ikeys.keys, ki.astype(ikeys.keys.dtype), ikeys.page_table, positions, valid, layer=ilayer))
+    return out, kv.k, kv.v, ikeys.keys
