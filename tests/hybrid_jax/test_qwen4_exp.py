@@ -101,6 +101,21 @@ def test_each_part_moves_the_logits(pair):
 
 
 
+def test_the_blocked_qsa_walk_matches_transformers(pair, monkeypatch):
+    """The indexer's walk in blocks of 8 positions (10 blocks for 75 tokens, each folded into the running
+    Top-K) and the sparse read in query blocks of 4 give transformers' logits: the same selection and
+    attention as one pass over the whole context (the defaults: 512 positions, 16 queries)."""
+    from hybrid_jax.layers import qsa  # noqa: PLC0415
+    llm, hf = pair
+    ids = random_prompt(75, llm.config.vocab_size, seed=75)
+    monkeypatch.setattr(qsa, "QSA_BLOCK_KEYS", 8)
+    monkeypatch.setattr(qsa, "QSA_BLOCK_Q", 4)
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids]), use_cache=False).logits[0].numpy()
+    got = _logits(llm, llm.config, ids)
+    assert rel_rms(got, ref) < REL_RMS and np.max(np.abs(got - ref)) < TOL
+
+
 def test_greedy_tokens_identical_to_transformers(pair):
     """16 greedy tokens after a 12- and a 300-token prompt equal transformers' (its full recompute, one
     forward per token: the reference without its cache)."""
