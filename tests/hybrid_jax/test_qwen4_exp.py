@@ -271,3 +271,33 @@ def test_prefix_caching_and_speculative_decoding_equal_plain_greedy(checkpoints)
     with pytest.raises(Exception, match="selection"):
         LLM(model=path, dtype="float32", speculative_config={"method": "ngram", "num_speculative_tokens": 3,
                                                              "rollback": "selection"})
+
+
+def test_an_mtp_block_is_never_silently_dropped_and_mtp_drafting_is_refused(checkpoints, tmp_path, caplog):
+    """transformers 5.25's Qwen4-Exp has no MTP module (it ignores `mtp.*` on load, as for Qwen3-Next, whose
+    releases carry one; its config class has no MTP field), so there is no reference for the block's math
+    here: a checkpoint carrying `mtp.*` tensors (and mtp_num_hidden_layers) loads its model, unchanged, with
+    a warning naming the unloaded block; drafting with it (speculative method "mtp") is an InputError."""
+    import json  # noqa: PLC0415
+    import shutil  # noqa: PLC0415
+
+    from safetensors.numpy import load_file, save_file  # noqa: PLC0415
+
+    from hybrid_jax.errors import InputError  # noqa: PLC0415
+    src = checkpoints["ple_qsa"]
+    path = shutil.copytree(src, tmp_path / "with_mtp")
+    (f,) = path.glob("*.safetensors")
+    tensors = load_file(str(f))
+    tensors["mtp.fc.weight"] = np.ones((32, 64), np.float32)
+    tensors["mtp.layers.0.input_layernorm.weight"] = np.ones((32,), np.float32)
+    save_file(tensors, str(f), metadata={"format": "pt"})
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**cfg, "mtp_num_hidden_layers": 1}))
+    ids = random_prompt(20, 97, seed=9)
+    with caplog.at_level("WARNING"):
+        llm = LLM(model=str(path), dtype="float32")
+    assert "MTP block (2 mtp.* tensors) is not loaded" in caplog.text
+    np.testing.assert_array_equal(llm.logits(ids), LLM(model=src, dtype="float32").logits(ids))
+    with pytest.raises(InputError, match="drafting with the MTP block is not supported for model_type 'qwen4_exp"):
+        LLM(model=str(path), dtype="float32", speculative_config={"method": "mtp", "num_speculative_tokens": 1})
+
