@@ -301,3 +301,49 @@ def test_an_mtp_block_is_never_silently_dropped_and_mtp_drafting_is_refused(chec
     with pytest.raises(InputError, match="drafting with the MTP block is not supported for model_type 'qwen4_exp"):
         LLM(model=str(path), dtype="float32", speculative_config={"method": "mtp", "num_speculative_tokens": 1})
 
+
+def _cycling_checkpoint(path) -> str:
+    """The "ple_qsa" checkpoint with the mixers' and experts' output projections scaled by 0.02 and the PLE
+    value and conv by 0.1: the next token then follows mostly the current one and its n-gram, so greedy
+    text falls into recurring runs that n-gram drafts continue (the random checkpoint's own text never
+    repeats, and its drafts are all rejected), with PLE still moving the choice."""
+    from transformers import Qwen4ExpForCausalLM  # noqa: PLC0415
+    make_checkpoint(path / "src", seed=0, **CONFIGS["ple_qsa"])
+    model = Qwen4ExpForCausalLM.from_pretrained(str(path / "src")).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("out_proj.weight", "o_proj.weight", "down_proj", "down_proj.weight")):
+                p.mul_(0.02)
+            elif name.endswith(("ple.value_proj.weight", "ple.conv1d.weight")):
+                p.mul_(0.1)
+    model.save_pretrained(str(path / "cycling"))
+    return str(path / "cycling")
+
+
+def test_ngram_speculation_with_accepted_drafts_equals_plain_greedy(tmp_path):
+    """Drafts that land: n-gram speculation (3 drafts every step) on text with recurring runs accepts some
+    drafts and rejects others, and gives the plain greedy tokens. A verify that accepts a part of its drafts
+    must leave the PLE state (n-gram context and conv window), the Gated DeltaNet state and the KV / indexer
+    pages as after the kept tokens only; PLE moves these greedy choices (dropping it changes them)."""
+    path = _cycling_checkpoint(tmp_path)
+    prompts = [{"prompt_token_ids": random_prompt(30, 97, 50 + s)} for s in range(3)]
+    sp = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    plain = LLM(model=path, dtype="float32")
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, sp)]
+    spec = LLM(model=path, dtype="float32",
+               speculative_config={"method": "ngram", "num_speculative_tokens": 3, "dynamic_k": False})
+    assert [o.outputs[0].token_ids for o in spec.generate(prompts, sp)] == want
+    stats = spec.engine.spec_stats()
+    assert 0 < stats["accepted_tokens"] < stats["draft_tokens"] and stats["replays"] > 0, stats
+    cfg = plain.config
+    ids = prompts[0]["prompt_token_ids"] + want[0]
+    no_ple = dataclasses.replace(cfg, ple_layers=(), ple_ranks=())
+    params = plain.generator.params
+    saved = [lp.pop("ple") for lp in params["layers"] if "ple" in lp]
+    try:
+        without = _logits(plain, no_ple, ids).argmax(-1)
+    finally:
+        for i, p in zip(cfg.ple_layers, saved):
+            params["layers"][i]["ple"] = p
+    assert (without[29:-1] != np.asarray(want[0])).any()
+
