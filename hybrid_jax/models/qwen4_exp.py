@@ -16,6 +16,8 @@ Cache: "linear_attention" (RecurrentGroup), "ple" (PLEGroup, the PLE layers), "f
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -65,11 +67,11 @@ def new_cache(cfg: Qwen4ExpConfig, batch_size: int, capacity: int, dtype, page_s
 
 @dataclasses.dataclass
 class Qwen4Step(HybridStep):
-    """HybridStep plus what Qwen4-Exp's layers read: the tokens (PLE), the RoPE of each QSA block's first
-    position, the indexer keys and the PLE group (written in place layer by layer)."""
+    """HybridStep plus what Qwen4-Exp's layers read: the tokens (PLE), the RoPE of QSA blocks' first
+    positions (block_rope: starts [n] -> cos, sin [1, n, R]), the indexer keys and the PLE group (written in
+    place layer by layer)."""
     tokens: jax.Array | None = None
-    block_cos: jax.Array | None = None
-    block_sin: jax.Array | None = None
+    block_rope: Callable | None = None
     ikeys: jax.Array | None = None
     ple: PLEGroup | None = None
     i_new: list = dataclasses.field(default_factory=list)
@@ -78,7 +80,7 @@ class Qwen4Step(HybridStep):
 def _indexed_attention(cfg: Qwen4ExpConfig, lp: dict, h: jax.Array, step: Qwen4Step, i: int) -> jax.Array:
     kv, ik = step.cache.groups["full_attention"], step.cache.groups["indexer"]
     out, k, v, ki = indexed_attention(
-        lp["attn"], h, step.cos, step.sin, step.block_cos, step.block_sin, step.positions, step.valid,
+        lp["attn"], h, step.cos, step.sin, step.block_rope, step.positions, step.valid,
         kv.replace(k=step.k_all, v=step.v_all), ik.replace(keys=step.ikeys), layer=kv.layer_ids.index(i),
         ilayer=ik.layer_ids.index(i), num_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads,
         head_dim=cfg.head_dim, index_heads=cfg.indexer_n_heads, index_dim=cfg.indexer_head_dim,
@@ -150,11 +152,7 @@ def forward(cfg: Qwen4ExpConfig, params: dict, cache: ModelCache, tokens: jax.Ar
     cos, sin = rope_cos_sin(positions, cfg.rotary_dim, cfg.rope, seq_len=seq_len)
     step = Qwen4Step(cache, positions, valid, n_new, impl, cos=cos, sin=sin, fused_recurrent=fused_recurrent,
                      per_token_states=per_token_states, defer_kv_write=defer_kv_write, tokens=tokens)
-    if "indexer" in cache.groups:
-        ik = cache.groups["indexer"]
-        starts = jnp.arange(ik.page_table.shape[1] * ik.page_size // cfg.indexer_compress_ratio)
-        step.block_cos, step.block_sin = rope_cos_sin(starts[None] * cfg.indexer_compress_ratio, cfg.rotary_dim,
-                                                      cfg.rope, seq_len=jnp.max(seq_len)[None])
+    step.block_rope = functools.partial(_block_rope, cfg, jnp.max(seq_len)[None])
     x = jnp.broadcast_to(params["embed"][tokens][:, :, None, :], (B, T, cfg.hc_count, cfg.hidden_size))
     x, groups, hidden = _layers(cfg, params, x, step, return_hidden)
     flat = x.reshape(B, T, -1)
@@ -165,6 +163,12 @@ def forward(cfg: Qwen4ExpConfig, params: dict, cache: ModelCache, tokens: jax.Ar
         out = out.replace(deferred={"k": jnp.stack(step.k_new), "v": jnp.stack(step.v_new),
                                     "keys": jnp.stack(step.i_new)} if step.k_new else {})
     return out
+
+
+def _block_rope(cfg: Qwen4ExpConfig, seq_len: jax.Array, starts: jax.Array):
+    """RoPE cos, sin [1, n, R] at the QSA blocks' first positions starts [n] (the step's longest row's
+    seq_len [1] for a dynamic scaling)."""
+    return rope_cos_sin(starts[None], cfg.rotary_dim, cfg.rope, seq_len=seq_len)
 
 
 # Tokens per tile of a long sequence in a ragged step (`over_tiles`): its tiles run one after another.

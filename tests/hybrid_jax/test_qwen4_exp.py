@@ -101,6 +101,21 @@ def test_each_part_moves_the_logits(pair):
 
 
 
+def test_the_blocked_qsa_walk_matches_transformers(pair, monkeypatch):
+    """The indexer's walk in blocks of 8 positions (10 blocks for 75 tokens, each folded into the running
+    Top-K) and the sparse read in query blocks of 4 give transformers' logits: the same selection and
+    attention as one pass over the whole context (the defaults: 512 positions, 16 queries)."""
+    from hybrid_jax.layers import qsa  # noqa: PLC0415
+    llm, hf = pair
+    ids = random_prompt(75, llm.config.vocab_size, seed=75)
+    monkeypatch.setattr(qsa, "QSA_BLOCK_KEYS", 8)
+    monkeypatch.setattr(qsa, "QSA_BLOCK_Q", 4)
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids]), use_cache=False).logits[0].numpy()
+    got = _logits(llm, llm.config, ids)
+    assert rel_rms(got, ref) < REL_RMS and np.max(np.abs(got - ref)) < TOL
+
+
 def test_greedy_tokens_identical_to_transformers(pair):
     """16 greedy tokens after a 12- and a 300-token prompt equal transformers' (its full recompute, one
     forward per token: the reference without its cache)."""
@@ -256,3 +271,79 @@ def test_prefix_caching_and_speculative_decoding_equal_plain_greedy(checkpoints)
     with pytest.raises(Exception, match="selection"):
         LLM(model=path, dtype="float32", speculative_config={"method": "ngram", "num_speculative_tokens": 3,
                                                              "rollback": "selection"})
+
+
+def test_an_mtp_block_is_never_silently_dropped_and_mtp_drafting_is_refused(checkpoints, tmp_path, caplog):
+    """transformers 5.25's Qwen4-Exp has no MTP module (it ignores `mtp.*` on load, as for Qwen3-Next, whose
+    releases carry one; its config class has no MTP field), so there is no reference for the block's math
+    here: a checkpoint carrying `mtp.*` tensors (and mtp_num_hidden_layers) loads its model, unchanged, with
+    a warning naming the unloaded block; drafting with it (speculative method "mtp") is an InputError."""
+    import json  # noqa: PLC0415
+    import shutil  # noqa: PLC0415
+
+    from safetensors.numpy import load_file, save_file  # noqa: PLC0415
+
+    from hybrid_jax.errors import InputError  # noqa: PLC0415
+    src = checkpoints["ple_qsa"]
+    path = shutil.copytree(src, tmp_path / "with_mtp")
+    (f,) = path.glob("*.safetensors")
+    tensors = load_file(str(f))
+    tensors["mtp.fc.weight"] = np.ones((32, 64), np.float32)
+    tensors["mtp.layers.0.input_layernorm.weight"] = np.ones((32,), np.float32)
+    save_file(tensors, str(f), metadata={"format": "pt"})
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**cfg, "mtp_num_hidden_layers": 1}))
+    ids = random_prompt(20, 97, seed=9)
+    with caplog.at_level("WARNING"):
+        llm = LLM(model=str(path), dtype="float32")
+    assert "MTP block (2 mtp.* tensors) is not loaded" in caplog.text
+    np.testing.assert_array_equal(llm.logits(ids), LLM(model=src, dtype="float32").logits(ids))
+    with pytest.raises(InputError, match="drafting with the MTP block is not supported for model_type 'qwen4_exp"):
+        LLM(model=str(path), dtype="float32", speculative_config={"method": "mtp", "num_speculative_tokens": 1})
+
+
+def _cycling_checkpoint(path) -> str:
+    """The "ple_qsa" checkpoint with the mixers' and experts' output projections scaled by 0.02 and the PLE
+    value and conv by 0.1: the next token then follows mostly the current one and its n-gram, so greedy
+    text falls into recurring runs that n-gram drafts continue (the random checkpoint's own text never
+    repeats, and its drafts are all rejected), with PLE still moving the choice."""
+    from transformers import Qwen4ExpForCausalLM  # noqa: PLC0415
+    make_checkpoint(path / "src", seed=0, **CONFIGS["ple_qsa"])
+    model = Qwen4ExpForCausalLM.from_pretrained(str(path / "src")).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("out_proj.weight", "o_proj.weight", "down_proj", "down_proj.weight")):
+                p.mul_(0.02)
+            elif name.endswith(("ple.value_proj.weight", "ple.conv1d.weight")):
+                p.mul_(0.1)
+    model.save_pretrained(str(path / "cycling"))
+    return str(path / "cycling")
+
+
+def test_ngram_speculation_with_accepted_drafts_equals_plain_greedy(tmp_path):
+    """Drafts that land: n-gram speculation (3 drafts every step) on text with recurring runs accepts some
+    drafts and rejects others, and gives the plain greedy tokens. A verify that accepts a part of its drafts
+    must leave the PLE state (n-gram context and conv window), the Gated DeltaNet state and the KV / indexer
+    pages as after the kept tokens only; PLE moves these greedy choices (dropping it changes them)."""
+    path = _cycling_checkpoint(tmp_path)
+    prompts = [{"prompt_token_ids": random_prompt(30, 97, 50 + s)} for s in range(3)]
+    sp = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    plain = LLM(model=path, dtype="float32")
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, sp)]
+    spec = LLM(model=path, dtype="float32",
+               speculative_config={"method": "ngram", "num_speculative_tokens": 3, "dynamic_k": False})
+    assert [o.outputs[0].token_ids for o in spec.generate(prompts, sp)] == want
+    stats = spec.engine.spec_stats()
+    assert 0 < stats["accepted_tokens"] < stats["draft_tokens"] and stats["replays"] > 0, stats
+    cfg = plain.config
+    ids = prompts[0]["prompt_token_ids"] + want[0]
+    no_ple = dataclasses.replace(cfg, ple_layers=(), ple_ranks=())
+    params = plain.generator.params
+    saved = [lp.pop("ple") for lp in params["layers"] if "ple" in lp]
+    try:
+        without = _logits(plain, no_ple, ids).argmax(-1)
+    finally:
+        for i, p in zip(cfg.ple_layers, saved):
+            params["layers"][i]["ple"] = p
+    assert (without[29:-1] != np.asarray(want[0])).any()
+
