@@ -8,24 +8,43 @@ their /metrics), beside the same workload sent straight to one replica (what one
 conversation reuses). Each policy gets conversations of its own (other passages), so no policy reuses
 another's prefixes.
 
+A turn's requests are sent in a shuffled order (seeded): in a fixed order, round robin over N
+replicas with C a multiple of N sends every conversation back to the replica it went to before, by
+accident of the arithmetic, which no real traffic does.
+
+Policy "kv_events" is precise prefix routing from the replicas' KV events, as Dynamo's KV router and
+llm-d's precise prefix scorer do it, written here from the documented events and hash rule (no
+gateway): each replica serves with `--kv-events-config`. A subscriber keeps, per replica, the block
+hashes it announced stored and not yet removed. Each prompt is tokenized (`/tokenize`) and its blocks'
+public hashes chained (`cache.kv_events.chain_hashes`). The request goes to the replica holding the
+longest run of them, ties to the replica with the fewest requests so far.
+
 Columns: hits = prefix-cache hit tokens / prompt tokens looked up; vs one = hits / one replica's hits;
 vs rr = hits / round robin's (same N); spread = requests per replica.
 
-    python benchmarks/routing.py [--replicas 2,4] [--conversations 8] [--turns 4] [--policies cache_aware,round_robin]
+    python benchmarks/routing.py [--replicas 2,4] [--conversations 8] [--turns 4]
+                                 [--policies cache_aware,round_robin,kv_events]
 """
 from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
+import json
 import os
+import random
 import re
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import httpx
+import msgpack
+import zmq
+
+from cache.kv_events import chain_hashes
 
 NAME = "bench"
 TEXT = os.path.join(os.path.dirname(__file__), "..", "tests", "data", "kjv_heldout.txt")
@@ -63,21 +82,95 @@ def conversations(lines: list[str], first: int, c: int) -> list[str]:
     return [" ".join(lines[first + 3 * i: first + 3 * i + 3]) for i in range(c)]
 
 
-def run(url: str, openings: list[str], turns: int, max_tokens: int) -> None:
-    """The workload against one base URL (a router or a replica): every conversation's turn t at once."""
-    texts = list(openings)
+class KVEventIndex:
+    """Per replica, the block hashes its KV events say it holds (BlockStored adds, BlockRemoved takes
+    away, AllBlocksCleared empties), kept by a subscriber thread."""
+
+    def __init__(self, endpoints: list[str]):
+        self.blocks = [set() for _ in endpoints]
+        self.block_size = 0
+        self._socks = []
+        for e in endpoints:                   # one socket per replica: the events do not name their server
+            sock = zmq.Context.instance().socket(zmq.SUB)
+            sock.setsockopt(zmq.SUBSCRIBE, b"")
+            sock.connect(e)
+            self._socks.append(sock)
+        self._stop = False
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+
+    def _loop(self):
+        poller = zmq.Poller()
+        for sock in self._socks:
+            poller.register(sock, zmq.POLLIN)
+        while not self._stop:
+            for sock, _ in poller.poll(100):
+                _, _, payload = sock.recv_multipart()
+                self._apply(self.blocks[self._socks.index(sock)], msgpack.unpackb(payload))
+
+    def _apply(self, held: set, batch: dict):
+        for e in batch["events"]:
+            if e["type"] == "BlockStored":
+                self.block_size = e["block_size"]
+                held.update(e["block_hashes"])
+            elif e["type"] == "BlockRemoved":
+                held.difference_update(e["block_hashes"])
+            elif e["type"] == "AllBlocksCleared":
+                held.clear()
+
+    def match(self, tokens: list[int]) -> list[int]:
+        """Per replica, how many of the prompt's leading blocks it holds."""
+        hashes = chain_hashes(tokens, self.block_size) if self.block_size else []
+        out = []
+        for held in self.blocks:
+            n = 0
+            while n < len(hashes) and hashes[n] in held:
+                n += 1
+            out.append(n)
+        return out
+
+    def close(self):
+        self._stop = True
+        self._thread.join(5)
+        for sock in self._socks:
+            sock.close(0)
+
+
+class KVEventRouter:
+    """Sends each request to the replica whose KV events show the longest run of its prompt's blocks
+    (ties: the fewest requests so far)."""
+
+    def __init__(self, urls: list[str], index: KVEventIndex):
+        self.urls, self.index, self.sent = urls, index, [0] * len(urls)
+
+    def __call__(self, client: httpx.Client, prompt: str) -> str:
+        ids = client.post(self.urls[0] + "/tokenize", json={"model": NAME, "prompt": prompt}).json()["tokens"]
+        m = self.index.match(ids)
+        best = max(range(len(self.urls)), key=lambda i: (m[i], -self.sent[i]))
+        self.sent[best] += 1
+        return self.urls[best]
+
+
+def run(url, openings: list[str], turns: int, max_tokens: int, seed: int = 0) -> None:
+    """The workload against one base URL (a router or a replica), or a function choosing one per request:
+    every conversation's turn t at once, sent in a shuffled order."""
+    texts, rng = list(openings), random.Random(seed)
     with httpx.Client(timeout=300) as client, cf.ThreadPoolExecutor(len(texts)) as pool:
         for t in range(turns):
             def one(i):
-                r = client.post(url + "/v1/completions", json={"model": NAME, "prompt": texts[i],
-                                                               "max_tokens": max_tokens, "temperature": 0})
+                base = url if isinstance(url, str) else url(client, texts[i])
+                r = client.post(base + "/v1/completions", json={"model": NAME, "prompt": texts[i],
+                                                                "max_tokens": max_tokens, "temperature": 0})
                 r.raise_for_status()
-                return r.json()["choices"][0]["text"]
-            answers = list(pool.map(one, range(len(texts))))
-            texts = [x + a + f"\nAnd then, turn {t + 1}: " for x, a in zip(texts, answers)]
+                return i, r.json()["choices"][0]["text"]
+            order = list(range(len(texts)))
+            rng.shuffle(order)
+            answers = dict(pool.map(one, order))
+            texts = [x + answers[i] + f"\nAnd then, turn {t + 1}: " for i, x in enumerate(texts)]
+            time.sleep(0.2)          # the turn's KV events reach the subscriber before the next turn is routed
 
 
-def measure(urls: list[str], target: str, openings: list[str], args) -> tuple[float, list[int]]:
+def measure(urls: list[str], target, openings: list[str], args) -> tuple[float, list[int]]:
     before = [counters(u) for u in urls]
     run(target, openings, args.turns, args.max_tokens)
     after = [counters(u) for u in urls]
@@ -93,7 +186,7 @@ def main() -> int:
     ap.add_argument("--conversations", type=int, default=8)
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=24)
-    ap.add_argument("--policies", default="cache_aware,round_robin")
+    ap.add_argument("--policies", default="cache_aware,round_robin,kv_events")
     args = ap.parse_args()
     with open(TEXT, encoding="utf-8") as f:
         lines = [x.strip() for x in f if x.strip()]
@@ -103,11 +196,13 @@ def main() -> int:
     for n in [int(x) for x in args.replicas.split(",")]:
         ports = [free_port() for _ in range(n)]
         urls = [f"http://127.0.0.1:{p}" for p in ports]
+        events = [free_port() for _ in range(n)]
         servers = [subprocess.Popen([sys.executable, "-m", "hybrid_jax.cli", "serve", "--port", str(p),
                                      "--served-model-name", NAME, "--max-num-seqs", "4", "--max-model-len", "1024",
-                                     "--enable-prefix-caching", "--compilation-cache-dir", cc],
+                                     "--enable-prefix-caching", "--compilation-cache-dir", cc, "--kv-events-config",
+                                     json.dumps({"enable_kv_cache_events": True, "endpoint": f"tcp://*:{e}"})],
                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                    env={**os.environ, "JAX_PLATFORMS": "cpu"}) for p in ports]
+                                    env={**os.environ, "JAX_PLATFORMS": "cpu"}) for p, e in zip(ports, events)]
         try:
             for s, u in zip(servers, urls):
                 wait(u, "/health", lambda r: r.status_code == 200, 600, s)
@@ -116,6 +211,14 @@ def main() -> int:
             results = {}
             for k, policy in enumerate(policies):
                 first = (k + 1) * block
+                if policy == "kv_events":
+                    index = KVEventIndex([f"tcp://127.0.0.1:{e}" for e in events])
+                    try:
+                        results[policy] = measure(urls, KVEventRouter(urls, index),
+                                                  conversations(lines, first, args.conversations), args)
+                    finally:
+                        index.close()
+                    continue
                 rport = free_port()
                 router = subprocess.Popen([sys.executable, "-m", "sglang_router.launch_router", "--worker-urls",
                                            *urls, "--host", "127.0.0.1", "--port", str(rport), "--policy", policy,

@@ -10,8 +10,8 @@ mesh layout, like a span (cache.prefix_disk), so a sender at tensor size 4 hands
 tensor size 2: the receiver places the arrays in its own pools' layout. Unlike a chain of spans it
 holds one checkpoint, not one per span: the bytes moved are the request's cache bytes at b.
 
-Its key is a hash of every group's chain key at b (weights fingerprint, dtype, kernel ABI and every
-token id are in them), computed again by the receiver from its own tokens: a receiver whose prompt
+Its key is a hash of the room and every group's chain key at b (weights fingerprint, dtype, kernel ABI
+and every token id are in them), computed again by the receiver from its own tokens: a receiver whose prompt
 differs (another tokenizer, another template) or whose weights differ looks for another key and
 recomputes. The read checks the entry's seal, its sizes, checksums and the exact expected meta
 (`DiskSpans.expect(b, start=0)`); a damaged or mismatched handoff is a miss with its reason
@@ -21,7 +21,8 @@ is served unless every check passed.
 The rendezvous is the request's room (the `bootstrap_room` a P/D router writes into both copies of a
 request): the sender writes `handoffs/<room>.json` after the entry is durable, or with the reason it
 could not hand over; the receiver waits for that marker (`wait_marker`, up to its timeout) before it
-admits the request, then reads the entry the marker names.
+admits the request, then reads the entry the marker names, and deletes it once installed (a handoff
+nobody takes, its receiver timed out, leaves by the tier's cap like any entry).
 """
 from __future__ import annotations
 
@@ -168,8 +169,10 @@ class Handoffs:
         grid = self.spans.setup.geometry.resume
         return (num_tokens - 1) // grid * grid
 
-    def key(self, tokens: Sequence[int], b: int) -> str:
-        return self.spans.key(self.spans._span_keys(tokens), b, kind="prefix-handoff")
+    def key(self, tokens: Sequence[int], b: int, room: int) -> str:
+        """The handoff's key: the room's, and every group's chain key at b (fingerprint, dtype, ABI,
+        tokens)."""
+        return self.spans.key(self.spans._span_keys(tokens), b, kind=f"prefix-handoff-{int(room)}")
 
     # --- the sender --------------------------------------------------------------------------------
     def send(self, cache: ModelCache, tokens: Sequence[int], b: int, room: int) -> None:
@@ -178,9 +181,7 @@ class Handoffs:
         spans = self.spans
         if b <= 0:
             return self._refuse(room, "short prompt: nothing before its last LCM point")
-        key = self.key(tokens, b)
-        if key in spans.tier:
-            return self._after(room, key, b, None)
+        key = self.key(tokens, b, room)
         got = spans.read(cache, tokens, b, start=0)
         if got is None:
             return self._refuse(room, "the prompt's cache was not on the device (a publish refused for room)")
@@ -188,10 +189,10 @@ class Handoffs:
         put = spans._writer.submit(spans.tier.put, key, arrays, spans.expect(b, start=0), True)   # raw: read once
         self._after(room, key, b, put, sum(a.nbytes for a in arrays.values()))
 
-    def _after(self, room: int, key: str, b: int, put: cf.Future | None, nbytes: int = 0) -> None:
-        """Writes the marker once the put (None: the entry is on disk already) is durable."""
+    def _after(self, room: int, key: str, b: int, put: cf.Future, nbytes: int) -> None:
+        """Writes the marker once the put is durable."""
         def mark():
-            ok = put is None or (put.exception() is None and put.result())
+            ok = put.exception() is None and put.result()
             if ok:
                 self.sent += 1
                 self.bytes_sent += nbytes
@@ -210,21 +211,22 @@ class Handoffs:
         self._refuse(room, reason)
 
     # --- the receiver ------------------------------------------------------------------------------
-    def prefetch(self, request_id: str, tokens: Sequence[int], end: int, key: str) -> None:
+    def prefetch(self, request_id: str, tokens: Sequence[int], room: int, end: int, key: str) -> None:
         """On arrival: starts reading the handoff when its key is the one these tokens make."""
-        if end > 0 and key == self.key(tokens, end):
+        if end > 0 and key == self.key(tokens, end, room):
             self._prefetched[request_id] = (key, self.spans.tier.prefetch(key, self.spans.expect(end, start=0)))
 
     def forget(self, request_id: str) -> None:
         self._prefetched.pop(request_id, None)
 
-    def receive(self, cache: ModelCache, tokens: Sequence[int], request_id: str, end: int, key: str,
+    def receive(self, cache: ModelCache, tokens: Sequence[int], request_id: str, room: int, end: int, key: str,
                 keep: frozenset[int] = frozenset()) -> tuple[ModelCache, bool]:
-        """Installs the handoff [0, end) in the pools if every check passes; otherwise counts why and
-        installs nothing (the prompt is recomputed). Returns (cache, installed)."""
+        """Installs the handoff [0, end) in the pools if every check passes, then deletes it (one room,
+        one taker); otherwise counts why and installs nothing (the prompt is recomputed). Returns
+        (cache, installed)."""
         spans = self.spans
         got = self._prefetched.pop(request_id, None)
-        if end <= 0 or end >= len(tokens) or key != self.key(tokens, end):
+        if end <= 0 or end >= len(tokens) or key != self.key(tokens, end, room):
             return cache, self._miss("handoff_mismatch", "a handoff's key is not the one this request's tokens,"
                                                          " weights and kernels make")
         handle = got[1] if got is not None and got[0] == key else spans.tier.prefetch(key, spans.expect(end, start=0))
@@ -236,6 +238,7 @@ class Handoffs:
             return cache, self._miss("handoff_no_room", "a handoff found no room in the pools")
         self.received += 1
         self.bytes_received += sum(np.asarray(a).nbytes for a in arrays.values())
+        spans._writer.submit(spans.tier.delete, key)      # off the request's path
         return cache, True
 
     def _miss(self, reason: str, text: str) -> bool:

@@ -236,7 +236,7 @@ class PrefixCache:
             self.disk.handoffs.forget(request_id)
             return cache
         keep = frozenset(i for ids in hit.segments.values() for i in ids) if on_device else frozenset()
-        cache, _ = self.disk.handoffs.receive(cache, tokens, request_id, t.end, t.key, keep)
+        cache, _ = self.disk.handoffs.receive(cache, tokens, request_id, t.room, t.end, t.key, keep)
         return cache
 
     def handoff_point(self, num_tokens: int) -> int:
@@ -282,7 +282,7 @@ class PrefixCache:
         if self.disk is None:
             return
         if transfer is not None and transfer.role == "receive" and transfer.end > 0:
-            self.disk.handoffs.prefetch(request_id, tokens, transfer.end, transfer.key)
+            self.disk.handoffs.prefetch(request_id, tokens, transfer.room, transfer.end, transfer.key)
         elif len(tokens) > self.geometry.lcm:
             self.disk.prefetch(request_id, tokens)
 

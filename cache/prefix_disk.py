@@ -306,7 +306,10 @@ class DiskSpans:
         """Puts one span's objects (span: its key; [start, b) when given: a handoff's) into fresh pages /
         checkpoint units: objects already on the device are kept, ones the store knows on disk are
         restored (disk -> host -> device), others are allocated and committed as a publish commits
-        them; nothing in `keep` is evicted for room. Returns (cache, ok, the span's segments)."""
+        them; nothing in `keep` is evicted for room. A span's segments are then known to be on disk
+        (offloading them is free); a handoff's are not (it is not a span `find` can restore from).
+        Returns (cache, ok, the span's segments)."""
+        on_disk = start is None
         store, gcd = self.store, self.setup.geometry.gcd
         keys = self._group_keys(tokens)
         plan, data, new, held = {}, {}, [], set()
@@ -338,12 +341,13 @@ class DiskSpans:
                     dst = cols[f].swapaxes(0, ax)           # unit axis first (a view)
                     one = src if spec.is_checkpoint else np.take(src, j, axis=ax)
                     dst[j] = self._placed(spec.name, f, np.expand_dims(one, ax))[(slice(None),) * ax + (0,)]
-                self._seg_spans[sid].add(span)
+                if on_disk:
+                    self._seg_spans[sid].add(span)
             plan[spec.name], data[spec.name] = jnp.asarray(slots), cols
         cache = store.write_units(cache, plan, data)
         store.release([sid for sid in held if store.alloc.get(sid).ref_count])
         self.setup.commit(list(tokens[:b]), new)
-        if span not in self._written:       # it is on disk: offloading these segments again is free
+        if on_disk and span not in self._written:       # it is on disk: offloading these segments again is free
             f = cf.Future()
             f.set_result(True)
             self._written[span] = f

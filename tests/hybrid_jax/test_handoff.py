@@ -55,6 +55,8 @@ def test_the_receiver_resumes_from_the_handoff_and_answers_as_one_engine(engines
     out = _receive(receiver, prompt, m)
     assert out.outputs[0].token_ids == ref.generate(prompt, GREEDY)[0].outputs[0].token_ids
     assert h.received == before + 1
+    h.spans._writer.submit(lambda: None).result()          # the taken handoff is deleted behind the request
+    assert not os.path.exists(os.path.join(d, "entries", m.key))
     assert receiver.engine.metrics.prefix_hits._value.get() - hits == 288
     assert receiver.engine.metrics.prefix_queries._value.get() - queries == 300
     # what moved is the request's cache at 288 tokens: its pages (a partial last page included) and one
