@@ -8,8 +8,8 @@ Per family it prints:
   tokens must be 0 and every tampered handoff refused;
 - bytes: bytes moved per request / the request's cache bytes (its pages and one checkpoint of each
   state group, sized by the decode engine's own store);
-- ttft: the decode engine's TTFT resuming from a handoff / its TTFT on a local prefix hit of the same
-  prompt (alternating, medians).
+- ttft: the decode engine's TTFT resuming from a handoff / its TTFT on a local prefix hit at the same
+  point (a prompt of the same length it prefilled itself just before; alternating, medians).
 
     python benchmarks/disaggregation.py [--families qwen3_next,kimi_linear,...] [--prompt-len 400] [--repeats 3]
 """
@@ -117,8 +117,14 @@ def family(name: str, write, prompt_len: int, repeats: int, tmp: str) -> dict:
             wrong += sum(a != b for a, b in zip(got, want))
             refused += took == 0
         else:
+            assert took == 1, "a sound handoff was not taken"
             ratios.append(m.nbytes / cache_bytes(D, m.end))
-            _, ttft_l = run(D, prompt, greedy)     # the same prompt again: a local hit at the same point
+            # a local hit at the same point: another prompt of the same length, prefilled here first
+            other = [(t + 1) % (vocab - 2) + 1 for t in prompt]
+            run(D, other, SamplingParams(max_tokens=1, temperature=0))
+            hits = D.metrics.prefix_hits._value.get()
+            _, ttft_l = run(D, other, greedy)
+            assert D.metrics.prefix_hits._value.get() - hits == m.end, "the local hit is not at the handoff's point"
             t_hand.append(ttft_h)
             t_local.append(ttft_l)
     return {"identical": f"{same}/{2 * repeats}", "tampered_refused": f"{refused}/{tampered}", "wrong_tokens": wrong,
