@@ -38,19 +38,24 @@ def conv_state_after(window: jax.Array, idx: jax.Array, width: int) -> jax.Array
     return jax.vmap(lambda row, n: jax.lax.dynamic_slice_in_dim(row, n, width - 1, axis=0))(window, idx + 1)
 
 
-def states_after(parts: dict, idx: jax.Array, l2norm_keys: bool = True) -> tuple[jax.Array, jax.Array]:
+def states_after(parts: dict, idx: jax.Array, l2norm_keys: bool = True,
+                 value_major: bool = False) -> tuple[jax.Array, jax.Array]:
     """One layer's states after position idx[b] of each row ([B] int32, in [0, T)), from the parts
     `layers.gated_deltanet(..., per_token_states=True)` returned: (conv [B, W-1, C], ssm [B, HV, K, V] fp32).
-    l2norm_keys: the rule normalised its keys (Gated DeltaNet, KDA); Mamba2's SSD rule does not."""
+    l2norm_keys: the rule normalised its keys (Gated DeltaNet, KDA); Mamba2's SSD rule does not.
+    value_major: the states (ssm0 and the result) are [B, HV, V, K] (Mamba2's, abi.MAMBA2_SSD)."""
     width = parts["conv_window"].shape[1] - parts["k"].shape[1] + 1
     conv = conv_state_after(parts["conv_window"], idx, width)
-    ssm = pallas_kernels.state_after(parts["ssm0"], parts["k"], parts["g"], parts["delta"], idx,
+    ssm0 = jnp.swapaxes(parts["ssm0"], -1, -2) if value_major else parts["ssm0"]
+    ssm = pallas_kernels.state_after(ssm0, parts["k"], parts["g"], parts["delta"], idx,
                                      use_qk_l2norm_in_kernel=l2norm_keys)
-    return conv, ssm
+    return conv, jnp.swapaxes(ssm, -1, -2) if value_major else ssm
 
 
 # the recurrent rules whose keys enter the state as given (no l2norm): `RecurrentGroup.truncate`
 UNNORMALISED_KEYS = frozenset({kernel_abi.MAMBA2_SSD.id})
+# the recurrent rules whose states are value-major, [HV, V, K] a head (Mamba2's [H, headdim, dstate])
+VALUE_MAJOR_STATES = frozenset({kernel_abi.MAMBA2_SSD.id})
 
 
 @flax.struct.dataclass
@@ -106,8 +111,8 @@ class RecurrentGroup(CacheGroup):
                              "view gathered")
         idx = jnp.maximum(n_keep - 1, 0)
         fed = (n_keep > 0)
-        l2 = self.writer_abi not in UNNORMALISED_KEYS
-        conv, ssm = jax.vmap(lambda parts: states_after(parts, idx, l2))(states)
+        l2, vm = self.writer_abi not in UNNORMALISED_KEYS, self.writer_abi in VALUE_MAJOR_STATES
+        conv, ssm = jax.vmap(lambda parts: states_after(parts, idx, l2, vm))(states)
         conv = jnp.where(fed.reshape(1, -1, 1, 1), conv, self.conv)
         ssm = jnp.where(fed.reshape(1, -1, 1, 1, 1), ssm, self.ssm)
         return self.replace(conv=conv.astype(self.conv.dtype), ssm=ssm)

@@ -49,11 +49,12 @@ GATED_DELTA_RULE = register(KernelABI("gated_delta_rule", "state[N,HV,K,V]:f32",
 # Kimi Delta Attention (pallas_kernels.kda): the gated delta rule with a decay per key channel. Its state has GDN's
 # layout, but a state one rule wrote means nothing to the other, so the id is its own.
 KIMI_DELTA_ATTENTION = register(KernelABI("kimi_delta_attention", "state[N,HV,K,V]:f32", 1))
-# Mamba2's SSD rule (pallas_kernels.mamba2): GDN's layout with the state size as K and the head dim as V, i.e.
-# the transpose of transformers' / mamba_ssm's ssm_state [N, H, headdim, dstate]. Its group's conv state holds the
-# x / B / C channels group-major (each group's x, B, C together: layers.mamba2), version 2 since that order
-# replaced transformers' (x, then B, then C): a conv state of version 1 is refused, never read in the new order.
-MAMBA2_SSD = register(KernelABI("mamba2_ssd", "state[N,H,dstate,headdim]:f32,conv[N,W-1,C]:group-major", 2))
+# Mamba2's SSD rule (pallas_kernels.mamba2): the state as transformers' / mamba_ssm's ssm_state, [N, H, headdim,
+# dstate] (version 3; versions 1 and 2 held GDN's [N, H, dstate, headdim], whose head dim of 64 the TPU stores
+# with its last two axes swapped, so the decode kernel's pool was copied in and out each step). Its group's conv
+# state holds the x / B / C channels group-major (each group's x, B, C together: layers.mamba2; since version 2).
+# A state of an older version is refused, never read in the new layout.
+MAMBA2_SSD = register(KernelABI("mamba2_ssd", "state[N,H,headdim,dstate]:f32,conv[N,W-1,C]:group-major", 3))
 CAUSAL_CONV1D = register(KernelABI("causal_conv1d", "conv_state[N,C,W-1]", 1))
 # Full attention over a paged KV pool (pallas_kernels.ragged_paged_attention): separate K and V pools of pages of
 # ps tokens, token-major inside a page, addressed per sequence by page_indices. The op only reads; the full-attention

@@ -8,7 +8,7 @@ With I = H P (H heads of head dim P), G groups of state size N and the conv over
   y   = SSD(x, dt, A, B, C) + D x             (pallas_kernels.mamba2, chunked or token by token)
   out = (w * grouprms(y * silu(z))) W_out     the RMS over each of G groups of I / G channels
 Padding tokens (valid = False) get dt = 0, which leaves the state untouched. The state is
-[B, H, N, P] f32 (abi.MAMBA2_SSD; transformers keeps [B, H, P, N]).
+[B, H, P, N] f32, transformers' layout (abi.MAMBA2_SSD v3).
 
 Group-major layout: in_proj's columns and the conv's channels are stored group by group (`group_major`
 re-lays transformers' [z | x | B | C | dt] and [x | B | C] once, at conversion), so a device holding a
@@ -118,7 +118,7 @@ def _heads(xbc: jax.Array, d: Mamba2Dims):
 
 _TOKENS = (None, None, "heads", None)          # x, y, deltas [B, T, H, P]; B, C [B, T, G, N] (G split as heads)
 _STEP = (None, None, "heads")                  # dt [B, T, H]
-_STATE = (None, "heads", None, None)           # [B, H, N, P]
+_STATE = (None, "heads", None, None)           # [B, H, P, N]
 
 
 def _ssd(kernel, xs, dt, A, b, c, D, state, cu_seqlens=None, state_rows=None, **kw):
@@ -136,12 +136,12 @@ def _ssd(kernel, xs, dt, A, b, c, D, state, cu_seqlens=None, state_rows=None, **
 def mamba2_mixer(p: dict, x: jax.Array, valid: jax.Array, n_new: jax.Array, conv_state: jax.Array,
                  ssm_state: jax.Array, *, dims: Mamba2Dims, impl: str = "auto", fused_recurrent: bool = False,
                  per_token_states: bool = False, state_rows: jax.Array | None = None):
-    """x: [B, T, Hd]; valid: [B, T]; n_new: [B]; conv_state: [B, W-1, C]; ssm_state: [B, H, N, P] f32.
-    state_rows [B]: ssm_state is a pool [P, H, N, P] of which row state_rows[b] is row b's state (updated in
+    """x: [B, T, Hd]; valid: [B, T]; n_new: [B]; conv_state: [B, W-1, C]; ssm_state: [B, H, P, N] f32.
+    state_rows [B]: ssm_state is a pool [rows, H, P, N] of which row state_rows[b] is row b's state (updated in
     place by the token-by-token rule; the chunked one and per_token_states run on the rows gathered).
     fused_recurrent: token by token whatever T (a verify window equal to T decode steps).
     Returns (out [B, T, Hd], conv_state, ssm_state) and, with per_token_states (token by token), a dict of
-    what the states after every position are made from: conv_window [B, W-1+T, C], ssm0 [B, H, N, P] (the
+    what the states after every position are made from: conv_window [B, W-1+T, C], ssm0 [B, H, P, N] (the
     state before the window), k [B, T, G, N] (B), g [B, T, H] (dt A) and delta [B, T, H, P] (dt x) f32;
     `states_after` reads it. Padding positions have g = 0 and delta = 0."""
     T, d = x.shape[1], dims
@@ -175,7 +175,7 @@ def mamba2_mixer(p: dict, x: jax.Array, valid: jax.Array, n_new: jax.Array, conv
 def mamba2_mixer_ragged(p: dict, x: jax.Array, seq: jax.Array, valid: jax.Array, cu_seqlens: jax.Array,
                         conv_state: jax.Array, ssm_state: jax.Array, *, dims: Mamba2Dims, impl: str = "auto"):
     """`mamba2_mixer` over a ragged batch (hybrid_jax.models.ragged): x [N, Hd]; seq [N], valid [N];
-    cu_seqlens [S + 1]; conv_state [S, W-1, C]; ssm_state [S, H, N, P] f32 (row s: sequence s's). The chunked
+    cu_seqlens [S + 1]; conv_state [S, W-1, C]; ssm_state [S, H, P, N] f32 (row s: sequence s's). The chunked
     rule runs the packed sequences with `cu_seqlens`. Returns (out [N, Hd], conv_state, ssm_state)."""
     d = dims
     z, xbc, dt = _split(linear(x, p["in_proj"]), d)
@@ -191,7 +191,7 @@ def mamba2_mixer_ragged(p: dict, x: jax.Array, seq: jax.Array, valid: jax.Array,
 
 def states_after(parts: dict, idx: jax.Array) -> tuple[jax.Array, jax.Array]:
     """The layer's states after position idx[b] of each row ([B] int32, in [0, T)) from the parts
-    `mamba2_mixer(..., per_token_states=True)` returned: (conv [B, W-1, C], ssm [B, H, N, P] f32).
-    cache.state.states_after with no l2norm on k (Mamba2's B), as `RecurrentGroup.truncate` runs it for a
-    group written under abi.MAMBA2_SSD."""
-    return cache_states_after(parts, idx, l2norm_keys=False)
+    `mamba2_mixer(..., per_token_states=True)` returned: (conv [B, W-1, C], ssm [B, H, P, N] f32).
+    cache.state.states_after with no l2norm on k (Mamba2's B) and value-major states, as
+    `RecurrentGroup.truncate` runs it for a group written under abi.MAMBA2_SSD."""
+    return cache_states_after(parts, idx, l2norm_keys=False, value_major=True)

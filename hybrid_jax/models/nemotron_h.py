@@ -15,7 +15,7 @@ second (feed-forward) half. Parameters (`nemotron_h_params.py`):
                               moe_intermediate_size rounded up to 128: `nemotron_h_params.expert_columns`),
                               shared_up [Hd, Is], shared_down [Is, Hd], and with a latent size Hd'
                               latent_in [Hd, Hd'], latent_out [Hd', Hd]
-Cache: "linear_attention" (conv window [L, B, W-1, C] + SSM state [L, B, H, N, P] f32, a
+Cache: "linear_attention" (conv window [L, B, W-1, C] + SSM state [L, B, H, P, N] f32, a
 `cache.state.RecurrentGroup` written by abi.MAMBA2_SSD) and "full_attention" (paged KV, `KVGroup`).
 """
 from __future__ import annotations
@@ -44,14 +44,14 @@ from pallas_kernels import abi as kernel_abi
 
 def new_cache(cfg: NemotronHConfig, batch_size: int, capacity: int, dtype, page_size: int = DEFAULT_KV_PAGE_SIZE
               ) -> ModelCache:
-    """An empty cache: the Mamba2 layers' conv windows and SSM states ([H, dstate, headdim] f32 a row),
+    """An empty cache: the Mamba2 layers' conv windows and SSM states ([H, headdim, dstate] f32 a row, transformers' layout),
     the attention layers' KV pages (contiguous per row, pages of min(page_size, capacity) tokens)."""
     groups = {}
     mamba, attn = cfg.layers_of("linear_attention"), cfg.layers_of("full_attention")
     if mamba:
         groups["linear_attention"] = recurrent_group(
             mamba, batch_size, cfg.conv_kernel, cfg.mamba_conv_dim,
-            (cfg.mamba_num_heads, cfg.ssm_state_size, cfg.mamba_head_dim), dtype, writer_abi=kernel_abi.MAMBA2_SSD.id)
+            (cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.ssm_state_size), dtype, writer_abi=kernel_abi.MAMBA2_SSD.id)
     if attn:
         ps = min(page_size, capacity)
         table = contiguous_page_table(batch_size, capacity, ps)

@@ -187,7 +187,9 @@ def _time_step_limit(d: dict) -> tuple[float, float]:
 def nemotron_h_config(d: dict[str, Any]) -> NemotronHConfig:
     """config.json -> NemotronHConfig (KeyError / ValueError / ConfigError on bad fields). Accepts the
     release's field names (mamba_n_groups, mamba_d_conv, mamba_dt_limit, mamba_conv_bias) and
-    transformers'. An MTP block (num_nextn_predict_layers) is not loaded, as transformers does not."""
+    transformers'. An MTP block (num_nextn_predict_layers > 0: Nemotron 3 Super's) is not implemented: the model
+    loads without it, the loader warning that its mtp.* tensors were left (speculative.mtp.check_all_read), and
+    speculative method 'mtp' is refused by name (speculative.mtp.check_mtp)."""
     _refuse_unsupported(d)
     types = _layer_types(d)
     n = int(d.get("num_hidden_layers") or len(types))

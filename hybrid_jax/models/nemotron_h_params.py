@@ -85,7 +85,7 @@ def init_params(cfg: NemotronHConfig, seed: int = 0, dtype=jnp.float32, rng=None
 def convert_hf_weights(cfg: NemotronHConfig, get: Callable[[str], np.ndarray], has: Callable[[str], bool],
                        dtype, progress: Callable[[], None] = lambda: None) -> dict:
     """Re-lays a Nemotron-H checkpoint into the layout above. Raises CheckpointError naming a missing or
-    misshapen tensor. The MTP block (`mtp.*`) is not read, as transformers does not."""
+    misshapen tensor. The MTP block (`mtp.*`) is not read (nemotron_h_config: said, not silent)."""
     Hd = cfg.hidden_size
     t = checked_getter(get, has, progress)
     root = "model." if has("model.embeddings.weight") else "backbone."

@@ -21,7 +21,8 @@ per signature with a second layer of it. The difference is that signature's per-
 model's cost is base + sum over signatures of (count - 1) * per-layer cost. FLOPs and bytes accessed
 are linear in the layer counts (each layer is its own code); temporaries are extrapolated the same way,
 an approximation (a buffer the layers reuse is not repeated). `layers="full"` compiles the whole model
-once; tests/hybrid_jax/test_plan.py checks the two agree on a tiny model.
+once; tests/hybrid_jax/test_plan.py checks the two agree on a tiny model. Every program is compiled with
+`PLAN_COMPILER_OPTIONS` (no VMEM prefetching: why beside it).
 """
 from __future__ import annotations
 
@@ -175,6 +176,16 @@ def _on(tree, shardings):
 
 NOTHING = StepCost(0.0, 0.0, 0.0, 0.0)
 
+# The plan's programs are compiled without XLA's memory-space assignment (MSA: copies of chosen HBM buffers
+# into the TPU's on-chip VMEM ahead of their use). The compiler's cost analysis counts such a prefetch on top
+# of the reads it serves (the copy out of HBM, its write to VMEM, then every read of the VMEM copy), and MSA
+# chooses what to prefetch for the program as a whole: the layer-scaled programs below picked different
+# buffers (one program the Mamba2 state pool, the next the 84 MiB LM head, Nemotron-3-Nano at tp 8), and the
+# difference was scaled by the layer count (+15 GiB a decode step). Without it each op's HBM operands are
+# counted once, the figure the roofline divides by the HBM bandwidth, and layer scaling agrees with a
+# compile of the whole model (Nemotron-3-Nano, tp 8: 18.68 GiB scaled, 18.56 GiB whole).
+PLAN_COMPILER_OPTIONS = {"xla_msa_enable": False}
+
 
 def compile_model(cfg, sh: Shapes, target, impl: str = "auto", prefill: bool = True) -> tuple[StepCost, StepCost]:
     """(decode, prefill chunk) costs of cfg's model part (no sampler), each compiled once for `target`
@@ -209,7 +220,7 @@ def _compile_model(cfg, sh: Shapes, target, impl: str, prefill: bool = True) -> 
             args = (params, pools, *_on(rest, mesh_layout.replicated))
         with active(mesh_layout):
             lowered = jax.jit(step(StepContext(model, cfg, impl, mesh_layout)), donate_argnums=(1,)).lower(*args)
-        out.append(_cost(lowered.compile()))
+        out.append(_cost(lowered.compile(compiler_options=PLAN_COMPILER_OPTIONS)))
     return out[0], out[1] if prefill else NOTHING
 
 
@@ -225,7 +236,7 @@ def compile_sampler(batch: int, vocab: int, target) -> StepCost:
         args = (_on(args[0], logits), *_on(args[1:], target.replicated))
     else:
         args = on_device(args, target)
-    return _cost(jax.jit(_sampler).lower(*args).compile())
+    return _cost(jax.jit(_sampler).lower(*args).compile(compiler_options=PLAN_COMPILER_OPTIONS))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -4,6 +4,9 @@ One kernel for both decays: Gated DeltaNet's, one log decay per head (g [B, T, H
 by a scalar), and Kimi Delta Attention's, one per key channel (g [B, T, HV, K]: row c of the state
 [K, V] is scaled by exp(g[c])). The choice is static, made from g.ndim; the GDN path is unchanged by it.
 A second static choice, `delta_rule=False`, drops the delta correction: Mamba2's SSD rule (pallas_kernels.mamba2).
+A third, `state_vk` (with delta_rule=False, TPU), keeps the state value-major, [V, K] a head: Mamba2's head
+dim (V = 64) is narrower than a TPU lane tile, and an f32 array of minor dim 64 is laid out by the TPU with its
+last two axes swapped, so a [K, V] state pool was copied into the kernel's layout and back every decode step.
 
 The state block [K, block_v] stays on chip (VMEM on TPU, registers / shared memory on GPU) for the
 whole window and goes back to HBM once per sequence. Gating (exp(g)), beta and the q/k l2norm are
@@ -98,6 +101,16 @@ def _token_step(S, q, k, v, g, beta, eye, *, scale: float, use_l2norm: bool, per
     return S, jnp.sum(q_col * S, axis=0, keepdims=True), delta
 
 
+def _token_step_vk(S, q, k, v, g, beta, eye_v):
+    """`_token_step` without the delta rule on a value-major state S [bv, K] (the transpose of
+    _token_step's): S <- exp(g) S + (beta v)^T k, o = (S q^T)^T. eye_v [bv, bv] turns the value row into a
+    column and the output column back into a row."""
+    delta = v * beta                                                   # [1, bv]
+    S = S * jnp.exp(g) + row_to_col(delta, eye_v) * k                  # [bv, 1] * [1, K]
+    o_col = jnp.sum(S * q, axis=1, keepdims=True)                      # [bv, 1]
+    return S, jnp.sum(eye_v * o_col, axis=0, keepdims=True), delta
+
+
 def _eye(K):
     ii = jax.lax.broadcasted_iota(jnp.int32, (K, K), 0)
     jj = jax.lax.broadcasted_iota(jnp.int32, (K, K), 1)
@@ -153,7 +166,7 @@ def _tpu_kernel(seq_ref, flag_ref,                        # [B * Tp] int32 in SM
                 *rest,                                    # [states_ref [Tb, K, bv] | deltas_ref [Tb, bv]],
                                                           # S_scr [K, bv] f32, o_scr [Tb, bv] f32
                 scale: float, use_l2norm: bool, Tp: int, Tb: int, keep: str | None, varl: bool,
-                per_channel: bool = False, delta_rule: bool = True):
+                per_channel: bool = False, delta_rule: bool = True, state_vk: bool = False):
     out_ref = rest[0] if keep else None
     S_scr, o_scr = rest[-2:]
     b, tb = pl.program_id(0), pl.program_id(3)
@@ -163,7 +176,7 @@ def _tpu_kernel(seq_ref, flag_ref,                        # [B * Tp] int32 in SM
         copy_states(h0_ref, hT_ref)
         S_scr[...] = jnp.zeros(S_scr.shape, jnp.float32)
 
-    eye = _eye(q_ref.shape[1])
+    eye = _eye(v_ref.shape[1] if state_vk else q_ref.shape[1])
     qs, ks, vs = (r[...].astype(jnp.float32) for r in (q_ref, k_ref, v_ref))    # aligned whole-block loads
     b_row = b_ref[pl.ds(tb, 1), :]                                             # [1, Tb]
     if per_channel:
@@ -183,9 +196,12 @@ def _tpu_kernel(seq_ref, flag_ref,                        # [B * Tp] int32 in SM
         else:
             g = jnp.sum(jnp.where(lane == r, g_row, 0.0), axis=1, keepdims=True)  # [1, 1]
         beta = jnp.sum(jnp.where(lane == r, b_row, 0.0), axis=1, keepdims=True)
-        S_new, o, delta = _token_step(S, qs[r:r + 1], ks[r:r + 1], vs[r:r + 1], g, beta, eye,
-                                      scale=scale, use_l2norm=use_l2norm, per_channel=per_channel,
-                                      delta_rule=delta_rule)
+        if state_vk:
+            S_new, o, delta = _token_step_vk(S, qs[r:r + 1] * scale, ks[r:r + 1], vs[r:r + 1], g, beta, eye)
+        else:
+            S_new, o, delta = _token_step(S, qs[r:r + 1], ks[r:r + 1], vs[r:r + 1], g, beta, eye,
+                                          scale=scale, use_l2norm=use_l2norm, per_channel=per_channel,
+                                          delta_rule=delta_rule)
         S = jnp.where(valid, S_new, S)                    # tokens of no sequence leave the state alone
         o_scr[r:r + 1, :] = jnp.where(valid, o, 0.0)
         if varl:
@@ -202,7 +218,7 @@ def _tpu_kernel(seq_ref, flag_ref,                        # [B * Tp] int32 in SM
 
 @functools.partial(jax.jit, static_argnames=("scale", "output_final_state", "output_all_states",
                                              "use_qk_l2norm_in_kernel", "config", "backend", "interpret",
-                                             "output_deltas", "delta_rule"))
+                                             "output_deltas", "delta_rule", "state_vk"))
 def fused_recurrent_gated_delta_rule_pallas(
     q: jax.Array,            # [B, T, H, K]
     k: jax.Array,            # [B, T, H, K]
@@ -221,6 +237,7 @@ def fused_recurrent_gated_delta_rule_pallas(
     output_deltas: bool = False,
     state_indices: jax.Array | None = None,  # [B] int32: row b's state is initial_state[state_indices[b]]
     delta_rule: bool = True,
+    state_vk: bool = False,
 ):
     """Fused recurrent kernel. Returns (o [B, T, HV, V] in v.dtype, final [N, HV, K, V] f32 or None)
     and, with output_all_states, the state after every token [B, T, HV, K, V] f32, or, with
@@ -236,13 +253,26 @@ def fused_recurrent_gated_delta_rule_pallas(
     g [B, T, HV] decays the state of a head by one factor (Gated DeltaNet), g [B, T, HV, K] each of its
     key rows by its own (Kimi Delta Attention); the kernel is chosen statically from g.ndim.
     delta_rule=False drops the delta correction, S <- exp(g) S + k (beta v)^T (Mamba2's SSD rule,
-    pallas_kernels.mamba2); output_deltas are then beta v.
+    pallas_kernels.mamba2); output_deltas are then beta v. state_vk (with delta_rule=False): every state
+    (initial, pool, final, output_all_states) is value-major, [.., HV, V, K] (module docstring: why).
     The initial state buffer is aliased to the final state (`input_output_aliases`): under
     `jax.jit(..., donate_argnames=...)` the state is updated in place."""
     per_channel = g.ndim == 4
     keep = per_token_output(output_all_states, output_deltas)
+    if state_vk and (delta_rule or per_channel):
+        raise KernelUnsupported("a value-major state (state_vk) is for the rule without the delta correction and "
+                                "with one decay per head (Mamba2's)")
+    if state_vk and backend != "tpu":             # the Triton kernel keeps [K, V]: transposed around it
+        out = fused_recurrent_gated_delta_rule_pallas(
+            q, k, v, g, beta, scale=scale, initial_state=_vk(initial_state), output_final_state=output_final_state,
+            output_all_states=output_all_states, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+            cu_seqlens=cu_seqlens, config=config, backend=backend, interpret=interpret, output_deltas=output_deltas,
+            state_indices=state_indices, delta_rule=delta_rule)
+        return (out[0], _vk(out[1])) + ((_vk(out[2]),) if keep == "states" else out[2:])
+    checked = _vk_shape(initial_state) if state_vk else initial_state     # the checks read [.., K, V]
     if state_indices is not None:
-        pool = check_state_indices(q, v, initial_state, state_indices, cu_seqlens, keep)
+        check_state_indices(q, v, checked, state_indices, cu_seqlens, keep)
+        pool = initial_state
         if backend != "tpu":
             return on_gathered_rows(lambda h0: fused_recurrent_gated_delta_rule_pallas(
                 q, k, v, g, beta, scale=scale, initial_state=h0, output_final_state=True,
@@ -250,8 +280,9 @@ def fused_recurrent_gated_delta_rule_pallas(
                 delta_rule=delta_rule),
                 pool, state_indices.astype(jnp.int32), output_final_state)
         initial_state = pool
-    B, T, H, K, HV, V = check_inputs(q, k, v, g, beta, None if state_indices is not None else initial_state,
+    B, T, H, K, HV, V = check_inputs(q, k, v, g, beta, None if state_indices is not None else checked,
                                      cu_seqlens, per_channel=per_channel)
+    KV = (V, K) if state_vk else (K, V)           # a state's last two axes
     config = config or RecurrentConfig()
     bv = config.block_v or V
     _check_blocks(backend, K, V, bv)
@@ -266,16 +297,16 @@ def fused_recurrent_gated_delta_rule_pallas(
         N = NB = varlen.check_cu_seqlens(cu_seqlens)
         s, first, valid = varlen.token_layout(cu_seqlens, T)
         seq, flag = s, first.astype(jnp.int32) + 2 * valid.astype(jnp.int32)
-    h0 = (jnp.zeros((N, HV, K, V), jnp.float32) if initial_state is None
+    h0 = (jnp.zeros((N, HV, *KV), jnp.float32) if initial_state is None
           else initial_state.astype(jnp.float32))
     qt, kt = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3)         # [B, H, T, K]
     vt = v.transpose(0, 2, 1, 3)                                       # [B, HV, T, V]
     gt = g.astype(jnp.float32).swapaxes(1, 2)                          # [B, HV, T] (per_channel [B, HV, T, K])
     bt = beta.astype(jnp.float32).transpose(0, 2, 1)
     varl = cu_seqlens is not None
-    out_shape = [jax.ShapeDtypeStruct((B, HV, T, V), v.dtype), jax.ShapeDtypeStruct((N, HV, K, V), jnp.float32)]
+    out_shape = [jax.ShapeDtypeStruct((B, HV, T, V), v.dtype), jax.ShapeDtypeStruct((N, HV, *KV), jnp.float32)]
     if keep == "states":
-        out_shape.append(jax.ShapeDtypeStruct((B, T, HV, K, V), jnp.float32))
+        out_shape.append(jax.ShapeDtypeStruct((B, T, HV, *KV), jnp.float32))
     if keep == "deltas":
         out_shape.append(jax.ShapeDtypeStruct((B, HV, T, V), jnp.float32))
     # The batch axis revisits the same state block in a packed batch, so it is sequential there.
@@ -291,15 +322,18 @@ def fused_recurrent_gated_delta_rule_pallas(
         flag = jnp.pad(flag.reshape(B, T), ((0, 0), (0, Tp - T))).reshape(-1)
         bt = jnp.pad(bt, pad).reshape(B, HV, NT, Tb)
         gt = jnp.pad(gt, pad + ((0, 0),)) if per_channel else jnp.pad(gt, pad).reshape(B, HV, NT, Tb)
-        in_specs, out_specs = time_block_specs(B * Tp, Tb, NT, K, bv, r, NB, varl, per_channel=per_channel)
+        in_specs, out_specs = time_block_specs(B * Tp, Tb, NT, K, bv, r, NB, varl, per_channel=per_channel,
+                                               state_vk=state_vk)
         if keep == "states":
-            out_specs.append(pl.BlockSpec((None, Tb, None, K, bv), lambda b, h, j, t: (b, t, h, 0, j)))
+            out_specs.append(pl.BlockSpec((None, Tb, None, bv, K), lambda b, h, j, t: (b, t, h, j, 0)) if state_vk
+                             else pl.BlockSpec((None, Tb, None, K, bv), lambda b, h, j, t: (b, t, h, 0, j)))
         if keep == "deltas":
             out_specs.append(pl.BlockSpec((None, None, Tb, bv), lambda b, h, j, t: (b, h, t, j)))
         kernel = functools.partial(_tpu_kernel, scale=scale, use_l2norm=use_qk_l2norm_in_kernel, Tp=Tp, Tb=Tb,
-                                   keep=keep, varl=varl, per_channel=per_channel, delta_rule=delta_rule)
+                                   keep=keep, varl=varl, per_channel=per_channel, delta_rule=delta_rule,
+                                   state_vk=state_vk)
         grid = (B, HV, V // bv, NT)
-        scratch = [pltpu.VMEM((K, bv), jnp.float32), pltpu.VMEM((Tb, bv), jnp.float32)]
+        scratch = [pltpu.VMEM((bv, K) if state_vk else (K, bv), jnp.float32), pltpu.VMEM((Tb, bv), jnp.float32)]
         params = compiler_params(backend, (b_sem, "parallel", "parallel", "arbitrary"),
                                  vmem_limit_bytes=TPU_VMEM_LIMIT)
         if state_indices is not None:
@@ -344,6 +378,16 @@ def fused_recurrent_gated_delta_rule_pallas(
     return o, final
 
 
+def _vk(state):
+    """A state's last two axes swapped (None stays None)."""
+    return None if state is None else jnp.swapaxes(state, -1, -2)
+
+
+def _vk_shape(state):
+    """The shape a value-major state has in [.., K, V] terms, for the checks (None stays None)."""
+    return None if state is None else jax.ShapeDtypeStruct(state.shape[:-2] + state.shape[:-3:-1], state.dtype)
+
+
 def _kernel_name(per_channel: bool, delta_rule: bool) -> str:
     if not delta_rule:
         return "kda_ssd_fused_recurrent" if per_channel else "ssd_fused_recurrent"
@@ -351,18 +395,19 @@ def _kernel_name(per_channel: bool, delta_rule: bool) -> str:
 
 
 def time_block_specs(n_meta: int, Tb: int, NT: int, K: int, bv: int, r: int, NB: int, varl: bool,
-                     per_channel: bool = False):
+                     per_channel: bool = False, state_vk: bool = False):
     """The Mosaic layout of the GDN / KDA kernels: grid (B, HV, V / bv, NT), the last axis walking blocks of
     Tb tokens (q, k [Tb, K] of key head h // r; v [Tb, bv]); g and beta lane-dense, the head's whole
     [NT, Tb] resident, or, per_channel, g [Tb, K] of value head h walked like q / k (over g [B, HV, Tp, K]);
-    the state block [NB, K, bv]; the two int32 vectors [n_meta] in SMEM. Returns (in_specs, out_specs)
-    for (seq, flag, q, k, v, g, beta, h0) -> (o [Tb, bv], final state)."""
-    hmap = lambda b, h, j, t: (0 if varl else b, h, 0, j)  # noqa: E731
+    the state block [NB, K, bv] ([NB, bv, K] value-major, state_vk); the two int32 vectors [n_meta] in SMEM.
+    Returns (in_specs, out_specs) for (seq, flag, q, k, v, g, beta, h0) -> (o [Tb, bv], final state)."""
+    hmap = ((lambda b, h, j, t: (0 if varl else b, h, j, 0)) if state_vk  # noqa: E731
+            else (lambda b, h, j, t: (0 if varl else b, h, 0, j)))
     qk = pl.BlockSpec((None, None, Tb, K), lambda b, h, j, t: (b, jax.lax.div(h, r), t, 0))
     gates = pl.BlockSpec((None, None, NT, Tb), lambda b, h, j, t: (b, h, 0, 0))
     decay = pl.BlockSpec((None, None, Tb, K), lambda b, h, j, t: (b, h, t, 0)) if per_channel else gates
     rows = pl.BlockSpec((None, None, Tb, bv), lambda b, h, j, t: (b, h, t, j))
-    state = pl.BlockSpec((NB, None, K, bv), hmap)
+    state = pl.BlockSpec((NB, None, bv, K) if state_vk else (NB, None, K, bv), hmap)
     return ([smem_spec("tpu", n_meta), smem_spec("tpu", n_meta), qk, qk, rows, decay, gates, state], [rows, state])
 
 

@@ -13,7 +13,8 @@ and the rule, per token and head, with dt the processed time step:
   y  = h^T C + D x
 This is the gated delta rule (pallas_kernels.gated_delta_rule) without the delta correction, with
 q = C, k = B, v = x, g = dt A, beta = dt, scale 1 and no l2norm; the state is GDN's [N, HV, K, V]
-layout, here [N, H, dstate, headdim] (abi.MAMBA2_SSD). The gated RMSNorm and z belong to the layer.
+layout, here [N, H, dstate, headdim]; the ops (ops.py) hold it as transformers does, [N, H, headdim, dstate]
+(abi.MAMBA2_SSD). The gated RMSNorm and z belong to the layer.
 """
 from __future__ import annotations
 
@@ -68,8 +69,8 @@ def check_inputs(x, dt, A, Bm, Cm, D=None, dt_bias=None, initial_state=None, cu_
     n = B if cu_seqlens is None else varlen.check_cu_seqlens(cu_seqlens)
     if cu_seqlens is not None and B != 1:
         raise ValueError(f"cu_seqlens needs a packed batch with B == 1; got B={B}")
-    if initial_state is not None and initial_state.shape != (n, H, N, P):
-        raise ValueError(f"initial_state must be [N, H, dstate, headdim] = {(n, H, N, P)}; got {initial_state.shape}")
+    if initial_state is not None and initial_state.shape != (n, H, P, N):
+        raise ValueError(f"initial_state must be [N, H, headdim, dstate] = {(n, H, P, N)}; got {initial_state.shape}")
     return n
 
 

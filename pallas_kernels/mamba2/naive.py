@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from pallas_kernels import abi
 from pallas_kernels.gated_delta_rule.naive import STATIC, decay, recurrent_gated_delta_rule
 
-ABI = abi.MAMBA2_SSD   # writes state[N, H, dstate, headdim] f32, like every other implementation
+ABI = abi.MAMBA2_SSD   # computes on state[N, H, dstate, headdim] f32; ops.py holds the ABI's transpose
 
 
 def _update(S, q_t, k_t, v_t, g_t, b_t):

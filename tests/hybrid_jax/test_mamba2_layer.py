@@ -55,7 +55,7 @@ def our_params(m) -> dict:
 
 def zero_states(B, rows=None):
     return (jnp.zeros((B, DIMS.conv_kernel - 1, DIMS.conv_dim), jnp.float32),
-            jnp.zeros((rows or B, DIMS.num_heads, DIMS.state_size, DIMS.head_dim), jnp.float32))
+            jnp.zeros((rows or B, DIMS.num_heads, DIMS.head_dim, DIMS.state_size), jnp.float32))   # [.., headdim, dstate]
 
 
 def run(p, x, valid=None, states=None, impl="xla", **kw):
@@ -112,7 +112,7 @@ def test_pooled_state_rows(T):
     p = our_params(hf_mixer(seed=6))
     x = np.random.default_rng(7).standard_normal((2, T, HIDDEN)).astype(np.float32)
     conv, _ = zero_states(2)
-    pool = jnp.asarray(np.random.default_rng(8).standard_normal((5, 4, 16, 8)), jnp.float32) * 0.1
+    pool = jnp.asarray(np.random.default_rng(8).standard_normal((5, 4, 8, 16)), jnp.float32) * 0.1
     rows = jnp.asarray([3, 0], jnp.int32)
     out, _, new_pool = run(p, x, states=(conv, pool), state_rows=rows)
     want, _, want_rows = run(p, x, states=(conv, pool[rows]))
@@ -128,7 +128,7 @@ def test_per_token_states_rebuild_the_states_after_any_position():
     x = np.random.default_rng(10).standard_normal((2, 6, HIDDEN)).astype(np.float32)
     valid = jnp.asarray(np.arange(6)[None] < np.array([[6], [4]]))
     conv0 = jnp.asarray(np.random.default_rng(11).standard_normal((2, 3, DIMS.conv_dim)), jnp.float32)
-    ssm0 = jnp.asarray(np.random.default_rng(12).standard_normal((2, 4, 16, 8)), jnp.float32) * 0.1
+    ssm0 = jnp.asarray(np.random.default_rng(12).standard_normal((2, 4, 8, 16)), jnp.float32) * 0.1
     out, conv, ssm, parts = run(p, x, valid, states=(conv0, ssm0), per_token_states=True)
     assert rel_rms(out, run(p, x, valid, states=(conv0, ssm0))[0]) <= 1e-5
 
@@ -152,7 +152,7 @@ def test_ragged_batch_equals_each_sequence_alone():
     x = rng.standard_normal((14, HIDDEN)).astype(np.float32)
     seq = np.clip(np.searchsorted(cu[1:], np.arange(14), side="right"), 0, 2)
     conv0 = jnp.asarray(rng.standard_normal((3, 3, DIMS.conv_dim)), jnp.float32)
-    ssm0 = jnp.asarray(rng.standard_normal((3, 4, 16, 8)), jnp.float32) * 0.1
+    ssm0 = jnp.asarray(rng.standard_normal((3, 4, 8, 16)), jnp.float32) * 0.1
     out, conv, ssm = mamba2_mixer_ragged(p, jnp.asarray(x), jnp.asarray(seq, jnp.int32), jnp.arange(14) < 12,
                                          jnp.asarray(cu, jnp.int32), conv0, ssm0, dims=DIMS)
     for s in (0, 2):

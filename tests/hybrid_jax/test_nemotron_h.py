@@ -122,6 +122,43 @@ def test_greedy_tokens_identical_to_transformers(pair):
     assert any(differ) == clamped     # the transformers inconsistency above is real on this checkpoint
 
 
+def _with_mtp_block(src, dst):
+    """A copy of checkpoint `src` as the Nemotron 3 Super release ships one: config.json with
+    num_nextn_predict_layers = 1 (and its MTP layer pattern), and mtp.* tensors in a shard of their own,
+    both shards named by a safetensors index."""
+    import shutil  # noqa: PLC0415
+
+    from safetensors.numpy import load_file, save_file  # noqa: PLC0415
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps(dict(cfg, num_nextn_predict_layers=1, mtp_hybrid_override_pattern="*E")))
+    mtp = {"mtp.layers.0.enorm.weight": np.ones(32, np.float32), "mtp.layers.0.eh_proj.weight": np.zeros((32, 64),
+                                                                                                  np.float32)}
+    save_file(mtp, str(dst / "mtp.safetensors"))
+    weight_map = {k: "model.safetensors" for k in load_file(str(dst / "model.safetensors"))}
+    weight_map.update({k: "mtp.safetensors" for k in mtp})
+    (dst / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    return dst
+
+
+def test_an_mtp_block_is_said_unloaded_and_drafting_with_it_refused(checkpoints, tmp_path, caplog):
+    """Nemotron-H's MTP block (Nemotron 3 Super has one; the Nano release does not) is not implemented: a
+    checkpoint carrying it loads the model with a warning that counts its mtp.* tensors, and asking to draft
+    with it is an InputError naming the family, never a silent fallback."""
+    from hybrid_jax.errors import InputError  # noqa: PLC0415
+    path = _with_mtp_block(checkpoints["m_star_mlp_moe"], tmp_path / "with_mtp")
+    with caplog.at_level("WARNING"):
+        llm = LLM(model=str(path), dtype="float32")
+    assert any("MTP block (2 mtp.* tensors) is not loaded" in r.getMessage() and "nemotron_h" in r.getMessage()
+               for r in caplog.records)
+    plain = LLM(model=checkpoints["m_star_mlp_moe"], dtype="float32")
+    sp = SamplingParams(max_tokens=6, temperature=0)
+    prompt = [{"prompt_token_ids": random_prompt(12, 97, 3)}]
+    assert llm.generate(prompt, sp)[0].outputs[0].token_ids == plain.generate(prompt, sp)[0].outputs[0].token_ids
+    with pytest.raises(InputError, match="drafting with the MTP block is not supported for model_type 'nemotron_h'"):
+        LLM(model=str(path), dtype="float32", speculative_config={"method": "mtp", "num_speculative_tokens": 1})
+
+
 def test_decode_and_chunked_prefill_equal_full_recompute(pair):
     llm, _ = pair
     ids = random_prompt(90, llm.config.vocab_size, seed=7)

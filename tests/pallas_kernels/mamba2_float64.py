@@ -17,12 +17,12 @@ def rel_rms(x, ref) -> float:
 def inputs(B, T, H, G, P, N, seed=0, init=True, n_states=None):
     """x [B, T, H, P]; raw dt [B, T, H] (softplus(dt + dt_bias) spans ~0.02 .. 3); A [H] = -exp(U(-1, 2.5)),
     one head decaying fast (A = -40: exp(dt A) ~ 0 within a token or two); B, C [B, T, G, N]; D, dt_bias [H];
-    h0 [n_states or B, H, N, P] (our layout) or None. All float32 numpy."""
+    h0 [n_states or B, H, P, N] (transformers' layout, abi.MAMBA2_SSD's) or None. All float32 numpy."""
     rng = np.random.default_rng(seed)
     f = lambda *s: rng.standard_normal(s).astype(np.float32)  # noqa: E731
     A = -np.exp(rng.uniform(-1.0, 2.5, H)).astype(np.float32)
     A[0] = -40.0
-    h0 = (0.5 * f(n_states or B, H, N, P)) if init else None
+    h0 = (0.5 * f(n_states or B, H, P, N)) if init else None
     return dict(x=f(B, T, H, P), dt=(f(B, T, H) - 1.0), A=A, B=f(B, T, G, N) * 0.5, C=f(B, T, G, N) * 0.5,
                 D=f(H), dt_bias=(0.5 * f(H))), h0
 
@@ -35,12 +35,12 @@ def time_step(dt, dt_bias, softplus=True, limit=(0.0, math.inf)):
 
 
 def scan(x, dt, A, B, C, D=None, h0=None):
-    """One sequence: x [T, H, P], dt [T, H] processed, B, C [T, G, N]; h0 [H, N, P] (our layout) or None.
-    Returns (y [T, H, P], final [H, N, P]) in float64, the state carried as transformers does, [H, P, N]."""
+    """One sequence: x [T, H, P], dt [T, H] processed, B, C [T, G, N]; h0 [H, P, N] or None.
+    Returns (y [T, H, P], final [H, P, N]) in float64, the state carried as transformers does."""
     T, H, P = x.shape
     G, N = B.shape[1], B.shape[2]
     r = H // G
-    h = np.zeros((H, P, N)) if h0 is None else np.swapaxes(np.asarray(h0, np.float64), -1, -2).copy()
+    h = np.zeros((H, P, N)) if h0 is None else np.asarray(h0, np.float64).copy()
     y = np.zeros((T, H, P))
     for t in range(T):
         Bh = np.repeat(B[t].astype(np.float64), r, axis=0)              # [H, N]
@@ -50,12 +50,12 @@ def scan(x, dt, A, B, C, D=None, h0=None):
         y[t] = np.einsum("hpn,hn->hp", h, Ch)
         if D is not None:
             y[t] += D.astype(np.float64)[:, None] * x[t]
-    return y, np.swapaxes(h, -1, -2)
+    return y, h
 
 
 def reference(x, dt, A, B, C, D=None, dt_bias=None, softplus=True, limit=(0.0, math.inf), h0=None, cu_seqlens=None):
     """The batch (rows independent) or, with cu_seqlens, the packed sequences of row 0 (tokens of no
-    sequence give 0). Returns (y [B, T, H, P], final [N, H, N_state, P]) in float64."""
+    sequence give 0). Returns (y [B, T, H, P], final [N, H, P, N_state]) in float64."""
     d = time_step(np.asarray(dt), None if dt_bias is None else np.asarray(dt_bias), softplus, limit)
     x, A, B, C = (np.asarray(a) for a in (x, A, B, C))
     D = None if D is None else np.asarray(D)

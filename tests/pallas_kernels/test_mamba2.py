@@ -50,7 +50,7 @@ def test_matches_the_float64_recurrence(op, impl, T):
     y, s = run(op, impl, d, h0)
     y64, s64 = reference(**d, h0=h0)
     assert y.shape == (2, T, 4, 8) and y.dtype == jnp.float32
-    assert s.shape == (2, 4, 16, 8) and s.dtype == jnp.float32
+    assert s.shape == (2, 4, 8, 16) and s.dtype == jnp.float32        # [N, H, headdim, dstate]
     assert rel_rms(y, y64) <= F32_TOL, rel_rms(y, y64)
     assert rel_rms(s, s64) <= F32_TOL, rel_rms(s, s64)
 
@@ -75,7 +75,7 @@ def test_packed_sequences(op, impl):
     d, h0 = inputs(B=1, T=T_VARLEN, H=4, G=2, P=8, N=16, seed=4, n_states=len(CU) - 1)
     y, s = run(op, impl, d, h0, cu_seqlens=jnp.asarray(CU, jnp.int32))
     y64, s64 = reference(**d, h0=h0, cu_seqlens=CU)
-    assert s.shape == (len(CU) - 1, 4, 16, 8)
+    assert s.shape == (len(CU) - 1, 4, 8, 16)
     assert rel_rms(y, y64) <= F32_TOL and rel_rms(s, s64) <= F32_TOL, (rel_rms(y, y64), rel_rms(s, s64))
     assert not np.any(np.asarray(y[:, CU[-1]:]))
     np.testing.assert_array_equal(s[1], h0[1])
@@ -120,15 +120,16 @@ def test_per_token_states_and_updates(impl):
     dt = time_step(jnp.asarray(d["dt"]), jnp.asarray(d["dt_bias"]), TimeStep(softplus=True))
     np.testing.assert_allclose(deltas, dt[..., None] * d["x"], rtol=1e-6, atol=1e-6)
     idx = jnp.asarray([1, 4], jnp.int32)
-    rebuilt = state_after(jnp.asarray(h0), jnp.asarray(d["B"]), dt * jnp.asarray(d["A"]), deltas, idx)
-    assert rel_rms(rebuilt, states[jnp.arange(2), idx]) <= F32_TOL
+    rebuilt = state_after(jnp.swapaxes(jnp.asarray(h0), -1, -2), jnp.asarray(d["B"]), dt * jnp.asarray(d["A"]), deltas,
+                          idx)                                  # the gated delta rule's [K, V] = [dstate, headdim]
+    assert rel_rms(jnp.swapaxes(rebuilt, -1, -2), states[jnp.arange(2), idx]) <= F32_TOL
 
 
 @pytest.mark.parametrize("impl", CHUNK_IMPLS)
 def test_pooled_decode_updates_only_its_rows(impl):
     """state_indices: row b reads and writes pool[rows[b]]; the other rows are left as they were."""
     d, _ = inputs(B=3, T=1, H=4, G=2, P=8, N=16, seed=8)
-    pool = jnp.asarray(np.random.default_rng(8).standard_normal((6, 4, 16, 8)), jnp.float32)
+    pool = jnp.asarray(np.random.default_rng(8).standard_normal((6, 4, 8, 16)), jnp.float32)
     rows = jnp.asarray([4, 0, 2], jnp.int32)
     y, new_pool = run(fused_recurrent_mamba2, impl, d, pool, state_indices=rows)
     y64, s64 = reference(**d, h0=np.asarray(pool)[np.asarray(rows)])
@@ -167,8 +168,8 @@ def test_bad_shapes_are_named(bad, match):
     for op in (chunk_mamba2, fused_recurrent_mamba2):
         with pytest.raises(ValueError, match=match):
             run(op, "xla", d)
-    with pytest.raises(ValueError, match=r"initial_state must be \[N, H, dstate, headdim\]"):
-        run(chunk_mamba2, "xla", inputs(B=1, T=8, H=4, G=2, P=8, N=16)[0], np.zeros((1, 4, 8, 16), np.float32))
+    with pytest.raises(ValueError, match=r"initial_state must be \[N, H, headdim, dstate\]"):
+        run(chunk_mamba2, "xla", inputs(B=1, T=8, H=4, G=2, P=8, N=16)[0], np.zeros((1, 4, 16, 8), np.float32))
 
 
 # ---------------------------------------------------------------- transformers' NemotronH torch reference
@@ -182,18 +183,18 @@ def _torch_ssd():
 @pytest.mark.parametrize("impl", CHUNK_IMPLS)
 def test_chunk_matches_transformers_nemotron_h(impl):
     """transformers' NemotronH chunked scan (mamba2_chunk_scan, its torch path, chunk 16) on random inputs with
-    an initial state and a time step limit: the same outputs and final state (transformers' state is our
-    [dstate, headdim] transposed)."""
+    an initial state and a time step limit: the same outputs and final state (transformers' [headdim, dstate]
+    layout is ours)."""
     import torch  # noqa: PLC0415
     nh = _torch_ssd()
     d, h0 = inputs(B=2, T=45, H=4, G=2, P=8, N=16, seed=11)
     t = {k: torch.from_numpy(np.asarray(v)) for k, v in d.items()}
     y_t, s_t = nh.mamba2_chunk_scan(t["x"], t["dt"], t["A"], t["B"], t["C"], chunk_size=16, D=t["D"],
-                                    dt_bias=t["dt_bias"], initial_states=torch.from_numpy(h0).transpose(-1, -2),
+                                    dt_bias=t["dt_bias"], initial_states=torch.from_numpy(h0),
                                     dt_softplus=True, dt_limit=(0.0, 2.0), return_final_states=True)
     y, s = run(chunk_mamba2, impl, d, h0, dt_limit=(0.0, 2.0))
     assert rel_rms(y, y_t.numpy()) <= F32_TOL, rel_rms(y, y_t.numpy())
-    assert rel_rms(s, s_t.transpose(-1, -2).numpy()) <= F32_TOL
+    assert rel_rms(s, s_t.numpy()) <= F32_TOL
 
 
 @pytest.mark.parametrize("impl", CHUNK_IMPLS)
@@ -205,14 +206,14 @@ def test_decode_step_matches_transformers_nemotron_h(impl):
     H, P, N = 4, 8, 16
     d, h0 = inputs(B=3, T=1, H=H, G=2, P=P, N=N, seed=12)
     t = {k: torch.from_numpy(np.asarray(v)) for k, v in d.items()}
-    state = torch.from_numpy(h0).transpose(-1, -2).contiguous()           # [B, H, P, N]
+    state = torch.from_numpy(h0.copy())                                   # [B, H, P, N], updated in place
     y_t = nh.mamba2_selective_state_update(
         state, t["x"][:, 0], t["dt"][:, 0, :, None].expand(-1, -1, P), t["A"][:, None, None].expand(-1, P, N),
         t["B"][:, 0], t["C"][:, 0], t["D"][:, None].expand(-1, P), dt_bias=t["dt_bias"][:, None].expand(-1, P),
         dt_softplus=True)
     y, s = run(fused_recurrent_mamba2, impl, d, h0)
     assert rel_rms(y[:, 0], y_t.numpy()) <= F32_TOL
-    assert rel_rms(s, state.transpose(-1, -2).numpy()) <= F32_TOL
+    assert rel_rms(s, state.numpy()) <= F32_TOL
 
 
 # ---------------------------------------------------------------- Mosaic compiles the TPU kernels
@@ -226,7 +227,7 @@ def _abstract(B, T, dtype, n_states=None, pool=None):
     """Abstract (x, dt, A, B, C, D, dt_bias, state) of Nemotron-H's sizes; state: [n_states or B, ...] or a pool."""
     rows = pool or n_states or B
     return (_S((B, T, NH_H, NH_P), dtype), _S((B, T, NH_H), dtype), _S((NH_H,), _F32), _S((B, T, NH_G, NH_N), dtype),
-            _S((B, T, NH_G, NH_N), dtype), _S((NH_H,), _F32), _S((NH_H,), _F32), _S((rows, NH_H, NH_N, NH_P), _F32))
+            _S((B, T, NH_G, NH_N), dtype), _S((NH_H,), _F32), _S((NH_H,), _F32), _S((rows, NH_H, NH_P, NH_N), _F32))
 
 
 def _kw(D, bias, h0):
@@ -270,6 +271,10 @@ def test_tpu_kernels_compile_at_nemotron_h_shapes(name, dtype):
     assert "tpu_custom_call" in text and "ssd_" in text
     if name == "decode_pooled":     # the kernel reads and writes the pool's rows in place
         assert " gather(" not in text and " scatter(" not in text
+        # in the layout the TPU stores it in (abi.MAMBA2_SSD v3: [headdim, dstate], 128 lanes): no copy of
+        # the pool into another layout before the kernel or back after it (v2's [dstate, headdim] had both)
+        pool = f"f32[{3 * 65},{NH_H},{NH_P},{NH_N}]"
+        assert not [ln for ln in text.splitlines() if f"= {pool}" in ln and " copy(" in ln]
     assert cost.flops >= min_flops, (cost.flops, min_flops)
 
 
@@ -284,13 +289,15 @@ def test_triton_variants_interpreted(kernel):
     d, h0 = inputs(B=1, T=T_VARLEN, H=4, G=2, P=16, N=32, seed=13, n_states=len(CU) - 1)
     a = _jnp(d)
     r = as_rule_args(a["x"], a["dt"], a["A"], a["B"], a["C"], a["dt_bias"], TimeStep(softplus=True))
-    kw = dict(scale=1.0, initial_state=jnp.asarray(h0), output_final_state=True, cu_seqlens=jnp.asarray(CU, jnp.int32),
+    kw = dict(scale=1.0, initial_state=jnp.swapaxes(jnp.asarray(h0), -1, -2), output_final_state=True,   # [K, V]
+              cu_seqlens=jnp.asarray(CU, jnp.int32),
               delta_rule=False, backend="gpu", interpret=True)
     if kernel == "chunk":
         y, s = chunk_gated_delta_rule_pallas(r.q, r.k, r.v, r.g, r.beta, chunk_size=16, **kw)
     else:
         y, s = fused_recurrent_gated_delta_rule_pallas(r.q, r.k, r.v, r.g, r.beta, **kw)
     y64, s64 = reference(**dict(d, D=None), h0=h0, cu_seqlens=CU)
+    s = jnp.swapaxes(s, -1, -2)
     assert rel_rms(y, y64) <= F32_TOL and rel_rms(s, s64) <= F32_TOL, (rel_rms(y, y64), rel_rms(s, s64))
 
 
