@@ -5,8 +5,8 @@ multi-turn workload: C conversations of T turns, each turn's prompt the conversa
 passage of the King James text, then each answer and a new line), the C conversations of a turn sent at
 once. Per policy, the share of prompt tokens the replicas served from their prefix caches (summed from
 their /metrics), beside the same workload sent straight to one replica (what one replica holding every
-conversation reuses). Each policy gets conversations of its own (other passages), so no policy reuses
-another's prefixes.
+conversation reuses). Each policy gets the same passages opened by a line of its own, so no policy
+reuses another's prefixes and all compare on prompts of the same lengths.
 
 A turn's requests are sent in a shuffled order (seeded): in a fixed order, round robin over N
 replicas with C a multiple of N sends every conversation back to the replica it went to before, by
@@ -78,8 +78,10 @@ def counters(url: str) -> dict[str, float]:
     return out
 
 
-def conversations(lines: list[str], first: int, c: int) -> list[str]:
-    return [" ".join(lines[first + 3 * i: first + 3 * i + 3]) for i in range(c)]
+def conversations(lines: list[str], run: int, c: int) -> list[str]:
+    """The same C passages for every run, each opened by the run's number (so no run reuses another's
+    prefixes, and every run's prompts have the same lengths give or take a token)."""
+    return [f"Run {run}. " + " ".join(lines[3 * i: 3 * i + 3]) for i in range(c)]
 
 
 class KVEventIndex:
@@ -192,7 +194,7 @@ def main() -> int:
         lines = [x.strip() for x in f if x.strip()]
     policies = args.policies.split(",")
     cc = tempfile.mkdtemp(prefix="routing-cc-")
-    rows, block = [], 3 * args.conversations
+    rows = []
     for n in [int(x) for x in args.replicas.split(",")]:
         ports = [free_port() for _ in range(n)]
         urls = [f"http://127.0.0.1:{p}" for p in ports]
@@ -206,16 +208,14 @@ def main() -> int:
         try:
             for s, u in zip(servers, urls):
                 wait(u, "/health", lambda r: r.status_code == 200, 600, s)
-            first = 0
-            one, _ = measure(urls, urls[0], conversations(lines, first, args.conversations), args)
+            one, _ = measure(urls, urls[0], conversations(lines, 0, args.conversations), args)
             results = {}
             for k, policy in enumerate(policies):
-                first = (k + 1) * block
                 if policy == "kv_events":
                     index = KVEventIndex([f"tcp://127.0.0.1:{e}" for e in events])
                     try:
                         results[policy] = measure(urls, KVEventRouter(urls, index),
-                                                  conversations(lines, first, args.conversations), args)
+                                                  conversations(lines, k + 1, args.conversations), args)
                     finally:
                         index.close()
                     continue
@@ -228,7 +228,7 @@ def main() -> int:
                 try:
                     wait(rurl, "/workers", lambda r: len(r.json().get("workers", [])) == n
                          and all(w["is_healthy"] for w in r.json()["workers"]), 120, router)
-                    results[policy] = measure(urls, rurl, conversations(lines, first, args.conversations), args)
+                    results[policy] = measure(urls, rurl, conversations(lines, k + 1, args.conversations), args)
                 finally:
                     router.terminate()
                     router.wait(30)

@@ -332,3 +332,32 @@ def check_cost_baselines(path, measured: dict, about: str, tolerance: float = 1.
                  if measured[k][m] > tolerance * recorded[k][m]} for k in measured}
     worse = {k: v for k, v in worse.items() if v}
     assert not worse, f"compiled cost rose more than {tolerance - 1:.0%} over {path.name} (recorded, now): {worse}"
+
+
+def released_config(path, **overrides) -> dict:
+    """A published config (hybrid_jax/published_configs/*.json) as a dict, less its `_sources`, with overrides."""
+    import json  # noqa: PLC0415
+    import pathlib  # noqa: PLC0415
+    d = json.loads(pathlib.Path(path).read_text())
+    d.pop("_sources", None)
+    return {**d, **overrides}
+
+
+def step_temp_bytes(fam, cfg, params, capacity: int, ragged: bool, prompt: int) -> int:
+    """The compiled step's temporaries (memory_analysis) for a `prompt`-token prompt on one row of `capacity`
+    tokens: the padded forward, or the ragged one (a 512-token tile). Nothing runs: params may be shapes."""
+    import jax  # noqa: PLC0415
+    import jax.numpy as jnp  # noqa: PLC0415
+    import numpy as np  # noqa: PLC0415
+    from hybrid_jax.models.ragged import pack  # noqa: PLC0415
+    cache = jax.eval_shape(lambda: fam.new_cache(cfg, 1, capacity, jnp.float32))
+    if ragged:
+        b = pack([list(range(prompt))], [0], 512, 1)
+        batch = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype), b)
+        step = jax.jit(lambda p, c, b: fam.forward_ragged(cfg, p, c, b), donate_argnums=1)
+        lowered = step.lower(params, cache, batch)
+    else:
+        tok, n = jax.ShapeDtypeStruct((1, prompt), jnp.int32), jax.ShapeDtypeStruct((1,), jnp.int32)
+        step = jax.jit(lambda p, c, t, n: fam.forward(cfg, p, c, t, n), donate_argnums=1)
+        lowered = step.lower(params, cache, tok, n)
+    return lowered.compile().memory_analysis().temp_size_in_bytes

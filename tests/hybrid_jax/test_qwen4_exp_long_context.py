@@ -4,18 +4,14 @@ for the step at the release's attention and indexer shapes (nothing of that size
 miniature of the released config, with the release's block and Top-K geometry, at the LLM's defaults."""
 from __future__ import annotations
 
-import json
 import pathlib
 
 import jax
-import jax.numpy as jnp
-import numpy as np
-from conftest import hf_greedy, hf_model, random_prompt, save_random_checkpoint
+from conftest import released_config, step_temp_bytes, hf_greedy, hf_model, random_prompt, save_random_checkpoint
 
 from hybrid_jax import LLM, SamplingParams
 from hybrid_jax.models import get_model
 from hybrid_jax.models.config_common import config_from_hf_dict
-from hybrid_jax.models.ragged import pack
 
 RELEASED = pathlib.Path(__file__).parents[2] / "hybrid_jax" / "published_configs" / "qwen4_exp_reconstructed.json"
 PROMPT = 300
@@ -23,24 +19,12 @@ LONG, SHORT = 1 << 18, 4096
 
 
 def _released(**overrides) -> dict:
-    d = json.loads(RELEASED.read_text())
-    d.pop("_sources")
-    return {**d, **overrides}
+    return released_config(RELEASED, **overrides)
 
 
 def _temp_bytes(fam, cfg, params, capacity: int, ragged: bool) -> int:
     """The compiled step's temporaries for a PROMPT-token prompt on one row of `capacity` tokens."""
-    cache = jax.eval_shape(lambda: fam.new_cache(cfg, 1, capacity, jnp.float32))
-    if ragged:
-        b = pack([list(range(PROMPT))], [0], 512, 1)
-        batch = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype), b)
-        step = jax.jit(lambda p, c, b: fam.forward_ragged(cfg, p, c, b), donate_argnums=1)
-        lowered = step.lower(params, cache, batch)
-    else:
-        tok, n = jax.ShapeDtypeStruct((1, PROMPT), jnp.int32), jax.ShapeDtypeStruct((1,), jnp.int32)
-        step = jax.jit(lambda p, c, t, n: fam.forward(cfg, p, c, t, n), donate_argnums=1)
-        lowered = step.lower(params, cache, tok, n)
-    return lowered.compile().memory_analysis().temp_size_in_bytes
+    return step_temp_bytes(fam, cfg, params, capacity, ragged, PROMPT)
 
 
 def test_step_temporaries_do_not_grow_with_max_model_len():
