@@ -148,3 +148,35 @@ def _table(t, has, a: str, shape: tuple[int, int]) -> np.ndarray:
     if tuple(table.shape) != tuple(shape):
         raise CheckpointError(f"{a}shard_* concatenate to {tuple(table.shape)}, expected {tuple(shape)}")
     return table
+
+
+# Logical axes of every parameter (hybrid_jax.parallel.rules), first match wins. The Gated DeltaNet, the
+# gated attention and the MoE split as Qwen3-Next's (heads, KV heads, experts whole or by columns). The
+# indexer's one projection (every index head and the one shared key) stays whole, as its single key head
+# cannot be split. The PLE n-gram table is split by rows like a vocabulary-parallel embedding (each device
+# gathers the ids that fall in its rows, the partial rows are summed): at the release's sizes it is ~95 GiB,
+# the largest tensor after the experts. The hyper-connection weights, the PLE projections and norms act on
+# every stream's whole width and stay whole (about 1 GiB in all at the release's sizes).
+PARAM_AXES = {
+    "*norm*": (None,),
+    "embed": ("vocab", "embed"),
+    "lm_head": ("embed", "vocab"),
+    "*/gdn/qkvz": ("embed", "heads"),
+    "*/gdn/ba": ("embed", "heads"),
+    "*/gdn/conv": (None, "heads"),
+    "*/gdn/A_log": ("heads",),
+    "*/gdn/dt_bias": ("heads",),
+    "*/gdn/out_proj": ("heads", "embed"),
+    "*/attn/indexer/qk": ("embed", None),
+    "*/attn/qg": ("embed", "heads"),
+    "*/attn/kv": ("embed", "kv_heads"),
+    "*/attn/o_proj": ("heads", "embed"),
+    "*/moe/in_proj": ("embed", None),
+    "*/moe/shared_down": ("mlp", "embed"),
+    "*/moe/gate_up": ("experts", "embed", "expert_mlp"),
+    "*/moe/down": ("experts", "expert_mlp", "embed"),
+    "*/ple/table": ("vocab", None),
+    "*/ple/*": (None, None),
+    "*_hc/*": (None, None),
+    "mixer/*": (None, None),
+}
