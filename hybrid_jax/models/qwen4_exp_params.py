@@ -6,7 +6,8 @@ under `model.language_model.*` or `model.*`), reusing Qwen3-Next's converters fo
   layer: attn_hc, mlp_hc {norm, down, up, inject [N*Hd, N]} (layers.hyper_connections.gated_residual)
          gdn (linear_attention) | attn (indexed_attention: layers.attention's, plus indexer {qk [Hd, (Hi+1)*Di],
          q_norm, k_norm [Di]}); moe (layers.mlp.sparse_moe)
-         ple (PLE layers): table [rows, E / heads] (the checkpoint's shards concatenated), key [E, N*Hd],
+         ple (PLE layers): table [rows, E / heads] (the checkpoint's shards concatenated; stored k rows to a
+         lane-dense row, layers.ple.pack_table), key [E, N*Hd],
          value [E, Hd], norm_key, norm_query, norm_conv [N*Hd], conv [K, N*Hd]
 """
 from __future__ import annotations
@@ -18,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hybrid_jax.errors import CheckpointError
-from hybrid_jax.layers.ple import ngram_hash, table_rows
+from hybrid_jax.layers.ple import ngram_hash, pack_table, packed_rows, rows_per_lane_row, table_rows
 from hybrid_jax.models.qwen3_5 import _text_prefix, split_in_proj
 from hybrid_jax.models.qwen3_next_params import convert_gated_attention, convert_gdn, convert_moe
 from hybrid_jax.models.qwen3_next_params import init_params as qwen3_next_init
@@ -37,7 +38,8 @@ def _hc_shapes(cfg: Qwen4ExpConfig, inject: bool) -> dict:
 def _ple_shapes(cfg: Qwen4ExpConfig, rank: int) -> dict:
     C, E = cfg.hc_count * cfg.hidden_size, cfg.ple_embed_dim
     rows = table_rows(ngram_hash(cfg, rank), cfg.ngram_vocab_multiple)
-    return {"table": (rows, E // cfg.ngram_heads), "key": (E, C), "value": (E, cfg.hidden_size), "norm_key": (C,),
+    w = E // cfg.ngram_heads
+    return {"table": (packed_rows(rows, w), rows_per_lane_row(w) * w), "key": (E, C), "value": (E, cfg.hidden_size), "norm_key": (C,),
             "norm_query": (C,), "norm_conv": (C,), "conv": (cfg.ple_conv_kernel_size, C)}
 
 
@@ -126,7 +128,9 @@ def _convert_ple(cfg: Qwen4ExpConfig, t, has, a: str, rank: int, dev, lin) -> di
             raise CheckpointError(f"{e + name} disagrees with the n-gram hash config.json describes "
                                   f"(ngram_vocab_size_base, heads_per_ngram, ple_layer_ids)")
     C = cfg.hc_count * cfg.hidden_size
-    return {"table": dev(_table(t, has, e + "ngram_embedding.", s["table"])),
+    w = cfg.ple_embed_dim // cfg.ngram_heads
+    table = _table(t, has, e + "ngram_embedding.", (table_rows(h, cfg.ngram_vocab_multiple), w))
+    return {"table": dev(pack_table(table, w)),
             "key": lin(t(a + "key_proj.weight", (C, cfg.ple_embed_dim)).T),
             "value": lin(t(a + "value_proj.weight", (cfg.hidden_size, cfg.ple_embed_dim)).T),
             "norm_key": dev(t(a + "norm_key.weight", (C,))), "norm_query": dev(t(a + "norm_query.weight", (C,))),
