@@ -1,6 +1,6 @@
 """Plans of real models on TPU slices, built by the TPU compiler on this CPU host (no TPU, no weights).
 
-    python benchmarks/tpu_plan.py [qwen] [deepseek] [nemotron] [glm]
+    python benchmarks/tpu_plan.py [qwen] [deepseek] [nemotron] [glm] [qwen4_exp]
 
 - Qwen3-Next-80B-A3B-Instruct on v6e:2x4, tensor parallel over its 8 chips with expert parallelism:
   compiled for the 8 devices with the engine's layout (hybrid_jax.parallel: the rule table's shardings,
@@ -13,6 +13,11 @@
   its 2 KV heads kept on 4 chips, the relu2 experts whole;
 - GLM-5 (DeepSeek-V3.2's family with GLM's shapes, FP8 as released) the same way (`glm`, not in the
   default set: its compile took 21 minutes on a loaded 2-core host);
+
+- Qwen4-Exp (the reconstructed release config, bf16) on the smallest v5p slice that holds it, tensor
+  parallel over its chips with expert parallelism (`qwen4_exp`, not in the default set): DeltaNet and
+  attention heads split, each of its 2 KV heads kept on 4 chips, the 512 experts whole, the ~95 GiB PLE
+  n-gram table split by rows; its minimum leaves that table out (a step gathers a few rows of it);
 
 each at max_num_seqs 64 and 32k context: per-chip HBM, the batch that fits at 32k, decode bytes per step
 against the minimum (weights + cache read once; the goal is <= 1.2x), the collectives of a decode step
@@ -65,7 +70,8 @@ def run(label: str, model: str, topo: str, n: int, quantization: str | None = No
 
 
 def main(argv: list[str]):
-    """argv: which models to plan ("qwen", "deepseek", "nemotron", "glm"; default all but glm)."""
+    """argv: which models to plan ("qwen", "deepseek", "nemotron", "glm", "qwen4_exp"; default all but glm and
+    qwen4_exp)."""
     which = set(argv) or {"qwen", "deepseek", "nemotron"}
     rows = []
     if "qwen" in which:
@@ -86,6 +92,11 @@ def main(argv: list[str]):
         p = run(f"GLM-5 FP8 on {topo} (smallest v5p slice holding it), tp {n} + expert parallel", "glm_5", topo, n,
                 "fp8", ep=True)
         rows.append(("GLM-5 fp8", p))
+    if "qwen4_exp" in which:
+        topo, n = smallest_slice("qwen4_exp_reconstructed", None, "v5p")
+        p = run(f"Qwen4-Exp (reconstructed config) on {topo} (smallest v5p slice holding it), tp {n} + expert "
+                f"parallel", "qwen4_exp_reconstructed", topo, n, ep=True)
+        rows.append(("Qwen4-Exp bf16", p))
     print("==== summary (per chip; ESTIMATES from the TPU compiler's cost analysis and published chip peaks)")
     print(f"{'model':<26}{'slice':<11}{'split':<8}{'HBM used':>10}{'of':>8}{'batch@32k':>11}{'bytes/min':>11}"
           f"{'collectives':>13}{'decode tok/s/chip':>19}{'at min bytes':>14}")

@@ -95,7 +95,7 @@ SLOW_FILES = frozenset({
     "pallas_kernels/test_tpu_compile.py", "pallas_kernels/test_tpu_compile_f32.py", "pallas_kernels/test_kda_pallas.py",
     "hybrid_jax/test_prefix_traffic.py", "hybrid_jax/test_v4_prefix_caching.py",
     "hybrid_jax/test_reserve_before_schedule.py", "hybrid_jax/test_pool_state_machine.py", "hybrid_jax/test_eval.py",
-    "hybrid_jax/test_sglang_gateway.py", "hybrid_jax/test_pd_gateway.py",
+    "hybrid_jax/test_sglang_gateway.py", "hybrid_jax/test_pd_gateway.py", "hybrid_jax/test_qwen4_exp_plan.py",
 })
 
 

@@ -87,6 +87,42 @@ def table_rows(h: NGramHash, multiple: int) -> int:
     return -(-sum(h.primes) // multiple) * multiple
 
 
+def rows_per_lane_row(width: int) -> int:
+    """Table rows stored side by side in one stored row: k rows of `width` make a multiple of 128 lanes. A
+    narrow table ([rows, 160] at the release's sizes) is otherwise laid out rows-minor by the TPU compiler
+    (its compact layout), and every gather of a few rows first copied the whole table (12 GiB a step per chip
+    at tp 8)."""
+    return 128 // math.gcd(width, 128)
+
+
+# Stored rows come in multiples of this, so that they split evenly over up to as many devices (vocabulary-
+# parallel, `qwen4_exp_params.PARAM_AXES`).
+SPLIT_ROWS = 64
+
+
+def packed_rows(rows: int, width: int) -> int:
+    """Stored rows of a table of `rows` x `width` (`pack_table`)."""
+    return -(-rows // (rows_per_lane_row(width) * SPLIT_ROWS)) * SPLIT_ROWS
+
+
+def pack_table(table, width: int):
+    """A table [rows, width] (numpy or lazy) as stored: [packed_rows, k * width], k = rows_per_lane_row, zero
+    rows appended (no id reaches them)."""
+    k = rows_per_lane_row(width)
+    pad = packed_rows(table.shape[0], width) * k - table.shape[0]
+    if pad:
+        import numpy as np  # noqa: PLC0415
+        table = np.concatenate([np.asarray(table), np.zeros((pad, width), table.dtype)])
+    return table.reshape(table.shape[0] // k, k * width)
+
+
+def gather_rows(packed: jax.Array, ids: jax.Array, width: int) -> jax.Array:
+    """Rows `ids` [...] of the table `pack_table` stored: [..., width]."""
+    k = packed.shape[1] // width
+    rows = packed[ids // k].reshape(ids.shape + (k, width))
+    return jnp.take_along_axis(rows, (ids % k)[..., None, None], axis=-2)[..., 0, :]
+
+
 # ---- 64-bit arithmetic on (hi, lo) uint32 words -------------------------------------------------------
 
 def _mul64(t: jax.Array, m: int) -> tuple[jax.Array, jax.Array]:
@@ -158,12 +194,13 @@ def ple(p: dict, h: NGramHash, x: jax.Array, tokens: jax.Array, n_new: jax.Array
         ctx: jax.Array, conv_state: jax.Array, *, eps: float):
     """One PLE layer over the streams x [B, T, N, Hd] for tokens [B, T] (row b's first n_new[b] real) at
     positions [B, T]; ctx [B, c] int32 the ids before them, conv_state [B, (K-1) * n, N * Hd].
-    p: table [rows, E / heads], key [E, N * Hd], value [E, Hd], norm_key, norm_query, norm_conv [N * Hd],
+    p: table [rows, E / heads] as `pack_table` stores it, key [E, N * Hd], value [E, Hd], norm_key, norm_query, norm_conv [N * Hd],
     conv [K, N * Hd]. Returns (what is added to x [B, T, N, Hd], ctx, conv_state after each row's last token)."""
     B, T, N, Hd = x.shape
     n = len(h.multipliers)
     history = jnp.concatenate([ctx, tokens.astype(ctx.dtype)], axis=1)
-    e = p["table"][ngram_ids(h, shifted_tokens(history, positions[:, 0] - (n - 1), n, h.eos))].reshape(B, T, -1)
+    ids = ngram_ids(h, shifted_tokens(history, positions[:, 0] - (n - 1), n, h.eos))
+    e = gather_rows(p["table"], ids, p["key"].shape[0] // ids.shape[-1]).reshape(B, T, -1)
     key = normed_streams(linear(e, p["key"]).reshape(B, T, N, Hd), p["norm_key"], eps)
     query = normed_streams(x, p["norm_query"], eps)
     gate = jnp.sum(key.astype(jnp.float32) * query.astype(jnp.float32), axis=-1) / math.sqrt(Hd)

@@ -96,6 +96,9 @@ class ModelFamily:
     param_axes: glob pattern of a parameter path ("layers/*/attn/o_proj") -> the logical axis names of
                 its dimensions (hybrid_jax.parallel.rules), first match wins; every parameter must
                 match one. None: the family runs on one device only.
+    row_tables: glob patterns of parameters a step reads only a few rows of, by id (Qwen4-Exp's n-gram
+                tables, ~95 GiB at the release's sizes, of which a decode step gathers 16 rows a token): the
+                planner's minimum decode bytes leave them out instead of reading them whole.
     """
     name: str
     forward: Callable
@@ -109,6 +112,7 @@ class ModelFamily:
     deferred_groups: tuple[str, ...] = ()
     mtp: MTPHead | None = None
     param_axes: Mapping[str, tuple] | None = None
+    row_tables: tuple[str, ...] = ()
 
     def groups_of(self, layer_types) -> tuple[str, ...]:
         """The cache groups a model with these per-layer types keeps (in first-use order)."""

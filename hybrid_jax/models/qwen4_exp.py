@@ -36,13 +36,15 @@ from hybrid_jax.models.contract import LayerType, ModelFamily, StepOutput
 from hybrid_jax.models.qwen3_next import HybridStep, _linear_attention
 from hybrid_jax.models.ragged import RaggedBatch, over_tiles
 from hybrid_jax.models.qwen4_exp_config import Qwen4ExpConfig
-from hybrid_jax.models.qwen4_exp_params import convert_hf_weights, init_params
+from hybrid_jax.models.qwen4_exp_params import PARAM_AXES, convert_hf_weights, init_params
+from hybrid_jax.parallel.context import kv_replicas
 from pallas_kernels import abi as kernel_abi
 
 
 def new_cache(cfg: Qwen4ExpConfig, batch_size: int, capacity: int, dtype, page_size: int = DEFAULT_KV_PAGE_SIZE
               ) -> ModelCache:
-    """An empty cache: the groups above, pages of min(page_size, capacity) tokens, contiguous per row."""
+    """An empty cache: the groups above, pages of min(page_size, capacity) tokens, contiguous per row (with r
+    copies of each KV head under a layout that keeps them, `parallel.kv_replicas`)."""
     groups = {}
     lin, idx = cfg.layers_of("linear_attention"), cfg.layers_of("indexed_attention")
     if lin:
@@ -55,7 +57,8 @@ def new_cache(cfg: Qwen4ExpConfig, batch_size: int, capacity: int, dtype, page_s
     if idx:
         ps = min(page_size, capacity)
         table = contiguous_page_table(batch_size, capacity, ps)
-        shape = (len(idx), table.size, ps, cfg.num_key_value_heads, cfg.head_dim)
+        hkv = cfg.num_key_value_heads * kv_replicas(cfg.num_key_value_heads)     # r copies under a layout
+        shape = (len(idx), table.size, ps, hkv, cfg.head_dim)
         groups["full_attention"] = KVGroup(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), page_table=table,
                                            layer_ids=idx)
         groups["indexer"] = IndexerKeyGroup(keys=jnp.zeros((len(idx), table.size, ps, cfg.indexer_head_dim), dtype),
@@ -236,4 +239,5 @@ def final_norm(cfg: Qwen4ExpConfig, params: dict, x: jax.Array) -> jax.Array:
 
 FAMILY = ModelFamily(
     name="qwen4_exp", forward=forward, forward_ragged=forward_ragged, new_cache=new_cache, init_params=init_params,
-    convert_hf_weights=convert_hf_weights, final_norm=final_norm, layer_types=LAYER_TYPES)
+    convert_hf_weights=convert_hf_weights, final_norm=final_norm, layer_types=LAYER_TYPES,
+    param_axes=PARAM_AXES, row_tables=("layers/*/ple/table",))

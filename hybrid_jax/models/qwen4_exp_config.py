@@ -88,14 +88,17 @@ class Qwen4ExpConfig(ModelConfig):
         return self.indexer_budget // self.indexer_compress_ratio
 
     def ffn_kind(self, i: int) -> str:
-        return "moe"
+        """Every layer is MoE; a PLE layer's ("ple+moe") also adds its n-gram embedding before the mixer, so it
+        is a kind of its own for the planner's reduced stacks (equal kinds compute the same thing)."""
+        return "ple+moe" if i in self.ple_layers else "moe"
 
     def with_layers(self, indices: Sequence[int]) -> Self:
         """FamilyConfig.with_layers; a kept PLE layer keeps its rank (its hashes and table sizes)."""
         rank = dict(zip(self.ple_layers, self.ple_ranks))
         kept = [(j, rank[i]) for j, i in enumerate(indices) if i in rank]
-        return dataclasses.replace(super().with_layers(indices), ple_layers=tuple(j for j, _ in kept),
-                                   ple_ranks=tuple(r for _, r in kept))
+        bare = dataclasses.replace(self, ple_layers=(), ple_ranks=())   # the old ids may not fit the new layers
+        return dataclasses.replace(super(Qwen4ExpConfig, bare).with_layers(indices),
+                                   ple_layers=tuple(j for j, _ in kept), ple_ranks=tuple(r for _, r in kept))
 
     def check_qsa(self) -> None:
         if IDX in self.layer_types and self.rotary_dim > self.indexer_head_dim:

@@ -6,7 +6,8 @@ under `model.language_model.*` or `model.*`), reusing Qwen3-Next's converters fo
   layer: attn_hc, mlp_hc {norm, down, up, inject [N*Hd, N]} (layers.hyper_connections.gated_residual)
          gdn (linear_attention) | attn (indexed_attention: layers.attention's, plus indexer {qk [Hd, (Hi+1)*Di],
          q_norm, k_norm [Di]}); moe (layers.mlp.sparse_moe)
-         ple (PLE layers): table [rows, E / heads] (the checkpoint's shards concatenated), key [E, N*Hd],
+         ple (PLE layers): table [rows, E / heads] (the checkpoint's shards concatenated; stored k rows to a
+         lane-dense row, layers.ple.pack_table), key [E, N*Hd],
          value [E, Hd], norm_key, norm_query, norm_conv [N*Hd], conv [K, N*Hd]
 """
 from __future__ import annotations
@@ -18,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hybrid_jax.errors import CheckpointError
-from hybrid_jax.layers.ple import ngram_hash, table_rows
+from hybrid_jax.layers.ple import ngram_hash, pack_table, packed_rows, rows_per_lane_row, table_rows
 from hybrid_jax.models.qwen3_5 import _text_prefix, split_in_proj
 from hybrid_jax.models.qwen3_next_params import convert_gated_attention, convert_gdn, convert_moe
 from hybrid_jax.models.qwen3_next_params import init_params as qwen3_next_init
@@ -37,7 +38,8 @@ def _hc_shapes(cfg: Qwen4ExpConfig, inject: bool) -> dict:
 def _ple_shapes(cfg: Qwen4ExpConfig, rank: int) -> dict:
     C, E = cfg.hc_count * cfg.hidden_size, cfg.ple_embed_dim
     rows = table_rows(ngram_hash(cfg, rank), cfg.ngram_vocab_multiple)
-    return {"table": (rows, E // cfg.ngram_heads), "key": (E, C), "value": (E, cfg.hidden_size), "norm_key": (C,),
+    w = E // cfg.ngram_heads
+    return {"table": (packed_rows(rows, w), rows_per_lane_row(w) * w), "key": (E, C), "value": (E, cfg.hidden_size), "norm_key": (C,),
             "norm_query": (C,), "norm_conv": (C,), "conv": (cfg.ple_conv_kernel_size, C)}
 
 
@@ -126,7 +128,9 @@ def _convert_ple(cfg: Qwen4ExpConfig, t, has, a: str, rank: int, dev, lin) -> di
             raise CheckpointError(f"{e + name} disagrees with the n-gram hash config.json describes "
                                   f"(ngram_vocab_size_base, heads_per_ngram, ple_layer_ids)")
     C = cfg.hc_count * cfg.hidden_size
-    return {"table": dev(_table(t, has, e + "ngram_embedding.", s["table"])),
+    w = cfg.ple_embed_dim // cfg.ngram_heads
+    table = _table(t, has, e + "ngram_embedding.", (table_rows(h, cfg.ngram_vocab_multiple), w))
+    return {"table": dev(pack_table(table, w)),
             "key": lin(t(a + "key_proj.weight", (C, cfg.ple_embed_dim)).T),
             "value": lin(t(a + "value_proj.weight", (cfg.hidden_size, cfg.ple_embed_dim)).T),
             "norm_key": dev(t(a + "norm_key.weight", (C,))), "norm_query": dev(t(a + "norm_query.weight", (C,))),
@@ -148,3 +152,35 @@ def _table(t, has, a: str, shape: tuple[int, int]) -> np.ndarray:
     if tuple(table.shape) != tuple(shape):
         raise CheckpointError(f"{a}shard_* concatenate to {tuple(table.shape)}, expected {tuple(shape)}")
     return table
+
+
+# Logical axes of every parameter (hybrid_jax.parallel.rules), first match wins. The Gated DeltaNet, the
+# gated attention and the MoE split as Qwen3-Next's (heads, KV heads, experts whole or by columns). The
+# indexer's one projection (every index head and the one shared key) stays whole, as its single key head
+# cannot be split. The PLE n-gram table is split by rows like a vocabulary-parallel embedding (each device
+# gathers the ids that fall in its rows, the partial rows are summed): at the release's sizes it is ~95 GiB,
+# the largest tensor after the experts. The hyper-connection weights, the PLE projections and norms act on
+# every stream's whole width and stay whole (about 1 GiB in all at the release's sizes).
+PARAM_AXES = {
+    "*norm*": (None,),
+    "embed": ("vocab", "embed"),
+    "lm_head": ("embed", "vocab"),
+    "*/gdn/qkvz": ("embed", "heads"),
+    "*/gdn/ba": ("embed", "heads"),
+    "*/gdn/conv": (None, "heads"),
+    "*/gdn/A_log": ("heads",),
+    "*/gdn/dt_bias": ("heads",),
+    "*/gdn/out_proj": ("heads", "embed"),
+    "*/attn/indexer/qk": ("embed", None),
+    "*/attn/qg": ("embed", "heads"),
+    "*/attn/kv": ("embed", "kv_heads"),
+    "*/attn/o_proj": ("heads", "embed"),
+    "*/moe/in_proj": ("embed", None),
+    "*/moe/shared_down": ("mlp", "embed"),
+    "*/moe/gate_up": ("experts", "embed", "expert_mlp"),
+    "*/moe/down": ("experts", "expert_mlp", "embed"),
+    "*/ple/table": ("vocab", None),
+    "*/ple/*": (None, None),
+    "*_hc/*": (None, None),
+    "mixer/*": (None, None),
+}

@@ -158,6 +158,19 @@ def _local(tree, shardings):
     return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(s.shard_shape(a.shape), a.dtype), tree, shardings)
 
 
+def row_table_bytes(family, params) -> int:
+    """Bytes of the family's row tables among `params` (shapes): parameters a step gathers a few rows of
+    (`ModelFamily.row_tables`), which the minimum decode bytes leave out (the rows a decode step reads, a
+    few KiB per token, are not added back)."""
+    import fnmatch  # noqa: PLC0415
+
+    import jax  # noqa: PLC0415
+
+    from hybrid_jax.parallel.placement import path_name  # noqa: PLC0415
+    return sum(tree_nbytes(leaf) for path, leaf in jax.tree_util.tree_leaves_with_path(params)
+               if any(fnmatch.fnmatchcase(path_name(path), pat) for pat in family.row_tables))
+
+
 def _mesh_layout(cfg, topo, n: int, ep: bool, quantization) -> tuple[Layout | None, str | None]:
     """The layout a split over n chips compiles with, or (None, why an ideal split is used instead)."""
     if n == 1:
@@ -232,6 +245,10 @@ def _notes(cfg, costs, decode, pools, memory, mesh_layout, why_ideal, n, topo, t
                      f"loops; e.g. a paged attention read walking the KV pages): the compiler's cost analysis counts "
                      f"ONE iteration of each, so bytes and FLOPs above omit the other iterations' (for a KV read "
                      f"looped over the context, nearly all of it)")
+    tables = get_model(cfg.model_type).row_tables
+    if tables:
+        notes.append(f"the minimum bytes leave out the tables a step reads a few rows of by id ({', '.join(tables)}): "
+                     f"they are not read whole, and the few KiB of rows a decode step gathers are not added")
     notes.append("tok/s are roofline estimates from the chip's published peak bf16 FLOP/s and HBM bandwidth "
                  f"({chip.source}), not measurements")
     return tuple(notes)
@@ -271,20 +288,23 @@ def plan(model: str, topology_name: str, *, max_num_seqs: int = 64, max_model_le
 
     if mesh_layout is not None:     # per chip: the shards' bytes, one device's program
         fam = get_model(cfg.model_type)
-        chip_weights = tree_nbytes(_local(mesh_layout.annotate(fam, params), mesh_layout.param_shardings(fam, params)))
+        chip_params = _local(mesh_layout.annotate(fam, params), mesh_layout.param_shardings(fam, params))
+        chip_weights = tree_nbytes(chip_params)
         chip_pools = _local(pools, mesh_layout.cache_shardings(pools))
         chip_layout = _local(layout, mesh_layout.cache_shardings(layout))
         memory = Memory(capacity=chip.hbm_bytes, weights=chip_weights, cache_by_kind=bytes_by_kind(chip_pools),
                         temporaries=temps)
         capacity = _capacity(chip_layout, chip_pools, chip.hbm_bytes - chip_weights - temps, max_num_seqs,
                              max_model_len)
-        min_bytes = chip_weights + max_num_seqs * request_bytes(chip_layout, max_model_len)
+        min_bytes = chip_weights - row_table_bytes(fam, chip_params) + max_num_seqs * request_bytes(chip_layout,
+                                                                                                     max_model_len)
     else:                           # one chip, or an ideal split of one chip's program over n
         by_kind = bytes_by_kind(pools)
         memory = Memory(capacity=chip.hbm_bytes, weights=weights / n,
                         cache_by_kind={k: v / n for k, v in by_kind.items()}, temporaries=temps / n)
         capacity = _capacity(layout, pools, n * chip.hbm_bytes - weights - temps, max_num_seqs, max_model_len)
-        min_bytes = (weights + max_num_seqs * request_bytes(layout, max_model_len)) / n
+        min_bytes = (weights - row_table_bytes(get_model(cfg.model_type), params)
+                     + max_num_seqs * request_bytes(layout, max_model_len)) / n
         decode, prefill = decode.scaled(1 / n), prefill.scaled(1 / n)
 
     t, bound = _time(decode.flops, decode.bytes_accessed, chip)

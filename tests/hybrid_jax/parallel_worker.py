@@ -2,7 +2,7 @@
 core (multi_device.py; the rest of the suite keeps one device). Prints one JSON line "RESULT {...}" with, per
 layout, what the test compares against one device.
 
-    python parallel_worker.py CHECKPOINT_DIR [deepseek_v32 | glm_moe_dsa | deepseek_v4 | kimi_linear | nemotron_h | fp8 | disk DIRECTORY]
+    python parallel_worker.py CHECKPOINT_DIR [deepseek_v32 | glm_moe_dsa | deepseek_v4 | kimi_linear | nemotron_h | qwen4_exp | fp8 | disk DIRECTORY]
 """
 from __future__ import annotations
 
@@ -220,6 +220,8 @@ if __name__ == "__main__":
         result = run(sys.argv[1], {k: LAYOUTS[k] for k in ("tp1", "tp2", "tp4", "tp4_ep")}, full=False)
     elif sys.argv[2:] == ["nemotron_h"]:      # 4 attention heads (2 KV), 8 Mamba2 heads in 4 groups, 8 experts
         result = run(sys.argv[1], {k: LAYOUTS[k] for k in ("tp1", "tp2", "tp4", "tp4_ep")}, full=False)
+    elif sys.argv[2:] == ["qwen4_exp"]:       # 4 attention heads (2 KV), 4 / 8 DeltaNet heads, 8 experts
+        result = run(sys.argv[1], {k: LAYOUTS[k] for k in ("tp1", "tp2", "tp4_ep")}, full=False)
     elif sys.argv[2:3] == ["handoff"]:        # prefill at tensor size 4 hands over to decode at 2
         result = handoff_across_layouts(sys.argv[1], sys.argv[3])
     elif sys.argv[2:3] == ["disk"]:           # a disk tier written at tensor size 2, read at 4

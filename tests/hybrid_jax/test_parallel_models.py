@@ -129,3 +129,32 @@ def test_split_kimi_linear_generates_what_one_device_does(kimi_worker, layout):
     # only what every head shares stays whole: the low-rank gate inputs, the latent projection, the router
     assert split["whole_matrices"] == ["layers/*/attn/kv_a", "layers/*/kda/f_a", "layers/*/kda/g_a",
                                        "layers/*/moe/router"]
+
+
+@pytest.fixture(scope="module")
+def qwen4_worker(tmp_path_factory):
+    from test_qwen4_exp import make_checkpoint as make_qwen4  # noqa: PLC0415
+    ckpt = make_qwen4(tmp_path_factory.mktemp("tp_qwen4") / "m", seed=5, vocab_size=320, num_hidden_layers=4,
+                      layer_types=["linear_attention", "indexed_attention", "linear_attention", "indexed_attention"],
+                      ple_layer_ids=[1, 3], linear_num_key_heads=4, linear_num_value_heads=8, num_experts=8)
+    return run_worker("parallel_worker.py", ckpt, "qwen4_exp")
+
+
+@pytest.mark.parametrize("layout", ["tp2", "tp4_ep"])
+def test_split_qwen4_exp_generates_what_one_device_does(qwen4_worker, layout):
+    """Qwen4-Exp's DeltaNet and attention heads split (KV heads kept twice at tp 4), its experts by columns or
+    whole, the PLE n-gram tables by rows (vocabulary-parallel gathers), the QSA index keys, PLE state and
+    hyper-connections whole: one device's greedy tokens, with the prefix cache and n-gram speculation on."""
+    one, split = qwen4_worker["tp1"], qwen4_worker[layout]
+    assert split["tokens"] == one["tokens"] and split["again"] == one["again"] == one["tokens"]
+    assert split["logprobs"] == pytest.approx(one["logprobs"], rel=1e-5, abs=1e-5)
+    assert split["hits"] >= 2 and split["pools_keep_shardings"] is True
+    assert split["weights"]["device0"] < 0.75 * split["weights"]["total"]
+    # the PLE tables [rows, E / heads] are split by rows: 2 PLE layers, none whole
+    assert not any(m.endswith("ple/table") for m in split["whole_matrices"])
+    # whole on every device: the index projection (one shared key head), the router, and what reads every
+    # hyper-connection stream (the streams' mixers and the PLE key / value / conv)
+    hc = {f"layers/*/{b}_hc/{w}" for b in ("attn", "mlp") for w in ("down", "up", "inject")}
+    assert set(split["whole_matrices"]) == hc | {"mixer/down", "mixer/up", "layers/*/attn/indexer/qk",
+                                                 "layers/*/moe/in_proj", "layers/*/ple/key", "layers/*/ple/value",
+                                                 "layers/*/ple/conv"}
