@@ -117,6 +117,8 @@ class PrefixManager:
         self.points.forget(request_id)
         if dropped:
             self.pending = [x for x in self.pending if x.request_id != request_id]
+            if self.store.disk is not None:
+                self.store.disk.forget(request_id)
         if transfer is not None and transfer.role == "send":
             queued = any(x.request_id == request_id and x.room is not None for x in self.pending)
             if transfer.room in self.rooms_sent:
@@ -125,8 +127,6 @@ class PrefixManager:
                 self.store.abandon_handoff(transfer.room, "the prefill request was aborted or failed" if dropped else
                                            "short prompt: no resume point before its last token, or its publish"
                                            " was refused")
-            if self.store.disk is not None:
-                self.store.disk.forget(request_id)
 
     # --- the store's life --------------------------------------------------------------------------
     def prefetch(self, q: Request):

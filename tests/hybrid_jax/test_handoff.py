@@ -104,3 +104,21 @@ def test_a_sender_with_nothing_to_hand_over_says_so(engines):
     sender, _, _, d = engines
     m = _send(sender, d, _prompt(10, 5), room=14)
     assert m.status == "refused" and "short" in m.reason
+
+
+def test_aborted_requests_leave_no_prefetch_and_their_room_is_told(engines):
+    """A receiving request aborted before admission drops its handoff's prefetch; a sending request aborted
+    before its handoff writes a refused marker naming the abort (its receiver does not wait it out)."""
+    sender, receiver, _, d = engines
+    prompt = _prompt(200, 6)
+    m = _send(sender, d, prompt, room=15)
+    eng = receiver.engine
+    eng.add_request("r-abort", prompt, SamplingParams(max_tokens=4, kv_transfer=KVTransfer("receive", 15, m.end, m.key)))
+    h, _ = _handoffs(receiver)
+    assert "r-abort" in h._prefetched              # the read started on arrival
+    eng.abort_request("r-abort")
+    assert "r-abort" not in h._prefetched
+    sender.engine.add_request("s-abort", _prompt(200, 7), SamplingParams(max_tokens=1, kv_transfer=KVTransfer("send", 16)))
+    sender.engine.abort_request("s-abort")
+    m = wait_marker_blocking(d, 16, 10.0)
+    assert m.status == "refused" and "aborted" in m.reason
