@@ -21,6 +21,7 @@ import numpy as np
 from hybrid_jax.errors import CheckpointError
 from hybrid_jax.layers.ple import ngram_hash, pack_table, packed_rows, rows_per_lane_row, table_rows
 from hybrid_jax.models.qwen3_5 import _text_prefix, split_in_proj
+from hybrid_jax.models.qwen3_next_params import PARAM_AXES as QWEN3_NEXT_AXES
 from hybrid_jax.models.qwen3_next_params import convert_gated_attention, convert_gdn, convert_moe
 from hybrid_jax.models.qwen3_next_params import init_params as qwen3_next_init
 from hybrid_jax.models.qwen4_exp_config import Qwen4ExpConfig
@@ -154,6 +155,7 @@ def _table(t, has, a: str, shape: tuple[int, int]) -> np.ndarray:
     return table
 
 
+
 # Logical axes of every parameter (hybrid_jax.parallel.rules), first match wins. The Gated DeltaNet, the
 # gated attention and the MoE split as Qwen3-Next's (heads, KV heads, experts whole or by columns). The
 # indexer's one projection (every index head and the one shared key) stays whole, as its single key head
@@ -165,12 +167,7 @@ PARAM_AXES = {
     "*norm*": (None,),
     "embed": ("vocab", "embed"),
     "lm_head": ("embed", "vocab"),
-    "*/gdn/qkvz": ("embed", "heads"),
-    "*/gdn/ba": ("embed", "heads"),
-    "*/gdn/conv": (None, "heads"),
-    "*/gdn/A_log": ("heads",),
-    "*/gdn/dt_bias": ("heads",),
-    "*/gdn/out_proj": ("heads", "embed"),
+    **{k: v for k, v in QWEN3_NEXT_AXES.items() if k.startswith("*/gdn/")},     # the same mixer, split alike
     "*/attn/indexer/qk": ("embed", None),
     "*/attn/qg": ("embed", "heads"),
     "*/attn/kv": ("embed", "kv_heads"),
