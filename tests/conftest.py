@@ -83,7 +83,7 @@ LONGEST_FIRST = ("hybrid_jax/test_parallel_models.py", "hybrid_jax/test_glm_moe_
                  "hybrid_jax/test_v4_prefix_caching.py", "hybrid_jax/test_nemotron_h.py",
                  "pallas_kernels/test_kda_pallas.py", "pallas_kernels/test_tpu_compile.py",
                  "hybrid_jax/test_reserve_before_schedule.py", "hybrid_jax/test_structured.py",
-                 "hybrid_jax/test_eval.py")
+                 "hybrid_jax/test_eval.py", "hybrid_jax/test_qwen4_exp.py")
 
 # The slow tier (`-m slow`, about 2,600 worker-seconds): multi-device and multi-process workers, TPU compiles
 # and their cost baselines, speculative-decoding and traffic matrices over every family, the CLI's eval.
@@ -96,6 +96,7 @@ SLOW_FILES = frozenset({
     "hybrid_jax/test_prefix_traffic.py", "hybrid_jax/test_v4_prefix_caching.py",
     "hybrid_jax/test_reserve_before_schedule.py", "hybrid_jax/test_pool_state_machine.py", "hybrid_jax/test_eval.py",
     "hybrid_jax/test_sglang_gateway.py", "hybrid_jax/test_pd_gateway.py", "hybrid_jax/test_qwen4_exp_plan.py",
+    "hybrid_jax/test_handoff.py", "hybrid_jax/test_qwen4_exp_long_context.py",
 })
 
 

@@ -246,7 +246,12 @@ def _assert_computation_on_cpu0(url: str, pid: int):
     work = {t: after[t] - before.get(t, 0) for t in after}
     on_device = [t for t, cpus in affinity.items() if cpus == {0}]
     assert len(on_device) >= 2
-    assert sum(work[t] for t in on_device) > 0 and max(work, key=work.get) in on_device, (work, affinity)
+    # Python's threads (the step loop, the HTTP loop) may be as busy as XLA's with a model this small,
+    # so they are left out: they are the ones split_threads gave the other CPUs. Of the rest (the
+    # runtime's), the busiest is on CPU 0: a runtime thread left on every CPU would be it.
+    host = set(range(os.cpu_count() or 1)) - {0}
+    runtime = {t: w for t, w in work.items() if not host or affinity[t] != host}
+    assert sum(work[t] for t in on_device) > 0 and max(runtime, key=runtime.get) in on_device, (work, affinity)
     if len(os.sched_getaffinity(0)) > 1 and (os.cpu_count() or 1) > 1:
         assert 0 not in affinity[pid] and affinity[pid], affinity      # Python's threads are off the device
 
