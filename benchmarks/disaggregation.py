@@ -119,12 +119,15 @@ def family(name: str, write, prompt_len: int, repeats: int, tmp: str) -> dict:
         else:
             assert took == 1, "a sound handoff was not taken"
             ratios.append(m.nbytes / cache_bytes(D, m.end))
-            # a local hit at the same point: another prompt of the same length, prefilled here first
+            # a local hit at the same point: another prompt of the same length whose first m.end tokens
+            # were prefilled here first (their chain's last checkpoint: kept under pressure, where a
+            # prompt's spare checkpoint before its last token is let go first)
             other = [(t + 1) % (vocab - 2) + 1 for t in prompt]
-            run(D, other, SamplingParams(max_tokens=1, temperature=0))
+            run(D, other[:m.end], SamplingParams(max_tokens=1, temperature=0))
             hits = D.metrics.prefix_hits._value.get()
             _, ttft_l = run(D, other, greedy)
-            assert D.metrics.prefix_hits._value.get() - hits == m.end, "the local hit is not at the handoff's point"
+            got_hit = D.metrics.prefix_hits._value.get() - hits
+            assert got_hit == m.end, f"the local hit is not at the handoff's point ({got_hit} tokens, not {m.end})"
             t_hand.append(ttft_h)
             t_local.append(ttft_l)
     return {"identical": f"{same}/{2 * repeats}", "tampered_refused": f"{refused}/{tampered}", "wrong_tokens": wrong,

@@ -410,8 +410,8 @@ class PrefixCache:
         entries (an entry there already, e.g. a held shorter block's, stays) after the shorter copies
         of the same block the policy retires leave."""
         store, gcd, marks, log, hashes = self.store, self.geometry.gcd, [], self.kv_events, None
+        store.commit_many(new)
         for a in new:
-            store.commit(a)
             if log is not None and a.spec.name == log.group:
                 hashes = hashes or chain_hashes(tokens, log.block_size)
                 log.stored(a.sid, tokens, store.alloc.get(a.sid).start, a.end, hashes)

@@ -312,6 +312,17 @@ class DiskSpans:
         on_disk = start is None
         store, gcd = self.store, self.setup.geometry.gcd
         keys = self._group_keys(tokens)
+        there, need = set(), collections.Counter()       # room for every object not on the device, at once
+        for spec in self.setup.specs:
+            for e in self._objects(spec, b, start):
+                seg = store.segment_at(spec, key_at(keys[spec.name], gcd, e))
+                if seg is not None and seg.state is SegState.DEVICE:
+                    there.add(seg.id)
+                else:
+                    need[spec.kind] += store.layout.nbytes[spec.name]
+        keep = keep | there
+        if not store.make_room_for(need, keep):
+            return cache, False, frozenset()
         plan, data, new, held = {}, {}, [], set()
         for spec in self.setup.specs:
             W = store.layout.width[spec.name]
@@ -343,7 +354,7 @@ class DiskSpans:
                     dst[j] = self._placed(spec.name, f, np.expand_dims(one, ax))[(slice(None),) * ax + (0,)]
                 if on_disk:
                     self._seg_spans[sid].add(span)
-            plan[spec.name], data[spec.name] = jnp.asarray(slots), cols
+            plan[spec.name], data[spec.name] = slots, cols
         cache = store.write_units(cache, plan, data)
         store.release([sid for sid in held if store.alloc.get(sid).ref_count])
         self.setup.commit(list(tokens[:b]), new)

@@ -222,6 +222,20 @@ def commit(state: AllocState, seg_id: int, *, end: int | None = None, nbytes: in
     return _put(state, dataclasses.replace(new, last_access=state.clock + 1))
 
 
+def commit_many(state: AllocState, seg_ids) -> AllocState:
+    """`commit` (no new end or size) for several segments at once (one new state; each gets its own
+    tick of the clock, in the given order)."""
+    d = dict(state.segments)
+    clock = state.clock
+    for sid in seg_ids:
+        seg = d.get(sid) or state.get(sid)
+        if seg.state is not SegState.WRITING:
+            raise IllegalTransition(f"illegal transition {seg.state.value} -> device (commit) for {seg.describe()}")
+        clock += 1
+        d[sid] = dataclasses.replace(seg_transition(seg, SegState.DEVICE), last_access=clock)
+    return dataclasses.replace(state, segments=_frozen(d), clock=clock)
+
+
 def rollback(state: AllocState, seg_id: int, end: int) -> AllocState:
     """Shrinks a DEVICE segment's range to [start, end) (e.g. rejected draft tokens); bumps the version."""
     return _put(state, bump_version(state.get(seg_id), end=end))

@@ -23,6 +23,7 @@ let go of on demand) and brings segments back from a lower tier (`restore`).
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 from typing import Iterable, Protocol
@@ -151,16 +152,22 @@ class SegmentStore:
     def touch(self, sids: Iterable[int], hit: bool = False):
         self.alloc = A.touch_many(self.alloc, sids, hit=hit)
 
-    def commit(self, new: Allocated):
-        """A written segment becomes servable and the index points at it; a copy it replaces (left on
-        disk) is dropped."""
-        self.alloc = A.commit(self.alloc, new.sid)
-        old = self.index.find(new.spec.name, new.spec.kind, new.key)
-        if old is not None and old.seg_id != new.sid and old.seg_id in self.alloc.segments:
-            seg = self.alloc.get(old.seg_id)
-            if seg.state in (SegState.HOST, SegState.DISK) and seg.ref_count == 0:
-                self.alloc = A.evict(self.alloc, seg.id)
-        self.index = self.index.insert(IndexEntry(new.spec.name, new.spec.kind, new.key, new.end, new.sid))
+    def commit_many(self, new: list[Allocated]):
+        """A publish's or an install's written segments become servable and the index points at them;
+        copies they replace (left on disk) are dropped. One new record and one new index for all."""
+        if not new:
+            return
+        self.alloc = A.commit_many(self.alloc, [a.sid for a in new])
+        stale = []
+        for a in new:
+            old = self.index.find(a.spec.name, a.spec.kind, a.key)
+            if old is not None and old.seg_id != a.sid and old.seg_id in self.alloc.segments:
+                seg = self.alloc.get(old.seg_id)
+                if seg.state in (SegState.HOST, SegState.DISK) and seg.ref_count == 0:
+                    stale.append(seg.id)
+        if stale:
+            self.alloc = A.evict_many(self.alloc, stale)
+        self.index = self.index.insert_many(IndexEntry(a.spec.name, a.spec.kind, a.key, a.end, a.sid) for a in new)
 
     def mark(self, entries: list[IndexEntry]):
         """Index entries for interior points of stored blocks (a later prefix may end there)."""
@@ -223,6 +230,14 @@ class SegmentStore:
         its checkpoint is dead weight). Returns (checkpoint save plan {slot group: unit or -1}, the
         segments), or None when one cannot be had."""
         plan, new = {n: np.int32(-1) for n in self.layout.ckpt_groups}, []
+        need = collections.Counter()
+        for w in todo:
+            need[w.spec.kind] += self.layout.nbytes[w.spec.name] * len(w.ends)
+        if not self.make_room_for(need, protect):
+            self.notes.once("refused:room", f"a prefix was not stored: no room for {dict(need)} bytes under the cap of"
+                                            f" {self.alloc.config.cap_bytes} (held and in-flight segments are never"
+                                            f" evicted)")
+            return None
         for w in todo:
             for b in w.ends:            # one segment per block: eviction takes blocks, not whole prompts
                 sid = self.allocate(w.spec, b, request_id, protect)
@@ -277,6 +292,36 @@ class SegmentStore:
         """Whether only the store references the segment's unit (dropping it frees the unit)."""
         group, unit = self.units[sid]
         return self.blocks.refcount(group, unit) == 1
+
+    def make_room_for(self, need: dict[Kind, int], protect: frozenset[int] = frozenset()) -> bool:
+        """Room under the weighted cap for `need` ({kind: bytes}) more at once: the victims `make_room`
+        would take one by one, found in one pass over the policy's order and let go together (each
+        eviction prunes the whole index: a handoff or a long publish evicts dozens). False, with
+        nothing let go, when even every victim would not make room."""
+        cfg = self.alloc.config
+        over = self.alloc.device_weighted_bytes + sum(cfg.weights[k] * n for k, n in need.items()) - cfg.cap_bytes
+        if over <= 0:
+            return True
+        take = []
+        for v in self.policy.victims(self.alloc):
+            if v.id in protect:
+                continue
+            take.append(v.id)
+            over -= cfg.weighted(v)
+            if over <= 0:
+                break
+        else:
+            return False
+        retired = {sid for sid in take if sid in self.policy.prefer}
+        for sid in take:
+            if self.durable(sid):
+                self.drop_from_device(sid)                  # offloaded: keeps its index entries
+        for as_retired in (True, False):                    # (an evicted checkpoint takes its set along)
+            ids = [sid for sid in take if (sid in retired) == as_retired
+                   and self.alloc.state_of(sid) is SegState.DEVICE]
+            if ids:
+                self.evict(ids, retired=as_retired)
+        return True
 
     def make_room(self, kind: Kind, nbytes: int, protect: frozenset[int] = frozenset()) -> bool:
         """Room under the weighted cap for `nbytes` more of `kind`, taking victims in the policy's order."""

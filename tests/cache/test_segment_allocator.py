@@ -160,3 +160,17 @@ def test_every_kind_has_an_eviction_priority_and_close_tail_respects_holds():
         A.close_tail(A.retain(s, tail), tail, entry)
     after = A.close_tail(s, tail, entry)
     assert tail not in after.segments and A.evicted_ids(s, after) == (tail,) and tail in s.segments
+
+
+def test_commit_many_commits_each_in_order_and_refuses_one_not_being_written():
+    s = A.init_state(A.AllocConfig(cap_bytes=100))
+    s, a = A.allocate(s, Kind.FULL_KV, "g", 10, start=0, end=4, writer_abi="x")
+    s, b = A.allocate(s, Kind.RECURRENT_STATE, "r", 10, start=0, end=4, writer_abi="x")
+    both = A.commit_many(s, [a, b])
+    assert s.get(a).state is S.WRITING                                    # the old state is left as it was
+    assert [both.get(i).state for i in (a, b)] == [S.DEVICE, S.DEVICE]
+    assert [both.get(i).version for i in (a, b)] == [1, 1]
+    assert both.get(a).last_access < both.get(b).last_access == both.clock    # b is the most recent use
+    assert both.device_bytes == s.device_bytes                            # still on the device, same bytes
+    with pytest.raises(IllegalTransition, match="commit"):
+        A.commit_many(both, [a])
