@@ -244,7 +244,8 @@ def part_generate(args) -> float:
 
 def plan_by_kind(flags: list[str]) -> dict[str, tuple[int, int]]:
     """The start-up plan serve makes with these flags, by kind (computed here: nothing compiled)."""
-    from hybrid_jax.cli import _engine_config, build_parser  # noqa: PLC0415
+    from hybrid_jax.cli_args import build_parser  # noqa: PLC0415
+    from hybrid_jax.cli_config import _engine_config  # noqa: PLC0415
     from hybrid_jax.engine.startup import plan  # noqa: PLC0415
     from hybrid_jax.llm import LLM  # noqa: PLC0415
     args = build_parser().parse_args(["serve", *flags])
@@ -366,7 +367,7 @@ def main():
     args = ap.parse_args()
     args.parts = set(args.parts.split(","))
     args.flags = (["--model", args.model] if args.model else []) + shlex.split(args.engine_args)
-    from hybrid_jax.cli import build_parser  # noqa: PLC0415
+    from hybrid_jax.cli_args import build_parser  # noqa: PLC0415
     args.max_model_len = build_parser().parse_args(["serve", *args.flags]).max_model_len
     tmp = Path(tempfile.mkdtemp(prefix="hybrid_jax_cold_start_"))
     print(f"logs and caches: {tmp}")

@@ -190,7 +190,7 @@ def main(args, engine_config) -> int:
         results, secs = asyncio.run(run_load(wl, args.concurrency, url=args.url.rstrip("/"), api_key=args.api_key))
         steps = step_figures(before, scraped_totals(args.url.rstrip("/"), headers), secs)
     else:
-        from hybrid_jax.cli import parallel_options  # noqa: PLC0415
+        from hybrid_jax.cli_config import parallel_options  # noqa: PLC0415
         from hybrid_jax.engine.async_engine import AsyncEngine  # noqa: PLC0415
         from hybrid_jax.llm import build_engine  # noqa: PLC0415
         engine = build_engine(args.model, args.dtype, engine_config, parallel_options(args))

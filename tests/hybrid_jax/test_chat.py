@@ -171,7 +171,7 @@ def test_tool_choice_none_is_honoured_and_calls_refused_without_a_tool_format(cl
 def test_chat_template_option_reaches_the_api_server(client, tmp_path, monkeypatch):
     """`serve --chat-template`: parsed, read before the model loads, and set on the tokenizer the API server
     process loads for itself when the engine core runs in another process."""
-    from hybrid_jax.cli import build_parser  # noqa: PLC0415
+    from hybrid_jax.cli_args import build_parser  # noqa: PLC0415
     from hybrid_jax.engine import core_client  # noqa: PLC0415
     from hybrid_jax.errors import ConfigError, InputError  # noqa: PLC0415
     from hybrid_jax.server import main  # noqa: PLC0415

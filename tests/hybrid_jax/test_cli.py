@@ -37,7 +37,8 @@ def test_align_reports_every_layer_and_agrees(tiny_checkpoint, capsys):
 
 
 def test_serve_prefix_caching_options_reach_the_engine_config():
-    from hybrid_jax.cli import _engine_config, build_parser  # noqa: PLC0415
+    from hybrid_jax.cli_args import build_parser  # noqa: PLC0415
+    from hybrid_jax.cli_config import _engine_config  # noqa: PLC0415
     args = build_parser().parse_args(["serve", "--enable-prefix-caching", "--prefix-block-size", "32",
                                       "--prefix-cache-bytes", "1000000", "--compilation-cache-dir", "none"])
     cfg = _engine_config(args)
@@ -52,7 +53,8 @@ def test_serve_prefix_caching_options_reach_the_engine_config():
 
 
 def test_api_key_from_flag_file_or_environment(tmp_path, monkeypatch):
-    from hybrid_jax.cli import _api_key, build_parser  # noqa: PLC0415
+    from hybrid_jax.cli_args import build_parser  # noqa: PLC0415
+    from hybrid_jax.cli_config import _api_key  # noqa: PLC0415
     from hybrid_jax.errors import HybridJaxError  # noqa: PLC0415
 
     def key(*argv):

@@ -10,7 +10,8 @@ import re
 import pytest
 import yaml
 
-from hybrid_jax.cli import _engine_config, build_parser
+from hybrid_jax.cli_args import build_parser
+from hybrid_jax.cli_config import _engine_config
 from hybrid_jax.server.app import ServerConfig, ServerState, build_app
 
 DEPLOY = pathlib.Path(__file__).parents[2] / "deploy"

@@ -456,7 +456,8 @@ def test_an_engine_thread_that_stops_beating_is_unhealthy_until_it_beats_again(l
 
 
 def test_supervision_flags_reach_the_supervisor_and_bad_ones_are_errors():
-    from hybrid_jax.cli import _supervision, build_parser  # noqa: PLC0415
+    from hybrid_jax.cli_args import build_parser  # noqa: PLC0415
+    from hybrid_jax.cli_config import _supervision  # noqa: PLC0415
     from hybrid_jax.errors import HybridJaxError  # noqa: PLC0415
 
     def sup(*argv):

@@ -264,7 +264,8 @@ def test_streamed_logprobs_ride_on_the_chunks_that_are_sent(qwen35):
 
 
 def test_serve_reads_the_family_from_the_checkpoint_and_takes_overrides(tmp_path):
-    from hybrid_jax.cli import _model_type, build_parser  # noqa: PLC0415
+    from hybrid_jax.cli_args import build_parser  # noqa: PLC0415
+    from hybrid_jax.cli_config import _model_type  # noqa: PLC0415
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_5", "hidden_size": 8}))
     assert _model_type(str(tmp_path)) == "qwen3_5" and _model_type(None) is None
     args = build_parser().parse_args(["serve", "--tool-call-parser", "kimi_k2", "--reasoning-parser", "none"])

@@ -9,7 +9,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from hybrid_jax.cli import _engine_config, build_parser, main
+from hybrid_jax.cli import main
+from hybrid_jax.cli_args import build_parser
+from hybrid_jax.cli_config import _engine_config
 
 SMALL = ["--max-num-seqs", "2", "--max-num-batched-tokens", "32", "--max-model-len", "128"]
 
@@ -17,7 +19,8 @@ SMALL = ["--max-num-seqs", "2", "--max-num-batched-tokens", "32", "--max-model-l
 # engine.core_process.run_core): the EngineConfig from the flags, detokenize off, llm.build_engine.
 SERVE_CORE = r"""
 import dataclasses, json, sys
-from hybrid_jax.cli import _engine_config, build_parser
+from hybrid_jax.cli_args import build_parser
+from hybrid_jax.cli_config import _engine_config
 from hybrid_jax.llm import build_engine
 cfg = dataclasses.replace(_engine_config(build_parser().parse_args(["serve", *sys.argv[1:]])), detokenize=False)
 engine = build_engine(None, "auto", cfg)
