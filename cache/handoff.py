@@ -219,21 +219,22 @@ class Handoffs:
     def forget(self, request_id: str) -> None:
         self._prefetched.pop(request_id, None)
 
-    def receive(self, cache: ModelCache, tokens: Sequence[int], request_id: str, room: int, end: int, key: str,
-                keep: frozenset[int] = frozenset()) -> tuple[ModelCache, bool]:
+    def receive(self, cache: ModelCache, tokens: Sequence[int], request_id: str, room: int, end: int,
+                key: str) -> tuple[ModelCache, bool]:
         """Installs the handoff [0, end) in the pools if every check passes, then deletes it (one room,
         one taker); otherwise counts why and installs nothing (the prompt is recomputed). Returns
         (cache, installed)."""
         spans = self.spans
-        got = self._prefetched.pop(request_id, None)
-        if end <= 0 or end >= len(tokens) or key != self.key(tokens, end, room):
+        got = self._prefetched.pop(request_id, None)      # (its key was checked against these tokens)
+        checked = got is not None and got[0] == key
+        if end <= 0 or end >= len(tokens) or not (checked or key == self.key(tokens, end, room)):
             return cache, self._miss("handoff_mismatch", "a handoff's key is not the one this request's tokens,"
                                                          " weights and kernels make")
-        handle = got[1] if got is not None and got[0] == key else spans.tier.prefetch(key, spans.expect(end, start=0))
+        handle = got[1] if checked else spans.tier.prefetch(key, spans.expect(end, start=0))
         arrays, reason = handle.result("wait")
         if arrays is None:
             return cache, self._miss(f"handoff_{reason}", f"a handoff was refused on arrival ({reason})")
-        cache, ok, _ = spans.install(cache, tokens, end, key, arrays, keep, start=0)
+        cache, ok, _ = spans.install(cache, tokens, end, key, arrays, start=0)
         if not ok:
             return cache, self._miss("handoff_no_room", "a handoff found no room in the pools")
         self.received += 1

@@ -227,16 +227,9 @@ class PrefixCache:
         return cache, Reuse(hit.boundary, self._branch(hit, len(tokens), hit.boundary))
 
     def _receive(self, cache: ModelCache, tokens: Sequence[int], request_id: str, t: KVTransfer) -> ModelCache:
-        """Installs a receiving request's handoff unless the device already holds as much (what the
-        device's hit holds is kept while it installs)."""
-        hit = self.lookup(tokens)
-        alloc = self.store.alloc
-        on_device = hit.ok and all(alloc.get(i).state is SegState.DEVICE for ids in hit.segments.values() for i in ids)
-        if on_device and hit.boundary >= t.end:
-            self.disk.handoffs.forget(request_id)
-            return cache
-        keep = frozenset(i for ids in hit.segments.values() for i in ids) if on_device else frozenset()
-        cache, _ = self.disk.handoffs.receive(cache, tokens, request_id, t.room, t.end, t.key, keep)
+        """Installs a receiving request's handoff (what the device holds of it already is kept, and
+        nothing is written when it holds all of it: DiskSpans.install)."""
+        cache, _ = self.disk.handoffs.receive(cache, tokens, request_id, t.room, t.end, t.key)
         return cache
 
     def handoff_point(self, num_tokens: int) -> int:

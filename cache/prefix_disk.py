@@ -43,7 +43,7 @@ from cache.handoff import Handoffs
 from cache.prefix_index import BlockGeometry, chain_keys, key_at
 from cache.prefix_store import stored_fields
 from cache.state import ModelCache
-from cache.segment_store import Allocated, Notes, SegmentStore
+from cache.segment_store import Allocated, Notes, SegmentStore, Wanted
 from cache.segments import SegState
 from cache.tier_entry import EntryMeta, make_key
 from cache.validation import GroupSpec
@@ -122,9 +122,10 @@ class DiskSpans:
             out.append(self.start(out[-1]))
         return out[::-1]
 
-    def _group_keys(self, tokens: Sequence[int]) -> dict[str, tuple[str, ...]]:
-        """Every group's chain keys in the device store (with the layout)."""
-        toks = list(tokens)
+    def _group_keys(self, tokens: Sequence[int], copy: bool = True) -> dict[str, tuple[str, ...]]:
+        """Every group's chain keys in the device store (with the layout). copy False: `tokens` is a
+        list the caller keeps unchanged (the cache memoises keys per list)."""
+        toks = list(tokens) if copy else tokens
         return {s.name: self.setup.keys(toks, s) for s in self.setup.specs}
 
     def _span_keys(self, tokens: Sequence[int]) -> dict[str, tuple[str, ...]]:
@@ -311,70 +312,69 @@ class DiskSpans:
         Returns (cache, ok, the span's segments)."""
         on_disk = start is None
         store, gcd = self.store, self.setup.geometry.gcd
-        keys = self._group_keys(tokens)
-        there, need = set(), collections.Counter()       # room for every object not on the device, at once
+        toks = list(tokens[:b])             # one list: the cache's key memo serves the commit too
+        keys = self._group_keys(toks, copy=False)
+        objects = {s.name: self._objects(s, b, start) for s in self.setup.specs}
+        # each object is on the device (kept), known on disk or host (restored), or new (allocated)
+        there, back, fresh = set(), {}, collections.defaultdict(list)
         for spec in self.setup.specs:
-            for e in self._objects(spec, b, start):
+            for e in objects[spec.name]:
                 seg = store.segment_at(spec, key_at(keys[spec.name], gcd, e))
                 if seg is not None and seg.state is SegState.DEVICE:
                     there.add(seg.id)
+                elif seg is not None and seg.state in (SegState.DISK, SegState.HOST) and seg.ref_count == 0:
+                    back[spec.name, e] = seg.id
                 else:
-                    need[spec.kind] += store.layout.nbytes[spec.name]
-        keep = keep | there
-        if not store.make_room_for(need, keep):
-            return cache, False, frozenset()
-        plan, data, new, held = {}, {}, [], set()
+                    fresh[spec.name].append(e)
+        if not back and not fresh:
+            return cache, True, frozenset()
+        keep, held = keep | there, set()
+        for sid in back.values():
+            if not store.restore(sid, keep | held):
+                return cache, self._undo(held), frozenset()
+            held.add(sid)
+            store.retain([sid])
+        got = store.allocate_all([Wanted(s, keys[s.name], tuple(fresh[s.name])) for s in self.setup.specs
+                                  if fresh[s.name]], None, keep | held)
+        if got is None:
+            return cache, self._undo(held), frozenset()
+        new = got[1]
+        at = {**back, **{(a.spec.name, a.end): a.sid for a in new}}
+        held |= set(at.values())
+        plan, data = {}, {}
         for spec in self.setup.specs:
             W = store.layout.width[spec.name]
             slots = np.full((W,), -1, np.int32)
             layout = self._layout[spec.name]
             cols = {f: np.zeros(shape[:ax] + (W,) + shape[ax + 1:], dtype) for f, (ax, shape, dtype) in layout.items()}
-            for j, e in enumerate(self._objects(spec, b, start)):
-                key = key_at(keys[spec.name], gcd, e)
-                seg = store.segment_at(spec, key)
-                if seg is not None and seg.state is SegState.DEVICE:
-                    continue
-                if seg is not None and seg.state in (SegState.DISK, SegState.HOST) and seg.ref_count == 0:
-                    if not store.restore(seg.id, keep | held):
-                        return cache, self._undo(new, held), frozenset()
-                    sid = seg.id
-                else:
-                    sid = store.allocate(spec, e, protect=keep | held)
-                    if sid is None:
-                        return cache, self._undo(new, held), frozenset()
-                    new.append(Allocated(spec, sid, e, key))
-                held.add(sid)
-                if store.alloc.get(sid).state is SegState.DEVICE:
-                    store.retain([sid])
+            js = [j for j, e in enumerate(objects[spec.name]) if (spec.name, e) in at]
+            for j in js:
+                sid = at[spec.name, objects[spec.name][j]]
                 slots[j] = store.unit(sid)
-                for f, (ax, _, _) in layout.items():
-                    src = arrays[f"{spec.name}-{f}"]
-                    dst = cols[f].swapaxes(0, ax)           # unit axis first (a view)
-                    one = src if spec.is_checkpoint else np.take(src, j, axis=ax)
-                    dst[j] = self._placed(spec.name, f, np.expand_dims(one, ax))[(slice(None),) * ax + (0,)]
                 if on_disk:
                     self._seg_spans[sid].add(span)
+            for f, (ax, _, _) in layout.items():
+                src = arrays[f"{spec.name}-{f}"]
+                placed = self._placed(spec.name, f, np.expand_dims(src, ax) if spec.is_checkpoint else src)
+                cols[f].swapaxes(0, ax)[js] = np.take(placed, js, axis=ax).swapaxes(0, ax)   # unit axis first (views)
             plan[spec.name], data[spec.name] = slots, cols
         cache = store.write_units(cache, plan, data)
         store.release([sid for sid in held if store.alloc.get(sid).ref_count])
-        self.setup.commit(list(tokens[:b]), new)
+        self.setup.commit(toks, new)
         if on_disk and span not in self._written:       # it is on disk: offloading these segments again is free
             f = cf.Future()
             f.set_result(True)
             self._written[span] = f
         return cache, True, frozenset(held)
 
-    def _undo(self, new: list[Allocated], held: set[int]) -> bool:
-        """A span that cannot be installed: new segments are aborted, restored ones (their units hold
-        nothing yet) freed. Returns False."""
+    def _undo(self, held: set[int]) -> bool:
+        """A span that cannot be installed: the segments it restored (their units hold nothing yet) are
+        freed (a refused allocation allocated nothing). Returns False."""
         store = self.store
-        fresh = {a.sid for a in new}
         for sid in held:
             if store.alloc.get(sid).ref_count:
                 store.release([sid])
-            if sid not in fresh:
-                store.evict([sid])
-        store.abort(sorted(fresh))
+            store.evict([sid])
         return False
 
     def forget(self, request_id: str):

@@ -176,24 +176,48 @@ def _make_room(state: AllocState, extra: float, what: str, protect: frozenset[in
     return _put(state, *(seg_transition(v, SegState.FREE) for v in victims))
 
 
+@dataclasses.dataclass(frozen=True)
+class NewSegment:
+    """What `allocate_many` is asked for: a segment of `kind` in `group` holding `nbytes` device bytes for
+    tokens [start, end), written by kernel ABI `writer_abi` in mesh layout `writer_layout`."""
+    kind: Kind
+    group: str
+    nbytes: int
+    start: int
+    end: int
+    writer_abi: str
+    writer_layout: str = "replicated"
+
+    def __post_init__(self):
+        if not isinstance(self.kind, Kind):
+            raise TypeError(f"kind must be a Kind, got {self.kind!r}")
+        if self.nbytes < 0:
+            raise ValueError(f"nbytes must be >= 0, got {self.nbytes}")
+
+
+def allocate_many(state: AllocState, wanted) -> tuple[AllocState, list[int]]:
+    """(new state, ids) of new segments in WRITING, one per NewSegment of `wanted`, in one new state.
+
+    Evicts by policy when over the cap, for all of them at once; raises AdmissionRefused when it
+    cannot make room (nothing is then allocated or evicted).
+    """
+    wanted = list(wanted)
+    extra = sum(state.config.weights[w.kind] * w.nbytes for w in wanted)
+    state = _make_room(state, extra, ", ".join(f"{w.kind.value} segment of {w.nbytes} bytes for group {w.group!r}"
+                                               for w in wanted[:3]) + (" ..." if len(wanted) > 3 else ""))
+    first = state.next_id
+    segs = [seg_transition(Segment(id=first + i, kind=w.kind, group=w.group, state=SegState.FREE, start=w.start,
+                                   end=w.end, last_access=state.clock + 1, writer_abi=w.writer_abi,
+                                   writer_layout=w.writer_layout, nbytes=w.nbytes), SegState.WRITING)
+            for i, w in enumerate(wanted)]
+    return _put(state, *segs, next_id=first + len(wanted)), [s.id for s in segs]
+
+
 def allocate(state: AllocState, kind: Kind, group: str, nbytes: int, *, start: int, end: int,
              writer_abi: str, writer_layout: str = "replicated") -> tuple[AllocState, int]:
-    """(new state, id) of a new segment in WRITING, holding `nbytes` device bytes for tokens [start, end),
-    written by kernel ABI `writer_abi` in mesh layout `writer_layout`.
-
-    Evicts by policy when over the cap; raises AdmissionRefused when it cannot make room.
-    """
-    if not isinstance(kind, Kind):
-        raise TypeError(f"kind must be a Kind, got {kind!r}")
-    if nbytes < 0:
-        raise ValueError(f"nbytes must be >= 0, got {nbytes}")
-    sid = state.next_id
-    extra = state.config.weights[kind] * nbytes
-    state = _make_room(state, extra, f"{kind.value} segment of {nbytes} bytes for group {group!r}")
-    seg = Segment(id=sid, kind=kind, group=group, state=SegState.FREE, start=start, end=end,
-                  last_access=state.clock + 1, writer_abi=writer_abi, writer_layout=writer_layout,
-                  nbytes=nbytes)
-    return _put(state, seg_transition(seg, SegState.WRITING), next_id=sid + 1), sid
+    """(new state, id) of a new segment in WRITING (`allocate_many` for one)."""
+    state, ids = allocate_many(state, [NewSegment(kind, group, nbytes, start, end, writer_abi, writer_layout)])
+    return state, ids[0]
 
 
 def transition(state: AllocState, seg_id: int, to: SegState) -> AllocState:
@@ -263,8 +287,9 @@ def evict(state: AllocState, seg_id: int) -> AllocState:
 
 
 def evict_many(state: AllocState, seg_ids) -> AllocState:
-    """`evict` for several segments at once (one new state)."""
-    return _put(state, *(seg_transition(state.get(sid), SegState.FREE) for sid in seg_ids))
+    """`evict` for several segments at once (one new state; none: the same state)."""
+    ids = list(seg_ids)
+    return _put(state, *(seg_transition(state.get(sid), SegState.FREE) for sid in ids)) if ids else state
 
 
 def close_tail(state: AllocState, tail_id: int, entry_id: int) -> AllocState:

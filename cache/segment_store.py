@@ -227,53 +227,53 @@ class SegmentStore:
     def allocate_all(self, todo: list[Wanted], request_id: str | None, protect: frozenset[int]
                      ) -> tuple[dict, list[Allocated]] | None:
         """Segments for every block and checkpoint of `todo`, all or nothing (a chain missing a block or
-        its checkpoint is dead weight). Returns (checkpoint save plan {slot group: unit or -1}, the
-        segments), or None when one cannot be had."""
-        plan, new = {n: np.int32(-1) for n in self.layout.ckpt_groups}, []
+        its checkpoint is dead weight), one per block (eviction takes blocks, not whole prompts), each
+        with its unit: the request's own page holding that block (one more reference), a fresh
+        checkpoint unit, or (request_id None: an install) a fresh page. Room under the cap is made for
+        all of them at once, and their records are one new allocator state. Returns (checkpoint save
+        plan {slot group: unit or -1}, the segments), or None when one cannot be had (nothing is then
+        allocated)."""
+        objects = [(w, b) for w in todo for b in w.ends]
         need = collections.Counter()
-        for w in todo:
-            need[w.spec.kind] += self.layout.nbytes[w.spec.name] * len(w.ends)
+        for w, _ in objects:
+            need[w.spec.kind] += self.layout.nbytes[w.spec.name]
         if not self.make_room_for(need, protect):
             self.notes.once("refused:room", f"a prefix was not stored: no room for {dict(need)} bytes under the cap of"
                                             f" {self.alloc.config.cap_bytes} (held and in-flight segments are never"
                                             f" evicted)")
             return None
-        for w in todo:
-            for b in w.ends:            # one segment per block: eviction takes blocks, not whole prompts
-                sid = self.allocate(w.spec, b, request_id, protect)
-                if sid is None:
-                    self.abort([a.sid for a in new])
-                    return None
-                if w.spec.is_checkpoint:
-                    plan[w.spec.name] = np.int32(self.unit(sid))
-                new.append(Allocated(w.spec, sid, b, key_at(w.keys, self.layout.gcd, b)))
+        units = []
+        for w, b in objects:
+            unit = self._unit_for(w.spec, b, request_id, protect)
+            if unit is None:
+                for (v, _), u in zip(objects, units):
+                    self.blocks.release(v.spec.name, u)
+                return None
+            units.append(unit)
+        self.alloc, sids = A.allocate_many(self.alloc, [
+            A.NewSegment(w.spec.kind, w.spec.name, self.layout.nbytes[w.spec.name],
+                         0 if w.spec.is_checkpoint else (b - 1) // w.spec.block_size * w.spec.block_size, b,
+                         w.spec.ctx.abi_id, w.spec.ctx.sharding) for w, b in objects])
+        plan, new = {n: np.int32(-1) for n in self.layout.ckpt_groups}, []
+        for (w, b), sid, unit in zip(objects, sids, units):
+            self.units[sid] = (w.spec.name, unit)
+            if w.spec.is_checkpoint:
+                plan[w.spec.name] = np.int32(unit)
+            new.append(Allocated(w.spec, sid, b, key_at(w.keys, self.layout.gcd, b)))
         return plan, new
 
-    def allocate(self, spec: GroupSpec, end: int, request_id: str | None = None,
-                 protect: frozenset[int] = frozenset()) -> int | None:
-        """A WRITING segment for the block ending at `end` (or a checkpoint there), with its unit: the
-        request's own page holding that block (one more reference), a fresh checkpoint unit, or
-        (request_id None: a restore) a fresh page."""
-        nbytes = self.layout.nbytes[spec.name]
-        if not self.make_room(spec.kind, nbytes, protect):
-            self.notes.once(f"refused:{spec.name}", f"a prefix was not stored: group {spec.name!r} cannot make room"
-                                                    f" for {nbytes} bytes under the cap of {self.alloc.config.cap_bytes}"
-                                                    f" (held and in-flight segments are never evicted)")
-            return None
+    def _unit_for(self, spec: GroupSpec, end: int, request_id: str | None, protect: frozenset[int]) -> int | None:
+        """The unit a new segment for the block ending at `end` (or a checkpoint there) lives in, with one
+        reference; None (said once) when the group has none to give."""
         if request_id is not None and not spec.is_checkpoint:
             unit = self.blocks.table(request_id, spec.name)[(end - 1) // spec.block_size]   # the page ending
             self.blocks.retain(spec.name, unit)                                         # at or holding `end`
-        else:
-            unit = self.take_unit(spec.name, protect)
-            if unit is None:
-                self.notes.once(f"full:{spec.name}", f"a prefix was not stored: group {spec.name!r} has no free"
-                                                     f" {'page' if self.layout.paged[spec.name] else 'checkpoint unit'}")
-                return None
-        start = 0 if spec.is_checkpoint else (end - 1) // spec.block_size * spec.block_size
-        self.alloc, sid = A.allocate(self.alloc, spec.kind, spec.name, nbytes, start=start, end=end,
-                                     writer_abi=spec.ctx.abi_id, writer_layout=spec.ctx.sharding)
-        self.units[sid] = (spec.name, unit)
-        return sid
+            return unit
+        unit = self.take_unit(spec.name, protect)
+        if unit is None:
+            self.notes.once(f"full:{spec.name}", f"a prefix was not stored: group {spec.name!r} has no free"
+                                                 f" {'page' if self.layout.paged[spec.name] else 'checkpoint unit'}")
+        return unit
 
     def take_unit(self, group: str, protect: frozenset[int]) -> int | None:
         """A free page or checkpoint unit of `group`, evicting the group's least recently used
@@ -294,50 +294,40 @@ class SegmentStore:
         return self.blocks.refcount(group, unit) == 1
 
     def make_room_for(self, need: dict[Kind, int], protect: frozenset[int] = frozenset()) -> bool:
-        """Room under the weighted cap for `need` ({kind: bytes}) more at once: the victims `make_room`
-        would take one by one, found in one pass over the policy's order and let go together (each
-        eviction prunes the whole index: a handoff or a long publish evicts dozens). False, with
-        nothing let go, when even every victim would not make room."""
+        """Room under the weighted cap for `need` ({kind: bytes}) more: victims in the policy's order,
+        found in one pass and let go together (each eviction prunes the whole index, and a handoff or
+        a long publish evicts dozens). False, with nothing let go, when even every victim would not
+        make room."""
         cfg = self.alloc.config
         over = self.alloc.device_weighted_bytes + sum(cfg.weights[k] * n for k, n in need.items()) - cfg.cap_bytes
         if over <= 0:
             return True
-        take = []
+        take, counted = [], set()
         for v in self.policy.victims(self.alloc):
-            if v.id in protect:
+            if v.id in protect or v.id in counted:
                 continue
             take.append(v.id)
-            over -= cfg.weighted(v)
+            for sid in (v.id, *self.policy.orphans([v.id], self.alloc)):     # a checkpoint takes its set along
+                seg = self.alloc.segments[sid]
+                if sid not in counted and seg.state in A.DEVICE_STATES:
+                    counted.add(sid)
+                    over -= cfg.weighted(seg)
             if over <= 0:
                 break
         else:
             return False
-        retired = {sid for sid in take if sid in self.policy.prefer}
+        retired = frozenset(sid for sid in take if sid in self.policy.prefer)
         for sid in take:
             if self.durable(sid):
                 self.drop_from_device(sid)                  # offloaded: keeps its index entries
-        for as_retired in (True, False):                    # (an evicted checkpoint takes its set along)
-            ids = [sid for sid in take if (sid in retired) == as_retired
-                   and self.alloc.state_of(sid) is SegState.DEVICE]
-            if ids:
-                self.evict(ids, retired=as_retired)
-        return True
-
-    def make_room(self, kind: Kind, nbytes: int, protect: frozenset[int] = frozenset()) -> bool:
-        """Room under the weighted cap for `nbytes` more of `kind`, taking victims in the policy's order."""
-        cap, w = self.alloc.config.cap_bytes, self.alloc.config.weights[kind]
-        while self.alloc.device_weighted_bytes + w * nbytes > cap:
-            victim = next((v for v in self.policy.victims(self.alloc) if v.id not in protect), None)
-            if victim is None:
-                return False
-            self.drop_from_device(victim.id, retired=victim.id in self.policy.prefer)
+        self.evict([sid for sid in take if self.alloc.state_of(sid) is SegState.DEVICE], retired=retired)
         return True
 
     def restore(self, sid: int, protect: frozenset[int]) -> bool:
         """A DISK (or HOST) segment back to the device: room and a fresh unit, then disk -> host ->
         device. The caller uploads its bytes into `unit(sid)`."""
         seg = self.alloc.get(sid)
-        if not self.make_room(seg.kind, seg.nbytes, protect | {sid}):
+        if not self.make_room_for({seg.kind: seg.nbytes}, protect | {sid}):
             return False
         unit = self.take_unit(seg.group, protect | {sid})
         if unit is None:
@@ -384,12 +374,12 @@ class SegmentStore:
             return
         self.evict([sid], retired=retired, reclaimed=reclaimed)
 
-    def evict(self, sids: Iterable[int], retired: bool = False, reclaimed: bool = False, orphans: bool = True):
+    def evict(self, sids: Iterable[int], retired: bool | frozenset[int] = False, reclaimed: bool = False,
+              orphans: bool = True):
         """Frees these segments (wherever they are), with their units, index entries and (orphans) the
-        rest of their checkpoint sets."""
+        rest of their checkpoint sets. retired: as `free`'s."""
         before = self.alloc
-        for sid in sids:
-            self.alloc = A.evict(self.alloc, sid)
+        self.alloc = A.evict_many(self.alloc, sids)
         self.free(before, retired=retired, reclaimed=reclaimed, orphans=orphans)
 
     def close_tail(self, sid: int, entry_id: int):
@@ -419,22 +409,23 @@ class SegmentStore:
             self.alloc = A.transition(self.alloc, sid, SegState.FREE)
             self.release_unit(sid)
 
-    def free(self, before: A.AllocState, retired: bool = False, reclaimed: bool = False, orphans: bool = True):
+    def free(self, before: A.AllocState, retired: bool | frozenset[int] = False, reclaimed: bool = False,
+             orphans: bool = True):
         """Releases the units of segments freed since `before` and drops their index entries.
-        retired: freed by the retention policy (counted apart from evictions under pressure). orphans:
-        a freed checkpoint takes the rest of its set (the policy's `orphans`)."""
+        retired: freed by the retention policy (counted apart from evictions under pressure), all of
+        them (True) or those of a set of ids. orphans: a freed checkpoint takes the rest of its set
+        (the policy's `orphans`)."""
         gone = A.evicted_ids(before, self.alloc)
         if orphans:
             more = self.policy.orphans(gone, self.alloc)
-            for sid in more:
-                self.alloc = A.evict(self.alloc, sid)
+            self.alloc = A.evict_many(self.alloc, more)
             gone += more
-        if retired:
-            self.counts.retired_checkpoints += len(gone)
-        elif reclaimed:
-            self.counts.reclaimed += len(gone)
+        n_retired = len(gone) if retired is True else len(set(gone) & retired) if retired else 0
+        self.counts.retired_checkpoints += n_retired
+        if reclaimed:
+            self.counts.reclaimed += len(gone) - n_retired
         else:
-            self.counts.evictions += len(gone)
+            self.counts.evictions += len(gone) - n_retired
         for sid in gone:
             if sid in self.units:
                 self.release_unit(sid)
