@@ -70,6 +70,14 @@ def run(eng: LLMEngine, prompt: list[int], params: SamplingParams) -> tuple[list
     # (unreachable)
 
 
+def settle(eng: LLMEngine):
+    """Waits for the engine's disk tier to finish writing behind (its writer thread would otherwise share
+    the two cores with the request timed next)."""
+    disk = eng.scheduler.prefix.store.disk
+    disk.flush()
+    disk._writer.submit(lambda: None).result()       # (its one thread: whatever it had queued is done)
+
+
 def cache_bytes(eng: LLMEngine, end: int) -> int:
     store = eng.scheduler.prefix.store
     layout, geo = store.store.layout, store.geometry
@@ -106,6 +114,7 @@ def family(name: str, write, prompt_len: int, repeats: int, tmp: str) -> dict:
             flip(shared, m.key)
             tampered += 1
         before = D.scheduler.prefix.store.disk.handoffs.received
+        settle(D)
         got, ttft_h = run(D, prompt, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True,
                                                     kv_transfer=KVTransfer("receive", room, m.end, m.key)))
         took = D.scheduler.prefix.store.disk.handoffs.received - before
@@ -124,6 +133,7 @@ def family(name: str, write, prompt_len: int, repeats: int, tmp: str) -> dict:
             # prompt's spare checkpoint before its last token is let go first)
             other = [(t + 1) % (vocab - 2) + 1 for t in prompt]
             run(D, other[:m.end], SamplingParams(max_tokens=1, temperature=0))
+            settle(D)
             hits = D.metrics.prefix_hits._value.get()
             _, ttft_l = run(D, other, greedy)
             got_hit = D.metrics.prefix_hits._value.get() - hits
