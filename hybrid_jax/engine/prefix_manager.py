@@ -130,7 +130,10 @@ class PrefixManager:
 
     # --- the store's life --------------------------------------------------------------------------
     def prefetch(self, q: Request):
-        self.store.prefetch(q.request_id, q.prompt_ids, q.params.kv_transfer)    # a disk hit starts loading now
+        """On arrival: a disk hit (or a handoff) starts loading now, unless the request will take no
+        cached prefix (it asks for prompt_logprobs: `reuse`)."""
+        if q.params.prompt_logprobs is None:
+            self.store.prefetch(q.request_id, q.prompt_ids, q.params.kv_transfer)
 
     def reset(self, blocks: BlockManager, cap_bytes: int | None = None, clear_points: bool = True,
               disk: DiskConfig | None | bool = True):

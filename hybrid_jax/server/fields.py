@@ -135,7 +135,8 @@ FIELDS: tuple[Field, ...] = (
     Field("structural_tag", H, _Y, "xgrammar's structural tags: send a grammar, or tools with tool_choice"),
     Field("priority", BOTH, _N, "the engine schedules first come, first served", (0,)),
     Field("cache_salt", BOTH, _Y, "the prefix cache has no per-request salt"),
-    Field("kv_transfer_params", BOTH, _N, "no disaggregated serving"),
+    Field("kv_transfer_params", BOTH, _N, "vLLM's connector parameters: disaggregation here follows the SGLang "
+          "gateway's `bootstrap_room` (`--disaggregation-mode`)"),
     Field("vllm_xargs", BOTH, _N, "no custom extensions"),
     Field("mm_processor_kwargs", H | T, _N, "this server serves text-only models"),
     Field("reasoning_effort", H, _N, "send the model's own switch in chat_template_kwargs (e.g. enable_thinking)"),

@@ -122,3 +122,26 @@ def test_aborted_requests_leave_no_prefetch_and_their_room_is_told(engines):
     sender.engine.abort_request("s-abort")
     m = wait_marker_blocking(d, 16, 10.0)
     assert m.status == "refused" and "aborted" in m.reason
+
+
+def test_a_receiver_asking_for_prompt_logprobs_scores_the_whole_prompt_and_holds_no_read(engines):
+    """prompt_logprobs: the request takes no cached prefix, so it neither reads nor takes the handoff
+    (the entry stays for the tier's cap) and its prompt's log-probabilities are the reference's."""
+    sender, receiver, ref, d = engines
+    prompt = _prompt(200, 8)
+    m = _send(sender, d, prompt, room=17)
+    h, _ = _handoffs(receiver)
+    before = h.received
+    eng = receiver.engine
+    t = KVTransfer("receive", 17, m.end, m.key)
+    eng.add_request("r-plp", prompt, SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=0, kv_transfer=t))
+    assert "r-plp" not in h._prefetched
+    outs = []
+    while not (outs and outs[-1].finished):
+        outs += [o for o in eng.step() if o.request_id == "r-plp"]
+    got = next(o.prompt_logprobs for o in outs if o.prompt_logprobs is not None)
+    want = ref.generate(prompt, SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=0))[0].prompt_logprobs
+    assert len(got) == len(want) == 200
+    assert [x["logprob"] for x in got[1:]] == pytest.approx([x["logprob"] for x in want[1:]], abs=1e-4)
+    assert h.received == before and os.path.exists(os.path.join(d, "entries", m.key))
+
