@@ -98,6 +98,7 @@ class KVEventIndex:
             sock.connect(e)
             self._socks.append(sock)
         self._stop = False
+        self.last_event = time.monotonic()
         self._thread = threading.Thread(target=self._loop, daemon=True)
         self._thread.start()
 
@@ -110,7 +111,14 @@ class KVEventIndex:
                 _, _, payload = sock.recv_multipart()
                 self._apply(self.blocks[self._socks.index(sock)], msgpack.unpackb(payload))
 
+    def settle(self, quiet_s: float = 0.3, timeout_s: float = 10.0):
+        """Waits until no event has come for `quiet_s` (the turn's events are in), at most `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() - self.last_event < quiet_s and time.monotonic() < deadline:
+            time.sleep(0.05)
+
     def _apply(self, held: set, batch: dict):
+        self.last_event = time.monotonic()
         for e in batch["events"]:
             if e["type"] == "BlockStored":
                 self.block_size = e["block_size"]
@@ -144,6 +152,7 @@ class KVEventRouter:
 
     def __init__(self, urls: list[str], index: KVEventIndex):
         self.urls, self.index, self.sent = urls, index, [0] * len(urls)
+        self.settle = index.settle
 
     def __call__(self, client: httpx.Client, prompt: str) -> str:
         ids = client.post(self.urls[0] + "/tokenize", json={"model": NAME, "prompt": prompt}).json()["tokens"]
@@ -169,7 +178,9 @@ def run(url, openings: list[str], turns: int, max_tokens: int, seed: int = 0) ->
             rng.shuffle(order)
             answers = dict(pool.map(one, order))
             texts = [x + answers[i] + f"\nAnd then, turn {t + 1}: " for i, x in enumerate(texts)]
-            time.sleep(0.2)          # the turn's KV events reach the subscriber before the next turn is routed
+            # a router fed by KV events routes the next turn once this turn's events are in (a fixed pause
+            # lost events to a loaded machine)
+            getattr(url, "settle", lambda: time.sleep(0.2))()
 
 
 def measure(urls: list[str], target, openings: list[str], args) -> tuple[float, list[int]]:
