@@ -299,7 +299,8 @@ class SegmentStore:
         a long publish evicts dozens). False, with nothing let go, when even every victim would not
         make room."""
         cfg = self.alloc.config
-        over = self.alloc.device_weighted_bytes + sum(cfg.weights[k] * n for k, n in need.items()) - cfg.cap_bytes
+        extra = sum(cfg.weights[k] * n for k, n in need.items())
+        over = self.alloc.device_weighted_bytes + extra - cfg.cap_bytes
         if over <= 0:
             return True
         take, counted = [], set()
@@ -307,11 +308,11 @@ class SegmentStore:
             if v.id in protect or v.id in counted:
                 continue
             take.append(v.id)
-            for sid in (v.id, *self.policy.orphans([v.id], self.alloc)):     # a checkpoint takes its set along
-                seg = self.alloc.segments[sid]
-                if sid not in counted and seg.state in A.DEVICE_STATES:
+            along = () if self.durable(v.id) else self.policy.orphans([v.id], self.alloc)   # an evicted checkpoint
+            for sid in (v.id, *along):                                                      # takes its set along
+                if sid not in counted and self.alloc.state_of(sid) in A.DEVICE_STATES:
                     counted.add(sid)
-                    over -= cfg.weighted(seg)
+                    over -= cfg.weighted(self.alloc.get(sid))
             if over <= 0:
                 break
         else:
@@ -321,6 +322,11 @@ class SegmentStore:
             if self.durable(sid):
                 self.drop_from_device(sid)                  # offloaded: keeps its index entries
         self.evict([sid for sid in take if self.alloc.state_of(sid) is SegState.DEVICE], retired=retired)
+        while self.alloc.device_weighted_bytes + extra > cfg.cap_bytes:      # (had the count above been short)
+            victim = next((v for v in self.policy.victims(self.alloc) if v.id not in protect), None)
+            if victim is None:
+                return False
+            self.drop_from_device(victim.id, retired=victim.id in self.policy.prefer)
         return True
 
     def restore(self, sid: int, protect: frozenset[int]) -> bool:
