@@ -409,12 +409,6 @@ class SegmentStore:
         if self.watch is not None:
             self.watch.released(sid)
 
-    def abort(self, sids: list[int]):
-        """Frees segments allocated (WRITING) by a publish or restore that cannot complete, with their units."""
-        for sid in sids:
-            self.alloc = A.transition(self.alloc, sid, SegState.FREE)
-            self.release_unit(sid)
-
     def free(self, before: A.AllocState, retired: bool | frozenset[int] = False, reclaimed: bool = False,
              orphans: bool = True):
         """Releases the units of segments freed since `before` and drops their index entries.
