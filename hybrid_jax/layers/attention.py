@@ -42,6 +42,13 @@ def pinned_pool(pool: jax.Array) -> jax.Array:
     return constrain(pool, (None,) * (pool.ndim - 2) + ("kv_heads", None))
 
 
+def whole_pool(pool: jax.Array) -> jax.Array:
+    """A latent / indexer pool just written, held whole on every device on a mesh (every head reads all of
+    it; `parallel.constrain`). Left free, the partitioner may split it after the write and all-gather it for
+    the read: Qwen4-Exp's indexer keys, 1.25 GiB a layer and decode step at 64 rows x 32k."""
+    return constrain(pool, (None,) * pool.ndim)
+
+
 def _scores(qg: jax.Array, k: jax.Array) -> jax.Array:
     """qg: [B, G, R, T, D]; k: [B, S, G, D] -> [B, G, R, T, S] fp32, as one batched matmul per group."""
     B, G, R, T, D = qg.shape

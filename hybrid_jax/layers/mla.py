@@ -17,9 +17,10 @@ import jax
 import jax.numpy as jnp
 
 from cache.mla import write_paged, write_paged_flat
+from hybrid_jax.layers.attention import whole_pool
 from hybrid_jax.layers.linear import dequantize, linear
 from hybrid_jax.layers.rope import apply_rope
-from hybrid_jax.parallel.context import MODEL, constrain, per_device, tensor_size
+from hybrid_jax.parallel.context import MODEL, per_device, tensor_size
 from pallas_kernels.sparse_attention import (
     dense_mla_attention,
     in_order_selection,
@@ -68,12 +69,6 @@ def index_rope(x, cos, sin, interleaved: bool):
         return apply_rope(x, cos, sin)
     dr = cos.shape[-1]
     return jnp.concatenate([rope_interleaved(x[..., :dr], cos, sin), x[..., dr:]], axis=-1)
-
-
-def _whole(pool: jax.Array) -> jax.Array:
-    """A latent / indexer pool just written, held whole on every device on a mesh (every head reads all
-    of it; `parallel.constrain`)."""
-    return constrain(pool, (None,) * pool.ndim)
 
 
 def to_pool_width(x: jax.Array, width: int) -> jax.Array:
@@ -143,8 +138,8 @@ def sparse_attention(p: dict, x, cos, sin, positions, valid, lengths, n_new, lat
             return lambda pool, new, table: write_paged(pool, new, table, positions, valid, at)
         return lambda pool, new, table: write_paged_flat(pool, new[0], table, ragged.seq, positions[0], valid[0], at)
     write = writer(layer)
-    lat = _whole(write(lat, c, page_table))
-    rope = _whole(write(rope, k_rot, page_table))
+    lat = whole_pool(write(lat, c, page_table))
+    rope = whole_pool(write(rope, k_rot, page_table))
     kv_len = lengths + n_new
     # a Top-K as wide as the table selects every causal position: the read takes them in order (each
     # row once, not a gathered row group per selection) and the indexer only writes its keys
@@ -190,10 +185,10 @@ def _index_select(p: dict, x, q_resid, cos, sin, positions, valid, kv_len, ikeys
     ki = index_rope(ki[:, :, None], cos, sin, interleaved)[:, :, 0]                     # [B, T, Di]
     if iscale is not None:
         k8, sc = quantize_fp8(ki)
-        ikeys = _whole(write(ikeys, k8, index_table))
-        iscale = _whole(write(iscale, sc, index_table))
+        ikeys = whole_pool(write(ikeys, k8, index_table))
+        iscale = whole_pool(write(iscale, sc, index_table))
     else:
-        ikeys = _whole(write(ikeys, ki, index_table))
+        ikeys = whole_pool(write(ikeys, ki, index_table))
     if not score:
         return None, ikeys, iscale
     w = indexer_weights(x.astype(jnp.float32) @ p["idx_w"].astype(jnp.float32), index_heads, index_dim)
@@ -234,7 +229,7 @@ def nope_attention(p: dict, x, positions, valid, lengths, n_new, lat, rope, page
     else:
         def write(pool, new):
             return write_paged_flat(pool, new[0], page_table, ragged.seq, positions[0], valid[0], layer)
-    lat, rope = _whole(write(lat, c)), _whole(write(rope, k_r))
+    lat, rope = whole_pool(write(lat, c)), whole_pool(write(rope, k_r))
     q_lat = jnp.einsum("bthn,hnr->bthr", q[..., :nope], dequantize(p["w_uk"], x.dtype))   # [B, T, H, R]
     q_r = to_pool_width(q[..., nope:], rope.shape[-1])
     kv_len = lengths + n_new

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from cache.mla import write_paged
-from hybrid_jax.layers.attention import _gated_output, _qkv, write_kv
+from hybrid_jax.layers.attention import _gated_output, _qkv, whole_pool, write_kv
 from hybrid_jax.layers.linear import linear
 from hybrid_jax.layers.norms import rms_norm_zero_centered
 from hybrid_jax.layers.rope import apply_rope
@@ -182,8 +182,8 @@ def indexed_attention(p: dict, x: jax.Array, cos, sin, block_rope: Callable, pos
     if not defer_write:        # written first and read after: a pool read before its in-place write is copied whole
         kv = kv.replace(k=write_kv(kv.k, k, kv.page_table, positions, valid, layer),
                         v=write_kv(kv.v, v, kv.page_table, positions, valid, layer))
-        ikeys = ikeys.replace(keys=write_paged(ikeys.keys, ki.astype(ikeys.keys.dtype), ikeys.page_table, positions,
-                                               valid, layer=ilayer))
+        ikeys = ikeys.replace(keys=whole_pool(write_paged(ikeys.keys, ki.astype(ikeys.keys.dtype), ikeys.page_table,
+                                                          positions, valid, layer=ilayer)))
     span = row_span(positions, valid)
     blocks = select_blocks(ip, qi, PagedSource(ikeys.keys, ilayer, ikeys.page_table, ki), span, positions,
                            block_rope, C=compress_ratio, block_topk=block_topk, eps=eps, block_keys=QSA_BLOCK_KEYS)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import dispatch
+from pallas_kernels import context_parallel, dispatch
 from pallas_kernels.gated_delta_rule import chunk as _chunk
 from pallas_kernels.gated_delta_rule import fused_recurrent as _fused_recurrent
 from pallas_kernels.gated_delta_rule import naive as _naive
@@ -57,15 +57,23 @@ def chunk_gated_delta_rule(
     cu_seqlens: jax.Array | None = None,     # [N + 1] int32, packed batch (B == 1)
     chunk_size: int | None = None,           # None: each implementation's best (XLA on CPU 32, Pallas 64)
     impl: str = "auto",
+    context_axis: str | None = None,         # inside shard_map: tokens split by position over this axis
 ):
-    """Gated delta rule over a whole sequence (prefill). Returns (o [B, T, HV, V], final [N, HV, K, V] or None)."""
+    """Gated delta rule over a whole sequence (prefill). Returns (o [B, T, HV, V], final [N, HV, K, V] or None).
+    context_axis: called inside `jax.shard_map` over that mesh axis with q, k, v, g, beta split along T
+    (each device a span of positions) and initial_state, cu_seqlens whole: the context-parallel form
+    (pallas_kernels.context_parallel); o is the device's span, the final state every sequence's."""
     check_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
-    kw = dict(scale=scale, output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
-    return dispatch.run(
-        "chunk_gated_delta_rule", impl, (q, k, v, g, beta, initial_state, cu_seqlens),
-        reference=_on_args(_naive.naive_recurrent_gated_delta_rule, **kw),
-        xla=_on_args(_chunk.chunk_gated_delta_rule_xla, chunk_size=chunk_size, **kw),
-        pallas=lambda: _on_args(_pallas_chunk(), chunk_size=chunk_size, **kw))
+
+    def rule(q, k, v, g, beta, h0, cu, final=output_final_state):
+        kw = dict(scale=scale, output_final_state=final, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+        return dispatch.run(
+            "chunk_gated_delta_rule", impl, (q, k, v, g, beta, h0, cu),
+            reference=_on_args(_naive.naive_recurrent_gated_delta_rule, **kw),
+            xla=_on_args(_chunk.chunk_gated_delta_rule_xla, chunk_size=chunk_size, **kw),
+            pallas=lambda: _on_args(_pallas_chunk(), chunk_size=chunk_size, **kw))
+    return context_parallel.run_rule(rule, (q, k, v, g, beta, initial_state, cu_seqlens), context_axis,
+                                     output_final_state)
 
 
 def fused_recurrent_gated_delta_rule(

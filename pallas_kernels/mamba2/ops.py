@@ -21,7 +21,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import dispatch
+from pallas_kernels import context_parallel, dispatch
 from pallas_kernels.gated_delta_rule.common import check_state_indices, on_gathered_rows, per_token_output
 from pallas_kernels.gated_delta_rule.ops import _on_args
 from pallas_kernels.mamba2 import chunk as _chunk
@@ -72,18 +72,25 @@ def chunk_mamba2(
     cu_seqlens: jax.Array | None = None,     # [N + 1] int32, packed batch (B == 1)
     chunk_size: int | None = None,           # None: each implementation's best (XLA 32, Pallas 64)
     impl: str = "auto",
+    context_axis: str | None = None,         # inside shard_map: tokens split by position over this axis
 ):
     """Mamba2's scan over a whole sequence (prefill), mamba_chunk_scan_combined's rule (no z).
-    Returns (y [B, T, H, P] in x.dtype, final [N, H, headdim, dstate] f32 or None)."""
+    Returns (y [B, T, H, P] in x.dtype, final [N, H, headdim, dstate] f32 or None).
+    context_axis: the context-parallel form, as `chunk_gated_delta_rule`'s (x, dt, B, C split along T)."""
     check_inputs(x, dt, A, B, C, D, dt_bias, initial_state, cu_seqlens)
     a = as_rule_args(x, dt, A, B, C, dt_bias, TimeStep(dt_softplus, tuple(dt_limit)))
-    kw = dict(_RULE, output_final_state=output_final_state)
-    y, final = dispatch.run(
-        "chunk_mamba2", impl, (a.q, a.k, a.v, a.g, a.beta, initial_state, cu_seqlens),
-        reference=_headdim_major(_on_args(_naive.naive_recurrent_ssd, **kw)),
-        xla=_headdim_major(_on_args(_chunk.chunk_ssd_xla, chunk_size=chunk_size, **kw)),
-        pallas=lambda: _headdim_major(_on_args(_pallas_chunk(), chunk_size=chunk_size, **kw)))
-    return with_skip(y, x, D, cu_seqlens), final
+
+    def rule(q, k, v, g, beta, h0, cu, final=output_final_state):       # states [.., dstate, headdim]
+        kw = dict(_RULE, output_final_state=final)
+        return dispatch.run(
+            "chunk_mamba2", impl, (q, k, v, g, beta, h0, cu),
+            reference=_on_args(_naive.naive_recurrent_ssd, **kw),
+            xla=_on_args(_chunk.chunk_ssd_xla, chunk_size=chunk_size, **kw),
+            pallas=lambda: _on_args(_pallas_chunk(), chunk_size=chunk_size, **kw))
+    y, final = context_parallel.run_rule(rule, (a.q, a.k, a.v, a.g, a.beta, _t(initial_state), cu_seqlens),
+                                         context_axis, output_final_state)
+    local_cu = context_parallel.local_cu_seqlens(cu_seqlens, x.shape[1], context_axis)
+    return with_skip(y, x, D, local_cu), _t(final)
 
 
 def fused_recurrent_mamba2(

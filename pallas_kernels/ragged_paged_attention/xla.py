@@ -87,12 +87,17 @@ def _bdot(a, b, ca: int, cb: int):
 
 
 def gather_any(pool, index):
-    """pool[index] for any dtype, in the pool's dtype. XLA:CPU has no bf16 / f16 gather: a 16-bit pool is
-    gathered as uint16, else the compiled step converts the whole pool to f32 first (hoisted out of any loop,
-    but once per call: work and memory growing with the pool, not with what is read)."""
+    """pool[index] for any dtype, in the pool's dtype. XLA:CPU has no bf16 / f16 gather: lowered for the CPU, a
+    16-bit pool is gathered as uint16, else the compiled step converts the whole pool to f32 first (hoisted out
+    of any loop, but once per call: work and memory growing with the pool, not with what is read). Lowered for
+    an accelerator it is gathered as it is: there the bitcast is a copy of the whole pool (a TPU lays uint16 out
+    apart from bf16), which cost Qwen4-Exp's sparse read 4 GiB per layer and decode step."""
     if jnp.dtype(pool.dtype).itemsize != 2:
         return pool[index]
-    return jax.lax.bitcast_convert_type(jax.lax.bitcast_convert_type(pool, jnp.uint16)[index], pool.dtype)
+
+    def as_uint16(pool):
+        return jax.lax.bitcast_convert_type(jax.lax.bitcast_convert_type(pool, jnp.uint16)[index], pool.dtype)
+    return jax.lax.platform_dependent(pool, cpu=as_uint16, default=lambda pool: pool[index])
 
 
 def _gather_head(pool, pages, h):
