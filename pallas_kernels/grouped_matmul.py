@@ -14,7 +14,8 @@ order; grid (N / tn, items, K / tk). Each step loads a [tm, tk] block of rows an
 FP8 block, dequantizes its (tk / bk) x (tn / bn) scale blocks (the group's scales sit in SMEM) and
 accumulates in f32; at the last K step the rows of the tile that belong to the item's group are
 stored. Each weight block is read once per item: a group whose rows straddle t tile boundaries is read
-t + 1 times (the cost estimate counts the worst case, tiles + groups - 1 items).
+t + 1 times (the cost estimate counts the worst case, tiles + min(groups, rows) - 1 items: a group with no
+row has no item, so a decode step's few rows read only the experts they chose).
 """
 from __future__ import annotations
 
@@ -102,11 +103,12 @@ def _pallas(xs, w, scale, group_sizes, *, block, backend="tpu", interpret=False)
                                                           start_group=jnp.zeros((), jnp.int32),
                                                           num_nonzero_groups=E, visit_empty_groups=False)
     nk = K // tk
-    max_items = Rp // tm + E - 1
+    live = min(E, R)                  # groups that can hold rows: at most one per row (a decode step: R << E)
+    max_items = Rp // tm + live - 1
     itemsize = jnp.dtype(xs.dtype).itemsize
     cost = pl.CostEstimate(flops=2 * max_items * tm * K * N, transcendentals=0,
                            bytes_accessed=int(Rp * K * itemsize * (N // tn) + max_items * K * N
-                                              + E * scale.shape[1] * scale.shape[2] * 4 + Rp * N * itemsize))
+                                              + live * scale.shape[1] * scale.shape[2] * 4 + Rp * N * itemsize))
     out = pl.pallas_call(
         functools.partial(_tpu_kernel, tm=tm, tk=tk, tn=tn, bk=bk, bn=bn, nk=nk),
         out_shape=jax.ShapeDtypeStruct((Rp, N), xs.dtype),

@@ -1,7 +1,8 @@
 """Feed-forward layers: SwiGLU MLP, and the sparse MoE block with a gated shared expert.
 
 MoE routing: softmax over experts in fp32, Top-k, optional renormalisation. Three static choices by
-shape: few routed rows (decode) gather the k chosen experts' weights per token; many rows with few
+shape: few routed rows (decode) gather the k chosen experts' weights per token (FP8 experts lowered for a
+TPU take the sorted form instead: `_routed_few_fp8`); many rows with few
 experts (E <= 4k) run every expert densely and mask by the routing weights; many rows with many
 experts sort rows by expert and run two grouped matmuls (`lax.ragged_dot`), so no expert computes a
 token it was not routed.
@@ -81,7 +82,9 @@ def relu2(h):
 
 
 def _routed_gather(x, idx, w, gate_up, down, act=_split_act):
-    # x: [M, Hd]; idx, w: [M, k]; gate_up: [E, Hd, 2I]; down: [E, I, Hd] (only the chosen experts are decoded)
+    # x: [M, Hd]; idx, w: [M, k]; gate_up: [E, Hd, 2I]; down: [E, I, Hd] (only the chosen experts are decoded);
+    # idx E (another device's expert, weight 0) reads expert E - 1
+    idx = jnp.minimum(idx, gate_up.shape[0] - 1)
     h = jnp.einsum("mh,mkhi->mki", x, dequantize(take(gate_up, idx), x.dtype))
     y = jnp.einsum("mki,mkih->mkh", act(h), dequantize(take(down, idx), x.dtype))
     return jnp.einsum("mkh,mk->mh", y, w.astype(y.dtype))
@@ -139,10 +142,23 @@ def _routed_sorted(x, idx, w, gate_up, down, act=_split_act):
     return jnp.zeros_like(x).at[tok].add(y)
 
 
-def _form(M: int, k: int, E: int):
-    """The routed experts' form for M rows, k experts each, of E (module docstring)."""
+def _routed_few_fp8(x, idx, w, gate_up, down, act=_split_act):
+    """Few rows over FP8 experts. Lowered for a TPU, the sorted form: its FP8 grouped matmul reads each chosen
+    expert's codes once and dequantizes them tile by tile in VMEM. The gather form there gathered each row's
+    experts as FP8 slabs and dequantized them whole (DeepSeek-V3.2 on one v5p chip: 592 GB a token at 8
+    rows). Elsewhere the gather form: the sorted form's XLA path dequantizes every expert each step."""
+    def gather(x, idx, w):
+        return _routed_gather(x, idx, w, gate_up, down, act)
+
+    def sorted_(x, idx, w):
+        return _routed_sorted(x, idx, w, gate_up, down, act)
+    return jax.lax.platform_dependent(x, idx, w, tpu=sorted_, default=gather)
+
+
+def _form(M: int, k: int, E: int, fp8: bool = False):
+    """The routed experts' form for M rows, k experts each, of E (module docstring); fp8: the experts are FP8."""
     if M * k <= E:
-        return _routed_gather
+        return _routed_few_fp8 if fp8 else _routed_gather
     if E <= 4 * k:
         return _routed_dense
     return _routed_sorted
@@ -163,7 +179,7 @@ def routed_experts(x: jax.Array, idx: jax.Array, w: jax.Array, gate_up: jax.Arra
     M, k = idx.shape
     E = gate_up.shape[0]
     act = functools.partial(_split_act, limit=limit) if activation is None else activation
-    form = functools.partial(_form(M, k, E), act=act)
+    form = functools.partial(_form(M, k, E, isinstance(gate_up, Fp8Weight)), act=act)
     lay = current()
     if lay is None or tensor_size() == 1 or lay.spec(_EXPERTS, gate_up.shape, "experts")[0] is None:
         return form(x, idx, w, gate_up, down)
@@ -172,11 +188,9 @@ def routed_experts(x: jax.Array, idx: jax.Array, w: jax.Array, gate_up: jax.Arra
         El = gate_up.shape[0]
         first = jax.lax.axis_index(MODEL) * El
         mine = (idx >= first) & (idx < first + El)
-        # another device's expert: index El (the sorted form leaves it out of its groups), clipped to a
-        # real one with weight 0 on the gather form; the dense form's one-hot of El is all zeros
+        # another device's expert: index El (the sorted form leaves it out of its groups, the gather form
+        # reads expert El - 1 with weight 0); the dense form's one-hot of El is all zeros
         local = jnp.where(mine, idx - first, El)
-        if form.func is _routed_gather:
-            local = jnp.minimum(local, El - 1)
         y = form(x, local, jnp.where(mine, w, jnp.zeros_like(w)), gate_up, down)
         return jax.lax.psum(y, MODEL)
     return per_device(own_experts, (None, None, None, _EXPERTS, _EXPERTS), None)(x, idx, w, gate_up, down)

@@ -406,3 +406,34 @@ def test_dsa_decode_reads_the_latent_once_when_the_top_k_covers_the_table():
                   for k in (2048, 1024))
     assert wide.roofline.min_decode_bytes == half.roofline.min_decode_bytes
     assert wide.roofline.decode_bytes < 0.5 * half.roofline.decode_bytes
+
+
+@needs_libtpu
+def test_few_rows_over_fp8_experts_read_only_the_chosen_experts_once(monkeypatch):
+    """A decode step with fewer routed assignments than experts (rows x k <= E), FP8 experts, lowered for a TPU:
+    the sorted form's FP8 grouped matmul reads each chosen expert's codes once and dequantizes tiles in VMEM.
+    The gather form gathered every row's experts as FP8 slabs and dequantized them whole (DeepSeek-V3.2 on
+    one v5p chip: 592 GB a token at 8 rows). Lowered for the CPU the gather form stays (layers.mlp)."""
+    import hybrid_jax.layers.mlp as mlp  # noqa: PLC0415
+    import hybrid_jax.plan.compile as plan_compile  # noqa: PLC0415
+    from hybrid_jax.plan.planner import decode_cost_per_token  # noqa: PLC0415
+    # 16 experts of [256, 2 x 128] (the FP8 kernel's 128-multiples), 2 a token: 4 rows (bucket 8) choose 16
+    cfg = config_from_hf_dict(dict(V32_TINY, hidden_size=256, moe_intermediate_size=128, n_routed_experts=16,
+                                   num_hidden_layers=2))
+    texts = []
+    cost = plan_compile._cost
+    monkeypatch.setattr(plan_compile, "_cost", lambda c: texts.append(c.as_text()) or cost(c))
+    figures = {}
+    for form in ("sorted", "gather"):
+        monkeypatch.setattr(plan_compile, "_COMPILED", {})
+        if form == "gather":           # the form every few-row step took before
+            new = mlp._form
+            monkeypatch.setattr(mlp, "_form", lambda M, k, E, fp8=False: new(M, k, E, False))
+        figures[form] = decode_cost_per_token("v32", "v5p", config=cfg, quantization="fp8", max_num_seqs=4,
+                                              max_model_len=256, layers="full")
+    def expert_kernels(text):        # the grouped matmul over the 16 routed experts (not the shared expert's)
+        return [ln for ln in text.splitlines() if "custom-call(" in ln and "fp8_grouped_matmul" in ln
+                and "f8e4m3fn[16," in ln]
+    sorted_text, gather_text = texts
+    assert len(expert_kernels(sorted_text)) == 2 and not expert_kernels(gather_text)    # up and down of layer 1
+    assert figures["sorted"]["bytes_accessed"] < 0.75 * figures["gather"]["bytes_accessed"], figures
