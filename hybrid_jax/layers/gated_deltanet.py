@@ -141,12 +141,16 @@ def gated_deltanet(p: dict, x: jax.Array, valid: jax.Array, n_new: jax.Array, co
 
 
 def ragged_causal_conv(x: jax.Array, conv_state: jax.Array, w: jax.Array, seq: jax.Array, cu_seqlens: jax.Array,
-                       bias: jax.Array | None = None):
+                       bias: jax.Array | None = None, context_axis: str | None = None):
     """`causal_conv` over a ragged batch. x: [N, C] (sequence s owns rows cu_seqlens[s] ..
     cu_seqlens[s + 1] - 1; seq [N] each row's sequence); conv_state [S, W-1, C]; w [W, C]; bias [C] or None.
     Returns (y [N, C] after SiLU, new conv_state [S, W-1, C]: each sequence's last W-1 inputs; a
     sequence without tokens keeps its state). Each tap reads the sequence's own earlier input, or
-    its conv state before the first one: never another sequence's."""
+    its conv state before the first one: never another sequence's.
+    context_axis: inside `jax.shard_map` over that axis, x and seq are this device's span of the batch's rows
+    (at least W - 1 of them) and cu_seqlens the whole batch's: `_ragged_conv_over_axis`."""
+    if context_axis is not None:
+        return _ragged_conv_over_axis(x, conv_state, w, seq, cu_seqlens, bias, context_axis)
     W, (N, C), S = w.shape[0], x.shape, conv_state.shape[0]
     ext = jnp.concatenate([conv_state.astype(x.dtype).reshape(S * (W - 1), C), x], axis=0)
     cu = cu_seqlens.astype(jnp.int32)
@@ -164,18 +168,51 @@ def ragged_causal_conv(x: jax.Array, conv_state: jax.Array, w: jax.Array, seq: j
     return jax.nn.silu(y), new_state.astype(conv_state.dtype)
 
 
+def _ragged_conv_over_axis(x, conv_state, w, seq, cu_seqlens, bias, axis: str):
+    """`ragged_causal_conv` of a batch whose rows are split by position over mesh axis `axis` (inside shard_map:
+    x [N, C] and seq [N] this device's span, cu_seqlens and conv_state whole). The sequence the span begins in,
+    if it began before, takes its conv state from the device before: the last W-1 inputs of the sequence that
+    device's span ends in (one [W-1, C] ppermute; a span of at least W-1 rows holds them all, or the piece began
+    there and its state is the pool's). Each sequence's new state comes from the device of its last row.
+    Returns (y [N, C], new conv_state [S, W-1, C] whole)."""
+    W, N = w.shape[0], x.shape[0]
+    if N < W - 1:
+        raise ValueError(f"context parallelism needs at least {W - 1} rows per device for a width-{W} conv; got {N}")
+    d, n_dev = jax.lax.axis_index(axis), jax.lax.psum(1, axis)
+    cu = cu_seqlens.astype(jnp.int32)
+    S, lo = cu.shape[0] - 1, d * N
+    local = jnp.clip(cu - lo, 0, N)
+
+    def at(pos):               # the sequence holding global position pos (clipped to a real one)
+        return jnp.clip(jnp.searchsorted(cu[1:], pos, side="right"), 0, S - 1)
+    _, ends = ragged_causal_conv(x, conv_state, w, seq, local, bias)
+    halo = jax.lax.ppermute(ends[at(lo + N - 1)], axis, [(j, j + 1) for j in range(n_dev - 1)])
+    first = at(lo)
+    carried = (cu[first] < lo) & (cu[first + 1] > lo)
+    state = conv_state.at[first].set(jnp.where(carried, halo.astype(conv_state.dtype), conv_state[first]))
+    y, new = ragged_causal_conv(x, state, w, seq, local, bias)
+    last = jnp.where(cu[1:] > cu[:-1], cu[1:] - 1, cu[:-1])
+    owner = jnp.clip(last // N, 0, n_dev - 1)
+    mine = (owner == d)[:, None, None]
+    return y, jax.lax.psum(jnp.where(mine, new.astype(jnp.float32), 0.0), axis).astype(new.dtype)
+
+
 def gated_deltanet_ragged(p: dict, x: jax.Array, seq: jax.Array, valid: jax.Array, cu_seqlens: jax.Array,
                           conv_state: jax.Array, ssm_state: jax.Array, *, num_k_heads: int, num_v_heads: int,
-                          head_k_dim: int, head_v_dim: int, eps: float, impl: str = "auto", gate_act=jax.nn.silu):
+                          head_k_dim: int, head_v_dim: int, eps: float, impl: str = "auto", gate_act=jax.nn.silu,
+                          context_axis: str | None = None):
     """`gated_deltanet` over a ragged batch (hybrid_jax.models.ragged): x [N, Hd]; seq [N], valid [N];
     cu_seqlens [S + 1]; conv_state [S, W-1, C]; ssm_state [S, HV, K, V] fp32 (row s: sequence s's).
     The chunked rule runs the packed sequences with `cu_seqlens` (each padded to the chunk size, no
-    padding to the longest). Returns (out [N, Hd], conv_state, ssm_state)."""
+    padding to the longest). Returns (out [N, Hd], conv_state, ssm_state).
+    context_axis: inside `jax.shard_map` over that axis, the rows (x, seq, valid) split by position, the
+    states and cu_seqlens whole: the conv and the rule run context-parallel (pallas_kernels.context_parallel),
+    the states come back whole."""
     H, HV, K, V = num_k_heads, num_v_heads, head_k_dim, head_v_dim
     qkv, z, b, a = _project(p, x, H, HV, K, V)
-    qkv, conv_state = ragged_causal_conv(qkv, conv_state, p["conv"], seq, cu_seqlens)
+    qkv, conv_state = ragged_causal_conv(qkv, conv_state, p["conv"], seq, cu_seqlens, context_axis=context_axis)
     q, k, v = _split_qkv(qkv, H, HV, K, V)
     beta, g = _gates(p, b, a, valid)
     o, ssm_state = _rule(pallas_kernels.chunk_gated_delta_rule, q[None], k[None], v[None], g[None], beta[None],
-                         ssm_state, cu_seqlens, use_qk_l2norm_in_kernel=True, impl=impl)
+                         ssm_state, cu_seqlens, use_qk_l2norm_in_kernel=True, impl=impl, context_axis=context_axis)
     return _output(p, o[0], z, eps, x.dtype, gate_act), conv_state, ssm_state

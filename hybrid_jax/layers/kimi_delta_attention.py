@@ -67,19 +67,20 @@ def kimi_delta_attention(p: dict, x: jax.Array, valid: jax.Array, n_new: jax.Arr
 
 def kimi_delta_attention_ragged(p: dict, x: jax.Array, seq: jax.Array, valid: jax.Array, cu_seqlens: jax.Array,
                                 conv_state: jax.Array, ssm_state: jax.Array, *, num_heads: int, head_dim: int,
-                                eps: float, impl: str = "auto"):
+                                eps: float, impl: str = "auto", context_axis: str | None = None):
     """`kimi_delta_attention` over a ragged batch, as `gated_deltanet_ragged`: x [N, Hd]; seq, valid [N];
     cu_seqlens [S + 1]; conv_state [S, W-1, 3 H D]; ssm_state [S, H, D, D] fp32 (row s: sequence s's). The
     ragged causal conv, then the chunked KDA rule over the packed sequences. Returns (out [N, Hd],
-    conv_state, ssm_state)."""
+    conv_state, ssm_state). context_axis: context-parallel, as `gated_deltanet_ragged`'s."""
     N = x.shape[0]
     H, D = num_heads, head_dim
-    qkv, conv_state = ragged_causal_conv(linear(x, p["qkv"]), conv_state, p["conv"], seq, cu_seqlens)
+    qkv, conv_state = ragged_causal_conv(linear(x, p["qkv"]), conv_state, p["conv"], seq, cu_seqlens,
+                                         context_axis=context_axis)
     qkv = qkv.reshape(1, N, H, 3 * D)
     q, k, v = qkv[..., :D], qkv[..., D:2 * D], qkv[..., 2 * D:]
     beta, g = _gates(p, x[None], valid[None], H, D)
     o, ssm_state = _rule(pallas_kernels.chunk_kda, q, k, v, g, beta, ssm_state, cu_seqlens,
-                         use_qk_l2norm_in_kernel=True, impl=impl)
+                         use_qk_l2norm_in_kernel=True, impl=impl, context_axis=context_axis)
     gate = linear(linear(x, p["g_a"]), p["g_b"]).reshape(N, H, D)
     o = sigmoid_gated_rms_norm(o[0].astype(x.dtype), gate, p["norm"], eps)
     return linear(o.reshape(N, H * D), p["o_proj"]), conv_state, ssm_state

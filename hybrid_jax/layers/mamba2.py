@@ -173,18 +173,21 @@ def mamba2_mixer(p: dict, x: jax.Array, valid: jax.Array, n_new: jax.Array, conv
 
 
 def mamba2_mixer_ragged(p: dict, x: jax.Array, seq: jax.Array, valid: jax.Array, cu_seqlens: jax.Array,
-                        conv_state: jax.Array, ssm_state: jax.Array, *, dims: Mamba2Dims, impl: str = "auto"):
+                        conv_state: jax.Array, ssm_state: jax.Array, *, dims: Mamba2Dims, impl: str = "auto",
+                        context_axis: str | None = None):
     """`mamba2_mixer` over a ragged batch (hybrid_jax.models.ragged): x [N, Hd]; seq [N], valid [N];
     cu_seqlens [S + 1]; conv_state [S, W-1, C]; ssm_state [S, H, P, N] f32 (row s: sequence s's). The chunked
-    rule runs the packed sequences with `cu_seqlens`. Returns (out [N, Hd], conv_state, ssm_state)."""
+    rule runs the packed sequences with `cu_seqlens`. Returns (out [N, Hd], conv_state, ssm_state).
+    context_axis: context-parallel, as `gated_deltanet_ragged`'s."""
     d = dims
     z, xbc, dt = _split(linear(x, p["in_proj"]), d)
-    xbc, conv_state = ragged_causal_conv(xbc, conv_state, p["conv"], seq, cu_seqlens, bias=p["conv_bias"])
+    xbc, conv_state = ragged_causal_conv(xbc, conv_state, p["conv"], seq, cu_seqlens, bias=p["conv_bias"],
+                                         context_axis=context_axis)
     xs, b, c = _heads(xbc, d)
     dt = jnp.where(valid[..., None], time_step(dt, p["dt_bias"], TimeStep(True, d.time_step_limit)), 0.0)
     A = -jnp.exp(p["A_log"].astype(jnp.float32))
     y, ssm_state = _ssd(pallas_kernels.chunk_mamba2, xs[None], dt[None], A, b[None], c[None], p["D"], ssm_state,
-                        cu_seqlens=cu_seqlens, impl=impl)
+                        cu_seqlens=cu_seqlens, impl=impl, context_axis=context_axis)
     y = group_gated_rms_norm(y[0].reshape(y.shape[1], d.inner), z, p["norm"], d.n_groups, d.eps, x.dtype)
     return linear(y, p["out_proj"]), conv_state, ssm_state
 
