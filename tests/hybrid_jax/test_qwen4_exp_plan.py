@@ -68,3 +68,22 @@ def test_a_release_sized_table_is_read_by_rows_only_when_packed(packed):
     read = cost_of(jax.jit(fn).lower(*args).compile()).bytes_accessed
     table_bytes = rows * width * 2
     assert (read < 0.01 * table_bytes) if packed else (read > table_bytes)     # 0.02 GiB packed, 31 GiB not
+
+
+@needs_libtpu
+def test_the_indexed_layers_pools_are_neither_copied_nor_gathered_whole(monkeypatch):
+    """Lowered for a TPU, QSA's sparse read gathers its bf16 K / V rows as they are: `gather_any` bitcasts a
+    16-bit pool to uint16 for the CPU only (on a TPU the bitcast copied the whole pool, 4 GiB a layer and decode
+    step at the release's shapes). No collective of the step moves the indexer key pool. (At the release's
+    shapes, 4 indexer heads over 8 chips, the partitioner had split the pool after its write and all-gathered
+    it for the walk; `whole_pool` now holds it whole. This miniature did not reproduce that split.)"""
+    import hybrid_jax.plan.compile as plan_compile  # noqa: PLC0415
+    texts = []
+    cost = plan_compile._cost
+    monkeypatch.setattr(plan_compile, "_COMPILED", {})
+    monkeypatch.setattr(plan_compile, "_cost", lambda c: texts.append(c.as_text()) or cost(c))
+    p = plan("tiny", "v6e:2x2", config=_config(50), **SHAPES)
+    decode = texts[0]
+    assert "u16[" not in decode
+    keys = p.memory.cache_by_kind["indexer_keys"]
+    assert 0 < p.roofline.decode_collective_bytes < keys / 4, (p.roofline.decode_collective_bytes, keys)
