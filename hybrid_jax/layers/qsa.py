@@ -30,6 +30,7 @@ from hybrid_jax.layers.attention import _gated_output, _qkv, whole_pool, write_k
 from hybrid_jax.layers.linear import linear
 from hybrid_jax.layers.norms import rms_norm_zero_centered
 from hybrid_jax.layers.rope import apply_rope
+from hybrid_jax.parallel.context import per_device
 from pallas_kernels.ragged_paged_attention.common import cdiv
 from pallas_kernels.ragged_paged_attention.xla import gather_any
 from pallas_kernels.sparse_attention.common import physical_rows
@@ -185,8 +186,12 @@ def indexed_attention(p: dict, x: jax.Array, cos, sin, block_rope: Callable, pos
         ikeys = ikeys.replace(keys=whole_pool(write_paged(ikeys.keys, ki.astype(ikeys.keys.dtype), ikeys.page_table,
                                                           positions, valid, layer=ilayer)))
     span = row_span(positions, valid)
-    blocks = select_blocks(ip, qi, PagedSource(ikeys.keys, ilayer, ikeys.page_table, ki), span, positions,
-                           block_rope, C=compress_ratio, block_topk=block_topk, eps=eps, block_keys=QSA_BLOCK_KEYS)
+    def select(ip, qi, keys, table, ki, start, last, positions):
+        return select_blocks(ip, qi, PagedSource(keys, ilayer, table, ki), RowSpan(start, last), positions,
+                             block_rope, C=compress_ratio, block_topk=block_topk, eps=eps,
+                             block_keys=QSA_BLOCK_KEYS)
+    blocks = per_device(select, (None,) * 8, None)(ip, qi, ikeys.keys, ikeys.page_table, ki, span.start, span.last,
+                                                  positions)
     sel = selected_positions(blocks, positions, valid, compress_ratio)
     o = sparse_read(q, PagedSource(kv.k, layer, kv.page_table, k), PagedSource(kv.v, layer, kv.page_table, v),
                     span, sel, block_q=QSA_BLOCK_Q)
