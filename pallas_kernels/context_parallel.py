@@ -80,7 +80,9 @@ def chunked_over_axis(rule: Rule, q, k, v, g, beta, initial_state, cu_seqlens, *
         cu = cu_seqlens.astype(jnp.int32)
         carried = (cu[:-1] < lo) & (cu[1:] > lo)                  # began before the span, goes on in it
         local_cu = local_cu_seqlens(cu, TL, axis)
-    v_ext = jnp.concatenate([v.astype(jnp.float32), jnp.zeros((B, TL, HV, K), jnp.float32)], axis=-1)
+    # in v's dtype: a bf16 model's span reads and writes bf16 (p is then rounded as o is, once more than on
+    # one device); f32 inputs stay exact
+    v_ext = jnp.concatenate([v, jnp.zeros((B, TL, HV, K), v.dtype)], axis=-1)
     o_ext, f_ext = rule(q, k, v_ext, g, beta, _extended(h0, carried), local_cu)
     o0, p = o_ext[..., :V].astype(jnp.float32), o_ext[..., V:].astype(jnp.float32)
     b, M = f_ext[..., :V], f_ext[..., V:]
