@@ -145,8 +145,8 @@ def _routed_sorted(x, idx, w, gate_up, down, act=_split_act):
 def _routed_few_fp8(x, idx, w, gate_up, down, act=_split_act):
     """Few rows over FP8 experts. Lowered for a TPU, the sorted form: its FP8 grouped matmul reads each chosen
     expert's codes once and dequantizes them tile by tile in VMEM. The gather form there gathered each row's
-    experts as FP8 slabs and dequantized them whole (DeepSeek-V3.2 on one v5p chip: 592 GB a token at 8
-    rows). Elsewhere the gather form: the sorted form's XLA path dequantizes every expert each step."""
+    experts as FP8 slabs and dequantized them whole (DeepSeek-V3.2 on one v5p chip at 8 rows: 588 GB a token,
+    25 GB now). Elsewhere the gather form: the sorted form's XLA path dequantizes every expert each step."""
     def gather(x, idx, w):
         return _routed_gather(x, idx, w, gate_up, down, act)
 

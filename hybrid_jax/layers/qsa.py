@@ -186,6 +186,9 @@ def indexed_attention(p: dict, x: jax.Array, cos, sin, block_rope: Callable, pos
         ikeys = ikeys.replace(keys=whole_pool(write_paged(ikeys.keys, ki.astype(ikeys.keys.dtype), ikeys.page_table,
                                                           positions, valid, layer=ilayer)))
     span = row_span(positions, valid)
+
+    # whole on every device, from whole inputs: at the release's shapes (4 indexer heads, 8 chips) the partitioner
+    # split the key pool for the walk and resharded it every step (5.8 GiB a layer and decode step)
     def select(ip, qi, keys, table, ki, start, last, positions):
         return select_blocks(ip, qi, PagedSource(keys, ilayer, table, ki), RowSpan(start, last), positions,
                              block_rope, C=compress_ratio, block_topk=block_topk, eps=eps,
