@@ -64,16 +64,23 @@ def chunk_gated_delta_rule(
     (each device a span of positions) and initial_state, cu_seqlens whole: the context-parallel form
     (pallas_kernels.context_parallel); o is the device's span, the final state every sequence's."""
     check_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
+    return run_chunk_op("chunk_gated_delta_rule", impl, (q, k, v, g, beta, initial_state, cu_seqlens),
+                        _naive.naive_recurrent_gated_delta_rule, _chunk.chunk_gated_delta_rule_xla, _pallas_chunk,
+                        chunk_size=chunk_size, context_axis=context_axis, output_final_state=output_final_state,
+                        scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
 
+
+def run_chunk_op(op: str, impl: str, args: tuple, reference, xla, pallas, *, chunk_size, context_axis,
+                 output_final_state: bool, **kw):
+    """A chunked delta-rule op (this rule's, or KDA's) on args (q, k, v, g, beta, h0, cu): reference / xla /
+    pallas() its implementations, on one device or context-parallel over `context_axis`."""
     def rule(q, k, v, g, beta, h0, cu, final=output_final_state):
-        kw = dict(scale=scale, output_final_state=final, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+        k2 = dict(kw, output_final_state=final)
         return dispatch.run(
-            "chunk_gated_delta_rule", impl, (q, k, v, g, beta, h0, cu),
-            reference=_on_args(_naive.naive_recurrent_gated_delta_rule, **kw),
-            xla=_on_args(_chunk.chunk_gated_delta_rule_xla, chunk_size=chunk_size, **kw),
-            pallas=lambda: _on_args(_pallas_chunk(), chunk_size=chunk_size, **kw))
-    return context_parallel.run_rule(rule, (q, k, v, g, beta, initial_state, cu_seqlens), context_axis,
-                                     output_final_state)
+            op, impl, (q, k, v, g, beta, h0, cu), reference=_on_args(reference, **k2),
+            xla=_on_args(xla, chunk_size=chunk_size, **k2),
+            pallas=lambda: _on_args(pallas(), chunk_size=chunk_size, **k2))
+    return context_parallel.run_rule(rule, args, context_axis, output_final_state)
 
 
 def fused_recurrent_gated_delta_rule(

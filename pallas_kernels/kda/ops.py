@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import jax
 
-from pallas_kernels import context_parallel, dispatch
+from pallas_kernels import dispatch
 from pallas_kernels.gated_delta_rule.common import check_inputs
-from pallas_kernels.gated_delta_rule.ops import _on_args, _pallas_recurrent
+from pallas_kernels.gated_delta_rule.ops import _on_args, _pallas_recurrent, run_chunk_op
 from pallas_kernels.kda import chunk as _chunk
 from pallas_kernels.kda import fused_recurrent as _fused_recurrent
 from pallas_kernels.kda import naive as _naive
@@ -46,16 +46,10 @@ def chunk_kda(
     """KDA over a whole sequence (prefill). Returns (o [B, T, HV, V], final [N, HV, K, V] or None).
     context_axis: the context-parallel form, as `chunk_gated_delta_rule`'s."""
     check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, per_channel=True)
-
-    def rule(q, k, v, g, beta, h0, cu, final=output_final_state):
-        kw = dict(scale=scale, output_final_state=final, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
-        return dispatch.run(
-            "chunk_kda", impl, (q, k, v, g, beta, h0, cu),
-            reference=_on_args(_naive.naive_recurrent_kda, **kw),
-            xla=_on_args(_chunk.chunk_kda_xla, chunk_size=chunk_size, **kw),
-            pallas=lambda: _on_args(_pallas_chunk(), chunk_size=chunk_size, **kw))
-    return context_parallel.run_rule(rule, (q, k, v, g, beta, initial_state, cu_seqlens), context_axis,
-                                     output_final_state)
+    return run_chunk_op("chunk_kda", impl, (q, k, v, g, beta, initial_state, cu_seqlens), _naive.naive_recurrent_kda,
+                        _chunk.chunk_kda_xla, _pallas_chunk, chunk_size=chunk_size, context_axis=context_axis,
+                        output_final_state=output_final_state, scale=scale,
+                        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
 
 
 def fused_recurrent_kda(
