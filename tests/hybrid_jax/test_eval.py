@@ -77,7 +77,14 @@ def test_prefix_caching_compares_exact(llm, text_file):
     # float32 reassociation (a prefix resumed at a block boundary runs other chunk boundaries) moves
     # logits by ~1e-6, KL by ~1e-12; reading a wrong state moves it by orders of magnitude more
     assert c.kl_max < 1e-9 and c.top1_agreement == 1.0 and c.greedy_identical, c
-    np.testing.assert_allclose(off.nll, on.nll, atol=1e-5)
+    # Per token, the cache adds no more than another arithmetic order does: the engine's cold scores
+    # against an independent forward of each whole window. Measured here: those two 2.1e-5 apart at most,
+    # the cache on against off 1.4e-5 (a fixed 1e-5 held on one CPU, not on another); a wrong state moves
+    # an NLL by more than 1e-2. Issue 57's exact mode is where these become bit-identical.
+    ref = _independent_nll(llm, ids)
+    floor = max(abs(ref[int(p)] - x) for p, x in zip(off.positions, off.nll))
+    assert floor < 1e-4, floor
+    assert np.max(np.abs(off.nll - on.nll)) <= 2 * max(floor, 1e-6), (np.max(np.abs(off.nll - on.nll)), floor)
     # the same comparison reports a real difference, four orders of magnitude above the exact bound:
     # scoring from half the context
     short = evaluate.score(llm, ids, context=CONTEXT // 2, stride=STRIDE // 2, generate_tokens=24)
