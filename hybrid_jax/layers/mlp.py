@@ -1,8 +1,8 @@
 """Feed-forward layers: SwiGLU MLP, and the sparse MoE block with a gated shared expert.
 
 MoE routing: softmax over experts in fp32, Top-k, optional renormalisation. Three static choices by
-shape: few routed rows (decode) gather the k chosen experts' weights per token (FP8 experts lowered for a
-TPU take the sorted form instead: `_routed_few_fp8`); many rows with few
+shape: few routed rows (decode) gather the k chosen experts' weights per token (lowered for a TPU they take
+the sorted form instead: `_routed_few`); many rows with few
 experts (E <= 4k) run every expert densely and mask by the routing weights; many rows with many
 experts sort rows by expert and run two grouped matmuls (`lax.ragged_dot`), so no expert computes a
 token it was not routed.
@@ -142,11 +142,13 @@ def _routed_sorted(x, idx, w, gate_up, down, act=_split_act):
     return jnp.zeros_like(x).at[tok].add(y)
 
 
-def _routed_few_fp8(x, idx, w, gate_up, down, act=_split_act):
-    """Few rows over FP8 experts. Lowered for a TPU, the sorted form: its FP8 grouped matmul reads each chosen
-    expert's codes once and dequantizes them tile by tile in VMEM. The gather form there gathered each row's
-    experts as FP8 slabs and dequantized them whole (DeepSeek-V3.2 on one v5p chip at 8 rows: 588 GB a token,
-    25 GB now). Elsewhere the gather form: the sorted form's XLA path dequantizes every expert each step."""
+def _routed_few(x, idx, w, gate_up, down, act=_split_act):
+    """Few rows (rows x k <= E). Lowered for a TPU, the sorted form: its grouped matmul (`lax.ragged_dot`, or
+    the FP8 kernel, which dequantizes tiles in VMEM) visits only the groups with rows, so each chosen expert is
+    read once. The gather form there gathered each row's experts as slabs (FP8 ones dequantized whole): one
+    chip at 8 rows read DeepSeek-V3.2 FP8 at 588 GB a token (25 GB sorted) and Nemotron-3-Nano bf16 at 27.5
+    GB (8.4 GB sorted). Elsewhere the gather form, as before (the FP8 path's XLA form dequantizes every
+    expert)."""
     def gather(x, idx, w):
         return _routed_gather(x, idx, w, gate_up, down, act)
 
@@ -155,10 +157,10 @@ def _routed_few_fp8(x, idx, w, gate_up, down, act=_split_act):
     return jax.lax.platform_dependent(x, idx, w, tpu=sorted_, default=gather)
 
 
-def _form(M: int, k: int, E: int, fp8: bool = False):
-    """The routed experts' form for M rows, k experts each, of E (module docstring); fp8: the experts are FP8."""
+def _form(M: int, k: int, E: int):
+    """The routed experts' form for M rows, k experts each, of E (module docstring)."""
     if M * k <= E:
-        return _routed_few_fp8 if fp8 else _routed_gather
+        return _routed_few
     if E <= 4 * k:
         return _routed_dense
     return _routed_sorted
@@ -179,7 +181,7 @@ def routed_experts(x: jax.Array, idx: jax.Array, w: jax.Array, gate_up: jax.Arra
     M, k = idx.shape
     E = gate_up.shape[0]
     act = functools.partial(_split_act, limit=limit) if activation is None else activation
-    form = functools.partial(_form(M, k, E, isinstance(gate_up, Fp8Weight)), act=act)
+    form = functools.partial(_form(M, k, E), act=act)
     lay = current()
     if lay is None or tensor_size() == 1 or lay.spec(_EXPERTS, gate_up.shape, "experts")[0] is None:
         return form(x, idx, w, gate_up, down)
