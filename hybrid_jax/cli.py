@@ -120,6 +120,37 @@ def _plan(args) -> int:
     return 0
 
 
+def _tune(args) -> int:
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    import jax  # noqa: PLC0415
+    if not args.timed and not os.environ.get("JAX_PLATFORMS"):
+        jax.config.update("jax_platforms", "cpu")
+    from hybrid_jax.plan.chips import topology  # noqa: PLC0415
+    from pallas_kernels import tuning  # noqa: PLC0415
+    try:
+        mod = tuning.tunable(args.kernel)
+        topo = topology(args.topology)
+        device = topo.device
+        if args.timed:
+            device = jax.devices()[0]
+            if tuning.chip_of(device) != topo.chip.name:
+                raise tuning.TuningError(f"--timed needs an attached {topo.chip.name} TPU; the first device is "
+                                         f"{getattr(device, 'device_kind', device)}")
+        out = args.out or os.environ.get(tuning.TABLE_DIR_ENV) or os.path.join(
+            os.path.expanduser("~"), ".cache", "hybrid_jax", "tuned")
+        entries = {}
+        for key in args.key or mod.DEFAULT_KEYS:
+            r = tuning.search(args.kernel, key, chip=topo.chip.name, device=device, timed=args.timed,
+                              peak_flops=topo.chip.peak_bf16_flops, hbm_bandwidth=topo.chip.hbm_bandwidth)
+            print(tuning.format_result(r), flush=True)
+            entries[key] = r.best
+    except tuning.TuningError as e:
+        raise HybridJaxError(str(e)) from None
+    path = tuning.write_entries(args.kernel, topo.chip.name, entries, out)
+    print(f"wrote {len(entries)} {topo.chip.name} entries to {path}; kernels read it with {tuning.TABLE_DIR_ENV}={out}")
+    return 0
+
+
 def _eval(args) -> int:
     from hybrid_jax import evaluate  # noqa: PLC0415
     from hybrid_jax.llm import LLM  # noqa: PLC0415
@@ -181,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         _join_processes(args)
         return {"generate": _generate, "align": _align, "serve": _serve, "warmup": _warmup, "bench": _bench,
-                "plan": _plan, "eval": _eval}[args.command](args)
+                "plan": _plan, "tune": _tune, "eval": _eval}[args.command](args)
     except HybridJaxError as e:
         print(f"hybrid-jax: error: {e}", file=sys.stderr)
         return 2

@@ -36,6 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     _warmup_parser(sub)
     _bench_parser(sub)
     _plan_parser(sub)
+    _tune_parser(sub)
     _eval_parser(sub)
     return ap
 
@@ -186,6 +187,20 @@ def _plan_parser(sub):
     p.add_argument("--prefill-chunk", type=int, default=2048, help="tokens of the compiled prefill chunk")
     p.add_argument("--layers", default="auto", choices=["auto", "full", "reduced"],
                    help="compile every layer, or one of each kind scaled by the layer counts (auto: by size)")
+
+
+def _tune_parser(sub):
+    """`tune`: Pallas kernels' block sizes searched by the TPU compiler's cost analysis."""
+    t = sub.add_parser("tune", help="search a Pallas kernel's block sizes for a TPU chip by the compiler's cost "
+                       "analysis (or by timing, on an attached TPU) and write the table the kernel reads")
+    t.add_argument("--topology", required=True, help="a TPU slice as libtpu names it, e.g. v6e:2x2; its chip is tuned for")
+    t.add_argument("--kernel", default="ragged_paged_attention", help="the kernel to tune")
+    t.add_argument("--key", action="append", default=None, help="a table key of the kernel (repeatable; "
+                   "ragged_paged_attention: <kv dtype>:hkv<H>:g<Hq/H>:d<D>:ps<page size>, e.g. "
+                   "bfloat16:hkv2:g8:d256:ps64); default: the kernel's DEFAULT_KEYS")
+    t.add_argument("--out", default=None, help="directory of the tables written (default $HYBRID_JAX_TUNED_DIR, "
+                   "else ~/.cache/hybrid_jax/tuned); kernels read it when HYBRID_JAX_TUNED_DIR names it")
+    t.add_argument("--timed", action="store_true", help="time each program on the attached TPU instead of modeling")
 
 
 def _eval_parser(sub):

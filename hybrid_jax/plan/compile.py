@@ -47,6 +47,7 @@ from hybrid_jax.plan.shapes import (
     select_layers,
 )
 from hybrid_jax.sampling import FULL_SAMPLER
+from pallas_kernels import tuning
 from pallas_kernels.aot import cost_of, on_device
 
 
@@ -157,7 +158,7 @@ def _row_args(layout, Bb: int):
     return S((Bb,), jnp.int32), tables, S((Bb,), jnp.int32)
 
 
-_COMPILED: dict[tuple, tuple[StepCost, StepCost]] = {}
+_COMPILED: dict[tuple, tuple[tuple[StepCost, StepCost], tuple]] = {}
 
 
 def _target_key(target) -> str:
@@ -194,14 +195,24 @@ def compile_model(cfg, sh: Shapes, target, impl: str = "auto", prefill: bool = T
     step alone (the prefill chunk's cost comes back as NOTHING)."""
     key = (repr(cfg), repr(sh), _target_key(target), impl, prefill)
     if key not in _COMPILED:
-        _COMPILED[key] = _compile_model(cfg, sh, target, impl, prefill)
-    return _COMPILED[key]
+        with tuning.recording() as seen:
+            costs = _compile_model(cfg, sh, target, impl, prefill)
+        _COMPILED[key] = costs, tuple(seen)
+    costs, seen = _COMPILED[key]
+    tuning.replay(seen)             # the kernels' table lookups, for the plan's note (a reused compile too)
+    return costs
 
 
 def _compile_model(cfg, sh: Shapes, target, impl: str, prefill: bool = True) -> tuple[StepCost, StepCost]:
+    mesh_layout = target if isinstance(target, Layout) else None
+    device = target if mesh_layout is None else next(iter(mesh_layout.mesh.devices.flat))
+    with tuning.target_chip(tuning.chip_of(device)):     # the kernels read the tuned tables of this chip
+        return _compile_steps(cfg, sh, target, mesh_layout, impl, prefill)
+
+
+def _compile_steps(cfg, sh: Shapes, target, mesh_layout, impl: str, prefill: bool) -> tuple[StepCost, StepCost]:
     model = get_model(cfg.model_type)
     params = abstract_params(cfg, sh.dtype, sh.quantization)
-    mesh_layout = target if isinstance(target, Layout) else None
     with active(mesh_layout):      # the cache's shapes may follow the layout (parallel.kv_replicas)
         layout = abstract_layout(cfg, sh.dtype, sh.max_model_len, sh.page_size)
     pools = abstract_pools(layout, sh.rows, dict(sh.pages))

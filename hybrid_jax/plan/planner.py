@@ -45,6 +45,7 @@ from hybrid_jax.plan.shapes import (
     request_bytes,
     tree_nbytes,
 )
+from pallas_kernels import tuning
 
 PUBLISHED = pathlib.Path(__file__).parents[1] / "published_configs"
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "float16": jnp.float16}
@@ -254,6 +255,21 @@ def _notes(cfg, costs, decode, pools, memory, mesh_layout, why_ideal, n, topo, t
     return tuple(notes)
 
 
+def _block_size_notes(lookups, topology_name: str) -> tuple[str, ...]:
+    """Which Pallas kernels ran tuned block sizes, and the command that tunes the others."""
+    tuned = sorted({f"{x.kernel} {x.key}" for x in lookups if x.tuned})
+    hand: dict[str, list[str]] = {}
+    for x in lookups:
+        if not x.tuned and x.key not in hand.get(x.kernel, []):
+            hand.setdefault(x.kernel, []).append(x.key)
+    notes = [f"block sizes from the tuned tables: {', '.join(tuned)}"] if tuned else []
+    for kernel, keys in sorted(hand.items()):
+        notes.append(f"hand-picked block sizes for {kernel} {', '.join(keys)} (no tuned entry for "
+                     f"{lookups[0].chip}): `hybrid-jax tune --topology {topology_name} --kernel {kernel} "
+                     + " ".join(f"--key {k}" for k in keys) + "` tunes them")
+    return tuple(notes)
+
+
 def plan(model: str, topology_name: str, *, max_num_seqs: int = 64, max_model_len: int = 32768,
          tensor_parallel_size: int = 1, enable_expert_parallel: bool = False, dtype: str = "bfloat16",
          quantization: str | None = None, chunk: int = 2048, page_size: int = 64, layers: str = "auto",
@@ -279,8 +295,9 @@ def plan(model: str, topology_name: str, *, max_num_seqs: int = 64, max_model_le
     layout, pools, sh = _shapes(cfg, dt, quantization, mesh_layout, max_num_seqs, max_model_len, page_size, chunk)
     Bb = sh.decode_batch
     layers = costs_mode(layers, cfg, weights if mesh_layout is None else weights / n, chip)
-    costs = _compile(cfg, sh, target, layers, impl, label, topology_name, n, chip, mesh_layout, max_num_seqs,
-                     max_model_len)
+    with tuning.recording() as lookups:
+        costs = _compile(cfg, sh, target, layers, impl, label, topology_name, n, chip, mesh_layout, max_num_seqs,
+                         max_model_len)
     sampler = compile_sampler(Bb, cfg.vocab_size, target)
     decode = costs.decode + dataclasses.replace(sampler, temp_bytes=0.0)
     prefill = costs.prefill
@@ -317,7 +334,7 @@ def plan(model: str, topology_name: str, *, max_num_seqs: int = 64, max_model_le
                     decode_collective_bytes=decode.collective_bytes)
 
     notes = _notes(cfg, costs, decode, pools, memory, mesh_layout, why_ideal, n, topo, topology_name, quantization,
-                   dtype, chip)
+                   dtype, chip) + _block_size_notes(lookups, topology_name)
     return Plan(model=label, model_type=cfg.model_type, topology=topology_name, chip=chip, num_chips=topo.num_chips,
                 split=n, sharded=mesh_layout is not None, expert_parallel=enable_expert_parallel, dtype=dtype, quantization=quantization, max_num_seqs=max_num_seqs,
                 max_model_len=max_model_len, decode_batch=Bb, chunk=chunk, num_params=num_params, costs=costs,

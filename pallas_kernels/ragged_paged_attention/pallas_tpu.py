@@ -34,14 +34,14 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels import abi
+from pallas_kernels import abi, tuning
 from pallas_kernels.dispatch import KernelUnsupported
 from pallas_kernels.gated_delta_rule.pallas_recurrent import compiler_params
 from pallas_kernels.kernel_params import cost
 from pallas_kernels.ragged_paged_attention import kernel_io
 from pallas_kernels.ragged_paged_attention.common import Dims, as_int32, cap_scores, softmax_fold, visible
 from pallas_kernels.ragged_paged_attention.kernel_io import BLK_HI, BLK_LO, KV_LEN, META_WIDTH, POS0, SEQ
-from pallas_kernels.ragged_paged_attention.tuned_block_sizes import tuned_block_sizes
+from pallas_kernels.ragged_paged_attention.tuned_block_sizes import BlockSizes, tuned_block_sizes
 
 ABI = abi.RAGGED_PAGED_ATTENTION
 LANES = 128
@@ -191,9 +191,6 @@ def _cost(tiles: kernel_io.KernelTiles, k_flat, page_indices, dims: Dims) -> pl.
                 extra_bytes=pages)
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap", "max_q_len", "decode_only",
-                                             "num_kv_pages_per_block", "num_queries_per_block",
-                                             "decode_queries_per_block", "interpret"))
 def ragged_paged_attention_tpu(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *,
                                sm_scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
                                max_q_len: int | None = None, decode_only: bool = False,
@@ -201,7 +198,10 @@ def ragged_paged_attention_tpu(q, k_pages, v_pages, kv_lens, page_indices, cu_q_
                                num_queries_per_block: int | None = None,
                                decode_queries_per_block: int | None = None, interpret: bool = False):
     """Shapes as ops.ragged_paged_attention -> o [N, Hq, D] in q.dtype. The decode tile holds
-    decode_queries_per_block rows, else max_q_len, else the table's; interpret: run on the CPU (any shapes)."""
+    decode_queries_per_block rows, else max_q_len, else the table's; block sizes not given come from the tuned
+    table of the chip lowered for (pallas_kernels.tuning.current_chip; none when interpreted), else the
+    hand-picked one. They are resolved here, outside the jitted body, so a trace is keyed by the sizes it used;
+    interpret: run on the CPU (any shapes)."""
     N, Hq, D = q.shape
     P, ps, Hkv, _ = k_pages.shape
     R, NP = page_indices.shape
@@ -211,7 +211,22 @@ def ragged_paged_attention_tpu(q, k_pages, v_pages, kv_lens, page_indices, cu_q_
     sizes = tuned_block_sizes(k_pages.dtype, dims.group, D, ps, pages_per_seq=NP, num_tokens=N,
                               num_kv_pages_per_block=num_kv_pages_per_block,
                               num_queries_per_block=num_queries_per_block,
-                              decode_queries_per_block=decode_queries_per_block or max_q_len)
+                              decode_queries_per_block=decode_queries_per_block or max_q_len,
+                              num_kv_heads=Hkv, chip=None if interpret else tuning.current_chip())
+    return _attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale=sm_scale,
+                      sliding_window=sliding_window, soft_cap=soft_cap, decode_only=decode_only, sizes=sizes,
+                      interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap", "decode_only", "sizes",
+                                             "interpret"))
+def _attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale: float,
+               sliding_window: int | None, soft_cap: float | None, decode_only: bool, sizes: BlockSizes,
+               interpret: bool):
+    N, Hq, D = q.shape
+    P, ps, Hkv, _ = k_pages.shape
+    R, NP = page_indices.shape
+    dims = Dims(N, Hq, D, P, ps, Hkv, R, NP)
     bp = sizes.num_kv_pages_per_block
     kv_lens, page_indices, cu_q_lens, ns = as_int32(kv_lens, page_indices, cu_q_lens, num_seqs)
     sub = max(sublanes(q.dtype), sublanes(k_pages.dtype))

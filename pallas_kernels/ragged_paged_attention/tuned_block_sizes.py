@@ -1,5 +1,6 @@
-"""Block sizes of the Pallas ragged paged attention kernels: a table of known-good entries and the rule that
-fills the gaps.
+"""Block sizes of the Pallas ragged paged attention kernels: the tuned table of the chip a program is lowered
+for (`hybrid-jax tune`, pallas_kernels/tuning.py), else a hand-picked table of known-good entries and the rule
+that fills the gaps.
 
 A block size is (num_kv_pages_per_block, num_queries_per_block, decode_queries_per_block):
   num_kv_pages_per_block    pages DMA'd per key block (TPU; the GPU kernel walks one page at a time)
@@ -47,10 +48,20 @@ def rule(group: int, page_size: int) -> BlockSizes:
 def tuned_block_sizes(kv_dtype, group: int, head_dim: int, page_size: int, *, pages_per_seq: int,
                       num_tokens: int, num_kv_pages_per_block: int | None = None,
                       num_queries_per_block: int | None = None,
-                      decode_queries_per_block: int | None = None) -> BlockSizes:
-    """The block sizes for one call: explicit arguments win, then the table, then the rule; clamped to the call
-    (no more pages per block than a sequence has, no tile longer than the batch)."""
+                      decode_queries_per_block: int | None = None, num_kv_heads: int | None = None,
+                      chip: str | None = None) -> BlockSizes:
+    """The block sizes for one call: explicit arguments win, then the chip's tuned entry (with num_kv_heads),
+    then the hand-picked table, then the rule; clamped to the call (no more pages per block than a sequence
+    has, no tile longer than the batch)."""
     base = TABLE.get((jnp.dtype(kv_dtype).name, group, head_dim, page_size)) or rule(group, page_size)
+    if chip is not None and num_kv_heads is not None:
+        from pallas_kernels import tuning  # noqa: PLC0415
+        from pallas_kernels.ragged_paged_attention.tune import key_of  # noqa: PLC0415
+        entry = tuning.lookup("ragged_paged_attention", chip, key_of(kv_dtype, num_kv_heads, group, head_dim,
+                                                                     page_size))
+        if entry is not None:
+            base = BlockSizes(int(entry["num_kv_pages_per_block"]), int(entry["num_queries_per_block"]),
+                              base.decode_queries_per_block)
     pick = lambda x, default: default if x is None else x  # noqa: E731
     pages = pick(num_kv_pages_per_block, base.num_kv_pages_per_block)
     queries = pick(num_queries_per_block, base.num_queries_per_block)
