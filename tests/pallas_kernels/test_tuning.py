@@ -131,8 +131,23 @@ def test_a_program_lowered_for_the_chip_takes_its_tuned_tiles(tmp_path, monkeypa
         with tuning.target_chip(chip):
             fn = jax.jit(lambda *a: ops.ragged_paged_attention(*a, sm_scale=0.0625, impl="pallas"))
             return fn.lower(*args).compile().cost_analysis()["bytes accessed"]
-    tuned, hand = bytes_for("v6e"), bytes_for("v5e")        # v5e: no entry, the hand-picked tiles
+    with tuning.recording() as seen:
+        tuned, hand = bytes_for("v6e"), bytes_for("v5e")        # v5e: no entry, the hand-picked tiles
     assert tuned < 0.6 * hand, (tuned, hand)
+    assert seen == [tuning.Lookup("ragged_paged_attention", "v6e", KEY, True),
+                    tuning.Lookup("ragged_paged_attention", "v5e", KEY, False)]
+
+
+def test_the_plan_notes_which_keys_ran_tuned_and_how_to_tune_the_rest():
+    from hybrid_jax.plan.planner import _block_size_notes  # noqa: PLC0415
+    other = KEY.replace("ps64", "ps16")
+    notes = _block_size_notes([tuning.Lookup("ragged_paged_attention", "v6e", KEY, True),
+                               tuning.Lookup("ragged_paged_attention", "v6e", other, False),
+                               tuning.Lookup("ragged_paged_attention", "v6e", other, False)], "v6e:2x4")
+    assert notes == (f"block sizes from the tuned tables: ragged_paged_attention {KEY}",
+                     f"hand-picked block sizes for ragged_paged_attention {other} (no tuned entry for v6e): "
+                     f"`hybrid-jax tune --topology v6e:2x4 --kernel ragged_paged_attention --key {other}` tunes them")
+    assert _block_size_notes([], "v6e:2x4") == ()
 
 
 def test_tune_cli_errors_name_the_problem(capsys):
