@@ -237,7 +237,8 @@ def _score(mod, key, cand: dict, w: Workload, device, peak_flops: float, hbm_ban
     try:
         compiled = jax.jit(fn).lower(*args).compile()
     except Exception as e:  # noqa: BLE001  (Mosaic reports refusals as assorted errors: VMEM, layouts)
-        return Score(cand, w.name, 0.0, 0.0, int(steps), float("inf"), str(e).strip().splitlines()[0][:300])
+        why = " ".join(x.strip() for x in str(e).strip().splitlines()[:3] if x.strip())
+        return Score(cand, w.name, 0.0, 0.0, int(steps), float("inf"), why[:300])
     ca = compiled.cost_analysis()
     ca = ca[0] if isinstance(ca, (list, tuple)) else ca
     flops, nbytes = float(ca.get("flops", 0.0)) + float(extra_flops), float(ca.get("bytes accessed", 0.0))

@@ -30,19 +30,20 @@ if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
 # jitted functions are new objects, and the server, notebook kernels and child processes start cold.
 # One persistent compilation cache for the whole run (created by the first process, inherited by
 # pytest-xdist workers and every subprocess through the environment) compiles each distinct program
-# once; a hit loads the same executable, so no result changes. A cache the caller set up is kept.
+# once; a hit loads the same executable, so no result changes. A cache the caller set up is kept
+# (.ci/run gives both tiers one, so the slow tier loads what the README's command compiled).
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     import atexit  # noqa: E402
     import shutil  # noqa: E402
     import tempfile  # noqa: E402
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="hybrid_jax_tests_xla_")
     atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
-    # Programs that compile in under half a second are not worth a write (the kernel tests compile
-    # hundreds of them: caching every one made those tests half again slower).
-    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
-    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
-    # A size limit turns on JAX's file lock around reads and writes: the workers share the directory.
-    os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(8 << 30))
+# Programs that compile in under half a second are not worth a write (the kernel tests compile
+# hundreds of them: caching every one made those tests half again slower).
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+# A size limit turns on JAX's file lock around reads and writes: the workers share the directory.
+os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(8 << 30))
 
 import gc  # noqa: E402
 
