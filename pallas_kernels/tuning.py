@@ -37,9 +37,9 @@ import time
 
 import jax
 
-# Per sequential step of a TPU kernel: JAX's Pallas TPU pipelining guide gives ~0.35 us of fixed cost per
-# grid step; an inner block a kernel walks itself (a fori_loop over key blocks, its DMA waits and issues)
-# is counted at the same cost. Not measured here: with a TPU attached, time instead.
+# Per sequential step of a TPU kernel: a fixed cost of the order of a Pallas TPU grid step's overhead
+# (0.35 us is an assumption, not measured here); an inner block a kernel walks itself (a fori_loop over key
+# blocks, its DMA waits and issues) is counted at the same cost. With a TPU attached, time instead.
 STEP_SECONDS = 0.35e-6
 TABLE_DIR_ENV = "HYBRID_JAX_TUNED_DIR"
 SHIPPED_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tuned")
