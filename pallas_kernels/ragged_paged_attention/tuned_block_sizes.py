@@ -54,7 +54,8 @@ def tuned_block_sizes(kv_dtype, group: int, head_dim: int, page_size: int, *, pa
     then the hand-picked table, then the rule; clamped to the call (no more pages per block than a sequence
     has, no tile longer than the batch)."""
     base = TABLE.get((jnp.dtype(kv_dtype).name, group, head_dim, page_size)) or rule(group, page_size)
-    if chip is not None and num_kv_heads is not None:
+    explicit = num_kv_pages_per_block is not None and num_queries_per_block is not None
+    if chip is not None and num_kv_heads is not None and not explicit:     # no table entry could apply
         from pallas_kernels import tuning  # noqa: PLC0415
         from pallas_kernels.ragged_paged_attention.tune import key_of  # noqa: PLC0415
         entry = tuning.lookup("ragged_paged_attention", chip, key_of(kv_dtype, num_kv_heads, group, head_dim,
