@@ -87,7 +87,7 @@ def indexer_topk(
         return call
     return dispatch.run(
         "indexer_topk", impl, (q, w, stacks[0], page_table, q_positions, kv_lengths, stacks[1]),
-        reference=on_args(naive.indexer_topk_reference), xla=on_args(xla.indexer_topk_xla),
+        reference=on_args(naive.indexer_topk_reference), xla=on_args(xla.indexer_topk_xla, stacked=True),
         pallas=lambda: on_args(_pallas_indexer(), stacked=True))
 
 

@@ -2,7 +2,9 @@
 
 indexer_topk_xla walks the paged keys in blocks of `block_keys`: per block it scores every query
 against the block (a [B, T, H, block] tile, never [B, T, H, S]), sums the heads, and merges the
-block into a running Top-K (`lax.top_k` over K + block candidates). sparse_mla_xla gathers only the
+block into a running Top-K (`lax.top_k` over K + block candidates). It walks only as far as the
+furthest key a query of the step can read (a loop with a run-time trip count): the work follows the
+context the rows hold, never the page table's capacity (a release's max_model_len). sparse_mla_xla gathers only the
 selected latent rows through the page table and attends in the absorbed form, in query blocks.
 """
 from __future__ import annotations
@@ -13,12 +15,13 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.ragged_paged_attention.common import cdiv
 from pallas_kernels.sparse_attention.common import physical_rows
 
 
 @dataclasses.dataclass(frozen=True)
 class XlaConfig:
-    block_keys: int = 4096     # keys scored per step of the running Top-K
+    block_keys: int = 512      # keys scored per step of the running Top-K (whole pages)
     block_q: int = 64          # queries per step of the sparse attention
 
 
@@ -32,38 +35,43 @@ def _scores_block(q, w, keys, pos, q_positions, kv_lengths, valid_page, head_axi
     return jnp.where(ok & valid_page[:, None, :], s, -jnp.inf)
 
 
-@functools.partial(jax.jit, static_argnames=("topk", "config", "head_axis"))
+@functools.partial(jax.jit, static_argnames=("topk", "config", "head_axis", "layer"))
 def indexer_topk_xla(q, w, k_pages, page_table, q_positions, kv_lengths, *, topk: int, k_scale=None,
-                     config: XlaConfig = XlaConfig(), head_axis: str | None = None):
+                     config: XlaConfig = XlaConfig(), head_axis: str | None = None, layer: int | None = None):
     """q [B, T, H, D], w [B, T, H], k_pages [P, ps, D], k_scale [P, ps] | None, page_table [B, NP]
     -> indices [B, T, topk] int32 (best first, -1 padding). head_axis: inside shard_map with the heads
-    split over that mesh axis, each key block's scores are summed over it before the block is merged."""
-    P, ps, D = k_pages.shape
+    split over that mesh axis, each key block's scores are summed over it before the block is merged.
+    layer: k_pages [L, P, ps, D] (k_scale [L, P, ps]) are the layers' stacks, read in place (a slice of
+    one layer would be a copy of its whole pool every step)."""
+    P, ps, D = k_pages.shape[-3:]
     B, NP = page_table.shape
     T = q.shape[1]
     bp = max(1, min(NP, config.block_keys // ps))          # pages per block
     nb = -(-NP // bp)
     pt = jnp.pad(page_table, ((0, 0), (0, nb * bp - NP)), constant_values=-1).reshape(B, nb, bp)
     qf, wf = q.astype(jnp.float32), w.astype(jnp.float32)
+    reach = jnp.minimum(q_positions + 1, kv_lengths[:, None])             # keys each query may read
+    n = jnp.clip(cdiv(jnp.max(reach), bp * ps), 0, nb)                    # blocks up to the furthest one
 
-    def step(carry, i):
+    def step(i, carry):
         vals, idx = carry
         pages = pt[:, i]                                                  # [B, bp]
         okp = (pages >= 0) & (pages < P)
         safe = jnp.clip(pages, 0, P - 1)
-        keys = k_pages[safe].astype(jnp.float32)                          # [B, bp, ps, D]
+        at = safe if layer is None else (layer, safe)
+        keys = k_pages[at].astype(jnp.float32)                            # [B, bp, ps, D]
         if k_scale is not None:
-            keys = keys * k_scale[safe][..., None]
+            keys = keys * k_scale[at][..., None]
         keys = keys.reshape(B, bp * ps, D)
         pos = i * bp * ps + jnp.arange(bp * ps, dtype=jnp.int32)
         s = _scores_block(qf, wf, keys, pos, q_positions, kv_lengths, jnp.repeat(okp, ps, axis=1), head_axis)
         cand_v = jnp.concatenate([vals, s], axis=-1)
         cand_i = jnp.concatenate([idx, jnp.broadcast_to(pos, s.shape)], axis=-1)
         v, j = jax.lax.top_k(cand_v, topk)
-        return (v, jnp.take_along_axis(cand_i, j, axis=-1)), None
+        return v, jnp.take_along_axis(cand_i, j, axis=-1)
 
     init = (jnp.full((B, T, topk), -jnp.inf, jnp.float32), jnp.full((B, T, topk), -1, jnp.int32))
-    (vals, idx), _ = jax.lax.scan(step, init, jnp.arange(nb))
+    vals, idx = jax.lax.fori_loop(0, n, step, init)
     return jnp.where(jnp.isfinite(vals), idx, -1).astype(jnp.int32)
 
 

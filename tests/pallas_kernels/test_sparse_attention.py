@@ -427,3 +427,24 @@ def test_in_order_read_equals_the_gathered_read_and_dense_attention(dtype):
     np.testing.assert_allclose(np.asarray(runs), np.asarray(gathered), rtol=1e-5, atol=1e-5)
     assert rel_rms(runs, dense) < 1e-5
     assert np.all(np.asarray(runs[1, 0]) == 0)                 # the padding query reads nothing
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_indexer_walks_only_the_keys_in_use_of_a_wide_table(impl):
+    """A page table as wide as a release's max_model_len (64 pages here, 3 in use): every key no query may
+    read holds NaN, every table entry past the used pages points outside the pool, the keys are layer 1 of a
+    stack; the selections are the reference's over the clean keys and a table of only the used pages."""
+    B, T, H, D, ps, NP, lengths, topk = 2, 5, 3, 16, 8, 3, [21, 9], 6
+    q, w, k, pt, qpos, lens = _indexer_inputs(11, B, T, H, D, ps, NP, lengths)
+    ref = sa.indexer_topk(q, w, k, pt, qpos, lens, topk=topk, impl="reference")
+    P = k.shape[0]
+    live = np.zeros((P, ps), bool)
+    for b, n in enumerate(lengths):
+        for j in range(n):
+            live[int(pt[b, j // ps]), j % ps] = True
+    poisoned = np.where(live[..., None], np.asarray(k), np.nan).astype(np.float32)
+    wide = np.full((B, 64), P + 7, np.int32)
+    wide[:, :NP] = np.asarray(pt)
+    stack = jnp.asarray(np.stack([np.zeros_like(poisoned), poisoned]))
+    got = sa.indexer_topk(q, w, stack, jnp.asarray(wide), qpos, lens, topk=topk, impl=impl, layer=1)
+    assert _sets(got) == _sets(ref)
