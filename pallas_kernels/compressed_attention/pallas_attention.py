@@ -80,10 +80,29 @@ def _window_ok(kpos, p, window):
     return (kpos >= 0) & (kpos <= p) & (kpos > p - window)
 
 
-def _dense_ok(i, ps, page, P, count, p, rate):
-    """Entry page i of the row (HCA): [1, ps] bool, readable and closed at or before position p."""
-    pos = i * ps + jax.lax.broadcasted_iota(jnp.int32, (1, ps), 1)
+def _dense_ok(i, ps, page, P, count, p, rate, column=False):
+    """Entry page i of the row (HCA): [1, ps] bool ([ps, 1] with column), readable and closed at or before
+    position p."""
+    shape, axis = ((ps, 1), 0) if column else ((1, ps), 1)
+    pos = i * ps + jax.lax.broadcasted_iota(jnp.int32, shape, axis)
     return (pos < count) & (page >= 0) & (page < P) & ((pos + 1) * rate <= p + 1)
+
+
+def _dense_fold(q, keys, i, ps, page, P, count, p, rate, scale, m, l, acc):
+    """Folds entry page i ([ps, D] f32) into the running softmax; its unreadable slots (past the row's count,
+    not yet closed, off the pool) are zeroed first: a slot past a row's count may hold anything, NaN too,
+    and a zero weight times NaN is NaN."""
+    keys = jnp.where(_dense_ok(i, ps, page, P, count, p, rate, column=True), keys, 0.0)
+    return _block_fold(q, keys, _dense_ok(i, ps, page, P, count, p, rate), scale, m, l, acc)
+
+
+def _dense_pages(count, p, rate, ps):
+    """How many of a row's entry pages a query at position p reads (HCA): its entries j < min(count,
+    (p + 1) // rate), whole pages; 0 for a padding query (p = -1). Pages past it are neither fetched nor
+    folded: the work follows the context the row holds, not its page table's capacity. Both divisions are
+    of non-negative values: lax.div (Mosaic lowers a floor division through `sign`, which needs the chip)."""
+    div = jax.lax.div
+    return div(jnp.minimum(count, div(p + 1, jnp.int32(rate))) + (ps - 1), jnp.int32(ps))
 
 
 def _row_fold(q, row, ok, scale, m, l, acc):
@@ -133,9 +152,11 @@ def _tpu_kernel(qpos_ref,                             # SMEM [B * T] int32
             m, l, acc = _row_fold(q, gather.row(0, slot, i, base), ok_ref[base + i] == 1, scale, m, l, acc)
         m_sc[...], l_sc[...], acc_sc[...] = m, l, acc
     elif mode == "dense":
-        ok = _dense_ok(j, ps, pt_ref[b * NP + j], P, cnt_ref[b], p, rate)
-        m_sc[...], l_sc[...], acc_sc[...] = _block_fold(q, page_ref[...].astype(jnp.float32), ok, scale,
-                                                        m_sc[...], l_sc[...], acc_sc[...])
+        @pl.when(j < _dense_pages(cnt_ref[b], p, rate, ps))
+        def _():
+            m_sc[...], l_sc[...], acc_sc[...] = _dense_fold(q, page_ref[...].astype(jnp.float32), j, ps,
+                                                            pt_ref[b * NP + j], P, cnt_ref[b], p, rate, scale,
+                                                            m_sc[...], l_sc[...], acc_sc[...])
 
     @pl.when(j == pl.num_programs(2) - 1)
     def _():
@@ -169,8 +190,8 @@ def _gpu_kernel(qpos_ref,                             # [1] int32
         def body(i, c):
             page = pt_ref[b, i]
             keys = pool_ref[pl.ds(jnp.clip(page, 0, P - 1) * ps, ps), :].astype(jnp.float32)
-            return _block_fold(q, keys, _dense_ok(i, ps, page, P, count, p, rate), scale, *c)
-        carry = jax.lax.fori_loop(0, NP, body, carry)
+            return _dense_fold(q, keys, i, ps, page, P, count, p, rate, scale, *c)
+        carry = jax.lax.fori_loop(0, jnp.minimum(_dense_pages(count, p, rate, ps), NP), body, carry)
     _, l, acc = carry
     o_ref[...] = (acc / l).astype(o_ref.dtype)
 
@@ -228,8 +249,11 @@ def attention_pallas(q, kv, kv_positions, q_positions, entries, page_table, indi
             ent_specs, ent_args = [pl.BlockSpec(memory_space=pl.ANY)], [entries]
         elif mode == "dense":
             prefetch += [pt.reshape(-1), counts]
-            ent_specs = [pl.BlockSpec((None, ps, D), lambda b, t, j, qp_, pt_, cnt_: (
-                jnp.clip(pt_[b * NP + j], 0, P - 1), 0, 0))]
+            # past the last page the query reads, the block index stays on it: no new page is fetched
+            def page_of(b, t, j, qp_, pt_, cnt_):
+                last = jnp.maximum(_dense_pages(cnt_[b], qp_[b * T + t], rate, ps) - 1, 0)
+                return jnp.clip(pt_[b * NP + jnp.minimum(j, last)], 0, P - 1), 0, 0
+            ent_specs = [pl.BlockSpec((None, ps, D), page_of)]
             ent_args = [entries]
         in_specs = [pl.BlockSpec((None, None, H, D), lambda b, t, j, *_: (b, t, 0, 0)),
                     pl.BlockSpec((None, S, D), lambda b, t, j, *_: (b, 0, 0)),

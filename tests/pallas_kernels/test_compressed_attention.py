@@ -236,6 +236,30 @@ def test_unreadable_entries_are_masked_never_read(impl):
     assert rel_rms(got[0], ref[0]) < 1e-6
 
 
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_hca_walks_only_the_entries_in_use_of_a_wide_table(impl):
+    """HCA with a page table as wide as a release's max_model_len (32 pages, 2 in use by the longer row):
+    every entry slot past a row's count holds NaN and every table entry past its used pages points outside
+    the pool; the output is the reference's over a clean pool and a table of only those pages (the read
+    stops at the step's furthest readable entry and masks inside the last page it reads)."""
+    B, T, H, D, W = 2, 6, 2, 16, 8
+    a = _attention_inputs(3, B, T, H, D, W, 16, 8, None, "hca", [44, 9], [6, 3])
+    ref = ca.compressed_sparse_read(**a, window=W, scale=D ** -0.5, impl="reference")
+    ent, table, count = np.asarray(a["entries"]).copy(), np.asarray(a["page_table"]), np.asarray(a["entry_counts"])
+    P, ps = ent.shape[:2]
+    live = np.zeros((P, ps), bool)
+    for b in range(B):
+        for j in range(count[b]):
+            live[table[b, j // ps], j % ps] = True
+    ent[~live] = np.nan
+    wide = np.full((B, 32), P + 5, np.int32)
+    wide[:, :table.shape[1]] = table
+    got = ca.compressed_sparse_read(**{**a, "entries": jnp.asarray(ent), "page_table": jnp.asarray(wide)}, window=W,
+                                    scale=D ** -0.5, impl=impl)
+    assert np.isfinite(np.asarray(got)).all()
+    assert rel_rms(got, ref) < 1e-6
+
+
 def test_bad_input_raises_value_errors():
     args = list(_compress_inputs(0, 1, 4, 16, 4, True, [0], [4], [0]))
     with pytest.raises(ValueError, match="overlap_kv"):
