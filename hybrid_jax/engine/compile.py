@@ -19,6 +19,7 @@ import concurrent.futures
 import dataclasses
 import logging
 import os
+import re
 import threading
 import time
 from typing import Any, Callable
@@ -91,6 +92,13 @@ def compile_fresh(lowered) -> tuple[Any, bool]:
     return exe, not _thread.jax_cache_hit
 
 
+def cannot_run(error: Exception) -> bool:
+    """Whether a runtime error is XLA:CPU's for an executable missing one of its functions ("Function
+    add_select_fusion.2 not found"): raised by the call (NOT_FOUND) or, the call having been dispatched
+    asynchronously, when its results are read (INTERNAL: "Error dispatching computation: ...")."""
+    return re.search(r"Function \S+ not found", str(error)) is not None
+
+
 def call_key(kind: str, args: tuple, kw: dict) -> tuple[ProgramKey, dict]:
     """The key of a call of `kind` and its dynamic keyword arguments (the statics taken out of kw; a
     verify's drafts given from a draft step count as a static option: another program)."""
@@ -117,7 +125,7 @@ class Routed:
         try:
             return p.executable(*args, **dyn)
         except jax.errors.JaxRuntimeError as e:
-            if p.source != "store" or "NOT_FOUND" not in str(e):
+            if p.source != "store" or not cannot_run(e):
                 raise
             # An executable read from the store that cannot run here (XLA:CPU: a function of it missing at
             # run time): the entry goes, the program is compiled afresh, and the call runs again if its
@@ -226,6 +234,21 @@ class Compiler:
         self.store.discard(skey)
         self.table.replace(key, self._compile(key, skey, *self._lower(key, jitted, args, kw), "on_demand"))
 
+    def forget_unrunnable(self, key: ProgramKey, error: Exception) -> bool:
+        """A step of key's program failed when its results were read: when that program came from the
+        store and the error says a function of it is missing, its entry leaves the store and the table
+        (the engine's step recovery then runs the step again, and the program is compiled afresh).
+        Returns whether it did."""
+        p = self.table.get(key)
+        if p is None or p.source != "store" or not cannot_run(error):
+            return False
+        log.warning("program store: %s read from the store failed when its results were read (%s); it will be "
+                    "compiled instead", key.describe(), error)
+        if p.store_key is not None:
+            self.store.discard(p.store_key)
+        self.table.drop(key)
+        return True
+
     def _build(self, key: ProgramKey, jitted, args, kw, source: str) -> CompiledProgram:
         """Reads key's program from the store, or lowers and compiles it (and stores it)."""
         skey = self._store_key(key, args, kw)
@@ -240,7 +263,7 @@ class Compiler:
         exe = self.store.load(skey)
         if exe is None:
             return None
-        p = CompiledProgram(exe, "store", compile_s=time.perf_counter() - t)
+        p = CompiledProgram(exe, "store", compile_s=time.perf_counter() - t, store_key=skey)
         self._count(p)
         return p
 

@@ -51,11 +51,13 @@ class ProgramKey:
 class CompiledProgram:
     """A compiled executable and where it came from: "store" (read from the program store), "compiled"
     (lowered and compiled at start-up or in the background) or "on_demand" (compiled when a step first
-    needed it); seconds spent lowering and compiling (or loading) it."""
+    needed it); seconds spent lowering and compiling (or loading) it; its program-store key when it was
+    read from the store."""
     executable: Any
     source: str
     lower_s: float = 0.0
     compile_s: float = 0.0
+    store_key: str | None = None
 
 
 class ProgramTable:
@@ -83,6 +85,12 @@ class ProgramTable:
         """key's program swapped for another (one read from the store that could not run)."""
         with self._lock:
             self._programs[key] = program
+
+    def drop(self, key: ProgramKey):
+        """key's program removed (one read from the store that failed when its results were read): the
+        next step that needs it builds it again."""
+        with self._lock:
+            self._programs.pop(key, None)
 
     def keys(self) -> list[ProgramKey]:
         with self._lock:

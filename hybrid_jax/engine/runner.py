@@ -192,6 +192,13 @@ class ModelRunner(SpeculativeRunnerMixin):
         logprob triples [n, W], [n, W, top_n] x 2). Device time: from when the device could start it
         (its dispatch, or the end of the step before) to when it finished; when it finished before the
         host looked, the program's last measured time stands in for it (the device idled after it)."""
+        try:
+            return self._land(d)
+        except jax.errors.JaxRuntimeError as e:      # a stored program missing a function: compiled afresh
+            self.compiler.forget_unrunnable(d.program, e)       # when the step runs again (step recovery)
+            raise
+
+    def _land(self, d: "Dispatched"):
         t = time.perf_counter()
         start = max(d.dispatched, self._device_free)
         if d.ready():
