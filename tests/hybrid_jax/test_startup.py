@@ -152,8 +152,12 @@ def test_the_store_key_changes_with_what_determines_a_program(llm, tmp_path, mon
 
 
 def test_a_stored_program_that_cannot_run_is_discarded_and_compiled_again(llm, tmp_path):
-    """XLA:CPU has loaded an executable from the store that then failed at run time (a function of it not
-    found): the call compiles the program afresh, runs, and the entry is replaced; the tokens are right."""
+    """XLA:CPU has loaded an executable from the store that then fails at run time (a function of it not
+    found). At the call (NOT_FOUND): the call compiles the program afresh, runs, and the entry is replaced.
+    Late, the call having been dispatched asynchronously (INTERNAL: "Error dispatching computation: Function
+    ... not found" when the step's tokens are read): the step's requests are recomputed and the program
+    leaves the store and the table (compiled afresh when a step needs it again; without the drop the
+    retried step failed again and a request with it). Either way the tokens are right."""
     first = _engine(llm, warmup="minimal", compilation_cache_dir=str(tmp_path))
     first.warmup()
     want = _run(first, waves=((0, 1),))
@@ -170,21 +174,11 @@ def test_a_stored_program_that_cannot_run_is_discarded_and_compiled_again(llm, t
     assert _run(again, waves=((0, 1),)) == want
     assert table.get(key).source == "on_demand" and again.runner.compiler.store.rejected == 1
 
-
-def test_a_stored_program_whose_results_cannot_be_read_is_dropped_and_the_step_recomputed(llm, tmp_path):
-    """The same failure surfacing late: XLA:CPU dispatched a stored program asynchronously and the missing
-    function is reported when the step's tokens are read (INTERNAL: "Error dispatching computation: Function
-    ... not found"). The step's requests are recomputed, the program leaves the store and the table (compiled
-    afresh when a step needs it again), and every request gets the tokens it gets without a store; without
-    the drop the retried step failed again and a request with it."""
-    first = _engine(llm, warmup="minimal", compilation_cache_dir=str(tmp_path))
-    first.warmup()
-    want = _run(first, waves=((0, 1),))
-    again = _engine(llm, warmup="minimal", compilation_cache_dir=str(tmp_path))
-    again.warmup()
-    table = again.runner.compiler.table
-    key = next(k for k in table.keys() if k.kind == "decode")
-    assert table.get(key).source == "store"
+    third = _engine(llm, warmup="minimal", compilation_cache_dir=str(tmp_path))     # the store holds it again
+    third.warmup()
+    table = third.runner.compiler.table
+    late = key
+    assert table.get(late).source == "store"
 
     class Unreadable:
         def is_ready(self):
@@ -194,12 +188,11 @@ def test_a_stored_program_whose_results_cannot_be_read_is_dropped_and_the_step_r
             raise jax.errors.JaxRuntimeError("INTERNAL: Error dispatching computation: Function add_select_fusion.2 "
                                              "not found (type id: 1)")
 
-    real = table.get(key).executable
-    table.get(key).executable = lambda *a, **kw: (Unreadable(), *real(*a, **kw)[1:])
-    assert _run(again, waves=((0, 1),)) == want
-    # out of the store and the table (the retried steps ran a program that covers it, or it compiled afresh)
-    assert again.runner.compiler.store.rejected == 1
-    assert table.get(key) is None or table.get(key).source == "on_demand"
+    real = table.get(late).executable
+    table.get(late).executable = lambda *a, **kw: (Unreadable(), *real(*a, **kw)[1:])
+    assert _run(third, waves=((0, 1),)) == want
+    assert third.runner.compiler.store.rejected == 1
+    assert table.get(late) is None or table.get(late).source == "on_demand"
 
 
 _CHILD = """
