@@ -176,6 +176,13 @@ def dense_indices(q_positions, num_entries: int, rate: int):
     return jnp.where((j + 1) * rate <= q_positions[:, :, None] + 1, j, -1)
 
 
+def hca_reach(count, p, rate: int):
+    """How many of a row's HCA entries a query at position p reads: j < min(count, (p + 1) // rate), 0 for a
+    padding query (p = -1). Walking stops there: the work follows the context, not the page table's span.
+    lax.div on non-negative values (Mosaic lowers a floor division through `sign`, which needs the chip)."""
+    return jnp.minimum(count, jax.lax.div(p + 1, jnp.asarray(rate, jnp.int32)))
+
+
 def window_mask(kv_positions, q_positions, window: int):
     """[B, T, S] bool: key s is in query t's sliding window, 0 <= kpos <= p and kpos > p - window."""
     k = kv_positions[:, None, :]

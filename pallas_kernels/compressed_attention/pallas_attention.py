@@ -47,6 +47,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import abi
 from pallas_kernels.dispatch import KernelUnsupported
+from pallas_kernels.compressed_attention.common import hca_reach
 from pallas_kernels import row_gather
 from pallas_kernels.kernel_params import compiler_params, cost
 from pallas_kernels.row_gather import RowGather
@@ -97,12 +98,9 @@ def _dense_fold(q, keys, i, ps, page, P, count, p, rate, scale, m, l, acc):
 
 
 def _dense_pages(count, p, rate, ps):
-    """How many of a row's entry pages a query at position p reads (HCA): its entries j < min(count,
-    (p + 1) // rate), whole pages; 0 for a padding query (p = -1). Pages past it are neither fetched nor
-    folded: the work follows the context the row holds, not its page table's capacity. Both divisions are
-    of non-negative values: lax.div (Mosaic lowers a floor division through `sign`, which needs the chip)."""
-    div = jax.lax.div
-    return div(jnp.minimum(count, div(p + 1, jnp.int32(rate))) + (ps - 1), jnp.int32(ps))
+    """How many of a row's entry pages a query at position p reads (`common.hca_reach`, whole pages): pages
+    past it are neither fetched nor folded."""
+    return jax.lax.div(hca_reach(count, p, rate) + (ps - 1), jnp.int32(ps))
 
 
 def _row_fold(q, row, ok, scale, m, l, acc):

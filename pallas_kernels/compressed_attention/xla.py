@@ -16,7 +16,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.compressed_attention.common import finish, stream, window_mask
+from pallas_kernels.compressed_attention.common import finish, hca_reach, stream, window_mask
 from pallas_kernels.ragged_paged_attention.common import cdiv, softmax_fold
 
 
@@ -121,8 +121,7 @@ def attention_xla(q, kv, kv_positions, q_positions, entries, page_table, indices
         bp = max(1, min(NP, config.block_entries // ps))                              # pages per block
         nb = cdiv(NP, bp)
         table = jnp.pad(page_table, ((0, 0), (0, nb * bp - NP)), constant_values=-1)
-        # the furthest entry any query of the step reads: j < min(count, (p + 1) // rate)
-        reach = jnp.minimum(entry_counts[:, None], (q_positions + 1) // rate)
+        reach = hca_reach(entry_counts[:, None], q_positions, rate)                  # the furthest entry read
         n_blocks = jnp.clip(cdiv(jnp.max(reach), bp * ps), 0, nb)
     elif entries is not None:
         P, ps, D = entries.shape
