@@ -389,6 +389,17 @@ class ModelRunner(SpeculativeRunnerMixin):
                 self.params, self.cache, self.slot_last, *args, self.drafter.params, self.dcache, **statics, **kw)
         return Dispatched(len(plan_rows), tok, lps, key, t, PromptFlight(spans, plp) if spans else None)
 
+    def decode_width(self, steps: int, reqs) -> int:
+        """The iterations a decode program is compiled for: `steps`, or offline (before any warm-up: each
+        step compiles its own program) no more than bucket(the rows' largest remaining max_tokens, 16),
+        the width an offline decode-to-the-end call of them takes. No row samples past its max_tokens, so
+        the narrower program emits the same tokens; plain chunks that grow (4, 16, 64, 128 iterations:
+        offline speculation finding no drafts) then compile only the widths their requests can fill, not
+        every width of the ladder (a whole-model compile each)."""
+        if self.compiler.serving or not reqs:
+            return steps
+        return min(steps, bucket(max(q.remaining_tokens for q in reqs), 16))
+
     def _decode_args(self, reqs, Bb: int, caps: list[int] | None = None) -> tuple:
         """A decode step's arguments after params, pools and `slot_last`: (rows, last tokens [Bb], active
         [Bb], stop ids [Bb, S], remaining [Bb])."""
@@ -406,8 +417,8 @@ class ModelRunner(SpeculativeRunnerMixin):
         """Enqueues up to `steps` decode iterations for running requests (each stops at a stop id, its
         max_tokens or caps[i] tokens, on device; `land` gives tokens [n, steps], -1 past a row's end);
         a request with tokens in flight is fed its last from `slot_last`."""
-        key = self.cover(ProgramKey.of("decode", (bucket(len(reqs)),), steps=steps, flags=FULL_SAMPLER,
-                                       top_n=self.inputs.top_n(reqs)))
+        key = self.cover(ProgramKey.of("decode", (bucket(len(reqs)),), steps=self.decode_width(steps, reqs),
+                                       flags=FULL_SAMPLER, top_n=self.inputs.top_n(reqs)))
         args = self._decode_args(reqs, key.shape[0], caps)
         t = time.perf_counter()
         out, lps, self.cache, self.dcache, self.slot_last = self._decode(

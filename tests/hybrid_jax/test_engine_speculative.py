@@ -39,6 +39,24 @@ def test_engine_speculation_keeps_greedy_output(llm, rollback):
     assert "hybrid_jax_spec_decode_acceptance_rate" in eng.metrics.render().decode()
 
 
+def test_plain_chunks_of_short_requests_compile_only_the_width_they_fill(llm, tiny_checkpoint):
+    """Offline n-gram speculation that finds no drafts decodes in plain chunks of up to 32 x fallback_steps
+    iterations (at once when every prompt is cold for prompt lookup): for requests of 10 tokens the decode
+    program is compiled 16 iterations wide, not 128 (each width is a whole-model compile), and the tokens
+    are plain greedy decoding's."""
+    rng = np.random.default_rng(11)
+    prompts = [{"prompt_token_ids": rng.permutation(211)[:n].tolist()} for n in (9, 14)]    # nothing repeats
+    sp = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=1)         # the host path
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
+    spec = LLM(model=tiny_checkpoint, max_model_len=256,
+               speculative_config={"method": "ngram", "num_speculative_tokens": 3, "fallback_steps": 4})
+    assert [o.outputs[0].token_ids for o in spec.generate(prompts, sp)] == want
+    st = spec.engine.spec_stats()
+    assert st["verify_steps"] == 0 and st["fallback_chunks"] >= 1
+    widths = [dict(k.statics)["steps"] for k in spec.engine.runner.compiler.table.keys() if k.kind == "decode"]
+    assert widths == [16]
+
+
 def test_engine_draft_model_keeps_greedy_output(llm, tiny_checkpoint, checkpoints):
     """A draft model (another tiny checkpoint of the same vocabulary) drafts on device from cache rows
     kept in step with the target's; greedy output equals plain decoding."""
