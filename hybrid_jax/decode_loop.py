@@ -33,6 +33,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from hybrid_jax.generate import bucket
+
 
 def allowed_tokens(want, remaining, xp=np):
     """Tokens a row may emit of `want` under its budget: min(want, remaining), at least 0.
@@ -46,6 +48,12 @@ def decode_count(steps, remaining, cap=None, xp=np):
     scheduler counts a step's tokens ahead with it, and the runner sends the decode step each row's
     budget from the same rule (`decode_budget`), so host and device apply one number."""
     return allowed_tokens(steps, decode_budget(remaining, cap, xp), xp)
+
+
+def steps_to_end(remaining) -> int:
+    """The iterations of an offline decode call that takes every row to its end: bucket(the largest
+    remaining max_tokens [n], 16), a short ladder of widths (each a compiled program)."""
+    return bucket(int(max(remaining)), 16)
 
 
 def decode_budget(remaining, cap=None, xp=np):

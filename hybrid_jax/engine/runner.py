@@ -35,7 +35,7 @@ import numpy as np
 
 from cache.block_manager import BlockManager, GroupGeometry
 from cache.pools import build_pools, pool_geometry, size_pools
-from hybrid_jax.decode_loop import decode_budget
+from hybrid_jax.decode_loop import decode_budget, steps_to_end
 from hybrid_jax.engine.compile import MIXED_STATICS, Compiler, Programs
 from hybrid_jax.engine.program_store import ProgramStore
 from hybrid_jax.engine.program_table import ProgramKey
@@ -391,14 +391,14 @@ class ModelRunner(SpeculativeRunnerMixin):
 
     def decode_width(self, steps: int, reqs) -> int:
         """The iterations a decode program is compiled for: `steps`, or offline (before any warm-up: each
-        step compiles its own program) no more than bucket(the rows' largest remaining max_tokens, 16),
-        the width an offline decode-to-the-end call of them takes. No row samples past its max_tokens, so
+        step compiles its own program) no more than `steps_to_end`, the width an offline
+        decode-to-the-end call of them takes. No row samples past its max_tokens, so
         the narrower program emits the same tokens; plain chunks that grow (4, 16, 64, 128 iterations:
         offline speculation finding no drafts) then compile only the widths their requests can fill, not
         every width of the ladder (a whole-model compile each)."""
         if self.compiler.serving or not reqs:
             return steps
-        return min(steps, bucket(max(q.remaining_tokens for q in reqs), 16))
+        return min(steps, steps_to_end(q.remaining_tokens for q in reqs))
 
     def _decode_args(self, reqs, Bb: int, caps: list[int] | None = None) -> tuple:
         """A decode step's arguments after params, pools and `slot_last`: (rows, last tokens [Bb], active

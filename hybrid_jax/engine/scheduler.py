@@ -44,14 +44,13 @@ import time
 import numpy as np
 
 from cache.block_manager import BlockManager
-from hybrid_jax.decode_loop import decode_count
+from hybrid_jax.decode_loop import decode_count, steps_to_end
 from hybrid_jax.engine.fork import ForkGroups
 from hybrid_jax.engine.metrics import EngineMetrics
 from hybrid_jax.engine.outputs import OutputProcessor
 from hybrid_jax.engine.prefix_manager import PrefixManager
 from hybrid_jax.engine.prompt_logprobs import PromptScores
 from hybrid_jax.engine.request import EngineOutput, Request, RequestFailed, RequestStatus, attributed
-from hybrid_jax.generate import bucket
 
 log = logging.getLogger("hybrid_jax.engine")
 
@@ -393,7 +392,7 @@ class Scheduler:
         reqs = out.requests
         out.mode = "speculative" if self.speculative else "decode"
         if self.run_to_completion:
-            out.decode_steps = None if self.speculative else bucket(max(q.remaining_tokens for q in reqs), 16)
+            out.decode_steps = None if self.speculative else steps_to_end(q.remaining_tokens for q in reqs)
         else:
             out.decode_steps = self.decode_steps
         out.caps = self.prefix.decode_caps(reqs) if self.prefix is not None else None
